@@ -1,0 +1,22 @@
+"""Error types shared by the runtime and the CLI.
+
+Every error a user can cause (bad config, bad model config, bad artifact manifest, bad image
+label) is a ``MonodecodeError``; its message is one line that names the problem. The CLI prints
+that line and exits non-zero instead of a traceback.
+"""
+
+
+class MonodecodeError(ValueError):
+    """Base class for user-facing errors: the message is one complete line."""
+
+
+class ModelConfigError(MonodecodeError):
+    """A Hugging Face ``config.json`` we cannot serve (unsupported architecture, bad field)."""
+
+
+class ConfigError(MonodecodeError):
+    """A bad ``monodecode`` option (unknown key, wrong type, value out of range)."""
+
+
+class ArtifactError(MonodecodeError):
+    """A missing, malformed or tampered kernel artifact or manifest."""

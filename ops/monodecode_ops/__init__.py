@@ -1,0 +1,1 @@
+"""monodecode-ops: build, precompile, verify and inspect mono-decode images and nodes."""
