@@ -20,3 +20,16 @@ class ConfigError(MonodecodeError):
 
 class ArtifactError(MonodecodeError):
     """A missing, malformed or tampered kernel artifact or manifest."""
+
+
+class RefusalError(MonodecodeError):
+    """Mono decode cannot run this deployment. ``reasons`` holds every reason, each
+    ``"<code>: <sentence>"`` with a snake_case code (e.g. ``no_artifact``) used as a metric label."""
+
+    def __init__(self, reasons: list[str] | str):
+        self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
+        super().__init__("mono decode refused: " + "; ".join(self.reasons))
+
+    @property
+    def codes(self) -> list[str]:
+        return [r.split(":", 1)[0].strip() for r in self.reasons]

@@ -1,0 +1,186 @@
+"""The kernel-backend interface every backend (flydsl, triton, reference) implements.
+
+A backend turns a ``BuildRequest`` (model dims, dtypes, TP size, step widths, KV block size,
+platform) plus the model's weights into ``DecodeKernels``: one callable per decoder layer that
+maps the residual stream entering the layer to the one leaving it, reading and writing the
+paged KV cache exactly like the reference (``monodecode.model.reference.decode_layer``).
+
+Health: a kernel that detects a failure (an expired bounded wait, a non-finite value) records a
+sticky code in its health word and keeps going with wrong data; the runner reads the word
+before logits and fail-stops. The code packs (site, kernel, layer) so the cause is reportable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from monodecode.runtime.platform import Platform
+
+if TYPE_CHECKING:  # heavy or optional imports only for annotations
+    import torch
+
+    from monodecode.model.dims import ModelDims
+    from monodecode.runtime.artifacts import ArtifactStore
+
+WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
+KV_DTYPES = ("bf16",)
+
+# ---- health word ---------------------------------------------------------------------------
+
+HEALTH_OK = 0
+# site id -> label used in metrics (monodecode_failstop_total{site}) and termination messages
+HEALTH_SITES: dict[int, str] = {
+    1: "wait_timeout",  # a bounded wait on a mailbox / peer expired
+    2: "nonfinite",  # a NaN/Inf in a layer output
+    3: "kernel_error",  # anything else a backend detects (launch failure, bad argument)
+}
+_SITE_IDS = {v: k for k, v in HEALTH_SITES.items()}
+_KERNELS = {0: None, 1: "k1", 2: "k2"}
+_KERNEL_IDS = {v: k for k, v in _KERNELS.items()}
+
+
+@dataclass(frozen=True)
+class HealthFault:
+    site: str
+    layer: int | None
+    kernel: str | None  # k1 | k2 | None
+
+    def describe(self) -> str:
+        where = []
+        if self.kernel:
+            where.append(self.kernel)
+        if self.layer is not None:
+            where.append(f"layer {self.layer}")
+        return self.site + (f" ({', '.join(where)})" if where else "")
+
+
+def health_code(site: str, layer: int | None = None, kernel: str | None = None) -> int:
+    """Pack a failure into a positive int32: bits 0-7 site, 8-9 kernel, 10-29 layer+1."""
+    if site not in _SITE_IDS:
+        raise ValueError(f"unknown health site {site!r}; known: {', '.join(_SITE_IDS)}")
+    if kernel not in _KERNEL_IDS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected k1, k2 or None")
+    layer_bits = 0 if layer is None else (layer + 1)
+    if not 0 <= layer_bits < (1 << 20):
+        raise ValueError(f"layer {layer} out of range for the health word")
+    return _SITE_IDS[site] | (_KERNEL_IDS[kernel] << 8) | (layer_bits << 10)
+
+
+def decode_health(code: int) -> HealthFault | None:
+    """Inverse of ``health_code``; None for 0 (healthy). Unknown site ids read as kernel_error."""
+    if code == HEALTH_OK:
+        return None
+    site = HEALTH_SITES.get(code & 0xFF, "kernel_error")
+    kernel = _KERNELS.get((code >> 8) & 0x3)
+    layer_bits = (code >> 10) & ((1 << 20) - 1)
+    return HealthFault(site=site, layer=layer_bits - 1 if layer_bits else None, kernel=kernel)
+
+
+# ---- build request -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """Everything a backend needs to build (and key) the kernels of one model on one rank."""
+
+    dims: "ModelDims"
+    weight_dtype: str  # bf16 | fp8 | fp8_fnuz
+    tp_size: int
+    widths: tuple[int, ...]  # ascending step widths (rows per decode step) to build
+    block_size: int  # paged-KV block size (tokens per block)
+    platform: Platform
+    kv_dtype: str = "bf16"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        widths = tuple(int(w) for w in self.widths)
+        if not widths or any(w <= 0 for w in widths) or list(widths) != sorted(set(widths)):
+            raise ValueError(f"widths must be ascending distinct positive integers, got {self.widths!r}")
+        object.__setattr__(self, "widths", widths)
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.tp_size < 1 or self.block_size < 1:
+            raise ValueError("tp_size and block_size must be >= 1")
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
+
+
+def smallest_width(widths: tuple[int, ...], rows: int) -> int | None:
+    """The smallest built width that fits ``rows`` (rows are padded up to it), or None."""
+    for w in widths:
+        if rows <= w:
+            return w
+    return None
+
+
+# ---- backend + kernels ---------------------------------------------------------------------
+
+
+class DecodeKernels(ABC):
+    """Built kernels of one model on one rank: one ``forward_layer`` per decode-step layer."""
+
+    widths: tuple[int, ...]
+
+    @abstractmethod
+    def forward_layer(self, layer: int, x: "torch.Tensor", meta: Any, kv: Any) -> "torch.Tensor":
+        """Residual stream [rows, hidden] bf16 entering ``layer`` -> the one leaving it.
+
+        ``rows`` <= max(widths); the backend pads to the smallest fitting width with inert rows
+        (slot -1). Writes this step's K/V into ``kv`` at ``meta.slot_mapping``. On a detected
+        failure it sets the health word and returns (wrong) data rather than raising: the
+        runner's check before logits stops the step.
+        """
+
+    def k1(self, layer: int, x: "torch.Tensor", meta: Any, kv: Any) -> "torch.Tensor":
+        """Optional per-launch entry point (tests): attention output before o_proj."""
+        raise NotImplementedError(f"{type(self).__name__} has no separate K1 entry point")
+
+    def k2(self, layer: int, x: "torch.Tensor", attn: "torch.Tensor") -> "torch.Tensor":
+        """Optional per-launch entry point (tests): o_proj .. MLP residual add."""
+        raise NotImplementedError(f"{type(self).__name__} has no separate K2 entry point")
+
+    @abstractmethod
+    def health(self) -> int:
+        """0 when healthy; otherwise the sticky ``health_code`` of the first failure."""
+
+    @abstractmethod
+    def reset_health(self) -> None:
+        """Clear the health word (tests only: production fail-stops instead)."""
+
+    def close(self) -> None:
+        """Release device resources (scratch, peer buffers). Default: nothing to release."""
+
+
+class KernelBackend(ABC):
+    """A way to build ``DecodeKernels``. Stateless; registered in ``monodecode.kernels.registry``."""
+
+    name: ClassVar[str]
+    # True when build() needs a compiled artifact (or JIT) for the request's build key.
+    needs_artifacts: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        """None when this backend can run on ``platform``; else one sentence why not."""
+
+    @abstractmethod
+    def build_key(self, req: BuildRequest) -> str:
+        """Deterministic key over everything the compiled kernels depend on (runtime.buildkey)."""
+
+    @abstractmethod
+    def build(
+        self,
+        req: BuildRequest,
+        weights: Any,
+        artifacts: "ArtifactStore | None",
+        allow_jit: bool,
+    ) -> DecodeKernels:
+        """Build (or load) every width. Raise ``RefusalError`` (reasons "code: sentence") to refuse."""
+
+    def compiler_version(self) -> str:
+        """Version string of the compiler that produced the kernels (part of the build key)."""
+        return "none"
