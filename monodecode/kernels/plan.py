@@ -1,0 +1,665 @@
+"""The kernel plan shared by every decode-kernel backend (Triton, FlyDSL): pure Python.
+
+For a model's dims, a tensor-parallel size, a step width (rows per decode step) and a
+workgroup count (one per CU/SM), the plan fixes:
+
+* the **stages** of the two launches per layer, in order, what each reads and writes:
+
+  - K1: ``qkv`` (pre-norm + fused QKV GEMV) -> ``attn`` (q/k-norm, RoPE, KV insert,
+    split-context paged GQA attention; one task per row x KV head x context split) ->
+    ``combine`` (merge the splits of one query head; writes K1's output ``attn_out``).
+  - K2: ``o_proj`` (GEMV; with TP the partial goes to every peer) -> ``post`` (one task per
+    row: TP sum, Gemma post-attention norm, residual add, pre-MLP norm) -> ``gate_up`` (fused
+    gate/up GEMV + activation) -> ``down`` (GEMV; adds the residual when nothing follows) ->
+    ``final`` (only with Gemma post-MLP norms or TP: TP sum, norm, residual add).
+
+* the **task tables**: task ``t`` of a stage runs on workgroup ``(t + stage.offset) % G``, so
+  workgroup ``b`` runs tasks ``b', b'+G, ...`` (``b' = (b - offset) mod G``); the offsets rotate
+  from stage to stage so the first workgroups are not always the busiest. A task waits only on
+  tasks of earlier stages of the same launch, so there is no grid barrier and no deadlock while
+  the grid is resident.
+
+* the **scratch layout** per width: every hand-off between workgroups goes through a mailbox
+  region of 8-byte words (fp32 value in the low half, the launch's 32-bit epoch tag in the high
+  half, written with one store). Each width owns a disjoint segment with its own epoch counters,
+  so layouts of different widths never alias. A one-word health header (sticky site code) leads
+  the buffer. With TP, a second symmetric *peer* buffer (one per rank, IPC-mapped) has the same
+  per-width rule.
+
+* the **build-key inputs**: everything above that a compiled kernel depends on.
+
+Nothing here imports torch, triton or flydsl.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from monodecode.errors import ConfigError
+from monodecode.model.dims import ModelDims
+
+PLAN_VERSION = 1
+WORD_BYTES = 8  # mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
+ALIGN = 256  # every region and width segment starts on a 256-byte boundary (cache-line multiple)
+MAX_WIDTH = 256
+MAX_ATTN_SPLITS = 16
+WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
+KV_DTYPES = ("bf16",)
+
+# Output rows per GEMV task. A batch-1 GEMV streams best with few rows per task (more bytes in
+# flight across the grid); a wider step is computed with matrix instructions that want >= 16.
+_GEMV_ROWS_W1 = (16, 8, 4)
+_GEMV_ROWS_WIDE = (64, 32, 16)
+
+K1, K2 = "k1", "k2"
+
+# Launch inputs/outputs that are not mailbox regions (for dependency and coverage bookkeeping).
+LAUNCH_INPUTS = {K1: ("x",), K2: ("x", "attn_out")}
+LAUNCH_OUTPUTS = {K1: ("attn_out",), K2: ("x_out",)}
+
+
+# --------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous array of words inside a scratch (or peer) buffer; offsets in bytes."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    word_bytes: int = WORD_BYTES
+
+    @property
+    def words(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.words * self.word_bytes
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    @property
+    def word_offset(self) -> int:
+        """Offset in words (what a kernel adds to a word pointer to the buffer's start)."""
+        return self.offset // self.word_bytes
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "offset": self.offset, "shape": list(self.shape), "word_bytes": self.word_bytes}
+
+
+@dataclass(frozen=True)
+class WidthLayout:
+    """The segment of one width: ``regions`` carry absolute byte offsets into the buffer."""
+
+    width: int
+    offset: int
+    nbytes: int
+    regions: dict[str, Region]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def to_dict(self) -> dict:
+        return {
+            "width": self.width,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "regions": [r.to_dict() for r in self.regions.values()],
+        }
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    """Whole scratch buffer: header (health word) then one segment per width."""
+
+    nbytes: int
+    header: dict[str, Region]
+    widths: dict[int, WidthLayout]
+
+    def regions(self) -> Iterator[Region]:
+        yield from self.header.values()
+        for seg in self.widths.values():
+            yield from seg.regions.values()
+
+    def to_dict(self) -> dict:
+        return {
+            "nbytes": self.nbytes,
+            "header": [r.to_dict() for r in self.header.values()],
+            "widths": [self.widths[w].to_dict() for w in sorted(self.widths)],
+        }
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _pack(specs: Iterable[tuple[str, tuple[int, ...], int]], start: int) -> tuple[dict[str, Region], int]:
+    """Lay regions out one after another from ``start``, each aligned; return them and the end."""
+    out: dict[str, Region] = {}
+    cur = _align(start)
+    for name, shape, word_bytes in specs:
+        reg = Region(name, cur, tuple(shape), word_bytes)
+        out[name] = reg
+        cur = _align(reg.end)
+    return out, cur
+
+
+# --------------------------------------------------------------------------------------------
+# Stages and tasks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """Words ``[start, stop)`` of a region (flat, row-major)."""
+
+    region: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Task:
+    stage: str
+    index: int
+    workgroup: int
+    reads: tuple[Span, ...]
+    writes: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a launch. ``kind``: gemv | attention | combine | rownorm."""
+
+    kernel: str
+    name: str
+    index: int  # position within its launch
+    kind: str
+    num_tasks: int
+    offset: int  # task t runs on workgroup (t + offset) % num_workgroups
+    reads: tuple[str, ...]  # regions or launch inputs
+    writes: tuple[str, ...]  # regions or launch outputs
+    site: int  # health site code of this stage's waits (1..255)
+    rows_per_task: int = 0  # gemv: output rows (N) per task
+    n: int = 0  # gemv: output rows in total
+    k: int = 0  # gemv: reduction length
+
+    def workgroup_of(self, task: int, num_workgroups: int) -> int:
+        if not 0 <= task < self.num_tasks:
+            raise IndexError(f"stage {self.kernel}.{self.name} has no task {task}")
+        return (task + self.offset) % num_workgroups
+
+    def tasks_of(self, workgroup: int, num_workgroups: int) -> range:
+        """The tasks workgroup ``b`` runs in this stage, in order: b', b'+G, ..."""
+        first = (workgroup - self.offset) % num_workgroups
+        return range(first, self.num_tasks, num_workgroups)
+
+    def to_dict(self) -> dict:
+        return {
+            "kernel": self.kernel, "name": self.name, "index": self.index, "kind": self.kind,
+            "num_tasks": self.num_tasks, "offset": self.offset, "reads": list(self.reads),
+            "writes": list(self.writes), "site": self.site, "rows_per_task": self.rows_per_task,
+            "n": self.n, "k": self.k,
+        }
+
+
+# Health word = (layer << 8) | site. Sites of waits are the stage codes; these are the others.
+SITE_NONFINITE = 0xF0
+_STAGE_SITES = {
+    (K1, "qkv"): 1, (K1, "attn"): 2, (K1, "combine"): 3,
+    (K2, "o_proj"): 4, (K2, "post"): 5, (K2, "gate_up"): 6, (K2, "down"): 7, (K2, "final"): 8,
+}
+
+
+def health_code(layer: int, site: int) -> int:
+    return (layer << 8) | site
+
+
+def describe_health(code: int) -> str:
+    """A one-line description of a nonzero health word (for fail-stop messages)."""
+    if code == 0:
+        return "healthy"
+    layer, site = code >> 8, code & 0xFF
+    if site == SITE_NONFINITE:
+        return f"layer {layer}: non-finite value in the layer output"
+    for (kernel, name), s in _STAGE_SITES.items():
+        if s == site:
+            return f"layer {layer}: wait expired in {kernel}.{name}"
+    return f"layer {layer}: unknown site {site}"
+
+
+@dataclass(frozen=True)
+class LocalDims:
+    """The per-rank shard of a layer under tensor parallelism (heads and intermediate split)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    group: int  # query heads per KV head
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv(self) -> int:
+        return self.q + 2 * self.kv
+
+
+def local_dims(dims: ModelDims, tp_size: int) -> LocalDims:
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ConfigError(f"kernel plan: tp_size must be a positive integer, got {tp_size!r}")
+    if dims.num_heads % tp_size:
+        raise ConfigError(
+            f"kernel plan: tp_size {tp_size} does not divide num_heads {dims.num_heads}"
+        )
+    if dims.intermediate_size % tp_size:
+        raise ConfigError(
+            f"kernel plan: tp_size {tp_size} does not divide intermediate_size {dims.intermediate_size}"
+        )
+    kvh = dims.num_kv_heads
+    if kvh >= tp_size:
+        if kvh % tp_size:
+            raise ConfigError(f"kernel plan: tp_size {tp_size} does not divide num_kv_heads {kvh}")
+        kv_local = kvh // tp_size
+    else:  # fewer KV heads than ranks: each rank keeps (a replica of) one KV head
+        if tp_size % kvh:
+            raise ConfigError(f"kernel plan: num_kv_heads {kvh} does not divide tp_size {tp_size}")
+        kv_local = 1
+    heads = dims.num_heads // tp_size
+    return LocalDims(
+        hidden=dims.hidden_size, heads=heads, kv_heads=kv_local, head_dim=dims.head_dim,
+        intermediate=dims.intermediate_size // tp_size, group=heads // kv_local,
+    )
+
+
+def gemv_rows_per_task(n: int, k: int, width: int, num_workgroups: int, *, matrices: int = 1,
+                       input_word_bytes: int = 2) -> int:
+    """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
+    tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
+    input vector (mailbox words are 8 bytes) and paying a fixed cost (about 4 KiB of traffic)."""
+    best, best_cost = 0, None
+    for rows in _GEMV_ROWS_W1 if width == 1 else _GEMV_ROWS_WIDE:
+        tasks = -(-n // rows)
+        waves = -(-tasks // num_workgroups)
+        cost = waves * (rows * k * 2 * matrices + width * k * input_word_bytes + 4096)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = rows, cost
+    return best
+
+
+def attention_splits(width: int, kv_heads: int, num_workgroups: int) -> int:
+    """Context splits per (row, KV head): enough tasks to cover the grid once, a power of two."""
+    per = max(1, num_workgroups // (width * kv_heads))
+    s = 1
+    while s * 2 <= min(per, MAX_ATTN_SPLITS):
+        s *= 2
+    return s
+
+
+# --------------------------------------------------------------------------------------------
+# Plans
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Stages, task tables and the width's mailbox regions (offsets relative to the width's
+    segment start until placed by ``plan_model``)."""
+
+    dims_digest: str
+    tp_size: int
+    width: int
+    num_workgroups: int
+    local: LocalDims
+    attn_splits: int
+    post_norms: bool
+    k1: tuple[Stage, ...]
+    k2: tuple[Stage, ...]
+    layout: WidthLayout
+    peer_layout: WidthLayout | None = None  # TP only: this width's segment of the peer buffer
+
+    def stages(self, kernel: str | None = None) -> tuple[Stage, ...]:
+        if kernel == K1:
+            return self.k1
+        if kernel == K2:
+            return self.k2
+        return self.k1 + self.k2
+
+    def stage(self, kernel: str, name: str) -> Stage:
+        for s in self.stages(kernel):
+            if s.name == name:
+                return s
+        raise KeyError(f"{kernel}.{name}")
+
+    def region(self, name: str) -> Region:
+        if name in self.layout.regions:
+            return self.layout.regions[name]
+        if self.peer_layout is not None and name in self.peer_layout.regions:
+            return self.peer_layout.regions[name]
+        raise KeyError(name)
+
+    # -- task tables ------------------------------------------------------------------------
+
+    def task(self, kernel: str, name: str, t: int) -> Task:
+        st = self.stage(kernel, name)
+        return Task(name, t, st.workgroup_of(t, self.num_workgroups), *self._spans(st, t))
+
+    def tasks(self, kernel: str, name: str) -> list[Task]:
+        st = self.stage(kernel, name)
+        return [self.task(kernel, name, t) for t in range(st.num_tasks)]
+
+    def task_table(self, kernel: str) -> list[list[int]]:
+        """``table[stage_index][task] = workgroup`` for one launch."""
+        return [[s.workgroup_of(t, self.num_workgroups) for t in range(s.num_tasks)] for s in self.stages(kernel)]
+
+    def _spans(self, st: Stage, t: int) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
+        """Words each task reads from / writes to (mailbox regions and launch inputs/outputs).
+
+        Peer regions are given for this rank's slot (slot 0); rank ``r`` writes slot ``r``.
+        """
+        L, W, S = self.local, self.width, self.attn_splits
+        H, D = L.hidden, L.head_dim
+        hid = H
+        tp = self.tp_size
+        reads: list[Span] = []
+        writes: list[Span] = []
+        if st.kind == "gemv":
+            n0, n1 = t * st.rows_per_task, min(st.n, (t + 1) * st.rows_per_task)
+            src = st.reads[0]
+            for r in range(W):
+                reads.append(Span(src, r * st.k, (r + 1) * st.k))
+                for dst in st.writes:
+                    writes.append(Span(dst, r * st.n + n0, r * st.n + n1))
+            if st.name == "down" and "h" in st.reads:
+                for r in range(W):
+                    reads.append(Span("h", r * hid + n0, r * hid + n1))
+        elif st.kind == "attention":
+            r, rest = divmod(t, L.kv_heads * S)
+            g, s = divmod(rest, S)
+            base = r * L.qkv
+            reads.append(Span("qkv", base + g * L.group * D, base + (g + 1) * L.group * D))
+            reads.append(Span("qkv", base + L.q + g * D, base + L.q + (g + 1) * D))
+            reads.append(Span("qkv", base + L.q + L.kv + g * D, base + L.q + L.kv + (g + 1) * D))
+            for j in range(L.group):
+                h = g * L.group + j
+                writes.append(Span("attn_acc", ((r * L.heads + h) * S + s) * D, ((r * L.heads + h) * S + s + 1) * D))
+                writes.append(Span("attn_ml", ((r * L.heads + h) * S + s) * 2, ((r * L.heads + h) * S + s + 1) * 2))
+        elif st.kind == "combine":
+            r, h = divmod(t, L.heads)
+            reads.append(Span("attn_acc", (r * L.heads + h) * S * D, (r * L.heads + h + 1) * S * D))
+            reads.append(Span("attn_ml", (r * L.heads + h) * S * 2, (r * L.heads + h + 1) * S * 2))
+            writes.append(Span("attn_out", r * L.q + h * D, r * L.q + (h + 1) * D))
+        elif st.kind == "rownorm":
+            r = t
+            src = st.reads[0]
+            if tp > 1:  # one slot per source rank
+                for q in range(tp):
+                    reads.append(Span(src, (q * W + r) * H, (q * W + r + 1) * H))
+            else:
+                reads.append(Span(src, r * H, (r + 1) * H))
+            for other in st.reads[1:]:
+                reads.append(Span(other, r * H, (r + 1) * H))
+            for dst in st.writes:
+                writes.append(Span(dst, r * H, (r + 1) * H))
+        return tuple(reads), tuple(writes)
+
+    # -- dependencies -----------------------------------------------------------------------
+
+    def dependency_graph(self, kernel: str) -> dict[tuple[str, int], set[tuple[str, int]]]:
+        """For every task of one launch, the (stage, task) pairs whose mailbox writes it reads.
+
+        Launch inputs (``x``, ``attn_out`` in K2) come from the previous launch and carry no
+        in-launch dependency."""
+        producers: dict[str, list[tuple[int, int, str, int]]] = {}
+        tasks = [tk for st in self.stages(kernel) for tk in self.tasks(kernel, st.name)]
+        for tk in tasks:
+            for sp in tk.writes:
+                producers.setdefault(sp.region, []).append((sp.start, sp.stop, tk.stage, tk.index))
+        for lst in producers.values():
+            lst.sort()
+        graph: dict[tuple[str, int], set[tuple[str, int]]] = {}
+        for tk in tasks:
+            deps: set[tuple[str, int]] = set()
+            for sp in tk.reads:
+                lst = producers.get(sp.region, [])
+                i = bisect.bisect_left(lst, (sp.start,)) - 1
+                i = max(i, 0)
+                while i < len(lst) and lst[i][0] < sp.stop:
+                    if lst[i][1] > sp.start:
+                        deps.add((lst[i][2], lst[i][3]))
+                    i += 1
+            graph[(tk.stage, tk.index)] = deps
+        return graph
+
+    def to_dict(self) -> dict:
+        return {
+            "plan_version": PLAN_VERSION,
+            "dims_digest": self.dims_digest,
+            "tp_size": self.tp_size,
+            "width": self.width,
+            "num_workgroups": self.num_workgroups,
+            "attn_splits": self.attn_splits,
+            "k1": [s.to_dict() for s in self.k1],
+            "k2": [s.to_dict() for s in self.k2],
+            "layout": self.layout.to_dict(),
+            "peer_layout": self.peer_layout.to_dict() if self.peer_layout else None,
+        }
+
+
+def _check_width(width: object) -> int:
+    if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_WIDTH:
+        raise ConfigError(f"kernel plan: width must be an integer in 1..{MAX_WIDTH}, got {width!r}")
+    return width
+
+
+def _check_workgroups(num_workgroups: object) -> int:
+    if not isinstance(num_workgroups, int) or isinstance(num_workgroups, bool) or num_workgroups < 1:
+        raise ConfigError(f"kernel plan: num_workgroups must be a positive integer, got {num_workgroups!r}")
+    return num_workgroups
+
+
+def _width_regions(L: LocalDims, W: int, S: int, tp: int, final: bool) -> list[tuple[str, tuple[int, ...], int]]:
+    specs = [
+        ("epoch_k1", (1,), 8),  # int64 launch counters: epoch = counter // G + 1 (advanced on device)
+        ("epoch_k2", (1,), 8),
+        ("qkv", (W, L.qkv), WORD_BYTES),
+        ("attn_acc", (W, L.heads, S, L.head_dim), WORD_BYTES),
+        ("attn_ml", (W, L.heads, S, 2), WORD_BYTES),
+        ("h", (W, L.hidden), WORD_BYTES),
+        ("hn", (W, L.hidden), WORD_BYTES),
+        ("act", (W, L.intermediate), WORD_BYTES),
+    ]
+    if tp == 1:
+        specs.append(("o", (W, L.hidden), WORD_BYTES))
+        if final:
+            specs.append(("d", (W, L.hidden), WORD_BYTES))
+    return specs
+
+
+def _peer_regions(L: LocalDims, W: int, tp: int) -> list[tuple[str, tuple[int, ...], int]]:
+    return [("o_peer", (tp, W, L.hidden), WORD_BYTES), ("d_peer", (tp, W, L.hidden), WORD_BYTES)]
+
+
+def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
+    final = dims.post_norms or tp > 1
+    o_dst = "o_peer" if tp > 1 else "o"
+    d_dst = ("d_peer" if tp > 1 else "d") if final else "x_out"
+
+    def gemv(kernel, name, index, n, k, reads, writes, offset):
+        in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else WORD_BYTES
+        rows = gemv_rows_per_task(n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes)
+        return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes),
+                     _STAGE_SITES[(kernel, name)], rows, n, k)
+
+    k1: list[Stage] = []
+    qkv = gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0)
+    k1.append(qkv)
+    attn_tasks = W * L.kv_heads * S
+    attn = Stage(K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G, ("qkv",),
+                 ("attn_acc", "attn_ml"), _STAGE_SITES[(K1, "attn")])
+    k1.append(attn)
+    k1.append(Stage(K1, "combine", 2, "combine", W * L.heads, (attn.offset + attn.num_tasks) % G,
+                    ("attn_acc", "attn_ml"), ("attn_out",), _STAGE_SITES[(K1, "combine")]))
+
+    k2: list[Stage] = []
+    o = gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0)
+    k2.append(o)
+    post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o_dst, "x"), ("h", "hn"),
+                 _STAGE_SITES[(K2, "post")])
+    k2.append(post)
+    gu = gemv(K2, "gate_up", 2, L.intermediate, L.hidden, ["hn"], ["act"], post.offset + post.num_tasks)
+    k2.append(gu)
+    down_reads = ["act"] if final else ["act", "h"]
+    down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
+    k2.append(down)
+    if final:
+        k2.append(Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (d_dst, "h"),
+                        ("x_out",), _STAGE_SITES[(K2, "final")]))
+    return tuple(k1), tuple(k2)
+
+
+def plan_layer(dims: ModelDims, tp_size: int, width: int, num_workgroups: int) -> LayerPlan:
+    """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0)
+
+
+def _plan_width(dims: ModelDims, tp: int, W: int, G: int, offset: int, peer_offset: int) -> LayerPlan:
+    if not isinstance(dims, ModelDims):
+        raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
+    W = _check_width(W)
+    G = _check_workgroups(G)
+    L = local_dims(dims, tp)
+    S = attention_splits(W, L.kv_heads, G)
+    k1, k2 = _stages(dims, L, W, G, S, tp)
+    final = dims.post_norms or tp > 1
+    regions, end = _pack(_width_regions(L, W, S, tp, final), offset)
+    layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
+    peer = None
+    if tp > 1:
+        pregions, pend = _pack(_peer_regions(L, W, tp), peer_offset)
+        peer = WidthLayout(W, _align(peer_offset), pend - _align(peer_offset), pregions)
+    return LayerPlan(dims.digest(), tp, W, G, L, S, dims.post_norms, k1, k2, layout, peer)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Plans of every built width and the one scratch (and peer) buffer that holds them all."""
+
+    dims_digest: str
+    tp_size: int
+    num_workgroups: int
+    widths: tuple[int, ...]
+    layers: dict[int, LayerPlan]
+    scratch: ScratchLayout
+    peer: ScratchLayout | None = None
+    extra: dict = field(default_factory=dict)
+
+    def for_rows(self, rows: int) -> LayerPlan:
+        """The plan of the smallest built width that fits ``rows``."""
+        for w in self.widths:
+            if rows <= w:
+                return self.layers[w]
+        raise ConfigError(f"kernel plan: {rows} rows exceed the largest built width {self.widths[-1]}")
+
+    def to_dict(self) -> dict:
+        return {
+            "plan_version": PLAN_VERSION,
+            "dims_digest": self.dims_digest,
+            "tp_size": self.tp_size,
+            "num_workgroups": self.num_workgroups,
+            "widths": list(self.widths),
+            "layers": [self.layers[w].to_dict() for w in self.widths],
+            "scratch": self.scratch.to_dict(),
+            "peer": self.peer.to_dict() if self.peer else None,
+        }
+
+    def digest(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _check_widths(widths: object) -> tuple[int, ...]:
+    if not isinstance(widths, (list, tuple)) or not widths:
+        raise ConfigError(f"kernel plan: widths must be a non-empty list of integers, got {widths!r}")
+    out = tuple(_check_width(w) for w in widths)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"kernel plan: widths must not repeat, got {list(out)}")
+    return tuple(sorted(out))
+
+
+def plan_model(dims: ModelDims, tp_size: int, widths: Iterable[int], num_workgroups: int) -> ModelPlan:
+    """Plans for every width, placed in one scratch buffer: header, then width segments."""
+    ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
+    header, cur = _pack([("health", (1,), 4)], 0)
+    peer_cur = 0
+    layers: dict[int, LayerPlan] = {}
+    segs: dict[int, WidthLayout] = {}
+    psegs: dict[int, WidthLayout] = {}
+    for w in ws:
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur)
+        layers[w] = lp
+        segs[w] = lp.layout
+        cur = lp.layout.end
+        if lp.peer_layout is not None:
+            psegs[w] = lp.peer_layout
+            peer_cur = lp.peer_layout.end
+    scratch = ScratchLayout(cur, header, segs)
+    peer = ScratchLayout(peer_cur, {}, psegs) if tp_size > 1 else None
+    return ModelPlan(dims.digest(), tp_size, num_workgroups, ws, layers, scratch, peer)
+
+
+def key_inputs(
+    dims: ModelDims,
+    *,
+    weight_dtype: str,
+    kv_dtype: str,
+    tp_size: int,
+    widths: Iterable[int],
+    block_size: int,
+    num_workgroups: int,
+) -> dict:
+    """Everything the plan contributes to a build key, as a canonical dict (RT's
+    ``runtime.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
+
+    ``plan_digest`` covers the task tables and the scratch layout, so any change to the plan
+    (or to the workgroup count, e.g. a partitioned GPU) yields a different key.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"kernel plan: weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kernel plan: kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ConfigError(f"kernel plan: block_size must be a positive integer, got {block_size!r}")
+    mp = plan_model(dims, tp_size, list(widths), num_workgroups)
+    return {
+        "plan_version": PLAN_VERSION,
+        "dims_digest": dims.digest(),
+        "weight_dtype": weight_dtype,
+        "kv_dtype": kv_dtype,
+        "tp_size": tp_size,
+        "widths": list(mp.widths),
+        "block_size": block_size,
+        "num_workgroups": num_workgroups,
+        "plan_digest": mp.digest(),
+    }
