@@ -174,12 +174,12 @@ def test_family_variants_and_tp_stages():
     assert rep.kv_heads == 1 and rep.heads == 2
 
 
-def test_health_codes_describe_site_and_layer():
-    sites = {s.site for s in P.plan_layer(profile_dims("gemma3-27b"), 2, 1, 132).stages()}
-    assert len(sites) == 8 and P.SITE_NONFINITE not in sites
-    assert P.describe_health(P.health_code(3, 6)) == "layer 3: wait expired in k2.gate_up"
-    assert "non-finite" in P.describe_health(P.health_code(0, P.SITE_NONFINITE))
-    assert P.describe_health(0) == "healthy"
+def test_wait_health_code_uses_runtime_packing():
+    from monodecode.kernels.base import decode_health
+
+    fault = decode_health(P.wait_health_code(P.K2, 3))
+    assert (fault.site, fault.kernel, fault.layer) == ("wait_timeout", "k2", 3)
+    assert P.wait_health_code(P.K1, 0) == 1 | (1 << 8) | (1 << 10)
 
 
 def test_key_inputs_deterministic_and_sensitive():

@@ -193,7 +193,6 @@ class Stage:
     offset: int  # task t runs on workgroup (t + offset) % num_workgroups
     reads: tuple[str, ...]  # regions or launch inputs
     writes: tuple[str, ...]  # regions or launch outputs
-    site: int  # health site code of this stage's waits (1..255)
     rows_per_task: int = 0  # gemv: output rows (N) per task
     n: int = 0  # gemv: output rows in total
     k: int = 0  # gemv: reduction length
@@ -212,34 +211,18 @@ class Stage:
         return {
             "kernel": self.kernel, "name": self.name, "index": self.index, "kind": self.kind,
             "num_tasks": self.num_tasks, "offset": self.offset, "reads": list(self.reads),
-            "writes": list(self.writes), "site": self.site, "rows_per_task": self.rows_per_task,
+            "writes": list(self.writes), "rows_per_task": self.rows_per_task,
             "n": self.n, "k": self.k,
         }
 
 
-# Health word = (layer << 8) | site. Sites of waits are the stage codes; these are the others.
-SITE_NONFINITE = 0xF0
-_STAGE_SITES = {
-    (K1, "qkv"): 1, (K1, "attn"): 2, (K1, "combine"): 3,
-    (K2, "o_proj"): 4, (K2, "post"): 5, (K2, "gate_up"): 6, (K2, "down"): 7, (K2, "final"): 8,
-}
+def wait_health_code(kernel: str, layer: int) -> int:
+    """Health word a backend stores when a bounded wait of ``kernel`` in ``layer`` expires
+    (RT's packing, ``monodecode.kernels.base.health_code``); kernels compute it on device as
+    ``site | kernel_id << 8 | (layer + 1) << 10``."""
+    from monodecode.kernels.base import health_code
 
-
-def health_code(layer: int, site: int) -> int:
-    return (layer << 8) | site
-
-
-def describe_health(code: int) -> str:
-    """A one-line description of a nonzero health word (for fail-stop messages)."""
-    if code == 0:
-        return "healthy"
-    layer, site = code >> 8, code & 0xFF
-    if site == SITE_NONFINITE:
-        return f"layer {layer}: non-finite value in the layer output"
-    for (kernel, name), s in _STAGE_SITES.items():
-        if s == site:
-            return f"layer {layer}: wait expired in {kernel}.{name}"
-    return f"layer {layer}: unknown site {site}"
+    return health_code("wait_timeout", layer, kernel)
 
 
 @dataclass(frozen=True)
@@ -510,23 +493,22 @@ def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> t
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else WORD_BYTES
         rows = gemv_rows_per_task(n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes)
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes),
-                     _STAGE_SITES[(kernel, name)], rows, n, k)
+                     rows, n, k)
 
     k1: list[Stage] = []
     qkv = gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0)
     k1.append(qkv)
     attn_tasks = W * L.kv_heads * S
     attn = Stage(K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G, ("qkv",),
-                 ("attn_acc", "attn_ml"), _STAGE_SITES[(K1, "attn")])
+                 ("attn_acc", "attn_ml"))
     k1.append(attn)
     k1.append(Stage(K1, "combine", 2, "combine", W * L.heads, (attn.offset + attn.num_tasks) % G,
-                    ("attn_acc", "attn_ml"), ("attn_out",), _STAGE_SITES[(K1, "combine")]))
+                    ("attn_acc", "attn_ml"), ("attn_out",)))
 
     k2: list[Stage] = []
     o = gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0)
     k2.append(o)
-    post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o_dst, "x"), ("h", "hn"),
-                 _STAGE_SITES[(K2, "post")])
+    post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o_dst, "x"), ("h", "hn"))
     k2.append(post)
     gu = gemv(K2, "gate_up", 2, L.intermediate, L.hidden, ["hn"], ["act"], post.offset + post.num_tasks)
     k2.append(gu)
@@ -535,7 +517,7 @@ def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> t
     k2.append(down)
     if final:
         k2.append(Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (d_dst, "h"),
-                        ("x_out",), _STAGE_SITES[(K2, "final")]))
+                        ("x_out",)))
     return tuple(k1), tuple(k2)
 
 
