@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # heavy or optional imports only for annotations
 
     from monodecode.model.dims import ModelDims
     from monodecode.runtime.artifacts import ArtifactStore
+    from monodecode.spec import KernelSpec
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 KV_DTYPES = ("bf16",)
@@ -92,6 +93,8 @@ class BuildRequest:
     block_size: int  # paged-KV block size (tokens per block)
     platform: Platform
     kv_dtype: str = "bf16"
+    # runtime parameters, not part of the build key: bound on every in-kernel wait
+    wait_timeout_s: float = field(default=10.0, compare=False)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -151,6 +154,13 @@ class DecodeKernels(ABC):
     def reset_health(self) -> None:
         """Clear the health word (tests only: production fail-stops instead)."""
 
+    def arm_fault(self, fault: Any) -> bool:
+        """Fault injection (``monodecode.runtime.faults.Fault``, kinds stall / nonfinite): make
+        the next launch of ``fault.layer`` fail that way, once. The runner arms it right before
+        the targeted step. Return False when the backend cannot inject it (the drill is then
+        reported as not run)."""
+        return False
+
     def close(self) -> None:
         """Release device resources (scratch, peer buffers). Default: nothing to release."""
 
@@ -180,6 +190,12 @@ class KernelBackend(ABC):
         allow_jit: bool,
     ) -> DecodeKernels:
         """Build (or load) every width. Raise ``RefusalError`` (reasons "code: sentence") to refuse."""
+
+    def kernel_spec(self, platform: Platform, widths: tuple[int, ...]) -> "KernelSpec":
+        """What this backend's build supports (``monodecode.spec``); override to narrow it."""
+        from monodecode.spec import KernelSpec
+
+        return KernelSpec(backend=self.name, widths=tuple(widths))
 
     def compiler_version(self) -> str:
         """Version string of the compiler that produced the kernels (part of the build key)."""
