@@ -12,6 +12,7 @@ from monodecode.model.reference import (
     k2_reference,
     prefill,
 )
+from monodecode.model.tiny import ensure_tiny_model
 from monodecode.model.weights import (
     WEIGHT_DTYPES,
     LayerWeights,
@@ -39,6 +40,7 @@ __all__ = [
     "k1_reference",
     "k2_reference",
     "prefill",
+    "ensure_tiny_model",
     "WEIGHT_DTYPES",
     "LayerWeights",
     "Linear",
