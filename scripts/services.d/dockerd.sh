@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Docker engine for the image tests: `dockerd.sh start|stop|status`.
+#
+# The engine runs the way DESIGN.md describes for machines without a bridge network: vfs storage
+# (works on any filesystem, no overlay mounts), no bridge, no iptables, no masquerading, so
+# containers use host networking or none. `start` is a no-op when an engine already answers on the
+# socket (a developer's own engine is left alone); `stop` only stops the engine this script
+# started (it owns the pidfile), and waits until it and its containerd are gone.
+set -euo pipefail
+
+# Data root outside the work tree so the locally made base image survives between `make test`
+# runs on one machine; exec root + pidfile under /run so a reboot forgets a stale pid.
+DATA_ROOT=${MONODECODE_DOCKER_DATA_ROOT:-/var/lib/monodecode-docker}
+EXEC_ROOT=${MONODECODE_DOCKER_EXEC_ROOT:-/run/monodecode-docker}
+PIDFILE=$EXEC_ROOT/dockerd.pid
+SOCKET=${MONODECODE_DOCKER_SOCKET:-/var/run/docker.sock}
+LOG=${MONODECODE_DOCKER_LOG:-/var/log/monodecode-dockerd.log}
+READY_TIMEOUT_S=${MONODECODE_DOCKER_READY_TIMEOUT_S:-60}
+STOP_TIMEOUT_S=${MONODECODE_DOCKER_STOP_TIMEOUT_S:-30}
+
+answers() {
+  # The engine answers when its API returns a server version on the socket.
+  [ -S "$SOCKET" ] && timeout 5 docker -H "unix://$SOCKET" version --format '{{.Server.Version}}' >/dev/null 2>&1
+}
+
+our_pid() {
+  # Prints the pid from our pidfile if that process is still a dockerd.
+  [ -s "$PIDFILE" ] || return 1
+  local pid
+  pid=$(cat "$PIDFILE")
+  [ -d "/proc/$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ] && echo "$pid"
+}
+
+start() {
+  if answers; then
+    echo "dockerd: an engine already answers on $SOCKET; leaving it as it is"
+    return 0
+  fi
+  command -v dockerd >/dev/null || { echo "dockerd: not installed (Debian package docker.io, see scripts/apt-packages.txt)" >&2; return 1; }
+  mkdir -p "$DATA_ROOT" "$EXEC_ROOT" "$(dirname "$LOG")"
+  if pid=$(our_pid); then
+    echo "dockerd: pid $pid from $PIDFILE does not answer yet; waiting for it"
+  else
+    rm -f "$PIDFILE"
+    # setsid: the engine must outlive this script and not get the caller's signals.
+    setsid dockerd \
+      --storage-driver=vfs --bridge=none --iptables=false --ip-masq=false --ip6tables=false \
+      --data-root="$DATA_ROOT" --exec-root="$EXEC_ROOT" --pidfile="$PIDFILE" \
+      --host="unix://$SOCKET" </dev/null >>"$LOG" 2>&1 &
+  fi
+  local deadline=$((SECONDS + READY_TIMEOUT_S))
+  until answers; do
+    if ((SECONDS >= deadline)); then
+      echo "dockerd: no answer on $SOCKET after ${READY_TIMEOUT_S}s; last log lines:" >&2
+      tail -n 15 "$LOG" >&2 || true
+      return 1
+    fi
+    sleep 0.5
+  done
+  echo "dockerd: ready on $SOCKET (data root $DATA_ROOT, log $LOG)"
+}
+
+stop() {
+  local pid
+  if ! pid=$(our_pid); then
+    echo "dockerd: none started by this script (no live pid in $PIDFILE); nothing to stop"
+    rm -f "$PIDFILE"
+    return 0
+  fi
+  kill -TERM "$pid"
+  local deadline=$((SECONDS + STOP_TIMEOUT_S))
+  while [ -d "/proc/$pid" ]; do
+    if ((SECONDS >= deadline)); then
+      echo "dockerd: pid $pid still running after ${STOP_TIMEOUT_S}s; killing it" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+      break
+    fi
+    sleep 0.5
+  done
+  # dockerd stops the containerd it started itself; wait for that one too (it is ours).
+  local cpid_file=$EXEC_ROOT/containerd/containerd.pid
+  if [ -s "$cpid_file" ]; then
+    local cpid
+    cpid=$(cat "$cpid_file")
+    deadline=$((SECONDS + STOP_TIMEOUT_S))
+    while [ -d "/proc/$cpid" ] && [ "$(cat "/proc/$cpid/comm" 2>/dev/null)" = containerd ]; do
+      ((SECONDS < deadline)) || { kill -KILL "$cpid" 2>/dev/null || true; break; }
+      sleep 0.5
+    done
+  fi
+  rm -f "$PIDFILE"
+  echo "dockerd: stopped pid $pid"
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) if answers; then echo "dockerd: answering on $SOCKET"; else echo "dockerd: not answering on $SOCKET"; exit 1; fi ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac
