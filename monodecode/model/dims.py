@@ -131,10 +131,12 @@ class ModelDims:
         return params * bytes_per_weight
 
 
-def _req(cfg: Mapping[str, Any], name: str, kind: type, *, positive: bool = True) -> Any:
-    if name not in cfg or cfg[name] is None:
+def _req(cfg: Mapping[str, Any], name: str, kind: type, *, positive: bool = True, where: str = "") -> Any:
+    """Field ``name`` of ``cfg``; ``where`` prefixes the name in errors for nested objects."""
+    value = cfg.get(name)
+    name = f"{where}.{name}" if where else name
+    if value is None:
         raise ModelConfigError(f"model config: missing required field '{name}'")
-    value = cfg[name]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or isinstance(value, bool):
@@ -155,30 +157,39 @@ def _opt(cfg: Mapping[str, Any], name: str, kind: type, default: Any, *, positiv
 def _rope_from(params: Any, where: str) -> RopeSpec:
     if not isinstance(params, Mapping):
         raise ModelConfigError(f"model config: field '{where}' must be an object, got {params!r}")
-    theta = _req(params, "rope_theta", float) if "rope_theta" in params else None
-    if theta is None:
-        raise ModelConfigError(f"model config: missing required field '{where}.rope_theta'")
+    theta = _req(params, "rope_theta", float, where=where)
+    partial = params.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise ModelConfigError(
+            f"model config: field '{where}.partial_rotary_factor' is {partial!r}; only full-width RoPE (1.0) is supported"
+        )
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeSpec(theta=theta)
     if kind == "linear":
-        return RopeSpec(theta=theta, kind="linear", factor=_req(params, "factor", float))
+        return RopeSpec(theta=theta, kind="linear", factor=_req(params, "factor", float, where=where))
     if kind == "llama3":
-        return RopeSpec(
+        spec = RopeSpec(
             theta=theta,
             kind="llama3",
-            factor=_req(params, "factor", float),
-            low_freq_factor=_req(params, "low_freq_factor", float),
-            high_freq_factor=_req(params, "high_freq_factor", float),
-            original_max_position=_req(params, "original_max_position_embeddings", int),
+            factor=_req(params, "factor", float, where=where),
+            low_freq_factor=_req(params, "low_freq_factor", float, where=where),
+            high_freq_factor=_req(params, "high_freq_factor", float, where=where),
+            original_max_position=_req(params, "original_max_position_embeddings", int, where=where),
         )
+        if spec.high_freq_factor <= spec.low_freq_factor:
+            raise ModelConfigError(
+                f"model config: field '{where}.high_freq_factor' ({spec.high_freq_factor}) must exceed "
+                f"low_freq_factor ({spec.low_freq_factor})"
+            )
+        return spec
     raise ModelConfigError(
         f"model config: field '{where}.rope_type' is '{kind}'; supported: default, linear, llama3"
     )
 
 
 def _legacy_rope(cfg: Mapping[str, Any], theta_field: str, default_theta: float, scaling: Any) -> dict:
-    params: dict[str, Any] = {"rope_theta": cfg.get(theta_field, default_theta)}
+    params: dict[str, Any] = {"rope_theta": _opt(cfg, theta_field, float, default_theta)}
     if scaling is not None:
         if not isinstance(scaling, Mapping):
             raise ModelConfigError(f"model config: field 'rope_scaling' must be an object, got {scaling!r}")
@@ -195,12 +206,17 @@ def _ropes(cfg: Mapping[str, Any], family: str) -> tuple[RopeSpec, RopeSpec | No
                 params.get("sliding_attention", {"rope_theta": 10000.0}), "rope_parameters.sliding_attention"
             )
             return full, sliding
-        full = _rope_from(_legacy_rope(cfg, "rope_theta", 1_000_000.0, cfg.get("rope_scaling")), "rope_theta")
-        sliding = _rope_from({"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}, "rope_local_base_freq")
+        if isinstance(params, Mapping):  # one flat rope_parameters object: it describes the global layers
+            full = _rope_from(params, "rope_parameters")
+        else:
+            full = _rope_from(_legacy_rope(cfg, "rope_theta", 1_000_000.0, cfg.get("rope_scaling")), "rope_scaling")
+        sliding = RopeSpec(theta=_opt(cfg, "rope_local_base_freq", float, 10000.0))
         return full, sliding
     if isinstance(params, Mapping):
         return _rope_from(params, "rope_parameters"), None
-    return _rope_from(_legacy_rope(cfg, "rope_theta", 10000.0, cfg.get("rope_scaling")), "rope_theta"), None
+    if params is not None:
+        raise ModelConfigError(f"model config: field 'rope_parameters' must be an object, got {params!r}")
+    return _rope_from(_legacy_rope(cfg, "rope_theta", 10000.0, cfg.get("rope_scaling")), "rope_scaling"), None
 
 
 def _layer_types(cfg: Mapping[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
