@@ -1,0 +1,337 @@
+"""``monodecode-ops verify``: is this node (and optionally an image / a live server) ready?
+
+Checks, each pass / fail / skip with the reason:
+
+- node: GPU discovery (torch, AMD KFD sysfs topology, amd-smi), arch, CUs, partition mode,
+  driver; ``--require-gpu`` makes the absence of a supported GPU a failure;
+- backends: which kernel backends can run here and why not;
+- self-test (default on): the embedded tiny model (or ``--model DIR``) through the runner
+  lifecycle on the best backend (refusal rules, build, warm-up golden check per width), then a
+  scripted run of mono steps and deliberately ineligible ones (prefill, mixed batch, too many
+  rows, PIECEWISE graph) compared with the reference, and the fallback accounting read back
+  from the metrics served on 127.0.0.1 during the run;
+- ``--endpoint URL``: a live server's ``/metrics`` carries the monodecode series;
+- ``--image IMAGE``: the image's labels and baked artifacts fit this node
+  (``monodecode_ops.images.verify_image``).
+
+Exit 0 when every required check passed, 1 when one failed, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from monodecode.errors import MonodecodeError
+from monodecode_ops.output import Check, console, report_checks
+
+REQUIRED_SERIES = (
+    "monodecode_enabled",
+    "monodecode_steps_total",
+    "monodecode_fallback_steps_total",
+    "monodecode_step_duration_seconds",
+    "monodecode_failstop_total",
+)
+
+
+# ---- node ------------------------------------------------------------------------------------
+
+
+def node_checks(platform: Any, require_gpu: bool) -> list[Check]:
+    from monodecode.runtime.platform import SUPPORTED_AMD_ARCHS
+
+    p = platform
+    facts = [f"{p.kind} {p.arch}", p.name, f"{p.compute_units} {'CUs' if p.kind == 'rocm' else 'SMs' if p.kind == 'cuda' else 'logical CPUs'}"]
+    if p.partition_mode:
+        facts.append(f"partition {p.partition_mode}")
+    if p.driver:
+        facts.append(p.driver)
+    checks = [Check.passed("node", ", ".join(facts) + f" (from {p.source})", data=p.to_dict())]
+    if p.kind == "rocm":
+        if p.arch in SUPPORTED_AMD_ARCHS:
+            checks.append(Check.passed("gpu", f"supported AMD GPU {p.arch}"))
+        else:
+            checks.append(Check("gpu", "fail", f"AMD GPU {p.arch} is not a supported arch ({', '.join(SUPPORTED_AMD_ARCHS)})", required=require_gpu))
+        if not p.torch_usable:
+            checks.append(Check("gpu_torch", "fail", "the GPU is visible in sysfs but torch cannot use it (CPU build of torch or no /dev/kfd access)", required=require_gpu))
+        if p.partition_mode and p.partition_mode != "SPX":
+            checks.append(Check("partition_mode", "fail", f"compute partition {p.partition_mode}: persistent kernels need the whole GPU (SPX)", required=require_gpu))
+        elif p.partition_mode:
+            checks.append(Check.passed("partition_mode", "SPX (whole GPU)"))
+    elif p.kind == "cuda":
+        checks.append(Check.passed("gpu", f"NVIDIA GPU {p.name} ({p.arch}): triton backend"))
+    else:
+        why = "no GPU found (torch sees none, no KFD topology in sysfs, no amd-smi)"
+        checks.append(Check.failure("gpu", why + "; --require-gpu was given") if require_gpu
+                      else Check.skipped("gpu", why + "; GPU checks skipped", required=False))
+    return checks
+
+
+def backend_checks(platform: Any) -> list[Check]:
+    from monodecode.kernels.registry import backend_status
+
+    out = []
+    for st in backend_status(platform):
+        if st.available:
+            out.append(Check.passed(f"backend {st.name}", "can run here", required=st.name == "reference"))
+        else:
+            out.append(Check.skipped(f"backend {st.name}", st.reason or "unavailable", required=False))
+    return out
+
+
+# ---- self-test -------------------------------------------------------------------------------
+
+
+def _parse_widths(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise MonodecodeError(f"--widths must be a comma-separated list of integers, got {text!r}") from None
+
+
+def _load_model(model: Path | None, weight_dtype: str, device: str):
+    from monodecode.model import ensure_tiny_model, load_dims, load_weights
+
+    if model is None:
+        model_dir = ensure_tiny_model()
+        label = "embedded tiny model"
+    else:
+        model_dir = model
+        if not model_dir.is_dir():
+            raise MonodecodeError(f"--model {model_dir}: not a directory")
+        label = str(model_dir)
+    dims = load_dims(model_dir)
+    weights = load_weights(model_dir, dims, weight_dtype=weight_dtype, device=device)
+    return label, model_dir, dims, weights
+
+
+def _scrape(url: str, timeout: float = 10.0) -> dict[str, dict[tuple, float]]:
+    """GET a Prometheus text page -> {family name: {labels tuple: value}} (samples by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked)
+        text = resp.read().decode("utf-8", "replace")
+    samples: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def _value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+def self_test(
+    platform: Any,
+    model: Path | None,
+    cfg_overrides: dict[str, Any],
+    weight_dtype: str,
+    block_size: int,
+    exporter: Any,
+) -> tuple[list[Check], dict[str, Any]]:
+    from monodecode.config import MonoConfig
+    from monodecode.errors import RefusalError
+    from monodecode.metrics import FALLBACK_REASONS, get_metrics
+    from monodecode.runtime.runner import Runner
+    from monodecode.runtime.selfcheck import run_scenario
+
+    checks: list[Check] = []
+    info: dict[str, Any] = {}
+    cfg = MonoConfig.from_dict({"enabled": True, "on_refusal": "degrade", "allow_jit": True, **cfg_overrides},
+                               where="verify options")
+    t0 = time.perf_counter()
+    label, model_dir, dims, weights = _load_model(model, weight_dtype, platform.torch_device)
+    checks.append(Check.passed(
+        "model", f"{label}: {dims.architecture}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
+        f"{weight_dtype} weights on {platform.torch_device} ({time.perf_counter() - t0:.1f} s)",
+        data={"model_dir": str(model_dir), "dims_digest": dims.digest()}))
+
+    metrics = get_metrics()
+    before = _scrape(exporter.url)
+    runner = Runner(cfg, dims, weights, platform, metrics=metrics, block_size=block_size)
+    try:
+        runner.start()
+    except RefusalError as e:  # only with on_refusal=raise given explicitly
+        checks.append(Check.failure("runner", str(e)))
+        return checks, info
+    info["runner"] = runner.summary()
+    backend = runner.backend.name if runner.backend else "none"
+    if runner.enabled:
+        checks.append(Check.passed("refusal rules", f"backend {backend}: no refusal reasons (build key {runner.build_key[:16]})"))
+    else:
+        checks.append(Check.failure("refusal rules", f"backend {backend} refused: " + "; ".join(runner.reasons)))
+    w = runner.warmup
+    if w is not None:
+        per = ", ".join(f"w{x.width}: {x.max_abs_error:.3g}" for x in w.widths)
+        detail = (f"{backend} vs reference, every layer, widths {','.join(str(x.width) for x in w.widths)}: "
+                  f"max abs error {w.max_abs_error:.3g} ({per}); {w.duration_s:.2f} s")
+        checks.append(Check("warm-up golden check", "pass" if w.passed else "fail", detail,
+                            data={"max_abs_error": w.max_abs_error, "duration_s": w.duration_s}))
+    elif runner.enabled is False and runner.backend is not None:
+        checks.append(Check.skipped("warm-up golden check", "not run: the deployment was refused", required=False))
+    for note in runner.notes:
+        checks.append(Check.skipped("note", note, required=False))
+    if not runner.enabled:
+        return checks, info
+
+    result = run_scenario(runner)
+    info["steps"] = [s.__dict__ for s in result.steps]
+    if result.failstop is not None:
+        ev = result.failstop
+        checks.append(Check.failure(
+            "decode", f"fail-stop at step {ev.step} (site {ev.site}"
+            f"{', layer ' + str(ev.layer) if ev.layer is not None else ''}): no token was returned for it; "
+            f"marker {runner.recorder.marker_path}"))
+        return checks, info
+    wrong = [s for s in result.steps if not s.as_expected]
+    mismatch = [s for s in result.steps if not s.tokens_match]
+    if wrong:
+        s = wrong[0]
+        checks.append(Check.failure("step decisions", f"step '{s.name}' took {s.path}/{s.reason}, expected {s.expected_path}/{s.expected_reason}"))
+    else:
+        n_mono = sum(1 for s in result.steps if s.path == "mono")
+        checks.append(Check.passed("step decisions", f"{len(result.steps)} steps: {n_mono} mono, {len(result.steps) - n_mono} fallback, each as expected"))
+    if mismatch:
+        s = mismatch[0]
+        checks.append(Check.failure("decode vs reference", f"step '{s.name}': logits differ by {s.max_abs_logit_diff:.3g} or greedy tokens differ"))
+    else:
+        checks.append(Check.passed("decode vs reference", f"{result.tokens_emitted} tokens identical to the reference; max |logit diff| {result.max_abs_logit_diff:.3g}"))
+
+    # fallback accounting, read back over HTTP from the exporter
+    after = _scrape(exporter.url)
+    exp = result.expected_counts()
+    got = {p: _value(after, "monodecode_steps_total", path=p) - _value(before, "monodecode_steps_total", path=p)
+           for p in ("mono", "fallback")}
+    for r in FALLBACK_REASONS:
+        got[r] = _value(after, "monodecode_fallback_steps_total", reason=r) - _value(before, "monodecode_fallback_steps_total", reason=r)
+    want = {k: float(exp.get(k, 0)) for k in got}
+    reasons = ", ".join(f"{r} {int(got[r])}" for r in FALLBACK_REASONS if got[r])
+    text = f"mono {int(got['mono'])}, fallback {int(got['fallback'])} ({reasons or 'none'}) scraped from {exporter.url}"
+    checks.append(Check("fallback accounting", "pass" if got == want else "fail",
+                        text if got == want else text + f"; expected {want}", data={"counted": got}))
+    return checks, info
+
+
+# ---- live endpoint ---------------------------------------------------------------------------
+
+
+def _metrics_url(url: str) -> str:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise MonodecodeError(f"--endpoint must be an http(s) URL such as http://host:8000/metrics, got {url!r}")
+    if parsed.path in ("", "/"):
+        parsed = parsed._replace(path="/metrics")
+    return urllib.parse.urlunparse(parsed)
+
+
+def endpoint_checks(url: str) -> list[Check]:
+    target = _metrics_url(url)
+    try:
+        samples = _scrape(target)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return [Check.failure("endpoint", f"cannot scrape {target}: {reason}")]
+    families = {n[: -len(sfx)] if n.endswith(sfx) else n for n in samples
+                for sfx in ("_bucket", "_count", "_sum", "_created", "") if n.endswith(sfx)}
+    missing = [n for n in REQUIRED_SERIES if n not in families and n not in samples]
+    if missing:
+        return [Check.failure("endpoint", f"{target} lacks {', '.join(missing)} (is mono decode installed and the plugin loaded?)")]
+    enabled = samples.get("monodecode_enabled", {})
+    mono = _value(samples, "monodecode_steps_total", path="mono")
+    fb = _value(samples, "monodecode_steps_total", path="fallback")
+    en = ", ".join(str(int(v)) for v in enabled.values()) or "?"
+    return [Check.passed("endpoint", f"{target}: monodecode series present; enabled={en}, steps mono {int(mono)} / fallback {int(fb)}",
+                         data={"url": target, "enabled": list(enabled.values()), "mono": mono, "fallback": fb})]
+
+
+# ---- command ---------------------------------------------------------------------------------
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("verify")
+    def verify(
+        model: Optional[Path] = typer.Option(None, "--model", help="HF model directory (default: the embedded tiny model)."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+        require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail when no supported GPU is present."),
+        metrics_port: int = typer.Option(0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."),
+        endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Also check a live server's /metrics, e.g. http://vllm:8000/metrics."),
+        image: Optional[str] = typer.Option(None, "--image", help="Also check that IMAGE's labels and artifacts fit this node."),
+        self_test_on: bool = typer.Option(True, "--self-test/--no-self-test", help="Run the runner lifecycle and decode self-test."),
+        backend: str = typer.Option("auto", "--backend", help="Kernel backend: auto, flydsl, triton or reference."),
+        widths: Optional[str] = typer.Option(None, "--widths", help="Step widths to build, e.g. 1,2,4,8."),
+        weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16, fp8 or fp8_fnuz."),
+        block_size: int = typer.Option(16, "--block-size", help="KV cache block size."),
+        artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."),
+        failstop_dir: Optional[Path] = typer.Option(None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."),
+        serve_seconds: float = typer.Option(0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."),
+    ) -> None:
+        """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and
+        optionally check an image and a live server's metrics."""
+        from monodecode.metrics import start_exporter
+        from monodecode.model.weights import WEIGHT_DTYPES
+        from monodecode.runtime.platform import detect_platform
+
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise MonodecodeError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+        if not 1 <= block_size <= 1024:
+            raise MonodecodeError(f"--block-size must be between 1 and 1024, got {block_size}")
+        if serve_seconds < 0:
+            raise MonodecodeError(f"--serve-seconds must be >= 0, got {serve_seconds}")
+        if endpoint is not None:
+            _metrics_url(endpoint)  # bad URL: usage error before any work
+        overrides: dict[str, Any] = {"backend": backend}
+        parsed_widths = _parse_widths(widths)
+        if parsed_widths is not None:
+            overrides["widths"] = parsed_widths
+        if artifact_dir is not None:
+            overrides["artifact_dir"] = str(artifact_dir)
+        from monodecode.config import MonoConfig
+
+        MonoConfig.from_dict({**overrides}, where="verify options")  # validate before starting anything
+
+        exporter = start_exporter(metrics_port) if self_test_on else None
+        tmp = tempfile.TemporaryDirectory(prefix="monodecode-verify-")
+        try:
+            overrides["failstop_dir"] = str(failstop_dir) if failstop_dir else tmp.name
+            overrides["termination_log"] = str(Path(overrides["failstop_dir"]) / "termination-log")
+            overrides["exit_on_failstop"] = False
+            platform = detect_platform()
+            checks = node_checks(platform, require_gpu)
+            checks += backend_checks(platform)
+            info: dict[str, Any] = {"platform": platform.to_dict()}
+            if exporter is not None:
+                info["metrics_url"] = exporter.url
+                if not as_json:
+                    console().print(f"metrics served at {exporter.url} during the run")
+                st_checks, st_info = self_test(platform, model, overrides, weight_dtype, block_size, exporter)
+                checks += st_checks
+                info.update(st_info)
+                checks.append(Check.passed("metrics", f"served at {exporter.url} (127.0.0.1 only)"))
+            else:
+                checks.append(Check.skipped("self-test", "--no-self-test given", required=False))
+            if endpoint:
+                checks += endpoint_checks(endpoint)
+            if image:
+                from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
+
+                checks += verify_image(image, platform)
+            code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
+            if exporter is not None and serve_seconds > 0:
+                if not as_json:
+                    console().print(f"serving metrics at {exporter.url} for {serve_seconds:g} s")
+                time.sleep(serve_seconds)
+        finally:
+            if exporter is not None:
+                exporter.stop()
+            tmp.cleanup()
+        raise typer.Exit(code)
