@@ -43,6 +43,12 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Build, precompile, verify and inspect monodecode images, nodes and deployments."""
+    # A callback keeps Typer in command-group mode even while only one command is registered.
+
+
 def _register_commands() -> None:
     from monodecode_ops import commands
 
