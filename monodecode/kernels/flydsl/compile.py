@@ -33,11 +33,11 @@ K1_ARGS = (("x", "i32"), ("norm_w", "i32"), ("w_qkv", "i32"), ("s_qkv", "f32"), 
            ("k_norm_w", "i32"), ("cos_sin", "f32"), ("key_cache", "i32"), ("value_cache", "i32"),
            ("block_tables", "i32"), ("seq_lens", "i32"), ("slots", "i32"), ("positions", "i32"),
            ("out_attn", "i16"), ("scratch", "i32"), ("health", "i32"))
-K1_SCALARS = ("window", "bt_stride", "max_polls")
+K1_SCALARS = ("window", "bt_stride", "max_polls", "layer")
 K2_ARGS = (("x", "i32"), ("attn", "i32"), ("w_o", "i32"), ("s_o", "f32"), ("post_attn_w", "i32"),
            ("mlp_norm_w", "i32"), ("w_gu", "i32"), ("s_gu", "f32"), ("w_down", "i32"), ("s_down", "f32"),
            ("post_mlp_w", "i32"), ("out", "i16"), ("scratch", "i32"), ("health", "i32"))
-K2_SCALARS = ("max_polls",)
+K2_SCALARS = ("max_polls", "layer")
 
 
 @dataclass(frozen=True)

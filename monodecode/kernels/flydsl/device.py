@@ -142,8 +142,15 @@ def health_ok(health):
     return h == fx.Int32(0)
 
 
-def raise_health(health, site):
-    fx.atomic_or(health, fx.Int32(site), syncscope="agent")
+def raise_health(health, code):
+    """Record the first failure only: the word keeps the code of the earliest site (sticky)."""
+    fx.atomic_cas(health, fx.Int32(0), fx.Int32(code), syncscope="agent")
+
+
+def health_code(site: int, kernel: int, layer):
+    """On-device twin of ``monodecode.kernels.base.health_code``: bits 0-7 site, 8-9 kernel
+    (1 = k1, 2 = k2), 10-29 layer + 1."""
+    return fx.Int32(site | (kernel << 8)) | ((fx.Int32(layer) + fx.Int32(1)) << 10)
 
 
 @device

@@ -38,15 +38,9 @@ from monodecode.model.dims import ModelDims
 
 NW = WAVES_PER_WORKGROUP
 
-# Health-word bits (sticky; OR-ed): which wait expired or what went non-finite.
-SITES = {
-    0x1: "k1_qkv_wait",
-    0x2: "k2_o_wait",
-    0x4: "k2_act_wait",
-    0x8: "k2_down_wait",
-    0x10: "nonfinite_output",
-}
-SITE_QKV, SITE_O, SITE_ACT, SITE_DOWN, SITE_NONFINITE = 0x1, 0x2, 0x4, 0x8, 0x10
+# Health sites (monodecode.kernels.base.HEALTH_SITES); the word holds health_code(site, kernel, layer).
+SITE_WAIT, SITE_NONFINITE = 1, 2
+KERNEL_K1, KERNEL_K2 = 1, 2
 
 
 @d.device
@@ -147,7 +141,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
                   out_attn: fx.Pointer, scratch: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32):
+                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32):
         tid = gpu.thread_idx.x
         bid = gpu.block_idx.x
         wave = tid // WAVE_SIZE
@@ -155,6 +149,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         gw = bid * NW + wave
         epoch, tag = d.launch_tag(scratch)
         mbox = scratch + geom.mb_qkv
+        wait_code = d.health_code(SITE_WAIT, KERNEL_K1, layer)
 
         alloc = fx.SharedAllocator()
         lds_x = d.lds_words(alloc, W * qkv.chunk // 2)
@@ -220,7 +215,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 row = (i < d.i32(GQ * D)).select(g * (GQ * D) + i,
                                                  (i < d.i32((GQ + 1) * D)).select(Q + g * D + (i - GQ * D),
                                                                                   Q + KV + g * D + (i - (GQ + 1) * D)))
-                v = d.mb_wait(mbox, t * NQKV + row, tag, budget, health, SITE_QKV)
+                v = d.mb_wait(mbox, t * NQKV + row, tag, budget, health, wait_code)
                 d.lds_storef(lds_qkv, i, v)
             gpu.barrier()
             # q/k RMSNorm per head and RoPE; wave w handles head vectors w, w+NW, ... (GQ q heads + k)
@@ -356,7 +351,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     def k2_kernel(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
                   s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, scratch: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32):
+                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32):
         tid = gpu.thread_idx.x
         bid = gpu.block_idx.x
         wave = tid // WAVE_SIZE
@@ -364,6 +359,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         gw = bid * NW + wave
         epoch, tag = d.launch_tag(scratch)
         mb_o = scratch + geom.mb_o
+        wait_code = d.health_code(SITE_WAIT, KERNEL_K2, layer)
+        bad_code = d.health_code(SITE_NONFINITE, KERNEL_K2, layer)
         mb_act = scratch + geom.mb_act
         mb_down = scratch + geom.mb_down
         chunk_words = max(og.chunk, gu.chunk, dn.chunk) // 2
@@ -415,12 +412,12 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 if fx.const_expr(GEMMA_POST):
                     ss = d.f32(0.0)
                     for k in range(lane, H, WAVE_SIZE):
-                        ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, SITE_O)
+                        ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code)
                         ss = fx.math.fma(ov, ov, ss)
                     rs_o = fx.math.rsqrt(d.warp_sum(ss) / d.f32(float(H)) + d.f32(EPS))
                 ss2 = d.f32(0.0)
                 for k in range(lane, H, WAVE_SIZE):
-                    ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, SITE_O)
+                    ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code)
                     hv = residual(t, k, ov, rs_o)
                     ss2 = fx.math.fma(hv, hv, ss2)
                 rs_h = fx.math.rsqrt(d.warp_sum(ss2) / d.f32(float(H)) + d.f32(EPS))
@@ -451,8 +448,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 rs_o = d.lds_loadf(lds_rs, t)
                 rs_h = d.lds_loadf(lds_rs, W + t)
                 nw = d.load_word(mlp_norm_w, k // 2)
-                h0 = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, SITE_O), rs_o)
-                h1 = residual(t, k + 1, d.mb_wait(mb_o, t * H + k + 1, tag, budget, health, SITE_O), rs_o)
+                h0 = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code), rs_o)
+                h1 = residual(t, k + 1, d.mb_wait(mb_o, t * H + k + 1, tag, budget, health, wait_code), rs_o)
                 lo = scale_fn(h0, rs_h, d.bf16_lo(nw))
                 hi = scale_fn(h1, rs_h, d.bf16_hi(nw))
                 d.lds_store(lds_x, t * (gu.chunk // 2) + (k - c0) // 2, d.pack_bf16x2(lo, hi))
@@ -466,10 +463,10 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 if fx.const_expr(GEMMA_POST):
                     d.mb_put(mb_down, lane * H + r, tag, dv)
                 else:
-                    ov = d.mb_wait(mb_o, lane * H + r, tag, budget, health, SITE_O)
+                    ov = d.mb_wait(mb_o, lane * H + r, tag, budget, health, wait_code)
                     res = d.round_bf16(residual(lane, r, ov, d.f32(1.0)) + dv)
                     if d.is_nonfinite(res):
-                        d.raise_health(health, SITE_NONFINITE)
+                        d.raise_health(health, bad_code)
                     d.store_bf16(out, lane * H + r, res)
 
         dn_rs = d.buffer_rsrc(w_down)
@@ -480,8 +477,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             for idx in range(tid, W * clen // 2, WORKGROUP_SIZE):
                 t = idx // (clen // 2)
                 k = c0 + (idx % (clen // 2)) * 2
-                a0 = d.mb_wait(mb_act, t * I + k, tag, budget, health, SITE_ACT)
-                a1 = d.mb_wait(mb_act, t * I + k + 1, tag, budget, health, SITE_ACT)
+                a0 = d.mb_wait(mb_act, t * I + k, tag, budget, health, wait_code)
+                a1 = d.mb_wait(mb_act, t * I + k + 1, tag, budget, health, wait_code)
                 d.lds_store(lds_x, t * (dn.chunk // 2) + (k - c0) // 2, d.pack_bf16x2(a0, a1))
             gpu.barrier()
             gemv_chunk(dn, c, dn_rs, 0, lds_x, lds_part, W, 1, 0, wave, lane, gw, GW, finish_down)
@@ -492,7 +489,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 if wave == d.i32(0):
                     ss = d.f32(0.0)
                     for k in range(lane, H, WAVE_SIZE):
-                        dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, SITE_DOWN)
+                        dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, wait_code)
                         ss = fx.math.fma(dv, dv, ss)
                     rs_d = fx.math.rsqrt(d.warp_sum(ss) / d.f32(float(H)) + d.f32(EPS))
                     if lane == d.i32(0):
@@ -501,13 +498,13 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 rs_d = d.lds_loadf(lds_rs, 2 * W)
                 rs_o = d.lds_loadf(lds_rs, t)
                 for k in range(tid, H, WORKGROUP_SIZE):
-                    dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, SITE_DOWN)
+                    dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, wait_code)
                     pw = d.load_word(post_mlp_w, k // 2)
                     wk = ((k % 2) == d.i32(0)).select(d.bf16_lo(pw), d.bf16_hi(pw))
-                    hv = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, SITE_O), rs_o)
+                    hv = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code), rs_o)
                     res = d.round_bf16(hv + scale_fn(dv, rs_d, wk))
                     if d.is_nonfinite(res):
-                        d.raise_health(health, SITE_NONFINITE)
+                        d.raise_health(health, bad_code)
                     d.store_bf16(out, t * H + k, res)
                 gpu.barrier()
         d.finish_launch(scratch, epoch, tid, G)
@@ -518,18 +515,18 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
                   out_attn: fx.Pointer, scratch: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stream: fx.Stream = fx.Stream(None)):
         k1_kernel(x, norm_w, w_qkv, s_qkv, q_norm_w, k_norm_w, cos_sin, key_cache, value_cache, block_tables,
-                  seq_lens, slots, positions, out_attn, scratch, health, window, bt_stride, max_polls).launch(
+                  seq_lens, slots, positions, out_attn, scratch, health, window, bt_stride, max_polls, layer).launch(
             grid=(G,), block=(WORKGROUP_SIZE,), stream=stream)
 
     @flyc.jit
     def launch_k2(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
                   s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, scratch: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, stream: fx.Stream = fx.Stream(None)):
         k2_kernel(x, attn, w_o, s_o, post_attn_w, mlp_norm_w, w_gu, s_gu, w_down, s_down, post_mlp_w, out,
-                  scratch, health, max_polls).launch(grid=(G,), block=(WORKGROUP_SIZE,), stream=stream)
+                  scratch, health, max_polls, layer).launch(grid=(G,), block=(WORKGROUP_SIZE,), stream=stream)
 
     return launch_k1, launch_k2
 

@@ -1,0 +1,135 @@
+"""Ahead-of-time artifacts of the FlyDSL backend: bake (precompile) and load (runtime).
+
+FlyDSL 0.5 loads a compiled kernel only from its own disk cache, so that cache *is* the artifact:
+precompile compiles every width of K1/K2 into a fresh cache directory (in a subprocess), and
+records each cache entry plus the raw code objects (for ``inspect`` and the ISA budgets) in the
+``ArtifactStore`` manifest under the build key. At startup the runtime looks the key up (sha256
+of every file verified), copies the cache entries into a private writable directory (FlyDSL opens
+``<key>.lock`` read-write) and runs with ``FLYDSL_RUNTIME_RUN_ONLY=1``: the kernels are traced,
+found, never lowered; a miss is an error, not a compile.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from monodecode.errors import ArtifactError
+from monodecode.kernels.flydsl.arch import arch_spec
+from monodecode.kernels.flydsl.compile import Specialisation, compile_in_subprocess
+from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
+from monodecode.kernels.flydsl.toolchain import flydsl_version
+from monodecode.model.dims import ModelDims
+from monodecode.runtime.artifacts import ArtifactEntry, ArtifactStore
+from monodecode.runtime.buildkey import build_key, source_digest
+
+BACKEND = "flydsl"
+SOURCE_DIR = Path(__file__).resolve().parent
+
+
+def compiler_version() -> str:
+    return f"flydsl-{flydsl_version() or 'missing'}"
+
+
+def flydsl_build_key(arch: str, dims: ModelDims, weight_dtype: str, widths, block_size: int,
+                     tp_size: int = 1, kv_dtype: str = "bf16") -> str:
+    return build_key(BACKEND, arch, dims, weight_dtype, kv_dtype, tp_size, list(widths), block_size,
+                     source_digest(SOURCE_DIR), compiler_version())
+
+
+def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[int], weight_dtype: str = "bf16",
+               block_size: int = 16, profile: str | None = None) -> tuple[ArtifactEntry, list[dict]]:
+    """Compile every width for ``arch`` and add one manifest entry; returns it and the ISA table.
+
+    Refuses (ArtifactError) when a kernel breaks its ISA budget: such a kernel must not ship.
+    """
+    spec = arch_spec(arch)
+    widths = sorted(set(int(w) for w in widths))
+    for w in widths:  # geometry errors (bad dtype, dims) are one line, before any compile
+        Specialisation(arch, dims, w, weight_dtype, block_size).geometry()
+    key = flydsl_build_key(arch, dims, weight_dtype, widths, block_size)
+    prefix = f"flydsl/{arch}/{key[:16]}"
+    with tempfile.TemporaryDirectory(prefix="flydsl-bake-") as tmp:
+        cache = Path(tmp) / "cache"
+        compiled = compile_in_subprocess(arch, dims, widths, weight_dtype, block_size, cache)
+        files: dict[str, Path] = {}
+        table, layout = [], {}
+        for w, kernels in sorted(compiled.items()):
+            layout[str(w)] = {}
+            for name, rec in sorted(kernels.items()):
+                res = read_resources(cache / rec["hsaco"])
+                bad = budget_violations(res, spec, spec.compute_units)
+                if bad:
+                    raise ArtifactError(f"flydsl: {arch} {name} width {w} breaks its ISA budget: {'; '.join(bad)}")
+                table.append({"arch": arch, "kernel": name, "width": w, **figures(res, spec, spec.compute_units)})
+                files[f"{prefix}/cache/{rec['cache_file']}"] = cache / rec["cache_file"]
+                files[f"{prefix}/{rec['hsaco']}"] = cache / rec["hsaco"]
+                layout[str(w)][name] = {"cache_file": f"{prefix}/cache/{rec['cache_file']}",
+                                        "hsaco": f"{prefix}/{rec['hsaco']}", "resources": res.to_dict()}
+        entry = store.add(
+            build_key=key, backend=BACKEND, arch=arch, dims_digest=dims.digest(), widths=widths, files=files,
+            compiler={"name": "flydsl", "version": flydsl_version() or "missing"}, profile=profile,
+            extra={"weight_dtype": weight_dtype, "block_size": block_size, "tp_size": 1, "kernels": layout,
+                   "cache_root": f"{prefix}/cache"},
+        )
+    return entry, table
+
+
+def stage_run_cache(entry: ArtifactEntry, run_dir: Path) -> Path:
+    """Copy a verified entry's FlyDSL cache files into a writable run-only cache directory."""
+    cache_root = entry.extra.get("cache_root")
+    if not isinstance(cache_root, str):
+        raise ArtifactError(f"artifact {entry.build_key[:12]}: manifest extra lacks 'cache_root'")
+    run_dir = Path(run_dir)
+    for f in entry.files:
+        if f.path.startswith(cache_root + "/"):
+            dst = run_dir / f.path[len(cache_root) + 1:]
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(entry.path_of(f.path), dst)
+    return run_dir
+
+
+def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
+                   cache_dir: Path) -> None:
+    """Prove (in a subprocess) that every width traces to a cache hit with run-only set.
+
+    This is exactly the runtime's load path up to the first launch; on a CPU machine the launch
+    itself is skipped (COMPILE_ONLY). A miss raises ArtifactError naming the kernel.
+    """
+    req = {"arch": arch, "dims": dims.to_dict(), "widths": widths, "weight_dtype": weight_dtype,
+           "block_size": block_size, "cache_dir": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.bake"], input=json.dumps(req),
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise ArtifactError(f"flydsl: run-only load failed: {lines[-1] if lines else proc.returncode}")
+
+
+def _run_only_main() -> int:
+    import flydsl.compiler as flyc
+
+    from monodecode.kernels.flydsl.compile import (K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, _dims_from_dict,
+                                                   launchers, pointer)
+    from monodecode.kernels.flydsl.toolchain import arch_env
+
+    req = json.loads(sys.stdin.read())
+    dims = _dims_from_dict(req["dims"])
+    for w in req["widths"]:
+        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]))
+        with arch_env(spec.arch, Path(req["cache_dir"]), compile_only=True, run_only=True):
+            k1, k2 = launchers(spec)
+            for fn, args, scalars in ((k1, K1_ARGS, K1_SCALARS), (k2, K2_ARGS, K2_SCALARS)):
+                flyc.compile(fn, *[pointer(kind, None) for _, kind in args], *([0] * len(scalars)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_run_only_main())
+    except Exception as e:
+        print(f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", file=sys.stderr)
+        sys.exit(1)
