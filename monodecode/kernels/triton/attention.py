@@ -1,0 +1,153 @@
+"""K1's attention stages: split-context paged GQA attention and the merge of the splits.
+
+``attn_task`` (row r, KV head g, split s): waits for the row's q (the group's heads), k and v
+words, applies q/k-norm and RoPE (rotate-half, handled as the two halves of each head so no
+register shuffles are needed), and the split that holds the newest position writes k/v into the
+paged cache at the row's slot (then a CTA barrier makes them visible to its own tile loads).
+It then runs an online softmax over its slice of the visible context, reading K/V through the
+block table, and publishes the unnormalised partial (m, l, acc) per query head.
+
+``combine_task`` (row r, query head h): waits for the S partials of its head and writes the
+merged, normalised attention output (bf16) — K1's launch output.
+
+Visible context of a row: positions ``j < seq_len`` and, on sliding layers, ``j > pos - window``
+(the reference's rule). Padded rows (slot < 0) see nothing and produce zeros.
+"""
+
+import triton
+import triton.language as tl
+
+from monodecode.kernels.triton.gemv import mma, rms_apply
+from monodecode.kernels.triton.mailbox import pack, unpack, wait_words3
+
+
+@triton.jit
+def _head_norm(a, b, w_ptr, eps, D: tl.constexpr, ONE_PLUS: tl.constexpr):
+    """RMSNorm over each head (rows) given as its two halves ``a``, ``b`` [R, D/2] (bf16 in, bf16 out)."""
+    HALF: tl.constexpr = D // 2
+    af = a.to(tl.float32)
+    bf = b.to(tl.float32)
+    ss = tl.sum(af * af, axis=1) + tl.sum(bf * bf, axis=1)
+    rstd = 1.0 / tl.sqrt_rn(ss / D + eps)
+    d = tl.arange(0, HALF)
+    ga = tl.load(w_ptr + d).to(tl.float32)
+    gb = tl.load(w_ptr + HALF + d).to(tl.float32)
+    return rms_apply(af, rstd[:, None], ga[None, :], ONE_PLUS), rms_apply(bf, rstd[:, None], gb[None, :], ONE_PLUS)
+
+
+@triton.jit
+def _rope(a, b, cos, sin):
+    """rotate-half RoPE on the two halves (fp32 math, one rounding to bf16, like the reference)."""
+    af = a.to(tl.float32)
+    bf = b.to(tl.float32)
+    return (af * cos - bf * sin).to(tl.bfloat16), (bf * cos + af * sin).to(tl.bfloat16)
+
+
+@triton.jit
+def attn_task(
+    t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
+    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
+    NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
+    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr,
+):
+    HALF: tl.constexpr = D // 2
+    r = t // (KVH * S)
+    g = (t // S) % KVH
+    s = t % S
+    pos = tl.load(pos_ptr + r)
+    slot = tl.load(slot_ptr + r)
+    seq = tl.load(seq_ptr + r)
+    live = slot >= 0
+    dh = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    jq = tl.arange(0, GP)
+    qrow = jq < G
+    base = qkv_mb + r * NQKV
+    qp = base + (g * G + jq)[:, None] * D + dh[None, :]
+    kp = base + Q + g * D + dh
+    vp = base + Q + KV + g * D + d
+    qm = qrow[:, None] & (dh[None, :] >= 0)
+    dm = dh >= 0
+    # first halves + v, then the second halves (already there once the first poll succeeded)
+    wq1, wk1, wv, budget = wait_words3(qp, qm, kp, dm, vp, d >= 0, tag, budget, health_ptr, code)
+    wq2, wk2, _unused, budget = wait_words3(qp + HALF, qm, kp + HALF, dm, vp, d < 0, tag, budget, health_ptr, code)
+    q1 = unpack(wq1).to(tl.bfloat16)
+    q2 = unpack(wq2).to(tl.bfloat16)
+    k1 = unpack(wk1).to(tl.bfloat16)[None, :]
+    k2 = unpack(wk2).to(tl.bfloat16)[None, :]
+    v = unpack(wv).to(tl.bfloat16)
+    if QK_NORM:
+        q1, q2 = _head_norm(q1, q2, qnorm_ptr, eps, D, ONE_PLUS)
+        k1, k2 = _head_norm(k1, k2, knorm_ptr, eps, D, ONE_PLUS)
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + dh)
+    cos = tl.cos(freq).to(tl.bfloat16).to(tl.float32)[None, :]
+    sin = tl.sin(freq).to(tl.bfloat16).to(tl.float32)[None, :]
+    q1, q2 = _rope(q1, q2, cos, sin)
+    k1, k2 = _rope(k1, k2, cos, sin)
+
+    # this split's slice of the visible context
+    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0).to(tl.int32)
+    end = tl.where(live, seq, start).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
+    lo = start + s * per
+    hi = tl.minimum(lo + per, end)
+    newest = end - 1
+    if live & (lo <= newest) & (newest < hi):
+        dst = slot.to(tl.int64) * (KVH * D) + g * D
+        tl.store(kc_ptr + dst + dh[None, :], k1)
+        tl.store(kc_ptr + dst + HALF + dh[None, :], k2)
+        tl.store(vc_ptr + dst + d, v)
+        tl.debug_barrier()
+
+    m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    jt = tl.arange(0, BT)
+    for t0 in range(lo, hi, BT):
+        j = t0 + jt
+        jm = j < hi
+        blk = tl.load(bt_ptr + r * bt_stride + j // BS, mask=jm, other=0)
+        row = (blk.to(tl.int64) * BS + (j % BS)) * (KVH * D) + g * D
+        ka = tl.load(kc_ptr + row[:, None] + dh[None, :], mask=jm[:, None], other=0.0)
+        kb = tl.load(kc_ptr + row[:, None] + HALF + dh[None, :], mask=jm[:, None], other=0.0)
+        vv = tl.load(vc_ptr + row[:, None] + d[None, :], mask=jm[:, None], other=0.0)
+        sc = mma(q2, tl.trans(kb), mma(q1, tl.trans(ka), tl.zeros([GP, BT], dtype=tl.float32)))
+        sc = tl.where(jm[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(tl.bfloat16), vv, acc * alpha[:, None])
+        m_i = m_new
+
+    hrow = (r * H + g * G + jq) * S + s
+    tl.store(acc_mb + hrow[:, None] * D + d[None, :], pack(acc, tag), mask=qrow[:, None] & (d[None, :] >= 0))
+    tl.store(ml_mb + hrow * 2, pack(m_i, tag), mask=qrow)
+    tl.store(ml_mb + hrow * 2 + 1, pack(l_i, tag), mask=qrow)
+    return budget
+
+
+@triton.jit
+def combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code,
+                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr):
+    r = t // H
+    h = t % H
+    si = tl.arange(0, S)
+    d = tl.arange(0, D)
+    hrow = (r * H + h) * S + si
+    wm, wl, wa, budget = wait_words3(
+        ml_mb + hrow * 2, si >= 0, ml_mb + hrow * 2 + 1, si >= 0,
+        acc_mb + hrow[:, None] * D + d[None, :], (si[:, None] >= 0) & (d[None, :] >= 0),
+        tag, budget, health_ptr, code,
+    )
+    m = unpack(wm)
+    l = unpack(wl)
+    a = unpack(wa)
+    big = tl.max(m, axis=0)
+    wts = tl.exp(m - big)
+    den = tl.sum(wts * l, axis=0)
+    num = tl.sum(wts[:, None] * a, axis=0)
+    out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+    tl.store(out_ptr + r * Q + h * D + d, out.to(tl.bfloat16))
+    return budget

@@ -1,0 +1,140 @@
+"""Launch configuration of the Triton K1/K2: tile sizes per target and the compile-time
+constants of each width, derived from the shared plan. Pure Python (no torch, no triton), so
+the CPU compile checks and the GPU launcher use exactly the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monodecode.errors import ConfigError
+from monodecode.kernels.plan import LayerPlan, ModelPlan, K1, K2
+from monodecode.model.dims import ModelDims
+
+MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
+MAX_CHUNKS = 64  # K chunks per GEMV task: the speculative-miss mask is one int64 bit per chunk
+ROWNORM_BLOCK = 1024  # elements per chunk of the per-row norm stages
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the kernels are compiled for: ``cuda`` (warp 32) or ``hip`` (wavefront 64)."""
+
+    kind: str  # cuda | hip
+    num_warps: int
+    gemv_stages: int  # software-pipelining depth of the GEMV K loops
+    attn_tile: int  # context positions per attention tile
+    bk_narrow: int  # preferred K chunk at width 1 (FMA tile)
+    bk_wide: int  # preferred K chunk at widths > 1 (dot tile)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=256, bk_wide=128)
+# CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
+HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
+
+
+def target_for(kind: str) -> Target:
+    if kind in ("cuda",):
+        return CUDA
+    if kind in ("hip", "rocm"):
+        return HIP
+    raise ConfigError(f"triton kernels: no target for platform kind {kind!r}")
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def k_chunk(k: int, preferred: int) -> int:
+    """The K chunk of a GEMV: ``preferred`` or the next power of two that divides ``k`` into at
+    most MAX_CHUNKS chunks; smaller powers of two when ``preferred`` does not divide ``k``."""
+    for bk in (preferred, preferred * 2, preferred * 4, preferred * 8):
+        if k % bk == 0 and k // bk <= MAX_CHUNKS:
+            return bk
+    bk = preferred // 2
+    while bk >= 16:
+        if k % bk == 0 and k // bk <= MAX_CHUNKS:
+            return bk
+        bk //= 2
+    raise ConfigError(f"triton kernels: no K chunk (power of two >= 16) divides {k} into <= {MAX_CHUNKS} chunks")
+
+
+def check_dims(dims: ModelDims, widths: tuple[int, ...]) -> None:
+    """Shape limits of these kernels; each violation is one line."""
+    d = dims.head_dim
+    if d < 32 or d & (d - 1):
+        raise ConfigError(f"triton kernels: head_dim must be a power of two >= 32, got {d}")
+    if dims.gqa_group > 16:
+        raise ConfigError(f"triton kernels: at most 16 query heads per KV head, got {dims.gqa_group}")
+    bad = [w for w in widths if not 1 <= w <= MAX_WIDTH]
+    if bad:
+        raise ConfigError(f"triton kernels: widths must be in 1..{MAX_WIDTH}, got {bad}")
+
+
+def _stage(plan: LayerPlan, kernel: str, name: str):
+    return plan.stage(kernel, name)
+
+
+def _word(plan: LayerPlan, region: str) -> int:
+    return plan.region(region).word_offset
+
+
+def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, vp: int = 1) -> dict:
+    L = plan.local
+    W = plan.width
+    qkv = _stage(plan, K1, "qkv")
+    attn = _stage(plan, K1, "attn")
+    comb = _stage(plan, K1, "combine")
+    wide = W > 1
+    return dict(
+        HIDDEN=L.hidden, NQKV=L.qkv, Q=L.q, KV=L.kv, D=L.head_dim, G=L.group, GP=max(16, _pow2(L.group)),
+        KVH=L.kv_heads, H=L.heads, S=plan.attn_splits, BS=block_size, BT=target.attn_tile,
+        W=W, WP=max(16, _pow2(W)) if wide else 1, BN=qkv.rows_per_task,
+        BK=k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow), NUM_STAGES=target.gemv_stages,
+        QKV_TASKS=qkv.num_tasks, QKV_OFF=qkv.offset, ATTN_TASKS=attn.num_tasks, ATTN_OFF=attn.offset,
+        COMB_TASKS=comb.num_tasks, COMB_OFF=comb.offset,
+        EPOCH_W=_word(plan, "epoch_k1"), QKV_W=_word(plan, "qkv"), ACC_W=_word(plan, "attn_acc"),
+        ML_W=_word(plan, "attn_ml"),
+        NPROG=plan.num_workgroups, VP=vp, QK_NORM=dims.qk_norm, ONE_PLUS=dims.norm_one_plus,
+        FP8=None,  # filled per weight dtype
+    )
+
+
+def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1) -> dict:
+    L = plan.local
+    W = plan.width
+    wide = W > 1
+    bk = target.bk_wide if wide else target.bk_narrow
+    o = _stage(plan, K2, "o_proj")
+    post = _stage(plan, K2, "post")
+    gu = _stage(plan, K2, "gate_up")
+    dn = _stage(plan, K2, "down")
+    final = [s for s in plan.k2 if s.name == "final"]
+    if plan.tp_size != 1:
+        raise ConfigError("triton kernels: only tp_size 1 is implemented")
+    return dict(
+        HIDDEN=L.hidden, Q=L.q, I=L.intermediate, W=W, WP=max(16, _pow2(W)) if wide else 1,
+        O_BN=o.rows_per_task, O_BK=k_chunk(L.q, bk), GU_BN=gu.rows_per_task, GU_BK=k_chunk(L.hidden, bk),
+        D_BN=dn.rows_per_task, D_BK=k_chunk(L.intermediate, bk), NUM_STAGES=target.gemv_stages,
+        O_TASKS=o.num_tasks, O_OFF=o.offset, POST_OFF=post.offset, GU_TASKS=gu.num_tasks, GU_OFF=gu.offset,
+        D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
+        EPOCH_W=_word(plan, "epoch_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
+        ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
+        BH=ROWNORM_BLOCK, NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
+        ONE_PLUS=dims.norm_one_plus, FP8=None, GELU=dims.activation == "gelu_tanh",
+    )
+
+
+def constexprs(dims: ModelDims, mplan: ModelPlan, width: int, target: Target, block_size: int,
+               fp8: bool, vp: int = 1) -> tuple[dict, dict]:
+    plan = mplan.layers[width]
+    c1 = k1_constexprs(dims, plan, target, block_size, vp)
+    c2 = k2_constexprs(dims, plan, target, vp)
+    c1["FP8"] = c2["FP8"] = bool(fp8)
+    return c1, c2

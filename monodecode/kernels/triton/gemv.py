@@ -1,0 +1,154 @@
+"""One GEMV task of a persistent stage: rows ``[n0, n0+BN)`` of ``y[W, N] = x[W, K] @ Wt[N, K]^T``.
+
+Width 1 uses a 2-D FMA tile (``acc[BN, BK] += w * x``, one row reduction at the end); wider steps
+use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded to ``WP >= 16``
+(masked rows read nothing). The K loop is software-pipelined (``tl.range(num_stages=...)``).
+
+The input vector comes from one of three places (``SRC``):
+  0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
+  1  the launch input (bf16) as is,
+  2  mailbox words (fp32 | tag), consumed speculatively: a word that is not yet tagged counts
+     as 0 and sets its chunk's bit in a per-element int64 mask; after the loop only the chunks
+     with a miss are waited for and re-added (for exactly the elements that missed). So the
+     weight stream never stalls on a poll, and a wait costs an L2 re-read of one chunk.
+
+FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
+applied to the fp32 result, as ``Linear.__call__`` does.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+from monodecode.kernels.triton.mailbox import unpack, wait_words
+
+# Triton's CPU interpreter multiplies bf16 dot operands as raw bits; it gets fp32 operands
+# (exact for bf16 values) instead.
+INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@triton.jit
+def mma(a, b, acc):
+    """acc + a @ b with bf16 operands and fp32 accumulation (matrix instructions when compiled)."""
+    if INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
+    """RMSNorm of fp32 ``xf`` given its rstd and the raw weight ``g`` (fp32), rounded like HF:
+    Gemma ``bf16(x_hat * (1 + g))``; Llama/Qwen3 ``bf16(g * bf16(x_hat))``."""
+    xhat = xf * rstd
+    if ONE_PLUS:
+        y = xhat * (1.0 + g)
+    else:
+        y = g * xhat.to(tl.bfloat16).to(tl.float32)
+    return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
+                 BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr):
+    k = kk * BK + tl.arange(0, BK)
+    ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
+    m2 = rmask[:, None] & (k[None, :] >= 0)
+    if SRC == 2:
+        words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
+        ok = ((words >> 32) == tag) | (~m2)
+        xb = tl.where(ok, unpack(words), 0.0).to(tl.bfloat16)
+        bad = bad | ((~ok).to(tl.int64) << kk)
+    elif SRC == 0:
+        xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(norm_ptr + k).to(tl.float32)
+        xb = rms_apply(xf, rstd[:, None], g[None, :], ONE_PLUS)
+    else:
+        xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
+    return xb, bad
+
+
+@triton.jit
+def _mac(acc, w, xb, DOT: tl.constexpr):
+    if DOT:
+        acc = mma(w, tl.trans(xb), acc)
+    else:
+        acc += w.to(tl.float32) * xb.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr):
+    """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input."""
+    ss = tl.zeros([WP], dtype=tl.float32)
+    for kk in range(0, K // BK):
+        k = kk * BK + tl.arange(0, BK)
+        xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return 1.0 / tl.sqrt_rn(ss / K + eps)
+
+
+@triton.jit
+def gemv_task(
+    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N,
+    x_ptr, x_stride, norm_ptr, rstd, tag, budget, health_ptr, code,
+    K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Returns (y1[BN, WP], y2[BN, WP], budget); y2 is y1 when ``TWO`` is off."""
+    DOT: tl.constexpr = WP > 1
+    NK: tl.constexpr = K // BK
+    n = n0 + tl.arange(0, BN)
+    nmask = n < N
+    rows = tl.arange(0, WP)
+    rmask = rows < W
+    kcol = tl.arange(0, BK)
+    wp1 = w1_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
+    wp2 = w2_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
+    if DOT:
+        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
+        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
+    else:
+        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    bad = tl.zeros([WP, BK], dtype=tl.int64)
+    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
+        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
+        if TWO:
+            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
+        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
+        acc1 = _mac(acc1, w1, xb, DOT)
+        if TWO:
+            acc2 = _mac(acc2, w2, xb, DOT)
+    if SRC == 2:
+        # slow path: wait for the chunks that missed, add exactly the elements that missed
+        if tl.sum(tl.ravel((bad != 0).to(tl.int32)), axis=0) > 0:
+            for kk in range(0, NK):
+                sel = ((bad >> kk) & 1) != 0
+                if tl.sum(tl.ravel(sel.to(tl.int32)), axis=0) > 0:
+                    k = kk * BK + kcol
+                    words, budget = wait_words(
+                        x_ptr + rows[:, None] * x_stride + k[None, :], sel & rmask[:, None], tag, budget,
+                        health_ptr, code,
+                    )
+                    xb = tl.where(sel, unpack(words), 0.0).to(tl.bfloat16)
+                    w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
+                    acc1 = _mac(acc1, w1, xb, DOT)
+                    if TWO:
+                        w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
+                        acc2 = _mac(acc2, w2, xb, DOT)
+    if DOT:
+        y1 = acc1
+        y2 = acc2
+    else:
+        y1 = tl.sum(acc1, axis=1)[:, None]
+        y2 = tl.sum(acc2, axis=1)[:, None]
+    if FP8:
+        y1 = y1 * tl.load(s1_ptr + n, mask=nmask, other=0.0)[:, None]
+        if TWO:
+            y2 = y2 * tl.load(s2_ptr + n, mask=nmask, other=0.0)[:, None]
+    if not TWO:
+        y2 = y1
+    return y1, y2, budget

@@ -1,0 +1,72 @@
+"""K1: pre-norm -> QKV -> q/k-norm -> RoPE -> KV insert -> paged GQA attention (one launch).
+
+A persistent launch of ``NPROG`` programs (one per SM/CU). Stages and task tables come from
+``kernels/plan.py``: task ``t`` of a stage runs on program ``(t + OFF) % NPROG``. ``VP`` > 1 lets
+one program stand for several (used only by the CPU interpreter, which runs programs one after
+another: each stage then runs for all of them before the next stage starts).
+"""
+
+import triton
+import triton.language as tl
+
+from monodecode.kernels.triton.attention import attn_task, combine_task
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd
+from monodecode.kernels.triton.mailbox import finish_launch, launch_tag, pack
+
+
+@triton.jit
+def k1_kernel(
+    x_ptr, norm_ptr, w_ptr, s_ptr, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
+    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr,
+    window, layer, spin_limit, stall, eps, scale,
+    HIDDEN: tl.constexpr, NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
+    BS: tl.constexpr, BT: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    QKV_TASKS: tl.constexpr, QKV_OFF: tl.constexpr, ATTN_TASKS: tl.constexpr, ATTN_OFF: tl.constexpr,
+    COMB_TASKS: tl.constexpr, COMB_OFF: tl.constexpr,
+    EPOCH_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
+    NPROG: tl.constexpr, VP: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, FP8: tl.constexpr,
+):
+    epoch_ptr = mbox_ptr + EPOCH_W
+    tag = launch_tag(epoch_ptr, NPROG)
+    budget = tl.zeros([], dtype=tl.int64) + spin_limit
+    code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
+    qkv_mb = mbox_ptr + QKV_W
+    acc_mb = mbox_ptr + ACC_W
+    ml_mb = mbox_ptr + ML_W
+    rows = tl.arange(0, WP)
+    rmask = rows < W
+
+    # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
+    rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP)
+    for v in tl.static_range(VP):
+        pid = tl.program_id(0) * VP + v
+        for t in range((pid - QKV_OFF + NPROG) % NPROG, QKV_TASKS, NPROG):
+            n0 = t * BN
+            y, _y, budget = gemv_task(
+                w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd, tag, budget, health_ptr, code,
+                HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES,
+            )
+            n = n0 + tl.arange(0, BN)
+            if stall == 0:  # fault injection: never publish, so the waits below expire
+                tl.store(qkv_mb + rows[None, :] * NQKV + n[:, None], pack(y, tag),
+                         mask=(n < NQKV)[:, None] & rmask[None, :])
+
+    # stage attn: (row, KV head, context split) partials
+    for v in tl.static_range(VP):
+        pid = tl.program_id(0) * VP + v
+        for t in range((pid - ATTN_OFF + NPROG) % NPROG, ATTN_TASKS, NPROG):
+            budget = attn_task(
+                t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
+                pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
+                NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS,
+            )
+
+    # stage combine: merge the splits of each query head -> attn_out (bf16)
+    for v in tl.static_range(VP):
+        pid = tl.program_id(0) * VP + v
+        for t in range((pid - COMB_OFF + NPROG) % NPROG, COMB_TASKS, NPROG):
+            budget = combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code, Q, D, H, S)
+
+    finish_launch(epoch_ptr, VP)

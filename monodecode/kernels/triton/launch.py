@@ -1,0 +1,225 @@
+"""Host side of the Triton K1/K2: weight packing, the scratch buffer, and the launches.
+
+Everything a launch touches has a fixed device address after build (weights, scratch, per-width
+attention buffers), and nothing on the host depends on device values, so ``forward_layer`` can
+be captured in a CUDA graph and replayed. Widths are padded with inert rows (slot -1).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from monodecode.errors import ConfigError
+from monodecode.kernels.base import BuildRequest, DecodeKernels, smallest_width
+from monodecode.kernels.plan import plan_model
+from monodecode.kernels.triton.config import Target, check_dims, constexprs
+
+# A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
+# the wait timeout in polls.
+_POLL_SECONDS = 0.5e-6
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class _Layer:
+    """One layer's tensors in kernel form (fused QKV; dummies where a variant has no tensor)."""
+
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    sqkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    inv_freq: torch.Tensor
+    window: int
+    wo: torch.Tensor
+    so: torch.Tensor
+    post_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    wg: torch.Tensor
+    sg: torch.Tensor
+    wu: torch.Tensor
+    su: torch.Tensor
+    wd: torch.Tensor
+    sd: torch.Tensor
+    mlp_post_norm: torch.Tensor
+
+
+def _scale(lin, dummy):
+    return lin.scale.contiguous() if lin.scale is not None else dummy
+
+
+def pack_layer(dims, l: int, w, device) -> _Layer:
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    qkv_w = torch.cat([w.q_proj.weight, w.k_proj.weight, w.v_proj.weight], dim=0).to(device).contiguous()
+    if w.q_proj.scale is not None:
+        qkv_s = torch.cat([w.q_proj.scale, w.k_proj.scale, w.v_proj.scale]).to(device).contiguous()
+    else:
+        qkv_s = dummy
+    norm = w.attn_norm.to(device).contiguous()
+    inv = torch.tensor(dims.rope_for_layer(l).inv_freq(dims.head_dim), dtype=torch.float32, device=device)
+    return _Layer(
+        attn_norm=norm, wqkv=qkv_w, sqkv=qkv_s,
+        q_norm=(w.q_norm if w.q_norm is not None else w.attn_norm).to(device).contiguous(),
+        k_norm=(w.k_norm if w.k_norm is not None else w.attn_norm).to(device).contiguous(),
+        inv_freq=inv, window=dims.window_for_layer(l) or 0,
+        wo=w.o_proj.weight.to(device).contiguous(), so=_scale(w.o_proj, dummy).to(device),
+        post_norm=(w.attn_post_norm if w.attn_post_norm is not None else w.mlp_norm).to(device).contiguous(),
+        mlp_norm=w.mlp_norm.to(device).contiguous(),
+        wg=w.gate_proj.weight.to(device).contiguous(), sg=_scale(w.gate_proj, dummy).to(device),
+        wu=w.up_proj.weight.to(device).contiguous(), su=_scale(w.up_proj, dummy).to(device),
+        wd=w.down_proj.weight.to(device).contiguous(), sd=_scale(w.down_proj, dummy).to(device),
+        mlp_post_norm=(w.mlp_post_norm if w.mlp_post_norm is not None else w.mlp_norm).to(device).contiguous(),
+    )
+
+
+def k1_args(L: _Layer, x, kc, vc, meta, out, scratch, health, layer: int, spin_limit: int, stall: int, dims) -> list:
+    """Runtime arguments of ``k1_kernel`` in signature order."""
+    return [
+        x, L.attn_norm, L.wqkv, L.sqkv, L.q_norm, L.k_norm, L.inv_freq, kc, vc,
+        meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
+        out, scratch, health, L.window, layer, spin_limit, stall, float(dims.rms_norm_eps), float(dims.attn_scale),
+    ]
+
+
+def k2_args(L: _Layer, x, attn, out, scratch, health, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
+    """Runtime arguments of ``k2_kernel`` in signature order."""
+    return [
+        x, attn, L.wo, L.so, L.post_norm, L.mlp_norm, L.wg, L.sg, L.wu, L.su, L.wd, L.sd, L.mlp_post_norm,
+        out, scratch, health, layer, spin_limit, nan_fault, float(dims.rms_norm_eps),
+    ]
+
+
+class _Meta:
+    """Decode metadata in the dtypes the kernels read (int64 positions/slots, int32 tables/lengths)."""
+
+    def __init__(self, meta, device):
+        self.positions = meta.positions.to(device=device, dtype=torch.int64).contiguous()
+        self.slot_mapping = meta.slot_mapping.to(device=device, dtype=torch.int64).contiguous()
+        self.block_tables = meta.block_tables.to(device=device, dtype=torch.int32).contiguous()
+        self.seq_lens = meta.seq_lens.to(device=device, dtype=torch.int32).contiguous()
+
+
+class TritonKernels(DecodeKernels):
+    """K1/K2 for every built width of one model on one device."""
+
+    def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device):
+        from monodecode.kernels.triton.k1 import k1_kernel
+        from monodecode.kernels.triton.k2 import k2_kernel
+
+        dims = req.dims
+        check_dims(dims, req.widths)
+        self.req = req
+        self.dims = dims
+        self.widths = req.widths
+        self.target = target
+        self.device = torch.device(device)
+        self.interpret = interpreting()
+        # The interpreter runs programs one after another: one instance plays all of them, stage by stage.
+        self.grid = 1 if self.interpret else num_programs
+        vp = num_programs if self.interpret else 1
+        self.plan = plan_model(dims, req.tp_size, req.widths, num_programs)
+        self.fp8 = req.weight_dtype in ("fp8", "fp8_fnuz")
+        have = weights.layers[0].q_proj.kind if weights.layers else req.weight_dtype
+        if have != req.weight_dtype:
+            raise ConfigError(f"triton kernels: built for {req.weight_dtype} weights but the model has {have}")
+        self.consts = {w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, vp) for w in req.widths}
+        self.layers = [pack_layer(dims, l, w, self.device) for l, w in enumerate(weights.layers)]
+        self.scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=self.device)
+        self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
+        self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
+        self.spin_limit = max(1000, int(req.wait_timeout_s / _POLL_SECONDS))
+        self._k1 = k1_kernel
+        self._k2 = k2_kernel
+        self._opts = {"num_warps": target.num_warps}
+        if target.kind == "cuda" and not self.interpret:
+            self._opts["launch_cooperative_grid"] = True  # refuses a grid that cannot be co-resident
+        self._armed: Any = None
+
+    # -- launches ------------------------------------------------------------------------------
+
+    def _width(self, rows: int) -> int:
+        w = smallest_width(self.widths, rows)
+        if w is None:
+            raise ConfigError(f"triton kernels: {rows} rows exceed the largest built width {self.widths[-1]}")
+        return w
+
+    def _pad(self, x, meta, width):
+        rows = x.shape[0]
+        if rows < width:
+            x = torch.cat([x, torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)])
+            meta = meta.pad_to(width)
+        return x.contiguous(), _Meta(meta, self.device)
+
+    def _take_fault(self, layer: int, kind: str) -> int:
+        f = self._armed
+        if f is not None and f.kind == kind and f.layer == layer:
+            self._armed = None
+            return 1
+        return 0
+
+    def _launch_k1(self, layer, x, meta, kv, width, stall=0):
+        if kv.block_size != self.req.block_size:
+            raise ConfigError(f"triton kernels: built for KV block size {self.req.block_size}, cache has {kv.block_size}")
+        out = self.attn[width]
+        args = k1_args(self.layers[layer], x, kv.key[layer], kv.value[layer], meta, out, self.scratch,
+                       self.health_word, layer, self.spin_limit, stall, self.dims)
+        self._k1[(self.grid,)](*args, **self.consts[width][0], **self._opts)
+        return out
+
+    def _launch_k2(self, layer, x, attn, width, nan_fault=0):
+        out = torch.empty(width, self.dims.hidden_size, dtype=torch.bfloat16, device=self.device)
+        args = k2_args(self.layers[layer], x, attn, out, self.scratch, self.health_word, layer, self.spin_limit,
+                       nan_fault, self.dims)
+        self._k2[(self.grid,)](*args, **self.consts[width][1], **self._opts)
+        return out
+
+    def k1(self, layer, x, meta, kv):
+        rows = x.shape[0]
+        width = self._width(rows)
+        xp, m = self._pad(x, meta, width)
+        return self._launch_k1(layer, xp, m, kv, width)[:rows].clone()
+
+    def k2(self, layer, x, attn):
+        rows = x.shape[0]
+        width = self._width(rows)
+        xp = x.contiguous()
+        ap = attn.to(torch.bfloat16).contiguous()
+        if rows < width:
+            pad = torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)
+            xp = torch.cat([xp, pad])
+            ap = torch.cat([ap, torch.zeros(width - rows, ap.shape[1], dtype=ap.dtype, device=ap.device)])
+        return self._launch_k2(layer, xp, ap, width)[:rows]
+
+    def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
+        rows = x.shape[0]
+        width = self._width(rows)
+        xp, m = self._pad(x, meta, width)
+        attn = self._launch_k1(layer, xp, m, kv, width, stall=self._take_fault(layer, "stall"))
+        out = self._launch_k2(layer, xp, attn, width, nan_fault=self._take_fault(layer, "nonfinite"))
+        return out if rows == width else out[:rows]
+
+    # -- health and faults --------------------------------------------------------------------
+
+    def health(self) -> int:
+        return int(self.health_word.item())
+
+    def reset_health(self) -> None:
+        self.health_word.zero_()
+
+    def arm_fault(self, fault: Any) -> bool:
+        if fault.kind not in ("stall", "nonfinite") or not 0 <= fault.layer < len(self.layers):
+            return False
+        self._armed = fault
+        return True
+
+    def close(self) -> None:
+        self.layers = []
+        self.scratch = torch.zeros(1, dtype=torch.int64)
+        self.attn = {}
