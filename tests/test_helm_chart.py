@@ -333,7 +333,8 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     assert restricted_violations(test_pod["spec"]) == []
     svc = one(docs, "Service")
     assert test_pod["spec"]["containers"][0]["command"] == [
-        "monodecode-ops", "verify", "--endpoint", f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
+        "monodecode-ops", "verify", "--no-self-test", "--endpoint",
+        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
     ]
 
     monitoring_kinds = {"ServiceMonitor", "PrometheusRule"}
