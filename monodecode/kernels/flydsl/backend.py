@@ -151,8 +151,8 @@ class FlyDSLKernels(DecodeKernels):
 
             self._layers.append({
                 "attn_norm": one(lw.attn_norm), "qkv": cat(lw.q_proj, lw.k_proj, lw.v_proj),
-                "q_norm": one(lw.q_norm if lw.q_norm is not None else torch.ones(self.dims.head_dim)),
-                "k_norm": one(lw.k_norm if lw.k_norm is not None else torch.ones(self.dims.head_dim)),
+                "q_norm": one(lw.q_norm if lw.q_norm is not None else torch.ones(self.dims.head_dim, dtype=torch.bfloat16)),
+                "k_norm": one(lw.k_norm if lw.k_norm is not None else torch.ones(self.dims.head_dim, dtype=torch.bfloat16)),
                 "o": cat(lw.o_proj), "post_attn": one(lw.attn_post_norm), "mlp_norm": one(lw.mlp_norm),
                 "gu": cat(lw.gate_proj, lw.up_proj), "down": cat(lw.down_proj), "post_mlp": one(lw.mlp_post_norm),
             })
