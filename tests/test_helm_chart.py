@@ -289,13 +289,13 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     # GPUs = TP size; the image and the nodes are the arch's
     for kind in ("requests", "limits"):
         assert c["resources"][kind]["amd.com/gpu"] == str(tp)
-    assert c["image"] == f"monodecode/vllm-monodecode:0.1.0-{arch}"
+    assert c["image"] == f"vllm-monodecode:0.1.0-{arch}"
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == [{"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}]}]
 
     # vLLM arguments, and the mono decode options as MonoConfig reads them
     args = c["args"]
-    assert c["command"] == ["vllm", "serve"]
+    assert "command" not in c and args[0] == "serve", "the image's entrypoint runs vllm serve"
     assert arg_after(args, "--tensor-parallel-size") == str(tp)
     mono = MonoConfig.from_additional_config(json.loads(arg_after(args, "--additional-config")))
     assert mono.enabled and mono.on_refusal == on_refusal and mono.widths == (1, 2, 4, 8) and not mono.allow_jit
@@ -307,12 +307,12 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     # model source
     env = {e["name"]: e for e in c["env"]}
     if source == "hf":
-        assert args[0] == "Qwen/Qwen3-8B"
+        assert args[1] == "Qwen/Qwen3-8B"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
         assert env["HF_HOME"]["value"].startswith(mounts["model"]["mountPath"])
         assert not mounts["model"].get("readOnly")
     else:
-        assert args[0] == "/models/qwen3-8b"
+        assert args[1] == "/models/qwen3-8b"
         assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
         assert mounts["model"]["readOnly"] is True and env["HF_HUB_OFFLINE"]["value"] == "1"
         assert "HF_TOKEN" not in env
@@ -364,7 +364,8 @@ def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
     docs = render(tmp_path, {"monodecode": {"enabled": False}, "prometheusRule": {"enabled": True},
                              "rulesConfigMap": {"enabled": True}})
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--additional-config" not in args
+    # explicit: the image's entrypoint turns mono decode on unless told otherwise
+    assert json.loads(arg_after(args, "--additional-config"))["monodecode"]["enabled"] is False
     assert not by_kind(docs, "PrometheusRule") and not by_kind(docs, "ConfigMap")
 
 
@@ -540,3 +541,44 @@ def test_notes_render_with_the_release(tmp_path):
     assert "amd.com/gpu.device-id in (75a0, 75a3, 75a8)" in notes
     assert "helm test rel -n llm --logs" in notes
     assert "up to 1800s" in notes
+
+
+# ---- the chart's arguments through the image's entrypoint ---------------------------------------
+
+ENTRYPOINT = REPO / "images" / "build" / "entrypoint.py"
+
+
+@pytest.mark.parametrize("values", [
+    {},
+    {"monodecode": {"enabled": False}},
+    {"model": {"source": "pvc", "pvc": {"claimName": "m", "path": "llama"}}, "vllm": {"tensorParallelSize": 8},
+     "monodecode": {"onRefusal": "degrade", "artifactDir": "/mnt/kernels", "widths": [1, 8]}},
+], ids=["default", "mono-off", "pvc-degrade-artifacts"])
+def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
+    """What the container runs: the image's entrypoint (dry run) turns the chart's args into
+    `vllm serve` with the options MonoConfig accepts, the image's artifact dir filled in."""
+    import sys
+
+    from monodecode.config import MonoConfig
+
+    c = one(render(tmp_path, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {"PATH": os.environ.get("PATH", ""), "MONODECODE_ENTRYPOINT_PRINT": "1",
+           "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts"}
+    env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
+    proc = subprocess.run([sys.executable, str(ENTRYPOINT), *c["args"]], capture_output=True, text=True, env=env,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    cmd = json.loads(proc.stdout)
+    assert cmd[:3] == ["vllm", "serve", c["args"][1]]
+    mono = MonoConfig.from_additional_config(json.loads(arg_after(cmd, "--additional-config")))
+    want = values.get("monodecode", {})
+    assert mono.enabled is want.get("enabled", True)
+    assert mono.on_refusal == want.get("onRefusal", "raise")
+    assert mono.artifact_dir == want.get("artifactDir", "/opt/monodecode/artifacts")
+    assert mono.failstop_dir == "/var/lib/monodecode/failstop"
+    assert arg_after(cmd, "--tensor-parallel-size") == str(values.get("vllm", {}).get("tensorParallelSize", 1))
+    # every chart argument but the config reaches vllm unchanged
+    chart_rest = [a for a in c["args"][2:]]
+    i = chart_rest.index("--additional-config")
+    del chart_rest[i:i + 2]
+    assert cmd[5:] == chart_rest
