@@ -38,6 +38,17 @@ from monodecode.runtime.vote import RankVote, StepInfo
 from monodecode.spec import Deployment, refusal_reasons, reason_code
 
 OFF, MONO, DEGRADED = "off", "mono", "degraded"
+# startup vote levels (MIN over ranks): refuse < degrade-only (crash-loop guard) < ok
+_REFUSE, _DEGRADE_ONLY, _OK = 0, 1, 2
+_DEGRADE_ONLY_CODES = {"failstop_loop"}
+
+
+def _level(reasons: list[str]) -> int:
+    if not reasons:
+        return _OK
+    if all(reason_code(r) in _DEGRADE_ONLY_CODES for r in reasons):
+        return _DEGRADE_ONLY
+    return _REFUSE
 STEP_GRAPH_MODES_OK = ("none", "full", "full_decode_only")
 
 
@@ -232,16 +243,19 @@ class Runner:
                 reasons.extend(refusal_reasons(deployment, backend.kernel_spec(self.platform, cfg.widths)))
 
         # vote 1: every rank agrees before anything (possibly collective) is built
-        if not self.vote.agree(not reasons) and not reasons:
+        agreed = self.vote.min_vote(_level(reasons))
+        if agreed < _OK and not reasons:
             reasons.append("peer_refused: another tensor-parallel rank refused; see its log")
-        if not reasons:
+        if agreed == _OK:
             reasons.extend(self._build_and_warm(backend, req, store))
-        # vote 2: warm-up results
-        if not self.vote.agree(not reasons) and not reasons:
-            reasons.append("peer_refused: warm-up failed on another tensor-parallel rank; see its log")
+            # vote 2: warm-up results
+            agreed = self.vote.min_vote(_level(reasons))
+            if agreed < _OK and not reasons:
+                reasons.append("peer_refused: warm-up failed on another tensor-parallel rank; see its log")
 
         if reasons:
-            self._refuse(reasons)
+            # a crash loop always degrades (raising would restart into the same loop)
+            self._refuse(reasons, force_degrade=agreed == _DEGRADE_ONLY)
         else:
             self.state = MONO
             if self.metrics is not None:
@@ -253,12 +267,12 @@ class Runner:
                 self.metrics.set_warmup(self.warmup.duration_s, self.warmup.max_abs_error)
         return self
 
-    def _refuse(self, reasons: list[str]) -> None:
+    def _refuse(self, reasons: list[str], force_degrade: bool = False) -> None:
         self.reasons = reasons
         if self.kernels is not None:
             self.kernels.close()
             self.kernels = None
-        if self.config.on_refusal == "raise":
+        if self.config.on_refusal == "raise" and not force_degrade:
             raise RefusalError(reasons)
         self.state = DEGRADED
         if self.metrics is not None:

@@ -274,6 +274,7 @@ def register(app: typer.Typer) -> None:
         artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."),
         failstop_dir: Optional[Path] = typer.Option(None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."),
         serve_seconds: float = typer.Option(0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."),
+        wait_timeout_s: float = typer.Option(10.0, "--wait-timeout-s", help="Bound on every kernel wait (fail-stop drills use a short one)."),
     ) -> None:
         """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and
         optionally check an image and a live server's metrics."""
@@ -289,7 +290,7 @@ def register(app: typer.Typer) -> None:
             raise MonodecodeError(f"--serve-seconds must be >= 0, got {serve_seconds}")
         if endpoint is not None:
             _metrics_url(endpoint)  # bad URL: usage error before any work
-        overrides: dict[str, Any] = {"backend": backend}
+        overrides: dict[str, Any] = {"backend": backend, "wait_timeout_s": wait_timeout_s}
         parsed_widths = _parse_widths(widths)
         if parsed_widths is not None:
             overrides["widths"] = parsed_widths
@@ -322,8 +323,10 @@ def register(app: typer.Typer) -> None:
             if endpoint:
                 checks += endpoint_checks(endpoint)
             if image:
-                from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
-
+                try:
+                    from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
+                except ImportError as e:
+                    raise MonodecodeError(f"--image needs monodecode_ops.images, which cannot be imported: {e}") from None
                 checks += verify_image(image, platform)
             code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
             if exporter is not None and serve_seconds > 0:
