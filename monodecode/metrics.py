@@ -35,7 +35,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "monodecode_fallback_steps_total": ("counter", ("reason",), "Steps that took the stock path, by reason"),
     "monodecode_step_duration_seconds": ("histogram", ("path",), "Wall time of a step's decoder-layer stack, by path"),
     "monodecode_warmup_duration_seconds": ("gauge", (), "Duration of the last warm-up (build + golden check of every width)"),
-    "monodecode_warmup_max_abs_error": ("gauge", (), "Largest |kernel - reference| of the warm-up golden check over all widths and layers"),
+    "monodecode_warmup_max_abs_error": ("gauge", (), "Largest absolute difference between kernel and reference in the warm-up golden check (all widths, layers)"),
     "monodecode_failstop_total": ("counter", ("site",), "Fail-stops recorded in this rank's marker (survives restarts), by site"),
     "monodecode_last_failstop_timestamp_seconds": ("gauge", (), "Unix time of the last recorded fail-stop (0 if none)"),
 }
