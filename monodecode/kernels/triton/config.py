@@ -12,7 +12,6 @@ from monodecode.kernels.plan import LayerPlan, ModelPlan, K1, K2
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
-MAX_CHUNKS = 64  # K chunks per GEMV task: the speculative-miss mask is one int64 bit per chunk
 ROWNORM_BLOCK = 1024  # elements per chunk of the per-row norm stages
 
 
@@ -52,17 +51,13 @@ def _pow2(n: int) -> int:
 
 
 def k_chunk(k: int, preferred: int) -> int:
-    """The K chunk of a GEMV: ``preferred`` or the next power of two that divides ``k`` into at
-    most MAX_CHUNKS chunks; smaller powers of two when ``preferred`` does not divide ``k``."""
-    for bk in (preferred, preferred * 2, preferred * 4, preferred * 8):
-        if k % bk == 0 and k // bk <= MAX_CHUNKS:
-            return bk
-    bk = preferred // 2
+    """The K chunk of a GEMV: ``preferred``, or the largest smaller power of two dividing ``k``."""
+    bk = preferred
     while bk >= 16:
-        if k % bk == 0 and k // bk <= MAX_CHUNKS:
+        if k % bk == 0:
             return bk
         bk //= 2
-    raise ConfigError(f"triton kernels: no K chunk (power of two >= 16) divides {k} into <= {MAX_CHUNKS} chunks")
+    raise ConfigError(f"triton kernels: no K chunk (power of two >= 16) divides {k}")
 
 
 def check_dims(dims: ModelDims, widths: tuple[int, ...]) -> None:
@@ -126,7 +121,7 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1)
         D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
         EPOCH_W=_word(plan, "epoch_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
-        BH=ROWNORM_BLOCK, NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
+        BH=ROWNORM_BLOCK, SENT_BLOCK=max(16, 2048 // (max(16, _pow2(W)) if wide else 1)), NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
         ONE_PLUS=dims.norm_one_plus, FP8=None, GELU=dims.activation == "gelu_tanh",
     )
 

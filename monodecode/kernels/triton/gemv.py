@@ -7,10 +7,10 @@ use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded 
 The input vector comes from one of three places (``SRC``):
   0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
   1  the launch input (bf16) as is,
-  2  mailbox words (fp32 | tag), consumed speculatively: a word that is not yet tagged counts
-     as 0 and sets its chunk's bit in a per-element int64 mask; after the loop only the chunks
-     with a miss are waited for and re-added (for exactly the elements that missed). So the
-     weight stream never stalls on a poll, and a wait costs an L2 re-read of one chunk.
+  2  mailbox words (fp32 | tag). The stage first waits for one sentinel word per producer task
+     (``wait_sentinels``, a few vector polls); the K loop then streams with ``.cg`` loads and
+     checks every tag without stalling. A miss (a producer's other words not yet visible) is
+     rare; it makes the task wait for every word and recompute (weights then come from L2).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does.
@@ -58,8 +58,8 @@ def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
     if SRC == 2:
         words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
         ok = ((words >> 32) == tag) | (~m2)
-        xb = tl.where(ok, unpack(words), 0.0).to(tl.bfloat16)
-        bad = bad | ((~ok).to(tl.int64) << kk)
+        xb = unpack(words).to(tl.bfloat16)
+        bad = bad | (~ok).to(tl.int32)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         g = tl.load(norm_ptr + k).to(tl.float32)
@@ -90,6 +90,42 @@ def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
+def wait_sentinels(base, row_stride, col_stride, ncols, tag, budget, health_ptr, code,
+                   W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr):
+    """Wait until word ``base[r*row_stride + c*col_stride]`` carries the tag for every row r < W
+    and column c < ncols: one word per producer task (its last store), polled as vectors."""
+    rows = tl.arange(0, WP)
+    for c0 in range(0, ncols, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        m = (rows[:, None] < W) & (c[None, :] < ncols)
+        _w, budget = wait_words(base + rows[:, None] * row_stride + c[None, :] * col_stride, m, tag, budget,
+                                health_ptr, code)
+    return budget
+
+
+@triton.jit
+def _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
+               NK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, SRC: tl.constexpr,
+               TWO: tl.constexpr, DOT: tl.constexpr, ONE_PLUS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    if DOT:
+        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
+        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
+    else:
+        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    bad = tl.zeros([WP, BK], dtype=tl.int32)
+    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
+        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
+        if TWO:
+            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
+        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
+        acc1 = _mac(acc1, w1, xb, DOT)
+        if TWO:
+            acc2 = _mac(acc2, w2, xb, DOT)
+    return acc1, acc2, tl.sum(tl.ravel(bad), axis=0)
+
+
+@triton.jit
 def gemv_task(
     w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N,
     x_ptr, x_stride, norm_ptr, rstd, tag, budget, health_ptr, code,
@@ -97,7 +133,10 @@ def gemv_task(
     SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Returns (y1[BN, WP], y2[BN, WP], budget); y2 is y1 when ``TWO`` is off."""
+    """Returns (y1[BN, WP], y2[BN, WP], budget); y2 is y1 when ``TWO`` is off.
+
+    With mailbox input (SRC 2) the caller has waited for one sentinel word per producer; the
+    pass still checks every word's tag and, on any miss, waits for every word and recomputes."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = K // BK
     n = n0 + tl.arange(0, BN)
@@ -107,38 +146,16 @@ def gemv_task(
     kcol = tl.arange(0, BK)
     wp1 = w1_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
     wp2 = w2_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
-    if DOT:
-        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
-        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
-    else:
-        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
-        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
-    bad = tl.zeros([WP, BK], dtype=tl.int64)
-    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
-        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
-        if TWO:
-            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
-        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
-        acc1 = _mac(acc1, w1, xb, DOT)
-        if TWO:
-            acc2 = _mac(acc2, w2, xb, DOT)
+    acc1, acc2, bad = _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
+                                 NK, BN, BK, WP, SRC, TWO, DOT, ONE_PLUS, NUM_STAGES)
     if SRC == 2:
-        # slow path: wait for the chunks that missed, add exactly the elements that missed
-        if tl.sum(tl.ravel((bad != 0).to(tl.int32)), axis=0) > 0:
+        if bad > 0:  # rare: a word was not there yet; wait for all of them, then redo the task
             for kk in range(0, NK):
-                sel = ((bad >> kk) & 1) != 0
-                if tl.sum(tl.ravel(sel.to(tl.int32)), axis=0) > 0:
-                    k = kk * BK + kcol
-                    words, budget = wait_words(
-                        x_ptr + rows[:, None] * x_stride + k[None, :], sel & rmask[:, None], tag, budget,
-                        health_ptr, code,
-                    )
-                    xb = tl.where(sel, unpack(words), 0.0).to(tl.bfloat16)
-                    w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
-                    acc1 = _mac(acc1, w1, xb, DOT)
-                    if TWO:
-                        w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
-                        acc2 = _mac(acc2, w2, xb, DOT)
+                k = kk * BK + kcol
+                _w, budget = wait_words(x_ptr + rows[:, None] * x_stride + k[None, :],
+                                        rmask[:, None] & (k[None, :] >= 0), tag, budget, health_ptr, code)
+            acc1, acc2, bad = _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
+                                         NK, BN, BK, WP, SRC, TWO, DOT, ONE_PLUS, NUM_STAGES)
     if DOT:
         y1 = acc1
         y2 = acc2

@@ -8,7 +8,7 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, rms_apply
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply, wait_sentinels
 from monodecode.kernels.triton.mailbox import finish_launch, launch_tag, pack, unpack, wait_words
 
 
@@ -114,7 +114,7 @@ def k2_kernel(
     O_TASKS: tl.constexpr, O_OFF: tl.constexpr, POST_OFF: tl.constexpr, GU_TASKS: tl.constexpr,
     GU_OFF: tl.constexpr, D_TASKS: tl.constexpr, D_OFF: tl.constexpr, FIN_OFF: tl.constexpr,
     EPOCH_W: tl.constexpr, O_W: tl.constexpr, H_W: tl.constexpr, HN_W: tl.constexpr,
-    ACT_W: tl.constexpr, D_W: tl.constexpr, BH: tl.constexpr,
+    ACT_W: tl.constexpr, D_W: tl.constexpr, BH: tl.constexpr, SENT_BLOCK: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr,
     FP8: tl.constexpr, GELU: tl.constexpr,
 ):
@@ -154,7 +154,10 @@ def k2_kernel(
     # gate/up + activation
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - GU_OFF + NPROG) % NPROG, GU_TASKS, NPROG):
+        first = (pid - GU_OFF + NPROG) % NPROG
+        if first < GU_TASKS:  # each row's post task writes its last hn word last
+            budget = wait_sentinels(hn_mb + HIDDEN - 1, HIDDEN, 0, 1, tag, budget, health_ptr, code, W, WP, 16)
+        for t in range(first, GU_TASKS, NPROG):
             n0 = t * GU_BN
             g, u, budget = gemv_task(
                 wg_ptr, sg_ptr, wu_ptr, su_ptr, n0, I, hn_mb, HIDDEN, post_w_ptr, zero, tag, budget,
@@ -170,7 +173,10 @@ def k2_kernel(
     # down (+ residual, unless a final norm stage follows)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - D_OFF + NPROG) % NPROG, D_TASKS, NPROG):
+        first = (pid - D_OFF + NPROG) % NPROG
+        if first < D_TASKS:  # one word of every gate/up task's output tile
+            budget = wait_sentinels(act_mb, I, GU_BN, GU_TASKS, tag, budget, health_ptr, code, W, WP, SENT_BLOCK)
+        for t in range(first, D_TASKS, NPROG):
             n0 = t * D_BN
             y, _y, budget = gemv_task(
                 wd_ptr, sd_ptr, wd_ptr, sd_ptr, n0, HIDDEN, act_mb, I, post_w_ptr, zero, tag, budget,

@@ -110,9 +110,6 @@ class TritonKernels(DecodeKernels):
     """K1/K2 for every built width of one model on one device."""
 
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device):
-        from monodecode.kernels.triton.k1 import k1_kernel
-        from monodecode.kernels.triton.k2 import k2_kernel
-
         dims = req.dims
         check_dims(dims, req.widths)
         self.req = req
@@ -134,13 +131,39 @@ class TritonKernels(DecodeKernels):
         self.scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=self.device)
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
-        self.spin_limit = max(1000, int(req.wait_timeout_s / _POLL_SECONDS))
-        self._k1 = k1_kernel
-        self._k2 = k2_kernel
-        self._opts = {"num_warps": target.num_warps}
-        if target.kind == "cuda" and not self.interpret:
-            self._opts["launch_cooperative_grid"] = True  # refuses a grid that cannot be co-resident
+        self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._armed: Any = None
+        self._compiled = {} if self.interpret else self._compile(req)
+
+    def _compile(self, req: BuildRequest) -> dict:
+        """Compile K1/K2 of every width (Triton's cache makes a rebuild cheap)."""
+        import triton
+
+        from monodecode.kernels.triton.offline import kernel_sources
+
+        gpu = triton.runtime.driver.active.get_current_target()
+        opts = {"num_warps": self.target.num_warps}
+        if self.target.kind == "cuda":
+            opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
+        out = {}
+        for w in req.widths:
+            srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target))
+            out[w] = (triton.compile(srcs["k1"], target=gpu, options=opts),
+                      triton.compile(srcs["k2"], target=gpu, options=opts))
+        return out
+
+    def _run(self, which: int, width: int, args: list) -> None:
+        if self.interpret:
+            from monodecode.kernels.triton.k1 import k1_kernel
+            from monodecode.kernels.triton.k2 import k2_kernel
+
+            fn = (k1_kernel, k2_kernel)[which]
+            fn[(self.grid,)](*args, **self.consts[width][which])
+            return
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
+                raise ConfigError("triton kernels: every tensor argument must be 16-byte aligned")
+        self._compiled[width][which][(self.grid, 1, 1)](*args)
 
     # -- launches ------------------------------------------------------------------------------
 
@@ -170,14 +193,14 @@ class TritonKernels(DecodeKernels):
         out = self.attn[width]
         args = k1_args(self.layers[layer], x, kv.key[layer], kv.value[layer], meta, out, self.scratch,
                        self.health_word, layer, self.spin_limit, stall, self.dims)
-        self._k1[(self.grid,)](*args, **self.consts[width][0], **self._opts)
+        self._run(0, width, args)
         return out
 
     def _launch_k2(self, layer, x, attn, width, nan_fault=0):
         out = torch.empty(width, self.dims.hidden_size, dtype=torch.bfloat16, device=self.device)
         args = k2_args(self.layers[layer], x, attn, out, self.scratch, self.health_word, layer, self.spin_limit,
                        nan_fault, self.dims)
-        self._k2[(self.grid,)](*args, **self.consts[width][1], **self._opts)
+        self._run(1, width, args)
         return out
 
     def k1(self, layer, x, meta, kv):
