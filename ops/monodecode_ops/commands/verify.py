@@ -276,8 +276,7 @@ def register(app: typer.Typer) -> None:
         serve_seconds: float = typer.Option(0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."),
         wait_timeout_s: float = typer.Option(10.0, "--wait-timeout-s", help="Bound on every kernel wait (fail-stop drills use a short one)."),
     ) -> None:
-        """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and
-        optionally check an image and a live server's metrics."""
+        """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and optionally check an image and a live server's metrics."""
         from monodecode.metrics import start_exporter
         from monodecode.model.weights import WEIGHT_DTYPES
         from monodecode.runtime.platform import detect_platform
@@ -300,6 +299,9 @@ def register(app: typer.Typer) -> None:
 
         MonoConfig.from_dict({**overrides}, where="verify options")  # validate before starting anything
 
+        import prometheus_client
+
+        prometheus_client.disable_created_metrics()  # this process only: keeps the page to the contract
         exporter = start_exporter(metrics_port) if self_test_on else None
         tmp = tempfile.TemporaryDirectory(prefix="monodecode-verify-")
         try:
@@ -327,7 +329,12 @@ def register(app: typer.Typer) -> None:
                     from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
                 except ImportError as e:
                     raise MonodecodeError(f"--image needs monodecode_ops.images, which cannot be imported: {e}") from None
-                checks += verify_image(image, platform)
+                image_dims = None
+                if model is not None:  # only an explicit model is checked against the image's artifacts
+                    from monodecode.model import load_dims
+
+                    image_dims = load_dims(model)
+                checks += verify_image(image, platform, dims=image_dims)
             code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
             if exporter is not None and serve_seconds > 0:
                 if not as_json:

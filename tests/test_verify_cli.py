@@ -1,0 +1,211 @@
+"""`monodecode-ops verify` through Typer's CliRunner, plus one real process of the console script.
+
+The tiny model is generated into a per-session cache directory (MONODECODE_CACHE_DIR)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from typer.testing import CliRunner
+
+from monodecode.metrics import MonoMetrics, start_exporter
+from monodecode_ops.cli import app
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("MONODECODE_CACHE_DIR")
+    os.environ["MONODECODE_CACHE_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("MONODECODE_CACHE_DIR", None)
+    else:
+        os.environ["MONODECODE_CACHE_DIR"] = old
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(app, ["verify", *args], env=env, catch_exceptions=False)
+
+
+def checks_of(result):
+    doc = json.loads(result.stdout)
+    return doc, {c["name"]: c for c in doc["checks"]}
+
+
+def test_cpu_self_test_passes_with_fallback_accounting():
+    r = invoke("--json", "--widths", "1,2,4")
+    assert r.exit_code == 0, r.output
+    doc, c = checks_of(r)
+    assert doc["verdict"] == "pass" and doc["platform"]["kind"] == "cpu"
+    assert c["gpu"]["status"] == "skip" and "GPU checks skipped" in c["gpu"]["detail"]
+    assert c["backend reference"]["status"] == "pass"
+    assert c["warm-up golden check"]["status"] == "pass" and "widths 1,2,4" in c["warm-up golden check"]["detail"]
+    assert c["decode vs reference"]["status"] == "pass"
+    acc = c["fallback accounting"]
+    assert acc["status"] == "pass" and acc["data"]["counted"]["rows_exceed_width"] >= 1
+    assert acc["data"]["counted"]["prefill"] >= 1 and acc["data"]["counted"]["mono"] >= 4
+    assert doc["metrics_url"].startswith("http://127.0.0.1:")
+    assert {s["expected_reason"] for s in doc["steps"]} >= {None, "prefill", "mixed_batch", "rows_exceed_width", "graph_mode"}
+
+
+def test_human_table():
+    r = invoke("--widths", "1,2")
+    assert r.exit_code == 0, r.output
+    assert "metrics served at http://127.0.0.1:" in r.stdout
+    assert "fallback accounting" in r.stdout and "verdict: PASS" in r.stdout
+
+
+def test_require_gpu_fails_on_cpu():
+    r = invoke("--json", "--require-gpu", "--no-self-test")
+    assert r.exit_code == 1
+    doc, c = checks_of(r)
+    assert doc["verdict"] == "fail" and c["gpu"]["status"] == "fail" and "--require-gpu" in c["gpu"]["detail"]
+
+
+def test_unavailable_backend_is_a_failed_check_not_a_crash():
+    r = invoke("--json", "--backend", "triton", "--widths", "1")
+    assert r.exit_code == 1
+    _, c = checks_of(r)
+    assert c["refusal rules"]["status"] == "fail" and "backend_unavailable" in c["refusal rules"]["detail"]
+
+
+def test_stall_drill_fail_stops_without_a_token(tmp_path):
+    r = invoke("--json", "--widths", "1,2,4,8", "--wait-timeout-s", "0.2", "--failstop-dir", str(tmp_path),
+               env={"MONODECODE_FAULT": "stall:layer=1,step=1"})
+    assert r.exit_code == 1
+    _, c = checks_of(r)
+    assert c["decode"]["status"] == "fail" and "site wait_timeout, layer 1" in c["decode"]["detail"]
+    assert "no token was returned" in c["decode"]["detail"]
+    marker = json.loads((tmp_path / "failstop-rank0.json").read_text())
+    assert marker["events"][0]["site"] == "wait_timeout" and marker["events"][0]["layer"] == 1
+    assert (tmp_path / "termination-log").read_text().startswith("monodecode fail-stop: rank 0")
+
+
+@pytest.fixture
+def live_exporter():
+    reg = CollectorRegistry()
+    m = MonoMetrics(reg)
+    m.set_enabled(True)
+    m.count_step("mono")
+    m.count_step("fallback", "prefill")
+    exp = start_exporter(0, registry=reg)
+    yield exp
+    exp.stop()
+
+
+def test_endpoint_with_series(live_exporter):
+    base = f"http://127.0.0.1:{live_exporter.port}"
+    r = invoke("--json", "--no-self-test", "--endpoint", base)  # /metrics is appended
+    assert r.exit_code == 0, r.output
+    _, c = checks_of(r)
+    assert c["endpoint"]["status"] == "pass" and "enabled=1" in c["endpoint"]["detail"]
+    assert c["endpoint"]["data"]["mono"] == 1 and c["endpoint"]["data"]["fallback"] == 1
+
+
+class _Plain(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_endpoint_without_series_and_unreachable():
+    srv = HTTPServer(("127.0.0.1", 0), _Plain)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = invoke("--json", "--no-self-test", "--endpoint", f"http://127.0.0.1:{srv.server_port}/metrics")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.exit_code == 1
+    _, c = checks_of(r)
+    assert "lacks monodecode_enabled" in c["endpoint"]["detail"]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    r = invoke("--json", "--no-self-test", "--endpoint", f"http://127.0.0.1:{port}/metrics")
+    assert r.exit_code == 1 and "cannot scrape" in checks_of(r)[1]["endpoint"]["detail"]
+
+
+def _busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--widths", "a,b"], "--widths must be a comma-separated list of integers"),
+        (["--widths", "4,2"], "'widths' must be strictly ascending"),
+        (["--widths", "0"], "'widths' entries must be integers between 1 and 256"),
+        (["--backend", "cuda"], "'backend' must be one of auto, flydsl, triton, reference"),
+        (["--metrics-port", "70000"], "metrics port must be an integer between 0 and 65535"),
+        (["--endpoint", "ftp://host/metrics"], "--endpoint must be an http(s) URL"),
+        (["--endpoint", "not a url"], "--endpoint must be an http(s) URL"),
+        (["--weight-dtype", "int4"], "--weight-dtype must be one of bf16, fp8, fp8_fnuz"),
+        (["--block-size", "0"], "--block-size must be between 1 and 1024"),
+        (["--serve-seconds", "-1"], "--serve-seconds must be >= 0"),
+        (["--wait-timeout-s", "0"], "'wait_timeout_s' must be a positive finite number"),
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: not a directory"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(args, fragment):
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: ") and fragment in r.stderr and r.stderr.count("\n") == 1
+    assert "Traceback" not in r.output
+
+
+def test_metrics_port_in_use():
+    s = _busy_port()
+    try:
+        port = s.getsockname()[1]
+        r = invoke("--metrics-port", str(port))
+    finally:
+        s.close()
+    assert r.exit_code == 2 and r.stderr == f"error: metrics port {port} on 127.0.0.1 is already in use\n"
+
+
+def test_bad_model_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    r = invoke("--model", str(tmp_path))
+    assert r.exit_code == 2 and "unsupported model_type 'mamba'" in r.stderr and r.stderr.count("\n") == 1
+    (tmp_path / "config.json").write_text("{broken")
+    r = invoke("--model", str(tmp_path))
+    assert r.exit_code == 2 and "is not valid JSON" in r.stderr
+
+
+def test_bad_fault_env_is_one_line():
+    r = invoke("--widths", "1", env={"MONODECODE_FAULT": "meltdown"})
+    assert r.exit_code == 2 and r.stderr == "error: MONODECODE_FAULT: unknown fault 'meltdown' (known: stall, nonfinite, corrupt_artifact)\n"
+
+
+def test_real_process_json(cache_dir):
+    env = {**os.environ, "MONODECODE_CACHE_DIR": str(cache_dir)}
+    env.pop("MONODECODE_FAULT", None)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    p = subprocess.run([str(VENV_BIN / "monodecode-ops"), "verify", "--json", "--widths", "1,2"],
+                       capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["verdict"] == "pass" and doc["runner"]["state"] == "mono"
+    assert all(c["status"] in ("pass", "skip") for c in doc["checks"])
