@@ -46,7 +46,9 @@ def helm_bin() -> str:
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([helm_bin(), *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    # No cluster: a kubeconfig that does not exist, so helm never reaches out to an API server.
+    env = {**os.environ, "KUBECONFIG": str(REPO / ".tools" / "no-cluster.kubeconfig")}
+    proc = subprocess.run([helm_bin(), *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
     if check and proc.returncode != 0:
         pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
