@@ -30,6 +30,9 @@ class RefusalError(MonodecodeError):
         self.reasons = [reasons] if isinstance(reasons, str) else list(reasons)
         super().__init__("mono decode refused: " + "; ".join(self.reasons))
 
+    def __reduce__(self):  # pickles with its reasons (vLLM sends startup errors between processes)
+        return (type(self), (self.reasons,))
+
     @property
     def codes(self) -> list[str]:
         return [r.split(":", 1)[0].strip() for r in self.reasons]

@@ -307,3 +307,26 @@ def test_unwritable_failstop_dir_is_one_line_error(weights, tmp_path):
     with pytest.raises(Exception) as e:
         r.start()
     assert "fail-stop directory" in str(e.value) and "not writable" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_backend_choice_by_platform(weights, tmp_path):
+    # a GPU torch can drive: the reference is not a serving backend, so auto refuses when no kernel backend runs
+    gpu = Platform(kind="rocm", arch="gfx942", name="MI300X", compute_units=304, torch_usable=True)
+    r = Runner(MonoConfig(enabled=True, failstop_dir=str(tmp_path), widths=(1,)), DIMS, weights, gpu, faults=())
+    backend, why = r._choose_backend()
+    if backend is None:
+        assert why.startswith("backend_unavailable: no kernel backend can run on rocm gfx942")
+    else:
+        assert backend.name in ("flydsl", "triton")
+    # a GPU seen only in sysfs (CPU build of torch): the self-test runs on the reference
+    sysfs_only = Platform(kind="rocm", arch="gfx942", name="MI300X", compute_units=304, torch_usable=False)
+    r = Runner(MonoConfig(enabled=True, failstop_dir=str(tmp_path), widths=(1,)), DIMS, weights, sysfs_only, faults=())
+    backend, _ = r._choose_backend()
+    assert backend.name == "reference" and "torch cannot launch" in r.notes[0]
+
+
+def test_refusal_error_pickles_with_its_reasons():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(RefusalError(["a: one", "b: two"])))
+    assert e.reasons == ["a: one", "b: two"] and e.codes == ["a", "b"] and str(e) == "mono decode refused: a: one; b: two"

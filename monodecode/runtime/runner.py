@@ -170,8 +170,15 @@ class Runner:
             if st is None or not st.available:
                 return None, f"backend_unavailable: backend {wanted} cannot run here: {st.reason if st else 'unknown backend'}"
             return registry.get_backend(wanted)(), None
-        # auto: on a GPU only real kernels count; the reference is the CPU (demo/verify) choice
-        candidates = [s for s in statuses if s.available and (s.name != "reference" or not self.platform.is_gpu)]
+        # auto: on a GPU torch can drive only real kernels count; the reference is the choice where
+        # decoding runs on the CPU (no GPU, or a GPU that this torch build cannot use)
+        on_gpu = self.platform.is_gpu and self.platform.torch_usable
+        if self.platform.is_gpu and not on_gpu:
+            self.notes.append(
+                f"torch cannot launch on the {self.platform.arch} GPU (CPU build of torch?); decoding runs on the reference"
+            )
+            statuses = [s for s in statuses if s.name == "reference"]
+        candidates = [s for s in statuses if s.available and (s.name != "reference" or not on_gpu)]
         if not candidates:
             why = "; ".join(f"{s.name}: {s.reason}" for s in statuses if not s.available)
             return None, f"backend_unavailable: no kernel backend can run on {self.platform.kind} {self.platform.arch} ({why})"
