@@ -18,6 +18,8 @@ from monodecode.model import (
 from monodecode.model.paged_kv import write_kv
 from monodecode.model.reference import paged_attention
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 # A small Gemma-3-style config: sliding window 5 on layers 0 and 2, GQA 4:2.
 SMALL = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,

@@ -34,6 +34,8 @@ from monodecode.model import (
     prefill,
 )
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 transformers = pytest.importorskip("transformers")
 
 FP32_TOL = 2e-4

@@ -20,6 +20,8 @@ from monodecode.model import ensure_tiny_model, greedy_decode, load_dims
 from monodecode.model.profiles import TINY_CONFIG, profile_dims
 from monodecode.model.tiny import DIR_NAME
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 transformers = pytest.importorskip("transformers")
 
 TOL = 0.2
@@ -67,6 +69,10 @@ def test_tokenizer(tokenizer):
         assert enc[0] == 2 and 3 not in enc  # BOS first; byte-level: nothing is unknown
         assert tokenizer.decode(enc, skip_special_tokens=True) == text
     assert len(tokenizer("The quick brown fox")["input_ids"]) < 1 + len("The quick brown fox")  # merges work
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    chat_ids = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    assert chat_ids[0] == 2 and chat_ids.count(2) == 1
+    assert tokenizer.decode(chat_ids) == "<bos>user: hi\nassistant: "
     # Every id the model can emit maps to a token (a detokenizer never meets a hole).
     assert all(t is not None for t in tokenizer.convert_ids_to_tokens(list(range(512))))
 

@@ -13,6 +13,8 @@ from monodecode.model import Linear, dims_from_hf_config, load_weights, quantize
 from monodecode.model.profiles import TINY_CONFIG
 from monodecode.model.tiny import tiny_state_dict
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 
 @pytest.mark.parametrize("fnuz", [False, True])
 def test_quantize_fp8_per_channel(fnuz):

@@ -49,6 +49,7 @@ _INV_FREQ_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def _inv_freq(rope: RopeSpec, head_dim: int, device: torch.device) -> torch.Tensor:
+    # Cached per device: a warm-up step creates it, captured steps only read it.
     key = (rope, head_dim, str(device))
     t = _INV_FREQ_CACHE.get(key)
     if t is None:
@@ -170,8 +171,9 @@ def embed(weights: ModelWeights, ids: torch.Tensor, dtype: torch.dtype = torch.b
     """Token embeddings ``[rows, hidden]`` in ``dtype``; Gemma's sqrt(hidden) scale is rounded to ``dtype`` first."""
     x = weights.embed[ids.to(weights.embed.device).long()].to(dtype)
     if weights.dims.embed_scale != 1.0:
-        scale = torch.tensor(weights.dims.embed_scale, dtype=dtype, device=x.device)
-        x = (x.float() * scale.float()).to(dtype)
+        # Rounded on the host: no tensor creation on the device (keeps the step graph-capturable).
+        scale = float(torch.tensor(weights.dims.embed_scale, dtype=dtype))
+        x = (x.float() * scale).to(dtype)
     return x
 
 

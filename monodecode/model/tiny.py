@@ -29,7 +29,7 @@ from monodecode.model.dims import dims_from_hf_config
 from monodecode.model.profiles import TINY_CONFIG
 
 # Bump when anything that shapes the generated files changes; an older directory is replaced.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 SEED = 20250611
 DIR_NAME = "tiny-gemma3"
 
@@ -50,6 +50,12 @@ Numbers such as 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in text too, and so do qu
 the weather today? Where is the nearest station? How many blocks does the cache hold? The answer
 depends on the block size and on the length of the sequence. Thank you for reading this text.
 """
+
+
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def default_cache_dir() -> Path:
@@ -208,6 +214,8 @@ def _write_model(out: Path) -> None:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": config["max_position_embeddings"],
+        # A plain template so chat endpoints (vLLM's /v1/chat/completions) work with the demo model.
+        "chat_template": _CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, sort_keys=True) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2, sort_keys=True) + "\n")
