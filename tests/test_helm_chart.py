@@ -564,6 +564,7 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     `vllm serve` with the options MonoConfig accepts, the image's artifact dir filled in."""
     from monodecode.config import MonoConfig
 
+    assert ENTRYPOINT.is_file(), f"{ENTRYPOINT.relative_to(REPO)} (the image's entrypoint the chart runs) is missing"
     c = one(render(tmp_path, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {"PATH": os.environ.get("PATH", ""), "MONODECODE_ENTRYPOINT_PRINT": "1",
            "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts"}
