@@ -194,6 +194,14 @@ def test_scripted_run_matches_reference_and_counts(weights, tmp_path):
         assert reg.get_sample_value("monodecode_fallback_steps_total", {"reason": reason}) == exp[reason]
 
 
+def test_scripted_run_with_a_single_width(weights, tmp_path):
+    r, reg = make(weights, tmp_path, widths=[1])
+    r.start()
+    res = run_scenario(r)
+    assert res.failstop is None and res.tokens_match and all(s.as_expected for s in res.steps)
+    assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == res.expected_counts()["mono"] >= 2
+
+
 # ---- refusals --------------------------------------------------------------------------------
 
 

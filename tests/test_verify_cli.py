@@ -209,3 +209,13 @@ def test_real_process_json(cache_dir):
     doc = json.loads(p.stdout)
     assert doc["verdict"] == "pass" and doc["runner"]["state"] == "mono"
     assert all(c["status"] in ("pass", "skip") for c in doc["checks"])
+
+
+def test_unwritable_cache_and_failstop_dirs_are_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = invoke("--widths", "1", env={"MONODECODE_CACHE_DIR": str(blocker)})
+    assert r.exit_code == 2 and r.stderr.startswith("error: tiny model: cannot create a directory") and r.stderr.count("\n") == 1
+    r = invoke("--widths", "1", "--failstop-dir", str(blocker / "sub"))
+    assert r.exit_code == 2 and "fail-stop directory" in r.stderr and "not writable" in r.stderr
+    assert blocker.read_text() == "x"
