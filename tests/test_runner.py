@@ -94,12 +94,13 @@ class CrashingBackend(ReferenceBackend):
 @pytest.fixture
 def backend(monkeypatch):
     """Select a test backend by name through the real registry and MonoConfig (backend=...)."""
+    import monodecode.config as config_mod
+
     def use(cls):
         registry.register_backend(cls)
-        monkeypatch.setattr("monodecode.config.BACKENDS", ("auto", "flydsl", "triton", "reference", cls.name))
-        monkeypatch.setitem(__import__("monodecode.config", fromlist=["x"])._VALIDATORS, "backend",
-                            __import__("monodecode.config", fromlist=["x"])._choice(("auto", "reference", cls.name)))
+        monkeypatch.setitem(config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (cls.name,)))
         return cls.name
+
     yield use
     for n in ("test_artifact_reference", "test_wrong", "test_crash"):
         registry._LAZY.pop(n, None)

@@ -21,6 +21,7 @@ for the reference model (what ``monodecode-ops verify`` and the tests drive).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,7 +30,14 @@ import monodecode
 from monodecode.config import MonoConfig
 from monodecode.errors import ArtifactError, RefusalError
 from monodecode.kernels import registry
-from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, decode_health, smallest_width
+from monodecode.kernels.base import (
+    BuildRequest,
+    DecodeKernels,
+    HealthFault,
+    KernelBackend,
+    decode_health,
+    smallest_width,
+)
 from monodecode.runtime.artifacts import ArtifactStore
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.faults import Fault, faults_from_env
@@ -148,7 +156,9 @@ class Runner:
         self.mono_steps = 0  # mono steps since warm-up (fault drills count these)
         self.step = 0  # every step this runner saw
         self._local_disable: str | None = None
-        self._pending_times: list[tuple[str, Any, Any]] = []
+        self._pending_times: list[tuple[str, Any, Any]] = []  # GPU step timings not yet resolved
+        self._t_start: Any = None
+        self.last_decision: StepDecision | None = None
 
     # ---- startup ---------------------------------------------------------------------------
 
@@ -431,22 +441,20 @@ class Runner:
             import torch
 
             if not bool(torch.isfinite(x).all()):
-                from monodecode.kernels.base import HealthFault
-
                 fault = HealthFault("nonfinite", None, None)
         if fault is None:
             return
         event = FailStopEvent(
             rank=self.tp_rank, step=decision.step, site=fault.site, layer=fault.layer, kernel=fault.kernel,
             time=time.time(), detail=f"backend {self.backend.name}, build key {(self.build_key or '')[:16]}",
-            pid=__import__("os").getpid(),
+            pid=os.getpid(),
         )
         self.recorder.fail(event)
 
     def end_step(self, decision: StepDecision) -> None:
         if self.metrics is None:
             return
-        start = getattr(self, "_t_start", None)
+        start = self._t_start
         end = self._timestamp()
         if isinstance(start, float):
             self.metrics.observe_step(decision.path, end - start)
