@@ -60,6 +60,7 @@ def drive(tmp_path):
         conf = {"enabled": True, "widths": [1], "failstop_dir": str(fs), "termination_log": str(tmp_path / "termination-log"),
                 "wait_timeout_s": 0.3, "max_failstops": 3, **cfg}
         env = {k: v for k, v in os.environ.items() if k not in ("MONODECODE_FAULT", "PROMETHEUS_MULTIPROC_DIR")}
+        env["OMP_NUM_THREADS"] = "1"  # small tensors: threads only contend on shared cores
         if fault:
             env["MONODECODE_FAULT"] = fault
         p = subprocess.run([sys.executable, str(script), json.dumps(conf), str(steps)], capture_output=True,

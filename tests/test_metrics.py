@@ -16,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from monodecode.errors import MonodecodeError
 from monodecode.metrics import FAILSTOP_SITES, FALLBACK_REASONS, METRICS, MonoMetrics, start_exporter
 
+# small torch ops on one thread (2 shared CI cores; see conftest)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -59,7 +59,7 @@ DRIVER = textwrap.dedent(
 def run_ranks(tmp_path, scenario):
     script = tmp_path / "rank.py"
     script.write_text(DRIVER)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     env.pop("MONODECODE_FAULT", None)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), scenario, str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]

@@ -24,6 +24,9 @@ from monodecode.runtime.selfcheck import run_scenario
 from monodecode.runtime.vote import StepInfo
 from monodecode.spec import Deployment
 
+# small torch ops on one thread (2 shared CI cores; see conftest)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 DIMS = profile_dims("tiny")
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
 

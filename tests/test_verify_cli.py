@@ -18,6 +18,9 @@ from typer.testing import CliRunner
 from monodecode.metrics import MonoMetrics, start_exporter
 from monodecode_ops.cli import app
 
+# small torch ops on one thread (2 shared CI cores; see conftest)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -200,7 +203,7 @@ def test_bad_fault_env_is_one_line():
 
 
 def test_real_process_json(cache_dir):
-    env = {**os.environ, "MONODECODE_CACHE_DIR": str(cache_dir)}
+    env = {**os.environ, "MONODECODE_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
     env.pop("MONODECODE_FAULT", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     p = subprocess.run([str(VENV_BIN / "monodecode-ops"), "verify", "--json", "--widths", "1,2"],
