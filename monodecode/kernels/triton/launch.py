@@ -23,6 +23,13 @@ from monodecode.kernels.triton.config import Target, check_dims, constexprs
 _POLL_SECONDS = 0.5e-6
 
 
+def compile_options(target: Target) -> dict:
+    opts = {"num_warps": target.num_warps}
+    if target.kind == "cuda":
+        opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
+    return opts
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -142,9 +149,7 @@ class TritonKernels(DecodeKernels):
         from monodecode.kernels.triton.offline import kernel_sources
 
         gpu = triton.runtime.driver.active.get_current_target()
-        opts = {"num_warps": self.target.num_warps}
-        if self.target.kind == "cuda":
-            opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
+        opts = compile_options(self.target)
         out = {}
         for w in req.widths:
             srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target))

@@ -1,0 +1,69 @@
+"""Compile the Triton K1/K2 a GPU run needs, in parallel, into Triton's cache.
+
+The launcher compiles kernels one after another; on a fresh GPU machine this script first
+compiles the same ``ASTSource``s (same plan, constants and options, so the same cache keys)
+with one process per core. Used by ``benchmarks/device_run.sh``.
+Usage: ``python benchmarks/warm_cache.py --sm 132 [--cc 90]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def builds() -> list[tuple[str, str, tuple[int, ...]]]:
+    """(profile, weight dtype, widths) of the numerics tests and the default benchmark."""
+    spec = importlib.util.spec_from_file_location("tnum", ROOT / "tests" / "test_triton_numerics.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = [(p, d, tuple(ws)) for p, d, ws, _ in mod.GPU_BUILDS]
+    for p in ("llama3-1b", "llama3-8b", "gemma3-27b"):
+        out.append((p, "bf16", (1, 8)))
+    out.append(("llama3-8b", "fp8", (1, 8)))
+    return list(dict.fromkeys(out))
+
+
+def _one(job) -> tuple[str, float]:
+    profile, dtype, widths, width, which, sm, cc = job
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from monodecode.kernels.plan import plan_model
+    from monodecode.kernels.triton.config import CUDA
+    from monodecode.kernels.triton.launch import compile_options
+    from monodecode.kernels.triton.offline import kernel_sources
+    from monodecode.model.profiles import profile_dims
+
+    t0 = time.monotonic()
+    dims = profile_dims(profile)
+    mplan = plan_model(dims, 1, list(widths), sm)
+    src = dict(kernel_sources(dims, dtype, width, 16, mplan, CUDA))[which]
+    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(CUDA))
+    return f"{profile}/{dtype}/{widths} w={width} {which}", time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sm", type=int, required=True, help="multiprocessors (persistent grid size)")
+    ap.add_argument("--cc", type=int, default=90)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args()
+    jobs = [(p, d, ws, w, k, a.sm, a.cc) for p, d, ws in builds() for w in ws for k in ("k1", "k2")]
+    t0 = time.monotonic()
+    with ProcessPoolExecutor(a.jobs) as ex:
+        for name, dt in ex.map(_one, jobs):
+            print(f"compiled {name} in {dt:.1f}s", flush=True)
+    print(f"{len(jobs)} kernels in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
