@@ -14,8 +14,8 @@ print(f"{torch.cuda.get_device_name()} sm={p.multi_processor_count} cc={p.major}
 PY
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/device.txt"
 SM=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)')
-CC=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
-timeout "${WARM_TIMEOUT:-150}" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CC" > "$OUT/warm_cache.log" 2>&1
+CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
+timeout "${WARM_TIMEOUT:-150}" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CAP" > "$OUT/warm_cache.log" 2>&1
 echo "warm cache rc=$? $(tail -1 "$OUT/warm_cache.log")"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest tests/test_triton_numerics.py -q -p no:cacheprovider -rA > "$OUT/numerics.log" 2>&1
