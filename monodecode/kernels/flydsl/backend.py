@@ -8,8 +8,9 @@ refuses with ``no_artifact`` unless the config allows JIT, in which case the sam
 
 Device side (ROCm only): weights are laid out once per layer (q|k|v and gate|up fused row-wise,
 FP8 scales as fp32 rows), the RoPE cos/sin tables are built with the reference's rounding, and one
-scratch buffer holds a disjoint mailbox region per width (``geometry.scratch_layout``) plus the
-sticky health word. Nothing here imports FlyDSL or AITER until ``build`` runs on a ROCm device.
+scratch buffer is laid out by the shared plan (``kernels/plan.py`` ``plan_model``: the sticky
+health word, then a disjoint segment of tagged mailbox regions and epoch counters per width).
+Nothing here imports FlyDSL or AITER until ``build`` runs on a ROCm device.
 """
 
 from __future__ import annotations
@@ -110,13 +111,18 @@ class FlyDSLBackend(KernelBackend):
 
 
 class FlyDSLKernels(DecodeKernels):
-    """Launch-ready K1/K2 for every width (ROCm device; run-only FlyDSL cache)."""
+    """Launch-ready K1/K2 for every width (ROCm device; run-only FlyDSL cache).
+
+    One scratch buffer laid out by the shared plan (``plan_model``): the health word at the
+    header's offset, then one segment per width with its epoch counters and mailbox regions;
+    each launch gets its width's segment and the health word. Nothing is zeroed between steps
+    (tags come from the on-device launch counters), so the launches are graph-capturable."""
 
     def __init__(self, req: BuildRequest, weights: Any, cache_dir: Path):
         import torch
 
         from monodecode.kernels.flydsl.compile import Specialisation, launchers
-        from monodecode.kernels.flydsl.geometry import scratch_layout
+        from monodecode.kernels.flydsl.geometry import HEALTH, model_plan
         from monodecode.kernels.flydsl.toolchain import arch_env
         from monodecode.model.reference import rope_cos_sin
 
@@ -125,14 +131,17 @@ class FlyDSLKernels(DecodeKernels):
         self.cache_dir = cache_dir
         self.device = weights.embed.device
         dev = self.device
-        self._specs = {w: Specialisation(self.arch, self.dims, w, req.weight_dtype, req.block_size) for w in self.widths}
-        geoms = {w: s.geometry() for w, s in self._specs.items()}
-        self._layout = scratch_layout(list(geoms.values()))
-        total = max(off + size for off, size in self._layout.values())
-        self._scratch = torch.zeros(total // 4 + 64, dtype=torch.int32, device=dev)
-        self._health = torch.zeros(1, dtype=torch.int32, device=dev)
-        # ~1 us per poll (sc1 load + s_sleep): the wait bound in polls
+        self._specs = {w: Specialisation(self.arch, self.dims, w, req.weight_dtype, req.block_size)
+                       for w in self.widths}
+        self.plan = model_plan(self.dims, self.arch, self.widths, req.tp_size)
+        self._scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=dev)
+        base = self._scratch.data_ptr()
+        self._health = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4:][:1]
+        self._health_addr = base + self.plan.scratch.header[HEALTH].offset
+        self._segment = {w: base + self.plan.scratch.widths[w].offset for w in self.widths}
+        # ~1 us per poll (sc1 load + s_sleep 1): the wait bound in polls
         self._max_polls = max(1, int(req.wait_timeout_s * 1e6))
+        self._armed: Any = None
         self._launch: dict[int, tuple[Any, Any]] = {}
         with arch_env(self.arch, cache_dir, run_only=True):
             for w, spec in self._specs.items():
@@ -146,15 +155,16 @@ class FlyDSLKernels(DecodeKernels):
                       else torch.ones(w_.shape[0]))
                 return w_.view(torch.int8) if w_.element_size() == 1 else w_, s_.float().contiguous().to(dev)
 
-            def one(w_):
-                return (w_ if w_ is not None else torch.zeros(self.dims.hidden_size, dtype=torch.bfloat16)).to(dev)
+            def one(w_, n):
+                return (w_ if w_ is not None else torch.ones(n, dtype=torch.bfloat16)).to(dev).contiguous()
 
+            hd, hid = self.dims.head_dim, self.dims.hidden_size
             self._layers.append({
-                "attn_norm": one(lw.attn_norm), "qkv": cat(lw.q_proj, lw.k_proj, lw.v_proj),
-                "q_norm": one(lw.q_norm if lw.q_norm is not None else torch.ones(self.dims.head_dim, dtype=torch.bfloat16)),
-                "k_norm": one(lw.k_norm if lw.k_norm is not None else torch.ones(self.dims.head_dim, dtype=torch.bfloat16)),
-                "o": cat(lw.o_proj), "post_attn": one(lw.attn_post_norm), "mlp_norm": one(lw.mlp_norm),
-                "gu": cat(lw.gate_proj, lw.up_proj), "down": cat(lw.down_proj), "post_mlp": one(lw.mlp_post_norm),
+                "attn_norm": one(lw.attn_norm, hid), "qkv": cat(lw.q_proj, lw.k_proj, lw.v_proj),
+                "q_norm": one(lw.q_norm, hd), "k_norm": one(lw.k_norm, hd),
+                "o": cat(lw.o_proj), "post_attn": one(lw.attn_post_norm, hid), "mlp_norm": one(lw.mlp_norm, hid),
+                "gu": cat(lw.gate_proj, lw.up_proj), "down": cat(lw.down_proj),
+                "post_mlp": one(lw.mlp_post_norm, hid),
             })
         positions = torch.arange(self.dims.max_position_embeddings, device=dev)
         self._cos_sin = {}
@@ -167,29 +177,37 @@ class FlyDSLKernels(DecodeKernels):
     def _ptr(self, kind: str, t) -> Any:
         from monodecode.kernels.flydsl.compile import pointer
 
-        return pointer(kind, t.data_ptr())
+        return pointer(kind, t if isinstance(t, int) else t.data_ptr())
+
+    def _width(self, rows: int) -> int:
+        width = smallest_width(self.widths, rows)
+        if width is None:
+            raise ValueError(f"{rows} rows exceed the largest built width {self.widths[-1]}")
+        return width
 
     def _pad(self, x, meta):
         import torch
 
         rows = x.shape[0]
-        width = smallest_width(self.widths, rows)
-        if width is None:
-            raise ValueError(f"{rows} rows exceed the largest built width {self.widths[-1]}")
+        width = self._width(rows)
         if width > rows:
             x = torch.cat([x, torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)])
             meta = meta.pad_to(width)
         return x.contiguous(), meta, width
 
-    def k1(self, layer, x, meta, kv):
+    def _take_fault(self, layer: int, kind: str) -> int:
+        f = self._armed
+        if f is not None and f.kind == kind and f.layer == layer:
+            self._armed = None
+            return 1
+        return 0
+
+    def _k1(self, layer, x, meta, kv, width, stall=0):
         import torch
 
         from monodecode.kernels.flydsl.toolchain import arch_env
 
-        x, meta, width = self._pad(x, meta)
         lw, p = self._layers[layer], self._ptr
-        off, _ = self._layout[width]
-        scratch = self._scratch[off // 4:]
         out = torch.empty(width, self.dims.q_size, dtype=torch.bfloat16, device=self.device)
         window = self.dims.window_for_layer(layer) or 0
         bt = meta.block_tables.to(torch.int32).contiguous()
@@ -198,32 +216,51 @@ class FlyDSLKernels(DecodeKernels):
                 p("i32", x), p("i32", lw["attn_norm"]), p("i32", lw["qkv"][0]), p("f32", lw["qkv"][1]),
                 p("i32", lw["q_norm"]), p("i32", lw["k_norm"]), p("f32", self._cos_sin[self.dims.rope_for_layer(layer)]),
                 p("i32", kv.key[layer]), p("i32", kv.value[layer]), p("i32", bt),
-                p("i32", meta.seq_lens.to(torch.int32).contiguous()), p("i32", meta.slot_mapping.contiguous()),
-                p("i32", meta.positions.contiguous()), p("i16", out), p("i32", scratch), p("i32", self._health),
-                window, bt.shape[1], self._max_polls, layer)
+                p("i32", meta.seq_lens.to(torch.int32).contiguous()),
+                p("i32", meta.slot_mapping.to(torch.int64).contiguous()),
+                p("i32", meta.positions.to(torch.int64).contiguous()), p("i16", out),
+                p("i64", self._segment[width]), p("i32", self._health_addr),
+                window, bt.shape[1], self._max_polls, layer, stall)
         return out
 
-    def k2(self, layer, x, attn):
+    def _k2(self, layer, x, attn, width, nan_fault=0):
         import torch
 
         from monodecode.kernels.flydsl.toolchain import arch_env
 
-        width = x.shape[0]
         lw, p = self._layers[layer], self._ptr
-        off, _ = self._layout[width]
         out = torch.empty_like(x)
         with arch_env(self.arch, self.cache_dir, run_only=True):
             self._launch[width][1](
                 p("i32", x), p("i32", attn), p("i32", lw["o"][0]), p("f32", lw["o"][1]), p("i32", lw["post_attn"]),
                 p("i32", lw["mlp_norm"]), p("i32", lw["gu"][0]), p("f32", lw["gu"][1]), p("i32", lw["down"][0]),
-                p("f32", lw["down"][1]), p("i32", lw["post_mlp"]), p("i16", out), p("i32", self._scratch[off // 4:]),
-                p("i32", self._health), self._max_polls, layer)
+                p("f32", lw["down"][1]), p("i32", lw["post_mlp"]), p("i16", out),
+                p("i64", self._segment[width]), p("i32", self._health_addr), self._max_polls, layer, nan_fault)
         return out
+
+    def k1(self, layer, x, meta, kv):
+        rows = x.shape[0]
+        xp, mp, width = self._pad(x, meta)
+        return self._k1(layer, xp, mp, kv, width)[:rows]
+
+    def k2(self, layer, x, attn):
+        import torch
+
+        rows = x.shape[0]
+        width = self._width(rows)
+        xp = x.contiguous()
+        ap = attn.to(torch.bfloat16).contiguous()
+        if rows < width:
+            xp = torch.cat([xp, torch.zeros(width - rows, xp.shape[1], dtype=xp.dtype, device=xp.device)])
+            ap = torch.cat([ap, torch.zeros(width - rows, ap.shape[1], dtype=ap.dtype, device=ap.device)])
+        return self._k2(layer, xp, ap, width)[:rows]
 
     def forward_layer(self, layer, x, meta, kv):
         rows = x.shape[0]
-        xp, mp, _ = self._pad(x, meta)
-        return self.k2(layer, xp, self.k1(layer, xp, mp, kv))[:rows]
+        xp, mp, width = self._pad(x, meta)
+        attn = self._k1(layer, xp, mp, kv, width, stall=self._take_fault(layer, "stall"))
+        out = self._k2(layer, xp, attn, width, nan_fault=self._take_fault(layer, "nonfinite"))
+        return out if rows == width else out[:rows]
 
     def health(self) -> int:
         return int(self._health.item())
@@ -231,6 +268,12 @@ class FlyDSLKernels(DecodeKernels):
     def reset_health(self) -> None:
         self._health.zero_()
 
+    def arm_fault(self, fault: Any) -> bool:
+        if fault.kind not in ("stall", "nonfinite") or not 0 <= fault.layer < len(self._layers):
+            return False
+        self._armed = fault
+        return True
+
     def close(self) -> None:
         self._launch.clear()
-
+        self._layers = []

@@ -22,6 +22,7 @@ from monodecode.errors import ArtifactError
 from monodecode.kernels.flydsl.arch import arch_spec
 from monodecode.kernels.flydsl.compile import Specialisation, compile_in_subprocess
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
+from monodecode.kernels import plan as plan_module
 from monodecode.kernels.flydsl.toolchain import flydsl_version
 from monodecode.model.dims import ModelDims
 from monodecode.runtime.artifacts import ArtifactEntry, ArtifactStore
@@ -37,8 +38,11 @@ def compiler_version() -> str:
 
 def flydsl_build_key(arch: str, dims: ModelDims, weight_dtype: str, widths, block_size: int,
                      tp_size: int = 1, kv_dtype: str = "bf16") -> str:
+    """The kernels bake the shared plan's tables and offsets, so its source is part of the digest
+    (as for the Triton backend): a plan change never loads a stale artifact."""
+    digest = source_digest(SOURCE_DIR, extra_files=[Path(plan_module.__file__)])
     return build_key(BACKEND, arch, dims, weight_dtype, kv_dtype, tp_size, list(widths), block_size,
-                     source_digest(SOURCE_DIR), compiler_version())
+                     digest, compiler_version())
 
 
 def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[int], weight_dtype: str = "bf16",

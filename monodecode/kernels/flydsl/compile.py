@@ -28,16 +28,17 @@ from monodecode.model.dims import ModelDims, dims_from_hf_config
 KERNELS = ("k1", "k2")
 
 # Element type of every pointer argument, in launcher order (the traced IR, hence the cache key,
-# depends on them: the runtime passes the same types).
+# depends on them: the runtime passes the same types). ``mbox`` is the width's segment of the
+# scratch buffer (8-byte mailbox words and epoch counters), ``health`` the plan's header word.
 K1_ARGS = (("x", "i32"), ("norm_w", "i32"), ("w_qkv", "i32"), ("s_qkv", "f32"), ("q_norm_w", "i32"),
            ("k_norm_w", "i32"), ("cos_sin", "f32"), ("key_cache", "i32"), ("value_cache", "i32"),
            ("block_tables", "i32"), ("seq_lens", "i32"), ("slots", "i32"), ("positions", "i32"),
-           ("out_attn", "i16"), ("scratch", "i32"), ("health", "i32"))
-K1_SCALARS = ("window", "bt_stride", "max_polls", "layer")
+           ("out_attn", "i16"), ("mbox", "i64"), ("health", "i32"))
+K1_SCALARS = ("window", "bt_stride", "max_polls", "layer", "stall")
 K2_ARGS = (("x", "i32"), ("attn", "i32"), ("w_o", "i32"), ("s_o", "f32"), ("post_attn_w", "i32"),
            ("mlp_norm_w", "i32"), ("w_gu", "i32"), ("s_gu", "f32"), ("w_down", "i32"), ("s_down", "f32"),
-           ("post_mlp_w", "i32"), ("out", "i16"), ("scratch", "i32"), ("health", "i32"))
-K2_SCALARS = ("max_polls", "layer")
+           ("post_mlp_w", "i32"), ("out", "i16"), ("mbox", "i64"), ("health", "i32"))
+K2_SCALARS = ("max_polls", "layer", "nan_fault")
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,18 @@ class Specialisation:
     width: int
     weight_dtype: str
     block_size: int
+    tp_size: int = 1
 
     def geometry(self) -> Geometry:
-        return plan_geometry(self.dims, self.width, arch_spec(self.arch), self.weight_dtype)
+        """The shared plan of this width on the arch's grid (``geometry.plan_geometry``)."""
+        return plan_geometry(self.dims, self.width, arch_spec(self.arch), self.weight_dtype, self.tp_size)
 
 
 def pointer(kind: str, address: int | None):
     import flydsl.compiler as flyc
     import flydsl.expr as fx
 
-    dtype = {"i32": fx.Int32, "f32": fx.Float32, "i16": fx.Int16}[kind]
+    dtype = {"i32": fx.Int32, "f32": fx.Float32, "i16": fx.Int16, "i64": fx.Int64}[kind]
     return flyc.from_c_void_p(dtype, address)
 
 

@@ -1,16 +1,27 @@
 """Device-side building blocks shared by K1 and K2 (FlyDSL 0.5, wave64, CDNA3/CDNA4).
 
-Imported only while tracing a kernel (it imports FlyDSL). Each helper is a plain function that
-emits IR when called inside a ``@flyc.kernel`` body; helpers with data-dependent control flow go
-through FlyDSL's AST rewriter (``device``) exactly like a kernel body does.
+Imported only while tracing a kernel (it imports FlyDSL). Each helper emits IR when called
+inside a ``@flyc.kernel`` body; helpers with data-dependent control flow go through FlyDSL's AST
+rewriter (``device``) exactly like a kernel body does.
 
-Memory conventions (see flydsl_notes.md §2 for the ISA each one compiles to):
+The hand-off protocol is the plan's (``monodecode/kernels/plan.py``), the same the Triton
+backend implements (``kernels/triton/mailbox.py``):
 
-* weights: ``buffer_load_dwordx4 ... nt`` (read once per step, streamed past the caches);
-* mailboxes: relaxed agent-scope atomic 32-bit loads/stores (``global_load/store ... sc1``), one
-  word = ``tag16 << 16 | bf16`` so a value and its epoch tag are single-copy atomic;
-* the epoch word: acquire load at launch start; the last workgroup to finish (done counter)
-  resets the counter and publishes ``epoch + 1`` with a release store.
+* a mailbox word is 8 bytes: the fp32 value's bits in the low half, the launch's 31-bit epoch
+  tag in the high half, written with ONE relaxed agent-scope 64-bit store
+  (``global_store_dwordx2 ... sc1``), so a reader that sees the tag sees the value;
+* readers load words with relaxed agent-scope 64-bit loads (``global_load_dwordx2 ... sc1``,
+  coherent across XCDs) and poll, ``s_sleep 1`` apart, until the tag matches; a word of an
+  earlier launch carries an older tag, so nothing is ever zeroed between steps;
+* the tag is derived on device from the width's int64 launch counter (the plan's ``epoch_k1`` /
+  ``epoch_k2`` regions): every workgroup adds 1 when it leaves, so during launch ``n`` the
+  counter reads in ``[n*G, n*G + G - 1]`` before this workgroup's own add and
+  ``counter // G + 1`` is the same in every workgroup (graph-safe, no host involvement);
+* waits are bounded (``max_polls`` polls); on expiry the sticky health word gets the site code
+  (compare-and-swap from 0: the first failure wins) and the kernel carries on with the stale
+  value, so the launch always terminates and the runner's check before logits stops the step.
+
+Weights stream through ``buffer_load_dwordx4 ... nt`` (read once per step, past the caches).
 """
 
 from __future__ import annotations
@@ -20,8 +31,11 @@ from flydsl.compiler.ast_rewriter import ASTRewriter
 from flydsl.expr import rocdl
 from flydsl.expr.typing import Vector
 
+from monodecode.kernels.flydsl.geometry import health_word
+
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite "minus infinity": keeps (m_old - m_new) free of inf - inf
+TAG_MASK = 0x7FFFFFFF
+HEALTH_POLL_EVERY = 64  # a failing wait re-reads the health word this often (stops early after a failure)
 
 
 def device(f):
@@ -38,6 +52,11 @@ def f32(v):
     return fx.Float32(v)
 
 
+def uniform(v):
+    """A value every lane holds the same, moved to a scalar register."""
+    return fx.Int32(rocdl.readfirstlane(fx.Int32.ir_type, fx.Int32(v).ir_value()))
+
+
 def bf16_lo(word):
     """Low bf16 of a packed 32-bit word as fp32 (exact)."""
     return (fx.Int32(word) << 16).bitcast(fx.Float32)
@@ -45,6 +64,11 @@ def bf16_lo(word):
 
 def bf16_hi(word):
     return (fx.Int32(word) & fx.Int32(-65536)).bitcast(fx.Float32)
+
+
+def bf16_half(word, odd):
+    """Element ``odd`` (0 or 1, traced) of a bf16 pair."""
+    return (odd == fx.Int32(0)).select(bf16_lo(word), bf16_hi(word))
 
 
 def bf16_bits(x):
@@ -85,6 +109,18 @@ def gelu_tanh(x):
     return fx.Float32(0.5) * x * (fx.Float32(1.0) + t)
 
 
+def rsqrt_mean(ss, n: int, eps: float):
+    """RMSNorm's 1 / sqrt(mean(x^2) + eps) from a sum of squares over ``n`` elements."""
+    return fx.math.rsqrt(ss / fx.Float32(float(n)) + fx.Float32(eps))
+
+
+def norm_scale(one_plus: bool):
+    """Gemma multiplies by (1 + w) in fp32; Llama/Qwen by w after rounding x*rstd to bf16."""
+    if one_plus:
+        return lambda xv, rstd, w: round_bf16(xv * rstd * (fx.Float32(1.0) + w))
+    return lambda xv, rstd, w: round_bf16(w * round_bf16(xv * rstd))
+
+
 def warp_sum(x):
     return fx.coop.warp_sum(x)
 
@@ -93,12 +129,20 @@ def warp_max(x):
     return fx.coop.warp_max(x)
 
 
+def lane_pick(lane, values):
+    """values[lane] for lane < len(values) (wave-uniform inputs -> one value per lane)."""
+    out = values[0]
+    for t in range(1, len(values)):
+        out = (lane == fx.Int32(t)).select(values[t], out)
+    return out
+
+
 # ---------------------------------------------------------------- global memory
 def buffer_rsrc(ptr):
     return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(ptr))
 
 
-CM_NT = 2  # streamed weights: nontemporal
+CM_NT = 2  # streamed weights: nontemporal (flydsl_notes.md section 2: aux 2 -> nt)
 
 
 def load_weights16(rsrc, byte_off):
@@ -117,6 +161,10 @@ def load_words(ptr, idx, n):
     return fx.generic_load(ptr + idx, dtype=fx.Int32, count=n)
 
 
+def load_f32(ptr, idx):
+    return fx.generic_load(ptr + idx, dtype=fx.Float32)
+
+
 def store_bf16(ptr16, idx, x):
     """One bf16 result through a 16-bit element pointer (the kernel outputs are bf16 tensors)."""
     fx.generic_store(ptr16 + idx, fx.Int16(bf16_bits(x)))
@@ -126,20 +174,36 @@ def store_word(ptr, idx, v):
     fx.generic_store(ptr + idx, fx.Int32(v))
 
 
-def mb_load(ptr, idx):
-    """Relaxed agent-scope load of one mailbox word (coherent across XCDs)."""
-    return fx.generic_load(ptr + idx, dtype=fx.Int32, memory_order=fx.AtomicOrdering.Monotonic, syncscope="agent")
+# ---------------------------------------------------------------- tagged mailbox words (8 bytes)
+_RELAXED = fx.AtomicOrdering.Monotonic
 
 
-def mb_put(ptr, idx, tag, x):
-    """Publish bf16(x) with this launch's tag in one 32-bit word."""
-    word = bf16_bits(x) | (tag << 16)
-    fx.generic_store(ptr + idx, word, memory_order=fx.AtomicOrdering.Monotonic, syncscope="agent")
+def mb_load(mbox, idx):
+    """One mailbox word (int64), relaxed at agent scope: coherent across XCDs, never cached stale."""
+    return fx.generic_load(mbox + idx, dtype=fx.Int64, memory_order=_RELAXED, syncscope="agent")
+
+
+def mb_tag(word):
+    return fx.Int32(word >> fx.Int64(32))
+
+
+def mb_value(word):
+    return fx.Int32(word).bitcast(fx.Float32)
+
+
+def mb_put(mbox, idx, tag, x):
+    """Publish fp32 ``x`` with this launch's tag in one 8-byte store."""
+    bits = fx.Int64(fx.Float32(x).bitcast(fx.Int32)) & fx.Int64(0xFFFFFFFF)
+    word = (fx.Int64(tag) << fx.Int64(32)) | bits
+    fx.generic_store(mbox + idx, word, memory_order=_RELAXED, syncscope="agent")
+
+
+def health_load(health):
+    return fx.generic_load(health, dtype=fx.Int32, memory_order=_RELAXED, syncscope="agent")
 
 
 def health_ok(health):
-    h = fx.generic_load(health, dtype=fx.Int32, memory_order=fx.AtomicOrdering.Monotonic, syncscope="agent")
-    return h == fx.Int32(0)
+    return health_load(health) == fx.Int32(0)
 
 
 def raise_health(health, code):
@@ -148,55 +212,53 @@ def raise_health(health, code):
 
 
 def health_code(site: int, kernel: int, layer):
-    """On-device twin of ``monodecode.kernels.base.health_code``: bits 0-7 site, 8-9 kernel
-    (1 = k1, 2 = k2), 10-29 layer + 1."""
-    return fx.Int32(site | (kernel << 8)) | ((fx.Int32(layer) + fx.Int32(1)) << 10)
+    """``geometry.health_word`` on the traced layer: bits 0-7 site, 8-9 kernel (1 = k1, 2 = k2),
+    10-29 layer + 1."""
+    return fx.Int32(health_word(site, kernel, fx.Int32(layer)))
 
 
 @device
-def mb_wait(ptr, idx, tag, budget, health, site):
-    """Bounded wait for a mailbox word carrying ``tag``; returns its value as fp32.
+def mb_wait(mbox, idx, tag, polls, health, code):
+    """Bounded wait for the word at ``idx`` to carry ``tag``; returns its fp32 value.
 
-    ``budget`` polls at most (each ``s_sleep 1`` apart). On expiry the health word gets ``site``
-    (sticky) and the stale value is used: the step is already failed and the runner's check before
-    logits stops it. Callers pass budget 0 once the health word is set, so a stall costs one
-    timeout per workgroup, not one per word.
+    The fast path is one load. On a miss the word is re-read ``s_sleep 1`` apart, at most
+    ``polls`` times; every HEALTH_POLL_EVERY polls the health word is checked so that, once any
+    wait of the step has failed, the others give up quickly instead of each burning a timeout.
     """
-    w = mb_load(ptr, idx)
+    w = mb_load(mbox, idx)
     n = fx.Int32(0)
-    while (((w >> 16) & fx.Int32(0xFFFF)) != tag) & (n < budget):
+    while (mb_tag(w) != tag) & (n < polls):
         rocdl.s_sleep(1)
-        w = mb_load(ptr, idx)
+        w = mb_load(mbox, idx)
         n = n + fx.Int32(1)
-    if ((w >> 16) & fx.Int32(0xFFFF)) != tag:
-        raise_health(health, site)
-    return bf16_lo(w)
+        if (n & fx.Int32(HEALTH_POLL_EVERY - 1)) == fx.Int32(0):
+            if health_load(health) != fx.Int32(0):
+                n = polls
+    if mb_tag(w) != tag:
+        raise_health(health, code)
+    return mb_value(w)
 
 
 # ---------------------------------------------------------------- launch epoch
-def launch_tag(scratch):
-    """Tag of this launch: (epoch + 1) mod 2^16, read with acquire at agent scope."""
-    epoch = fx.generic_load(scratch, dtype=fx.Int32, memory_order=fx.AtomicOrdering.Acquire, syncscope="agent")
-    return epoch, (epoch + fx.Int32(1)) & fx.Int32(0xFFFF)
+def launch_tag(epoch, grid: int):
+    """This launch's 31-bit tag from the width's launch counter (same in every workgroup)."""
+    count = fx.generic_load(epoch, dtype=fx.Int64, memory_order=_RELAXED, syncscope="agent")
+    tag = fx.Int32(((count // fx.Int64(grid)) + fx.Int64(1)) & fx.Int64(TAG_MASK))
+    return uniform(tag)
 
 
 @device
-def finish_launch(scratch, epoch, tid, grid):
-    """Advance the width's epoch once every workgroup is done (device-side; graph-safe)."""
-    fx.memory_fence(syncscope="agent", ordering=fx.AtomicOrdering.Release)
+def finish_launch(epoch, tid):
+    """Count this workgroup out of the launch (once, after every thread has read the tag)."""
     fx.gpu.barrier()
     if tid == fx.Int32(0):
-        old = fx.atomic_add(scratch + 1, fx.Int32(1), syncscope="agent", ordering=fx.AtomicOrdering.AcqRel)
-        if old == fx.Int32(grid - 1):
-            fx.generic_store(scratch + 1, fx.Int32(0), memory_order=fx.AtomicOrdering.Monotonic, syncscope="agent")
-            fx.generic_store(scratch, epoch + fx.Int32(1), memory_order=fx.AtomicOrdering.Release,
-                             syncscope="agent")
+        fx.atomic_add(epoch, fx.Int64(1), syncscope="agent")
 
 
 # ---------------------------------------------------------------- LDS
-def lds_words(alloc, n):
-    """A static LDS array of ``n`` 32-bit words (16-byte aligned for ds_read_b128)."""
-    return alloc.allocate(fx.Array[fx.Int32, n, 16]).peek().ptr
+def lds_arena(alloc, words: int):
+    """The kernel's one static LDS array of 32-bit words (16-byte aligned for ds_read_b128)."""
+    return alloc.allocate(fx.Array[fx.Int32, max(words, 4), 16]).peek().ptr
 
 
 def lds_load(p, idx):
@@ -219,10 +281,24 @@ def lds_storef(p, idx, v):
     fx.generic_store(p + idx, fx.Float32(v).bitcast(fx.Int32))
 
 
+@device
+def block_sum(v, lds, red: int, wave, lane, waves: int):
+    """Sum of ``v`` over the whole workgroup (every thread calls it; two barriers)."""
+    s = warp_sum(v)
+    if lane == fx.Int32(0):
+        lds_storef(lds, red + wave, s)
+    fx.gpu.barrier()
+    tot = lds_loadf(lds, red)
+    for w in fx.range_constexpr(1, waves):
+        tot = tot + lds_loadf(lds, red + w)
+    fx.gpu.barrier()
+    return tot
+
+
 # ---------------------------------------------------------------- GEMV core
 def dot_bf16(wv, xv, acc):
     """acc += 8 bf16 weights (4 words) . 8 bf16 activations (4 words)."""
-    for j in fx.range_constexpr(4):
+    for j in range(4):
         acc = fx.math.fma(bf16_lo(wv[j]), bf16_lo(xv[j]), acc)
         acc = fx.math.fma(bf16_hi(wv[j]), bf16_hi(xv[j]), acc)
     return acc
@@ -232,13 +308,12 @@ def dot_fp8(wv, xa, xb, acc):
     """acc += 16 fp8 weights (4 words, format decoded by the hardware: FNUZ on gfx942, OCP on
     gfx950) . 16 bf16 activations (8 words)."""
     v2 = Vector.make_type(2, fx.Float32)
-    for j in fx.range_constexpr(4):
+    for j in range(4):
         lo = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), False), (2,), fx.Float32)
         hi = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), True), (2,), fx.Float32)
-        # weight word j holds fp8 weights 4j..4j+3; activations 4j..4j+3 are words 2j, 2j+1
-        w_idx = 2 * j
-        x0 = (xa if w_idx < 4 else xb)[w_idx % 4]
-        x1 = (xa if w_idx + 1 < 4 else xb)[(w_idx + 1) % 4]
+        # weight word j holds fp8 weights 4j..4j+3; their activations are words 2j, 2j+1
+        x0 = (xa if 2 * j < 4 else xb)[(2 * j) % 4]
+        x1 = (xa if 2 * j + 1 < 4 else xb)[(2 * j + 1) % 4]
         acc = fx.math.fma(lo[0], bf16_lo(x0), acc)
         acc = fx.math.fma(lo[1], bf16_hi(x0), acc)
         acc = fx.math.fma(hi[0], bf16_lo(x1), acc)

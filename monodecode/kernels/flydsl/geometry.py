@@ -1,135 +1,297 @@
-"""Compile-time geometry of the FlyDSL K1/K2 launches for one (dims, width, arch, dtype).
+"""The shared kernel plan (``monodecode/kernels/plan.py``) as the FlyDSL kernels consume it.
 
-Everything a kernel specialisation bakes in lives here, in plain Python, so it can be unit-tested
-and printed next to the ISA figures:
+Everything the plan decides is taken from it, never recomputed here: the grid (one workgroup
+per CU), every stage of K1/K2 with its task count, rotation offset and GEMV rows per task, the
+attention context splits, and the mailbox regions of a width's scratch segment (8-byte words:
+fp32 value + 32-bit epoch tag) with the per-width epoch counters. ``launch_description`` states
+what the backend launches (grid, stage tables, absolute region offsets in the one scratch
+buffer, health word) so a test can hold it against ``plan_model`` and fail on any divergence.
 
-* task tables: GEMV rows go to waves round-robin (global wave ``b*4+w`` takes rows
-  ``gw, gw+4G, ...``), attention tasks ``(token, kv_head)`` go to workgroups round-robin;
-* LDS chunking of the staged activations (``x_chunk``) within the arch's budget;
-* the scratch layout of one width: a header (epoch word, done counter) and the tagged mailboxes
-  (one 32-bit word per bf16 value: ``tag16 << 16 | bf16``), 256-byte aligned; widths get
-  disjoint regions (``scratch_layout``), so no two widths ever alias.
+What the plan leaves to a backend lives here too, and only that (FlyDSL/CDNA specific):
+
+* GEMV tiles: a task's rows are split over the workgroup's 4 waves (``rows_per_wave``), each
+  wave walks them in register groups (``row_group``) over K in 16-byte-per-lane steps; the
+  task's input rows are staged in LDS as bf16 in chunks of ``chunk`` elements (zero padded to a
+  whole step), with per-row partial sums in LDS when there is more than one chunk;
+* the one LDS arena per kernel and how stages carve it (stages run one after another, so the
+  GEMV staging area and the attention buffers alias);
+* shape limits of these kernels (each one clear error line).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec
+from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
+from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
-HEADER_WORDS = 64  # epoch @0, done counter @1; padded to 256 bytes
-ATTN_CHUNK = WAVE_SIZE  # positions scored per wave pass (one per lane)
+MAX_WIDTH = 16  # rows per step: accumulators of a GEMV row group and LDS staging scale with it
+MAX_TP = 8
+HEALTH = "health"  # the plan's header region: the sticky health word (int32)
+ATTN_CHUNK = WAVE_SIZE  # context positions one wave scores at a time (one per lane)
+NEG_BIG = -1.0e30  # an empty split's running max, as the Triton kernels publish it
+
+_MAX_I32_BYTES = 2**31 - 1  # buffer-load byte offsets are i32
 
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _align(n: int, a: int = 64) -> int:
-    return _ceil(n, a) * a
+def first_task(workgroup, offset: int, grid: int):
+    """The first task of a stage that ``workgroup`` runs; it then runs every ``grid``-th task.
+
+    Works on Python ints (tests) and on traced i32 values (the kernels): the same expression
+    the plan's ``Stage.tasks_of`` evaluates, ``(b - offset) mod G``, kept non-negative.
+    """
+    return (workgroup + (grid - offset)) % grid
+
+
+def health_word(site: int, kernel: int, layer):
+    """The health word a kernel stores: ``site | kernel << 8 | (layer + 1) << 10`` (RT's packing,
+    ``monodecode.kernels.base.health_code``; the plan's ``wait_health_code`` for site 1). Works
+    on Python ints (tests) and on the traced i32 layer argument (the kernels)."""
+    return (site | (kernel << 8)) | ((layer + 1) << 10)
 
 
 @dataclass(frozen=True)
-class GemvShape:
-    """One GEMV stage: ``rows`` outputs (x ``pair`` rows sharing an input), inner dim ``k``."""
+class StageConsts:
+    """The plan's numbers for one stage, baked into a kernel."""
 
-    rows: int
-    k: int
+    kernel: str
+    name: str
+    kind: str
+    tasks: int
+    offset: int
+    rows: int  # gemv: output rows per task
+    n: int  # gemv: output rows in total
+    k: int  # gemv: reduction length
+
+    @classmethod
+    def of(cls, st: Stage) -> "StageConsts":
+        return cls(st.kernel, st.name, st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k)
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """How one GEMV stage's task is computed by a 4-wave workgroup."""
+
+    stage: StageConsts
+    width: int
     vec: int  # weight elements per lane per 16-byte load (8 bf16 / 16 fp8)
-    chunk: int  # activation elements per token staged in LDS at a time
+    pair: int  # 2 for gate|up (two weight rows share the input), else 1
+    rows_per_wave: int
+    row_group: int  # rows a wave computes together (accumulators: row_group * pair * width)
+    k_pad: int  # K rounded up to whole steps (the LDS tail is zero)
+    chunk: int  # staged input elements per row per chunk
     chunks: int
-    rows_per_wave: int  # task-table depth: ceil(rows / (G * waves))
 
     @property
     def step(self) -> int:
         return WAVE_SIZE * self.vec
 
+    @property
+    def chunk_words(self) -> int:
+        return self.chunk // 2  # bf16 pairs per staged row
+
+    @property
+    def part_words(self) -> int:
+        """LDS for per-row partial sums across chunks (none with a single chunk)."""
+        return 0 if self.chunks == 1 else WAVES_PER_WORKGROUP * self.rows_per_wave * self.pair * self.width
+
 
 @dataclass(frozen=True)
 class Geometry:
+    """One specialisation (arch, dims, width, weight dtype, TP size) as the kernels bake it."""
+
     arch: str
     width: int
     grid: int
+    tp_size: int
     fp8: bool
     hidden: int
-    q_size: int
-    kv_size: int
+    heads: int
+    kv_heads: int
     head_dim: int
-    num_heads: int
-    num_kv_heads: int
-    gqa: int
+    group: int
     intermediate: int
-    qkv: GemvShape
-    o: GemvShape
-    gate_up: GemvShape
-    down: GemvShape
-    # mailbox word offsets inside this width's region
-    mb_qkv: int
-    mb_o: int
-    mb_act: int
-    mb_down: int
-    region_words: int
+    attn_splits: int
+    post_norms: bool
+    k1: tuple[StageConsts, ...]
+    k2: tuple[StageConsts, ...]
+    regions: dict[str, int]  # word offset (8-byte words) relative to the width's scratch segment
+    peer_regions: dict[str, int]  # TP: word offsets in the width's peer-buffer segment
+    tiles: dict[str, GemvTile]
+    lds1: dict[str, int]  # K1 LDS arena: word offsets, "words" = size
+    lds2: dict[str, int]
+    layer_plan: LayerPlan = field(repr=False, compare=False)
 
     @property
-    def region_bytes(self) -> int:
-        return self.region_words * 4
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv(self) -> int:
+        return self.q + 2 * self.kv
+
+    @property
+    def final(self) -> bool:
+        return any(s.name == "final" for s in self.k2)
+
+    def stage(self, kernel: str, name: str) -> StageConsts:
+        for s in self.k1 if kernel == K1 else self.k2:
+            if s.name == name:
+                return s
+        raise KeyError(f"{kernel}.{name}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out.pop("layer_plan", None)
+        return out
 
 
-def _gemv(rows: int, k: int, width: int, spec: ArchSpec, fp8: bool, pair: int = 1) -> GemvShape:
+def _gemv_tile(st: StageConsts, width: int, spec: ArchSpec, fp8: bool) -> GemvTile:
     vec = 16 if fp8 else 8
     step = WAVE_SIZE * vec
-    per_token = spec.x_stage_bytes // (2 * width)  # bf16 activations per token that fit
-    chunk = max(step, (per_token // step) * step)
-    chunk = min(chunk, _ceil(k, step) * step)
-    waves = spec.compute_units * WAVES_PER_WORKGROUP
-    return GemvShape(rows=rows, k=k, vec=vec, chunk=chunk, chunks=_ceil(k, chunk),
-                     rows_per_wave=_ceil(rows, waves))
+    pair = 2 if st.name == "gate_up" else 1
+    if st.rows % WAVES_PER_WORKGROUP:
+        raise ConfigError(f"flydsl: stage {st.name} has {st.rows} rows per task, not a multiple of "
+                          f"{WAVES_PER_WORKGROUP} waves")
+    if st.k % vec:
+        raise ConfigError(f"flydsl: stage {st.name} reduces over {st.k}, not a multiple of {vec} "
+                          f"({'fp8' if fp8 else 'bf16'} 16-byte loads)")
+    if st.n * pair * st.k * (1 if fp8 else 2) > _MAX_I32_BYTES:
+        raise ConfigError(f"flydsl: stage {st.name} weight is over 2 GiB (i32 buffer offsets)")
+    rpw = st.rows // WAVES_PER_WORKGROUP
+    group = max(1, 4 // (width * pair))
+    while rpw % group:
+        group //= 2
+    k_pad = _ceil(st.k, step) * step
+    per_row = max(step, (spec.x_stage_bytes // (2 * width)) // step * step)
+    chunk = min(k_pad, per_row)
+    return GemvTile(st, width, vec, pair, rpw, group, k_pad, chunk, _ceil(k_pad, chunk))
+
+
+def _carve(parts: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, int], int]:
+    """Word offsets of consecutive LDS buffers, each 4-word (16-byte) aligned."""
+    out, cur = {}, start
+    for name, words in parts:
+        out[name] = cur
+        cur += _ceil(max(words, 1), 4) * 4
+    return out, cur
+
+
+def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile]) -> tuple[dict, dict]:
+    nw = WAVES_PER_WORKGROUP
+
+    def gemv_parts(names):
+        xw = max(width * tiles[n].chunk_words for n in names)
+        pw = max(tiles[n].part_words for n in names)
+        return [("x", xw), ("part", pw)]
+
+    # K1: row rstd, then either the QKV staging area or the attention buffers (never live together)
+    head, base = _carve([("rstd", width), ("red", 2 * nw)])
+    gemv, gend = _carve(gemv_parts(["qkv"]), base)
+    attn, aend = _carve([
+        ("qkv_vec", (group + 2) * head_dim),  # q heads of the group, k, v (fp32, normed + roped)
+        ("p", nw * group * ATTN_CHUNK),  # softmax weights of each wave's current chunk
+        ("slot", nw * ATTN_CHUNK),  # cache slot of each position of the chunk
+        ("ml", nw * group * 2),  # each wave's running max and sum per head
+        ("acc", nw * group * head_dim),  # each wave's unnormalised output per head
+    ], base)
+    lds1 = {**head, **gemv, **attn, "words": max(gend, aend)}
+    head2, base2 = _carve([("red", 2 * nw)])
+    gemv2, end2 = _carve(gemv_parts(["o_proj", "gate_up", "down"]), base2)
+    lds2 = {**head2, **gemv2, "words": end2}
+    return lds1, lds2
+
+
+def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"flydsl: weight dtype {weight_dtype!r} not supported; supported: {', '.join(WEIGHT_DTYPES)}")
+    if not isinstance(width, int) or not 1 <= width <= MAX_WIDTH:
+        raise ConfigError(f"flydsl: width {width!r} out of range 1..{MAX_WIDTH}")
+    if not isinstance(tp_size, int) or not 1 <= tp_size <= MAX_TP:
+        raise ConfigError(f"flydsl: tensor parallel size {tp_size!r} out of range 1..{MAX_TP}")
+    d = dims.head_dim
+    if d % WAVE_SIZE or d > 4 * WAVE_SIZE:
+        raise ConfigError(f"flydsl: head_dim {d} unsupported (a multiple of {WAVE_SIZE}, at most {4 * WAVE_SIZE})")
+    if dims.hidden_size % 2:
+        raise ConfigError(f"flydsl: hidden_size {dims.hidden_size} must be even (bf16 pairs)")
 
 
 def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1) -> Geometry:
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ConfigError(f"flydsl: weight dtype {weight_dtype!r} not supported; supported: {', '.join(WEIGHT_DTYPES)}")
-    if tp_size != 1:
-        raise ConfigError(f"flydsl: tensor parallel size {tp_size} is not built yet (only 1)")
-    if not 1 <= width <= 64:
-        raise ConfigError(f"flydsl: width {width} out of range 1..64")
+    """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added."""
+    _check(dims, width, weight_dtype, tp_size)
+    lp = plan_layer(dims, tp_size, width, spec.compute_units)
+    L = lp.local
+    if L.group > 16:
+        raise ConfigError(f"flydsl: at most 16 query heads per KV head, got {L.group}")
     fp8 = weight_dtype != "bf16"
-    vec = 16 if fp8 else 8
-    for name, k in (("hidden_size", dims.hidden_size), ("q_size", dims.q_size),
-                    ("intermediate_size", dims.intermediate_size)):
-        if k % vec:
-            raise ConfigError(f"flydsl: {name} {k} is not a multiple of {vec} ({weight_dtype} 16-byte loads)")
-    if dims.head_dim % 2 or dims.head_dim > 256 or WAVE_SIZE % (dims.head_dim // 2 if dims.head_dim < 128 else 1):
-        raise ConfigError(f"flydsl: head_dim {dims.head_dim} unsupported (even, <= 256)")
-    h, q, kv, i = dims.hidden_size, dims.q_size, dims.kv_size, dims.intermediate_size
-    qkv = _gemv(q + 2 * kv, h, width, spec, fp8)
-    o = _gemv(h, q, width, spec, fp8)
-    gate_up = _gemv(i, h, width, spec, fp8, pair=2)
-    down = _gemv(h, i, width, spec, fp8)
-    mb_qkv = HEADER_WORDS
-    mb_o = _align(mb_qkv + width * (q + 2 * kv))
-    mb_act = _align(mb_o + width * h)
-    mb_down = _align(mb_act + width * i)
-    end = _align(mb_down + width * h)
-    if width * dims.num_kv_heads > 0 and dims.gqa_group > 16:
-        raise ConfigError(f"flydsl: GQA group {dims.gqa_group} > 16 not supported")
-    return Geometry(arch=spec.arch, width=width, grid=spec.compute_units, fp8=fp8, hidden=h, q_size=q,
-                    kv_size=kv, head_dim=dims.head_dim, num_heads=dims.num_heads,
-                    num_kv_heads=dims.num_kv_heads, gqa=dims.gqa_group, intermediate=i, qkv=qkv, o=o,
-                    gate_up=gate_up, down=down, mb_qkv=mb_qkv, mb_o=mb_o, mb_act=mb_act, mb_down=mb_down,
-                    region_words=end)
+    k1 = tuple(StageConsts.of(s) for s in lp.k1)
+    k2 = tuple(StageConsts.of(s) for s in lp.k2)
+    tiles = {s.name: _gemv_tile(s, width, spec, fp8) for s in k1 + k2 if s.kind == "gemv"}
+    seg = lp.layout.offset
+    regions = {n: (r.offset - seg) // r.word_bytes for n, r in lp.layout.regions.items()}
+    peer = {}
+    if lp.peer_layout is not None:
+        peer = {n: (r.offset - lp.peer_layout.offset) // r.word_bytes for n, r in lp.peer_layout.regions.items()}
+    lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles)
+    for name, lds in (("k1", lds1), ("k2", lds2)):
+        if lds["words"] * 4 > spec.lds_bytes:
+            raise ConfigError(f"flydsl: {name} needs {lds['words'] * 4} B of LDS at width {width}, "
+                              f"{spec.arch} has {spec.lds_bytes} B")
+    return Geometry(
+        arch=spec.arch, width=width, grid=lp.num_workgroups, tp_size=tp_size, fp8=fp8, hidden=L.hidden,
+        heads=L.heads, kv_heads=L.kv_heads, head_dim=L.head_dim, group=L.group, intermediate=L.intermediate,
+        attn_splits=lp.attn_splits, post_norms=dims.post_norms, k1=k1, k2=k2, regions=regions,
+        peer_regions=peer, tiles=tiles, lds1=lds1, lds2=lds2, layer_plan=lp,
+    )
 
 
-def scratch_layout(geoms: list[Geometry]) -> dict[int, tuple[int, int]]:
-    """width -> (byte offset, byte size) of its region in one scratch buffer; regions never overlap."""
-    out, off = {}, 0
-    for g in sorted(geoms, key=lambda g: g.width):
-        out[g.width] = (off, g.region_bytes)
-        off += _align(g.region_bytes, 256)
+def model_plan(dims: ModelDims, arch: str, widths, tp_size: int = 1) -> ModelPlan:
+    """The plan the backend places its scratch (and peer) buffer by: every width, one buffer."""
+    return plan_model(dims, tp_size, sorted(set(widths)), arch_spec(arch).compute_units)
+
+
+def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "bf16", tp_size: int = 1) -> dict:
+    """What the FlyDSL backend launches for ``widths``: grid, per width and kernel the stage tables
+    the kernels bake (and the workgroup -> tasks rule they run), and the absolute byte offset of
+    every region in the scratch buffer (segment offset from the placement + the baked relative
+    offset). Compared with ``plan_model`` by the tests."""
+    spec = arch_spec(arch)
+    placed = model_plan(dims, arch, widths, tp_size)
+    out = {
+        "grid": spec.compute_units,
+        "scratch_bytes": placed.scratch.nbytes,
+        "health_offset": placed.scratch.header[HEALTH].offset,
+        "peer_bytes": placed.peer.nbytes if placed.peer else 0,
+        "widths": {},
+    }
+    for w in placed.widths:
+        g = plan_geometry(dims, w, spec, weight_dtype, tp_size)
+        seg = placed.scratch.widths[w].offset
+        entry = {
+            "grid": g.grid,
+            "attn_splits": g.attn_splits,
+            "regions": {n: seg + off * 8 for n, off in g.regions.items()},
+            "stages": {},
+        }
+        if g.peer_regions:
+            pseg = placed.peer.widths[w].offset
+            entry["peer_regions"] = {n: pseg + off * 8 for n, off in g.peer_regions.items()}
+        for st in g.k1 + g.k2:
+            entry["stages"][f"{st.kernel}.{st.name}"] = {
+                "kind": st.kind, "tasks": st.tasks, "offset": st.offset, "rows": st.rows, "n": st.n, "k": st.k,
+                "workgroup_tasks": [list(range(first_task(b, st.offset, g.grid), st.tasks, g.grid))
+                                    for b in range(g.grid)],
+            }
+        out["widths"][w] = entry
     return out

@@ -1,28 +1,43 @@
-"""FlyDSL K1 and K2 of a dense decoder layer, specialised per (dims, width, arch, weight dtype).
+"""FlyDSL K1 and K2 of a dense decoder layer: the shared plan's stages, in wave64 CDNA code.
 
-Side by side with ``monodecode/model/reference.py`` (``k1_reference`` / ``k2_reference``):
+One specialisation per (arch, dims, width, weight dtype, block size); every count, offset and
+region comes from ``geometry.Geometry``, i.e. from ``kernels/plan.py`` (the same plan, stages and
+tagged-mailbox protocol as ``kernels/triton``). Task ``t`` of a stage runs on workgroup
+``(t + offset) % G``; a workgroup runs its tasks of stage 0, then of stage 1, ...; a task only
+waits on words of earlier stages, so there is no grid barrier and no deadlock while all ``G``
+workgroups (one per CU) are resident.
 
-K1  (``x`` -> ``attn``; persistent grid, one workgroup per CU)
-  S0  rstd of every row of x                       (every workgroup; x is tiny, L2-resident)
-  S1  normed x staged in LDS per chunk, QKV GEMV   RMSNorm (Gemma: x*rstd*(1+w); Llama/Qwen:
-      rows -> waves round-robin                    w*bf16(x*rstd)), q|k|v = W_qkv @ xn, bf16
-                                                   -> mailbox MB_QKV (tagged words)
-  S2  task (token, kv_head) -> workgroup:          wait q/k/v words; q/k RMSNorm per head
-      q/k-norm, RoPE (rotate-half, cos/sin table), (qk_norm); RoPE; K,V written at the slot;
-      KV insert, GQA attention over the paged      softmax(q.K^T*scale) V over positions
-      cache (sliding window), 4 waves split the    [max(0, L-window), L) with the new K/V
-      positions, merged in LDS                     taken from registers; out bf16
-K2  (``x``, ``attn`` -> ``x_new``)
-  S0  attn staged in LDS, O GEMV -> MB_O           o = W_o @ attn (bf16)
-  S1  per row: rstd of o (Gemma post-attn norm),   h = x + post_norm(o) (bf16); rstd of h
-      residual h, rstd of h (pre-MLP norm)
-  S2  normed h in LDS, gate|up GEMV (row pairs)    a = act(bf16 gate) * bf16 up -> MB_ACT
-  S3  a (waited) in LDS, down GEMV                 d = W_down @ a; Llama/Qwen: x_new = h + d;
-                                                   Gemma: d -> MB_DOWN
-  S4  (Gemma) per row: post-MLP norm, residual     x_new = h + bf16(d*rstd*(1+w))
-  Non-finite outputs and expired waits raise bits of the sticky health word (``SITES``).
+Side by side with ``monodecode/model/reference.py``:
 
-No stage waits on a later stage and every workgroup is resident, so there is no grid barrier.
+K1 (``x`` -> ``attn_out``)
+  qkv      GEMV task = ``rows`` outputs of       h = rms_norm(x, attn_norm); q|k|v = W_qkv h
+           W_qkv for every row of the step;      (bf16 each)
+           x normed into LDS, published as
+           tagged words -> region ``qkv``
+  attn     task = (row, KV head, context split): q/k = rms_norm(., q/k_norm) (qk_norm models);
+           waits for the group's q, k, v words;  RoPE (rotate-half, bf16 cos/sin); K,V written
+           q/k-norm, RoPE; the split holding the at the slot; softmax(q.K^T * scale) V over
+           newest position writes K/V to the      positions j < seq_len (and j > pos - window on
+           cache; online softmax over its slice   sliding layers); padded rows (slot -1): zeros
+           -> unnormalised (m, l, acc) words
+           -> regions ``attn_ml``, ``attn_acc``
+  combine  task = (row, query head): merges the  out = sum_s e^(m_s-M) acc_s / sum_s e^(m_s-M) l_s
+           splits -> ``attn_out`` (bf16)
+K2 (``x``, ``attn_out`` -> ``x_out``)
+  o_proj   GEMV of attn_out -> ``o`` (fp32,      o = W_o attn
+           TP: pushed to every peer, ``o_peer``)
+  post     task = row: (TP: sum of the ranks'   Gemma: o = rms_norm(o, attn_post_norm);
+           partials in rank order, fp32) ->     h = x + o; hn = rms_norm(h, mlp_norm)
+           ``h``, ``hn``
+  gate_up  GEMV of hn, gate and up rows in one  a = bf16(act(bf16 gate)) * bf16(up)
+           pass -> ``act``
+  down     GEMV of act; without a final stage   d = W_down a; Llama/Qwen: x_out = h + d
+           adds h and writes x_out, else ``d``
+  final    task = row (Gemma or TP): sums the   Gemma: d = rms_norm(d, mlp_post_norm);
+           partials, norm, residual -> x_out    x_out = h + d
+
+An expired wait stores ``health_code(wait_timeout, k1|k2, layer)``, a non-finite output
+``health_code(nonfinite, k2, layer)`` in the sticky health word (the plan's header region).
 """
 
 from __future__ import annotations
@@ -33,500 +48,590 @@ from flydsl.expr import gpu
 
 from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.geometry import GemvShape, Geometry
+from monodecode.kernels.flydsl.geometry import ATTN_CHUNK, NEG_BIG, Geometry, GemvTile, first_task
+from monodecode.kernels.plan import K1, K2
 from monodecode.model.dims import ModelDims
 
 NW = WAVES_PER_WORKGROUP
+WG = WORKGROUP_SIZE
 
-# Health sites (monodecode.kernels.base.HEALTH_SITES); the word holds health_code(site, kernel, layer).
+# Health sites and kernel ids of monodecode.kernels.base.health_code.
 SITE_WAIT, SITE_NONFINITE = 1, 2
 KERNEL_K1, KERNEL_K2 = 1, 2
 
 
-@d.device
-def gemv_chunk(g: GemvShape, c: int, w_rs, wbase, lds_x, lds_part, width: int, pair: int, pair_stride: int,
-               wave, lane, gw, gwaves: int, epilogue):
-    """Rows of this wave over LDS chunk ``c`` of the activations (``width`` rows of bf16).
-
-    Weight row r lives at byte ``wbase + r * k * bytes``; with ``pair`` = 2 the wave also computes
-    row ``r + pair_stride`` (gate|up) from the same activation loads. Partial sums of earlier
-    chunks wait in ``lds_part``; after the last chunk ``epilogue(r, sums)`` gets the full dots
-    (``sums[p][t]``, wave-uniform).
-    """
-    wbytes = 1 if g.vec == 16 else 2
-    c0 = c * g.chunk
-    clen = min(g.chunk, g.k - c0)
-    nfull = clen // g.step
-    tail_lanes = (clen % g.step) // g.vec
-    xw_per_lane = g.vec // 2  # activation words (bf16 pairs) per lane per step
-    last = c == g.chunks - 1
-    for j in range(g.rows_per_wave):
-        r = gw + j * gwaves
-        if r < g.rows:
-            accs = [[d.f32(0.0) for _ in range(width)] for _ in range(pair)]
-            for s in range(nfull):
-                kl = s * g.step + lane * g.vec  # element offset inside the chunk
-                for p in fx.range_constexpr(pair):
-                    wv = d.load_weights16(w_rs, wbase + ((r + p * pair_stride) * g.k + c0 + kl) * wbytes)
-                    for t in fx.range_constexpr(width):
-                        xa = d.lds_load4(lds_x, (t * g.chunk + kl) // 2)
-                        if fx.const_expr(xw_per_lane == 4):
-                            accs[p][t] = d.dot_bf16(wv, xa, accs[p][t])
-                        else:
-                            xb = d.lds_load4(lds_x, (t * g.chunk + kl) // 2 + 4)
-                            accs[p][t] = d.dot_fp8(wv, xa, xb, accs[p][t])
-            if fx.const_expr(tail_lanes > 0):
-                active = lane < tail_lanes
-                ln = active.select(lane, d.i32(0))
-                kl = nfull * g.step + ln * g.vec
-                for p in fx.range_constexpr(pair):
-                    wv = d.load_weights16(w_rs, wbase + ((r + p * pair_stride) * g.k + c0 + kl) * wbytes)
-                    for t in fx.range_constexpr(width):
-                        xa = d.lds_load4(lds_x, (t * g.chunk + kl) // 2)
-                        if fx.const_expr(xw_per_lane == 4):
-                            part = d.dot_bf16(wv, xa, d.f32(0.0))
-                        else:
-                            xb = d.lds_load4(lds_x, (t * g.chunk + kl) // 2 + 4)
-                            part = d.dot_fp8(wv, xa, xb, d.f32(0.0))
-                        accs[p][t] = accs[p][t] + active.select(part, d.f32(0.0))
-            sums = [[d.warp_sum(accs[p][t]) for t in range(width)] for p in range(pair)]
-            slot = ((wave * g.rows_per_wave + j) * pair) * width
-            if fx.const_expr(c > 0):
-                sums = [[sums[p][t] + d.lds_loadf(lds_part, slot + p * width + t) for t in range(width)]
-                        for p in range(pair)]
-            if fx.const_expr(last):
-                epilogue(r, sums)
-            else:
-                if lane == d.i32(0):
-                    for p in fx.range_constexpr(pair):
-                        for t in fx.range_constexpr(width):
-                            d.lds_storef(lds_part, slot + p * width + t, sums[p][t])
-
-
-def lane_pick(lane, values):
-    """values[lane] for lane < len(values) (wave-uniform inputs -> one value per lane)."""
-    out = values[0]
-    for t in range(1, len(values)):
-        out = (lane == d.i32(t)).select(values[t], out)
-    return out
-
-
-def norm_scale(one_plus: bool):
-    """Gemma multiplies by (1 + w) in fp32; Llama/Qwen by w after rounding x*rstd to bf16."""
-    if one_plus:
-        return lambda xv, rstd, w: d.round_bf16(xv * rstd * (d.f32(1.0) + w))
-    return lambda xv, rstd, w: d.round_bf16(w * d.round_bf16(xv * rstd))
-
-
 def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     """Build the K1 / K2 launchers for one specialisation (closures bake the constants in)."""
-    W, G, H = geom.width, geom.grid, geom.hidden
-    Q, KV, D, NKV, GQ, I = geom.q_size, geom.kv_size, geom.head_dim, geom.num_kv_heads, geom.gqa, geom.intermediate
-    NQKV = Q + 2 * KV
-    EPS = float(dims.rms_norm_eps)
-    SCALE = float(dims.attn_scale)
-    QK_NORM, ONE_PLUS, GEMMA_POST = dims.qk_norm, dims.norm_one_plus, dims.post_norms
+    W, G = geom.width, geom.grid
+    H, I, D, GQ, KVH, HEADS, S = (geom.hidden, geom.intermediate, geom.head_dim, geom.group, geom.kv_heads,
+                                  geom.heads, geom.attn_splits)
+    Q, KV, NQKV = geom.q, geom.kv, geom.qkv
+    EPS, SCALE = float(dims.rms_norm_eps), float(dims.attn_scale)
+    QK_NORM, POST_NORMS, FP8 = dims.qk_norm, geom.post_norms, geom.fp8
     GELU = dims.activation == "gelu_tanh"
+    FINAL = geom.final
     BS = block_size
-    DPL = max(1, D // WAVE_SIZE)  # head dims per lane in the V phase
+    DPL = D // WAVE_SIZE  # head dims per lane
     HALF = D // 2
-    GW = G * NW
-    scale_fn = norm_scale(ONE_PLUS)
-    qkv, og, gu, dn = geom.qkv, geom.o, geom.gate_up, geom.down
-    part_words = max(1, NW * max(qkv.rows_per_wave, og.rows_per_wave, 2 * gu.rows_per_wave, dn.rows_per_wave) * W)
+    RG = geom.regions  # word offsets in this width's scratch segment
+    L1, L2 = geom.lds1, geom.lds2
+    norm = d.norm_scale(dims.norm_one_plus)
+    st_qkv, st_attn, st_comb = geom.stage(K1, "qkv"), geom.stage(K1, "attn"), geom.stage(K1, "combine")
+    st_o, st_post = geom.stage(K2, "o_proj"), geom.stage(K2, "post")
+    st_gu, st_dn = geom.stage(K2, "gate_up"), geom.stage(K2, "down")
+    st_fin = geom.stage(K2, "final") if FINAL else None
+    if geom.tp_size != 1:
+        raise NotImplementedError("flydsl: the K2 peer push is built for TP 1 only")
+
+    # ------------------------------------------------------------------------------ GEMV task
+    def gemv_task(tl: GemvTile, t, w_rs, lds, x_off: int, part_off: int, wave, lane, stage_chunk, finish):
+        """Task ``t``: rows [t*rows, t*rows + rows) of y[W, N] = x[W, K] . Wt[N, K]^T.
+
+        The 4 waves split the rows (``rows_per_wave`` each, walked ``row_group`` at a time);
+        lanes split K, 16 bytes of weights per lane per step. The input rows are staged in LDS
+        as bf16 by ``stage_chunk(c0)`` one chunk of K at a time; with several chunks each row's
+        partial sums wait in LDS. ``finish(row0, sums)`` gets the full dots of rows
+        row0 .. row0 + row_group - 1 (``sums[(i * pair + p) * W + token]``, wave-uniform)."""
+        st = tl.stage
+        N, K, R, RPW, GR, PR = st.n, st.k, st.rows, tl.rows_per_wave, tl.row_group, tl.pair
+        VEC, STEP, CK, CKW, NCH, KPAD = tl.vec, tl.step, tl.chunk, tl.chunk_words, tl.chunks, tl.k_pad
+        WB = 1 if FP8 else 2
+        return _gemv_task(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK,
+                          CKW, NCH, KPAD, WB, x_off, part_off)
+
+    @d.device
+    def _gemv_task(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK, CKW, NCH,
+                   KPAD, WB, x_off, part_off):
+        n0 = t * d.i32(R)
+        for c_ in range(NCH):
+            c = d.i32(c_)
+            c0 = c * d.i32(CK)
+            gpu.barrier()  # the previous chunk (or task, or stage) is done with the LDS
+            stage_chunk(c0)
+            gpu.barrier()
+            nsteps = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(STEP)
+            for grp_ in range(RPW // GR):
+                grp = d.i32(grp_)
+                row0 = n0 + wave * d.i32(RPW) + grp * d.i32(GR)
+                accs = [d.f32(0.0) for _ in range(GR * PR * W)]
+                for s_ in range(nsteps):
+                    s = d.i32(s_)
+                    kl = s * d.i32(STEP) + lane * d.i32(VEC)  # element inside the chunk
+                    kg = c0 + kl
+                    if fx.const_expr(KPAD != K):  # lanes past K read a valid weight; their LDS input is 0
+                        kg = fx.min(kg, d.i32(K - VEC))
+                    wv = []
+                    for i in fx.range_constexpr(GR):
+                        row = row0 + d.i32(i)
+                        if fx.const_expr(N % R != 0):  # the last task's rows past N read row N-1
+                            row = fx.min(row, d.i32(N - 1))
+                        for p in fx.range_constexpr(PR):
+                            wv.append(d.load_weights16(w_rs, ((row + d.i32(p * N)) * d.i32(K) + kg) * d.i32(WB)))
+                    for tk in fx.range_constexpr(W):
+                        xa = d.lds_load4(lds, d.i32(x_off + tk * CKW) + kl // d.i32(2))
+                        if fx.const_expr(VEC == 16):
+                            xb = d.lds_load4(lds, d.i32(x_off + tk * CKW + 4) + kl // d.i32(2))
+                        for j in fx.range_constexpr(GR * PR):
+                            if fx.const_expr(VEC == 8):
+                                accs[j * W + tk] = d.dot_bf16(wv[j], xa, accs[j * W + tk])
+                            else:
+                                accs[j * W + tk] = d.dot_fp8(wv[j], xa, xb, accs[j * W + tk])
+                sums = [d.warp_sum(a) for a in accs]
+                if fx.const_expr(NCH > 1):
+                    slot = d.i32(part_off) + (wave * d.i32(RPW) + grp * d.i32(GR)) * d.i32(PR * W)
+                    if c > d.i32(0):
+                        sums = [sums[j] + d.lds_loadf(lds, slot + d.i32(j)) for j in range(GR * PR * W)]
+                    if (c < d.i32(NCH - 1)) & (lane == d.i32(0)):
+                        for j in fx.range_constexpr(GR * PR * W):
+                            d.lds_storef(lds, slot + d.i32(j), sums[j])
+                if c == d.i32(NCH - 1):
+                    finish(row0, sums)
+
+    def scaled(sptr, row, v):
+        """FP8 weights: the per-output-channel scale applies to the fp32 dot (Linear.__call__)."""
+        if FP8:
+            return v * d.load_f32(sptr, row)
+        return v
+
+    @d.device
+    def _put_lane_impl(mbox, tag, lane, region, n, row, v, enable):
+        if (lane < d.i32(W)) & (row < d.i32(n)) & enable:
+            d.mb_put(mbox, d.i32(region) + lane * d.i32(n) + row, tag, v)
 
     # ------------------------------------------------------------------------------------ K1
     @flyc.kernel
     def k1_kernel(x: fx.Pointer, norm_w: fx.Pointer, w_qkv: fx.Pointer, s_qkv: fx.Pointer, q_norm_w: fx.Pointer,
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
-                  out_attn: fx.Pointer, scratch: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32):
-        tid = gpu.thread_idx.x
-        bid = gpu.block_idx.x
-        wave = tid // WAVE_SIZE
+                  out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
+                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32):
+        tid = fx.Int32(gpu.thread_idx.x)
+        bid = fx.Int32(gpu.block_idx.x)
+        wave = d.uniform(tid // WAVE_SIZE)
         lane = tid % WAVE_SIZE
-        gw = bid * NW + wave
-        epoch, tag = d.launch_tag(scratch)
-        mbox = scratch + geom.mb_qkv
+        epoch = mbox + RG["epoch_k1"]
+        tag = d.launch_tag(epoch, G)
+        polls = d.health_ok(health).select(max_polls, d.i32(0))  # a failed step waits no more
         wait_code = d.health_code(SITE_WAIT, KERNEL_K1, layer)
+        lds = d.lds_arena(fx.SharedAllocator(), L1["words"])
 
-        alloc = fx.SharedAllocator()
-        lds_x = d.lds_words(alloc, W * qkv.chunk // 2)
-        lds_rstd = d.lds_words(alloc, W)
-        lds_part = d.lds_words(alloc, part_words)
-        lds_qkv = d.lds_words(alloc, (GQ + 2) * D)
-        lds_p = d.lds_words(alloc, NW * GQ * WAVE_SIZE)
-        lds_slot = d.lds_words(alloc, NW * WAVE_SIZE)
-        lds_m = d.lds_words(alloc, NW * GQ * 2)
-        lds_acc = d.lds_words(alloc, NW * GQ * D)
-
-        # S0: rstd of each row of x (wave t % NW owns row t)
-        for t in fx.range_constexpr(W):
-            if wave == d.i32(t % NW):
+        # ---- qkv: rstd of every row of x, then the normed rows chunk by chunk into LDS
+        first = first_task(bid, st_qkv.offset, G)
+        if first < d.i32(st_qkv.tasks):
+            for tk_ in range(wave, d.i32(W), d.i32(NW)):
+                tk = d.i32(tk_)
                 ss = d.f32(0.0)
-                for k in range(lane * 2, H, WAVE_SIZE * 2):
-                    wd = d.load_word(x, (t * H + k) // 2)
-                    ss = fx.math.fma(d.bf16_lo(wd), d.bf16_lo(wd), ss)
-                    ss = fx.math.fma(d.bf16_hi(wd), d.bf16_hi(wd), ss)
+                for kw_ in range(lane, d.i32(H // 2), d.i32(WAVE_SIZE)):
+                    kw = d.i32(kw_)
+                    xw = d.load_word(x, tk * (H // 2) + kw)
+                    ss = fx.math.fma(d.bf16_lo(xw), d.bf16_lo(xw), ss)
+                    ss = fx.math.fma(d.bf16_hi(xw), d.bf16_hi(xw), ss)
                 tot = d.warp_sum(ss)
                 if lane == d.i32(0):
-                    d.lds_storef(lds_rstd, t, fx.math.rsqrt(tot / d.f32(float(H)) + d.f32(EPS)))
-        gpu.barrier()
-
+                    d.lds_storef(lds, d.i32(L1["rstd"]) + tk, d.rsqrt_mean(tot, H, EPS))
+            gpu.barrier()
+        tile = geom.tiles["qkv"]
         w_rs = d.buffer_rsrc(w_qkv)
 
-        def publish_qkv(r, sums):
-            sc = d.f32(1.0)
-            if fx.const_expr(geom.fp8):
-                sc = fx.generic_load(s_qkv + r, dtype=fx.Float32)
-            v = lane_pick(lane, sums[0]) * sc
-            if lane < d.i32(W):
-                d.mb_put(mbox, lane * NQKV + r, tag, v)
+        def stage_x(c0):
+            _stage_normed(x, norm_w, lds, tid, c0, tile.chunk_words, H)
 
-        # S1: normed x chunks -> QKV GEMV
-        for c in fx.range_constexpr(qkv.chunks):
-            c0 = c * qkv.chunk
-            clen = min(qkv.chunk, H - c0)
-            if fx.const_expr(c > 0):
-                gpu.barrier()
-            for idx in range(tid, W * clen // 2, WORKGROUP_SIZE):
-                t = idx // (clen // 2)
-                k = c0 + (idx % (clen // 2)) * 2
-                wd = d.load_word(x, (t * H + k) // 2)
-                nw = d.load_word(norm_w, k // 2)
-                rs = d.lds_loadf(lds_rstd, t)
-                lo = scale_fn(d.bf16_lo(wd), rs, d.bf16_lo(nw))
-                hi = scale_fn(d.bf16_hi(wd), rs, d.bf16_hi(nw))
-                d.lds_store(lds_x, t * (qkv.chunk // 2) + (k - c0) // 2, d.pack_bf16x2(lo, hi))
-            gpu.barrier()
-            gemv_chunk(qkv, c, w_rs, 0, lds_x, lds_part, W, 1, 0, wave, lane, gw, GW, publish_qkv)
+        def publish_qkv(row0, sums):
+            for i in fx.range_constexpr(tile.row_group):
+                row = row0 + d.i32(i)
+                v = d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)])
+                v = d.round_bf16(scaled(s_qkv, fx.min(row, d.i32(NQKV - 1)), v))
+                _put_lane_impl(mbox, tag, lane, RG["qkv"], NQKV, row, v, stall == d.i32(0))
 
-        # S2: attention tasks (token, kv head) -> workgroups
-        budget = d.health_ok(health).select(max_polls, d.i32(0))
-        for task in range(bid, W * NKV, G):
-            t = task // NKV
-            g = task % NKV
-            slot = fx.generic_load(slots + t * 2, dtype=fx.Int32)  # low word of the int64 slot
-            pos = fx.generic_load(positions + t * 2, dtype=fx.Int32)
-            L = fx.generic_load(seq_lens + t, dtype=fx.Int32)
-            # gather q (GQ heads), k, v of this kv head from the QKV mailbox
-            for i in range(tid, (GQ + 2) * D, WORKGROUP_SIZE):
-                row = (i < d.i32(GQ * D)).select(g * (GQ * D) + i,
-                                                 (i < d.i32((GQ + 1) * D)).select(Q + g * D + (i - GQ * D),
-                                                                                  Q + KV + g * D + (i - (GQ + 1) * D)))
-                v = d.mb_wait(mbox, t * NQKV + row, tag, budget, health, wait_code)
-                d.lds_storef(lds_qkv, i, v)
-            gpu.barrier()
-            # q/k RMSNorm per head and RoPE; wave w handles head vectors w, w+NW, ... (GQ q heads + k)
-            for hv in range(wave, GQ + 1, NW):
-                vals = [d.lds_loadf(lds_qkv, hv * D + lane * DPL + j) for j in range(DPL)]
-                if fx.const_expr(QK_NORM):
-                    ss = d.f32(0.0)
-                    for j in fx.range_constexpr(DPL):
-                        ss = fx.math.fma(vals[j], vals[j], ss)
-                    rstd = fx.math.rsqrt(d.warp_sum(ss) / d.f32(float(D)) + d.f32(EPS))
-                    for j in fx.range_constexpr(DPL):
-                        dd = lane * DPL + j
-                        wq = fx.generic_load(q_norm_w + dd // 2, dtype=fx.Int32)
-                        wk = fx.generic_load(k_norm_w + dd // 2, dtype=fx.Int32)
-                        wsel = ((dd % 2) == d.i32(0)).select(d.bf16_lo(wq), d.bf16_hi(wq))
-                        ksel = ((dd % 2) == d.i32(0)).select(d.bf16_lo(wk), d.bf16_hi(wk))
-                        wn = (hv < d.i32(GQ)).select(wsel, ksel)
-                        vals[j] = scale_fn(vals[j], rstd, wn)
+        for t_ in range(first, d.i32(st_qkv.tasks), d.i32(G)):
+            gemv_task(tile, d.i32(t_), w_rs, lds, L1["x"], L1["part"], wave, lane, stage_x, publish_qkv)
+        gpu.barrier()
+
+        # ---- attn: (row, KV head, split) partials
+        for t_ in range(first_task(bid, st_attn.offset, G), d.i32(st_attn.tasks), d.i32(G)):
+            _attn_task(d.i32(t_), mbox, tag, polls, health, wait_code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
+                       key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride)
+
+        # ---- combine: merge each query head's splits -> attn_out (bf16)
+        for t_ in range(first_task(bid, st_comb.offset, G), d.i32(st_comb.tasks), d.i32(G)):
+            _combine_task(d.i32(t_), mbox, tag, polls, health, wait_code, tid, out_attn)
+
+        d.finish_launch(epoch, tid)
+
+    @d.device
+    def _stage_normed(x, norm_w, lds, tid, c0, ckw: int, k: int):
+        """Rows of x (bf16 pairs) normed with their rstd and the norm weight, into LDS (0 past k)."""
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+            idx = d.i32(idx_)
+            tk = idx // d.i32(ckw)
+            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+            word = d.i32(0)
+            if kk < d.i32(k):
+                xw = d.load_word(x, (tk * d.i32(k) + kk) // d.i32(2))
+                nw = d.load_word(norm_w, kk // d.i32(2))
+                rs = d.lds_loadf(lds, d.i32(L1["rstd"]) + tk)
+                word = d.pack_bf16x2(norm(d.bf16_lo(xw), rs, d.bf16_lo(nw)), norm(d.bf16_hi(xw), rs, d.bf16_hi(nw)))
+            d.lds_store(lds, d.i32(L1["x"]) + idx, word)
+
+    @d.device
+    def _attn_task(t, mbox, tag, polls, health, code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
+                   key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride):
+        r = t // d.i32(KVH * S)
+        g = (t // d.i32(S)) % d.i32(KVH)
+        s = t % d.i32(S)
+        pos = d.load_word(positions, r * 2)  # low word of the int64 position / slot
+        slot = d.load_word(slots, r * 2)
+        seq = d.load_word(seq_lens, r)
+        live = slot >= d.i32(0)
+        vec = d.i32(L1["qkv_vec"])
+
+        # q of the group's heads, k and v of KV head g (tagged words of the qkv stage)
+        base = d.i32(RG["qkv"]) + r * d.i32(NQKV)
+        for i_ in range(tid, d.i32((GQ + 2) * D), d.i32(WG)):
+            i = d.i32(i_)
+            src = (i < d.i32(GQ * D)).select(
+                g * d.i32(GQ * D) + i,
+                (i < d.i32((GQ + 1) * D)).select(d.i32(Q - GQ * D) + g * d.i32(D) + i,
+                                                 d.i32(Q + KV - (GQ + 1) * D) + g * d.i32(D) + i))
+            d.lds_storef(lds, vec + i, d.mb_wait(mbox, base + src, tag, polls, health, code))
+        gpu.barrier()
+
+        # q/k-norm and RoPE per head vector (GQ q heads, then k); lane holds dims lane*DPL + j
+        for hv_ in range(wave, d.i32(GQ + 1), d.i32(NW)):
+            hv = d.i32(hv_)
+            hb = vec + hv * d.i32(D)
+            vals = [d.lds_loadf(lds, hb + lane * d.i32(DPL) + d.i32(j)) for j in range(DPL)]
+            if fx.const_expr(QK_NORM):
+                ss = d.f32(0.0)
                 for j in fx.range_constexpr(DPL):
-                    d.lds_storef(lds_qkv, hv * D + lane * DPL + j, vals[j])
-                # rotate-half RoPE with the (cos | sin) row of this position
-                roped = []
+                    ss = fx.math.fma(vals[j], vals[j], ss)
+                rstd = d.rsqrt_mean(d.warp_sum(ss), D, EPS)
                 for j in fx.range_constexpr(DPL):
-                    dd = lane * DPL + j
-                    i2 = dd % HALF
-                    cs = fx.generic_load(cos_sin + pos * D + i2, dtype=fx.Float32)
-                    sn = fx.generic_load(cos_sin + pos * D + HALF + i2, dtype=fx.Float32)
-                    partner = d.lds_loadf(lds_qkv, hv * D + (dd + HALF) % D)
-                    rot = (dd < d.i32(HALF)).select(d.f32(0.0) - partner, partner)
-                    roped.append(d.round_bf16(vals[j] * cs + rot * sn))
+                    dd = lane * d.i32(DPL) + d.i32(j)
+                    wq = d.bf16_half(d.load_word(q_norm_w, dd // d.i32(2)), dd % d.i32(2))
+                    wk = d.bf16_half(d.load_word(k_norm_w, dd // d.i32(2)), dd % d.i32(2))
+                    vals[j] = norm(vals[j], rstd, (hv < d.i32(GQ)).select(wq, wk))
                 for j in fx.range_constexpr(DPL):
-                    d.lds_storef(lds_qkv, hv * D + lane * DPL + j, roped[j])
-            gpu.barrier()
-            active = slot >= d.i32(0)
-            # KV insert at the slot (bf16 pairs)
-            if active & (tid < d.i32(D // 2)):
-                kw = d.pack_bf16x2(d.lds_loadf(lds_qkv, GQ * D + 2 * tid), d.lds_loadf(lds_qkv, GQ * D + 2 * tid + 1))
-                vw = d.pack_bf16x2(d.lds_loadf(lds_qkv, (GQ + 1) * D + 2 * tid),
-                                   d.lds_loadf(lds_qkv, (GQ + 1) * D + 2 * tid + 1))
-                d.store_word(key_cache, ((slot * NKV + g) * D) // 2 + tid, kw)
-                d.store_word(value_cache, ((slot * NKV + g) * D) // 2 + tid, vw)
-            # attention over cached positions [p0, L-1); the new position comes from LDS
-            p0 = (window > d.i32(0)).select(fx.max(d.i32(0), L - window), d.i32(0))
-            n_prev = fx.max(d.i32(0), L - d.i32(1) - p0)
-            m = [d.f32(d.NEG_BIG) for _ in range(GQ)]
-            lsum = [d.f32(0.0) for _ in range(GQ)]
-            acc = [[d.f32(0.0) for _ in range(DPL)] for _ in range(GQ)]
-            n_chunks = (n_prev + d.i32(WAVE_SIZE - 1)) // d.i32(WAVE_SIZE)
-            for ch in range(wave, n_chunks, NW):
-                p = p0 + ch * WAVE_SIZE + lane
-                valid = p < L - d.i32(1)
-                pc = valid.select(p, p0)
-                blk = fx.generic_load(block_tables + t * bt_stride + pc // BS, dtype=fx.Int32)
-                s_slot = blk * BS + pc % BS
-                d.lds_store(lds_slot, wave * WAVE_SIZE + lane, s_slot)
-                kbase = ((s_slot * NKV + g) * D) // 2
-                sc = [d.f32(0.0) for _ in range(GQ)]
-                for k8 in range(0, D // 8):
-                    kv4 = d.load_words(key_cache, kbase + k8 * 4, 4)
-                    for h in fx.range_constexpr(GQ):
-                        q0 = d.lds_load4(lds_qkv, h * D + k8 * 8)
-                        q1 = d.lds_load4(lds_qkv, h * D + k8 * 8 + 4)
+                    d.lds_storef(lds, hb + lane * d.i32(DPL) + d.i32(j), vals[j])
+            roped = []
+            for j in fx.range_constexpr(DPL):
+                dd = lane * d.i32(DPL) + d.i32(j)
+                i2 = dd % d.i32(HALF)
+                cs = d.load_f32(cos_sin, pos * d.i32(D) + i2)
+                sn = d.load_f32(cos_sin, pos * d.i32(D) + d.i32(HALF) + i2)
+                partner = d.lds_loadf(lds, hb + (dd + d.i32(HALF)) % d.i32(D))
+                rot = (dd < d.i32(HALF)).select(d.f32(0.0) - partner, partner)
+                roped.append(d.round_bf16(vals[j] * cs + rot * sn))
+            for j in fx.range_constexpr(DPL):
+                d.lds_storef(lds, hb + lane * d.i32(DPL) + d.i32(j), roped[j])
+        gpu.barrier()
+
+        # this split's slice of the visible context (the Triton kernels' rule)
+        start = (window > d.i32(0)).select(fx.max(pos - window + d.i32(1), d.i32(0)), d.i32(0))
+        end = live.select(seq, start)
+        n = fx.max(end - start, d.i32(0))
+        per = (((n + d.i32(S - 1)) // d.i32(S) + d.i32(ATTN_CHUNK - 1)) // d.i32(ATTN_CHUNK)) * d.i32(ATTN_CHUNK)
+        lo = start + s * per
+        hi = fx.min(lo + per, end)
+        newest = end - d.i32(1)
+        has_new = live & (lo <= newest) & (newest < hi)
+        cend = fx.min(hi, newest)  # cached positions [lo, cend); the newest comes from LDS
+
+        # the split holding the newest position writes it to the paged cache (bf16 pairs)
+        if has_new & (tid < d.i32(HALF)):
+            kb = vec + d.i32(GQ * D) + tid * d.i32(2)
+            vb = vec + d.i32((GQ + 1) * D) + tid * d.i32(2)
+            dst = ((slot * d.i32(KVH) + g) * d.i32(D)) // d.i32(2) + tid
+            d.store_word(key_cache, dst, d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))))
+            d.store_word(value_cache, dst, d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))))
+
+        # online softmax over the cached positions: chunk c of 64 positions -> wave c % 4
+        m = [d.f32(NEG_BIG) for _ in range(GQ)]
+        lsum = [d.f32(0.0) for _ in range(GQ)]
+        acc = [d.f32(0.0) for _ in range(GQ * DPL)]
+        nch = (fx.max(cend - lo, d.i32(0)) + d.i32(ATTN_CHUNK - 1)) // d.i32(ATTN_CHUNK)
+        p_base = d.i32(L1["p"]) + wave * d.i32(GQ * ATTN_CHUNK)
+        s_base = d.i32(L1["slot"]) + wave * d.i32(ATTN_CHUNK)
+        for ch_ in range(wave, nch, d.i32(NW)):
+            ch = d.i32(ch_)
+            p0 = lo + ch * d.i32(ATTN_CHUNK)
+            p = p0 + lane
+            valid = p < cend
+            pc = valid.select(p, lo)
+            blk = d.load_word(block_tables, r * bt_stride + pc // d.i32(BS))
+            kslot = blk * d.i32(BS) + pc % d.i32(BS)
+            d.lds_store(lds, s_base + lane, kslot)
+            kbase = ((kslot * d.i32(KVH) + g) * d.i32(D)) // d.i32(2)
+            sc = [d.f32(0.0) for _ in range(GQ)]
+            for k4_ in range(d.i32(D // 32)):  # 32 dims (4 x 16 bytes of K) per iteration
+                k4 = d.i32(k4_)
+                kw = [d.load_words(key_cache, kbase + k4 * d.i32(16) + d.i32(4 * u), 4) for u in range(4)]
+                for h in fx.range_constexpr(GQ):
+                    qb = vec + d.i32(h * D) + k4 * d.i32(32)
+                    for u in fx.range_constexpr(4):
+                        q0 = d.lds_load4(lds, qb + d.i32(8 * u))
+                        q1 = d.lds_load4(lds, qb + d.i32(8 * u + 4))
                         for e in fx.range_constexpr(4):
                             qa = (q0 if e < 2 else q1)[(2 * e) % 4].bitcast(fx.Float32)
-                            qb = (q0 if e < 2 else q1)[(2 * e + 1) % 4].bitcast(fx.Float32)
-                            sc[h] = fx.math.fma(qa, d.bf16_lo(kv4[e]), sc[h])
-                            sc[h] = fx.math.fma(qb, d.bf16_hi(kv4[e]), sc[h])
-                for h in fx.range_constexpr(GQ):
-                    s = valid.select(sc[h] * d.f32(SCALE), d.f32(d.NEG_BIG))
-                    m_new = fx.max(m[h], d.warp_max(s))
-                    corr = d.exp(m[h] - m_new)
-                    pr = d.exp(s - m_new)
-                    pr = valid.select(pr, d.f32(0.0))
-                    lsum[h] = lsum[h] * corr + d.warp_sum(pr)
-                    m[h] = m_new
-                    d.lds_storef(lds_p, (wave * GQ + h) * WAVE_SIZE + lane, pr)
-                    for j in fx.range_constexpr(DPL):
-                        acc[h][j] = acc[h][j] * corr
-                n_here = fx.min(d.i32(WAVE_SIZE), L - d.i32(1) - (p0 + ch * WAVE_SIZE))
-                for i in range(0, n_here):
-                    vs = d.lds_load(lds_slot, wave * WAVE_SIZE + i)
-                    vbase = (vs * NKV + g) * D + lane * DPL
-                    vw = d.load_word(value_cache, vbase // 2)
-                    vv = []
-                    for j in fx.range_constexpr(DPL):
-                        if fx.const_expr(DPL == 1):
-                            vv.append(((lane % 2) == d.i32(0)).select(d.bf16_lo(vw), d.bf16_hi(vw)))
-                        elif fx.const_expr(j % 2 == 0):
-                            vw2 = d.load_word(value_cache, vbase // 2 + j // 2)
-                            vv.append(d.bf16_lo(vw2))
-                        else:
-                            vw2 = d.load_word(value_cache, vbase // 2 + j // 2)
-                            vv.append(d.bf16_hi(vw2))
-                    for h in fx.range_constexpr(GQ):
-                        ph = d.lds_loadf(lds_p, (wave * GQ + h) * WAVE_SIZE + i)
-                        for j in fx.range_constexpr(DPL):
-                            acc[h][j] = fx.math.fma(ph, vv[j], acc[h][j])
+                            qc = (q0 if e < 2 else q1)[(2 * e + 1) % 4].bitcast(fx.Float32)
+                            sc[h] = fx.math.fma(qa, d.bf16_lo(kw[u][e]), sc[h])
+                            sc[h] = fx.math.fma(qc, d.bf16_hi(kw[u][e]), sc[h])
             for h in fx.range_constexpr(GQ):
-                if lane == d.i32(0):
-                    d.lds_storef(lds_m, (wave * GQ + h) * 2, m[h])
-                    d.lds_storef(lds_m, (wave * GQ + h) * 2 + 1, lsum[h])
+                sv = valid.select(sc[h] * d.f32(SCALE), d.f32(NEG_BIG))
+                m_new = fx.max(m[h], d.warp_max(sv))
+                corr = d.exp(m[h] - m_new)
+                pr = valid.select(d.exp(sv - m_new), d.f32(0.0))
+                lsum[h] = lsum[h] * corr + d.warp_sum(pr)
+                m[h] = m_new
+                d.lds_storef(lds, p_base + d.i32(h * ATTN_CHUNK) + lane, pr)
                 for j in fx.range_constexpr(DPL):
-                    d.lds_storef(lds_acc, (wave * GQ + h) * D + lane * DPL + j, acc[h][j])
-            gpu.barrier()
-            # merge the waves and the new position; wave h % NW writes head h
-            for h in fx.range_constexpr(GQ):
-                if wave == d.i32(h % NW):
-                    cur = d.f32(0.0)
+                    acc[h * DPL + j] = acc[h * DPL + j] * corr
+            for i_ in range(fx.min(d.i32(ATTN_CHUNK), cend - p0)):
+                i = d.i32(i_)
+                vs = d.lds_load(lds, s_base + i)
+                vb = ((vs * d.i32(KVH) + g) * d.i32(D)) // d.i32(2)
+                vv = []
+                if fx.const_expr(DPL == 1):
+                    vw = d.load_word(value_cache, vb + lane // d.i32(2))
+                    vv.append(d.bf16_half(vw, lane % d.i32(2)))
+                else:
+                    for j2 in fx.range_constexpr(DPL // 2):
+                        vw = d.load_word(value_cache, vb + lane * d.i32(DPL // 2) + d.i32(j2))
+                        vv.append(d.bf16_lo(vw))
+                        vv.append(d.bf16_hi(vw))
+                for h in fx.range_constexpr(GQ):
+                    ph = d.lds_loadf(lds, p_base + d.i32(h * ATTN_CHUNK) + i)
                     for j in fx.range_constexpr(DPL):
-                        dd = lane * DPL + j
-                        cur = fx.math.fma(d.lds_loadf(lds_qkv, h * D + dd), d.lds_loadf(lds_qkv, GQ * D + dd), cur)
-                    s_cur = d.warp_sum(cur) * d.f32(SCALE)
-                    mx = s_cur
-                    for w in fx.range_constexpr(NW):
-                        mx = fx.max(mx, d.lds_loadf(lds_m, (w * GQ + h) * 2))
-                    e_cur = d.exp(s_cur - mx)
-                    den = e_cur
-                    outs = [e_cur * d.lds_loadf(lds_qkv, (GQ + 1) * D + lane * DPL + j) for j in range(DPL)]
-                    for w in fx.range_constexpr(NW):
-                        f = d.exp(d.lds_loadf(lds_m, (w * GQ + h) * 2) - mx)
-                        den = den + f * d.lds_loadf(lds_m, (w * GQ + h) * 2 + 1)
-                        for j in fx.range_constexpr(DPL):
-                            outs[j] = outs[j] + f * d.lds_loadf(lds_acc, (w * GQ + h) * D + lane * DPL + j)
+                        acc[h * DPL + j] = fx.math.fma(ph, vv[j], acc[h * DPL + j])
+
+        # merge the waves' partials and the newest position; wave h % 4 publishes head h
+        for h in fx.range_constexpr(GQ):
+            if lane == d.i32(0):
+                d.lds_storef(lds, d.i32(L1["ml"] + h * 2) + wave * d.i32(GQ * 2), m[h])
+                d.lds_storef(lds, d.i32(L1["ml"] + h * 2 + 1) + wave * d.i32(GQ * 2), lsum[h])
+            for j in fx.range_constexpr(DPL):
+                d.lds_storef(lds, d.i32(L1["acc"] + h * D + j) + wave * d.i32(GQ * D) + lane * d.i32(DPL),
+                             acc[h * DPL + j])
+        gpu.barrier()
+        for h in fx.range_constexpr(GQ):
+            if wave == d.i32(h % NW):
+                cur = d.f32(0.0)
+                for j in fx.range_constexpr(DPL):
+                    dd = lane * d.i32(DPL) + d.i32(j)
+                    cur = fx.math.fma(d.lds_loadf(lds, vec + d.i32(h * D) + dd),
+                                      d.lds_loadf(lds, vec + d.i32(GQ * D) + dd), cur)
+                s_new = has_new.select(d.warp_sum(cur) * d.f32(SCALE), d.f32(NEG_BIG))
+                mx = s_new
+                for w in fx.range_constexpr(NW):
+                    mx = fx.max(mx, d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2)))
+                e_new = has_new.select(d.exp(s_new - mx), d.f32(0.0))
+                den = e_new
+                outs = [e_new * d.lds_loadf(lds, vec + d.i32((GQ + 1) * D + j) + lane * d.i32(DPL))
+                        for j in range(DPL)]
+                for w in fx.range_constexpr(NW):
+                    f = d.exp(d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2)) - mx)
+                    den = den + f * d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2 + 1))
                     for j in fx.range_constexpr(DPL):
-                        res = active.select(outs[j] / den, d.f32(0.0))
-                        oidx = t * Q + (g * GQ + h) * D + lane * DPL + j
-                        d.store_bf16(out_attn, oidx, res)
-            gpu.barrier()
-        d.finish_launch(scratch, epoch, tid, G)
+                        outs[j] = outs[j] + f * d.lds_loadf(
+                            lds, d.i32(L1["acc"] + (w * GQ + h) * D + j) + lane * d.i32(DPL))
+                hrow = (r * d.i32(HEADS) + g * d.i32(GQ) + d.i32(h)) * d.i32(S) + s
+                for j in fx.range_constexpr(DPL):
+                    d.mb_put(mbox, d.i32(RG["attn_acc"] + j) + hrow * d.i32(D) + lane * d.i32(DPL), tag, outs[j])
+                if lane == d.i32(0):
+                    d.mb_put(mbox, d.i32(RG["attn_ml"]) + hrow * d.i32(2), tag, mx)
+                    d.mb_put(mbox, d.i32(RG["attn_ml"] + 1) + hrow * d.i32(2), tag, den)
+        gpu.barrier()  # the next task reuses the LDS
+
+    @d.device
+    def _combine_task(t, mbox, tag, polls, health, code, tid, out_attn):
+        r = t // d.i32(HEADS)
+        h = t % d.i32(HEADS)
+        if tid < d.i32(D):
+            hrow = (r * d.i32(HEADS) + h) * d.i32(S)
+            ms = [d.mb_wait(mbox, d.i32(RG["attn_ml"] + 2 * sp) + hrow * d.i32(2), tag, polls, health, code)
+                  for sp in range(S)]
+            ls = [d.mb_wait(mbox, d.i32(RG["attn_ml"] + 2 * sp + 1) + hrow * d.i32(2), tag, polls, health, code)
+                  for sp in range(S)]
+            accs = [d.mb_wait(mbox, d.i32(RG["attn_acc"] + sp * D) + hrow * d.i32(D) + tid, tag, polls, health, code)
+                    for sp in range(S)]
+            big = ms[0]
+            for sp in fx.range_constexpr(1, S):
+                big = fx.max(big, ms[sp])
+            den = d.f32(0.0)
+            num = d.f32(0.0)
+            for sp in fx.range_constexpr(S):
+                wgt = d.exp(ms[sp] - big)
+                den = fx.math.fma(wgt, ls[sp], den)
+                num = fx.math.fma(wgt, accs[sp], num)
+            res = (den > d.f32(0.0)).select(num / (den > d.f32(0.0)).select(den, d.f32(1.0)), d.f32(0.0))
+            d.store_bf16(out_attn, r * d.i32(Q) + h * d.i32(D) + tid, res)
 
     # ------------------------------------------------------------------------------------ K2
     @flyc.kernel
     def k2_kernel(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
-                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, scratch: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32):
-        tid = gpu.thread_idx.x
-        bid = gpu.block_idx.x
-        wave = tid // WAVE_SIZE
+                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
+                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32):
+        tid = fx.Int32(gpu.thread_idx.x)
+        bid = fx.Int32(gpu.block_idx.x)
+        wave = d.uniform(tid // WAVE_SIZE)
         lane = tid % WAVE_SIZE
-        gw = bid * NW + wave
-        epoch, tag = d.launch_tag(scratch)
-        mb_o = scratch + geom.mb_o
+        epoch = mbox + RG["epoch_k2"]
+        tag = d.launch_tag(epoch, G)
+        polls = d.health_ok(health).select(max_polls, d.i32(0))
         wait_code = d.health_code(SITE_WAIT, KERNEL_K2, layer)
         bad_code = d.health_code(SITE_NONFINITE, KERNEL_K2, layer)
-        mb_act = scratch + geom.mb_act
-        mb_down = scratch + geom.mb_down
-        chunk_words = max(og.chunk, gu.chunk, dn.chunk) // 2
-        alloc = fx.SharedAllocator()
-        lds_x = d.lds_words(alloc, W * chunk_words)
-        lds_part = d.lds_words(alloc, part_words)
-        lds_rs = d.lds_words(alloc, 3 * W)  # rstd of o (Gemma), rstd of h, rstd of down (Gemma)
+        lds = d.lds_arena(fx.SharedAllocator(), L2["words"])
+        o_region = RG["o"]
+        d_region = RG["d"] if FINAL else 0
 
-        def scaled(sptr, r, v):
-            if fx.const_expr(geom.fp8):
-                return v * fx.generic_load(sptr + r, dtype=fx.Float32)
-            return v
-
-        # S0: O projection of attn (plain copy into LDS; attn came from K1's launch)
-        def publish_o(r, sums):
-            v = scaled(s_o, r, lane_pick(lane, sums[0]))
-            if lane < d.i32(W):
-                d.mb_put(mb_o, lane * H + r, tag, v)
-
+        # ---- o_proj: attn_out (K1's bf16 output) staged as is
+        t_o = geom.tiles["o_proj"]
         o_rs = d.buffer_rsrc(w_o)
-        for c in fx.range_constexpr(og.chunks):
-            c0 = c * og.chunk
-            clen = min(og.chunk, Q - c0)
-            if fx.const_expr(c > 0):
-                gpu.barrier()
-            for idx in range(tid, W * clen // 2, WORKGROUP_SIZE):
-                t = idx // (clen // 2)
-                kw = idx % (clen // 2)
-                d.lds_store(lds_x, t * (og.chunk // 2) + kw, d.load_word(attn, (t * Q + c0) // 2 + kw))
-            gpu.barrier()
-            gemv_chunk(og, c, o_rs, 0, lds_x, lds_part, W, 1, 0, wave, lane, gw, GW, publish_o)
 
-        budget = d.health_ok(health).select(max_polls, d.i32(0))
+        def stage_attn(c0):
+            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, Q)
 
-        def residual(t, k, ov, rs_o):
-            """h = x + post_attn_norm(o), bf16 (the residual stream after attention)."""
-            xv = d.load_word(x, (t * H + k) // 2)
-            xk = ((k % 2) == d.i32(0)).select(d.bf16_lo(xv), d.bf16_hi(xv))
-            if fx.const_expr(GEMMA_POST):
-                pw = d.load_word(post_attn_w, k // 2)
-                wk = ((k % 2) == d.i32(0)).select(d.bf16_lo(pw), d.bf16_hi(pw))
-                ov = scale_fn(ov, rs_o, wk)
-            return d.round_bf16(xk + ov)
+        def publish_o(row0, sums):
+            for i in fx.range_constexpr(t_o.row_group):
+                row = row0 + d.i32(i)
+                v = scaled(s_o, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
+                _put_lane_impl(mbox, tag, lane, o_region, H, row, v, lane >= d.i32(0))
 
-        # S1: per row statistics (wave t % NW owns row t)
-        for t in fx.range_constexpr(W):
-            if wave == d.i32(t % NW):
-                rs_o = d.f32(1.0)
-                if fx.const_expr(GEMMA_POST):
-                    ss = d.f32(0.0)
-                    for k in range(lane, H, WAVE_SIZE):
-                        ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code)
-                        ss = fx.math.fma(ov, ov, ss)
-                    rs_o = fx.math.rsqrt(d.warp_sum(ss) / d.f32(float(H)) + d.f32(EPS))
-                ss2 = d.f32(0.0)
-                for k in range(lane, H, WAVE_SIZE):
-                    ov = d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code)
-                    hv = residual(t, k, ov, rs_o)
-                    ss2 = fx.math.fma(hv, hv, ss2)
-                rs_h = fx.math.rsqrt(d.warp_sum(ss2) / d.f32(float(H)) + d.f32(EPS))
-                if lane == d.i32(0):
-                    d.lds_storef(lds_rs, t, rs_o)
-                    d.lds_storef(lds_rs, W + t, rs_h)
+        for t_ in range(first_task(bid, st_o.offset, G), d.i32(st_o.tasks), d.i32(G)):
+            gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], wave, lane, stage_attn, publish_o)
         gpu.barrier()
 
-        # S2: pre-MLP-normed h in LDS -> gate|up GEMV (row pairs) -> act * up -> MB_ACT
-        def publish_act(r, sums):
-            gt = d.round_bf16(scaled(s_gu, r, lane_pick(lane, sums[0])))
-            up = d.round_bf16(scaled(s_gu, r + I, lane_pick(lane, sums[1])))
-            if fx.const_expr(GELU):
-                a = d.round_bf16(d.gelu_tanh(gt))
-            else:
-                a = d.round_bf16(d.silu(gt))
-            if lane < d.i32(W):
-                d.mb_put(mb_act, lane * I + r, tag, a * up)
+        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
+        for r_ in range(first_task(bid, st_post.offset, G), d.i32(st_post.tasks), d.i32(G)):
+            _post_task(d.i32(r_), x, post_attn_w, mlp_norm_w, mbox, tag, polls, health, wait_code, lds, tid, wave, lane,
+                       o_region)
 
+        # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
+        t_gu = geom.tiles["gate_up"]
         gu_rs = d.buffer_rsrc(w_gu)
-        for c in fx.range_constexpr(gu.chunks):
-            c0 = c * gu.chunk
-            clen = min(gu.chunk, H - c0)
-            gpu.barrier()
-            for idx in range(tid, W * clen // 2, WORKGROUP_SIZE):
-                t = idx // (clen // 2)
-                k = c0 + (idx % (clen // 2)) * 2
-                rs_o = d.lds_loadf(lds_rs, t)
-                rs_h = d.lds_loadf(lds_rs, W + t)
-                nw = d.load_word(mlp_norm_w, k // 2)
-                h0 = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code), rs_o)
-                h1 = residual(t, k + 1, d.mb_wait(mb_o, t * H + k + 1, tag, budget, health, wait_code), rs_o)
-                lo = scale_fn(h0, rs_h, d.bf16_lo(nw))
-                hi = scale_fn(h1, rs_h, d.bf16_hi(nw))
-                d.lds_store(lds_x, t * (gu.chunk // 2) + (k - c0) // 2, d.pack_bf16x2(lo, hi))
-            gpu.barrier()
-            gemv_chunk(gu, c, gu_rs, 0, lds_x, lds_part, W, 2, I, wave, lane, gw, GW, publish_act)
 
-        # S3: act (waited) in LDS -> down GEMV -> residual (Llama/Qwen) or MB_DOWN (Gemma)
-        def finish_down(r, sums):
-            dv = d.round_bf16(scaled(s_down, r, lane_pick(lane, sums[0])))
-            if lane < d.i32(W):
-                if fx.const_expr(GEMMA_POST):
-                    d.mb_put(mb_down, lane * H + r, tag, dv)
-                else:
-                    ov = d.mb_wait(mb_o, lane * H + r, tag, budget, health, wait_code)
-                    res = d.round_bf16(residual(lane, r, ov, d.f32(1.0)) + dv)
-                    if d.is_nonfinite(res):
-                        d.raise_health(health, bad_code)
-                    d.store_bf16(out, lane * H + r, res)
+        def stage_hn(c0):
+            _stage_words(mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, H)
 
+        def publish_act(row0, sums):
+            for i in fx.range_constexpr(t_gu.row_group):
+                row = row0 + d.i32(i)
+                srow = fx.min(row, d.i32(I - 1))
+                gt = d.round_bf16(scaled(s_gu, srow, d.lane_pick(lane, [sums[(i * 2) * W + tk] for tk in range(W)])))
+                up = d.round_bf16(scaled(s_gu, srow + d.i32(I),
+                                         d.lane_pick(lane, [sums[(i * 2 + 1) * W + tk] for tk in range(W)])))
+                a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
+                _put_lane_impl(mbox, tag, lane, RG["act"], I, row, d.round_bf16(a * up), lane >= d.i32(0))
+
+        for t_ in range(first_task(bid, st_gu.offset, G), d.i32(st_gu.tasks), d.i32(G)):
+            gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], wave, lane, stage_hn, publish_act)
+        gpu.barrier()
+
+        # ---- down: act (waited) staged in LDS; residual here, or a final stage
+        t_dn = geom.tiles["down"]
         dn_rs = d.buffer_rsrc(w_down)
-        for c in fx.range_constexpr(dn.chunks):
-            c0 = c * dn.chunk
-            clen = min(dn.chunk, I - c0)
-            gpu.barrier()
-            for idx in range(tid, W * clen // 2, WORKGROUP_SIZE):
-                t = idx // (clen // 2)
-                k = c0 + (idx % (clen // 2)) * 2
-                a0 = d.mb_wait(mb_act, t * I + k, tag, budget, health, wait_code)
-                a1 = d.mb_wait(mb_act, t * I + k + 1, tag, budget, health, wait_code)
-                d.lds_store(lds_x, t * (dn.chunk // 2) + (k - c0) // 2, d.pack_bf16x2(a0, a1))
-            gpu.barrier()
-            gemv_chunk(dn, c, dn_rs, 0, lds_x, lds_part, W, 1, 0, wave, lane, gw, GW, finish_down)
 
-        # S4 (Gemma): post-MLP norm per row, residual add
-        if fx.const_expr(GEMMA_POST):
-            for t in range(bid, W, G):
-                if wave == d.i32(0):
-                    ss = d.f32(0.0)
-                    for k in range(lane, H, WAVE_SIZE):
-                        dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, wait_code)
-                        ss = fx.math.fma(dv, dv, ss)
-                    rs_d = fx.math.rsqrt(d.warp_sum(ss) / d.f32(float(H)) + d.f32(EPS))
-                    if lane == d.i32(0):
-                        d.lds_storef(lds_rs, 2 * W, rs_d)
-                gpu.barrier()
-                rs_d = d.lds_loadf(lds_rs, 2 * W)
-                rs_o = d.lds_loadf(lds_rs, t)
-                for k in range(tid, H, WORKGROUP_SIZE):
-                    dv = d.mb_wait(mb_down, t * H + k, tag, budget, health, wait_code)
-                    pw = d.load_word(post_mlp_w, k // 2)
-                    wk = ((k % 2) == d.i32(0)).select(d.bf16_lo(pw), d.bf16_hi(pw))
-                    hv = residual(t, k, d.mb_wait(mb_o, t * H + k, tag, budget, health, wait_code), rs_o)
-                    res = d.round_bf16(hv + scale_fn(dv, rs_d, wk))
-                    if d.is_nonfinite(res):
-                        d.raise_health(health, bad_code)
-                    d.store_bf16(out, t * H + k, res)
-                gpu.barrier()
-        d.finish_launch(scratch, epoch, tid, G)
+        def stage_act(c0):
+            _stage_words(mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, I)
+
+        def finish_down(row0, sums):
+            for i in fx.range_constexpr(t_dn.row_group):
+                row = row0 + d.i32(i)
+                v = scaled(s_down, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
+                if fx.const_expr(FINAL):
+                    _put_lane_impl(mbox, tag, lane, d_region, H, row, v, lane >= d.i32(0))
+                else:
+                    _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, lane, row, v, nan_fault)
+
+        for t_ in range(first_task(bid, st_dn.offset, G), d.i32(st_dn.tasks), d.i32(G)):
+            gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], wave, lane, stage_act, finish_down)
+
+        # ---- final (Gemma post-MLP norm): x_out = h + norm(d)
+        if fx.const_expr(FINAL):
+            gpu.barrier()
+            for r_ in range(first_task(bid, st_fin.offset, G), d.i32(st_fin.tasks), d.i32(G)):
+                _final_task(d.i32(r_), post_mlp_w, out, mbox, tag, polls, health, wait_code, bad_code, lds, tid, wave,
+                            lane, d_region, nan_fault)
+
+        d.finish_launch(epoch, tid)
+
+    @d.device
+    def _stage_plain(src, lds, tid, c0, ckw: int, k: int):
+        """Rows of a bf16 launch input into LDS as they are (0 past k)."""
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+            idx = d.i32(idx_)
+            tk = idx // d.i32(ckw)
+            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+            word = d.i32(0)
+            if kk < d.i32(k):
+                word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
+            d.lds_store(lds, d.i32(L2["x"]) + idx, word)
+
+    @d.device
+    def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, k: int):
+        """Rows of a mailbox region (waited for, values already bf16) into LDS as bf16 pairs."""
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+            idx = d.i32(idx_)
+            tk = idx // d.i32(ckw)
+            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+            word = d.i32(0)
+            if kk < d.i32(k):
+                at = d.i32(region) + tk * d.i32(k) + kk
+                a = d.mb_wait(mbox, at, tag, polls, health, code)
+                b = d.mb_wait(mbox, at + d.i32(1), tag, polls, health, code)
+                word = d.pack_bf16x2(a, b)
+            d.lds_store(lds, d.i32(L2["x"]) + idx, word)
+
+    @d.device
+    def _residual_out(mbox, tag, polls, health, code, bad_code, out, lane, row, v, nan_fault):
+        """x_out = bf16(h + bf16(d)) for token ``lane``, checked for non-finite values."""
+        if (lane < d.i32(W)) & (row < d.i32(H)):
+            hv = d.mb_wait(mbox, d.i32(RG["h"]) + lane * d.i32(H) + row, tag, polls, health, code)
+            res = d.round_bf16(hv + d.round_bf16(v))
+            if (nan_fault != d.i32(0)) & (lane == d.i32(0)) & (row == d.i32(0)):
+                res = d.f32(float("nan"))
+            if d.is_nonfinite(res):
+                d.raise_health(health, bad_code)
+            d.store_bf16(out, lane * d.i32(H) + row, res)
+
+    @d.device
+    def _post_task(r, x, post_w, mlp_w, mbox, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
+        ob = d.i32(o_region) + r * d.i32(H)
+        red = L2["red"]
+        rs_o = d.f32(1.0)
+        if fx.const_expr(POST_NORMS):
+            ss = d.f32(0.0)
+            for k_ in range(tid, d.i32(H), d.i32(WG)):
+                k = d.i32(k_)
+                o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))
+                ss = fx.math.fma(o, o, ss)
+            rs_o = d.rsqrt_mean(d.block_sum(ss, lds, red, wave, lane, NW), H, EPS)
+        ss_h = d.f32(0.0)
+        hb = d.i32(RG["h"]) + r * d.i32(H)
+        for k_ in range(tid, d.i32(H), d.i32(WG)):
+            k = d.i32(k_)
+            o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))
+            if fx.const_expr(POST_NORMS):
+                o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
+            xv = d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2))
+            hv = d.round_bf16(xv + o)
+            d.mb_put(mbox, hb + k, tag, hv)
+            ss_h = fx.math.fma(hv, hv, ss_h)
+        rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
+        for k_ in range(tid, d.i32(H), d.i32(WG)):
+            k = d.i32(k_)
+            o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))  # h again, as above
+            if fx.const_expr(POST_NORMS):
+                o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
+            hv = d.round_bf16(d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2)) + o)
+            hn = norm(hv, rs_h, d.bf16_half(d.load_word(mlp_w, k // d.i32(2)), k % d.i32(2)))
+            d.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + k, tag, hn)
+
+    @d.device
+    def _final_task(r, post_w, out, mbox, tag, polls, health, code, bad_code, lds, tid, wave, lane, d_region: int,
+                    nan_fault):
+        db = d.i32(d_region) + r * d.i32(H)
+        rs_d = d.f32(1.0)
+        if fx.const_expr(POST_NORMS):
+            ss = d.f32(0.0)
+            for k_ in range(tid, d.i32(H), d.i32(WG)):
+                k = d.i32(k_)
+                dv = d.round_bf16(d.mb_wait(mbox, db + k, tag, polls, health, code))
+                ss = fx.math.fma(dv, dv, ss)
+            rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
+        for k_ in range(tid, d.i32(H), d.i32(WG)):
+            k = d.i32(k_)
+            dv = d.round_bf16(d.mb_wait(mbox, db + k, tag, polls, health, code))
+            if fx.const_expr(POST_NORMS):
+                dv = norm(dv, rs_d, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
+            hv = d.mb_wait(mbox, d.i32(RG["h"]) + r * d.i32(H) + k, tag, polls, health, code)
+            res = d.round_bf16(hv + dv)
+            if (nan_fault != d.i32(0)) & (r == d.i32(0)) & (k == d.i32(0)):
+                res = d.f32(float("nan"))
+            if d.is_nonfinite(res):
+                d.raise_health(health, bad_code)
+            d.store_bf16(out, r * d.i32(H) + k, res)
 
     # ------------------------------------------------------------------------------------ launchers
     @flyc.jit
     def launch_k1(x: fx.Pointer, norm_w: fx.Pointer, w_qkv: fx.Pointer, s_qkv: fx.Pointer, q_norm_w: fx.Pointer,
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
-                  out_attn: fx.Pointer, scratch: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+                  out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
+                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32,
+                  stream: fx.Stream = fx.Stream(None)):
         k1_kernel(x, norm_w, w_qkv, s_qkv, q_norm_w, k_norm_w, cos_sin, key_cache, value_cache, block_tables,
-                  seq_lens, slots, positions, out_attn, scratch, health, window, bt_stride, max_polls, layer).launch(
-            grid=(G,), block=(WORKGROUP_SIZE,), stream=stream)
+                  seq_lens, slots, positions, out_attn, mbox, health, window, bt_stride, max_polls, layer,
+                  stall).launch(grid=(G,), block=(WG,), stream=stream)
 
     @flyc.jit
     def launch_k2(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
-                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, scratch: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, stream: fx.Stream = fx.Stream(None)):
+                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
+                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32,
+                  stream: fx.Stream = fx.Stream(None)):
         k2_kernel(x, attn, w_o, s_o, post_attn_w, mlp_norm_w, w_gu, s_gu, w_down, s_down, post_mlp_w, out,
-                  scratch, health, max_polls, layer).launch(grid=(G,), block=(WORKGROUP_SIZE,), stream=stream)
+                  mbox, health, max_polls, layer, nan_fault).launch(grid=(G,), block=(WG,), stream=stream)
 
     return launch_k1, launch_k2
-

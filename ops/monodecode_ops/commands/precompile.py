@@ -18,6 +18,7 @@ from typing import Optional
 import typer
 
 from monodecode.errors import ConfigError
+from monodecode.kernels.flydsl.geometry import MAX_WIDTH
 from monodecode_ops.output import console, emit_json, print_table
 
 DEFAULT_WIDTHS = "1,2,4,8"
@@ -28,8 +29,8 @@ def parse_widths(text: str) -> list[int]:
         widths = sorted({int(w) for w in text.split(",") if w.strip()})
     except ValueError:
         raise ConfigError(f"--widths must be comma-separated positive integers, got {text!r}") from None
-    if not widths or widths[0] < 1 or widths[-1] > 64:
-        raise ConfigError(f"--widths must list integers in 1..64, got {text!r}")
+    if not widths or widths[0] < 1 or widths[-1] > MAX_WIDTH:
+        raise ConfigError(f"--widths must list integers in 1..{MAX_WIDTH}, got {text!r}")
     return widths
 
 
