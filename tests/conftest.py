@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
+
+# tests/vllm run against the real vLLM, which lives only in .venv-vllm (scripts/toolchains.d/
+# 40-vllm.sh; `make test` runs them with that interpreter). Other interpreters skip collecting it.
+try:
+    importlib.metadata.distribution("vllm")
+    collect_ignore: list[str] = []
+except importlib.metadata.PackageNotFoundError:
+    collect_ignore = ["vllm"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,113 @@
+"""The runner's ``ModelWeights`` as views of the weights vLLM loaded (no copies for BF16).
+
+vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` and holds this TP rank's
+shard of each; the views below split the fused tensors back into the reference's projections.
+Called after vLLM's ``process_weights_after_loading`` so FP8 weights are in their final form
+(e4m3fn, or e4m3fnuz on gfx942) with per-tensor or per-output-channel scales. Anything else is a
+``WeightLayoutError`` naming the tensor (a refusal reason, never a silent misread).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from monodecode.errors import MonodecodeError
+from monodecode.model.dims import ModelDims
+from monodecode.model.weights import LayerWeights, Linear, ModelWeights
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+class WeightLayoutError(MonodecodeError):
+    """vLLM holds a weight in a form the kernels cannot read."""
+
+
+def _linear(module: Any, name: str, out_features: int, in_features: int) -> Linear:
+    w = module.weight
+    if w.dtype in _FP8:
+        if tuple(w.shape) == (in_features, out_features):
+            w = w.t()  # vLLM's FP8 GEMMs keep [in, out]
+        if tuple(w.shape) != (out_features, in_features):
+            raise WeightLayoutError(f"{name}: FP8 weight shape {tuple(w.shape)} is not [{out_features}, {in_features}]")
+        scale = getattr(module, "weight_scale", None)
+        if scale is None:
+            raise WeightLayoutError(f"{name}: FP8 weight without weight_scale")
+        scale = scale.detach().float().reshape(-1)
+        if scale.numel() == 1:
+            scale = scale.expand(out_features)
+        if scale.numel() != out_features:
+            raise WeightLayoutError(
+                f"{name}: FP8 scale has {scale.numel()} entries; only per-tensor or per-output-channel scales are supported"
+            )
+        if getattr(module, "input_scale", None) is not None:
+            raise WeightLayoutError(f"{name}: static FP8 activation scales are not supported")
+        return Linear(w, scale.contiguous())
+    if w.dtype != torch.bfloat16:
+        raise WeightLayoutError(f"{name}: weight dtype {w.dtype} is not bfloat16 or FP8")
+    if tuple(w.shape) != (out_features, in_features):
+        raise WeightLayoutError(f"{name}: weight shape {tuple(w.shape)} is not [{out_features}, {in_features}]")
+    return Linear(w)
+
+
+def _split_rows(lin: Linear, sizes: list[int]) -> list[Linear]:
+    out, start = [], 0
+    for n in sizes:
+        w = lin.weight[start : start + n]
+        s = None if lin.scale is None else lin.scale[start : start + n]
+        out.append(Linear(w, s))
+        start += n
+    return out
+
+
+def _norm(module: Any) -> torch.Tensor:
+    return module.weight.detach()
+
+
+def _layer_weights(dims: ModelDims, layer: Any, index: int) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = dims.hidden_size
+    q_size, kv_size = int(attn.q_size), int(attn.kv_size)
+    where = f"model.layers.{index}"
+    qkv = _linear(attn.qkv_proj, f"{where}.self_attn.qkv_proj", q_size + 2 * kv_size, hidden)
+    q, k, v = _split_rows(qkv, [q_size, kv_size, kv_size])
+    o = _linear(attn.o_proj, f"{where}.self_attn.o_proj", hidden, q_size)
+    inter = int(mlp.gate_up_proj.output_size_per_partition) // 2
+    gate_up = _linear(mlp.gate_up_proj, f"{where}.mlp.gate_up_proj", 2 * inter, hidden)
+    gate, up = _split_rows(gate_up, [inter, inter])
+    down = _linear(mlp.down_proj, f"{where}.mlp.down_proj", hidden, inter)
+    gemma = dims.family == "gemma3"
+    return LayerWeights(
+        attn_norm=_norm(layer.input_layernorm),
+        q_proj=q,
+        k_proj=k,
+        v_proj=v,
+        q_norm=_norm(attn.q_norm) if dims.qk_norm else None,
+        k_norm=_norm(attn.k_norm) if dims.qk_norm else None,
+        o_proj=o,
+        attn_post_norm=_norm(layer.post_attention_layernorm) if gemma else None,
+        mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm),
+        gate_proj=gate,
+        up_proj=up,
+        down_proj=down,
+        mlp_post_norm=_norm(layer.post_feedforward_layernorm) if gemma else None,
+    )
+
+
+def model_weights_from_vllm(model: Any, dims: ModelDims) -> ModelWeights:
+    """``ModelWeights`` viewing ``model`` (a vLLM *ForCausalLM of a supported family)."""
+    backbone = model.model
+    layers = list(backbone.layers)[backbone.start_layer : backbone.end_layer]
+    if len(layers) != dims.num_layers:
+        raise WeightLayoutError(f"model holds {len(layers)} decoder layers, the config says {dims.num_layers}")
+    embed = backbone.embed_tokens.weight.detach()[: dims.vocab_size]
+    lm_head = getattr(model, "lm_head", None)
+    head_w = lm_head.weight.detach()[: dims.vocab_size] if lm_head is not None and hasattr(lm_head, "weight") else embed
+    return ModelWeights(
+        dims=dims,
+        embed=embed,
+        layers=[_layer_weights(dims, layer, i) for i, layer in enumerate(layers)],
+        final_norm=_norm(backbone.norm),
+        lm_head=Linear(head_w) if head_w.dtype == torch.bfloat16 else Linear(head_w.to(torch.bfloat16)),
+    )
