@@ -1,7 +1,7 @@
 """ISA budgets of the FlyDSL K1/K2 code objects, compiled for gfx942 and gfx950 on this CPU machine.
 
 For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 weights (plus
-the arch's FP8 format for the 8B profile at width 8): zero spills, zero scratch, static LDS within
+the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8): zero spills, zero scratch, static LDS within
 the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
 printed as a table and compared with tests/golden/flydsl_isa.json: any worsening (more VGPR/AGPR
 /SGPR or LDS, fewer waves) fails so it is visible in review. After an intended change, rewrite the
@@ -24,10 +24,12 @@ from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resou
 from monodecode.model.profiles import profile_dims
 
 GOLDEN = Path(__file__).parent / "golden" / "flydsl_isa.json"
-CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths)
-    ("tiny", "bf16", [1, 8]),
-    ("llama3-8b", "bf16", [1, 8]),
-    ("llama3-8b", "fp8", [8]),
+CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor-parallel size)
+    ("tiny", "bf16", [1, 8], 1),
+    ("llama3-8b", "bf16", [1, 8], 1),
+    ("llama3-8b", "fp8", [8], 1),
+    ("llama3-8b", "bf16", [8], 2),  # K2 pushes its partials to every peer and sums them in rank order
+    ("llama3-8b", "bf16", [8], 8),
 ]
 WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
 
@@ -36,14 +38,14 @@ WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
 def isa_rows(tmp_path_factory) -> dict[str, dict]:
     rows = {}
     for arch, spec in ARCHS.items():
-        for profile, dtype, widths in CASES:
+        for profile, dtype, widths, tp in CASES:
             wdt = spec.fp8_kind if dtype == "fp8" else dtype
-            cache = tmp_path_factory.mktemp(f"flydsl-{arch}-{profile}-{dtype}")
-            compiled = compile_in_subprocess(arch, profile_dims(profile), widths, wdt, 16, cache)
+            cache = tmp_path_factory.mktemp(f"flydsl-{arch}-{profile}-{dtype}-tp{tp}")
+            compiled = compile_in_subprocess(arch, profile_dims(profile), widths, wdt, 16, cache, tp_size=tp)
             for w, kernels in compiled.items():
                 for name, rec in kernels.items():
                     res = read_resources(cache / rec["hsaco"])
-                    key = f"{arch}/{profile}/{dtype}/w{w}/{name}"
+                    key = f"{arch}/{profile}{f'/tp{tp}' if tp > 1 else ''}/{dtype}/w{w}/{name}"
                     rows[key] = {"res": res, "fig": figures(res, spec, spec.compute_units),
                                  "bad": budget_violations(res, spec, spec.compute_units)}
     cols = ["vgprs", "agprs", "sgprs", "spills", "scratch", "lds", "lds_limit", "waves_per_simd", "grid", "cus"]

@@ -51,6 +51,25 @@ def test_launch_description_is_the_plan(profile, arch, widths):
             assert all(st.workgroup_of(t, grid) == b for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tensor_parallel_launch_is_the_plan(arch, tp):
+    dims = profile_dims("llama3-8b")
+    grid = ARCHS[arch].compute_units
+    widths = (1, 4, 8)
+    desc = launch_description(dims, arch, widths, tp_size=tp)
+    plan = plan_model(dims, tp, list(widths), grid)
+    assert desc["peer_bytes"] == plan.peer.nbytes > 0
+    for w in widths:
+        got, lp = desc["widths"][w], plan.layers[w]
+        assert got["peer_regions"] == {n: r.offset for n, r in plan.peer.widths[w].regions.items()}
+        assert set(got["peer_regions"]) == {"o_peer", "d_peer"} and "o" not in got["regions"]
+        assert list(got["stages"]) == [f"{s.kernel}.{s.name}" for s in lp.stages()]
+        assert got["stages"]["k2.final"]["tasks"] == w  # the rank-order sum of the down partials
+        assert got["stages"]["k2.gate_up"]["n"] == dims.intermediate_size // tp
+        assert got["stages"]["k2.o_proj"]["k"] == dims.q_size // tp
+
+
 def test_width_segments_never_alias_and_hold_the_epochs():
     desc = launch_description(profile_dims("llama3-8b"), "gfx942", (1, 2, 4, 8))
     spans = []

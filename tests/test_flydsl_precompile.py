@@ -105,6 +105,11 @@ def test_refusals_before_any_load(tmp_path):
         backend.build(request(mi300x(), weight_dtype="fp8"), weights=None, artifacts=ArtifactStore(tmp_path),
                       allow_jit=False)
     assert err.value.codes == ["weight_dtype"]
+    tp2 = BuildRequest(dims=profile_dims("tiny"), weight_dtype="bf16", tp_size=2, widths=WIDTHS, block_size=16,
+                       platform=mi300x())
+    with pytest.raises(RefusalError) as err:  # TP kernels compile, the runtime peer exchange is not wired
+        backend.build(tp2, weights=None, artifacts=ArtifactStore(tmp_path), allow_jit=False)
+    assert err.value.codes == ["tp_size"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -116,6 +121,8 @@ def test_refusals_before_any_load(tmp_path):
     (["--arch", "gfx942", "--profile", "tiny", "--widths", "0"], "--widths must list integers in 1..16"),
     (["--arch", "gfx942", "--profile", "tiny", "--widths", "1,17"], "--widths must list integers in 1..16"),
     (["--arch", "gfx942", "--profile", "tiny", "--weight-dtype", "int4"], "--weight-dtype must be bf16 or fp8"),
+    (["--arch", "gfx942", "--profile", "tiny", "--tp-size", "16"], "--tp-size must be in 1..8"),
+    (["--arch", "gfx942", "--profile", "llama3-8b", "--tp-size", "3"], "tp_size 3 does not divide num_heads 32"),
 ])
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     res = CliRunner().invoke(app, ["precompile", *args, "--out", str(tmp_path / "out")])

@@ -73,7 +73,8 @@ class FlyDSLBackend(KernelBackend):
         if why:
             reasons.append(f"backend_unavailable: {why}")
         if req.tp_size != 1:
-            reasons.append(f"tp_size: the flydsl kernels are built for TP 1 only, not {req.tp_size}")
+            reasons.append(f"tp_size: flydsl K1/K2 for TP {req.tp_size} compile (precompile --tp-size), but the "
+                           "runtime does not yet give the backend its rank and the peer buffers of the other ranks")
         if req.kv_dtype not in ("bf16", "auto", "bfloat16"):
             reasons.append(f"kv_dtype: flydsl reads a bf16 KV cache, not {req.kv_dtype}")
         arch = req.platform.arch
@@ -235,7 +236,9 @@ class FlyDSLKernels(DecodeKernels):
                 p("i32", x), p("i32", attn), p("i32", lw["o"][0]), p("f32", lw["o"][1]), p("i32", lw["post_attn"]),
                 p("i32", lw["mlp_norm"]), p("i32", lw["gu"][0]), p("f32", lw["gu"][1]), p("i32", lw["down"][0]),
                 p("f32", lw["down"][1]), p("i32", lw["post_mlp"]), p("i16", out),
-                p("i64", self._segment[width]), p("i32", self._health_addr), self._max_polls, layer, nan_fault)
+                p("i64", self._segment[width]), p("i32", self._health_addr),
+                p("i64", self._segment[width]),  # peer-buffer address table: unused at TP 1
+                self._max_polls, layer, nan_fault, 0)
         return out
 
     def k1(self, layer, x, meta, kv):

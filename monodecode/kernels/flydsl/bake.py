@@ -46,7 +46,7 @@ def flydsl_build_key(arch: str, dims: ModelDims, weight_dtype: str, widths, bloc
 
 
 def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[int], weight_dtype: str = "bf16",
-               block_size: int = 16, profile: str | None = None) -> tuple[ArtifactEntry, list[dict]]:
+               block_size: int = 16, profile: str | None = None, tp_size: int = 1) -> tuple[ArtifactEntry, list[dict]]:
     """Compile every width for ``arch`` and add one manifest entry; returns it and the ISA table.
 
     Refuses (ArtifactError) when a kernel breaks its ISA budget: such a kernel must not ship.
@@ -54,12 +54,12 @@ def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[in
     spec = arch_spec(arch)
     widths = sorted(set(int(w) for w in widths))
     for w in widths:  # geometry errors (bad dtype, dims) are one line, before any compile
-        Specialisation(arch, dims, w, weight_dtype, block_size).geometry()
-    key = flydsl_build_key(arch, dims, weight_dtype, widths, block_size)
+        Specialisation(arch, dims, w, weight_dtype, block_size, tp_size).geometry()
+    key = flydsl_build_key(arch, dims, weight_dtype, widths, block_size, tp_size)
     prefix = f"flydsl/{arch}/{key[:16]}"
     with tempfile.TemporaryDirectory(prefix="flydsl-bake-") as tmp:
         cache = Path(tmp) / "cache"
-        compiled = compile_in_subprocess(arch, dims, widths, weight_dtype, block_size, cache)
+        compiled = compile_in_subprocess(arch, dims, widths, weight_dtype, block_size, cache, tp_size=tp_size)
         files: dict[str, Path] = {}
         table, layout = [], {}
         for w, kernels in sorted(compiled.items()):
@@ -77,7 +77,7 @@ def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[in
         entry = store.add(
             build_key=key, backend=BACKEND, arch=arch, dims_digest=dims.digest(), widths=widths, files=files,
             compiler={"name": "flydsl", "version": flydsl_version() or "missing"}, profile=profile,
-            extra={"weight_dtype": weight_dtype, "block_size": block_size, "tp_size": 1, "kernels": layout,
+            extra={"weight_dtype": weight_dtype, "block_size": block_size, "tp_size": tp_size, "kernels": layout,
                    "cache_root": f"{prefix}/cache"},
         )
     return entry, table
@@ -98,14 +98,14 @@ def stage_run_cache(entry: ArtifactEntry, run_dir: Path) -> Path:
 
 
 def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
-                   cache_dir: Path) -> None:
+                   cache_dir: Path, tp_size: int = 1) -> None:
     """Prove (in a subprocess) that every width traces to a cache hit with run-only set.
 
     This is exactly the runtime's load path up to the first launch; on a CPU machine the launch
     itself is skipped (COMPILE_ONLY). A miss raises ArtifactError naming the kernel.
     """
     req = {"arch": arch, "dims": dims.to_dict(), "widths": widths, "weight_dtype": weight_dtype,
-           "block_size": block_size, "cache_dir": str(cache_dir)}
+           "block_size": block_size, "cache_dir": str(cache_dir), "tp_size": tp_size}
     proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.bake"], input=json.dumps(req),
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -123,7 +123,8 @@ def _run_only_main() -> int:
     req = json.loads(sys.stdin.read())
     dims = _dims_from_dict(req["dims"])
     for w in req["widths"]:
-        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]))
+        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
+                              int(req.get("tp_size", 1)))
         with arch_env(spec.arch, Path(req["cache_dir"]), compile_only=True, run_only=True):
             k1, k2 = launchers(spec)
             for fn, args, scalars in ((k1, K1_ARGS, K1_SCALARS), (k2, K2_ARGS, K2_SCALARS)):

@@ -37,8 +37,8 @@ K1_ARGS = (("x", "i32"), ("norm_w", "i32"), ("w_qkv", "i32"), ("s_qkv", "f32"), 
 K1_SCALARS = ("window", "bt_stride", "max_polls", "layer", "stall")
 K2_ARGS = (("x", "i32"), ("attn", "i32"), ("w_o", "i32"), ("s_o", "f32"), ("post_attn_w", "i32"),
            ("mlp_norm_w", "i32"), ("w_gu", "i32"), ("s_gu", "f32"), ("w_down", "i32"), ("s_down", "f32"),
-           ("post_mlp_w", "i32"), ("out", "i16"), ("mbox", "i64"), ("health", "i32"))
-K2_SCALARS = ("max_polls", "layer", "nan_fault")
+           ("post_mlp_w", "i32"), ("out", "i16"), ("mbox", "i64"), ("health", "i32"), ("peers", "i64"))
+K2_SCALARS = ("max_polls", "layer", "nan_fault", "rank")
 
 
 @dataclass(frozen=True)
@@ -110,16 +110,17 @@ def compile_specialisation(spec: Specialisation, cache_dir: Path) -> dict[str, d
                 raise ArtifactError(f"flydsl: compiling {name} wrote no cache entry {entry}")
             hsaco_dir = cache_dir / "hsaco" / spec.arch
             hsaco_dir.mkdir(parents=True, exist_ok=True)
-            hsaco = hsaco_dir / f"{name}_w{spec.width}_{spec.weight_dtype}_{entry.stem[:16]}.hsaco"
+            tp = f"_tp{spec.tp_size}" if spec.tp_size > 1 else ""
+            hsaco = hsaco_dir / f"{name}_w{spec.width}{tp}_{spec.weight_dtype}_{entry.stem[:16]}.hsaco"
             hsaco.write_bytes(code_object(entry))
             out[name] = {"cache_file": str(entry.relative_to(cache_dir)), "hsaco": str(hsaco.relative_to(cache_dir))}
     return out
 
 
 def compile_in_subprocess(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
-                          cache_dir: Path, timeout_s: float = 1800) -> dict[int, dict[str, dict]]:
+                          cache_dir: Path, timeout_s: float = 1800, tp_size: int = 1) -> dict[int, dict[str, dict]]:
     """Compile every width in a child interpreter; a crash or compiler error is one ArtifactError line."""
-    req = {"arch": arch, "dims": dims.to_dict(), "config": None, "widths": widths,
+    req = {"arch": arch, "dims": dims.to_dict(), "config": None, "widths": widths, "tp_size": tp_size,
            "weight_dtype": weight_dtype, "block_size": block_size, "cache_dir": str(cache_dir)}
     proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.compile"], input=json.dumps(req),
                           capture_output=True, text=True, timeout=timeout_s)
@@ -146,7 +147,8 @@ def _main() -> int:
     dims = _dims_from_dict(req["dims"]) if req.get("dims") else dims_from_hf_config(req["config"])
     out = {}
     for w in req["widths"]:
-        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]))
+        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
+                              int(req.get("tp_size", 1)))
         out[str(w)] = compile_specialisation(spec, Path(req["cache_dir"]))
     print(json.dumps(out))
     return 0

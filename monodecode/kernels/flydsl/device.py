@@ -178,9 +178,10 @@ def store_word(ptr, idx, v):
 _RELAXED = fx.AtomicOrdering.Monotonic
 
 
-def mb_load(mbox, idx):
-    """One mailbox word (int64), relaxed at agent scope: coherent across XCDs, never cached stale."""
-    return fx.generic_load(mbox + idx, dtype=fx.Int64, memory_order=_RELAXED, syncscope="agent")
+def mb_load(mbox, idx, scope="agent"):
+    """One mailbox word (int64), relaxed: at agent scope coherent across XCDs; ``scope=None``
+    (system) for the TP peer buffers that other GPUs write."""
+    return fx.generic_load(mbox + idx, dtype=fx.Int64, memory_order=_RELAXED, syncscope=scope)
 
 
 def mb_tag(word):
@@ -191,11 +192,17 @@ def mb_value(word):
     return fx.Int32(word).bitcast(fx.Float32)
 
 
-def mb_put(mbox, idx, tag, x):
+def mb_put(mbox, idx, tag, x, scope="agent"):
     """Publish fp32 ``x`` with this launch's tag in one 8-byte store."""
     bits = fx.Int64(fx.Float32(x).bitcast(fx.Int32)) & fx.Int64(0xFFFFFFFF)
     word = (fx.Int64(tag) << fx.Int64(32)) | bits
-    fx.generic_store(mbox + idx, word, memory_order=_RELAXED, syncscope="agent")
+    fx.generic_store(mbox + idx, word, memory_order=_RELAXED, syncscope=scope)
+
+
+def peer_buffer(peers, rank):
+    """Rank ``rank``'s peer-buffer segment: ``peers`` holds one 64-bit device address per rank
+    (IPC-mapped into this process), in the same pointer type as ``peers``."""
+    return fx.inttoptr(peers.type, fx.generic_load(peers + rank, dtype=fx.Int64))
 
 
 def health_load(health):
@@ -218,18 +225,18 @@ def health_code(site: int, kernel: int, layer):
 
 
 @device
-def mb_wait(mbox, idx, tag, polls, health, code):
+def mb_wait(mbox, idx, tag, polls, health, code, scope="agent"):
     """Bounded wait for the word at ``idx`` to carry ``tag``; returns its fp32 value.
 
     The fast path is one load. On a miss the word is re-read ``s_sleep 1`` apart, at most
     ``polls`` times; every HEALTH_POLL_EVERY polls the health word is checked so that, once any
     wait of the step has failed, the others give up quickly instead of each burning a timeout.
     """
-    w = mb_load(mbox, idx)
+    w = mb_load(mbox, idx, scope)
     n = fx.Int32(0)
     while (mb_tag(w) != tag) & (n < polls):
         rocdl.s_sleep(1)
-        w = mb_load(mbox, idx)
+        w = mb_load(mbox, idx, scope)
         n = n + fx.Int32(1)
         if (n & fx.Int32(HEALTH_POLL_EVERY - 1)) == fx.Int32(0):
             if health_load(health) != fx.Int32(0):

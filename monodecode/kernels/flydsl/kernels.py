@@ -80,8 +80,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     st_o, st_post = geom.stage(K2, "o_proj"), geom.stage(K2, "post")
     st_gu, st_dn = geom.stage(K2, "gate_up"), geom.stage(K2, "down")
     st_fin = geom.stage(K2, "final") if FINAL else None
-    if geom.tp_size != 1:
-        raise NotImplementedError("flydsl: the K2 peer push is built for TP 1 only")
+    TP = geom.tp_size
+    PRG = geom.peer_regions  # TP: o_peer / d_peer word offsets in a rank's peer-buffer segment
 
     # ------------------------------------------------------------------------------ GEMV task
     def gemv_task(tl: GemvTile, t, w_rs, lds, x_off: int, part_off: int, wave, lane, stage_chunk, finish):
@@ -157,6 +157,24 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     def _put_lane_impl(mbox, tag, lane, region, n, row, v, enable):
         if (lane < d.i32(W)) & (row < d.i32(n)) & enable:
             d.mb_put(mbox, d.i32(region) + lane * d.i32(n) + row, tag, v)
+
+    @d.device
+    def _push_lane(peers, rank, tag, lane, region: int, row, v):
+        """TP: token ``lane``'s partial of output ``row`` into slot ``rank`` of every rank's peer
+        buffer (system scope: other GPUs read it)."""
+        if (lane < d.i32(W)) & (row < d.i32(H)):
+            at = d.i32(region) + (rank * d.i32(W) + lane) * d.i32(H) + row
+            for q in fx.range_constexpr(TP):
+                d.mb_put(d.peer_buffer(peers, d.i32(q)), at, tag, v, None)
+
+    @d.device
+    def _sum_ranks(mine, region: int, r, k, tag, polls, health, code):
+        """TP: the ranks' partials of (row r, column k) summed in rank order in fp32, so every
+        rank gets the same bits."""
+        tot = d.f32(0.0)
+        for q in fx.range_constexpr(TP):
+            tot = tot + d.mb_wait(mine, d.i32(region + q * W * H) + r * d.i32(H) + k, tag, polls, health, code, None)
+        return tot
 
     # ------------------------------------------------------------------------------------ K1
     @flyc.kernel
@@ -431,7 +449,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     def k2_kernel(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
                   s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32):
+                  health: fx.Pointer, peers: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32,
+                  nan_fault: fx.Int32, rank: fx.Int32):
         tid = fx.Int32(gpu.thread_idx.x)
         bid = fx.Int32(gpu.block_idx.x)
         wave = d.uniform(tid // WAVE_SIZE)
@@ -442,8 +461,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         wait_code = d.health_code(SITE_WAIT, KERNEL_K2, layer)
         bad_code = d.health_code(SITE_NONFINITE, KERNEL_K2, layer)
         lds = d.lds_arena(fx.SharedAllocator(), L2["words"])
-        o_region = RG["o"]
-        d_region = RG["d"] if FINAL else 0
+        o_region = RG["o"] if TP == 1 else PRG["o_peer"]
+        d_region = (RG["d"] if TP == 1 else PRG["d_peer"]) if FINAL else 0
+        mine = d.peer_buffer(peers, rank) if TP > 1 else mbox  # this rank's peer-buffer segment
 
         # ---- o_proj: attn_out (K1's bf16 output) staged as is
         t_o = geom.tiles["o_proj"]
@@ -456,7 +476,10 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             for i in fx.range_constexpr(t_o.row_group):
                 row = row0 + d.i32(i)
                 v = scaled(s_o, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
-                _put_lane_impl(mbox, tag, lane, o_region, H, row, v, lane >= d.i32(0))
+                if fx.const_expr(TP == 1):
+                    _put_lane_impl(mbox, tag, lane, o_region, H, row, v, lane >= d.i32(0))
+                else:
+                    _push_lane(peers, rank, tag, lane, o_region, row, v)
 
         for t_ in range(first_task(bid, st_o.offset, G), d.i32(st_o.tasks), d.i32(G)):
             gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], wave, lane, stage_attn, publish_o)
@@ -464,8 +487,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
         # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
         for r_ in range(first_task(bid, st_post.offset, G), d.i32(st_post.tasks), d.i32(G)):
-            _post_task(d.i32(r_), x, post_attn_w, mlp_norm_w, mbox, tag, polls, health, wait_code, lds, tid, wave, lane,
-                       o_region)
+            _post_task(d.i32(r_), x, post_attn_w, mlp_norm_w, mbox, mine, tag, polls, health, wait_code, lds, tid,
+                       wave, lane, o_region)
 
         # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
         t_gu = geom.tiles["gate_up"]
@@ -499,7 +522,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             for i in fx.range_constexpr(t_dn.row_group):
                 row = row0 + d.i32(i)
                 v = scaled(s_down, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
-                if fx.const_expr(FINAL):
+                if fx.const_expr(TP > 1):
+                    _push_lane(peers, rank, tag, lane, d_region, row, v)
+                elif fx.const_expr(FINAL):
                     _put_lane_impl(mbox, tag, lane, d_region, H, row, v, lane >= d.i32(0))
                 else:
                     _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, lane, row, v, nan_fault)
@@ -511,8 +536,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         if fx.const_expr(FINAL):
             gpu.barrier()
             for r_ in range(first_task(bid, st_fin.offset, G), d.i32(st_fin.tasks), d.i32(G)):
-                _final_task(d.i32(r_), post_mlp_w, out, mbox, tag, polls, health, wait_code, bad_code, lds, tid, wave,
-                            lane, d_region, nan_fault)
+                _final_task(d.i32(r_), post_mlp_w, out, mbox, mine, tag, polls, health, wait_code, bad_code, lds,
+                            tid, wave, lane, d_region, nan_fault)
 
         d.finish_launch(epoch, tid)
 
@@ -555,23 +580,28 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 d.raise_health(health, bad_code)
             d.store_bf16(out, lane * d.i32(H) + row, res)
 
+    def _o_value(mbox, mine, region: int, r, k, tag, polls, health, code):
+        """o[r, k] as the reference has it: bf16 of the projection (TP: of the ranks' sum)."""
+        if TP == 1:
+            return d.round_bf16(d.mb_wait(mbox, d.i32(region) + r * d.i32(H) + k, tag, polls, health, code))
+        return d.round_bf16(_sum_ranks(mine, region, r, k, tag, polls, health, code))
+
     @d.device
-    def _post_task(r, x, post_w, mlp_w, mbox, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
-        ob = d.i32(o_region) + r * d.i32(H)
+    def _post_task(r, x, post_w, mlp_w, mbox, mine, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
         red = L2["red"]
         rs_o = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG)):
                 k = d.i32(k_)
-                o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))
+                o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)
                 ss = fx.math.fma(o, o, ss)
             rs_o = d.rsqrt_mean(d.block_sum(ss, lds, red, wave, lane, NW), H, EPS)
         ss_h = d.f32(0.0)
         hb = d.i32(RG["h"]) + r * d.i32(H)
         for k_ in range(tid, d.i32(H), d.i32(WG)):
             k = d.i32(k_)
-            o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))
+            o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)
             if fx.const_expr(POST_NORMS):
                 o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
             xv = d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2))
@@ -581,7 +611,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG)):
             k = d.i32(k_)
-            o = d.round_bf16(d.mb_wait(mbox, ob + k, tag, polls, health, code))  # h again, as above
+            o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)  # h again, as above
             if fx.const_expr(POST_NORMS):
                 o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
             hv = d.round_bf16(d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2)) + o)
@@ -589,20 +619,19 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             d.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + k, tag, hn)
 
     @d.device
-    def _final_task(r, post_w, out, mbox, tag, polls, health, code, bad_code, lds, tid, wave, lane, d_region: int,
-                    nan_fault):
-        db = d.i32(d_region) + r * d.i32(H)
+    def _final_task(r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane,
+                    d_region: int, nan_fault):
         rs_d = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG)):
                 k = d.i32(k_)
-                dv = d.round_bf16(d.mb_wait(mbox, db + k, tag, polls, health, code))
+                dv = _o_value(mbox, mine, d_region, r, k, tag, polls, health, code)
                 ss = fx.math.fma(dv, dv, ss)
             rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG)):
             k = d.i32(k_)
-            dv = d.round_bf16(d.mb_wait(mbox, db + k, tag, polls, health, code))
+            dv = _o_value(mbox, mine, d_region, r, k, tag, polls, health, code)
             if fx.const_expr(POST_NORMS):
                 dv = norm(dv, rs_d, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
             hv = d.mb_wait(mbox, d.i32(RG["h"]) + r * d.i32(H) + k, tag, polls, health, code)
@@ -629,9 +658,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     def launch_k2(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
                   mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
                   s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
-                  health: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32,
-                  stream: fx.Stream = fx.Stream(None)):
+                  health: fx.Pointer, peers: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32,
+                  rank: fx.Int32, stream: fx.Stream = fx.Stream(None)):
         k2_kernel(x, attn, w_o, s_o, post_attn_w, mlp_norm_w, w_gu, s_gu, w_down, s_down, post_mlp_w, out,
-                  mbox, health, max_polls, layer, nan_fault).launch(grid=(G,), block=(WG,), stream=stream)
+                  mbox, health, peers, max_polls, layer, nan_fault, rank).launch(grid=(G,), block=(WG,), stream=stream)
 
     return launch_k1, launch_k2
