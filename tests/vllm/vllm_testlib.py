@@ -83,3 +83,14 @@ def mono_options(tmp_path: Path, **extra) -> dict:
             "termination_log": str(tmp_path / "termination-log"), "exit_on_failstop": False}
     opts.update(extra)
     return opts
+
+
+def bind_token_major_kv(model, num_blocks: int = 8, block_size: int = 16) -> None:
+    """Give every attention layer a zeroed KV cache shaped like vLLM 0.33's token-major
+    (LBNHC) per-layer view: logical [blocks, kv_heads, block_size, 2 * head_dim]."""
+    import torch
+
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        physical = torch.zeros(num_blocks, block_size, attn.num_kv_heads, 2 * attn.head_size, dtype=torch.bfloat16)
+        attn.kv_cache = physical.permute(0, 2, 1, 3)
