@@ -62,7 +62,7 @@ def _close(tri: torch.Tensor, ref: torch.Tensor, what: str, rel: float = REL_FRO
 _CACHE: dict = {}
 
 
-def _build(profile: str, weight_dtype: str, widths, layers: int, wait_timeout_s: float = 10.0):
+def _build(profile: str, weight_dtype: str, widths, layers: int, wait_timeout_s: float = 2.0):
     """Weights + Triton kernels for one GPU_BUILDS entry (cached per session)."""
     key = (profile, weight_dtype, tuple(widths), layers, wait_timeout_s)
     if key in _CACHE:

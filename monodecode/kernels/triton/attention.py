@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import mma, rms_apply
-from monodecode.kernels.triton.mailbox import pack, unpack, wait_words3
+from monodecode.kernels.triton.mailbox import pack, unpack, wait_words
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def attn_task(
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
     NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
-    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr,
+    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, POLL: tl.constexpr, UNROLL: tl.constexpr,
 ):
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
@@ -64,19 +64,16 @@ def attn_task(
     jq = tl.arange(0, GP)
     qrow = jq < G
     base = qkv_mb + r * NQKV
-    qp = base + (g * G + jq)[:, None] * D + dh[None, :]
-    kp = base + Q + g * D + dh
-    vp = base + Q + KV + g * D + d
+    q_w = base + g * G * D
+    k_w = base + Q + g * D
+    v_w = base + Q + KV + g * D
+    budget = wait_words(q_w, G * D, k_w, D, v_w, D, tag, budget, health_ptr, code, POLL, UNROLL)
     qm = qrow[:, None] & (dh[None, :] >= 0)
-    dm = dh >= 0
-    # first halves + v, then the second halves (already there once the first poll succeeded)
-    wq1, wk1, wv, budget = wait_words3(qp, qm, kp, dm, vp, d >= 0, tag, budget, health_ptr, code)
-    wq2, wk2, _unused, budget = wait_words3(qp + HALF, qm, kp + HALF, dm, vp, d < 0, tag, budget, health_ptr, code)
-    q1 = unpack(wq1).to(tl.bfloat16)
-    q2 = unpack(wq2).to(tl.bfloat16)
-    k1 = unpack(wk1).to(tl.bfloat16)[None, :]
-    k2 = unpack(wk2).to(tl.bfloat16)[None, :]
-    v = unpack(wv).to(tl.bfloat16)
+    q1 = unpack(tl.load(q_w + jq[:, None] * D + dh[None, :], mask=qm, other=0, volatile=True)).to(tl.bfloat16)
+    q2 = unpack(tl.load(q_w + jq[:, None] * D + HALF + dh[None, :], mask=qm, other=0, volatile=True)).to(tl.bfloat16)
+    k1 = unpack(tl.load(k_w + dh, volatile=True)).to(tl.bfloat16)[None, :]
+    k2 = unpack(tl.load(k_w + HALF + dh, volatile=True)).to(tl.bfloat16)[None, :]
+    v = unpack(tl.load(v_w + d, volatile=True)).to(tl.bfloat16)
     if QK_NORM:
         q1, q2 = _head_norm(q1, q2, qnorm_ptr, eps, D, ONE_PLUS)
         k1, k2 = _head_norm(k1, k2, knorm_ptr, eps, D, ONE_PLUS)
@@ -130,20 +127,18 @@ def attn_task(
 
 @triton.jit
 def combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code,
-                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr):
+                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
+                 POLL: tl.constexpr, UNROLL: tl.constexpr):
     r = t // H
     h = t % H
     si = tl.arange(0, S)
     d = tl.arange(0, D)
-    hrow = (r * H + h) * S + si
-    wm, wl, wa, budget = wait_words3(
-        ml_mb + hrow * 2, si >= 0, ml_mb + hrow * 2 + 1, si >= 0,
-        acc_mb + hrow[:, None] * D + d[None, :], (si[:, None] >= 0) & (d[None, :] >= 0),
-        tag, budget, health_ptr, code,
-    )
-    m = unpack(wm)
-    l = unpack(wl)
-    a = unpack(wa)
+    mlb = ml_mb + (r * H + h) * S * 2
+    accb = acc_mb + (r * H + h) * S * D
+    budget = wait_words(mlb, 2 * S, accb, S * D, accb, 0, tag, budget, health_ptr, code, POLL, UNROLL)
+    m = unpack(tl.load(mlb + si * 2, volatile=True))
+    l = unpack(tl.load(mlb + si * 2 + 1, volatile=True))
+    a = unpack(tl.load(accb + si[:, None] * D + d[None, :], volatile=True))
     big = tl.max(m, axis=0)
     wts = tl.exp(m - big)
     den = tl.sum(wts * l, axis=0)

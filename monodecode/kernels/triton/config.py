@@ -13,6 +13,9 @@ from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
 ROWNORM_BLOCK = 1024  # elements per chunk of the per-row norm stages
+# Mailbox polls: 1-D vectors of POLL words (>= threads of a program, so no word is replicated
+# across warps and every warp takes the same decision), UNROLL of them in flight per poll.
+POLL, POLL_UNROLL = 1024, 4
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ML_W=_word(plan, "attn_ml"),
         NPROG=plan.num_workgroups, VP=vp, QK_NORM=dims.qk_norm, ONE_PLUS=dims.norm_one_plus,
         FP8=None,  # filled per weight dtype
+        POLL=POLL, UNROLL=POLL_UNROLL,
     )
 
 
@@ -121,7 +125,7 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1)
         D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
         EPOCH_W=_word(plan, "epoch_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
-        BH=ROWNORM_BLOCK, SENT_BLOCK=max(16, 2048 // (max(16, _pow2(W)) if wide else 1)), NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
+        BH=ROWNORM_BLOCK, POLL=POLL, UNROLL=POLL_UNROLL, NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
         ONE_PLUS=dims.norm_one_plus, FP8=None, GELU=dims.activation == "gelu_tanh",
     )
 

@@ -7,10 +7,9 @@ use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded 
 The input vector comes from one of three places (``SRC``):
   0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
   1  the launch input (bf16) as is,
-  2  mailbox words (fp32 | tag). The stage first waits for one sentinel word per producer task
-     (``wait_sentinels``, a few vector polls); the K loop then streams with ``.cg`` loads and
-     checks every tag without stalling. A miss (a producer's other words not yet visible) is
-     rare; it makes the task wait for every word and recompute (weights then come from L2).
+  2  mailbox words (fp32 | tag). Before its first task of the stage a program waits until every
+     input word carries the launch's tag (``mailbox.wait_words``, a few wide polls); the K loop
+     then streams them with ``.cg`` loads (L2, never a stale L1 line) without further checks.
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does.
@@ -21,7 +20,7 @@ import os
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.mailbox import unpack, wait_words
+from monodecode.kernels.triton.mailbox import unpack
 
 # Triton's CPU interpreter multiplies bf16 dot operands as raw bits; it gets fp32 operands
 # (exact for bf16 values) instead.
@@ -50,23 +49,20 @@ def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
+def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd,
                  BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
     m2 = rmask[:, None] & (k[None, :] >= 0)
     if SRC == 2:
-        words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
-        ok = ((words >> 32) == tag) | (~m2)
-        xb = unpack(words).to(tl.bfloat16)
-        bad = bad | (~ok).to(tl.int32)
+        xb = unpack(tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")).to(tl.bfloat16)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         g = tl.load(norm_ptr + k).to(tl.float32)
         xb = rms_apply(xf, rstd[:, None], g[None, :], ONE_PLUS)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
-    return xb, bad
+    return xb
 
 
 @triton.jit
@@ -90,53 +86,13 @@ def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def wait_sentinels(base, row_stride, col_stride, ncols, tag, budget, health_ptr, code,
-                   W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr):
-    """Wait until word ``base[r*row_stride + c*col_stride]`` carries the tag for every row r < W
-    and column c < ncols: one word per producer task (its last store), polled as vectors."""
-    rows = tl.arange(0, WP)
-    for c0 in range(0, ncols, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        m = (rows[:, None] < W) & (c[None, :] < ncols)
-        _w, budget = wait_words(base + rows[:, None] * row_stride + c[None, :] * col_stride, m, tag, budget,
-                                health_ptr, code)
-    return budget
-
-
-@triton.jit
-def _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
-               NK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, SRC: tl.constexpr,
-               TWO: tl.constexpr, DOT: tl.constexpr, ONE_PLUS: tl.constexpr, NUM_STAGES: tl.constexpr):
-    if DOT:
-        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
-        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
-    else:
-        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
-        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
-    bad = tl.zeros([WP, BK], dtype=tl.int32)
-    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
-        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
-        if TWO:
-            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
-        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
-        acc1 = _mac(acc1, w1, xb, DOT)
-        if TWO:
-            acc2 = _mac(acc2, w2, xb, DOT)
-    return acc1, acc2, tl.sum(tl.ravel(bad), axis=0)
-
-
-@triton.jit
 def gemv_task(
-    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N,
-    x_ptr, x_stride, norm_ptr, rstd, tag, budget, health_ptr, code,
+    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd,
     K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Returns (y1[BN, WP], y2[BN, WP], budget); y2 is y1 when ``TWO`` is off.
-
-    With mailbox input (SRC 2) the caller has waited for one sentinel word per producer; the
-    pass still checks every word's tag and, on any miss, waits for every word and recomputes."""
+    """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = K // BK
     n = n0 + tl.arange(0, BN)
@@ -146,16 +102,20 @@ def gemv_task(
     kcol = tl.arange(0, BK)
     wp1 = w1_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
     wp2 = w2_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
-    acc1, acc2, bad = _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
-                                 NK, BN, BK, WP, SRC, TWO, DOT, ONE_PLUS, NUM_STAGES)
-    if SRC == 2:
-        if bad > 0:  # rare: a word was not there yet; wait for all of them, then redo the task
-            for kk in range(0, NK):
-                k = kk * BK + kcol
-                _w, budget = wait_words(x_ptr + rows[:, None] * x_stride + k[None, :],
-                                        rmask[:, None] & (k[None, :] >= 0), tag, budget, health_ptr, code)
-            acc1, acc2, bad = _gemv_pass(wp1, wp2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
-                                         NK, BN, BK, WP, SRC, TWO, DOT, ONE_PLUS, NUM_STAGES)
+    if DOT:
+        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
+        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
+    else:
+        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
+        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
+        if TWO:
+            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
+        xb = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, BK, SRC, ONE_PLUS)
+        acc1 = _mac(acc1, w1, xb, DOT)
+        if TWO:
+            acc2 = _mac(acc2, w2, xb, DOT)
     if DOT:
         y1 = acc1
         y2 = acc2
@@ -168,4 +128,4 @@ def gemv_task(
             y2 = y2 * tl.load(s2_ptr + n, mask=nmask, other=0.0)[:, None]
     if not TWO:
         y2 = y1
-    return y1, y2, budget
+    return y1, y2

@@ -27,6 +27,7 @@ def k1_kernel(
     COMB_TASKS: tl.constexpr, COMB_OFF: tl.constexpr,
     EPOCH_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, FP8: tl.constexpr,
+    POLL: tl.constexpr, UNROLL: tl.constexpr,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     tag = launch_tag(epoch_ptr, NPROG)
@@ -44,8 +45,8 @@ def k1_kernel(
         pid = tl.program_id(0) * VP + v
         for t in range((pid - QKV_OFF + NPROG) % NPROG, QKV_TASKS, NPROG):
             n0 = t * BN
-            y, _y, budget = gemv_task(
-                w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd, tag, budget, health_ptr, code,
+            y, _y = gemv_task(
+                w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd,
                 HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES,
             )
             n = n0 + tl.arange(0, BN)
@@ -60,13 +61,14 @@ def k1_kernel(
             budget = attn_task(
                 t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
                 pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
-                NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS,
+                NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS, POLL, UNROLL,
             )
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         for t in range((pid - COMB_OFF + NPROG) % NPROG, COMB_TASKS, NPROG):
-            budget = combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code, Q, D, H, S)
+            budget = combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code, Q, D, H, S,
+                                  POLL, UNROLL)
 
     finish_launch(epoch_ptr, VP)

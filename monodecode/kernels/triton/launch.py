@@ -141,6 +141,10 @@ class TritonKernels(DecodeKernels):
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._armed: Any = None
         self._compiled = {} if self.interpret else self._compile(req)
+        from monodecode.kernels.triton.k1 import k1_kernel
+        from monodecode.kernels.triton.k2 import k2_kernel
+
+        self._arg_names = (list(k1_kernel.arg_names), list(k2_kernel.arg_names))
 
     def _compile(self, req: BuildRequest) -> dict:
         """Compile K1/K2 of every width (Triton's cache makes a rebuild cheap)."""
@@ -168,7 +172,11 @@ class TritonKernels(DecodeKernels):
         for a in args:
             if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
                 raise ConfigError("triton kernels: every tensor argument must be 16-byte aligned")
-        self._compiled[width][which][(self.grid, 1, 1)](*args)
+        # a compiled kernel's launcher takes every argument in signature order, constexprs included
+        names, consts = self._arg_names[which], self.consts[width][which]
+        it = iter(args)
+        full = [consts[n] if n in consts else next(it) for n in names]
+        self._compiled[width][which][(self.grid, 1, 1)](*full)
 
     # -- launches ------------------------------------------------------------------------------
 

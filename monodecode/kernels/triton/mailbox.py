@@ -11,7 +11,8 @@ program that has not yet added its own 1, so ``counter // P + 1`` is the same in
 
 Waits are bounded by a per-program spin budget (cumulative over the launch); on expiry the
 sticky health word gets the site code (compare-and-swap from 0: the first failure wins) and the
-program carries on with whatever it read, so the launch always terminates.
+program carries on with whatever it reads, so the launch always terminates. A consumer waits for
+all the words it needs (see ``wait_words``), then reads them; a tagged word is final for the launch.
 """
 
 import triton
@@ -45,44 +46,34 @@ def unpack(word):
 
 
 @triton.jit
-def missing(word, mask, tag):
-    """Count of masked words whose tag is not this launch's."""
-    return tl.sum(tl.ravel((mask & ((word >> 32) != tag)).to(tl.int32)), axis=0)
+def _misses(b1, n1, b2, n2, b3, n3, c0, i, tag, POLL: tl.constexpr, UNROLL: tl.constexpr):
+    """Untagged words among flat positions [c0, c0 + UNROLL*POLL) of the concatenation
+    b1[0:n1] ++ b2[0:n2] ++ b3[0:n3]; the UNROLL loads are independent, so they are in flight together."""
+    cnt = tl.zeros([POLL], dtype=tl.int32)
+    for u in tl.static_range(UNROLL):
+        idx = c0 + u * POLL + i
+        ptr = tl.where(idx < n1, b1 + idx, tl.where(idx < n1 + n2, b2 + (idx - n1), b3 + (idx - n1 - n2)))
+        m = idx < n1 + n2 + n3
+        w = tl.load(ptr, mask=m, other=0, volatile=True)
+        cnt += (m & ((w >> 32) != tag)).to(tl.int32)
+    return tl.sum(cnt, axis=0)
 
 
 @triton.jit
-def expire(budget, miss, health_ptr, code):
-    """Record an expired wait in the sticky health word."""
-    if miss > 0:
-        tl.atomic_cas(health_ptr, 0, code)
+def wait_words(b1, n1, b2, n2, b3, n3, tag, budget, health_ptr, code,
+               POLL: tl.constexpr, UNROLL: tl.constexpr):
+    """Wait until every word of b1[0:n1], b2[0:n2], b3[0:n3] carries ``tag``; returns the budget.
+
+    The polled vectors are 1-D with POLL >= threads per program, so each word is checked by
+    exactly one thread and the miss count is reduced across all warps: every warp leaves the
+    loop at the same poll (a count reduced inside one warp over replicated data would let warps
+    diverge around the barriers of later reductions). Callers read the values afterwards."""
+    i = tl.arange(0, POLL)
+    for c0 in range(0, n1 + n2 + n3, POLL * UNROLL):
+        miss = _misses(b1, n1, b2, n2, b3, n3, c0, i, tag, POLL, UNROLL)
+        while (miss > 0) & (budget > 0):
+            miss = _misses(b1, n1, b2, n2, b3, n3, c0, i, tag, POLL, UNROLL)
+            budget -= 1
+        if miss > 0:
+            tl.atomic_cas(health_ptr, 0, code)
     return budget
-
-
-@triton.jit
-def wait_words(ptrs, mask, tag, budget, health_ptr, code):
-    """Poll ``ptrs`` until every masked word carries ``tag``; returns (words, budget)."""
-    w = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    miss = missing(w, mask, tag)
-    while (miss > 0) & (budget > 0):
-        w = tl.load(ptrs, mask=mask, other=0, volatile=True)
-        miss = missing(w, mask, tag)
-        budget -= 1
-    budget = expire(budget, miss, health_ptr, code)
-    return w, budget
-
-
-@triton.jit
-def wait_words3(p1, m1, p2, m2, p3, m3, tag, budget, health_ptr, code):
-    """Like ``wait_words`` for three tensors polled together (one round trip per poll)."""
-    w1 = tl.load(p1, mask=m1, other=0, volatile=True)
-    w2 = tl.load(p2, mask=m2, other=0, volatile=True)
-    w3 = tl.load(p3, mask=m3, other=0, volatile=True)
-    miss = missing(w1, m1, tag) + missing(w2, m2, tag) + missing(w3, m3, tag)
-    while (miss > 0) & (budget > 0):
-        w1 = tl.load(p1, mask=m1, other=0, volatile=True)
-        w2 = tl.load(p2, mask=m2, other=0, volatile=True)
-        w3 = tl.load(p3, mask=m3, other=0, volatile=True)
-        miss = missing(w1, m1, tag) + missing(w2, m2, tag) + missing(w3, m3, tag)
-        budget -= 1
-    budget = expire(budget, miss, health_ptr, code)
-    return w1, w2, w3, budget
