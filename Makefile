@@ -11,6 +11,10 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # CPU build of torch for development and CI (the ROCm images bring their own).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The vLLM plugin's tests run on the real vllm==0.33.0 in its own venv (.venv-vllm next to $(VENV),
+# made by scripts/toolchains.d/40-vllm.sh): vLLM pins a torch the main venv must not get.
+VLLM_BIN := $(dir $(VENV)).venv-vllm/bin
+VLLM_PYTEST_ARGS ?=
 
 .PHONY: run test venv test-deps system-deps clean
 
@@ -31,8 +35,10 @@ test-deps: system-deps venv
 	$(PIP) install -e '.[ops,dev,flydsl,triton]' '$(TORCH_SPEC)'
 	scripts/setup-toolchains.sh $(VENV)
 
+# Both suites always run (the main one skips tests/vllm); the target fails if either fails.
 test: test-deps
-	scripts/with-services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_ARGS) || rc=1; \
+	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python
 
 clean:
 	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache
