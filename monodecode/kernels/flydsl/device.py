@@ -326,3 +326,54 @@ def dot_fp8(wv, xa, xb, acc):
         acc = fx.math.fma(hi[0], bf16_lo(x1), acc)
         acc = fx.math.fma(hi[1], bf16_hi(x1), acc)
     return acc
+
+
+# ---------------------------------------------------------------- MFMA tiles (16 x 16, fp32 accumulators)
+
+def mfma_zero():
+    return Vector.filled((4,), 0.0, fx.Float32)
+
+
+def _bf16_exact(a, b):
+    """Two fp32 values that are exactly bf16 (widened fp8) packed as a bf16 pair, no rounding."""
+    return ((fx.Float32(a).bitcast(fx.Int32) >> 16) & fx.Int32(0xFFFF)) | (
+        fx.Float32(b).bitcast(fx.Int32) & fx.Int32(-65536))
+
+
+def fp8x16_as_bf16(wv):
+    """16 fp8 weights (4 words; FNUZ on gfx942, OCP on gfx950, decoded by the hardware) widened to
+    16 bf16 (exact: e4m3 fits bf16) as two 4-word vectors, elements 0-7 and 8-15."""
+    v2 = Vector.make_type(2, fx.Float32)
+    words = []
+    for j in range(4):
+        lo = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), False), (2,), fx.Float32)
+        hi = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), True), (2,), fx.Float32)
+        words.append(_bf16_exact(lo[0], lo[1]))
+        words.append(_bf16_exact(hi[0], hi[1]))
+    return Vector.from_elements(words[:4], fx.Int32), Vector.from_elements(words[4:], fx.Int32)
+
+
+def _mfma8(arch: str, a_words, b_words, acc):
+    """acc += A . B over 8 K elements per lane (4 words of bf16 pairs each): one
+    ``v_mfma_f32_16x16x32_bf16`` on gfx950, two ``v_mfma_f32_16x16x16_bf16`` on gfx942."""
+    v4f = Vector.make_type(4, fx.Float32)
+    if arch == "gfx950":
+        out = rocdl.mfma_f32_16x16x32_bf16(v4f, [a_words.bitcast(fx.BFloat16), b_words.bitcast(fx.BFloat16), acc,
+                                                 0, 0, 0])
+        return Vector(out, (4,), fx.Float32)
+    a16, b16 = a_words.bitcast(fx.Int16), b_words.bitcast(fx.Int16)
+    for h in (0, 1):
+        half = [4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3]
+        out = rocdl.mfma_f32_16x16x16bf16_1k(v4f, [a16.shuffle(a16, half), b16.shuffle(b16, half), acc, 0, 0, 0])
+        acc = Vector(out, (4,), fx.Float32)
+    return acc
+
+
+def mfma_tile(arch: str, wv, xa, xb, acc, fp8: bool):
+    """One 16-byte weight load per lane into the tile: 8 bf16 (against ``xa``) or 16 fp8 widened
+    to bf16 (against ``xa`` then ``xb``). Weights and activations share the lane's K elements, so
+    the products pair up exactly as the dot product's terms."""
+    if not fp8:
+        return _mfma8(arch, wv, xa, acc)
+    w_lo, w_hi = fp8x16_as_bf16(wv)
+    return _mfma8(arch, w_hi, xb, _mfma8(arch, w_lo, xa, acc))

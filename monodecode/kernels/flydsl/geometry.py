@@ -9,10 +9,14 @@ buffer, health word) so a test can hold it against ``plan_model`` and fail on an
 
 What the plan leaves to a backend lives here too, and only that (FlyDSL/CDNA specific):
 
-* GEMV tiles: a task's rows are split over the workgroup's 4 waves (``rows_per_wave``), each
-  wave walks them in register groups (``row_group``) over K in 16-byte-per-lane steps; the
-  task's input rows are staged in LDS as bf16 in chunks of ``chunk`` elements (zero padded to a
-  whole step), with per-row partial sums in LDS when there is more than one chunk;
+* GEMV tiles: the task's input rows are staged in LDS as bf16 in chunks of ``chunk`` elements
+  (zero padded to a whole step; rows 16 bytes apart more than their length, against bank
+  conflicts). Narrow steps (width < MFMA_MIN_WIDTH) use FMA: the task's rows are split over the
+  workgroup's 4 waves (``rows_per_wave``), each wave walks them in register groups
+  (``row_group``) over K in 16-byte-per-lane steps, with per-row partial sums in LDS when there
+  is more than one chunk. Wider steps use MFMA 16x16 tiles (16 weight rows x 16 token columns,
+  tokens padded): the waves split the task's tiles and, when there are fewer than 4, K
+  (``k_split``); the tiles' sums meet in LDS for the epilogue;
 * the one LDS arena per kernel and how stages carve it (stages run one after another, so the
   GEMV staging area and the attention buffers alias);
 * shape limits of these kernels (each one clear error line).
@@ -30,6 +34,8 @@ from monodecode.model.dims import ModelDims
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 MAX_WIDTH = 16  # rows per step: accumulators of a GEMV row group and LDS staging scale with it
 MAX_TP = 8
+MFMA_MIN_WIDTH = 4  # from here on a GEMV step's FMA work outgrows its weight stream; MFMA tiles take over
+MFMA_ROWS = 16  # rows (and token columns) of one 16x16 MFMA tile
 HEALTH = "health"  # the plan's header region: the sticky health word (int32)
 ATTN_CHUNK = WAVE_SIZE  # context positions one wave scores at a time (one per lane)
 NEG_BIG = -1.0e30  # an empty split's running max, as the Triton kernels publish it
@@ -88,6 +94,8 @@ class GemvTile:
     k_pad: int  # K rounded up to whole steps (the LDS tail is zero)
     chunk: int  # staged input elements per row per chunk
     chunks: int
+    mfma: bool = False
+    k_split: int = 1  # MFMA: waves that share a tile, each taking every k_split-th K block
 
     @property
     def step(self) -> int:
@@ -98,8 +106,27 @@ class GemvTile:
         return self.chunk // 2  # bf16 pairs per staged row
 
     @property
+    def x_stride(self) -> int:
+        """Words between staged rows: 16 bytes more than a row, so the 16 token rows an MFMA
+        operand load touches start on different LDS banks."""
+        return self.chunk_words + 4
+
+    @property
+    def tiles(self) -> int:
+        """MFMA tiles of a task (gate and up rows are separate tiles)."""
+        return self.stage.rows // MFMA_ROWS * self.pair
+
+    @property
+    def kblock(self) -> int:
+        """MFMA: K elements one wave instruction covers per row (4 lanes x 16 bytes)."""
+        return 4 * self.vec
+
+    @property
     def part_words(self) -> int:
-        """LDS for per-row partial sums across chunks (none with a single chunk)."""
+        """LDS for partial sums: FMA per-row partials across chunks (none with one chunk); MFMA
+        the tiles' token columns per K split, read by the epilogue."""
+        if self.mfma:
+            return self.k_split * self.tiles * MFMA_ROWS * self.width
         return 0 if self.chunks == 1 else WAVES_PER_WORKGROUP * self.rows_per_wave * self.pair * self.width
 
 
@@ -176,7 +203,12 @@ def _gemv_tile(st: StageConsts, width: int, spec: ArchSpec, fp8: bool) -> GemvTi
     k_pad = _ceil(st.k, step) * step
     per_row = max(step, (spec.x_stage_bytes // (2 * width)) // step * step)
     chunk = min(k_pad, per_row)
-    return GemvTile(st, width, vec, pair, rpw, group, k_pad, chunk, _ceil(k_pad, chunk))
+    mfma = width >= MFMA_MIN_WIDTH and st.rows % MFMA_ROWS == 0
+    tiles = st.rows // MFMA_ROWS * pair
+    k_split = max(1, WAVES_PER_WORKGROUP // tiles) if mfma else 1
+    if mfma and (tiles * k_split) % WAVES_PER_WORKGROUP:
+        raise ConfigError(f"flydsl: stage {st.name}: {tiles} MFMA tiles do not spread over {WAVES_PER_WORKGROUP} waves")
+    return GemvTile(st, width, vec, pair, rpw, group, k_pad, chunk, _ceil(k_pad, chunk), mfma, k_split)
 
 
 def _carve(parts: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, int], int]:
@@ -192,7 +224,7 @@ def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile
     nw = WAVES_PER_WORKGROUP
 
     def gemv_parts(names):
-        xw = max(width * tiles[n].chunk_words for n in names)
+        xw = max(width * tiles[n].x_stride for n in names)
         pw = max(tiles[n].part_words for n in names)
         return [("x", xw), ("part", pw)]
 

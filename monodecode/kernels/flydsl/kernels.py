@@ -48,7 +48,7 @@ from flydsl.expr import gpu
 
 from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.geometry import ATTN_CHUNK, NEG_BIG, Geometry, GemvTile, first_task
+from monodecode.kernels.flydsl.geometry import ATTN_CHUNK, MFMA_ROWS, NEG_BIG, Geometry, GemvTile, first_task
 from monodecode.kernels.plan import K1, K2
 from monodecode.model.dims import ModelDims
 
@@ -71,6 +71,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     GELU = dims.activation == "gelu_tanh"
     FINAL = geom.final
     BS = block_size
+    ARCH = geom.arch
     DPL = D // WAVE_SIZE  # head dims per lane
     HALF = D // 2
     RG = geom.regions  # word offsets in this width's scratch segment
@@ -84,24 +85,28 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     PRG = geom.peer_regions  # TP: o_peer / d_peer word offsets in a rank's peer-buffer segment
 
     # ------------------------------------------------------------------------------ GEMV task
-    def gemv_task(tl: GemvTile, t, w_rs, lds, x_off: int, part_off: int, wave, lane, stage_chunk, finish):
-        """Task ``t``: rows [t*rows, t*rows + rows) of y[W, N] = x[W, K] . Wt[N, K]^T.
-
-        The 4 waves split the rows (``rows_per_wave`` each, walked ``row_group`` at a time);
-        lanes split K, 16 bytes of weights per lane per step. The input rows are staged in LDS
-        as bf16 by ``stage_chunk(c0)`` one chunk of K at a time; with several chunks each row's
-        partial sums wait in LDS. ``finish(row0, sums)`` gets the full dots of rows
-        row0 .. row0 + row_group - 1 (``sums[(i * pair + p) * W + token]``, wave-uniform)."""
+    def gemv_task(tl: GemvTile, t, w_rs, lds, x_off: int, part_off: int, tid, wave, lane, stage_chunk, finish):
+        """Task ``t`` of a GEMV stage: rows [t*rows, t*rows + rows) of y[W, N] = x[W, K] . Wt[N, K]^T
+        (gate|up: the same rows of both matrices). ``stage_chunk(c0)`` stages the input rows'
+        elements [c0, c0 + chunk) in LDS as bf16; ``finish(row, token, values, valid)`` gets each
+        output (``values``: one per matrix) on some thread, ``valid`` false for padding."""
         st = tl.stage
-        N, K, R, RPW, GR, PR = st.n, st.k, st.rows, tl.rows_per_wave, tl.row_group, tl.pair
-        VEC, STEP, CK, CKW, NCH, KPAD = tl.vec, tl.step, tl.chunk, tl.chunk_words, tl.chunks, tl.k_pad
-        WB = 1 if FP8 else 2
-        return _gemv_task(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK,
-                          CKW, NCH, KPAD, WB, x_off, part_off)
+        if tl.mfma:
+            return _gemv_mfma(t, w_rs, lds, tid, wave, lane, stage_chunk, finish, st.n, st.k, st.rows, tl.pair,
+                              tl.vec, tl.chunk, tl.x_stride, tl.chunks, tl.k_pad, tl.kblock, tl.k_split,
+                              tl.tiles * tl.k_split // NW, tl.tiles, x_off, part_off)
+        return _gemv_fma(t, w_rs, lds, wave, lane, stage_chunk, finish, st.n, st.k, st.rows, tl.rows_per_wave,
+                         tl.row_group, tl.pair, tl.vec, tl.step, tl.chunk, tl.x_stride, tl.chunks, tl.k_pad,
+                         x_off, part_off)
+
+    def weight_byte(row, n: int, k: int, p: int, kg):
+        """Byte offset of weight element (row + p*n, kg): gate|up rows are stacked, 2I x K."""
+        return ((row + d.i32(p * n)) * d.i32(k) + kg) * d.i32(1 if FP8 else 2)
 
     @d.device
-    def _gemv_task(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK, CKW, NCH,
-                   KPAD, WB, x_off, part_off):
+    def _gemv_fma(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK, XS, NCH,
+                  KPAD, x_off, part_off):
+        """Narrow steps: lanes split K (16 bytes of weights each per step), waves split the rows."""
         n0 = t * d.i32(R)
         for c_ in range(NCH):
             c = d.i32(c_)
@@ -126,11 +131,11 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                         if fx.const_expr(N % R != 0):  # the last task's rows past N read row N-1
                             row = fx.min(row, d.i32(N - 1))
                         for p in fx.range_constexpr(PR):
-                            wv.append(d.load_weights16(w_rs, ((row + d.i32(p * N)) * d.i32(K) + kg) * d.i32(WB)))
+                            wv.append(d.load_weights16(w_rs, weight_byte(row, N, K, p, kg)))
                     for tk in fx.range_constexpr(W):
-                        xa = d.lds_load4(lds, d.i32(x_off + tk * CKW) + kl // d.i32(2))
+                        xa = d.lds_load4(lds, d.i32(x_off + tk * XS) + kl // d.i32(2))
                         if fx.const_expr(VEC == 16):
-                            xb = d.lds_load4(lds, d.i32(x_off + tk * CKW + 4) + kl // d.i32(2))
+                            xb = d.lds_load4(lds, d.i32(x_off + tk * XS + 4) + kl // d.i32(2))
                         for j in fx.range_constexpr(GR * PR):
                             if fx.const_expr(VEC == 8):
                                 accs[j * W + tk] = d.dot_bf16(wv[j], xa, accs[j * W + tk])
@@ -145,7 +150,72 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                         for j in fx.range_constexpr(GR * PR * W):
                             d.lds_storef(lds, slot + d.i32(j), sums[j])
                 if c == d.i32(NCH - 1):
-                    finish(row0, sums)
+                    for i in fx.range_constexpr(GR):  # lane t < W takes token t's sums (wave-uniform)
+                        vals = [d.lane_pick(lane, [sums[(i * PR + p) * W + tk] for tk in range(W)])
+                                for p in range(PR)]
+                        finish(row0 + d.i32(i), lane, vals, lane < d.i32(W))
+
+    @d.device
+    def _gemv_mfma(t, w_rs, lds, tid, wave, lane, stage_chunk, finish, N, K, R, PR, VEC, CK, XS, NCH, KPAD, KB, KS,
+                   TW, NT, x_off, part_off):
+        """Wide steps: 16x16 MFMA tiles, A = 16 weight rows (lane l: row l % 16), B = 16 token
+        columns (lane l: token l % 16, padded columns read a real row and are dropped), both with
+        the same 16 K-bytes per lane (lane l: K group l // 16), so each 16-byte weight load feeds
+        the tile directly. The waves split the tiles (``TW`` each) and, with fewer than 4 tiles,
+        K blocks (``KS`` ways); the tiles meet in LDS, where the epilogue adds the K splits in a
+        fixed order (same bits every run)."""
+        n0 = t * d.i32(R)
+        ks = wave % d.i32(KS)
+        tg = wave // d.i32(KS)
+        rin = lane % d.i32(MFMA_ROWS)
+        kq = lane // d.i32(MFMA_ROWS)
+        tok = fx.min(rin, d.i32(W - 1))
+        accs = [d.mfma_zero() for _ in range(TW)]
+        for c_ in range(NCH):
+            c = d.i32(c_)
+            c0 = c * d.i32(CK)
+            gpu.barrier()
+            stage_chunk(c0)
+            gpu.barrier()
+            nblk = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(KB)
+            for b_ in range(ks, nblk, d.i32(KS)):
+                b = d.i32(b_)
+                kl = b * d.i32(KB) + kq * d.i32(VEC)  # element inside the chunk
+                kg = c0 + kl
+                if fx.const_expr(KPAD != K):
+                    kg = fx.min(kg, d.i32(K - VEC))
+                xa = d.lds_load4(lds, d.i32(x_off) + tok * d.i32(XS) + kl // d.i32(2))
+                xb = xa
+                if fx.const_expr(VEC == 16):
+                    xb = d.lds_load4(lds, d.i32(x_off + 4) + tok * d.i32(XS) + kl // d.i32(2))
+                for j in fx.range_constexpr(TW):
+                    tile = tg * d.i32(TW) + d.i32(j)
+                    row = n0 + (tile // d.i32(PR)) * d.i32(MFMA_ROWS) + rin
+                    if fx.const_expr(N % R != 0):
+                        row = fx.min(row, d.i32(N - 1))
+                    wv = d.load_weights16(w_rs, ((row + (tile % d.i32(PR)) * d.i32(N)) * d.i32(K) + kg)
+                                          * d.i32(1 if FP8 else 2))
+                    accs[j] = d.mfma_tile(ARCH, wv, xa, xb, accs[j], VEC == 16)
+        for j in fx.range_constexpr(TW):  # lane l holds rows 4*(l // 16) + e of token l % 16
+            tile = tg * d.i32(TW) + d.i32(j)
+            if rin < d.i32(W):
+                for e in fx.range_constexpr(4):
+                    at = ((ks * d.i32(NT) + tile) * d.i32(MFMA_ROWS) + kq * d.i32(4) + d.i32(e)) * d.i32(W) + rin
+                    d.lds_storef(lds, d.i32(part_off) + at, accs[j][e])
+        gpu.barrier()
+        for idx_ in range(tid, d.i32(R * W), d.i32(WG)):
+            idx = d.i32(idx_)
+            rr = idx // d.i32(W)
+            tk = idx - rr * d.i32(W)
+            vals = []
+            for p in fx.range_constexpr(PR):
+                tile = (rr // d.i32(MFMA_ROWS)) * d.i32(PR) + d.i32(p)
+                v = d.f32(0.0)
+                for kk in fx.range_constexpr(KS):
+                    at = ((d.i32(kk * NT) + tile) * d.i32(MFMA_ROWS) + rr % d.i32(MFMA_ROWS)) * d.i32(W) + tk
+                    v = v + d.lds_loadf(lds, d.i32(part_off) + at)
+                vals.append(v)
+            finish(n0 + rr, tk, vals, tk >= d.i32(0))
 
     def scaled(sptr, row, v):
         """FP8 weights: the per-output-channel scale applies to the fp32 dot (Linear.__call__)."""
@@ -154,16 +224,17 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         return v
 
     @d.device
-    def _put_lane_impl(mbox, tag, lane, region, n, row, v, enable):
-        if (lane < d.i32(W)) & (row < d.i32(n)) & enable:
-            d.mb_put(mbox, d.i32(region) + lane * d.i32(n) + row, tag, v)
+    def _put(mbox, tag, tok, region, n, row, v, enable):
+        """Publish output ``row`` of token ``tok`` into a (W, n) region (rows past n are padding)."""
+        if enable & (row < d.i32(n)):
+            d.mb_put(mbox, d.i32(region) + tok * d.i32(n) + row, tag, v)
 
     @d.device
-    def _push_lane(peers, rank, tag, lane, region: int, row, v):
-        """TP: token ``lane``'s partial of output ``row`` into slot ``rank`` of every rank's peer
+    def _push(peers, rank, tag, tok, region: int, row, v, enable):
+        """TP: token ``tok``'s partial of output ``row`` into slot ``rank`` of every rank's peer
         buffer (system scope: other GPUs read it)."""
-        if (lane < d.i32(W)) & (row < d.i32(H)):
-            at = d.i32(region) + (rank * d.i32(W) + lane) * d.i32(H) + row
+        if enable & (row < d.i32(H)):
+            at = d.i32(region) + (rank * d.i32(W) + tok) * d.i32(H) + row
             for q in fx.range_constexpr(TP):
                 d.mb_put(d.peer_buffer(peers, d.i32(q)), at, tag, v, None)
 
@@ -212,17 +283,14 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         w_rs = d.buffer_rsrc(w_qkv)
 
         def stage_x(c0):
-            _stage_normed(x, norm_w, lds, tid, c0, tile.chunk_words, H)
+            _stage_normed(x, norm_w, lds, tid, c0, tile.chunk_words, tile.x_stride, H)
 
-        def publish_qkv(row0, sums):
-            for i in fx.range_constexpr(tile.row_group):
-                row = row0 + d.i32(i)
-                v = d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)])
-                v = d.round_bf16(scaled(s_qkv, fx.min(row, d.i32(NQKV - 1)), v))
-                _put_lane_impl(mbox, tag, lane, RG["qkv"], NQKV, row, v, stall == d.i32(0))
+        def publish_qkv(row, tok, vals, valid):
+            v = d.round_bf16(scaled(s_qkv, fx.min(row, d.i32(NQKV - 1)), vals[0]))
+            _put(mbox, tag, tok, RG["qkv"], NQKV, row, v, valid & (stall == d.i32(0)))
 
         for t_ in range(first, d.i32(st_qkv.tasks), d.i32(G)):
-            gemv_task(tile, d.i32(t_), w_rs, lds, L1["x"], L1["part"], wave, lane, stage_x, publish_qkv)
+            gemv_task(tile, d.i32(t_), w_rs, lds, L1["x"], L1["part"], tid, wave, lane, stage_x, publish_qkv)
         gpu.barrier()
 
         # ---- attn: (row, KV head, split) partials
@@ -237,9 +305,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         d.finish_launch(epoch, tid)
 
     @d.device
-    def _stage_normed(x, norm_w, lds, tid, c0, ckw: int, k: int):
+    def _stage_normed(x, norm_w, lds, tid, c0, ckw: int, xs: int, k: int):
         """Rows of x (bf16 pairs) normed with their rstd and the norm weight, into LDS (0 past k)."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
             idx = d.i32(idx_)
             tk = idx // d.i32(ckw)
             kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
@@ -249,7 +317,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 nw = d.load_word(norm_w, kk // d.i32(2))
                 rs = d.lds_loadf(lds, d.i32(L1["rstd"]) + tk)
                 word = d.pack_bf16x2(norm(d.bf16_lo(xw), rs, d.bf16_lo(nw)), norm(d.bf16_hi(xw), rs, d.bf16_hi(nw)))
-            d.lds_store(lds, d.i32(L1["x"]) + idx, word)
+            d.lds_store(lds, d.i32(L1["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
     def _attn_task(t, mbox, tag, polls, health, code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
@@ -470,19 +538,17 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         o_rs = d.buffer_rsrc(w_o)
 
         def stage_attn(c0):
-            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, Q)
+            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q)
 
-        def publish_o(row0, sums):
-            for i in fx.range_constexpr(t_o.row_group):
-                row = row0 + d.i32(i)
-                v = scaled(s_o, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
-                if fx.const_expr(TP == 1):
-                    _put_lane_impl(mbox, tag, lane, o_region, H, row, v, lane >= d.i32(0))
-                else:
-                    _push_lane(peers, rank, tag, lane, o_region, row, v)
+        def publish_o(row, tok, vals, valid):
+            v = scaled(s_o, fx.min(row, d.i32(H - 1)), vals[0])
+            if fx.const_expr(TP == 1):
+                _put(mbox, tag, tok, o_region, H, row, v, valid)
+            else:
+                _push(peers, rank, tag, tok, o_region, row, v, valid)
 
         for t_ in range(first_task(bid, st_o.offset, G), d.i32(st_o.tasks), d.i32(G)):
-            gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], wave, lane, stage_attn, publish_o)
+            gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_attn, publish_o)
         gpu.barrier()
 
         # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
@@ -495,20 +561,18 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         gu_rs = d.buffer_rsrc(w_gu)
 
         def stage_hn(c0):
-            _stage_words(mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, H)
+            _stage_words(mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words,
+                         t_gu.x_stride, H)
 
-        def publish_act(row0, sums):
-            for i in fx.range_constexpr(t_gu.row_group):
-                row = row0 + d.i32(i)
-                srow = fx.min(row, d.i32(I - 1))
-                gt = d.round_bf16(scaled(s_gu, srow, d.lane_pick(lane, [sums[(i * 2) * W + tk] for tk in range(W)])))
-                up = d.round_bf16(scaled(s_gu, srow + d.i32(I),
-                                         d.lane_pick(lane, [sums[(i * 2 + 1) * W + tk] for tk in range(W)])))
-                a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
-                _put_lane_impl(mbox, tag, lane, RG["act"], I, row, d.round_bf16(a * up), lane >= d.i32(0))
+        def publish_act(row, tok, vals, valid):
+            srow = fx.min(row, d.i32(I - 1))
+            gt = d.round_bf16(scaled(s_gu, srow, vals[0]))
+            up = d.round_bf16(scaled(s_gu, srow + d.i32(I), vals[1]))
+            a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
+            _put(mbox, tag, tok, RG["act"], I, row, d.round_bf16(a * up), valid)
 
         for t_ in range(first_task(bid, st_gu.offset, G), d.i32(st_gu.tasks), d.i32(G)):
-            gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], wave, lane, stage_hn, publish_act)
+            gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_hn, publish_act)
         gpu.barrier()
 
         # ---- down: act (waited) staged in LDS; residual here, or a final stage
@@ -516,21 +580,20 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         dn_rs = d.buffer_rsrc(w_down)
 
         def stage_act(c0):
-            _stage_words(mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, I)
+            _stage_words(mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words,
+                         t_dn.x_stride, I)
 
-        def finish_down(row0, sums):
-            for i in fx.range_constexpr(t_dn.row_group):
-                row = row0 + d.i32(i)
-                v = scaled(s_down, fx.min(row, d.i32(H - 1)), d.lane_pick(lane, [sums[i * W + tk] for tk in range(W)]))
-                if fx.const_expr(TP > 1):
-                    _push_lane(peers, rank, tag, lane, d_region, row, v)
-                elif fx.const_expr(FINAL):
-                    _put_lane_impl(mbox, tag, lane, d_region, H, row, v, lane >= d.i32(0))
-                else:
-                    _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, lane, row, v, nan_fault)
+        def finish_down(row, tok, vals, valid):
+            v = scaled(s_down, fx.min(row, d.i32(H - 1)), vals[0])
+            if fx.const_expr(TP > 1):
+                _push(peers, rank, tag, tok, d_region, row, v, valid)
+            elif fx.const_expr(FINAL):
+                _put(mbox, tag, tok, d_region, H, row, v, valid)
+            else:
+                _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, tok, row, v, nan_fault, valid)
 
         for t_ in range(first_task(bid, st_dn.offset, G), d.i32(st_dn.tasks), d.i32(G)):
-            gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], wave, lane, stage_act, finish_down)
+            gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_act, finish_down)
 
         # ---- final (Gemma post-MLP norm): x_out = h + norm(d)
         if fx.const_expr(FINAL):
@@ -542,21 +605,21 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         d.finish_launch(epoch, tid)
 
     @d.device
-    def _stage_plain(src, lds, tid, c0, ckw: int, k: int):
+    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int):
         """Rows of a bf16 launch input into LDS as they are (0 past k)."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
             idx = d.i32(idx_)
             tk = idx // d.i32(ckw)
             kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
             word = d.i32(0)
             if kk < d.i32(k):
                 word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
-            d.lds_store(lds, d.i32(L2["x"]) + idx, word)
+            d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
-    def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, k: int):
+    def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, xs: int, k: int):
         """Rows of a mailbox region (waited for, values already bf16) into LDS as bf16 pairs."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG)):
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
             idx = d.i32(idx_)
             tk = idx // d.i32(ckw)
             kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
@@ -566,19 +629,19 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 a = d.mb_wait(mbox, at, tag, polls, health, code)
                 b = d.mb_wait(mbox, at + d.i32(1), tag, polls, health, code)
                 word = d.pack_bf16x2(a, b)
-            d.lds_store(lds, d.i32(L2["x"]) + idx, word)
+            d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
-    def _residual_out(mbox, tag, polls, health, code, bad_code, out, lane, row, v, nan_fault):
-        """x_out = bf16(h + bf16(d)) for token ``lane``, checked for non-finite values."""
-        if (lane < d.i32(W)) & (row < d.i32(H)):
-            hv = d.mb_wait(mbox, d.i32(RG["h"]) + lane * d.i32(H) + row, tag, polls, health, code)
+    def _residual_out(mbox, tag, polls, health, code, bad_code, out, tok, row, v, nan_fault, enable):
+        """x_out = bf16(h + bf16(d)) for token ``tok``, checked for non-finite values."""
+        if enable & (row < d.i32(H)):
+            hv = d.mb_wait(mbox, d.i32(RG["h"]) + tok * d.i32(H) + row, tag, polls, health, code)
             res = d.round_bf16(hv + d.round_bf16(v))
-            if (nan_fault != d.i32(0)) & (lane == d.i32(0)) & (row == d.i32(0)):
+            if (nan_fault != d.i32(0)) & (tok == d.i32(0)) & (row == d.i32(0)):
                 res = d.f32(float("nan"))
             if d.is_nonfinite(res):
                 d.raise_health(health, bad_code)
-            d.store_bf16(out, lane * d.i32(H) + row, res)
+            d.store_bf16(out, tok * d.i32(H) + row, res)
 
     def _o_value(mbox, mine, region: int, r, k, tag, polls, health, code):
         """o[r, k] as the reference has it: bf16 of the projection (TP: of the ranks' sum)."""
