@@ -8,10 +8,13 @@ Proof of both directions:
   inherit it), the worker's ``monodecode_*`` series appear on the server's /metrics;
 - without it they do not (each process keeps its own registry), so the deployment must set it:
   vLLM 0.33 creates the directory itself only for ``--api-server-count`` > 1.
+``monodecode-ops verify --endpoint`` (the CLI from the main venv, what `helm test` runs) checks
+the same page: it passes in the first case and fails in the second.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -19,6 +22,9 @@ import urllib.request
 
 import pytest
 from vllm_testlib import PYTHON, REPO, free_port
+
+# the operator CLI lives in the main venv (Makefile: $(VENV), default .venv next to .venv-vllm)
+OPS_CLI = REPO / os.environ.get("MONODECODE_MAIN_VENV", ".venv") / "bin" / "monodecode-ops"
 
 SERVER = """
 import sys
@@ -110,6 +116,10 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
         assert worker.returncode == 0, worker.stderr[-3000:]
         assert "WORKER-DONE mono" in worker.stdout
         series = _series(_scrape(port))
+        verify = subprocess.run(
+            [str(OPS_CLI), "verify", "--no-self-test", "--json", "--endpoint", f"http://127.0.0.1:{port}/metrics"],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
     finally:
         server.terminate()
         try:
@@ -119,9 +129,13 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
             server.wait()
     assert any(name.startswith("vllm:") for name in series), "vLLM's own series missing"
     ours = {name: v for name, v in series.items() if name.startswith("monodecode_")}
+    endpoint = next(c for c in json.loads(verify.stdout)["checks"] if c["name"] == "endpoint")
     if not multiproc:
         assert ours == {}
+        assert verify.returncode != 0 and endpoint["status"] == "fail", verify.stdout
         return
+    assert verify.returncode == 0 and endpoint["status"] == "pass", verify.stdout
+    assert "steps mono 1 / fallback 1" in endpoint["detail"]
     assert ours['monodecode_steps_total{path="mono"}'] == 1.0
     assert ours['monodecode_steps_total{path="fallback"}'] == 1.0
     assert ours['monodecode_fallback_steps_total{reason="no_metadata"}'] == 1.0
