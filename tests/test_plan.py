@@ -144,7 +144,10 @@ def test_width_layouts_never_alias(tp):
                 assert seg.offset <= r.offset and r.end <= seg.end
     # each width has its own epoch counters and every mailbox region a stage uses
     for w, lp in mp.layers.items():
-        assert {"epoch_k1", "epoch_k2", "qkv", "act"} <= set(lp.layout.regions)
+        assert {"epoch_k1", "epoch_k2", "done_k1", "done_k2", "qkv", "act"} <= set(lp.layout.regions)
+        assert lp.region("done_k2").shape == (len(P.DONE_STAGES[P.K2]),)
+        for kernel, names in P.DONE_STAGES.items():
+            assert all(lp.stage(kernel, n) for n in names)
         assert lp.layout is mp.scratch.widths[w]
     assert mp.scratch.header["health"].offset == 0
     assert mp.for_rows(3).width == 3 and mp.for_rows(5).width == 8

@@ -20,9 +20,11 @@ workgroup count (one per CU/SM), the plan fixes:
   the grid is resident.
 
 * the **scratch layout** per width: every hand-off between workgroups goes through a mailbox
-  region of 8-byte words (fp32 value in the low half, the launch's 32-bit epoch tag in the high
-  half, written with one store). Each width owns a disjoint segment with its own epoch counters,
-  so layouts of different widths never alias. A one-word health header (sticky site code) leads
+  region of 8-byte words (fp32 value in the low half, the launch's 31-bit epoch tag in the high
+  half, written with one store). A producing stage also counts finished tasks in a monotonic
+  completion counter (release after its stores); a consumer polls that one word (acquire), then
+  reads the words and checks every tag. Each width owns a disjoint segment with its own epoch
+  and completion counters, so layouts of different widths never alias. A one-word health header (sticky site code) leads
   the buffer. With TP, a second symmetric *peer* buffer (one per rank, IPC-mapped) has the same
   per-width rule.
 
@@ -56,6 +58,9 @@ _GEMV_ROWS_W1 = (16, 8, 4)
 _GEMV_ROWS_WIDE = (64, 32, 16)
 
 K1, K2 = "k1", "k2"
+
+# Stages whose completion is counted (index = position in the launch's done_* region).
+DONE_STAGES = {K1: ("qkv", "attn"), K2: ("o_proj", "post", "gate_up", "down")}
 
 # Launch inputs/outputs that are not mailbox regions (for dependency and coverage bookkeeping).
 LAUNCH_INPUTS = {K1: ("x",), K2: ("x", "attn_out")}
@@ -466,6 +471,11 @@ def _width_regions(L: LocalDims, W: int, S: int, tp: int, final: bool) -> list[t
     specs = [
         ("epoch_k1", (1,), 8),  # int64 launch counters: epoch = counter // G + 1 (advanced on device)
         ("epoch_k2", (1,), 8),
+        # int64 completion counters, one per producing stage (never reset): every launch adds
+        # exactly the stage's task count, so "done in launch e" is counter >= e * tasks. Consumers
+        # wait on them (one word to poll), then read the tagged words and check the tags.
+        ("done_k1", (len(DONE_STAGES[K1]),), 8),
+        ("done_k2", (len(DONE_STAGES[K2]),), 8),
         ("qkv", (W, L.qkv), WORD_BYTES),
         ("attn_acc", (W, L.heads, S, L.head_dim), WORD_BYTES),
         ("attn_ml", (W, L.heads, S, 2), WORD_BYTES),

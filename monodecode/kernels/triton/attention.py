@@ -5,7 +5,8 @@ words, applies q/k-norm and RoPE (rotate-half, handled as the two halves of each
 register shuffles are needed), and the split that holds the newest position writes k/v into the
 paged cache at the row's slot (then a CTA barrier makes them visible to its own tile loads).
 It then runs an online softmax over its slice of the visible context, reading K/V through the
-block table, and publishes the unnormalised partial (m, l, acc) per query head.
+block table, and publishes the unnormalised partial (m, l, acc) per query head. Both tasks read
+their inputs after the launch's wait on the producing stage and check every word's tag.
 
 ``combine_task`` (row r, query head h): waits for the S partials of its head and writes the
 merged, normalised attention output (bf16) — K1's launch output.
@@ -18,7 +19,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import mma, rms_apply
-from monodecode.kernels.triton.mailbox import pack, unpack, wait_words
+from monodecode.kernels.triton.mailbox import check_tags, pack, unpack
 
 
 @triton.jit
@@ -46,11 +47,12 @@ def _rope(a, b, cos, sin):
 @triton.jit
 def attn_task(
     t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
+    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
     NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
-    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, POLL: tl.constexpr, UNROLL: tl.constexpr,
+    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr,
 ):
+    """One (row, KV head, split) task; the caller has waited for the qkv stage."""
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
     g = (t // S) % KVH
@@ -67,13 +69,22 @@ def attn_task(
     q_w = base + g * G * D
     k_w = base + Q + g * D
     v_w = base + Q + KV + g * D
-    budget = wait_words(q_w, G * D, k_w, D, v_w, D, tag, budget, health_ptr, code, POLL, UNROLL)
     qm = qrow[:, None] & (dh[None, :] >= 0)
-    q1 = unpack(tl.load(q_w + jq[:, None] * D + dh[None, :], mask=qm, other=0, volatile=True)).to(tl.bfloat16)
-    q2 = unpack(tl.load(q_w + jq[:, None] * D + HALF + dh[None, :], mask=qm, other=0, volatile=True)).to(tl.bfloat16)
-    k1 = unpack(tl.load(k_w + dh, volatile=True)).to(tl.bfloat16)[None, :]
-    k2 = unpack(tl.load(k_w + HALF + dh, volatile=True)).to(tl.bfloat16)[None, :]
-    v = unpack(tl.load(v_w + d, volatile=True)).to(tl.bfloat16)
+    wq1 = tl.load(q_w + jq[:, None] * D + dh[None, :], mask=qm, other=0, volatile=True)
+    wq2 = tl.load(q_w + jq[:, None] * D + HALF + dh[None, :], mask=qm, other=0, volatile=True)
+    wk1 = tl.load(k_w + dh, volatile=True)
+    wk2 = tl.load(k_w + HALF + dh, volatile=True)
+    wv = tl.load(v_w + d, volatile=True)
+    check_tags(wq1, qm, tag, health_ptr, bad_code)
+    check_tags(wq2, qm, tag, health_ptr, bad_code)
+    check_tags(wk1, dh >= 0, tag, health_ptr, bad_code)
+    check_tags(wk2, dh >= 0, tag, health_ptr, bad_code)
+    check_tags(wv, d >= 0, tag, health_ptr, bad_code)
+    q1 = unpack(wq1).to(tl.bfloat16)
+    q2 = unpack(wq2).to(tl.bfloat16)
+    k1 = unpack(wk1).to(tl.bfloat16)[None, :]
+    k2 = unpack(wk2).to(tl.bfloat16)[None, :]
+    v = unpack(wv).to(tl.bfloat16)
     if QK_NORM:
         q1, q2 = _head_norm(q1, q2, qnorm_ptr, eps, D, ONE_PLUS)
         k1, k2 = _head_norm(k1, k2, knorm_ptr, eps, D, ONE_PLUS)
@@ -122,27 +133,30 @@ def attn_task(
     tl.store(acc_mb + hrow[:, None] * D + d[None, :], pack(acc, tag), mask=qrow[:, None] & (d[None, :] >= 0))
     tl.store(ml_mb + hrow * 2, pack(m_i, tag), mask=qrow)
     tl.store(ml_mb + hrow * 2 + 1, pack(l_i, tag), mask=qrow)
-    return budget
 
 
 @triton.jit
-def combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code,
-                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
-                 POLL: tl.constexpr, UNROLL: tl.constexpr):
+def combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code,
+                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr):
+    """One (row, query head) task; the caller has waited for the attention stage."""
     r = t // H
     h = t % H
     si = tl.arange(0, S)
     d = tl.arange(0, D)
     mlb = ml_mb + (r * H + h) * S * 2
     accb = acc_mb + (r * H + h) * S * D
-    budget = wait_words(mlb, 2 * S, accb, S * D, accb, 0, tag, budget, health_ptr, code, POLL, UNROLL)
-    m = unpack(tl.load(mlb + si * 2, volatile=True))
-    l = unpack(tl.load(mlb + si * 2 + 1, volatile=True))
-    a = unpack(tl.load(accb + si[:, None] * D + d[None, :], volatile=True))
+    wm = tl.load(mlb + si * 2, volatile=True)
+    wl = tl.load(mlb + si * 2 + 1, volatile=True)
+    wa = tl.load(accb + si[:, None] * D + d[None, :], volatile=True)
+    check_tags(wm, si >= 0, tag, health_ptr, bad_code)
+    check_tags(wl, si >= 0, tag, health_ptr, bad_code)
+    check_tags(wa, (si[:, None] >= 0) & (d[None, :] >= 0), tag, health_ptr, bad_code)
+    m = unpack(wm)
+    l = unpack(wl)
+    a = unpack(wa)
     big = tl.max(m, axis=0)
     wts = tl.exp(m - big)
     den = tl.sum(wts * l, axis=0)
     num = tl.sum(wts[:, None] * a, axis=0)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(out_ptr + r * Q + h * D + d, out.to(tl.bfloat16))
-    return budget

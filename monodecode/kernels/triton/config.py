@@ -12,10 +12,6 @@ from monodecode.kernels.plan import LayerPlan, ModelPlan, K1, K2
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
-ROWNORM_BLOCK = 1024  # elements per chunk of the per-row norm stages
-# Mailbox polls: 1-D vectors of POLL words (>= threads of a program, so no word is replicated
-# across warps and every warp takes the same decision), UNROLL of them in flight per poll.
-POLL, POLL_UNROLL = 1024, 4
 
 
 @dataclass(frozen=True)
@@ -28,12 +24,16 @@ class Target:
     attn_tile: int  # context positions per attention tile
     bk_narrow: int  # preferred K chunk at width 1 (FMA tile)
     bk_wide: int  # preferred K chunk at widths > 1 (dot tile)
+    narrow_stages: int = 0  # pipelining depth at width 1 (smaller tiles, more of them in flight); 0 = gemv_stages
+
+    def stages(self, width: int) -> int:
+        return self.narrow_stages if width == 1 and self.narrow_stages else self.gemv_stages
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=256, bk_wide=128)
+CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=256, bk_wide=128, narrow_stages=6)
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
 
@@ -94,14 +94,13 @@ def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         HIDDEN=L.hidden, NQKV=L.qkv, Q=L.q, KV=L.kv, D=L.head_dim, G=L.group, GP=max(16, _pow2(L.group)),
         KVH=L.kv_heads, H=L.heads, S=plan.attn_splits, BS=block_size, BT=target.attn_tile,
         W=W, WP=max(16, _pow2(W)) if wide else 1, BN=qkv.rows_per_task,
-        BK=k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow), NUM_STAGES=target.gemv_stages,
+        BK=k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow), NUM_STAGES=target.stages(W),
         QKV_TASKS=qkv.num_tasks, QKV_OFF=qkv.offset, ATTN_TASKS=attn.num_tasks, ATTN_OFF=attn.offset,
         COMB_TASKS=comb.num_tasks, COMB_OFF=comb.offset,
-        EPOCH_W=_word(plan, "epoch_k1"), QKV_W=_word(plan, "qkv"), ACC_W=_word(plan, "attn_acc"),
+        EPOCH_W=_word(plan, "epoch_k1"), DONE_W=_word(plan, "done_k1"), QKV_W=_word(plan, "qkv"), ACC_W=_word(plan, "attn_acc"),
         ML_W=_word(plan, "attn_ml"),
         NPROG=plan.num_workgroups, VP=vp, QK_NORM=dims.qk_norm, ONE_PLUS=dims.norm_one_plus,
         FP8=None,  # filled per weight dtype
-        POLL=POLL, UNROLL=POLL_UNROLL,
     )
 
 
@@ -118,14 +117,14 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1)
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     return dict(
-        HIDDEN=L.hidden, Q=L.q, I=L.intermediate, W=W, WP=max(16, _pow2(W)) if wide else 1,
+        HIDDEN=L.hidden, HP=_pow2(L.hidden), Q=L.q, I=L.intermediate, W=W, WP=max(16, _pow2(W)) if wide else 1,
         O_BN=o.rows_per_task, O_BK=k_chunk(L.q, bk), GU_BN=gu.rows_per_task, GU_BK=k_chunk(L.hidden, bk),
-        D_BN=dn.rows_per_task, D_BK=k_chunk(L.intermediate, bk), NUM_STAGES=target.gemv_stages,
+        D_BN=dn.rows_per_task, D_BK=k_chunk(L.intermediate, bk), NUM_STAGES=target.stages(W),
         O_TASKS=o.num_tasks, O_OFF=o.offset, POST_OFF=post.offset, GU_TASKS=gu.num_tasks, GU_OFF=gu.offset,
         D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
-        EPOCH_W=_word(plan, "epoch_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
+        EPOCH_W=_word(plan, "epoch_k2"), DONE_W=_word(plan, "done_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
-        BH=ROWNORM_BLOCK, POLL=POLL, UNROLL=POLL_UNROLL, NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
+        NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
         ONE_PLUS=dims.norm_one_plus, FP8=None, GELU=dims.activation == "gelu_tanh",
     )
 

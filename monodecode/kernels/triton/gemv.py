@@ -7,9 +7,10 @@ use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded 
 The input vector comes from one of three places (``SRC``):
   0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
   1  the launch input (bf16) as is,
-  2  mailbox words (fp32 | tag). Before its first task of the stage a program waits until every
-     input word carries the launch's tag (``mailbox.wait_words``, a few wide polls); the K loop
-     then streams them with ``.cg`` loads (L2, never a stale L1 line) without further checks.
+  2  mailbox words (fp32 | tag). Before its first task of the stage a program waits for the
+     producing stage's completion counter (``mailbox.wait_done``); the K loop then streams the
+     words with ``.cg`` loads (L2, never a stale L1 line) and checks every tag on the way (a
+     mismatch is recorded in the health word; it is never waited on).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does.
@@ -49,20 +50,22 @@ def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd,
+def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
                  BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
     m2 = rmask[:, None] & (k[None, :] >= 0)
     if SRC == 2:
-        xb = unpack(tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")).to(tl.bfloat16)
+        words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
+        bad += (m2 & ((words >> 32) != tag)).to(tl.int32)
+        xb = unpack(words).to(tl.bfloat16)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         g = tl.load(norm_ptr + k).to(tl.float32)
         xb = rms_apply(xf, rstd[:, None], g[None, :], ONE_PLUS)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
-    return xb
+    return xb, bad
 
 
 @triton.jit
@@ -87,7 +90,7 @@ def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def gemv_task(
-    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd,
+    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd, tag, health_ptr, bad_code,
     K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -108,14 +111,18 @@ def gemv_task(
     else:
         acc1 = tl.zeros([BN, BK], dtype=tl.float32)
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    bad = tl.zeros([WP, BK], dtype=tl.int32)
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
         if TWO:
             w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
-        xb = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, BK, SRC, ONE_PLUS)
+        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
         acc1 = _mac(acc1, w1, xb, DOT)
         if TWO:
             acc2 = _mac(acc2, w2, xb, DOT)
+    if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
+        if tl.sum(tl.ravel(bad), axis=0) > 0:
+            tl.atomic_cas(health_ptr, 0, bad_code)
     if DOT:
         y1 = acc1
         y2 = acc2

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd
-from monodecode.kernels.triton.mailbox import finish_launch, launch_tag, pack
+from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_done, wait_done
 
 
 @triton.jit
@@ -25,14 +25,16 @@ def k1_kernel(
     W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
     QKV_TASKS: tl.constexpr, QKV_OFF: tl.constexpr, ATTN_TASKS: tl.constexpr, ATTN_OFF: tl.constexpr,
     COMB_TASKS: tl.constexpr, COMB_OFF: tl.constexpr,
-    EPOCH_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
+    EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, FP8: tl.constexpr,
-    POLL: tl.constexpr, UNROLL: tl.constexpr,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
-    tag = launch_tag(epoch_ptr, NPROG)
+    epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
     code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
+    bad_code = 3 + (1 << 8) + (layer + 1) * 1024  # kernel_error: a word without this launch's tag
+    done_qkv = mbox_ptr + DONE_W
+    done_attn = mbox_ptr + DONE_W + 1
     qkv_mb = mbox_ptr + QKV_W
     acc_mb = mbox_ptr + ACC_W
     ml_mb = mbox_ptr + ML_W
@@ -46,29 +48,36 @@ def k1_kernel(
         for t in range((pid - QKV_OFF + NPROG) % NPROG, QKV_TASKS, NPROG):
             n0 = t * BN
             y, _y = gemv_task(
-                w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd,
+                w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd, tag, health_ptr, bad_code,
                 HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES,
             )
             n = n0 + tl.arange(0, BN)
             if stall == 0:  # fault injection: never publish, so the waits below expire
                 tl.store(qkv_mb + rows[None, :] * NQKV + n[:, None], pack(y, tag),
                          mask=(n < NQKV)[:, None] & rmask[None, :])
+                signal_done(done_qkv)
 
     # stage attn: (row, KV head, context split) partials
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - ATTN_OFF + NPROG) % NPROG, ATTN_TASKS, NPROG):
-            budget = attn_task(
+        first = (pid - ATTN_OFF + NPROG) % NPROG
+        if first < ATTN_TASKS:
+            budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
+        for t in range(first, ATTN_TASKS, NPROG):
+            attn_task(
                 t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-                pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, budget, health_ptr, code,
-                NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS, POLL, UNROLL,
+                pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
+                NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS,
             )
+            signal_done(done_attn)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - COMB_OFF + NPROG) % NPROG, COMB_TASKS, NPROG):
-            budget = combine_task(t, acc_mb, ml_mb, out_ptr, tag, budget, health_ptr, code, Q, D, H, S,
-                                  POLL, UNROLL)
+        first = (pid - COMB_OFF + NPROG) % NPROG
+        if first < COMB_TASKS:
+            budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
+        for t in range(first, COMB_TASKS, NPROG):
+            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S)
 
     finish_launch(epoch_ptr, VP)

@@ -11,8 +11,15 @@ program that has not yet added its own 1, so ``counter // P + 1`` is the same in
 
 Waits are bounded by a per-program spin budget (cumulative over the launch); on expiry the
 sticky health word gets the site code (compare-and-swap from 0: the first failure wins) and the
-program carries on with whatever it reads, so the launch always terminates. A consumer waits for
-all the words it needs (see ``wait_words``), then reads them; a tagged word is final for the launch.
+program carries on with whatever it reads, so the launch always terminates.
+
+Waiting is done on one word per producing stage: a monotonic completion counter that each task
+increments (release, after a CTA barrier) once its words are stored; a consumer polls it with an
+acquire atomic until it reaches ``epoch * tasks``, then reads the words (``.cg`` / volatile loads,
+never a stale L1 line) and checks every tag (``check_tags``: a mismatch is a protocol failure
+recorded in the health word). Polling one word keeps spinning programs from flooding L2 while
+their neighbours still stream weights. ``wait_words`` (poll the words themselves) remains for
+consumers of a few words.
 """
 
 import triton
@@ -20,10 +27,40 @@ import triton.language as tl
 
 
 @triton.jit
-def launch_tag(epoch_ptr, NPROG: tl.constexpr):
-    """This launch's 31-bit tag (same in every program of the launch)."""
+def launch_epoch(epoch_ptr, NPROG: tl.constexpr):
+    """This launch's epoch (1, 2, ...; the same in every program of the launch) and its 31-bit tag."""
     count = tl.load(epoch_ptr, volatile=True)
-    return (count // NPROG + 1) & 0x7FFFFFFF
+    epoch = count // NPROG + 1
+    return epoch, epoch & 0x7FFFFFFF
+
+
+@triton.jit
+def signal_done(ctr_ptr):
+    """Count one finished task of a stage, after all of this program's stores for it (release)."""
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_done(ctr_ptr, target, budget, health_ptr, code):
+    """Wait (acquire) until a stage's completion counter reaches ``target`` (epoch * tasks).
+    A scalar atomic's result is broadcast to the whole program, so all warps leave together."""
+    seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    while (seen < target) & (budget > 0):
+        seen = tl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        budget -= 1
+    if seen < target:
+        tl.atomic_cas(health_ptr, 0, code)
+    return budget
+
+
+@triton.jit
+def check_tags(words, mask, tag, health_ptr, code):
+    """Words read after a wait must all carry this launch's tag; any other is a protocol failure
+    (recorded in the health word, never waited on)."""
+    bad = tl.sum(tl.ravel((mask & ((words >> 32) != tag)).to(tl.int32)), axis=0)
+    if bad > 0:
+        tl.atomic_cas(health_ptr, 0, code)
 
 
 @triton.jit
