@@ -178,6 +178,15 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
         times["reference-graph"] = _time_graph(g_ref, replays)
         g_tri, out_tri = _capture(step_tri)
         times["triton"] = _time_graph(g_tri, replays)
+        # where the time goes: the K1 launches alone and the K2 launches alone, all layers
+        attn_in = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
+        k1_only = lambda: [tk._launch_k1(l, x, m, kv, rows) for l in range(n_layers)]  # noqa: E731
+        k2_only = lambda: [tk._launch_k2(l, x, attn_in, rows) for l in range(n_layers)]  # noqa: E731
+        parts = {}
+        for name, fn in (("k1", k1_only), ("k2", k2_only)):
+            g_part, _ = _capture(fn)
+            parts[name] = statistics.median(_time_graph(g_part, replays)) * 1e3
+            del g_part
         g_ref.replay()
         g_tri.replay()
         torch.cuda.synchronize()
@@ -195,12 +204,13 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
                 "weight_bytes": wbytes, "kv_bytes": kbytes, "roofline_ms": roof * 1e3,
                 "fraction_of_roofline": roof / med,
                 "triton_vs_reference_rel_error": rel, "triton_health": decode_health(health).describe()
-                if health else "ok",
+                if health else "ok", "triton_k1_only_ms": parts["k1"], "triton_k2_only_ms": parts["k2"],
             })
         base = statistics.median(times["reference-graph"])
         log(f"  batch {rows}: " + ", ".join(
             f"{b} {statistics.median(times[b]) * 1e3:.3f} ms ({roof / statistics.median(times[b]):.1%})" for b in BACKENDS
-        ) + f"; triton/graph {base / statistics.median(times['triton']):.2f}x; rel err {rel:.1e}")
+        ) + f"; triton/graph {base / statistics.median(times['triton']):.2f}x; rel err {rel:.1e}; "
+            f"K1 only {parts['k1']:.3f} ms, K2 only {parts['k2']:.3f} ms; health {health}")
         del g_ref, g_tri, out_ref, out_tri, kv
     tk.close()
     del tk, weights
