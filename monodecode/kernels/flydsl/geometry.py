@@ -63,6 +63,32 @@ def health_word(site: int, kernel: int, layer):
     return (site | (kernel << 8)) | ((layer + 1) << 10)
 
 
+# ---- MFMA tile bookkeeping, shared by the kernels (traced i32) and the layout test (ints) ----
+# v_mfma_f32_16x16x{16,32}_bf16: lane l feeds A row l % 16 and B column l % 16 with its K group
+# l // 16; it gets back D rows 4 * (l // 16) + e (e = 0..3) of column l % 16.
+
+
+def mfma_lane(lane):
+    """(row of A / column of B, K group) of a lane."""
+    return lane % MFMA_ROWS, lane // MFMA_ROWS
+
+
+def mfma_k_elem(block, k_group, vec: int):
+    """First K element (inside the staged chunk) a lane's 16-byte load covers in K block ``block``:
+    the 4 K groups of a block are consecutive ``vec``-element runs."""
+    return block * (4 * vec) + k_group * vec
+
+
+def mfma_weight_row(task_row0, tile, lane_row, pair: int, n: int):
+    """Row of the stacked weight (gate rows, then up rows) a lane loads for ``tile`` of a task."""
+    return task_row0 + (tile // pair) * MFMA_ROWS + lane_row + (tile % pair) * n
+
+
+def mfma_part(k_split, tile, row16, token, tiles: int, width: int):
+    """LDS word (after the partial-sum base) of one tile output: [k_split][tile][row][token]."""
+    return ((k_split * tiles + tile) * MFMA_ROWS + row16) * width + token
+
+
 @dataclass(frozen=True)
 class StageConsts:
     """The plan's numbers for one stage, baked into a kernel."""

@@ -48,7 +48,8 @@ from flydsl.expr import gpu
 
 from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.geometry import ATTN_CHUNK, MFMA_ROWS, NEG_BIG, Geometry, GemvTile, first_task
+from monodecode.kernels.flydsl.geometry import (ATTN_CHUNK, MFMA_ROWS, NEG_BIG, Geometry, GemvTile, first_task,
+                                                mfma_k_elem, mfma_lane, mfma_part, mfma_weight_row)
 from monodecode.kernels.plan import K1, K2
 from monodecode.model.dims import ModelDims
 
@@ -167,8 +168,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         n0 = t * d.i32(R)
         ks = wave % d.i32(KS)
         tg = wave // d.i32(KS)
-        rin = lane % d.i32(MFMA_ROWS)
-        kq = lane // d.i32(MFMA_ROWS)
+        rin, kq = mfma_lane(lane)
         tok = fx.min(rin, d.i32(W - 1))
         accs = [d.mfma_zero() for _ in range(TW)]
         for c_ in range(NCH):
@@ -180,7 +180,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             nblk = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(KB)
             for b_ in range(ks, nblk, d.i32(KS)):
                 b = d.i32(b_)
-                kl = b * d.i32(KB) + kq * d.i32(VEC)  # element inside the chunk
+                kl = mfma_k_elem(b, kq, VEC)  # element inside the chunk
                 kg = c0 + kl
                 if fx.const_expr(KPAD != K):
                     kg = fx.min(kg, d.i32(K - VEC))
@@ -190,17 +190,17 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                     xb = d.lds_load4(lds, d.i32(x_off + 4) + tok * d.i32(XS) + kl // d.i32(2))
                 for j in fx.range_constexpr(TW):
                     tile = tg * d.i32(TW) + d.i32(j)
-                    row = n0 + (tile // d.i32(PR)) * d.i32(MFMA_ROWS) + rin
-                    if fx.const_expr(N % R != 0):
-                        row = fx.min(row, d.i32(N - 1))
-                    wv = d.load_weights16(w_rs, ((row + (tile % d.i32(PR)) * d.i32(N)) * d.i32(K) + kg)
-                                          * d.i32(1 if FP8 else 2))
+                    rin_ = rin
+                    if fx.const_expr(N % R != 0):  # the last task's rows past N read row N-1
+                        rin_ = fx.min(rin, d.i32(N - 1) - n0 - (tile // d.i32(PR)) * d.i32(MFMA_ROWS))
+                    row = mfma_weight_row(n0, tile, rin_, PR, N)
+                    wv = d.load_weights16(w_rs, (row * d.i32(K) + kg) * d.i32(1 if FP8 else 2))
                     accs[j] = d.mfma_tile(ARCH, wv, xa, xb, accs[j], VEC == 16)
         for j in fx.range_constexpr(TW):  # lane l holds rows 4*(l // 16) + e of token l % 16
             tile = tg * d.i32(TW) + d.i32(j)
             if rin < d.i32(W):
                 for e in fx.range_constexpr(4):
-                    at = ((ks * d.i32(NT) + tile) * d.i32(MFMA_ROWS) + kq * d.i32(4) + d.i32(e)) * d.i32(W) + rin
+                    at = mfma_part(ks, tile, kq * d.i32(4) + d.i32(e), rin, NT, W)
                     d.lds_storef(lds, d.i32(part_off) + at, accs[j][e])
         gpu.barrier()
         for idx_ in range(tid, d.i32(R * W), d.i32(WG)):
@@ -212,8 +212,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 tile = (rr // d.i32(MFMA_ROWS)) * d.i32(PR) + d.i32(p)
                 v = d.f32(0.0)
                 for kk in fx.range_constexpr(KS):
-                    at = ((d.i32(kk * NT) + tile) * d.i32(MFMA_ROWS) + rr % d.i32(MFMA_ROWS)) * d.i32(W) + tk
-                    v = v + d.lds_loadf(lds, d.i32(part_off) + at)
+                    v = v + d.lds_loadf(lds, d.i32(part_off) + mfma_part(d.i32(kk), tile, rr % d.i32(MFMA_ROWS), tk, NT, W))
                 vals.append(v)
             finish(n0 + rr, tk, vals, tk >= d.i32(0))
 
