@@ -109,6 +109,9 @@ def plugin_reasons(vllm_config: Any) -> list[str]:
             "graph_mode: cudagraph mode FULL replays one graph for decode-only and mixed batches; "
             "use FULL_DECODE_ONLY or FULL_AND_PIECEWISE (separate decode graphs), or eager"
         )
+    runner_type = getattr(vllm_config.model_config, "runner_type", "generate")
+    if runner_type != "generate":
+        reasons.append(f"runner_type: a {runner_type} model (vLLM's --runner {runner_type}) has no decode steps")
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         reasons.append(
             "tp_shards: under vLLM every tensor-parallel rank holds only its shard of each weight; "

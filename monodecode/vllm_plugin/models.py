@@ -29,22 +29,27 @@ class MonoDecodeMixin:
     """Put first in the bases, before the vLLM class it extends."""
 
     _stock_class: type
+    mono: MonoDecode | None
 
     def __new__(cls, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
-        if not mono_config_for(vllm_config).enabled:
-            # not an instance of cls, so Python skips cls.__init__: the result is purely stock
+        if "_stock_class" in cls.__dict__ and not mono_config_for(vllm_config).enabled:
+            # not an instance of cls, so Python skips cls.__init__: the result is purely stock.
+            # (Subclasses vLLM derives from ours, e.g. the pooling adapters, construct normally
+            # and stay stock through ``mono = None``.)
             return cls._stock_class(vllm_config=vllm_config, prefix=prefix, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        self.mono = MonoDecode(vllm_config, mono_config_for(vllm_config))
+        config = mono_config_for(vllm_config)
+        self.mono = MonoDecode(vllm_config, config) if config.enabled else None
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)
         if parent is not None:
             parent()
-        self.mono.build(self)
+        if self.mono is not None:
+            self.mono.build(self)
 
     def forward(
         self,
@@ -54,7 +59,7 @@ class MonoDecodeMixin:
         inputs_embeds: torch.Tensor | None = None,
         **kwargs: Any,
     ):
-        plan = self.mono.plan(positions, intermediate_tensors, inputs_embeds)
+        plan = None if self.mono is None else self.mono.plan(positions, intermediate_tensors, inputs_embeds)
         if plan is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
         x = self.model.embed_input_ids(input_ids)
@@ -62,16 +67,17 @@ class MonoDecodeMixin:
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor):
-        self.mono.before_logits(hidden_states)
+        if self.mono is not None:
+            self.mono.before_logits(hidden_states)
         return super().compute_logits(hidden_states)
-
 
 
 class LocalLogitsMixin:
     """For the classes that have vLLM's vocab-local logits path (LocalArgmaxMixin)."""
 
     def compute_logits_local(self, hidden_states: torch.Tensor):
-        self.mono.before_logits(hidden_states)
+        if self.mono is not None:
+            self.mono.before_logits(hidden_states)
         return super().compute_logits_local(hidden_states)
 
 

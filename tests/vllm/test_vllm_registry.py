@@ -82,3 +82,21 @@ def test_stock_instance_unless_requested(family, model_dirs, vllm_distributed, t
     assert _tree(on) == _tree(off)
     for name, p in off.state_dict().items():
         assert bool((on.state_dict()[name] == p).all()), name
+
+
+def test_pooling_adapter_of_our_class_stays_stock(model_dirs, vllm_distributed, tmp_path):
+    """vLLM derives pooling models from the registered class (``--convert embed``): the adapter
+    subclasses ours, so it must still build and run exactly stock when mono decode is off, and
+    an explicit opt-in is refused (a pooling model has no decode steps)."""
+    from monodecode.errors import RefusalError
+    from monodecode.vllm_plugin.models import MonoLlamaForCausalLM
+
+    model = load_model(engine_config(model_dirs["llama"], runner="pooling", convert="embed"))
+    assert isinstance(model, MonoLlamaForCausalLM) and type(model) is not MonoLlamaForCausalLM
+    assert model.mono is None
+    assert hasattr(model, "pooler")
+
+    with pytest.raises(RefusalError) as err:
+        load_model(engine_config(model_dirs["llama"], runner="pooling", convert="embed",
+                                 additional_config={"monodecode": mono_options(tmp_path)}))
+    assert "runner_type" in err.value.codes
