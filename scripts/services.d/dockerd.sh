@@ -16,6 +16,10 @@ PIDFILE=$EXEC_ROOT/dockerd.pid
 SOCKET=${MONODECODE_DOCKER_SOCKET:-/var/run/docker.sock}
 LOG=${MONODECODE_DOCKER_LOG:-/var/log/monodecode-dockerd.log}
 READY_TIMEOUT_S=${MONODECODE_DOCKER_READY_TIMEOUT_S:-60}
+# vfs works on every filesystem but copies each layer in full; overlay2 is far faster where the
+# kernel allows overlay mounts. A data root holds one driver's layers only: switching drivers
+# starts from an empty image store.
+STORAGE_DRIVER=${MONODECODE_DOCKER_STORAGE_DRIVER:-vfs}
 STOP_TIMEOUT_S=${MONODECODE_DOCKER_STOP_TIMEOUT_S:-30}
 
 answers() {
@@ -44,7 +48,7 @@ start() {
     rm -f "$PIDFILE"
     # setsid: the engine must outlive this script and not get the caller's signals.
     setsid dockerd \
-      --storage-driver=vfs --bridge=none --iptables=false --ip-masq=false --ip6tables=false \
+      --storage-driver="$STORAGE_DRIVER" --bridge=none --iptables=false --ip-masq=false --ip6tables=false \
       --data-root="$DATA_ROOT" --exec-root="$EXEC_ROOT" --pidfile="$PIDFILE" \
       --host="unix://$SOCKET" </dev/null >>"$LOG" 2>&1 &
   fi
@@ -57,7 +61,7 @@ start() {
     fi
     sleep 0.5
   done
-  echo "dockerd: ready on $SOCKET (data root $DATA_ROOT, log $LOG)"
+  echo "dockerd: ready on $SOCKET ($STORAGE_DRIVER storage, data root $DATA_ROOT, log $LOG)"
 }
 
 stop() {

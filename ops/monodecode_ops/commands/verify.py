@@ -12,7 +12,9 @@ Checks, each pass / fail / skip with the reason:
   from the metrics served on 127.0.0.1 during the run;
 - ``--endpoint URL``: a live server's ``/metrics`` carries the monodecode series;
 - ``--image IMAGE``: the image's labels and baked artifacts fit this node
-  (``monodecode_ops.images.verify_image``).
+  (``monodecode_ops.images.verify_image``);
+- inside a monodecode image: its baked manifest and artifacts are intact
+  (``monodecode_ops.images.baked_checks``).
 
 Exit 0 when every required check passed, 1 when one failed, 2 for bad arguments.
 """
@@ -335,6 +337,10 @@ def register(app: typer.Typer) -> None:
 
                     image_dims = load_dims(model)
                 checks += verify_image(image, platform, dims=image_dims)
+            # Inside a monodecode image: its baked manifest and every artifact's sha256 (IMG).
+            from monodecode_ops.images import baked_checks
+
+            checks += baked_checks()
             code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
             if exporter is not None and serve_seconds > 0:
                 if not as_json:

@@ -1,0 +1,40 @@
+#!/bin/sh
+# Wheels stage (not shipped): the only step that needs the network. Builds the monodecode wheel
+# from the source in /src and downloads exactly the distributions the base image lacks, into
+# /stage/wheels; /stage/build gets these build scripts. The runtime stage installs from there
+# offline, so no certificate, index URL or download tool reaches the final image.
+set -eu
+PY=python3
+STAGE=/stage
+CONF=/src/images/build-config
+MONODECODE_EXTRAS=ops,flydsl
+# build.env: MONODECODE_EXTRAS, PIP_INDEX_URL, PIP_EXTRA_INDEX_URL (written by monodecode-ops build)
+if [ -f "$CONF/build.env" ]; then . "$CONF/build.env"; fi
+if [ -n "${PIP_INDEX_URL:-}" ]; then export PIP_INDEX_URL; fi
+if [ -n "${PIP_EXTRA_INDEX_URL:-}" ]; then export PIP_EXTRA_INDEX_URL; fi
+EXTRAS=$MONODECODE_EXTRAS
+CERT=$CONF/ca-bundle.crt
+
+command -v "$PY" >/dev/null 2>&1 || { echo "wheels: python3 is not on PATH in the base image; monodecode images need a base with Python 3.10+ and pip" >&2; exit 1; }
+"$PY" -m pip --version >/dev/null 2>&1 || { echo "wheels: 'python3 -m pip' does not work in the base image; monodecode images need pip" >&2; exit 1; }
+if [ -s "$CERT" ]; then export PIP_CERT="$CERT"; fi
+# The base's Python may be marked externally managed (Debian/Ubuntu); installing next to the
+# base's packages is the point here, and the runtime stage checks nothing of the base changed.
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off
+
+mkdir -p "$STAGE/wheels" "$STAGE/build"
+cp /src/images/build/* "$STAGE/build/"
+"$PY" -m pip wheel --quiet --no-deps --wheel-dir "$STAGE/wheels" /src
+whl=$(ls "$STAGE"/wheels/monodecode-*.whl)
+echo "wheels: built $(basename "$whl")"
+
+# What would `pip install monodecode[EXTRAS]` add if every installed distribution stays as it is?
+"$PY" "$STAGE/build/pyenv.py" constraints /tmp/installed.txt
+"$PY" -m pip install --quiet --dry-run --report /tmp/report.json \
+    -c /tmp/installed.txt "monodecode[$EXTRAS] @ file://$whl"
+"$PY" "$STAGE/build/pyenv.py" plan /tmp/report.json /tmp/missing.txt
+if [ -s /tmp/missing.txt ]; then
+  "$PY" -m pip wheel --quiet --no-deps --wheel-dir "$STAGE/wheels" -r /tmp/missing.txt
+fi
+rm -f /tmp/installed.txt /tmp/report.json /tmp/missing.txt
+ls -l "$STAGE/wheels"
