@@ -22,7 +22,7 @@ collector (``enabled`` = min over ranks).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,9 +68,8 @@ class Plan:
 
 @dataclass
 class _Binding:
-    key: tuple = ()
+    key: tuple = ()  # (data_ptr, numel) of every layer's cache: changes when vLLM re-binds
     kv: PagedKVCache | None = None
-    layer_names: list[str] = field(default_factory=list)
 
 
 def _tp_group() -> tuple[int, int, Any]:
