@@ -78,10 +78,12 @@ def _mac(acc, w, xb, DOT: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr):
-    """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input."""
+def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr,
+             NUM_STAGES: tl.constexpr):
+    """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input (loads pipelined, so the
+    chunks do not cost one memory round trip each)."""
     ss = tl.zeros([WP], dtype=tl.float32)
-    for kk in range(0, K // BK):
+    for kk in tl.range(0, K // BK, num_stages=NUM_STAGES):
         k = kk * BK + tl.arange(0, BK)
         xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)

@@ -42,7 +42,7 @@ def k1_kernel(
     rmask = rows < W
 
     # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
-    rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP)
+    rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         for t in range((pid - QKV_OFF + NPROG) % NPROG, QKV_TASKS, NPROG):
@@ -80,4 +80,5 @@ def k1_kernel(
         for t in range(first, COMB_TASKS, NPROG):
             combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S)
 
-    finish_launch(epoch_ptr, VP)
+    finish_launch(epoch_ptr, VP, NPROG, done_qkv, epoch * QKV_TASKS, done_attn, epoch * ATTN_TASKS,
+                  done_attn, epoch * ATTN_TASKS, done_attn, epoch * ATTN_TASKS)

@@ -186,4 +186,5 @@ def k2_kernel(
                 _final_task(r, d_mb, h_mb, mlp_post_w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code,
                             nf_code, HIDDEN, HP, ONE_PLUS)
 
-    finish_launch(epoch_ptr, VP)
+    finish_launch(epoch_ptr, VP, NPROG, done_o, epoch * O_TASKS, done_post, epoch * W,
+                  done_gu, epoch * GU_TASKS, done_down, epoch * D_TASKS)

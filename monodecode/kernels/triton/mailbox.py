@@ -64,9 +64,18 @@ def check_tags(words, mask, tag, health_ptr, code):
 
 
 @triton.jit
-def finish_launch(epoch_ptr, programs: tl.constexpr):
-    """Advance the launch counter by the programs this instance stands for (once, at exit)."""
-    tl.atomic_add(epoch_ptr, programs, sem="acq_rel")
+def finish_launch(epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1, c2, t2, c3, t3, c4, t4):
+    """Advance the launch counter by the programs this instance stands for (once, at exit).
+
+    The program that finishes last settles the stage completion counters at ``epoch * tasks``
+    (``atomic_max``: a no-op after a healthy launch). After a launch in which a producer never
+    signalled (an injected stall, a wait that expired) the next launch starts consistent."""
+    old = tl.atomic_add(epoch_ptr, programs, sem="acq_rel")
+    if (old + programs) % NPROG == 0:
+        tl.atomic_max(c1, t1, sem="acq_rel")
+        tl.atomic_max(c2, t2, sem="acq_rel")
+        tl.atomic_max(c3, t3, sem="acq_rel")
+        tl.atomic_max(c4, t4, sem="acq_rel")
 
 
 @triton.jit

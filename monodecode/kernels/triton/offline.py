@@ -118,6 +118,7 @@ class Resources:
     lds_bytes: int
     lds_limit: int
     workgroups_per_cu: int
+    vector_spills: int = 0  # VGPR spills (AMD) / spill bytes (CUDA); SGPR spills only in ``spills``
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,7 +134,8 @@ def amd_resources(kernel: str, arch: str, width: int, num_warps: int, compiled) 
     vgpr = _amd_field(text, "vgpr_count")
     agpr = _amd_field(text, "agpr_count")
     sgpr = _amd_field(text, "sgpr_count")
-    spills = _amd_field(text, "vgpr_spill_count") + _amd_field(text, "sgpr_spill_count")
+    vspills = _amd_field(text, "vgpr_spill_count")
+    spills = vspills + _amd_field(text, "sgpr_spill_count")
     # static LDS plus what Triton asks for at launch (its shared-memory allocation)
     lds = _amd_field(text, "group_segment_fixed_size") + int(compiled.metadata.shared)
     scratch = _amd_field(text, "private_segment_fixed_size")
@@ -143,7 +145,7 @@ def amd_resources(kernel: str, arch: str, width: int, num_warps: int, compiled) 
     by_regs = VGPRS_PER_SIMD // max(1, -(-regs // 8) * 8) // waves_per_simd
     by_lds = LDS_LIMIT[arch] // lds if lds else 99
     return Resources(kernel, arch, width, num_warps, regs, sgpr, spills, scratch, lds, LDS_LIMIT[arch],
-                     min(by_regs, by_lds))
+                     min(by_regs, by_lds), vspills)
 
 
 def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resources:
@@ -163,7 +165,7 @@ def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resourc
     by_regs = REGS_PER_SM // (regs * 32 * num_warps)
     by_lds = LDS_LIMIT["sm_90"] // lds if lds else 99
     return Resources(kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"],
-                     min(by_regs, by_lds))
+                     min(by_regs, by_lds), spill)
 
 
 def compile_width(dims: ModelDims, weight_dtype: str, width: int, arch: str, target: Target,
