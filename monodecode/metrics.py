@@ -4,8 +4,9 @@ Names are a contract (README "Metrics" table; alert rules and the dashboard are 
 against it). Every label value the alerts use is created at zero up front, so a rate() over a
 fresh process is 0 rather than absent.
 
-Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM's API server sets it so its
-``/metrics`` sums all processes), prometheus-client writes values to per-process files there;
+Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (vLLM 0.33 sets it itself only with
+``--api-server-count`` > 1, so the image entrypoint sets it to an empty directory; vLLM's API
+server then aggregates every process into its ``/metrics``), prometheus-client writes values to per-process files there;
 gauges use an aggregation that makes sense across TP ranks (``enabled`` = min: 0 if any rank is
 degraded; timings and errors = max). ``start_exporter`` then serves the aggregate.
 """
