@@ -29,6 +29,7 @@ from __future__ import annotations
 import flydsl.expr as fx
 from flydsl.compiler.ast_rewriter import ASTRewriter
 from flydsl.expr import rocdl
+from flydsl.expr.primitive import range_constexpr
 from flydsl.expr.typing import Vector
 
 from monodecode.kernels.flydsl.geometry import health_word
@@ -244,6 +245,23 @@ def mb_wait(mbox, idx, tag, polls, health, code, scope="agent"):
     if mb_tag(w) != tag:
         raise_health(health, code)
     return mb_value(w)
+
+
+@device
+def mb_wait_all(mbox, idxs, valid, tag, polls, health, code, scope="agent"):
+    """fp32 values of several mailbox words (``valid[i]`` False: word i is padding, not waited
+    for, its value is garbage). All loads are issued back to back, so one round trip serves them
+    all; only when some word is not there yet are the words waited for one by one."""
+    words = [mb_load(mbox, i, scope) for i in idxs]
+    vals = [mb_value(w) for w in words]
+    miss = fx.Int32(0)
+    for w, ok in zip(words, valid):
+        miss = miss | (ok & (mb_tag(w) != tag)).select(fx.Int32(1), fx.Int32(0))
+    if miss != fx.Int32(0):
+        for i in range_constexpr(len(idxs)):
+            if valid[i]:
+                vals[i] = mb_wait(mbox, idxs[i], tag, polls, health, code, scope)
+    return vals
 
 
 # ---------------------------------------------------------------- launch epoch

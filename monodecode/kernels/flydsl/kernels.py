@@ -55,6 +55,7 @@ from monodecode.model.dims import ModelDims
 
 NW = WAVES_PER_WORKGROUP
 WG = WORKGROUP_SIZE
+BATCH = 4  # mailbox word pairs a thread stages per round trip (loads in flight)
 
 # Health sites and kernel ids of monodecode.kernels.base.health_code.
 SITE_WAIT, SITE_NONFINITE = 1, 2
@@ -70,6 +71,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     EPS, SCALE = float(dims.rms_norm_eps), float(dims.attn_scale)
     QK_NORM, POST_NORMS, FP8 = dims.qk_norm, geom.post_norms, geom.fp8
     GELU = dims.activation == "gelu_tanh"
+    SPLIT_BATCH = min(S, 4)  # combine: attention splits merged per round trip (S is a power of two)
+    ROW_BATCH = max(1, 4 // geom.tp_size)  # post/final: columns per round trip (x TP partial words each)
     FINAL = geom.final
     BS = block_size
     ARCH = geom.arch
@@ -332,13 +335,20 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
         # q of the group's heads, k and v of KV head g (tagged words of the qkv stage)
         base = d.i32(RG["qkv"]) + r * d.i32(NQKV)
-        for i_ in range(tid, d.i32((GQ + 2) * D), d.i32(WG)):
-            i = d.i32(i_)
+        ats, oks = [], []
+        for u in fx.range_constexpr((GQ + 2) * D // WG + ((GQ + 2) * D % WG > 0)):  # one round trip
+            i = tid + d.i32(u * WG)
             src = (i < d.i32(GQ * D)).select(
                 g * d.i32(GQ * D) + i,
                 (i < d.i32((GQ + 1) * D)).select(d.i32(Q - GQ * D) + g * d.i32(D) + i,
                                                  d.i32(Q + KV - (GQ + 1) * D) + g * d.i32(D) + i))
-            d.lds_storef(lds, vec + i, d.mb_wait(mbox, base + src, tag, polls, health, code))
+            ok = i < d.i32((GQ + 2) * D)
+            ats.append(base + ok.select(src, d.i32(0)))
+            oks.append(ok)
+        got = d.mb_wait_all(mbox, ats, oks, tag, polls, health, code)
+        for u in fx.range_constexpr(len(oks)):
+            if oks[u]:
+                d.lds_storef(lds, vec + tid + d.i32(u * WG), got[u])
         gpu.barrier()
 
         # q/k-norm and RoPE per head vector (GQ q heads, then k); lane holds dims lane*DPL + j
@@ -493,21 +503,28 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         h = t % d.i32(HEADS)
         if tid < d.i32(D):
             hrow = (r * d.i32(HEADS) + h) * d.i32(S)
-            ms = [d.mb_wait(mbox, d.i32(RG["attn_ml"] + 2 * sp) + hrow * d.i32(2), tag, polls, health, code)
-                  for sp in range(S)]
-            ls = [d.mb_wait(mbox, d.i32(RG["attn_ml"] + 2 * sp + 1) + hrow * d.i32(2), tag, polls, health, code)
-                  for sp in range(S)]
-            accs = [d.mb_wait(mbox, d.i32(RG["attn_acc"] + sp * D) + hrow * d.i32(D) + tid, tag, polls, health, code)
-                    for sp in range(S)]
-            big = ms[0]
-            for sp in fx.range_constexpr(1, S):
-                big = fx.max(big, ms[sp])
+            big = d.f32(NEG_BIG)
             den = d.f32(0.0)
             num = d.f32(0.0)
-            for sp in fx.range_constexpr(S):
-                wgt = d.exp(ms[sp] - big)
-                den = fx.math.fma(wgt, ls[sp], den)
-                num = fx.math.fma(wgt, accs[sp], num)
+            for s0_ in range(0, S, SPLIT_BATCH):  # SPLIT_BATCH splits (3 words each) per round trip
+                s0 = d.i32(s0_)
+                ats = []
+                for j in fx.range_constexpr(SPLIT_BATCH):
+                    at = (hrow + s0 + d.i32(j)) * d.i32(2)
+                    ats += [d.i32(RG["attn_ml"]) + at, d.i32(RG["attn_ml"] + 1) + at,
+                            d.i32(RG["attn_acc"]) + (hrow + s0 + d.i32(j)) * d.i32(D) + tid]
+                got = d.mb_wait_all(mbox, ats, [tid >= d.i32(0)] * len(ats), tag, polls, health, code)
+                new_big = big
+                for j in fx.range_constexpr(SPLIT_BATCH):
+                    new_big = fx.max(new_big, got[3 * j])
+                scale = d.exp(big - new_big)
+                den = den * scale
+                num = num * scale
+                for j in fx.range_constexpr(SPLIT_BATCH):
+                    wgt = d.exp(got[3 * j] - new_big)
+                    den = fx.math.fma(wgt, got[3 * j + 1], den)
+                    num = fx.math.fma(wgt, got[3 * j + 2], num)
+                big = new_big
             res = (den > d.f32(0.0)).select(num / (den > d.f32(0.0)).select(den, d.f32(1.0)), d.f32(0.0))
             d.store_bf16(out_attn, r * d.i32(Q) + h * d.i32(D) + tid, res)
 
@@ -617,18 +634,26 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
     @d.device
     def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, xs: int, k: int):
-        """Rows of a mailbox region (waited for, values already bf16) into LDS as bf16 pairs."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
-            idx = d.i32(idx_)
-            tk = idx // d.i32(ckw)
-            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
-            word = d.i32(0)
-            if kk < d.i32(k):
-                at = d.i32(region) + tk * d.i32(k) + kk
-                a = d.mb_wait(mbox, at, tag, polls, health, code)
-                b = d.mb_wait(mbox, at + d.i32(1), tag, polls, health, code)
-                word = d.pack_bf16x2(a, b)
-            d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
+        """Rows of a mailbox region (waited for, values already bf16) into LDS as bf16 pairs,
+        BATCH pairs per thread per round trip."""
+        for base_ in range(tid, d.i32(W * ckw), d.i32(WG * BATCH)):
+            base = d.i32(base_)
+            ats, oks = [], []
+            for u in fx.range_constexpr(BATCH):
+                idx = base + d.i32(u * WG)
+                tk = idx // d.i32(ckw)
+                kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+                ok = (idx < d.i32(W * ckw)) & (kk < d.i32(k))
+                at = ok.select(d.i32(region) + tk * d.i32(k) + kk, d.i32(region))
+                ats += [at, at + d.i32(1)]
+                oks += [ok, ok]
+            vals = d.mb_wait_all(mbox, ats, oks, tag, polls, health, code)
+            for u in fx.range_constexpr(BATCH):
+                idx = base + d.i32(u * WG)
+                tk = idx // d.i32(ckw)
+                if idx < d.i32(W * ckw):
+                    word = oks[2 * u].select(d.pack_bf16x2(vals[2 * u], vals[2 * u + 1]), d.i32(0))
+                    d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
     def _residual_out(mbox, tag, polls, health, code, bad_code, out, tok, row, v, nan_fault, enable):
@@ -642,67 +667,99 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 d.raise_health(health, bad_code)
             d.store_bf16(out, tok * d.i32(H) + row, res)
 
-    def _o_value(mbox, mine, region: int, r, k, tag, polls, health, code):
-        """o[r, k] as the reference has it: bf16 of the projection (TP: of the ranks' sum)."""
+    def _cols(k0):
+        """The ROW_BATCH columns a thread takes per round trip in a per-row stage, and which exist."""
+        ks = [k0 + d.i32(u * WG) for u in range(ROW_BATCH)]
+        oks = [k < d.i32(H) for k in ks]
+        return [ok.select(k, d.i32(0)) for k, ok in zip(ks, oks)], oks
+
+    def _o_values(mbox, mine, region: int, r, ks, oks, tag, polls, health, code):
+        """o[r, k] for the columns ``ks`` as the reference has it: bf16 of the projection (TP: of
+        the ranks' partials summed in rank order, fp32, so every rank gets the same bits)."""
         if TP == 1:
-            return d.round_bf16(d.mb_wait(mbox, d.i32(region) + r * d.i32(H) + k, tag, polls, health, code))
-        return d.round_bf16(_sum_ranks(mine, region, r, k, tag, polls, health, code))
+            vals = d.mb_wait_all(mbox, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            return [d.round_bf16(v) for v in vals]
+        ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(TP)]
+        vals = d.mb_wait_all(mine, ats, [ok for ok in oks for _ in range(TP)], tag, polls, health, code, None)
+        out = []
+        for u in range(len(ks)):
+            tot = d.f32(0.0)
+            for q in range(TP):
+                tot = tot + vals[u * TP + q]
+            out.append(d.round_bf16(tot))
+        return out
+
+    def _weight(w_ptr, k):
+        return d.bf16_half(d.load_word(w_ptr, k // d.i32(2)), k % d.i32(2))
 
     @d.device
     def _post_task(r, x, post_w, mlp_w, mbox, mine, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
+        """Row r: h = x + (post-attn norm)(o) and hn = mlp_norm(h), both published."""
         red = L2["red"]
         rs_o = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
-            for k_ in range(tid, d.i32(H), d.i32(WG)):
-                k = d.i32(k_)
-                o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)
-                ss = fx.math.fma(o, o, ss)
+            for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+                ks, oks = _cols(d.i32(k_))
+                os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+                for u in fx.range_constexpr(ROW_BATCH):
+                    ov = oks[u].select(os_[u], d.f32(0.0))
+                    ss = fx.math.fma(ov, ov, ss)
             rs_o = d.rsqrt_mean(d.block_sum(ss, lds, red, wave, lane, NW), H, EPS)
         ss_h = d.f32(0.0)
-        hb = d.i32(RG["h"]) + r * d.i32(H)
-        for k_ in range(tid, d.i32(H), d.i32(WG)):
-            k = d.i32(k_)
-            o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)
-            if fx.const_expr(POST_NORMS):
-                o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
-            xv = d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2))
-            hv = d.round_bf16(xv + o)
-            d.mb_put(mbox, hb + k, tag, hv)
-            ss_h = fx.math.fma(hv, hv, ss_h)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+            for u in fx.range_constexpr(ROW_BATCH):
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
+                if oks[u]:
+                    d.mb_put(mbox, d.i32(RG["h"]) + r * d.i32(H) + ks[u], tag, hv)
+                hv = oks[u].select(hv, d.f32(0.0))
+                ss_h = fx.math.fma(hv, hv, ss_h)
         rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
-        for k_ in range(tid, d.i32(H), d.i32(WG)):
-            k = d.i32(k_)
-            o = _o_value(mbox, mine, o_region, r, k, tag, polls, health, code)  # h again, as above
-            if fx.const_expr(POST_NORMS):
-                o = norm(o, rs_o, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
-            hv = d.round_bf16(d.bf16_half(d.load_word(x, (r * d.i32(H) + k) // d.i32(2)), k % d.i32(2)) + o)
-            hn = norm(hv, rs_h, d.bf16_half(d.load_word(mlp_w, k // d.i32(2)), k % d.i32(2)))
-            d.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + k, tag, hn)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)  # h again, as above
+            for u in fx.range_constexpr(ROW_BATCH):
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
+                if oks[u]:
+                    d.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
 
     @d.device
     def _final_task(r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane,
                     d_region: int, nan_fault):
+        """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d)."""
         rs_d = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
-            for k_ in range(tid, d.i32(H), d.i32(WG)):
-                k = d.i32(k_)
-                dv = _o_value(mbox, mine, d_region, r, k, tag, polls, health, code)
-                ss = fx.math.fma(dv, dv, ss)
+            for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+                ks, oks = _cols(d.i32(k_))
+                dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
+                for u in fx.range_constexpr(ROW_BATCH):
+                    dv = oks[u].select(dvs[u], d.f32(0.0))
+                    ss = fx.math.fma(dv, dv, ss)
             rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
-        for k_ in range(tid, d.i32(H), d.i32(WG)):
-            k = d.i32(k_)
-            dv = _o_value(mbox, mine, d_region, r, k, tag, polls, health, code)
-            if fx.const_expr(POST_NORMS):
-                dv = norm(dv, rs_d, d.bf16_half(d.load_word(post_w, k // d.i32(2)), k % d.i32(2)))
-            hv = d.mb_wait(mbox, d.i32(RG["h"]) + r * d.i32(H) + k, tag, polls, health, code)
-            res = d.round_bf16(hv + dv)
-            if (nan_fault != d.i32(0)) & (r == d.i32(0)) & (k == d.i32(0)):
-                res = d.f32(float("nan"))
-            if d.is_nonfinite(res):
-                d.raise_health(health, bad_code)
-            d.store_bf16(out, r * d.i32(H) + k, res)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
+            hvs = d.mb_wait_all(mbox, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            for u in fx.range_constexpr(ROW_BATCH):
+                dv = dvs[u]
+                if fx.const_expr(POST_NORMS):
+                    dv = norm(dv, rs_d, _weight(post_w, ks[u]))
+                res = d.round_bf16(hvs[u] + dv)
+                if (nan_fault != d.i32(0)) & (r == d.i32(0)) & (ks[u] == d.i32(0)):
+                    res = d.f32(float("nan"))
+                if oks[u]:
+                    if d.is_nonfinite(res):
+                        d.raise_health(health, bad_code)
+                    d.store_bf16(out, r * d.i32(H) + ks[u], res)
 
     # ------------------------------------------------------------------------------------ launchers
     @flyc.jit
