@@ -33,7 +33,7 @@ class Target:
         return dict(self.__dict__)
 
 
-CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=256, bk_wide=128, narrow_stages=6)
+CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=512, bk_wide=128, narrow_stages=6)
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
 
