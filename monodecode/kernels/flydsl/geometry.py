@@ -34,7 +34,7 @@ from monodecode.model.dims import ModelDims
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 MAX_WIDTH = 16  # rows per step: accumulators of a GEMV row group and LDS staging scale with it
 MAX_TP = 8
-MFMA_MIN_WIDTH = 4  # from here on a GEMV step's FMA work outgrows its weight stream; MFMA tiles take over
+MFMA_MIN_WIDTH = 2  # FMA would unpack every token's activations per weight (VALU-bound); idle MFMA columns cost less
 MFMA_ROWS = 16  # rows (and token columns) of one 16x16 MFMA tile
 HEALTH = "health"  # the plan's header region: the sticky health word (int32)
 ATTN_CHUNK = WAVE_SIZE  # context positions one wave scores at a time (one per lane)

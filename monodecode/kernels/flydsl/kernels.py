@@ -123,7 +123,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 grp = d.i32(grp_)
                 row0 = n0 + wave * d.i32(RPW) + grp * d.i32(GR)
                 accs = [d.f32(0.0) for _ in range(GR * PR * W)]
-                for s_ in range(nsteps):
+                for s_ in range(nsteps, unroll=2):
                     s = d.i32(s_)
                     kl = s * d.i32(STEP) + lane * d.i32(VEC)  # element inside the chunk
                     kg = c0 + kl
