@@ -16,10 +16,22 @@ PIDFILE=$EXEC_ROOT/dockerd.pid
 SOCKET=${MONODECODE_DOCKER_SOCKET:-/var/run/docker.sock}
 LOG=${MONODECODE_DOCKER_LOG:-/var/log/monodecode-dockerd.log}
 READY_TIMEOUT_S=${MONODECODE_DOCKER_READY_TIMEOUT_S:-60}
-# vfs works on every filesystem but copies each layer in full; overlay2 is far faster where the
-# kernel allows overlay mounts. A data root holds one driver's layers only: switching drivers
-# starts from an empty image store.
-STORAGE_DRIVER=${MONODECODE_DOCKER_STORAGE_DRIVER:-vfs}
+# Storage: vfs works on every filesystem but copies a layer in full for every build step and
+# container (measured here: 14 min for one arch's image build on a 1.3 GB base, vs 67 s for
+# both archs with overlay2). `auto` (default) takes overlay2 when a trial overlay mount works
+# on the data root's filesystem, else vfs; set MONODECODE_DOCKER_STORAGE_DRIVER=vfs|overlay2
+# to force one. Each driver keeps its own image store under the data root.
+STORAGE_DRIVER=${MONODECODE_DOCKER_STORAGE_DRIVER:-auto}
+
+overlay_works() {
+  local t
+  t=$(mktemp -d "$DATA_ROOT/.overlay-probe.XXXXXX") || return 1
+  mkdir -p "$t/l" "$t/u" "$t/w" "$t/m"
+  if mount -t overlay overlay -o "lowerdir=$t/l,upperdir=$t/u,workdir=$t/w" "$t/m" 2>/dev/null; then
+    umount "$t/m"; rm -rf "$t"; return 0
+  fi
+  rm -rf "$t"; return 1
+}
 STOP_TIMEOUT_S=${MONODECODE_DOCKER_STOP_TIMEOUT_S:-30}
 
 answers() {
@@ -42,6 +54,9 @@ start() {
   fi
   command -v dockerd >/dev/null || { echo "dockerd: not installed (Debian package docker.io, see scripts/apt-packages.txt)" >&2; return 1; }
   mkdir -p "$DATA_ROOT" "$EXEC_ROOT" "$(dirname "$LOG")"
+  if [ "$STORAGE_DRIVER" = auto ]; then
+    if overlay_works; then STORAGE_DRIVER=overlay2; else STORAGE_DRIVER=vfs; fi
+  fi
   if pid=$(our_pid); then
     echo "dockerd: pid $pid from $PIDFILE does not answer yet; waiting for it"
   else
