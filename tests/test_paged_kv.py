@@ -241,3 +241,28 @@ def test_allocate_validates():
     assert kv.num_blocks == 5 and kv.block_size == 16
     with pytest.raises(MonodecodeError, match="block_size"):
         PagedKVCache.allocate(dims, 5, 0)
+
+
+@pytest.mark.parametrize("slots", [[5, -1, 17, 2], [-1, -1, -1, -1], [0, 31, -1, 8]])
+def test_write_kv_through_vllm_style_interleaved_view(slots):
+    """vLLM 0.33 keeps K|V interleaved per head: K and V are strided views of one tensor.
+
+    Writing through those views must equal writing into a contiguous cache, and V's half of
+    each slot must stay untouched by the K write (and vice versa).
+    """
+    blocks, block_size, heads, dim = 4, 8, 2, 16
+    gen = torch.Generator().manual_seed(7)
+    both = torch.randn(blocks, block_size, heads, 2 * dim, generator=gen)
+    key_view, value_view = both[..., :dim], both[..., dim:]
+    assert not key_view.is_contiguous()
+    plain = key_view.clone()
+    value_before = value_view.clone()
+    new = torch.randn(len(slots), heads, dim, generator=gen)
+    slot_mapping = torch.tensor(slots)
+    write_kv(key_view, slot_mapping, new)
+    write_kv(plain, slot_mapping, new)
+    assert torch.equal(key_view, plain)
+    assert torch.equal(value_view, value_before)
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            assert torch.equal(key_view[slot // block_size, slot % block_size], new[row])

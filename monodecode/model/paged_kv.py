@@ -200,12 +200,15 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor)
     row is valid, slot 0 with its current value), so duplicate indices always carry equal values.
     Valid slots of one step must be distinct.
     """
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    block_size = cache.shape[1]
     valid = slot_mapping >= 0
-    donor = torch.argmax(valid.to(torch.int32))  # first valid row, or 0 when none is valid
-    donor_valid = valid[donor]
-    donor_slot = torch.where(donor_valid, slot_mapping[donor], torch.zeros_like(slot_mapping[donor]))
-    donor_value = torch.where(donor_valid, new[donor].to(cache.dtype), flat[donor_slot])
+    # 1-element index tensors, not 0-d ones: indexing with a 0-d device tensor syncs the host.
+    donor = torch.argmax(valid.to(torch.int32)).view(1)  # first valid row, or 0 when none is valid
+    donor_valid = valid.index_select(0, donor)
+    donor_slot = torch.where(donor_valid, slot_mapping.index_select(0, donor), torch.zeros_like(donor))
+    current = cache[donor_slot // block_size, donor_slot % block_size]  # [1, kv_heads, head_dim]
+    donor_value = torch.where(donor_valid[:, None, None], new.index_select(0, donor).to(cache.dtype), current)
     index = torch.where(valid, slot_mapping, donor_slot)
-    value = torch.where(valid[:, None, None], new.to(cache.dtype), donor_value[None])
-    flat.index_copy_(0, index, value)
+    value = torch.where(valid[:, None, None], new.to(cache.dtype), donor_value)
+    # (block, offset) indexing writes through any strided view, e.g. vLLM's interleaved K|V cache.
+    cache.index_put_((index // block_size, index % block_size), value)
