@@ -289,6 +289,57 @@ def test_serve_entrypoint_in_the_image(docker_client, built):
     assert rc == 2 and "backend" in err and "must be one of" in err, err
 
 
+@pytest.fixture
+def registry(tmp_path):
+    """A real registry (Debian's docker-registry) on 127.0.0.1, for the duration of one test."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "registry.yml"
+    cfg.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
+                   f"http:\n  addr: 127.0.0.1:{port}\n")
+    log = open(tmp_path / "registry.log", "w")
+    proc = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/v2/", timeout=2).read()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "registry.log").read_text()
+            time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=20)
+    log.close()
+
+
+def test_push_to_a_registry(docker_client, built, local_base, registry):
+    import urllib.request
+
+    args = ["build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--registry",
+            f"{registry}/monodecode-test", "--tag", "pushed", "--push", "--json"]
+    proc = cli(*args, *(["--ca-bundle", CA] if CA else []), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(proc.stdout)["images"]
+    try:
+        assert r["pushed"] and r["tag"] == f"{registry}/monodecode-test/vllm-monodecode:pushed-gfx942"
+        base = f"http://{registry}/v2/monodecode-test/vllm-monodecode"
+        tags = json.loads(urllib.request.urlopen(f"{base}/tags/list", timeout=10).read())["tags"]
+        assert tags == ["pushed-gfx942"]
+        req = urllib.request.Request(f"{base}/manifests/pushed-gfx942", headers={
+            "Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+        manifest = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        assert manifest["config"]["digest"] == r["id"]  # the registry holds exactly the built image
+    finally:
+        docker_client.images.remove(r["tag"], force=True)
+
+
 def test_failing_build_step_is_one_line_with_its_output(local_base):
     # an unreachable package index (loopback, refused): the wheels stage fails inside pip
     proc = cli("build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--repository", REPO,
