@@ -277,10 +277,12 @@ def test_serve_entrypoint_in_the_image(docker_client, built):
     env = {"MONODECODE_MODEL": model, "MONODECODE_WIDTHS": "1,2", "MONODECODE_ENTRYPOINT_PRINT": "1"}
     rc, out, err = run_container(docker_client, tag_of("gfx942"), [], env=env)
     assert rc == 0, err
-    cmd = json.loads(out)
+    printed = json.loads(out)
+    cmd = printed["argv"]
     assert cmd[:3] == ["vllm", "serve", model] and cmd[3] == "--additional-config"
     assert json.loads(cmd[4])["monodecode"] == {
         "enabled": True, "widths": [1, 2], "artifact_dir": "/opt/monodecode/artifacts"}
+    assert printed["env"] == {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}
     # the base has no vLLM: serving is one clear error line, exit 2
     rc, out, err = run_container(docker_client, tag_of("gfx942"), ["serve", model])
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error: vllm: command not found"), err

@@ -100,12 +100,55 @@ def test_bad_settings_are_one_error_line(args, env, expected, capsys, monkeypatc
 
 
 def test_print_mode_and_missing_executable(capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
     monkeypatch.setenv("MONODECODE_ENTRYPOINT_PRINT", "1")
     assert ep.main(["serve", "m"]) == 0
-    assert json.loads(capsys.readouterr().out)[:3] == ["vllm", "serve", "m"]
+    out = json.loads(capsys.readouterr().out)
+    assert out["argv"][:3] == ["vllm", "serve", "m"] and out["env"] == {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}
     monkeypatch.delenv("MONODECODE_ENTRYPOINT_PRINT")
     assert ep.main(["monodecode-no-such-command"]) == 2
     assert capsys.readouterr().err.strip() == "error: monodecode-no-such-command: command not found"
+
+
+def test_serve_environment():
+    enabled = ep.command_for(["serve", "m"], {})
+    assert ep.serve_environment(enabled, {}) == {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}
+    assert ep.serve_environment(enabled, {"VLLM_KV_CACHE_LAYOUT": "NHD"}) == {}  # the operator's choice stands
+    assert ep.serve_environment(ep.command_for(["serve", "m"], {"MONODECODE_ENABLED": "0"}), {}) == {}
+    assert ep.serve_environment(["monodecode-ops", "verify"], {}) == {}
+
+
+def test_multiprocess_dir_is_fresh_at_every_start(tmp_path):
+    given = tmp_path / "prom"
+    given.mkdir()
+    (given / "counter_123.db").write_bytes(b"stale")
+    (given / "keep.txt").write_text("not ours")
+    assert ep.fresh_multiprocess_dir({"PROMETHEUS_MULTIPROC_DIR": str(given)}) == str(given)
+    assert sorted(p.name for p in given.iterdir()) == ["keep.txt"]
+    new = Path(ep.fresh_multiprocess_dir({}))
+    try:
+        assert new.is_dir() and not any(new.iterdir())
+    finally:
+        new.rmdir()
+
+
+def test_serve_execs_vllm_with_its_environment(tmp_path):
+    """The exec itself, with a recording stand-in for the `vllm` executable on PATH."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "record.json"
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\njson.dump({{'argv': sys.argv[1:], "
+                    f"'mp': os.environ.get('PROMETHEUS_MULTIPROC_DIR'), 'layout': os.environ.get('VLLM_KV_CACHE_LAYOUT')}}, "
+                    f"open({str(record)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "MONODECODE_MODEL": "/models/m", "TMPDIR": str(tmp_path),
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(BUILD / "entrypoint.py")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(record.read_text())
+    assert got["argv"][:2] == ["serve", "/models/m"] and got["layout"] == "LBNHC"
+    assert Path(got["mp"]).parent == tmp_path and Path(got["mp"]).is_dir()
 
 
 # ---- pyenv -------------------------------------------------------------------------------------

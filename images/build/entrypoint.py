@@ -21,14 +21,22 @@ exit status are vLLM's own. Environment (later rows override earlier ones):
     MONODECODE_MODEL        the model when no MODEL argument is given
 
 Options given in an explicit ``--additional-config`` argument win over all of these.
+
+``serve`` also prepares vLLM's environment for mono decode: ``PROMETHEUS_MULTIPROC_DIR`` is a
+fresh, empty directory at every container start (a new temporary one, or the given one with
+stale ``*.db`` files of an earlier container removed), so the workers' monodecode series reach
+the API server's ``/metrics``; ``VLLM_KV_CACHE_LAYOUT=LBNHC`` (the token-major KV layout the
+kernels read) unless set, when mono decode is enabled.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import sys
+import tempfile
 from typing import Mapping, Sequence
 
 EXIT_USER_ERROR = 2
@@ -143,6 +151,31 @@ def serve_command(args: Sequence[str], env: Mapping[str, str]) -> list[str]:
     return ["vllm", "serve", model, "--additional-config", json.dumps(additional, sort_keys=True), *rest]
 
 
+def serve_environment(cmd: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """Variables ``vllm serve`` needs for mono decode that are not set yet (no side effects)."""
+    if cmd[:2] != ["vllm", "serve"]:
+        return {}
+    add: dict[str, str] = {}
+    section = json.loads(cmd[cmd.index("--additional-config") + 1]).get("monodecode", {})
+    if section.get("enabled") and not env.get("VLLM_KV_CACHE_LAYOUT"):
+        add["VLLM_KV_CACHE_LAYOUT"] = "LBNHC"
+    return add
+
+
+def fresh_multiprocess_dir(env: Mapping[str, str]) -> str:
+    """An empty PROMETHEUS_MULTIPROC_DIR for this container start."""
+    given = env.get("PROMETHEUS_MULTIPROC_DIR")
+    try:
+        if not given:
+            return tempfile.mkdtemp(prefix="monodecode-metrics-")
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):  # series of an earlier container
+            os.unlink(stale)
+    except OSError as e:
+        raise EntrypointError(f"PROMETHEUS_MULTIPROC_DIR: cannot prepare {given or tempfile.gettempdir()}: {e.strerror}") from None
+    return given
+
+
 def command_for(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
     args = list(argv)
     if not args or args[0] == "serve" or args[0].startswith("-"):
@@ -156,18 +189,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cmd = command_for(argv, os.environ)
+        env_add = serve_environment(cmd, os.environ)
         if os.environ.get("MONODECODE_ENTRYPOINT_PRINT") == "1":
-            print(json.dumps(cmd))  # what would run; for checking a deployment's arguments
+            # what would run; for checking a deployment's arguments
+            print(json.dumps({"argv": cmd, "env": env_add}))
             return 0
         exe = shutil.which(cmd[0])
         if exe is None:
             hint = " (this image's base has no vLLM; `serve` needs a vLLM base image)" if cmd[0] == "vllm" else ""
             raise EntrypointError(f"{cmd[0]}: command not found{hint}")
+        if cmd[:2] == ["vllm", "serve"]:
+            env_add["PROMETHEUS_MULTIPROC_DIR"] = fresh_multiprocess_dir(os.environ)
     except EntrypointError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     sys.stdout.flush()
-    os.execv(exe, cmd)
+    os.execve(exe, cmd, {**os.environ, **env_add})
     return 127  # not reached
 
 
