@@ -2,8 +2,9 @@
 
 The interpreter executes programs one after another, so the launcher gives it one instance that
 plays all planned programs stage by stage (``VP``); task tables, mailbox words and tags, the
-completion counters, the split-context attention and its merge, the paged-KV insert and every
-rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
+completion counters, the split-context attention and its merge, the paged-KV insert (into
+contiguous K/V planes and into vLLM 0.33's interleaved K|V views, addressed through strides) and
+every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
 subprocess because the interpreter is chosen when the kernel modules are imported.
 Same tolerances as the GPU tests (``test_triton_numerics.py``).
 """
@@ -41,7 +42,15 @@ CHILD = textwrap.dedent(
 
     out = {}
     dims = profile_dims("tiny")
-    for name, wd, widths, rows, layers, ctx in json.loads(sys.argv[1]):
+    def interleaved(ref_k, ref_v):
+        # vLLM 0.33's per-layer cache, token-major: K|V side by side per head; K and V are views
+        buf = torch.cat([ref_k, ref_v], dim=-1).contiguous()
+        return buf[..., :ref_k.shape[-1]], buf[..., ref_k.shape[-1]:]
+
+    def at(t, s):
+        return t[s // 16, s % 16]
+
+    for name, wd, widths, rows, layers, ctx, kv_layout in json.loads(sys.argv[1]):
         torch.manual_seed(0)
         w = random_weights(dims, 1, weight_dtype=wd, num_layers=layers)
         req = BuildRequest(dims=dims, weight_dtype=wd, tp_size=1, widths=tuple(widths), block_size=16,
@@ -53,7 +62,13 @@ CHILD = textwrap.dedent(
         kv_ref = PagedKVCache.allocate(dims, 64, 16, num_layers=layers)
         for t in kv_ref.key + kv_ref.value:
             t.normal_()
-        kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
+        if kv_layout == "interleaved":
+            views = [interleaved(k, v) for k, v in zip(kv_ref.key, kv_ref.value)]
+            kv_tri = PagedKVCache([k for k, _ in views], [v for _, v in views], 16)
+            assert kv_tri.key[0].stride()[1:] == (2 * dims.num_kv_heads * dims.head_dim, 2 * dims.head_dim, 1)
+            assert kv_tri.value[0].data_ptr() == kv_tri.key[0].data_ptr() + 2 * dims.head_dim
+        else:
+            kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
         meta = alloc.decode_metadata(list(range(rows)))
         x = torch.randn(rows, dims.hidden_size).to(torch.bfloat16)
         res = []
@@ -61,25 +76,30 @@ CHILD = textwrap.dedent(
             a_ref = R.k1_reference(dims, l, w.layers[l], x, meta, kv_ref)
             y_ref = R.k2_reference(dims, l, w.layers[l], x, a_ref)
             y_tri = tk.forward_layer(l, x, meta, kv_tri)  # pads rows up to the width
-            s = meta.slot_mapping
+            s = meta.slot_mapping[meta.slot_mapping >= 0]
+            untouched = True
+            for a, b in ((kv_tri.key[l], kv_ref.key[l]), (kv_tri.value[l], kv_ref.value[l])):
+                rest = a.clone()
+                rest[s // 16, s % 16] = b[s // 16, s % 16]
+                untouched = untouched and torch.equal(rest, b)
             res.append({"y": rel(y_tri, y_ref),
-                        "k": rel(kv_tri.key[l].view(-1, 2, 64)[s], kv_ref.key[l].view(-1, 2, 64)[s]),
-                        "v": rel(kv_tri.value[l].view(-1, 2, 64)[s], kv_ref.value[l].view(-1, 2, 64)[s]),
-                        "untouched": all(torch.equal(a.view(-1, 128)[m], b.view(-1, 128)[m])
-                                         for a, b in ((kv_tri.key[l], kv_ref.key[l]), (kv_tri.value[l], kv_ref.value[l]))
-                                         for m in [torch.ones(a.shape[0] * 16, dtype=torch.bool).index_fill_(0, s, False)])})
+                        "k": rel(at(kv_tri.key[l], s), at(kv_ref.key[l], s)),
+                        "v": rel(at(kv_tri.value[l], s), at(kv_ref.value[l], s)),
+                        "untouched": untouched})
             x = y_ref
         out[name] = {"layers": res, "health": tk.health()}
     print(json.dumps(out))
     """
 )
 
-# (name, weight dtype, built widths, live rows, layers, context lengths): contexts cross KV blocks
-# and exceed tiny's sliding window (24); "padded" runs 2 live rows on a width-3 build.
+# (name, weight dtype, built widths, live rows, layers, context lengths, KV layout): contexts cross
+# KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows on a width-3 build;
+# "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one buffer).
 RUNS = [
-    ("w1", "bf16", [1], 1, 4, [37]),
-    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17]),
-    ("padded", "bf16", [3], 2, 2, [16, 33]),
+    ("w1", "bf16", [1], 1, 4, [37], "planes"),
+    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes"),
+    ("padded", "bf16", [3], 2, 2, [16, 33], "planes"),
+    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved"),
 ]
 
 
@@ -101,3 +121,57 @@ def test_interpreted_kernels_match_reference(results, name):
             rel_fro, max_frac = layer[what]
             assert rel_fro <= 1e-2 and max_frac <= 0.03, f"{name} layer {l} {what}: {rel_fro:.2e} / {max_frac:.2%}"
         assert layer["untouched"], f"{name} layer {l}: KV entries other than the step's slots changed"
+
+
+def _kv_strides_args():
+    import torch
+
+    from monodecode.model.profiles import profile_dims
+
+    dims = profile_dims("tiny")
+    d, h = dims.head_dim, dims.num_kv_heads
+    return torch, dims, d, h
+
+
+def test_kv_strides_accept_planes_and_vllm_interleaved_views():
+    from monodecode.kernels.triton.launch import kv_strides
+
+    torch, dims, d, h = _kv_strides_args()
+    planes = torch.zeros(4, 16, h, d, dtype=torch.bfloat16)
+    assert kv_strides(planes, planes, dims, 16) == [16 * h * d, h * d, d] * 2
+    buf = torch.zeros(4, 16, h, 2 * d, dtype=torch.bfloat16)  # vLLM 0.33 LBNHC: K|V per head
+    assert kv_strides(buf[..., :d], buf[..., d:], dims, 16) == [16 * h * 2 * d, h * 2 * d, 2 * d] * 2
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("head_dim_strided", "head_dim axis is strided"),
+    ("wrong_block_size", "expected [blocks, 16,"),
+    ("fp32", "the kernels read bf16"),
+    ("odd_stride", "must be multiples of 16"),
+])
+def test_kv_strides_refuse_layouts_the_kernels_cannot_address(case, needle):
+    from monodecode.errors import ConfigError
+    from monodecode.kernels.triton.launch import kv_strides
+
+    torch, dims, d, h = _kv_strides_args()
+    bf = torch.bfloat16
+    kc = {
+        "head_dim_strided": torch.zeros(4, 16, h, 2 * d, dtype=bf)[..., ::2],
+        "wrong_block_size": torch.zeros(4, 8, h, d, dtype=bf),
+        "fp32": torch.zeros(4, 16, h, d),
+        "odd_stride": torch.zeros(4, 16, h, d + 8, dtype=bf)[..., :d],
+    }[case]
+    with pytest.raises(ConfigError) as e:
+        kv_strides(kc, kc, dims, 16)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllm_plugin_accepts_triton_kernels_for_its_strided_kv():
+    """vLLM 0.33's interleaved cache is refused (kv_layout) for backends whose kernels ignore
+    strides; the Triton kernels declare ``kv_strided`` and are accepted."""
+    from monodecode.kernels.triton.launch import TritonKernels
+    from monodecode.vllm_plugin.step import kv_reason_for_backend
+
+    assert TritonKernels.kv_strided is True
+    assert kv_reason_for_backend("triton", TritonKernels.__new__(TritonKernels)) is None
+    assert kv_reason_for_backend("triton", object()).startswith("kv_layout: ")

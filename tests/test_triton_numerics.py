@@ -136,6 +136,46 @@ def test_per_layer_k1_k2_match_reference(profile, weight_dtype, width):
     assert tk.health() == 0, decode_health(tk.health())
 
 
+def _interleaved(kv: PagedKVCache) -> PagedKVCache:
+    """The same K/V as vLLM 0.33 holds them (token-major LBNHC, K|V side by side per head):
+    key/value are strided views of one buffer per layer (``vllm_plugin.step.kv_views``)."""
+    keys, values = [], []
+    for k, v in zip(kv.key, kv.value):
+        buf = torch.cat([k, v], dim=-1).contiguous()
+        keys.append(buf[..., :k.shape[-1]])
+        values.append(buf[..., k.shape[-1]:])
+    return PagedKVCache(keys, values, kv.block_size)
+
+
+@pytest.mark.parametrize("profile,weight_dtype,width", [("llama3-8b", "bf16", 3), ("gemma3-27b", "bf16", 1),
+                                                        ("tiny", "bf16", 8)])
+def test_vllm_interleaved_kv_views(profile, weight_dtype, width):
+    """K1 reads and writes vLLM's interleaved K|V cache through its strides: outputs, the new
+    entries and every other entry of the shared buffer (K and V of other heads) as with planes."""
+    build = next(b for b in GPU_BUILDS if b[0] == profile and b[1] == weight_dtype)
+    dims, weights, tk = _build(*build)
+    dev = _gpu()
+    layers = build[3]
+    alloc, kv_ref, kv_plain = _context(dims, layers, _ctx_lens(width, 3), dev, seed=40 + width)
+    kv_tri = _interleaved(kv_plain)
+    assert kv_tri.key[0].stride(2) == 2 * dims.head_dim and not kv_tri.key[0].is_contiguous()
+    meta = alloc.decode_metadata(list(range(width)), device=dev)
+    x = torch.randn(width, dims.hidden_size, device=dev).to(torch.bfloat16)
+    s = meta.slot_mapping
+    blk, off = s // BLOCK, s % BLOCK
+    for l in range(layers):
+        a_ref = R.k1_reference(dims, l, weights.layers[l], x, meta, kv_ref)
+        a_tri = tk.k1(l, x, meta, kv_tri)
+        _close(a_tri, a_ref, f"{profile} w={width} layer {l} K1 (interleaved KV)")
+        for name, c_ref, c_tri in (("K", kv_ref.key[l], kv_tri.key[l]), ("V", kv_ref.value[l], kv_tri.value[l])):
+            _close(c_tri[blk, off], c_ref[blk, off], f"layer {l} new {name} entries (interleaved KV)")
+            rest = c_tri.clone()
+            rest[blk, off] = c_ref[blk, off]
+            assert torch.equal(rest, c_ref), f"layer {l}: {name} entries outside the new slots changed"
+        x = R.k2_reference(dims, l, weights.layers[l], x, a_ref)
+    assert tk.health() == 0, decode_health(tk.health())
+
+
 @pytest.mark.parametrize("profile,width", [("tiny", w) for w in range(1, 9)] + [("llama3-1b", 4)])
 def test_whole_stack_over_steps_crossing_blocks(profile, width):
     build = next(b for b in GPU_BUILDS if b[0] == profile)

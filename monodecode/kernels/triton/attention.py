@@ -4,6 +4,9 @@
 words, applies q/k-norm and RoPE (rotate-half, handled as the two halves of each head so no
 register shuffles are needed), and the split that holds the newest position writes k/v into the
 paged cache at the row's slot (then a CTA barrier makes them visible to its own tile loads).
+K and V are addressed through their block / token / head strides (element units; the head_dim
+axis is contiguous), so the contiguous ``[blocks, block_size, kv_heads, head_dim]`` planes of the
+reference cache and vLLM's interleaved K|V views (``vllm_plugin.step.kv_views``) both work.
 It then runs an online softmax over its slice of the visible context, reading K/V through the
 block table, and publishes the unnormalised partial (m, l, acc) per query head. Both tasks read
 their inputs after the launch's wait on the producing stage and check every word's tag.
@@ -47,6 +50,7 @@ def _rope(a, b, cos, sin):
 @triton.jit
 def attn_task(
     t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
+    k_sb, k_st, k_sh, v_sb, v_st, v_sh,
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
     NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
@@ -102,10 +106,13 @@ def attn_task(
     hi = tl.minimum(lo + per, end)
     newest = end - 1
     if live & (lo <= newest) & (newest < hi):
-        dst = slot.to(tl.int64) * (KVH * D) + g * D
-        tl.store(kc_ptr + dst + dh[None, :], k1)
-        tl.store(kc_ptr + dst + HALF + dh[None, :], k2)
-        tl.store(vc_ptr + dst + d, v)
+        sblk = (slot // BS).to(tl.int64)
+        soff = (slot % BS).to(tl.int64)
+        kdst = sblk * k_sb + soff * k_st + g * k_sh
+        vdst = sblk * v_sb + soff * v_st + g * v_sh
+        tl.store(kc_ptr + kdst + dh[None, :], k1)
+        tl.store(kc_ptr + kdst + HALF + dh[None, :], k2)
+        tl.store(vc_ptr + vdst + d, v)
         tl.debug_barrier()
 
     m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
@@ -116,10 +123,13 @@ def attn_task(
         j = t0 + jt
         jm = j < hi
         blk = tl.load(bt_ptr + r * bt_stride + j // BS, mask=jm, other=0)
-        row = (blk.to(tl.int64) * BS + (j % BS)) * (KVH * D) + g * D
-        ka = tl.load(kc_ptr + row[:, None] + dh[None, :], mask=jm[:, None], other=0.0)
-        kb = tl.load(kc_ptr + row[:, None] + HALF + dh[None, :], mask=jm[:, None], other=0.0)
-        vv = tl.load(vc_ptr + row[:, None] + d[None, :], mask=jm[:, None], other=0.0)
+        blk64 = blk.to(tl.int64)
+        off64 = (j % BS).to(tl.int64)
+        krow = blk64 * k_sb + off64 * k_st + g * k_sh
+        vrow = blk64 * v_sb + off64 * v_st + g * v_sh
+        ka = tl.load(kc_ptr + krow[:, None] + dh[None, :], mask=jm[:, None], other=0.0)
+        kb = tl.load(kc_ptr + krow[:, None] + HALF + dh[None, :], mask=jm[:, None], other=0.0)
+        vv = tl.load(vc_ptr + vrow[:, None] + d[None, :], mask=jm[:, None], other=0.0)
         sc = mma(q2, tl.trans(kb), mma(q1, tl.trans(ka), tl.zeros([GP, BT], dtype=tl.float32)))
         sc = tl.where(jm[None, :], sc * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))

@@ -3,7 +3,8 @@
 A persistent launch of ``NPROG`` programs (one per SM/CU). Stages and task tables come from
 ``kernels/plan.py``: task ``t`` of a stage runs on program ``(t + OFF) % NPROG``. ``VP`` > 1 lets
 one program stand for several (used only by the CPU interpreter, which runs programs one after
-another: each stage then runs for all of them before the next stage starts).
+another: each stage then runs for all of them before the next stage starts). ``k_s*``/``v_s*``
+are the block, token and head strides (elements) of the layer's K and V caches.
 """
 
 import triton
@@ -17,7 +18,7 @@ from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack,
 @triton.jit
 def k1_kernel(
     x_ptr, norm_ptr, w_ptr, s_ptr, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr,
+    k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr,
     window, layer, spin_limit, stall, eps, scale,
     HIDDEN: tl.constexpr, NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
@@ -66,7 +67,7 @@ def k1_kernel(
         for t in range(first, ATTN_TASKS, NPROG):
             attn_task(
                 t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-                pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
+                k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
                 NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS,
             )
             signal_done(done_attn)

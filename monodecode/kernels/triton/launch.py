@@ -86,10 +86,44 @@ def pack_layer(dims, l: int, w, device) -> _Layer:
     )
 
 
-def k1_args(L: _Layer, x, kc, vc, meta, out, scratch, health, layer: int, spin_limit: int, stall: int, dims) -> list:
-    """Runtime arguments of ``k1_kernel`` in signature order."""
+# K1 arguments that are KV-cache strides: the compiled kernels assume each is a multiple of 16
+# elements (16-byte vector loads; ``offline._signature`` marks them), ``kv_strides`` checks it.
+KV_STRIDE_ARGS = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")
+KV_STRIDE_MULTIPLE = 16
+
+
+def kv_strides(kc: torch.Tensor, vc: torch.Tensor, dims, block_size: int) -> list[int]:
+    """Block, token and head strides (elements) of one layer's K and V caches, checked.
+
+    Any view of shape ``[num_blocks, block_size, kv_heads, head_dim]`` with a contiguous head_dim
+    axis is accepted: the reference's own planes and vLLM 0.33's interleaved K|V views
+    (``vllm_plugin.step.kv_views``: token stride kv_heads*2*head_dim, head stride 2*head_dim)."""
+    out = []
+    for name, t in (("key", kc), ("value", vc)):
+        want = (t.shape[0], block_size, dims.num_kv_heads, dims.head_dim)
+        if t.dim() != 4 or tuple(t.shape) != want:
+            raise ConfigError(f"triton kernels: KV {name} cache has shape {tuple(t.shape)}; expected "
+                              f"[blocks, {block_size}, {dims.num_kv_heads}, {dims.head_dim}]")
+        if t.dtype != torch.bfloat16:
+            raise ConfigError(f"triton kernels: KV {name} cache is {t.dtype}; the kernels read bf16")
+        if t.stride(3) != 1:
+            raise ConfigError(f"triton kernels: KV {name} cache's head_dim axis is strided ({t.stride(3)}); "
+                              "it must be contiguous")
+        strides = [t.stride(0), t.stride(1), t.stride(2)]
+        if any(st % KV_STRIDE_MULTIPLE for st in strides) or max(strides) >= 2**31:
+            raise ConfigError(f"triton kernels: KV {name} cache strides {tuple(t.stride())} must be multiples "
+                              f"of {KV_STRIDE_MULTIPLE} elements below 2**31")
+        out += strides
+    if kc.shape[0] != vc.shape[0]:
+        raise ConfigError(f"triton kernels: KV key and value caches have {kc.shape[0]} and {vc.shape[0]} blocks")
+    return out
+
+
+def k1_args(L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, health, layer: int, spin_limit: int,
+            stall: int, dims) -> list:
+    """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``)."""
     return [
-        x, L.attn_norm, L.wqkv, L.sqkv, L.q_norm, L.k_norm, L.inv_freq, kc, vc,
+        x, L.attn_norm, L.wqkv, L.sqkv, L.q_norm, L.k_norm, L.inv_freq, kc, vc, *kv_st,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
         out, scratch, health, L.window, layer, spin_limit, stall, float(dims.rms_norm_eps), float(dims.attn_scale),
     ]
@@ -115,6 +149,10 @@ class _Meta:
 
 class TritonKernels(DecodeKernels):
     """K1/K2 for every built width of one model on one device."""
+
+    # K/V are addressed through the caches' strides (vLLM's interleaved K|V views are accepted;
+    # ``vllm_plugin.step.kv_reason_for_backend`` reads this).
+    kv_strided = True
 
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device):
         dims = req.dims
@@ -204,7 +242,9 @@ class TritonKernels(DecodeKernels):
         if kv.block_size != self.req.block_size:
             raise ConfigError(f"triton kernels: built for KV block size {self.req.block_size}, cache has {kv.block_size}")
         out = self.attn[width]
-        args = k1_args(self.layers[layer], x, kv.key[layer], kv.value[layer], meta, out, self.scratch,
+        kc, vc = kv.key[layer], kv.value[layer]
+        st = kv_strides(kc, vc, self.dims, self.req.block_size)
+        args = k1_args(self.layers[layer], x, kc, vc, st, meta, out, self.scratch,
                        self.health_word, layer, self.spin_limit, stall, self.dims)
         self._run(0, width, args)
         return out

@@ -50,6 +50,8 @@ def _meta_layer(dims: ModelDims, weight_dtype: str):
 
 
 def _signature(fn, args: list, consts: dict) -> tuple[dict, dict]:
+    from monodecode.kernels.triton.launch import KV_STRIDE_ARGS
+
     names = list(fn.arg_names)
     sig: dict[str, str] = {}
     attrs: dict = {}
@@ -66,6 +68,8 @@ def _signature(fn, args: list, consts: dict) -> tuple[dict, dict]:
             sig[name] = "i1"
         elif isinstance(v, int):
             sig[name] = "i32"
+            if name in KV_STRIDE_ARGS:  # the launcher checks these are multiples of 16 (kv_strides)
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
     return sig, attrs
@@ -87,15 +91,16 @@ def kernel_sources(dims: ModelDims, weight_dtype: str, width: int, block_size: i
 
     from monodecode.kernels.triton.k1 import k1_kernel
     from monodecode.kernels.triton.k2 import k2_kernel
-    from monodecode.kernels.triton.launch import k1_args, k2_args
+    from monodecode.kernels.triton.launch import k1_args, k2_args, kv_strides
 
     c1, c2 = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16")
     L = _meta_layer(dims, weight_dtype)
     bf = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
     scratch = torch.empty(16, dtype=torch.int64, device="meta")
     health = torch.empty(2, dtype=torch.int32, device="meta")
-    a1 = k1_args(L, bf(width, dims.hidden_size), bf(16), bf(16), _MetaMeta(width), bf(width, dims.q_size),
-                 scratch, health, 0, 1000, 0, dims)
+    kv = bf(2, block_size, dims.num_kv_heads, dims.head_dim)
+    a1 = k1_args(L, bf(width, dims.hidden_size), kv, kv, kv_strides(kv, kv, dims, block_size), _MetaMeta(width),
+                 bf(width, dims.q_size), scratch, health, 0, 1000, 0, dims)
     a2 = k2_args(L, bf(width, dims.hidden_size), bf(width, dims.q_size), bf(width, dims.hidden_size), scratch,
                  health, 0, 1000, 0, dims)
     out = []
