@@ -1,8 +1,9 @@
 """``monodecode-ops bench``: decode-step latency of the kernel backends against the roofline.
 
 Wraps ``benchmarks/decode_latency.py`` of a source checkout (the harness is not installed with
-the package): reference eager, reference replayed in a CUDA graph (the stock per-op baseline)
-and triton, per model profile and batch, with the read bandwidth measured in the same run.
+the package): the reference oracle (eager and replayed in a CUDA graph), a realistic stock
+per-op decode replayed in a CUDA graph (the baseline), its GEMMs alone, and triton, per model
+profile and batch, with the read bandwidth measured in the same run.
 Needs a CUDA or ROCm GPU; anything else is one ``error:`` line.
 """
 
@@ -63,14 +64,23 @@ def bench(
     if as_json:
         emit_json(doc)
         return
-    rows = []
-    for r in doc["results"]:
-        rows.append((r["profile"], r["weight_dtype"], r["batch"], r["backend"], f"{r['step_ms']:.3f}",
-                     f"{r['roofline_ms']:.3f}", f"{100 * r['fraction_of_roofline']:.1f}%"))
     con = console()
     con.print(table(f"decode step on {doc['gpu']} ({doc['read_bandwidth_gbs']:.0f} GB/s read), context {context}",
-                    ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline"], rows))
+                    ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline", "vs stock graph"],
+                    report_rows(harness, doc)))
+    con.print(f"triton never slower than the stock graph: {doc['summary']['never_slower_than_stock']}")
     con.print("\n".join(doc["paths"]))
+
+
+def report_rows(harness: ModuleType, doc: dict) -> list[tuple]:
+    """One table row per result; a failed measurement shows as 'failed'."""
+    rows = []
+    for r in doc["results"]:
+        frac = r.get("fraction_of_roofline")
+        rows.append((r["profile"], r["weight_dtype"], r["batch"], harness.LABELS.get(r["backend"], r["backend"]),
+                     harness._ms(r), f"{r['roofline_ms']:.3f}", f"{100 * frac:.1f}%" if frac else "n/a",
+                     harness._ratio(harness._find(doc["results"], r, "stock-graph"), r)))
+    return rows
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,212 @@
+"""A realistic stock per-op decode step in plain PyTorch: the benchmark's baseline.
+
+What vLLM's per-op decode runs for a dense layer, op for op, with stock PyTorch kernels instead of
+vLLM's fused custom ones (no torch.compile, no custom kernels):
+
+  norm        ``F.rms_norm`` (+ weight multiply), Gemma's ``(1 + w)`` folded into the weight
+  QKV, gate/up merged weights (vLLM's QKVParallelLinear / MergedColumnParallelLinear), one GEMM each
+  GEMMs       bf16: ``F.linear`` (cuBLAS). FP8 (W8A8 like vLLM's Hopper FP8 path): each activation
+              row quantized to e4m3 with its absmax scale, then ``torch._scaled_mm`` with row-wise
+              scales (activation per row, weight per output channel), bf16 out. Where
+              ``_scaled_mm`` does not run, the weights are dequantized to bf16 once at setup and
+              ``fp8_path`` says so.
+  q/k-norm    one ``F.rms_norm`` over the q|k heads with the per-head weights concatenated
+  RoPE        cos/sin cache indexed by position, rotate-half in fp32 (a flip of the two halves)
+  KV insert   ``index_put_`` at (slot // block, slot % block): works on strided views too
+  attention   gather of the rows' blocks through the block table, then
+              ``F.scaled_dot_product_attention`` with the GQA group as the query length and a
+              visibility mask (context length, sliding window) built once per step
+  act         ``F.silu`` / ``F.gelu(tanh)`` then a multiply
+
+All shapes are static and nothing syncs the host, so a whole step is captured in one CUDA graph.
+vLLM fuses several of these small ops (fused add+norm, one RoPE kernel, one cache-write kernel,
+paged flash attention without the gather, silu_and_mul) into about 10 kernels per layer; plain
+PyTorch launches more, so this path is a little slower than vLLM's around the GEMMs. The GEMMs
+alone (``gemm_floor``) bound every per-op path that uses cuBLAS from below.
+
+Numerics follow the reference's rounding points except where the stock ops round differently
+(bf16 ``1 + w`` on Gemma, W8A8 activations on FP8); the benchmark reports the error against
+the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from monodecode.model.dims import ModelDims
+
+FP8_MAX = 448.0  # e4m3fn
+
+
+@dataclass
+class _Lin:
+    """One projection: bf16 weight [out, in] (``scale`` None), or e4m3 weight + fp32 scale [1, out]."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        # per-row dynamic activation quantization (vLLM's dynamic_per_token_scaled_fp8_quant)
+        xs = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX
+        xq = (x.float() / xs).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=torch.bfloat16)
+
+
+def _merge(lins) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = torch.cat([lin.weight for lin in lins], dim=0).contiguous()
+    if lins[0].scale is None:
+        return w, None
+    return w, torch.cat([lin.scale for lin in lins]).float().reshape(1, -1).contiguous()
+
+
+def scaled_mm_works(device) -> str | None:
+    """None if row-wise ``torch._scaled_mm`` runs here and matches a dequantized GEMM, else why not."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        w = (torch.randn(64, 128, generator=g) / 4).to(device).to(torch.float8_e4m3fn)
+        s = torch.rand(1, 64, generator=g).to(device) + 0.5
+        x = torch.randn(3, 128, generator=g).to(device).to(torch.bfloat16)
+        y = _Lin(w, s)(x).float()
+        ref = x.float() @ (w.float() * s.reshape(-1, 1)).t()
+        err = float((y - ref).norm() / ref.norm())
+        if not err < 0.1:  # e4m3 activations: a few percent
+            return f"torch._scaled_mm disagrees with the dequantized GEMM (relative error {err:.2e})"
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        return f"torch._scaled_mm is unavailable: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+class StockLayer:
+    """One layer's tensors in the form the stock ops want."""
+
+    def __init__(self, dims: ModelDims, l: int, w, fp8_mode: str):
+        def lin(*parts) -> _Lin:
+            weight, scale = _merge(parts)
+            if scale is not None and fp8_mode == "dequant":
+                weight, scale = (weight.float() * scale.reshape(-1, 1)).to(torch.bfloat16), None
+            return _Lin(weight, scale)
+
+        def norm_w(t):
+            t = t.float()
+            return ((1.0 + t) if dims.norm_one_plus else t).to(torch.bfloat16)
+
+        self.attn_norm = norm_w(w.attn_norm)
+        self.qkv = lin(w.q_proj, w.k_proj, w.v_proj)
+        self.qk_norm = None
+        if dims.qk_norm:
+            hd = dims.head_dim
+            self.qk_norm = torch.cat([norm_w(w.q_norm).expand(dims.num_heads, hd),
+                                      norm_w(w.k_norm).expand(dims.num_kv_heads, hd)]).contiguous()
+        self.o = lin(w.o_proj)
+        self.post_norm = norm_w(w.attn_post_norm) if w.attn_post_norm is not None else None
+        self.mlp_norm = norm_w(w.mlp_norm)
+        self.gate_up = lin(w.gate_proj, w.up_proj)
+        self.down = lin(w.down_proj)
+        self.mlp_post_norm = norm_w(w.mlp_post_norm) if w.mlp_post_norm is not None else None
+        self.rope = dims.rope_for_layer(l)
+        self.window = dims.window_for_layer(l)
+
+
+class StockDecode:
+    """``forward_layer(l, x, meta, kv)`` like a kernel backend; ``prepare(meta)`` once per step
+    builds what every layer shares (cache indices of the new tokens, visibility masks)."""
+
+    def __init__(self, dims: ModelDims, weights, max_position: int, device, fp8: str = "auto"):
+        self.dims = dims
+        self.device = torch.device(device)
+        fp8_kind = weights.layers[0].q_proj.kind if weights.layers else "bf16"
+        if fp8_kind == "bf16":
+            mode, why = "bf16", None
+        elif fp8_kind == "fp8" and fp8 == "auto":
+            why = scaled_mm_works(self.device)
+            mode = "scaled_mm" if why is None else "dequant"
+        else:
+            mode, why = "dequant", f"{fp8_kind} weights: no row-wise _scaled_mm path here"
+        self.fp8_path = {"bf16": "bf16 GEMMs (F.linear)",
+                         "scaled_mm": "W8A8: per-row e4m3 activations, torch._scaled_mm row-wise scales",
+                         "dequant": f"FP8 weights dequantized to bf16 at setup ({why})"}[mode]
+        self.layers = [StockLayer(dims, l, w, mode) for l, w in enumerate(weights.layers)]
+        hd = dims.head_dim
+        self._rope = {}
+        pos = torch.arange(max_position, dtype=torch.float32, device=self.device)
+        for layer in self.layers:
+            if layer.rope in self._rope:
+                continue
+            inv = torch.tensor(layer.rope.inv_freq(hd), dtype=torch.float32, device=self.device)
+            ang = pos[:, None] * inv[None, :]
+            # rounded to bf16 like HF's / vLLM's caches; the sign of rotate-half folded into sin
+            cos = ang.cos().to(torch.bfloat16).float()
+            sin = ang.sin().to(torch.bfloat16).float()
+            self._rope[layer.rope] = (torch.cat([cos, cos], -1).contiguous(), torch.cat([-sin, sin], -1).contiguous())
+        self._step = None
+
+    def prepare(self, meta, block_size: int) -> None:
+        """Per-step state shared by the layers (device ops only: capturable)."""
+        slots = meta.slot_mapping.long()
+        blk, off = slots // block_size, slots % block_size
+        tables = meta.block_tables.long()
+        ctx = tables.shape[1] * block_size
+        j = torch.arange(ctx, device=slots.device)
+        visible = j[None, :] < meta.seq_lens.long()[:, None]
+        masks = {None: visible[:, None, None, :]}
+        for layer in self.layers:
+            if layer.window is not None and layer.window not in masks:
+                win = visible & (j[None, :] > meta.positions[:, None] - layer.window)
+                masks[layer.window] = win[:, None, None, :]
+        cos_sin = {rope: (c.index_select(0, meta.positions), s.index_select(0, meta.positions))
+                   for rope, (c, s) in self._rope.items()}
+        self._step = (blk, off, tables, masks, cos_sin)
+
+    def _norm(self, x, w):
+        return F.rms_norm(x, (x.shape[-1],), eps=self.dims.rms_norm_eps) * w
+
+    def forward_layer(self, l: int, x: torch.Tensor, meta, kv) -> torch.Tensor:
+        d = self.dims
+        L = self.layers[l]
+        blk, off, tables, masks, cos_sin = self._step
+        rows, hd = x.shape[0], d.head_dim
+        nq, nkv = d.num_heads, d.num_kv_heads
+        qkv = L.qkv(self._norm(x, L.attn_norm))
+        qk = qkv[:, : d.q_size + d.kv_size].view(rows, nq + nkv, hd)
+        v = qkv[:, d.q_size + d.kv_size:].view(rows, nkv, hd)
+        if L.qk_norm is not None:
+            qk = self._norm(qk, L.qk_norm)
+        cos, sin = cos_sin[L.rope]
+        qf = qk.float()
+        rot = qf.view(rows, nq + nkv, 2, hd // 2).flip(2).view(rows, nq + nkv, hd)
+        qk = torch.addcmul(qf * cos[:, None, :], rot, sin[:, None, :]).to(torch.bfloat16)
+        q, k = qk[:, :nq], qk[:, nq:]
+        kc, vc = kv.key[l], kv.value[l]
+        kc.index_put_((blk, off), k)
+        vc.index_put_((blk, off), v)
+        ctx = tables.shape[1] * kv.block_size
+        keys = kc[tables].view(rows, ctx, nkv, hd).transpose(1, 2)
+        vals = vc[tables].view(rows, ctx, nkv, hd).transpose(1, 2)
+        att = F.scaled_dot_product_attention(q.reshape(rows, nkv, nq // nkv, hd), keys, vals,
+                                             attn_mask=masks[L.window], scale=d.attn_scale)
+        o = L.o(att.reshape(rows, d.q_size))
+        if L.post_norm is not None:
+            o = self._norm(o, L.post_norm)
+        x = x + o
+        gu = L.gate_up(self._norm(x, L.mlp_norm))
+        g, u = gu[:, : d.intermediate_size], gu[:, d.intermediate_size:]
+        a = F.gelu(g, approximate="tanh") if d.activation == "gelu_tanh" else F.silu(g)
+        y = L.down(a * u)
+        if L.mlp_post_norm is not None:
+            y = self._norm(y, L.mlp_post_norm)
+        return x + y
+
+    def gemms_only(self, l: int, x_h: torch.Tensor, x_q: torch.Tensor, x_i: torch.Tensor) -> torch.Tensor:
+        """Just the layer's GEMMs (QKV, O, gate/up, down; FP8: with their activation quantization)
+        on fixed inputs ``[rows, hidden]``, ``[rows, q_size]``, ``[rows, intermediate]``: the floor
+        of any per-op path built on these GEMMs."""
+        L = self.layers[l]
+        L.qkv(x_h)
+        L.o(x_q)
+        L.gate_up(x_h)
+        return L.down(x_i)
