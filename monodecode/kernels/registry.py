@@ -105,7 +105,7 @@ def backend_status(platform: Platform) -> list[BackendStatus]:
     for name in preferred + [n for n in _LAZY if n not in preferred]:
         if name not in preferred:
             if name == "flydsl":
-                why = f"flydsl targets gfx942/gfx950; this is {platform.kind} {platform.arch}"
+                why = f"flydsl targets gfx942/gfx950; this is {platform.label}"
             else:
                 why = f"{name} needs a CUDA or ROCm GPU; this is {platform.kind}"
             out.append(BackendStatus(name, False, why))

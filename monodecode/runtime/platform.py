@@ -37,6 +37,11 @@ class Platform:
     torch_usable: bool = False  # torch can launch on this device (a GPU kernel can run here)
 
     @property
+    def label(self) -> str:
+        """Short human name: "rocm gfx942", "cuda sm_90", or just "cpu"."""
+        return self.kind if self.arch == self.kind else f"{self.kind} {self.arch}"
+
+    @property
     def is_gpu(self) -> bool:
         return self.kind in ("rocm", "cuda")
 

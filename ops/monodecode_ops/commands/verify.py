@@ -50,7 +50,7 @@ def node_checks(platform: Any, require_gpu: bool) -> list[Check]:
     from monodecode.runtime.platform import SUPPORTED_AMD_ARCHS
 
     p = platform
-    facts = [f"{p.kind} {p.arch}", p.name, f"{p.compute_units} {'CUs' if p.kind == 'rocm' else 'SMs' if p.kind == 'cuda' else 'logical CPUs'}"]
+    facts = [p.label, p.name, f"{p.compute_units} {'CUs' if p.kind == 'rocm' else 'SMs' if p.kind == 'cuda' else 'logical CPUs'}"]
     if p.partition_mode:
         facts.append(f"partition {p.partition_mode}")
     if p.driver:
