@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is installed by the project's 'trit
 
 CHILD = textwrap.dedent(
     """
-    import json, sys
+    import dataclasses, json, sys
     from monodecode.kernels.triton import interpret
     interpret.enable()
     import torch
@@ -50,12 +50,16 @@ CHILD = textwrap.dedent(
     def at(t, s):
         return t[s // 16, s % 16]
 
-    for name, wd, widths, rows, layers, ctx, kv_layout in json.loads(sys.argv[1]):
+    for name, wd, widths, rows, layers, ctx, kv_layout, bk in json.loads(sys.argv[1]):
         torch.manual_seed(0)
         w = random_weights(dims, 1, weight_dtype=wd, num_layers=layers)
         req = BuildRequest(dims=dims, weight_dtype=wd, tp_size=1, widths=tuple(widths), block_size=16,
                            platform=Platform("cuda", "sm_90", "interpreter", 8), wait_timeout_s=0.01)
-        tk = TritonKernels(req, w, CUDA, 8, "cpu")
+        # bk: a smaller width-1 K chunk, so tiny's K (256, 768) spans several split iterations
+        target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
+        tk = TritonKernels(req, w, target, 8, "cpu")
+        if bk:
+            assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
         alloc = BlockAllocator(64, 16, shuffle_seed=2)
         for i, c in enumerate(ctx):
             alloc.append_slots(i, c - 1)
@@ -92,14 +96,16 @@ CHILD = textwrap.dedent(
     """
 )
 
-# (name, weight dtype, built widths, live rows, layers, context lengths, KV layout): contexts cross
-# KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows on a width-3 build;
-# "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one buffer).
+# (name, weight dtype, built widths, live rows, layers, context lengths, KV layout, width-1 K chunk
+# or 0): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
+# on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
+# buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``).
 RUNS = [
-    ("w1", "bf16", [1], 1, 4, [37], "planes"),
-    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes"),
-    ("padded", "bf16", [3], 2, 2, [16, 33], "planes"),
-    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved"),
+    ("w1", "bf16", [1], 1, 4, [37], "planes", 0),
+    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0),
+    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0),
+    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0),
+    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64),
 ]
 
 

@@ -95,11 +95,13 @@ def gemv_task(
     w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd, tag, health_ptr, bad_code,
     K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
-    """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off."""
+    """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
+    loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
+    weights, with the accumulator still one chunk wide)."""
     DOT: tl.constexpr = WP > 1
-    NK: tl.constexpr = K // BK
+    NK: tl.constexpr = K // (BK * SPLIT)
     n = n0 + tl.arange(0, BN)
     nmask = n < N
     rows = tl.arange(0, WP)
@@ -115,13 +117,15 @@ def gemv_task(
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
-        w1 = tl.load(wp1 + kk * BK, mask=nmask[:, None], other=0.0)
-        if TWO:
-            w2 = tl.load(wp2 + kk * BK, mask=nmask[:, None], other=0.0)
-        xb, bad = _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
-        acc1 = _mac(acc1, w1, xb, DOT)
-        if TWO:
-            acc2 = _mac(acc2, w2, xb, DOT)
+        for sp in tl.static_range(SPLIT):
+            kc = kk * SPLIT + sp
+            w1 = tl.load(wp1 + kc * BK, mask=nmask[:, None], other=0.0)
+            if TWO:
+                w2 = tl.load(wp2 + kc * BK, mask=nmask[:, None], other=0.0)
+            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
+            acc1 = _mac(acc1, w1, xb, DOT)
+            if TWO:
+                acc2 = _mac(acc2, w2, xb, DOT)
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)

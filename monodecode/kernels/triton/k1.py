@@ -12,7 +12,7 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd
-from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_done, wait_done
+from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_done, signal_tasks, wait_done
 
 
 @triton.jit
@@ -28,6 +28,7 @@ def k1_kernel(
     COMB_TASKS: tl.constexpr, COMB_OFF: tl.constexpr,
     EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, FP8: tl.constexpr,
+    FLAT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -46,17 +47,19 @@ def k1_kernel(
     rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - QKV_OFF + NPROG) % NPROG, QKV_TASKS, NPROG):
+        first = (pid - QKV_OFF + NPROG) % NPROG
+        for t in tl.range(first, QKV_TASKS, NPROG, flatten=FLAT):
             n0 = t * BN
             y, _y = gemv_task(
                 w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd, tag, health_ptr, bad_code,
-                HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES,
+                HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES, SPLIT,
             )
             n = n0 + tl.arange(0, BN)
-            if stall == 0:  # fault injection: never publish, so the waits below expire
-                tl.store(qkv_mb + rows[None, :] * NQKV + n[:, None], pack(y, tag),
-                         mask=(n < NQKV)[:, None] & rmask[None, :])
-                signal_done(done_qkv)
+            # fault injection (stall != 0): never publish, so the waits below expire
+            tl.store(qkv_mb + rows[None, :] * NQKV + n[:, None], pack(y, tag),
+                     mask=(n < NQKV)[:, None] & rmask[None, :] & (stall == 0))
+        if stall == 0:
+            signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
 
     # stage attn: (row, KV head, context split) partials
     for v in tl.static_range(VP):

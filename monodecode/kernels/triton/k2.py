@@ -9,7 +9,9 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import gemv_task, rms_apply
-from monodecode.kernels.triton.mailbox import check_tags, finish_launch, launch_epoch, pack, signal_done, unpack, wait_done
+from monodecode.kernels.triton.mailbox import (
+    check_tags, finish_launch, launch_epoch, pack, signal_done, signal_tasks, unpack, wait_done,
+)
 
 
 @triton.jit
@@ -83,7 +85,8 @@ def k2_kernel(
     EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, O_W: tl.constexpr, H_W: tl.constexpr, HN_W: tl.constexpr,
     ACT_W: tl.constexpr, D_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr,
-    FP8: tl.constexpr, GELU: tl.constexpr,
+    FP8: tl.constexpr, GELU: tl.constexpr, FLAT: tl.constexpr,
+    O_SPLIT: tl.constexpr, GU_SPLIT: tl.constexpr, D_SPLIT: tl.constexpr,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -107,15 +110,16 @@ def k2_kernel(
     # o_proj (input: K1's bf16 output, a launch input)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        for t in range((pid - O_OFF + NPROG) % NPROG, O_TASKS, NPROG):
+        first = (pid - O_OFF + NPROG) % NPROG
+        for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
             n0 = t * O_BN
             y, _y = gemv_task(
                 wo_ptr, so_ptr, wo_ptr, so_ptr, n0, HIDDEN, attn_ptr, Q, post_w_ptr, zero, tag, health_ptr,
-                bad_code, Q, W, WP, O_BN, O_BK, 1, False, FP8, ONE_PLUS, NUM_STAGES,
+                bad_code, Q, W, WP, O_BN, O_BK, 1, False, FP8, ONE_PLUS, NUM_STAGES, O_SPLIT,
             )
             n = n0 + tl.arange(0, O_BN)
             tl.store(o_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=(n < HIDDEN)[:, None] & rmask[None, :])
-            signal_done(done_o)
+        signal_tasks(done_o, first, O_TASKS, NPROG)
 
     # post: one task per row
     for v in tl.static_range(VP):
@@ -134,11 +138,11 @@ def k2_kernel(
         first = (pid - GU_OFF + NPROG) % NPROG
         if first < GU_TASKS:
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
-        for t in range(first, GU_TASKS, NPROG):
+        for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_BN
             g, u = gemv_task(
                 wg_ptr, sg_ptr, wu_ptr, su_ptr, n0, I, hn_mb, HIDDEN, post_w_ptr, zero, tag, health_ptr, bad_code,
-                HIDDEN, W, WP, GU_BN, GU_BK, 2, True, FP8, ONE_PLUS, NUM_STAGES,
+                HIDDEN, W, WP, GU_BN, GU_BK, 2, True, FP8, ONE_PLUS, NUM_STAGES, GU_SPLIT,
             )
             gb = g.to(tl.bfloat16).to(tl.float32)
             ub = u.to(tl.bfloat16).to(tl.float32)
@@ -146,7 +150,7 @@ def k2_kernel(
             m = (a * ub).to(tl.bfloat16).to(tl.float32)
             n = n0 + tl.arange(0, GU_BN)
             tl.store(act_mb + rows[None, :] * I + n[:, None], pack(m, tag), mask=(n < I)[:, None] & rmask[None, :])
-            signal_done(done_gu)
+        signal_tasks(done_gu, first, GU_TASKS, NPROG)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
     # every gate/up task acquired the post stage before releasing its own count.
@@ -156,17 +160,16 @@ def k2_kernel(
         if first < D_TASKS:
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
-        for t in range(first, D_TASKS, NPROG):
+        for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0 = t * D_BN
             y, _y = gemv_task(
                 wd_ptr, sd_ptr, wd_ptr, sd_ptr, n0, HIDDEN, act_mb, I, post_w_ptr, zero, tag, health_ptr, bad_code,
-                I, W, WP, D_BN, D_BK, 2, False, FP8, ONE_PLUS, NUM_STAGES,
+                I, W, WP, D_BN, D_BK, 2, False, FP8, ONE_PLUS, NUM_STAGES, D_SPLIT,
             )
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
             if POST_NORMS:
                 tl.store(d_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=om)
-                signal_done(done_down)
             else:
                 wh = tl.load(h_mb + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0, volatile=True)
                 check_tags(wh, om, tag, health_ptr, bad_code)
@@ -174,6 +177,8 @@ def k2_kernel(
                 out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                 _check_finite(out, om, health_ptr, nf_code)
                 tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+        if POST_NORMS:
+            signal_tasks(done_down, first, D_TASKS, NPROG)
 
     if POST_NORMS:
         for v in tl.static_range(VP):

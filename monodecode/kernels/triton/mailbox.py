@@ -13,8 +13,9 @@ Waits are bounded by a per-program spin budget (cumulative over the launch); on 
 sticky health word gets the site code (compare-and-swap from 0: the first failure wins) and the
 program carries on with whatever it reads, so the launch always terminates.
 
-Waiting is done on one word per producing stage: a monotonic completion counter that each task
-increments (release, after a CTA barrier) once its words are stored; a consumer polls it with an
+Waiting is done on one word per producing stage: a monotonic completion counter that counts the
+stage's finished tasks (release, after a CTA barrier, once their words are stored; GEMV stages
+count a program's tasks together after its task loop, ``signal_tasks``); a consumer polls it with an
 acquire atomic until it reaches ``epoch * tasks``, then reads the words (``.cg`` / volatile loads,
 never a stale L1 line) and checks every tag (``check_tags``: a mismatch is a protocol failure
 recorded in the health word). Polling one word keeps spinning programs from flooding L2 while
@@ -39,6 +40,16 @@ def signal_done(ctr_ptr):
     """Count one finished task of a stage, after all of this program's stores for it (release)."""
     tl.debug_barrier()
     tl.atomic_add(ctr_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def signal_tasks(ctr_ptr, first, TASKS: tl.constexpr, NPROG: tl.constexpr):
+    """Count all of this program's finished tasks of a stage (``first, first + NPROG, ...``) at
+    once, after the stage's loop: consumers wait for the whole stage anyway, and a barrier or a
+    release inside a GEMV task loop would stop Triton from pipelining the loop across tasks."""
+    if first < TASKS:
+        tl.debug_barrier()
+        tl.atomic_add(ctr_ptr, (TASKS - first + NPROG - 1) // NPROG, sem="release", scope="gpu")
 
 
 @triton.jit
