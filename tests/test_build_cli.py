@@ -132,11 +132,11 @@ def test_build_step_failure_names_the_step():
     from monodecode_ops.images import connect
 
     client = connect()
-    base = "monodecode-test/no-shell:base"
+    base = f"monodecode-test/no-shell:{os.getpid()}"
     client.images.build(fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=no-shell\n"), tag=base, rm=True)
     try:
         line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", "--base-image", base,
-                                      "--repository", "monodecode-test/img", "--tag", "no-shell"))
+                                      "--repository", "monodecode-test/img", "--tag", f"no-shell-{os.getpid()}"))
         assert re.match(r"error: build for gfx942 failed at step \d+/\d+ \(RUN sh /src/images/build/resolve-wheels.sh\)",
                         line), line
     finally:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("monodecode-ops"))
 ARCHS = ("gfx942", "gfx950")
 REPO = "monodecode-test/img"
-TAG = "test"
+TAG = f"t{os.getpid()}"  # per run: parallel runs on one engine never touch each other's images
 BASE_REPO = "monodecode-test/base"
 # pip inside the build trusts what the host trusts (a TLS-intercepting egress proxy included).
 CA = next((p for p in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
@@ -122,8 +122,11 @@ def built(docker_client, local_base, tmp_path_factory):
 def _remove_what_this_module_builds(docker_client):
     yield
     for image in docker_client.images.list(REPO):
-        docker_client.images.remove(image.id, force=True)
-    docker_client.images.prune(filters={"dangling": True})  # stage and cache images of the builds
+        if any(t.startswith(f"{REPO}:{TAG}-") for t in image.tags):
+            docker_client.images.remove(image.id, force=True)
+    # stage and cache images of the builds (images in use by a container, e.g. a build running
+    # in parallel, are never pruned)
+    docker_client.images.prune(filters={"dangling": True})
 
 
 def tag_of(arch: str) -> str:
@@ -325,16 +328,17 @@ def test_push_to_a_registry(docker_client, built, local_base, registry):
     import urllib.request
 
     args = ["build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--registry",
-            f"{registry}/monodecode-test", "--tag", "pushed", "--push", "--json"]
+            f"{registry}/monodecode-test", "--tag", f"{TAG}-pushed", "--push", "--json"]
     proc = cli(*args, *(["--ca-bundle", CA] if CA else []), timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = json.loads(proc.stdout)["images"]
     try:
-        assert r["pushed"] and r["tag"] == f"{registry}/monodecode-test/vllm-monodecode:pushed-gfx942"
+        pushed = f"{TAG}-pushed-gfx942"
+        assert r["pushed"] and r["tag"] == f"{registry}/monodecode-test/vllm-monodecode:{pushed}"
         base = f"http://{registry}/v2/monodecode-test/vllm-monodecode"
         tags = json.loads(urllib.request.urlopen(f"{base}/tags/list", timeout=10).read())["tags"]
-        assert tags == ["pushed-gfx942"]
-        req = urllib.request.Request(f"{base}/manifests/pushed-gfx942", headers={
+        assert tags == [pushed]
+        req = urllib.request.Request(f"{base}/manifests/{pushed}", headers={
             "Accept": "application/vnd.docker.distribution.manifest.v2+json"})
         manifest = json.loads(urllib.request.urlopen(req, timeout=10).read())
         assert manifest["config"]["digest"] == r["id"]  # the registry holds exactly the built image
@@ -345,7 +349,7 @@ def test_push_to_a_registry(docker_client, built, local_base, registry):
 def test_failing_build_step_is_one_line_with_its_output(local_base):
     # an unreachable package index (loopback, refused): the wheels stage fails inside pip
     proc = cli("build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--repository", REPO,
-               "--tag", "broken", "--pip-index-url", "http://127.0.0.1:9/simple", timeout=900)
+               "--tag", f"{TAG}-broken", "--pip-index-url", "http://127.0.0.1:9/simple", timeout=900)
     line = one_error_line(proc)
     assert line.startswith("error: build for gfx942 failed at step "), line
     assert "resolve-wheels.sh" in line and "returned a non-zero code" in line and "last output:" in line, line

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Docker engine for the image tests: `dockerd.sh start|stop|status`.
+# Docker engine for the image tests: `dockerd.sh start|stop|force-stop|status`.
 #
-# The engine runs the way DESIGN.md describes for machines without a bridge network: vfs storage
-# (works on any filesystem, no overlay mounts), no bridge, no iptables, no masquerading, so
-# containers use host networking or none. `start` is a no-op when an engine already answers on the
-# socket (a developer's own engine is left alone); `stop` only stops the engine this script
-# started (it owns the pidfile), and waits until it and its containerd are gone.
+# The engine runs the way DESIGN.md describes for machines without a bridge network: no bridge,
+# no iptables, no masquerading, so containers use host networking or none. `start` is a no-op
+# when an engine already answers on the socket. Several runs may share one engine (parallel
+# `make test` on one machine): every `start` takes a lease named after its caller's pid (the
+# same process calls `stop` later, e.g. scripts/with-services.sh), and `stop` drops that lease
+# and stops the engine only when no live lease is left and this script started it (it owns the
+# pidfile); it then waits until dockerd and its containerd are gone. An engine started by
+# anything else is never stopped. `force-stop` ignores leases.
 set -euo pipefail
 
 # Data root outside the work tree so the locally made base image survives between `make test`
@@ -13,6 +16,8 @@ set -euo pipefail
 DATA_ROOT=${MONODECODE_DOCKER_DATA_ROOT:-/var/lib/monodecode-docker}
 EXEC_ROOT=${MONODECODE_DOCKER_EXEC_ROOT:-/run/monodecode-docker}
 PIDFILE=$EXEC_ROOT/dockerd.pid
+LEASES=$EXEC_ROOT/leases
+CALLER=${MONODECODE_DOCKER_LEASE:-$PPID}
 SOCKET=${MONODECODE_DOCKER_SOCKET:-/var/run/docker.sock}
 LOG=${MONODECODE_DOCKER_LOG:-/var/log/monodecode-dockerd.log}
 READY_TIMEOUT_S=${MONODECODE_DOCKER_READY_TIMEOUT_S:-60}
@@ -47,9 +52,21 @@ our_pid() {
   [ -d "/proc/$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ] && echo "$pid"
 }
 
+live_leases() {
+  # Prints the pids of callers that still hold a lease (leases of dead callers are dropped).
+  local f pid
+  for f in "$LEASES"/*; do
+    [ -e "$f" ] || continue
+    pid=${f##*/}
+    if [ -d "/proc/$pid" ]; then echo "$pid"; else rm -f "$f"; fi
+  done
+}
+
 start() {
+  mkdir -p "$LEASES"
   if answers; then
-    echo "dockerd: an engine already answers on $SOCKET; leaving it as it is"
+    if our_pid >/dev/null; then : > "$LEASES/$CALLER"; fi
+    echo "dockerd: an engine already answers on $SOCKET; using it"
     return 0
   fi
   command -v dockerd >/dev/null || { echo "dockerd: not installed (Debian package docker.io, see scripts/apt-packages.txt)" >&2; return 1; }
@@ -76,11 +93,24 @@ start() {
     fi
     sleep 0.5
   done
+  : > "$LEASES/$CALLER"
   echo "dockerd: ready on $SOCKET ($STORAGE_DRIVER storage, data root $DATA_ROOT, log $LOG)"
 }
 
 stop() {
+  rm -f "$LEASES/$CALLER"
+  local others
+  others=$(live_leases | tr '\n' ' ')
+  if [ -n "$others" ]; then
+    echo "dockerd: still used by pid(s) ${others% }; leaving it running"
+    return 0
+  fi
+  force_stop
+}
+
+force_stop() {
   local pid
+  rm -rf "$LEASES"
   if ! pid=$(our_pid); then
     echo "dockerd: none started by this script (no live pid in $PIDFILE); nothing to stop"
     rm -f "$PIDFILE"
@@ -114,6 +144,7 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
+  force-stop) force_stop ;;
   status) if answers; then echo "dockerd: answering on $SOCKET"; else echo "dockerd: not answering on $SOCKET"; exit 1; fi ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|force-stop|status" >&2; exit 2 ;;
 esac
