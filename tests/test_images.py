@@ -22,7 +22,8 @@ import monodecode
 from monodecode.model.profiles import profile_dims
 from monodecode.runtime.platform import Platform
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+# The first test's setup makes the base (debootstrap, ~2.5 min) and builds both images (~2-3 min).
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).with_name("monodecode-ops"))
