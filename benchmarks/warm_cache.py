@@ -3,13 +3,14 @@
 The launcher compiles kernels one after another; on a fresh GPU machine this script first
 compiles the same ``ASTSource``s (same plan, constants and options, so the same cache keys)
 with one process per core. Used by ``benchmarks/device_run.sh``.
-Usage: ``python benchmarks/warm_cache.py --sm 132 [--cc 90]``.
+Usage: ``python benchmarks/warm_cache.py --sm 132 [--cc 90] [--target JSON ...] [--experiments]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -25,14 +26,18 @@ def builds() -> list[tuple[str, str, tuple[int, ...]]]:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = [(p, d, tuple(ws)) for p, d, ws, _ in mod.GPU_BUILDS]
-    for p in ("llama3-1b", "llama3-8b", "gemma3-27b"):
-        out.append((p, "bf16", (1, 8)))
-    out.append(("llama3-8b", "fp8", (1, 8)))
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out + bench_builds()))
+
+
+def bench_builds() -> list[tuple[str, str, tuple[int, ...]]]:
+    """(profile, weight dtype, widths) of the default benchmark (decode_latency.py)."""
+    return [(p, "bf16", (1, 8)) for p in ("llama3-1b", "llama3-8b", "gemma3-27b")] + [("llama3-8b", "fp8", (1, 8))]
 
 
 def _one(job) -> tuple[str, float]:
-    profile, dtype, widths, width, which, sm, cc = job
+    profile, dtype, widths, width, which, sm, cc, change = job
+    import dataclasses
+
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -45,9 +50,10 @@ def _one(job) -> tuple[str, float]:
     t0 = time.monotonic()
     dims = profile_dims(profile)
     mplan = plan_model(dims, 1, list(widths), sm)
-    src = dict(kernel_sources(dims, dtype, width, 16, mplan, CUDA))[which]
-    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(CUDA))
-    return f"{profile}/{dtype}/{widths} w={width} {which}", time.monotonic() - t0
+    target = dataclasses.replace(CUDA, **change)
+    src = dict(kernel_sources(dims, dtype, width, 16, mplan, target))[which]
+    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target))
+    return f"{profile}/{dtype}/{widths} w={width} {which} {change or ''}", time.monotonic() - t0
 
 
 def main() -> int:
@@ -55,8 +61,21 @@ def main() -> int:
     ap.add_argument("--sm", type=int, required=True, help="multiprocessors (persistent grid size)")
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--target", action="append", default=[],
+                    help="also compile the benchmark's builds with this CUDA target change (JSON), "
+                         "e.g. '{\"flatten\": false}'")
+    ap.add_argument("--experiments", action="store_true", help="also compile experiments.py's variants")
     a = ap.parse_args()
-    jobs = [(p, d, ws, w, k, a.sm, a.cc) for p, d, ws in builds() for w in ws for k in ("k1", "k2")]
+    changes = [{}] + [json.loads(t) for t in a.target]
+    jobs = [(p, d, ws, w, k, a.sm, a.cc, {}) for p, d, ws in builds() for w in ws for k in ("k1", "k2")]
+    jobs += [(p, d, ws, w, k, a.sm, a.cc, ch) for ch in changes[1:] for p, d, ws in bench_builds() for w in ws
+             for k in ("k1", "k2")]
+    if a.experiments:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from experiments import VARIANTS
+
+        for v in VARIANTS:
+            jobs += [(v.profile, v.dtype, (v.batch,), v.batch, k, a.sm, a.cc, v.change) for k in ("k1", "k2")]
     t0 = time.monotonic()
     with ProcessPoolExecutor(a.jobs) as ex:
         for name, dt in ex.map(_one, jobs):
