@@ -347,6 +347,26 @@ def test_push_to_a_registry(docker_client, built, local_base, registry):
         docker_client.images.remove(r["tag"], force=True)
 
 
+def test_digest_pinned_base_is_pulled_and_used(docker_client, registry):
+    """How the default bases are referenced (repository:tag@sha256:...): pulled by digest, then
+    usable as FROM, shown with a small image through the local registry."""
+    from monodecode_ops.commands.build import ensure_base
+
+    name = f"{registry}/monodecode-test/pinned-base"
+    docker_client.images.build(fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=pinned-base\n"), tag=f"{name}:v1", rm=True)
+    docker_client.images.push(name, tag="v1")
+    digest = docker_client.images.get(f"{name}:v1").attrs["RepoDigests"][0].split("@")[1]
+    docker_client.images.remove(f"{name}:v1", force=True)
+    pinned = f"{name}:v1@{digest}"
+    try:
+        base = ensure_base(docker_client, pinned, pull=True)
+        assert base.digest == digest
+        child = derived_image(docker_client, f"{REPO}:{TAG}-from-pinned", f"FROM {pinned}\nLABEL child=1\n")
+        assert docker_client.images.get(child).labels == {"purpose": "pinned-base", "child": "1"}
+    finally:
+        docker_client.images.remove(f"{name}@{digest}", force=True)
+
+
 def test_failing_build_step_is_one_line_with_its_output(local_base):
     # an unreachable package index (loopback, refused): the wheels stage fails inside pip
     proc = cli("build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--repository", REPO,

@@ -354,7 +354,7 @@ def read_image(image: str, client: "docker.DockerClient | None" = None) -> Image
         store = ArtifactStore(tmp / art_name)
         if store.manifest_path.is_file():
             try:
-                contents.manifest_text = store.manifest_path.read_text()
+                contents.manifest_text = store.manifest_path.read_bytes().decode()  # no newline translation
                 contents.entries = parse_manifest(contents.manifest_text, f"{labels.artifact_dir}/{MANIFEST}")
             except (ArtifactError, UnicodeDecodeError) as e:
                 contents.manifest_error = str(e) if isinstance(e, ArtifactError) else f"{MANIFEST} is not UTF-8"
@@ -534,7 +534,7 @@ def baked_checks(info_path: str | Path | None = None) -> list[Check]:
     store = ArtifactStore(art_dir)
     if store.manifest_path.is_file():
         try:
-            c.manifest_text = store.manifest_path.read_text()
+            c.manifest_text = store.manifest_path.read_bytes().decode()
             c.entries = parse_manifest(c.manifest_text, str(store.manifest_path))
         except (ArtifactError, UnicodeDecodeError, OSError) as e:
             c.manifest_error = str(e)

@@ -10,6 +10,7 @@ so only the labels are new. The log streams with a progress bar per arch; a fail
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import re
 import shlex
@@ -322,14 +323,18 @@ def read_build_outputs(client, artifacts_image: str) -> dict[str, Any]:
         info_path, manifest = tmp / "image.json", tmp / "artifacts" / "manifest.json"
         if not info_path.is_file() or not manifest.is_file():
             raise ImageError("the precompile stage produced no /out/image.json or /out/artifacts/manifest.json")
-        info = json.loads(info_path.read_text())
-        text = manifest.read_text()
+        try:
+            info = json.loads(info_path.read_text())
+            text = manifest.read_bytes().decode()  # bytes as written: the digest is over them
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ImageError(f"the precompile stage wrote an unreadable image.json or manifest.json: {e}") from None
+    missing = [k for k in ("backends", "build_keys", "manifest_digest") if k not in info]
+    if missing:
+        raise ImageError(f"the precompile stage's image.json lacks {', '.join(missing)}")
     try:
         entries = parse_manifest(text, "baked manifest.json")
     except ArtifactError as e:
         raise ImageError(f"the precompile stage wrote a bad manifest: {e}") from None
-    import hashlib
-
     digest = "sha256:" + hashlib.sha256(text.encode()).hexdigest()
     if digest != info.get("manifest_digest") or sorted(e.build_key for e in entries) != info.get("build_keys"):
         raise ImageError("the precompile stage's image.json does not match its manifest.json")
