@@ -70,6 +70,33 @@ def test_baked_cache_loads_run_only_without_compiling(baked, tmp_path):
         bake.check_run_only("gfx942", profile_dims("tiny"), list(WIDTHS), "bf16", 16, tmp_path / "empty")
 
 
+def test_one_code_object_serves_contiguous_and_vllm_kv_caches(baked, tmp_path):
+    """The KV strides are K1 launch arguments, not constants of the code object: tracing K1 with
+    the arguments of the reference's contiguous cache and of vLLM 0.33's interleaved K|V views
+    (built by the plugin's own ``kv_views``) hits the same baked cache entry for every width."""
+    import torch
+
+    from monodecode.kernels.flydsl.kv import kv_launch_args
+    from monodecode.model.paged_kv import PagedKVCache
+    from monodecode.vllm_plugin.step import kv_views
+
+    dims = profile_dims("tiny")
+    plain = PagedKVCache.allocate(dims, 4, 16, num_layers=1)
+    raw = torch.zeros(4, 16, dims.num_kv_heads, 2 * dims.head_dim, dtype=torch.bfloat16)
+    vllm = kv_views([raw.permute(0, 2, 1, 3)], dims.num_kv_heads, dims.head_dim)
+    layouts = [kv_launch_args(kv.key[0], kv.value[0], dims.num_kv_heads, dims.head_dim, 16).named()
+               for kv in (plain, vllm)]
+    assert layouts[0] != layouts[1]
+    entry = ArtifactStore(baked).lookup(FlyDSLBackend().build_key(request(mi300x())))
+    run = bake.stage_run_cache(entry, tmp_path / "run")
+    hits = bake.check_run_only("gfx942", dims, list(WIDTHS), "bf16", 16, run, k1_scalars=layouts)
+    assert hits[0] == hits[1]
+    root = entry.extra["cache_root"] + "/"
+    baked_files = {int(w): {k: rec["cache_file"].removeprefix(root) for k, rec in ks.items()}
+                   for w, ks in entry.extra["kernels"].items()}
+    assert hits[0] == baked_files  # the very files precompile wrote: one code object per width and kernel
+
+
 def test_tampered_artifact_is_refused(baked, tmp_path):
     import shutil
 

@@ -114,10 +114,15 @@ class FlyDSLBackend(KernelBackend):
 class FlyDSLKernels(DecodeKernels):
     """Launch-ready K1/K2 for every width (ROCm device; run-only FlyDSL cache).
 
+    K1 addresses K/V through the caches' strides, passed per launch (``kv.py``): the reference's
+    contiguous cache and vLLM 0.33's interleaved K|V views run the same code object.
+
     One scratch buffer laid out by the shared plan (``plan_model``): the health word at the
     header's offset, then one segment per width with its epoch counters and mailbox regions;
     each launch gets its width's segment and the health word. Nothing is zeroed between steps
     (tags come from the on-device launch counters), so the launches are graph-capturable."""
+
+    kv_strided = True  # read by vllm_plugin.step.kv_reason_for_backend
 
     def __init__(self, req: BuildRequest, weights: Any, cache_dir: Path):
         import torch
@@ -143,6 +148,7 @@ class FlyDSLKernels(DecodeKernels):
         # ~1 us per poll (sc1 load + s_sleep 1): the wait bound in polls
         self._max_polls = max(1, int(req.wait_timeout_s * 1e6))
         self._armed: Any = None
+        self._kv_cache_args: dict[int, tuple] = {}
         self._launch: dict[int, tuple[Any, Any]] = {}
         with arch_env(self.arch, cache_dir, run_only=True):
             for w, spec in self._specs.items():
@@ -175,6 +181,18 @@ class FlyDSLKernels(DecodeKernels):
             self._cos_sin[kind] = torch.cat([cos[:, :half], sin[:, :half]], 1).float().contiguous()
 
     # ---- launches
+    def _kv_args(self, layer: int, key, value):
+        """K1's cache addresses and word strides for ``layer`` (``kv.kv_launch_args``; a layout K1
+        cannot address is a ``kv_layout`` ConfigError), kept while the same views come back."""
+        from monodecode.kernels.flydsl.kv import kv_launch_args
+
+        sig = (key.data_ptr(), tuple(key.shape), key.stride(), value.data_ptr(), value.stride())
+        have = self._kv_cache_args.get(layer)
+        if have is None or have[0] != sig:
+            have = (sig, kv_launch_args(key, value, self.dims.num_kv_heads, self.dims.head_dim, self.req.block_size))
+            self._kv_cache_args[layer] = have
+        return have[1]
+
     def _ptr(self, kind: str, t) -> Any:
         from monodecode.kernels.flydsl.compile import pointer
 
@@ -212,16 +230,17 @@ class FlyDSLKernels(DecodeKernels):
         out = torch.empty(width, self.dims.q_size, dtype=torch.bfloat16, device=self.device)
         window = self.dims.window_for_layer(layer) or 0
         bt = meta.block_tables.to(torch.int32).contiguous()
+        cache = self._kv_args(layer, kv.key[layer], kv.value[layer])
         with arch_env(self.arch, self.cache_dir, run_only=True):
             self._launch[width][0](
                 p("i32", x), p("i32", lw["attn_norm"]), p("i32", lw["qkv"][0]), p("f32", lw["qkv"][1]),
                 p("i32", lw["q_norm"]), p("i32", lw["k_norm"]), p("f32", self._cos_sin[self.dims.rope_for_layer(layer)]),
-                p("i32", kv.key[layer]), p("i32", kv.value[layer]), p("i32", bt),
+                p("i32", cache.key_addr), p("i32", cache.value_addr), p("i32", bt),
                 p("i32", meta.seq_lens.to(torch.int32).contiguous()),
                 p("i32", meta.slot_mapping.to(torch.int64).contiguous()),
                 p("i32", meta.positions.to(torch.int64).contiguous()), p("i16", out),
                 p("i64", self._segment[width]), p("i32", self._health_addr),
-                window, bt.shape[1], self._max_polls, layer, stall)
+                window, bt.shape[1], *cache.scalars(), self._max_polls, layer, stall)
         return out
 
     def _k2(self, layer, x, attn, width, nan_fault=0):

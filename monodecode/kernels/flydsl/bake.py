@@ -98,37 +98,57 @@ def stage_run_cache(entry: ArtifactEntry, run_dir: Path) -> Path:
 
 
 def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
-                   cache_dir: Path, tp_size: int = 1) -> None:
+                   cache_dir: Path, tp_size: int = 1,
+                   k1_scalars: list[dict[str, int]] | None = None) -> list[dict[int, dict[str, str]]]:
     """Prove (in a subprocess) that every width traces to a cache hit with run-only set.
 
     This is exactly the runtime's load path up to the first launch; on a CPU machine the launch
     itself is skipped (COMPILE_ONLY). A miss raises ArtifactError naming the kernel.
+    ``k1_scalars``: sets of K1 scalar arguments (by name, e.g. a cache's KV strides) to trace
+    with, one pass each (default: one pass with zeros). Returns, per pass, the cache file each
+    width's K1 and K2 hit (``{width: {"k1": "launch_k1/<key>.pkl", ...}}``).
     """
     req = {"arch": arch, "dims": dims.to_dict(), "widths": widths, "weight_dtype": weight_dtype,
-           "block_size": block_size, "cache_dir": str(cache_dir), "tp_size": tp_size}
+           "block_size": block_size, "cache_dir": str(cache_dir), "tp_size": tp_size,
+           "k1_scalars": k1_scalars or [{}]}
     proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.bake"], input=json.dumps(req),
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         raise ArtifactError(f"flydsl: run-only load failed: {lines[-1] if lines else proc.returncode}")
+    passes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [{int(w): hits for w, hits in p.items()} for p in passes]
 
 
 def _run_only_main() -> int:
     import flydsl.compiler as flyc
 
-    from monodecode.kernels.flydsl.compile import (K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, _dims_from_dict,
-                                                   launchers, pointer)
+    from monodecode.kernels.flydsl.compile import (K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, _cache_entry,
+                                                   _dims_from_dict, launchers, pointer)
     from monodecode.kernels.flydsl.toolchain import arch_env
 
     req = json.loads(sys.stdin.read())
     dims = _dims_from_dict(req["dims"])
-    for w in req["widths"]:
-        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
-                              int(req.get("tp_size", 1)))
-        with arch_env(spec.arch, Path(req["cache_dir"]), compile_only=True, run_only=True):
-            k1, k2 = launchers(spec)
-            for fn, args, scalars in ((k1, K1_ARGS, K1_SCALARS), (k2, K2_ARGS, K2_SCALARS)):
-                flyc.compile(fn, *[pointer(kind, None) for _, kind in args], *([0] * len(scalars)))
+    cache_dir = Path(req["cache_dir"])
+    passes = []
+    for given in req["k1_scalars"]:
+        unknown = set(given) - set(K1_SCALARS)
+        if unknown:
+            raise ValueError(f"unknown K1 scalar arguments {sorted(unknown)}; K1 takes {K1_SCALARS}")
+        hits: dict[str, dict[str, str]] = {}
+        for w in req["widths"]:
+            spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
+                                  int(req.get("tp_size", 1)))
+            with arch_env(spec.arch, cache_dir, compile_only=True, run_only=True):
+                k1, k2 = launchers(spec)
+                hits[str(w)] = {}
+                for name, fn, args, scalars, values in (("k1", k1, K1_ARGS, K1_SCALARS, given),
+                                                         ("k2", k2, K2_ARGS, K2_SCALARS, {})):
+                    flyc.compile(fn, *[pointer(kind, None) for _, kind in args],
+                                 *[int(values.get(s, 0)) for s in scalars])
+                    hits[str(w)][name] = str(_cache_entry(fn, cache_dir).relative_to(cache_dir))
+        passes.append(hits)
+    print(json.dumps(passes))
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from monodecode.errors import ArtifactError
 from monodecode.kernels.flydsl.arch import arch_spec
 from monodecode.kernels.flydsl.geometry import Geometry, plan_geometry
+from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS
 from monodecode.kernels.flydsl.toolchain import arch_env
 from monodecode.model.dims import ModelDims, dims_from_hf_config
 
@@ -34,7 +35,9 @@ K1_ARGS = (("x", "i32"), ("norm_w", "i32"), ("w_qkv", "i32"), ("s_qkv", "f32"), 
            ("k_norm_w", "i32"), ("cos_sin", "f32"), ("key_cache", "i32"), ("value_cache", "i32"),
            ("block_tables", "i32"), ("seq_lens", "i32"), ("slots", "i32"), ("positions", "i32"),
            ("out_attn", "i16"), ("mbox", "i64"), ("health", "i32"))
-K1_SCALARS = ("window", "bt_stride", "max_polls", "layer", "stall")
+# The KV cache strides (``kv.KV_STRIDE_ARGS``) are arguments, not constants: one code object
+# serves contiguous caches and vLLM's interleaved K|V views alike.
+K1_SCALARS = ("window", "bt_stride", *KV_STRIDE_ARGS, "max_polls", "layer", "stall")
 K2_ARGS = (("x", "i32"), ("attn", "i32"), ("w_o", "i32"), ("s_o", "f32"), ("post_attn_w", "i32"),
            ("mlp_norm_w", "i32"), ("w_gu", "i32"), ("s_gu", "f32"), ("w_down", "i32"), ("s_down", "f32"),
            ("post_mlp_w", "i32"), ("out", "i16"), ("mbox", "i64"), ("health", "i32"), ("peers", "i64"))

@@ -36,6 +36,10 @@ K2 (``x``, ``attn_out`` -> ``x_out``)
   final    task = row (Gemma or TP): sums the   Gemma: d = rms_norm(d, mlp_post_norm);
            partials, norm, residual -> x_out    x_out = h + d
 
+K/V are addressed through the cache's block / token / head strides, passed at launch
+(``kv.py``), so one code object serves the reference's contiguous cache and vLLM's interleaved
+K|V views alike.
+
 An expired wait stores ``health_code(wait_timeout, k1|k2, layer)``, a non-finite output
 ``health_code(nonfinite, k2, layer)`` in the sticky health word (the plan's header region).
 """
@@ -50,6 +54,7 @@ from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
 from monodecode.kernels.flydsl.geometry import (ATTN_CHUNK, MFMA_ROWS, NEG_BIG, Geometry, GemvTile, first_task,
                                                 mfma_k_elem, mfma_lane, mfma_part, mfma_weight_row)
+from monodecode.kernels.flydsl.kv import kv_word
 from monodecode.kernels.plan import K1, K2
 from monodecode.model.dims import ModelDims
 
@@ -255,7 +260,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
                   out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32):
+                  bt_stride: fx.Int32, k_block_stride: fx.Int32, k_token_stride: fx.Int32, k_head_stride: fx.Int32,
+                  v_block_stride: fx.Int32, v_token_stride: fx.Int32, v_head_stride: fx.Int32,
+                  max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32):
         tid = fx.Int32(gpu.thread_idx.x)
         bid = fx.Int32(gpu.block_idx.x)
         wave = d.uniform(tid // WAVE_SIZE)
@@ -298,7 +305,8 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         # ---- attn: (row, KV head, split) partials
         for t_ in range(first_task(bid, st_attn.offset, G), d.i32(st_attn.tasks), d.i32(G)):
             _attn_task(d.i32(t_), mbox, tag, polls, health, wait_code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
-                       key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride)
+                       key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride,
+                       (k_block_stride, k_token_stride, k_head_stride), (v_block_stride, v_token_stride, v_head_stride))
 
         # ---- combine: merge each query head's splits -> attn_out (bf16)
         for t_ in range(first_task(bid, st_comb.offset, G), d.i32(st_comb.tasks), d.i32(G)):
@@ -323,7 +331,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
     @d.device
     def _attn_task(t, mbox, tag, polls, health, code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
-                   key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride):
+                   key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride, kst, vst):
+        """Task t = (row, KV head g, split s). K/V of (block, token, head g) sit at word
+        ``kv_word(block, token, g, kst | vst)`` of the caches (strides are launch arguments)."""
         r = t // d.i32(KVH * S)
         g = (t // d.i32(S)) % d.i32(KVH)
         s = t % d.i32(S)
@@ -396,9 +406,12 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         if has_new & (tid < d.i32(HALF)):
             kb = vec + d.i32(GQ * D) + tid * d.i32(2)
             vb = vec + d.i32((GQ + 1) * D) + tid * d.i32(2)
-            dst = ((slot * d.i32(KVH) + g) * d.i32(D)) // d.i32(2) + tid
-            d.store_word(key_cache, dst, d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))))
-            d.store_word(value_cache, dst, d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))))
+            nblk = slot // d.i32(BS)
+            ntok = slot - nblk * d.i32(BS)
+            d.store_word(key_cache, kv_word(nblk, ntok, g, kst) + tid,
+                         d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))))
+            d.store_word(value_cache, kv_word(nblk, ntok, g, vst) + tid,
+                         d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))))
 
         # online softmax over the cached positions: chunk c of 64 positions -> wave c % 4
         m = [d.f32(NEG_BIG) for _ in range(GQ)]
@@ -407,6 +420,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         nch = (fx.max(cend - lo, d.i32(0)) + d.i32(ATTN_CHUNK - 1)) // d.i32(ATTN_CHUNK)
         p_base = d.i32(L1["p"]) + wave * d.i32(GQ * ATTN_CHUNK)
         s_base = d.i32(L1["slot"]) + wave * d.i32(ATTN_CHUNK)
+        # this lane's V dims as a 64-bit address, added to each position's word below (kept out of
+        # the i32 offset: that sum made the scheduler hoist the score loop's q reads, +30 VGPRs)
+        v_lane = value_cache + ((lane // d.i32(2)) if DPL == 1 else lane * d.i32(DPL // 2))
         for ch_ in range(wave, nch, d.i32(NW)):
             ch = d.i32(ch_)
             p0 = lo + ch * d.i32(ATTN_CHUNK)
@@ -414,13 +430,13 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             valid = p < cend
             pc = valid.select(p, lo)
             blk = d.load_word(block_tables, r * bt_stride + pc // d.i32(BS))
-            kslot = blk * d.i32(BS) + pc % d.i32(BS)
-            d.lds_store(lds, s_base + lane, kslot)
-            kbase = ((kslot * d.i32(KVH) + g) * d.i32(D)) // d.i32(2)
+            btok = pc % d.i32(BS)
+            d.lds_store(lds, s_base + lane, kv_word(blk, btok, g, vst))  # V's word, for the P.V loop
+            krow = key_cache + kv_word(blk, btok, g, kst)  # this lane's position: K of head g
             sc = [d.f32(0.0) for _ in range(GQ)]
             for k4_ in range(d.i32(D // 32)):  # 32 dims (4 x 16 bytes of K) per iteration
                 k4 = d.i32(k4_)
-                kw = [d.load_words(key_cache, kbase + k4 * d.i32(16) + d.i32(4 * u), 4) for u in range(4)]
+                kw = [d.load_words(krow, k4 * d.i32(16) + d.i32(4 * u), 4) for u in range(4)]
                 for h in fx.range_constexpr(GQ):
                     qb = vec + d.i32(h * D) + k4 * d.i32(32)
                     for u in fx.range_constexpr(4):
@@ -443,15 +459,14 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                     acc[h * DPL + j] = acc[h * DPL + j] * corr
             for i_ in range(fx.min(d.i32(ATTN_CHUNK), cend - p0)):
                 i = d.i32(i_)
-                vs = d.lds_load(lds, s_base + i)
-                vb = ((vs * d.i32(KVH) + g) * d.i32(D)) // d.i32(2)
+                vrow = v_lane + fx.Int64(d.lds_load(lds, s_base + i))  # position i's V of head g
                 vv = []
                 if fx.const_expr(DPL == 1):
-                    vw = d.load_word(value_cache, vb + lane // d.i32(2))
+                    vw = d.load_word(vrow, d.i32(0))
                     vv.append(d.bf16_half(vw, lane % d.i32(2)))
                 else:
                     for j2 in fx.range_constexpr(DPL // 2):
-                        vw = d.load_word(value_cache, vb + lane * d.i32(DPL // 2) + d.i32(j2))
+                        vw = d.load_word(vrow, d.i32(j2))
                         vv.append(d.bf16_lo(vw))
                         vv.append(d.bf16_hi(vw))
                 for h in fx.range_constexpr(GQ):
@@ -767,10 +782,12 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                   k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
                   block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
                   out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32,
-                  stream: fx.Stream = fx.Stream(None)):
+                  bt_stride: fx.Int32, k_block_stride: fx.Int32, k_token_stride: fx.Int32, k_head_stride: fx.Int32,
+                  v_block_stride: fx.Int32, v_token_stride: fx.Int32, v_head_stride: fx.Int32,
+                  max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32, stream: fx.Stream = fx.Stream(None)):
         k1_kernel(x, norm_w, w_qkv, s_qkv, q_norm_w, k_norm_w, cos_sin, key_cache, value_cache, block_tables,
-                  seq_lens, slots, positions, out_attn, mbox, health, window, bt_stride, max_polls, layer,
+                  seq_lens, slots, positions, out_attn, mbox, health, window, bt_stride, k_block_stride,
+                  k_token_stride, k_head_stride, v_block_stride, v_token_stride, v_head_stride, max_polls, layer,
                   stall).launch(grid=(G,), block=(WG,), stream=stream)
 
     @flyc.jit
