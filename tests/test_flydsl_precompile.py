@@ -19,6 +19,7 @@ from monodecode.errors import ArtifactError, RefusalError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.flydsl import bake
 from monodecode.kernels.flydsl.backend import FlyDSLBackend
+from monodecode.kernels.registry import backend_status
 from monodecode.model.profiles import profile_dims
 from monodecode.runtime.artifacts import ArtifactStore
 from monodecode.runtime.platform import Platform
@@ -27,9 +28,9 @@ from monodecode_ops.cli import app
 WIDTHS = (1, 2)
 
 
-def mi300x(cus: int = 304, partition: str = "SPX") -> Platform:
+def mi300x(cus: int = 304, partition: str = "SPX", torch_usable: bool = True) -> Platform:
     return Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=cus,
-                    partition_mode=partition, source="kfd")
+                    partition_mode=partition, source="torch" if torch_usable else "kfd", torch_usable=torch_usable)
 
 
 def request(platform: Platform, weight_dtype: str = "bf16", widths=WIDTHS) -> BuildRequest:
@@ -128,6 +129,15 @@ def test_refusals_before_any_load(tmp_path):
     assert "38 compute units" in cpx and "304" in cpx
     cuda = Platform(kind="cuda", arch="sm_90", name="H200", compute_units=132)
     assert "gfx942/gfx950" in backend.unavailable_reason(cuda)
+    # an MI300X seen only through sysfs (CPU build of torch): nothing could launch the kernels
+    sysfs_only = backend.unavailable_reason(mi300x(torch_usable=False))
+    assert sysfs_only.startswith("torch cannot launch on AMD Instinct MI300X (gfx942)") and "\n" not in sysfs_only
+    statuses = {s.name: s for s in backend_status(mi300x(torch_usable=False))}
+    assert not statuses["flydsl"].available and statuses["flydsl"].reason == sysfs_only
+    with pytest.raises(RefusalError) as err:  # build refuses before looking for an artifact
+        backend.build(request(mi300x(torch_usable=False)), weights=None, artifacts=ArtifactStore(tmp_path),
+                      allow_jit=False)
+    assert err.value.codes == ["backend_unavailable"] and "torch cannot launch" in err.value.reasons[0]
     with pytest.raises(RefusalError) as err:  # gfx942 decodes FNUZ FP8, not OCP
         backend.build(request(mi300x(), weight_dtype="fp8"), weights=None, artifacts=ArtifactStore(tmp_path),
                       allow_jit=False)

@@ -38,6 +38,9 @@ class FlyDSLBackend(KernelBackend):
     def unavailable_reason(cls, platform: Platform) -> str | None:
         if platform.kind != "rocm" or platform.arch not in ARCHS:
             return f"flydsl targets gfx942/gfx950 ROCm GPUs; this is {platform.kind} {platform.arch}"
+        if not platform.torch_usable:  # e.g. seen only in sysfs by a CPU build of torch: nothing could launch
+            return (f"torch cannot launch on {platform.name} ({platform.arch}): a CPU build of torch or no "
+                    "/dev/kfd access; flydsl launches through a ROCm torch")
         if importlib.util.find_spec("flydsl") is None:
             return "the flydsl package is not installed (pip extra 'flydsl')"
         need = ARCHS[platform.arch].compute_units
