@@ -112,11 +112,42 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         """Byte offset of weight element (row + p*n, kg): gate|up rows are stacked, 2I x K."""
         return ((row + d.i32(p * n)) * d.i32(k) + kg) * d.i32(1 if FP8 else 2)
 
+    def _fma_weights(w_rs, row0, c0, s, lane, N, K, R, GR, PR, VEC, STEP, KPAD):
+        """Step ``s`` of chunk ``c0``: this lane's 16 weight bytes of each row of the group at row0."""
+        kg = c0 + s * d.i32(STEP) + lane * d.i32(VEC)
+        if KPAD != K:  # lanes past K read a valid weight; their LDS input is 0
+            kg = fx.min(kg, d.i32(K - VEC))
+        wv = []
+        for i in range(GR):
+            row = row0 + d.i32(i)
+            if N % R != 0:  # the last task's rows past N read row N-1
+                row = fx.min(row, d.i32(N - 1))
+            for p in range(PR):
+                wv.append(d.load_weights16(w_rs, weight_byte(row, N, K, p, kg)))
+        return wv
+
+    def _fma_step(lds, wv, s, lane, accs, GR, PR, VEC, STEP, XS, x_off):
+        """accs[j * W + tk] += weights j . token tk's staged inputs for step ``s`` of the chunk."""
+        kl = s * d.i32(STEP) + lane * d.i32(VEC)  # element inside the chunk
+        for tk in range(W):
+            xa = d.lds_load4(lds, d.i32(x_off + tk * XS) + kl // d.i32(2))
+            if VEC == 16:
+                xb = d.lds_load4(lds, d.i32(x_off + tk * XS + 4) + kl // d.i32(2))
+            for j in range(GR * PR):
+                if VEC == 8:
+                    accs[j * W + tk] = d.dot_bf16(wv[j], xa, accs[j * W + tk])
+                else:
+                    accs[j * W + tk] = d.dot_fp8(wv[j], xa, xb, accs[j * W + tk])
+        return accs
+
     @d.device
     def _gemv_fma(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK, XS, NCH,
                   KPAD, x_off, part_off):
-        """Narrow steps: lanes split K (16 bytes of weights each per step), waves split the rows."""
+        """Narrow steps: lanes split K (16 bytes of weights each per step), waves split the rows.
+        The task's first weights (chunk 0, row group 0, step 0) are loaded before its inputs are
+        staged, so they stream in while ``stage_chunk`` waits for the producers' words."""
         n0 = t * d.i32(R)
+        first = _fma_weights(w_rs, n0 + wave * d.i32(RPW), d.i32(0), d.i32(0), lane, N, K, R, GR, PR, VEC, STEP, KPAD)
         for c_ in range(NCH):
             c = d.i32(c_)
             c0 = c * d.i32(CK)
@@ -127,29 +158,16 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             for grp_ in range(RPW // GR):
                 grp = d.i32(grp_)
                 row0 = n0 + wave * d.i32(RPW) + grp * d.i32(GR)
-                accs = [d.f32(0.0) for _ in range(GR * PR * W)]
-                for s_ in range(nsteps, unroll=2):
+                # step 0 peeled: the weights loaded up front, or this group's own
+                wv0 = first
+                if (c != d.i32(0)) | (grp != d.i32(0)):
+                    wv0 = _fma_weights(w_rs, row0, c0, d.i32(0), lane, N, K, R, GR, PR, VEC, STEP, KPAD)
+                accs = _fma_step(lds, wv0, d.i32(0), lane, [d.f32(0.0) for _ in range(GR * PR * W)], GR, PR, VEC,
+                                 STEP, XS, x_off)
+                for s_ in range(d.i32(1), nsteps, d.i32(1), unroll=2):
                     s = d.i32(s_)
-                    kl = s * d.i32(STEP) + lane * d.i32(VEC)  # element inside the chunk
-                    kg = c0 + kl
-                    if fx.const_expr(KPAD != K):  # lanes past K read a valid weight; their LDS input is 0
-                        kg = fx.min(kg, d.i32(K - VEC))
-                    wv = []
-                    for i in fx.range_constexpr(GR):
-                        row = row0 + d.i32(i)
-                        if fx.const_expr(N % R != 0):  # the last task's rows past N read row N-1
-                            row = fx.min(row, d.i32(N - 1))
-                        for p in fx.range_constexpr(PR):
-                            wv.append(d.load_weights16(w_rs, weight_byte(row, N, K, p, kg)))
-                    for tk in fx.range_constexpr(W):
-                        xa = d.lds_load4(lds, d.i32(x_off + tk * XS) + kl // d.i32(2))
-                        if fx.const_expr(VEC == 16):
-                            xb = d.lds_load4(lds, d.i32(x_off + tk * XS + 4) + kl // d.i32(2))
-                        for j in fx.range_constexpr(GR * PR):
-                            if fx.const_expr(VEC == 8):
-                                accs[j * W + tk] = d.dot_bf16(wv[j], xa, accs[j * W + tk])
-                            else:
-                                accs[j * W + tk] = d.dot_fp8(wv[j], xa, xb, accs[j * W + tk])
+                    wv = _fma_weights(w_rs, row0, c0, s, lane, N, K, R, GR, PR, VEC, STEP, KPAD)
+                    accs = _fma_step(lds, wv, s, lane, accs, GR, PR, VEC, STEP, XS, x_off)
                 sums = [d.warp_sum(a) for a in accs]
                 if fx.const_expr(NCH > 1):
                     slot = d.i32(part_off) + (wave * d.i32(RPW) + grp * d.i32(GR)) * d.i32(PR * W)
@@ -164,6 +182,30 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                                 for p in range(PR)]
                         finish(row0 + d.i32(i), lane, vals, lane < d.i32(W))
 
+    def _mfma_weights(w_rs, n0, tg, rin, kq, b, c0, N, K, R, PR, VEC, KPAD, TW):
+        """This lane's 16 weight bytes of K block ``b`` of chunk ``c0`` for each of the wave's tiles."""
+        kg = c0 + mfma_k_elem(b, kq, VEC)
+        if KPAD != K:
+            kg = fx.min(kg, d.i32(K - VEC))
+        wv = []
+        for j in range(TW):
+            tile = tg * d.i32(TW) + d.i32(j)
+            rin_ = rin
+            if N % R != 0:  # the last task's rows past N read row N-1
+                rin_ = fx.min(rin, d.i32(N - 1) - n0 - (tile // d.i32(PR)) * d.i32(MFMA_ROWS))
+            row = mfma_weight_row(n0, tile, rin_, PR, N)
+            wv.append(d.load_weights16(w_rs, (row * d.i32(K) + kg) * d.i32(1 if FP8 else 2)))
+        return wv
+
+    def _mfma_block(lds, wv, b, kq, tok, accs, VEC, XS, TW, x_off):
+        """accs[j] += tile j's weights (``wv[j]``) . the staged inputs of K block ``b``."""
+        kl = mfma_k_elem(b, kq, VEC)  # element inside the chunk
+        xa = d.lds_load4(lds, d.i32(x_off) + tok * d.i32(XS) + kl // d.i32(2))
+        xb = xa
+        if VEC == 16:
+            xb = d.lds_load4(lds, d.i32(x_off + 4) + tok * d.i32(XS) + kl // d.i32(2))
+        return [d.mfma_tile(ARCH, wv[j], xa, xb, accs[j], VEC == 16) for j in range(TW)]
+
     @d.device
     def _gemv_mfma(t, w_rs, lds, tid, wave, lane, stage_chunk, finish, N, K, R, PR, VEC, CK, XS, NCH, KPAD, KB, KS,
                    TW, NT, x_off, part_off):
@@ -172,13 +214,16 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         the same 16 K-bytes per lane (lane l: K group l // 16), so each 16-byte weight load feeds
         the tile directly. The waves split the tiles (``TW`` each) and, with fewer than 4 tiles,
         K blocks (``KS`` ways); the tiles meet in LDS, where the epilogue adds the K splits in a
-        fixed order (same bits every run)."""
+        fixed order (same bits every run). The wave's first weights are loaded before its inputs
+        are staged, so they stream in while ``stage_chunk`` waits for the producers' words."""
         n0 = t * d.i32(R)
         ks = wave % d.i32(KS)
         tg = wave // d.i32(KS)
         rin, kq = mfma_lane(lane)
         tok = fx.min(rin, d.i32(W - 1))
         accs = [d.mfma_zero() for _ in range(TW)]
+        # this wave's first K block of chunk 0, loaded before the inputs are staged (waited for)
+        first = _mfma_weights(w_rs, n0, tg, rin, kq, ks, d.i32(0), N, K, R, PR, VEC, KPAD, TW)
         for c_ in range(NCH):
             c = d.i32(c_)
             c0 = c * d.i32(CK)
@@ -186,24 +231,14 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             stage_chunk(c0)
             gpu.barrier()
             nblk = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(KB)
-            for b_ in range(ks, nblk, d.i32(KS)):
+            b_start = ks
+            if (c == d.i32(0)) & (ks < nblk):  # block ks of chunk 0 peeled: its weights are in already
+                accs = _mfma_block(lds, first, ks, kq, tok, accs, VEC, XS, TW, x_off)
+                b_start = ks + d.i32(KS)
+            for b_ in range(b_start, nblk, d.i32(KS)):
                 b = d.i32(b_)
-                kl = mfma_k_elem(b, kq, VEC)  # element inside the chunk
-                kg = c0 + kl
-                if fx.const_expr(KPAD != K):
-                    kg = fx.min(kg, d.i32(K - VEC))
-                xa = d.lds_load4(lds, d.i32(x_off) + tok * d.i32(XS) + kl // d.i32(2))
-                xb = xa
-                if fx.const_expr(VEC == 16):
-                    xb = d.lds_load4(lds, d.i32(x_off + 4) + tok * d.i32(XS) + kl // d.i32(2))
-                for j in fx.range_constexpr(TW):
-                    tile = tg * d.i32(TW) + d.i32(j)
-                    rin_ = rin
-                    if fx.const_expr(N % R != 0):  # the last task's rows past N read row N-1
-                        rin_ = fx.min(rin, d.i32(N - 1) - n0 - (tile // d.i32(PR)) * d.i32(MFMA_ROWS))
-                    row = mfma_weight_row(n0, tile, rin_, PR, N)
-                    wv = d.load_weights16(w_rs, (row * d.i32(K) + kg) * d.i32(1 if FP8 else 2))
-                    accs[j] = d.mfma_tile(ARCH, wv, xa, xb, accs[j], VEC == 16)
+                wv = _mfma_weights(w_rs, n0, tg, rin, kq, b, c0, N, K, R, PR, VEC, KPAD, TW)
+                accs = _mfma_block(lds, wv, b, kq, tok, accs, VEC, XS, TW, x_off)
         for j in fx.range_constexpr(TW):  # lane l holds rows 4*(l // 16) + e of token l % 16
             tile = tg * d.i32(TW) + d.i32(j)
             if rin < d.i32(W):
