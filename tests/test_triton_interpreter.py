@@ -40,8 +40,15 @@ CHILD = textwrap.dedent(
         a, b = a.float(), b.float()
         return float((a - b).norm() / b.norm()), float((a - b).abs().max() / b.abs().max())
 
+    from monodecode.model.dims import dims_from_hf_config
+    from monodecode.model.profiles import profile_config
+
+    # tiny is Gemma-style (post norms, (1+w)); "llama" is a Llama-style shrink of llama3-1b
+    # (no post norms: K2's residual add sits in down's epilogue)
+    llama = dict(profile_config("llama3-1b"), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama)}
     out = {}
-    dims = profile_dims("tiny")
     def interleaved(ref_k, ref_v):
         # vLLM 0.33's per-layer cache, token-major: K|V side by side per head; K and V are views
         buf = torch.cat([ref_k, ref_v], dim=-1).contiguous()
@@ -50,7 +57,8 @@ CHILD = textwrap.dedent(
     def at(t, s):
         return t[s // 16, s % 16]
 
-    for name, wd, widths, rows, layers, ctx, kv_layout, bk in json.loads(sys.argv[1]):
+    for name, wd, widths, rows, layers, ctx, kv_layout, bk, arch in json.loads(sys.argv[1]):
+        dims = DIMS[arch]
         torch.manual_seed(0)
         w = random_weights(dims, 1, weight_dtype=wd, num_layers=layers)
         req = BuildRequest(dims=dims, weight_dtype=wd, tp_size=1, widths=tuple(widths), block_size=16,
@@ -97,15 +105,18 @@ CHILD = textwrap.dedent(
 )
 
 # (name, weight dtype, built widths, live rows, layers, context lengths, KV layout, width-1 K chunk
-# or 0): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
+# or 0, dims): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
 # on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
-# buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``).
+# buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
+# "llama_*" run a Llama-style layer (no post norms, SiLU).
 RUNS = [
-    ("w1", "bf16", [1], 1, 4, [37], "planes", 0),
-    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0),
-    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0),
-    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0),
-    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64),
+    ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny"),
+    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny"),
+    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny"),
+    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny"),
+    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny"),
+    ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama"),
+    ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama"),
 ]
 
 
