@@ -2,7 +2,7 @@
 # One GPU session: warm Triton's cache in parallel, run the GPU numerics tests, run the decode
 # benchmark (every backend side by side), then the launch-configuration experiments. Everything
 # it prints and writes goes under $OUT (default ./benchmarks/results/run); at most 8 files.
-# Usage (repository root, GPU machine): benchmarks/device_run.sh [tests|bench|experiments|all]
+# Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]] (tests, bench, experiments)
 # BUDGET_S (default 330) bounds the whole run: each phase gets at most what is left of it.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -15,7 +15,7 @@ left() {  # seconds for the next phase: its cap, or what is left of the budget (
   [ "$rest" -lt 5 ] && rest=5
   [ "$cap" -lt "$rest" ] && echo "$cap" || echo "$rest"
 }
-want() { [ "$what" = all ] || [ "$what" = "$1" ]; }
+want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 python3 - <<'PY' | tee "$OUT/device.txt"
 import torch, triton
 p = torch.cuda.get_device_properties(0)
