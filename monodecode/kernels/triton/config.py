@@ -105,6 +105,7 @@ def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     W = plan.width
     qkv = _stage(plan, K1, "qkv")
     attn = _stage(plan, K1, "attn")
+    comb = _stage(plan, K1, "combine")
     wide = W > 1
     bk = k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow)
     return dict(
@@ -113,6 +114,7 @@ def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         W=W, WP=max(16, _pow2(W)) if wide else 1, BN=qkv.rows_per_task,
         BK=bk, NUM_STAGES=target.stages(W, fp8), SPLIT=target.split(W, fp8, L.hidden, bk),
         QKV_TASKS=qkv.num_tasks, QKV_OFF=qkv.offset, ATTN_TASKS=attn.num_tasks, ATTN_OFF=attn.offset,
+        COMB_TASKS=comb.num_tasks, COMB_OFF=comb.offset,
         EPOCH_W=_word(plan, "epoch_k1"), DONE_W=_word(plan, "done_k1"), QKV_W=_word(plan, "qkv"), ACC_W=_word(plan, "attn_acc"),
         ML_W=_word(plan, "attn_ml"),
         NPROG=plan.num_workgroups, VP=vp, QK_NORM=dims.qk_norm, ONE_PLUS=dims.norm_one_plus,
@@ -126,6 +128,7 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1,
     wide = W > 1
     bk = target.bk_wide if wide else target.bk_narrow
     o = _stage(plan, K2, "o_proj")
+    post = _stage(plan, K2, "post")
     gu = _stage(plan, K2, "gate_up")
     dn = _stage(plan, K2, "down")
     final = [s for s in plan.k2 if s.name == "final"]
@@ -138,9 +141,9 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1,
         D_BN=dn.rows_per_task, D_BK=d_bk, NUM_STAGES=target.stages(W, fp8),
         O_SPLIT=target.split(W, fp8, L.q, o_bk), GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
         D_SPLIT=target.split(W, fp8, L.intermediate, d_bk),
-        O_TASKS=o.num_tasks, O_OFF=o.offset, GU_TASKS=gu.num_tasks, GU_OFF=gu.offset,
+        O_TASKS=o.num_tasks, O_OFF=o.offset, POST_OFF=post.offset, GU_TASKS=gu.num_tasks, GU_OFF=gu.offset,
         D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
-        EPOCH_W=_word(plan, "epoch_k2"), DONE_W=_word(plan, "done_k2"), O_W=_word(plan, "o"),
+        EPOCH_W=_word(plan, "epoch_k2"), DONE_W=_word(plan, "done_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
         NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
         ONE_PLUS=dims.norm_one_plus, FP8=fp8, GELU=dims.activation == "gelu_tanh", FLAT=target.flatten,

@@ -4,18 +4,13 @@ Width 1 uses a 2-D FMA tile (``acc[BN, BK] += w * x``, one row reduction at the 
 use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded to ``WP >= 16``
 (masked rows read nothing). The K loop is software-pipelined (``tl.range(num_stages=...)``).
 
-The input vector comes from one of four places (``SRC``):
+The input vector comes from one of three places (``SRC``):
   0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
   1  the launch input (bf16) as is,
   2  mailbox words (fp32 | tag). Before its first task of the stage a program waits for the
      producing stage's completion counter (``mailbox.wait_done``); the K loop then streams the
      words with ``.cg`` loads (L2, never a stale L1 line) and checks every tag on the way (a
      mismatch is recorded in the health word; it is never waited on).
-  3  K2's MLP input built on the fly from the O projection's mailbox words ``o``, the residual
-     (the bf16 launch input ``res``) and two norms: ``hn = norm_mlp(bf16(res + o'))`` with
-     ``o' = bf16(o)`` or Gemma's ``bf16(norm_post(bf16(o)))``; the rows' rstds come from
-     ``residual_rstd`` (one pass per program over the row before its first task), so no
-     separate norm stage (and no grid-wide hand-off) sits between O proj and gate/up.
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does.
@@ -55,61 +50,12 @@ def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
-def residual_chunk(o_words, res_ptr, stride, rows, k, m2, post_ptr, rstd_o, POST_NORMS: tl.constexpr,
-                   ONE_PLUS: tl.constexpr):
-    """h = bf16(res + o') of a [rows, k] chunk (fp32), o' = bf16(o) or Gemma's bf16(norm_post(bf16(o)))."""
-    o = unpack(o_words).to(tl.bfloat16).to(tl.float32)
-    if POST_NORMS:
-        gp = tl.load(post_ptr + k).to(tl.float32)
-        o = rms_apply(o, rstd_o[:, None], gp[None, :], ONE_PLUS).to(tl.float32)
-    xr = tl.load(res_ptr + rows[:, None] * stride + k[None, :], mask=m2, other=0.0).to(tl.float32)
-    return (xr + o).to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def residual_rstd(o_ptr, res_ptr, stride, post_ptr, rows, rmask, eps, tag, health_ptr, bad_code,
-                  K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr):
-    """(rstd of h, rstd of bf16(o)) per row, h as ``residual_chunk`` builds it; the o words (read
-    after the caller's wait, ``.cg``) must carry this launch's tag. rstd of o is 1 without Gemma's
-    post-attention norm."""
-    rstd_o = tl.full([WP], 1.0, dtype=tl.float32)
-    bad = tl.zeros([WP, BK], dtype=tl.int32)
-    if POST_NORMS:
-        ss = tl.zeros([WP], dtype=tl.float32)
-        for kk in tl.range(0, K // BK, num_stages=NUM_STAGES):
-            k = kk * BK + tl.arange(0, BK)
-            m2 = rmask[:, None] & (k[None, :] >= 0)
-            wo = tl.load(o_ptr + rows[:, None] * stride + k[None, :], mask=m2, other=0, cache_modifier=".cg")
-            o = unpack(wo).to(tl.bfloat16).to(tl.float32)
-            ss += tl.sum(o * o, axis=1)
-        rstd_o = 1.0 / tl.sqrt_rn(ss / K + eps)
-    ssh = tl.zeros([WP], dtype=tl.float32)
-    for kk in tl.range(0, K // BK, num_stages=NUM_STAGES):
-        k = kk * BK + tl.arange(0, BK)
-        m2 = rmask[:, None] & (k[None, :] >= 0)
-        wo = tl.load(o_ptr + rows[:, None] * stride + k[None, :], mask=m2, other=0, cache_modifier=".cg")
-        bad += (m2 & ((wo >> 32) != tag)).to(tl.int32)
-        h = residual_chunk(wo, res_ptr, stride, rows, k, m2, post_ptr, rstd_o, POST_NORMS, ONE_PLUS)
-        ssh += tl.sum(h * h, axis=1)
-    if tl.sum(tl.ravel(bad), axis=0) > 0:
-        tl.atomic_cas(health_ptr, 0, bad_code)
-    return 1.0 / tl.sqrt_rn(ssh / K + eps), rstd_o
-
-
-@triton.jit
-def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad, res_ptr, post_ptr, rstd_o,
-                 BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr, POST_NORMS: tl.constexpr):
+def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
+                 BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
     m2 = rmask[:, None] & (k[None, :] >= 0)
-    if SRC == 3:
-        words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
-        bad += (m2 & ((words >> 32) != tag)).to(tl.int32)
-        h = residual_chunk(words, res_ptr, x_stride, rows, k, m2, post_ptr, rstd_o, POST_NORMS, ONE_PLUS)
-        g = tl.load(norm_ptr + k).to(tl.float32)
-        xb = rms_apply(h, rstd[:, None], g[None, :], ONE_PLUS)
-    elif SRC == 2:
+    if SRC == 2:
         words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
         bad += (m2 & ((words >> 32) != tag)).to(tl.int32)
         xb = unpack(words).to(tl.bfloat16)
@@ -149,12 +95,11 @@ def gemv_task(
     w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd, tag, health_ptr, bad_code,
     K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr, res_ptr, post_ptr, rstd_o, POST_NORMS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
-    weights, with the accumulator still one chunk wide). ``res_ptr``, ``post_ptr``, ``rstd_o`` and
-    ``POST_NORMS`` are read only by ``SRC`` 3 (``norm_ptr``/``rstd`` are then the MLP norm's)."""
+    weights, with the accumulator still one chunk wide)."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = K // (BK * SPLIT)
     n = n0 + tl.arange(0, BN)
@@ -177,12 +122,11 @@ def gemv_task(
             w1 = tl.load(wp1 + kc * BK, mask=nmask[:, None], other=0.0)
             if TWO:
                 w2 = tl.load(wp2 + kc * BK, mask=nmask[:, None], other=0.0)
-            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, res_ptr, post_ptr,
-                                   rstd_o, BK, SRC, ONE_PLUS, POST_NORMS)
+            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
             acc1 = _mac(acc1, w1, xb, DOT)
             if TWO:
                 acc2 = _mac(acc2, w2, xb, DOT)
-    if SRC >= 2:  # every word must carry this launch's tag (the stage waited for its producers)
+    if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)
     if DOT:

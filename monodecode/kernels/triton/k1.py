@@ -5,11 +5,6 @@ A persistent launch of ``NPROG`` programs (one per SM/CU). Stages and task table
 one program stand for several (used only by the CPU interpreter, which runs programs one after
 another: each stage then runs for all of them before the next stage starts). ``k_s*``/``v_s*``
 are the block, token and head strides (elements) of the layer's K and V caches.
-
-The plan's ``combine`` stage runs inside the attention stage: every (row, KV head) group has a
-monotonic arrival counter (``ctr_ptr``, one int64 per group, ``epoch * S`` after each launch);
-the split that arrives last (acquire-release) merges the group's query heads right away, so no
-grid-wide hand-off sits between the attention splits and the merge.
 """
 
 import triton
@@ -17,19 +12,20 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd
-from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_tasks, wait_done
+from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_done, signal_tasks, wait_done
 
 
 @triton.jit
 def k1_kernel(
     x_ptr, norm_ptr, w_ptr, s_ptr, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-    k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, ctr_ptr, health_ptr,
+    k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr,
     window, layer, spin_limit, stall, eps, scale,
     HIDDEN: tl.constexpr, NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr,
     BS: tl.constexpr, BT: tl.constexpr,
     W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
     QKV_TASKS: tl.constexpr, QKV_OFF: tl.constexpr, ATTN_TASKS: tl.constexpr, ATTN_OFF: tl.constexpr,
+    COMB_TASKS: tl.constexpr, COMB_OFF: tl.constexpr,
     EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, QKV_W: tl.constexpr, ACC_W: tl.constexpr, ML_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, FP8: tl.constexpr,
     FLAT: tl.constexpr, SPLIT: tl.constexpr,
@@ -56,7 +52,7 @@ def k1_kernel(
             n0 = t * BN
             y, _y = gemv_task(
                 w_ptr, s_ptr, w_ptr, s_ptr, n0, NQKV, x_ptr, HIDDEN, norm_ptr, rstd, tag, health_ptr, bad_code,
-                HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES, SPLIT, x_ptr, norm_ptr, rstd, False,
+                HIDDEN, W, WP, BN, BK, 0, False, FP8, ONE_PLUS, NUM_STAGES, SPLIT,
             )
             n = n0 + tl.arange(0, BN)
             # fault injection (stall != 0): never publish, so the waits below expire
@@ -65,7 +61,7 @@ def k1_kernel(
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
 
-    # stage attn: (row, KV head, context split) partials; the group's last split merges them
+    # stage attn: (row, KV head, context split) partials
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
@@ -77,13 +73,16 @@ def k1_kernel(
                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
                 NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, QK_NORM, ONE_PLUS,
             )
-            grp = t // S  # r * KVH + g
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            arrived = tl.atomic_add(ctr_ptr + grp, 1, sem="acq_rel", scope="gpu") + 1
-            if arrived == epoch * S:
-                for j in range(G):
-                    combine_task((grp // KVH) * H + (grp % KVH) * G + j, acc_mb, ml_mb, out_ptr, tag, health_ptr,
-                                 bad_code, Q, D, H, S)
+            signal_done(done_attn)
+
+    # stage combine: merge the splits of each query head -> attn_out (bf16)
+    for v in tl.static_range(VP):
+        pid = tl.program_id(0) * VP + v
+        first = (pid - COMB_OFF + NPROG) % NPROG
+        if first < COMB_TASKS:
+            budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
+        for t in range(first, COMB_TASKS, NPROG):
+            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S)
 
     finish_launch(epoch_ptr, VP, NPROG, done_qkv, epoch * QKV_TASKS, done_attn, epoch * ATTN_TASKS,
                   done_attn, epoch * ATTN_TASKS, done_attn, epoch * ATTN_TASKS)

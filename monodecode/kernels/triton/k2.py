@@ -1,13 +1,6 @@
 """K2: O proj -> (Gemma post-attn norm) -> residual -> pre-MLP norm -> gate/up -> act -> down ->
 (Gemma post-MLP norm) -> residual (one persistent launch; stages from ``kernels/plan.py``).
 
-The plan's ``post`` row-norm stage (o -> h, hn) is fused into its consumers here, so O proj hands
-off straight to gate/up: each gate/up program computes the rows' rstds from the O projection's
-words and the residual once (``gemv.residual_rstd``) and builds ``hn`` chunk by chunk in its K
-loop (``gemv_task`` source 3); down's residual add (or Gemma's final row task) rebuilds ``h`` from
-the same words. The plan's ``h``/``hn`` regions stay allocated but are not written, and the
-``post`` completion counter is only settled at exit (``finish_launch``).
-
 Rounding follows the reference (``k2_reference``): every projection output, norm, activation,
 product and residual add is rounded to bf16 where Hugging Face rounds it; accumulation is fp32.
 """
@@ -15,9 +8,9 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, residual_rstd, rms_apply
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply
 from monodecode.kernels.triton.mailbox import (
-    check_tags, finish_launch, launch_epoch, pack, signal_tasks, unpack, wait_done,
+    check_tags, finish_launch, launch_epoch, pack, signal_done, signal_tasks, unpack, wait_done,
 )
 
 
@@ -40,25 +33,40 @@ def _check_finite(val, mask, health_ptr, code):
 
 
 @triton.jit
-def _final_task(r, d_mb, o_mb, x_ptr, post_w_ptr, w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code, nf_code,
+def _post_task(r, x_ptr, o_mb, h_mb, hn_mb, post_w_ptr, mlp_w_ptr, eps, tag, health_ptr, bad_code,
+               HIDDEN: tl.constexpr, HP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr):
+    """Row r, whole row in registers: h = bf16(x + o'), o' = bf16(o) or Gemma's bf16(norm(o) * (1 + w));
+    hn = norm(h). Both published."""
+    k = tl.arange(0, HP)
+    km = k < HIDDEN
+    wo = tl.load(o_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
+    check_tags(wo, km, tag, health_ptr, bad_code)
+    o = tl.where(km, unpack(wo), 0.0).to(tl.bfloat16).to(tl.float32)
+    if POST_NORMS:
+        rstd_o = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / HIDDEN + eps)
+        o = rms_apply(o, rstd_o, tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
+    xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
+    h = tl.where(km, (xr + o).to(tl.bfloat16).to(tl.float32), 0.0)
+    tl.store(h_mb + r * HIDDEN + k, pack(h, tag), mask=km)
+    rstd_h = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / HIDDEN + eps)
+    hn = rms_apply(h, rstd_h, tl.load(mlp_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
+    tl.store(hn_mb + r * HIDDEN + k, pack(hn.to(tl.float32), tag), mask=km)
+
+
+@triton.jit
+def _final_task(r, d_mb, h_mb, w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code, nf_code,
                 HIDDEN: tl.constexpr, HP: tl.constexpr, ONE_PLUS: tl.constexpr):
-    """Row r (Gemma), whole row in registers: h = bf16(x + bf16(norm_post(bf16(o)))),
-    out = bf16(h + bf16(norm(d) * (1 + w)))."""
+    """Row r (Gemma): out = bf16(h + bf16(norm(d) * (1 + w)))."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
     wd = tl.load(d_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
-    wo = tl.load(o_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
+    wh = tl.load(h_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
     check_tags(wd, km, tag, health_ptr, bad_code)
-    check_tags(wo, km, tag, health_ptr, bad_code)
-    o = tl.where(km, unpack(wo), 0.0).to(tl.bfloat16).to(tl.float32)
-    rstd_o = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / HIDDEN + eps)
-    o = rms_apply(o, rstd_o, tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
-    xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
-    h = (xr + o).to(tl.bfloat16).to(tl.float32)
+    check_tags(wh, km, tag, health_ptr, bad_code)
     dv = tl.where(km, unpack(wd), 0.0).to(tl.bfloat16).to(tl.float32)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(dv * dv, axis=0) / HIDDEN + eps)
     dn = rms_apply(dv, rstd, tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
-    out = (h + dn.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    out = (unpack(wh) + dn.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
     out = tl.where((nan_fault != 0) & (r == 0) & (k == 0), float("nan"), out)
     _check_finite(out, km, health_ptr, nf_code)
     tl.store(out_ptr + r * HIDDEN + k, out.to(tl.bfloat16), mask=km)
@@ -72,9 +80,9 @@ def k2_kernel(
     HIDDEN: tl.constexpr, HP: tl.constexpr, Q: tl.constexpr, I: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
     O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
     D_BN: tl.constexpr, D_BK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    O_TASKS: tl.constexpr, O_OFF: tl.constexpr, GU_TASKS: tl.constexpr,
+    O_TASKS: tl.constexpr, O_OFF: tl.constexpr, POST_OFF: tl.constexpr, GU_TASKS: tl.constexpr,
     GU_OFF: tl.constexpr, D_TASKS: tl.constexpr, D_OFF: tl.constexpr, FIN_OFF: tl.constexpr,
-    EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, O_W: tl.constexpr,
+    EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, O_W: tl.constexpr, H_W: tl.constexpr, HN_W: tl.constexpr,
     ACT_W: tl.constexpr, D_W: tl.constexpr,
     NPROG: tl.constexpr, VP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr,
     FP8: tl.constexpr, GELU: tl.constexpr, FLAT: tl.constexpr,
@@ -91,6 +99,8 @@ def k2_kernel(
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
     o_mb = mbox_ptr + O_W
+    h_mb = mbox_ptr + H_W
+    hn_mb = mbox_ptr + HN_W
     act_mb = mbox_ptr + ACT_W
     d_mb = mbox_ptr + D_W
     rows = tl.arange(0, WP)
@@ -106,28 +116,33 @@ def k2_kernel(
             y, _y = gemv_task(
                 wo_ptr, so_ptr, wo_ptr, so_ptr, n0, HIDDEN, attn_ptr, Q, post_w_ptr, zero, tag, health_ptr,
                 bad_code, Q, W, WP, O_BN, O_BK, 1, False, FP8, ONE_PLUS, NUM_STAGES, O_SPLIT,
-                x_ptr, post_w_ptr, zero, False,
             )
             n = n0 + tl.arange(0, O_BN)
             tl.store(o_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=(n < HIDDEN)[:, None] & rmask[None, :])
         signal_tasks(done_o, first, O_TASKS, NPROG)
 
-    # gate/up + activation; input hn built from o and the residual (the plan's post stage, fused)
+    # post: one task per row
+    for v in tl.static_range(VP):
+        pid = tl.program_id(0) * VP + v
+        first = (pid - POST_OFF + NPROG) % NPROG
+        if first < W:
+            budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+        for r in range(first, W, NPROG):
+            _post_task(r, x_ptr, o_mb, h_mb, hn_mb, post_w_ptr, mlp_w_ptr, eps, tag, health_ptr, bad_code,
+                       HIDDEN, HP, POST_NORMS, ONE_PLUS)
+            signal_done(done_post)
+
+    # gate/up + activation
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - GU_OFF + NPROG) % NPROG
-        rstd_h = zero + 1.0
-        rstd_o = zero + 1.0
         if first < GU_TASKS:
-            budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-            rstd_h, rstd_o = residual_rstd(o_mb, x_ptr, HIDDEN, post_w_ptr, rows, rmask, eps, tag, health_ptr,
-                                           bad_code, HIDDEN, GU_BK, WP, NUM_STAGES, POST_NORMS, ONE_PLUS)
+            budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_BN
             g, u = gemv_task(
-                wg_ptr, sg_ptr, wu_ptr, su_ptr, n0, I, o_mb, HIDDEN, mlp_w_ptr, rstd_h, tag, health_ptr, bad_code,
-                HIDDEN, W, WP, GU_BN, GU_BK, 3, True, FP8, ONE_PLUS, NUM_STAGES, GU_SPLIT,
-                x_ptr, post_w_ptr, rstd_o, POST_NORMS,
+                wg_ptr, sg_ptr, wu_ptr, su_ptr, n0, I, hn_mb, HIDDEN, post_w_ptr, zero, tag, health_ptr, bad_code,
+                HIDDEN, W, WP, GU_BN, GU_BK, 2, True, FP8, ONE_PLUS, NUM_STAGES, GU_SPLIT,
             )
             gb = g.to(tl.bfloat16).to(tl.float32)
             ub = u.to(tl.bfloat16).to(tl.float32)
@@ -137,30 +152,28 @@ def k2_kernel(
             tl.store(act_mb + rows[None, :] * I + n[:, None], pack(m, tag), mask=(n < I)[:, None] & rmask[None, :])
         signal_tasks(done_gu, first, GU_TASKS, NPROG)
 
-    # down (+ residual h = bf16(x + bf16(o)), unless a final norm stage follows)
+    # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
+    # every gate/up task acquired the post stage before releasing its own count.
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
         if first < D_TASKS:
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
-            budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+            budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0 = t * D_BN
             y, _y = gemv_task(
                 wd_ptr, sd_ptr, wd_ptr, sd_ptr, n0, HIDDEN, act_mb, I, post_w_ptr, zero, tag, health_ptr, bad_code,
                 I, W, WP, D_BN, D_BK, 2, False, FP8, ONE_PLUS, NUM_STAGES, D_SPLIT,
-                x_ptr, post_w_ptr, zero, False,
             )
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
             if POST_NORMS:
                 tl.store(d_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=om)
             else:
-                wo = tl.load(o_mb + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0, volatile=True)
-                check_tags(wo, om, tag, health_ptr, bad_code)
-                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
-                h = (xr + unpack(wo).to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-                out = (h + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+                wh = tl.load(h_mb + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0, volatile=True)
+                check_tags(wh, om, tag, health_ptr, bad_code)
+                out = (unpack(wh) + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
                 out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                 _check_finite(out, om, health_ptr, nf_code)
                 tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
@@ -173,10 +186,10 @@ def k2_kernel(
             first = (pid - FIN_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
-                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
             for r in range(first, W, NPROG):
-                _final_task(r, d_mb, o_mb, x_ptr, post_w_ptr, mlp_post_w_ptr, out_ptr, eps, nan_fault, tag, health_ptr,
-                            bad_code, nf_code, HIDDEN, HP, ONE_PLUS)
+                _final_task(r, d_mb, h_mb, mlp_post_w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code,
+                            nf_code, HIDDEN, HP, ONE_PLUS)
 
     finish_launch(epoch_ptr, VP, NPROG, done_o, epoch * O_TASKS, done_post, epoch * W,
                   done_gu, epoch * GU_TASKS, done_down, epoch * D_TASKS)

@@ -119,14 +119,13 @@ def kv_strides(kc: torch.Tensor, vc: torch.Tensor, dims, block_size: int) -> lis
     return out
 
 
-def k1_args(L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, attn_ctr, health, layer: int,
-            spin_limit: int, stall: int, dims) -> list:
-    """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``;
-    ``attn_ctr``: the width's int64 arrival counters, one per (row, KV head))."""
+def k1_args(L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, health, layer: int, spin_limit: int,
+            stall: int, dims) -> list:
+    """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``)."""
     return [
         x, L.attn_norm, L.wqkv, L.sqkv, L.q_norm, L.k_norm, L.inv_freq, kc, vc, *kv_st,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
-        out, scratch, attn_ctr, health, L.window, layer, spin_limit, stall, float(dims.rms_norm_eps), float(dims.attn_scale),
+        out, scratch, health, L.window, layer, spin_limit, stall, float(dims.rms_norm_eps), float(dims.attn_scale),
     ]
 
 
@@ -177,9 +176,6 @@ class TritonKernels(DecodeKernels):
         self.scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=self.device)
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
-        # K1's per-(row, KV head) arrival counters of the attention splits (monotonic: epoch * splits)
-        self.attn_ctr = {w: torch.zeros(w * self.plan.layers[w].local.kv_heads, dtype=torch.int64, device=self.device)
-                         for w in req.widths}
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._armed: Any = None
         self._compiled = {} if self.interpret else self._compile(req)
@@ -248,7 +244,7 @@ class TritonKernels(DecodeKernels):
         out = self.attn[width]
         kc, vc = kv.key[layer], kv.value[layer]
         st = kv_strides(kc, vc, self.dims, self.req.block_size)
-        args = k1_args(self.layers[layer], x, kc, vc, st, meta, out, self.scratch, self.attn_ctr[width],
+        args = k1_args(self.layers[layer], x, kc, vc, st, meta, out, self.scratch,
                        self.health_word, layer, self.spin_limit, stall, self.dims)
         self._run(0, width, args)
         return out
@@ -303,4 +299,3 @@ class TritonKernels(DecodeKernels):
         self.layers = []
         self.scratch = torch.zeros(1, dtype=torch.int64)
         self.attn = {}
-        self.attn_ctr = {}

@@ -100,7 +100,7 @@ def kernel_sources(dims: ModelDims, weight_dtype: str, width: int, block_size: i
     health = torch.empty(2, dtype=torch.int32, device="meta")
     kv = bf(2, block_size, dims.num_kv_heads, dims.head_dim)
     a1 = k1_args(L, bf(width, dims.hidden_size), kv, kv, kv_strides(kv, kv, dims, block_size), _MetaMeta(width),
-                 bf(width, dims.q_size), scratch, scratch, health, 0, 1000, 0, dims)
+                 bf(width, dims.q_size), scratch, health, 0, 1000, 0, dims)
     a2 = k2_args(L, bf(width, dims.hidden_size), bf(width, dims.q_size), bf(width, dims.hidden_size), scratch,
                  health, 0, 1000, 0, dims)
     out = []
