@@ -572,8 +572,12 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     proc = subprocess.run([sys.executable, str(ENTRYPOINT), *c["args"]], capture_output=True, text=True, env=env,
                           timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
-    cmd = json.loads(proc.stdout)
+    planned = json.loads(proc.stdout)
+    cmd = planned["argv"]
     assert cmd[:3] == ["vllm", "serve", c["args"][1]]
+    # with mono decode on, vLLM gets the token-major KV layout the kernels' strided views need
+    mono_on = values.get("monodecode", {}).get("enabled", True)
+    assert planned["env"].get("VLLM_KV_CACHE_LAYOUT") == ("LBNHC" if mono_on else None)
     mono = MonoConfig.from_additional_config(json.loads(arg_after(cmd, "--additional-config")))
     want = values.get("monodecode", {})
     assert mono.enabled is want.get("enabled", True)
