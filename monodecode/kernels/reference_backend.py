@@ -15,13 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from monodecode.kernels.base import (
-    BuildRequest,
-    DecodeKernels,
-    KernelBackend,
-    health_code,
-    smallest_width,
-)
+from monodecode.kernels.base import BuildRequest, KernelBackend, health_code
+from monodecode.kernels.padded import PaddedKernels
 from monodecode.runtime.buildkey import build_key, source_digest
 from monodecode.runtime.failstop import bounded_wait
 from monodecode.runtime.platform import Platform
@@ -30,7 +25,9 @@ from monodecode.spec import KernelSpec
 _MODEL_DIR = Path(__file__).resolve().parent.parent / "model"
 
 
-class ReferenceKernels(DecodeKernels):
+class ReferenceKernels(PaddedKernels):
+    kernel_label = "reference kernels"
+
     def __init__(self, req: BuildRequest, weights: Any):
         from monodecode.model import reference  # REF's module; imported at build, not at registry load
 
@@ -40,22 +37,14 @@ class ReferenceKernels(DecodeKernels):
         self.weights = weights
         self.widths = req.widths
         device = weights.embed.device if hasattr(weights, "embed") else torch.device("cpu")
-        self._health = torch.zeros((), dtype=torch.int32, device=device)
+        self.health_word = torch.zeros((), dtype=torch.int32, device=device)
         self._mailbox: dict[int, tuple[int, torch.Tensor]] = {}
         self._epoch = 0
-        self._armed: Any = None
 
     def _set_health(self, bad: torch.Tensor, code: int) -> None:
         # sticky: only the first failure is kept; no .item() so no host sync
-        code_t = torch.tensor(code, dtype=torch.int32, device=self._health.device)
-        self._health.copy_(torch.where(bad & (self._health == 0), code_t, self._health))
-
-    def _take_fault(self, layer: int, kind: str) -> bool:
-        f = self._armed
-        if f is not None and f.kind == kind and f.layer == layer:
-            self._armed = None  # one-shot
-            return True
-        return False
+        code_t = torch.tensor(code, dtype=torch.int32, device=self.health_word.device)
+        self.health_word.copy_(torch.where(bad & (self.health_word == 0), code_t, self.health_word))
 
     def k1(self, layer, x, meta, kv):
         return self._ref.k1_reference(self.dims, layer, self.weights.layers[layer], x, meta, kv)
@@ -65,14 +54,7 @@ class ReferenceKernels(DecodeKernels):
 
     def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         rows = x.shape[0]
-        width = smallest_width(self.widths, rows)
-        if width is None:
-            raise ValueError(f"{rows} rows exceed the largest built width {self.widths[-1]}")
-        if width > rows:
-            x_in = torch.cat([x, torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)])
-            meta = meta.pad_to(width)
-        else:
-            x_in = x
+        x_in, meta, _ = self._pad(x, meta)
         self._epoch += 1
         epoch = self._epoch
         attn = self.k1(layer, x_in, meta, kv)
@@ -83,7 +65,7 @@ class ReferenceKernels(DecodeKernels):
             lambda: self._mailbox.get(layer, (None, None))[0] == epoch, self.req.wait_timeout_s
         )
         if not arrived:
-            self._set_health(torch.ones((), dtype=torch.bool, device=self._health.device),
+            self._set_health(torch.ones((), dtype=torch.bool, device=self.health_word.device),
                              health_code("wait_timeout", layer, "k2"))
             stale = self._mailbox.get(layer)
             attn = stale[1] if stale is not None and stale[1].shape == attn.shape else torch.zeros_like(attn)
@@ -95,18 +77,6 @@ class ReferenceKernels(DecodeKernels):
             out[0, 0] = float("nan")
         self._set_health(~torch.isfinite(out).all(), health_code("nonfinite", layer, "k2"))
         return out[:rows]
-
-    def health(self) -> int:
-        return int(self._health.item())
-
-    def reset_health(self) -> None:
-        self._health.zero_()
-
-    def arm_fault(self, fault: Any) -> bool:
-        if fault.kind not in ("stall", "nonfinite") or not 0 <= fault.layer < self.dims.num_layers:
-            return False
-        self._armed = fault
-        return True
 
 
 class ReferenceBackend(KernelBackend):

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from monodecode.errors import RefusalError
-from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, smallest_width
+from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend
 from monodecode.kernels.flydsl.arch import ARCHS
+from monodecode.kernels.padded import TwoLaunchKernels
 from monodecode.runtime.platform import Platform
 
 
@@ -114,7 +115,7 @@ class FlyDSLBackend(KernelBackend):
         return FlyDSLKernels(req, weights, run_dir)
 
 
-class FlyDSLKernels(DecodeKernels):
+class FlyDSLKernels(TwoLaunchKernels):
     """Launch-ready K1/K2 for every width (ROCm device; run-only FlyDSL cache).
 
     K1 addresses K/V through the caches' strides, passed per launch (``kv.py``): the reference's
@@ -126,6 +127,7 @@ class FlyDSLKernels(DecodeKernels):
     (tags come from the on-device launch counters), so the launches are graph-capturable."""
 
     kv_strided = True  # read by vllm_plugin.step.kv_reason_for_backend
+    kernel_label = "flydsl kernels"
 
     def __init__(self, req: BuildRequest, weights: Any, cache_dir: Path):
         import torch
@@ -145,12 +147,11 @@ class FlyDSLKernels(DecodeKernels):
         self.plan = model_plan(self.dims, self.arch, self.widths, req.tp_size)
         self._scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=dev)
         base = self._scratch.data_ptr()
-        self._health = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4:][:1]
+        self.health_word = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4:][:1]
         self._health_addr = base + self.plan.scratch.header[HEALTH].offset
         self._segment = {w: base + self.plan.scratch.widths[w].offset for w in self.widths}
         # ~1 us per poll (sc1 load + s_sleep 1): the wait bound in polls
         self._max_polls = max(1, int(req.wait_timeout_s * 1e6))
-        self._armed: Any = None
         self._kv_cache_args: dict[int, tuple] = {}
         self._launch: dict[int, tuple[Any, Any]] = {}
         with arch_env(self.arch, cache_dir, run_only=True):
@@ -201,30 +202,7 @@ class FlyDSLKernels(DecodeKernels):
 
         return pointer(kind, t if isinstance(t, int) else t.data_ptr())
 
-    def _width(self, rows: int) -> int:
-        width = smallest_width(self.widths, rows)
-        if width is None:
-            raise ValueError(f"{rows} rows exceed the largest built width {self.widths[-1]}")
-        return width
-
-    def _pad(self, x, meta):
-        import torch
-
-        rows = x.shape[0]
-        width = self._width(rows)
-        if width > rows:
-            x = torch.cat([x, torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)])
-            meta = meta.pad_to(width)
-        return x.contiguous(), meta, width
-
-    def _take_fault(self, layer: int, kind: str) -> int:
-        f = self._armed
-        if f is not None and f.kind == kind and f.layer == layer:
-            self._armed = None
-            return 1
-        return 0
-
-    def _k1(self, layer, x, meta, kv, width, stall=0):
+    def _launch_k1(self, layer, x, meta, kv, width, stall=0):
         import torch
 
         from monodecode.kernels.flydsl.toolchain import arch_env
@@ -246,7 +224,7 @@ class FlyDSLKernels(DecodeKernels):
                 window, bt.shape[1], *cache.scalars(), self._max_polls, layer, stall)
         return out
 
-    def _k2(self, layer, x, attn, width, nan_fault=0):
+    def _launch_k2(self, layer, x, attn, width, nan_fault=0):
         import torch
 
         from monodecode.kernels.flydsl.toolchain import arch_env
@@ -262,42 +240,6 @@ class FlyDSLKernels(DecodeKernels):
                 p("i64", self._segment[width]),  # peer-buffer address table: unused at TP 1
                 self._max_polls, layer, nan_fault, 0)
         return out
-
-    def k1(self, layer, x, meta, kv):
-        rows = x.shape[0]
-        xp, mp, width = self._pad(x, meta)
-        return self._k1(layer, xp, mp, kv, width)[:rows]
-
-    def k2(self, layer, x, attn):
-        import torch
-
-        rows = x.shape[0]
-        width = self._width(rows)
-        xp = x.contiguous()
-        ap = attn.to(torch.bfloat16).contiguous()
-        if rows < width:
-            xp = torch.cat([xp, torch.zeros(width - rows, xp.shape[1], dtype=xp.dtype, device=xp.device)])
-            ap = torch.cat([ap, torch.zeros(width - rows, ap.shape[1], dtype=ap.dtype, device=ap.device)])
-        return self._k2(layer, xp, ap, width)[:rows]
-
-    def forward_layer(self, layer, x, meta, kv):
-        rows = x.shape[0]
-        xp, mp, width = self._pad(x, meta)
-        attn = self._k1(layer, xp, mp, kv, width, stall=self._take_fault(layer, "stall"))
-        out = self._k2(layer, xp, attn, width, nan_fault=self._take_fault(layer, "nonfinite"))
-        return out if rows == width else out[:rows]
-
-    def health(self) -> int:
-        return int(self._health.item())
-
-    def reset_health(self) -> None:
-        self._health.zero_()
-
-    def arm_fault(self, fault: Any) -> bool:
-        if fault.kind not in ("stall", "nonfinite") or not 0 <= fault.layer < len(self._layers):
-            return False
-        self._armed = fault
-        return True
 
     def close(self) -> None:
         self._launch.clear()

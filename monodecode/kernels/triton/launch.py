@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.base import BuildRequest, DecodeKernels, smallest_width
+from monodecode.kernels.base import BuildRequest
+from monodecode.kernels.padded import TwoLaunchKernels
 from monodecode.kernels.plan import plan_model
 from monodecode.kernels.triton.config import Target, check_dims, constexprs
 
@@ -147,8 +148,10 @@ class _Meta:
         self.seq_lens = meta.seq_lens.to(device=device, dtype=torch.int32).contiguous()
 
 
-class TritonKernels(DecodeKernels):
+class TritonKernels(TwoLaunchKernels):
     """K1/K2 for every built width of one model on one device."""
+
+    kernel_label = "triton kernels"
 
     # K/V are addressed through the caches' strides (vLLM's interleaved K|V views are accepted;
     # ``vllm_plugin.step.kv_reason_for_backend`` reads this).
@@ -177,7 +180,6 @@ class TritonKernels(DecodeKernels):
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
-        self._armed: Any = None
         self._compiled = {} if self.interpret else self._compile(req)
         from monodecode.kernels.triton.k1 import k1_kernel
         from monodecode.kernels.triton.k2 import k2_kernel
@@ -218,25 +220,8 @@ class TritonKernels(DecodeKernels):
 
     # -- launches ------------------------------------------------------------------------------
 
-    def _width(self, rows: int) -> int:
-        w = smallest_width(self.widths, rows)
-        if w is None:
-            raise ConfigError(f"triton kernels: {rows} rows exceed the largest built width {self.widths[-1]}")
-        return w
-
-    def _pad(self, x, meta, width):
-        rows = x.shape[0]
-        if rows < width:
-            x = torch.cat([x, torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)])
-            meta = meta.pad_to(width)
-        return x.contiguous(), _Meta(meta, self.device)
-
-    def _take_fault(self, layer: int, kind: str) -> int:
-        f = self._armed
-        if f is not None and f.kind == kind and f.layer == layer:
-            self._armed = None
-            return 1
-        return 0
+    def _launch_meta(self, meta):
+        return _Meta(meta, self.device)
 
     def _launch_k1(self, layer, x, meta, kv, width, stall=0):
         if kv.block_size != self.req.block_size:
@@ -255,45 +240,6 @@ class TritonKernels(DecodeKernels):
                        nan_fault, self.dims)
         self._run(1, width, args)
         return out
-
-    def k1(self, layer, x, meta, kv):
-        rows = x.shape[0]
-        width = self._width(rows)
-        xp, m = self._pad(x, meta, width)
-        return self._launch_k1(layer, xp, m, kv, width)[:rows].clone()
-
-    def k2(self, layer, x, attn):
-        rows = x.shape[0]
-        width = self._width(rows)
-        xp = x.contiguous()
-        ap = attn.to(torch.bfloat16).contiguous()
-        if rows < width:
-            pad = torch.zeros(width - rows, x.shape[1], dtype=x.dtype, device=x.device)
-            xp = torch.cat([xp, pad])
-            ap = torch.cat([ap, torch.zeros(width - rows, ap.shape[1], dtype=ap.dtype, device=ap.device)])
-        return self._launch_k2(layer, xp, ap, width)[:rows]
-
-    def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
-        rows = x.shape[0]
-        width = self._width(rows)
-        xp, m = self._pad(x, meta, width)
-        attn = self._launch_k1(layer, xp, m, kv, width, stall=self._take_fault(layer, "stall"))
-        out = self._launch_k2(layer, xp, attn, width, nan_fault=self._take_fault(layer, "nonfinite"))
-        return out if rows == width else out[:rows]
-
-    # -- health and faults --------------------------------------------------------------------
-
-    def health(self) -> int:
-        return int(self.health_word.item())
-
-    def reset_health(self) -> None:
-        self.health_word.zero_()
-
-    def arm_fault(self, fault: Any) -> bool:
-        if fault.kind not in ("stall", "nonfinite") or not 0 <= fault.layer < len(self.layers):
-            return False
-        self._armed = fault
-        return True
 
     def close(self) -> None:
         self.layers = []
