@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
-from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, Stage, plan_layer, plan_model
+from monodecode.kernels.plan import K1, K2, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
@@ -182,17 +182,10 @@ class Geometry:
     lds2: dict[str, int]
     layer_plan: LayerPlan = field(repr=False, compare=False)
 
-    @property
-    def q(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def qkv(self) -> int:
-        return self.q + 2 * self.kv
+    # shard sizes: LocalDims's own properties (the same field names feed them)
+    q = LocalDims.q
+    kv = LocalDims.kv
+    qkv = LocalDims.qkv
 
     @property
     def final(self) -> bool:
