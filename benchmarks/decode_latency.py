@@ -131,22 +131,6 @@ def _time_eager(fn, replays: int) -> list[float]:
     return out
 
 
-def _write_kv_capturable(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor) -> None:
-    """``paged_kv.write_kv`` without its host sync: it indexes with a 0-d device tensor
-    (``valid[donor]``), which PyTorch turns into ``.item()``, so the reference cannot be captured
-    in a CUDA graph as is. Same semantics (slot -1 rows write nothing) through index_select."""
-    flat = cache.view(-1, cache.shape[2], cache.shape[3])
-    valid = slot_mapping >= 0
-    donor = torch.argmax(valid.to(torch.int32)).view(1)
-    donor_valid = valid.index_select(0, donor)
-    donor_slot = torch.where(donor_valid, slot_mapping.index_select(0, donor), torch.zeros_like(donor))
-    donor_value = torch.where(donor_valid[:, None, None], new.index_select(0, donor).to(cache.dtype),
-                              flat.index_select(0, donor_slot))
-    index = torch.where(valid, slot_mapping, donor_slot)
-    value = torch.where(valid[:, None, None], new.to(cache.dtype), donor_value)
-    flat.index_copy_(0, index, value)
-
-
 def _capture(fn) -> tuple[torch.cuda.CUDAGraph, Any]:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -421,7 +405,6 @@ def run(profiles, batches, context: int, layers: int | None, fp8_profiles, repla
     if not torch.cuda.is_available():
         raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
     device = torch.device("cuda")
-    R.write_kv = _write_kv_capturable  # the stock baseline must replay from a CUDA graph
     bw = read_bandwidth(device)
     log(f"# read bandwidth {bw / 1e9:.0f} GB/s")
     import triton
