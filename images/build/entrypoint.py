@@ -64,18 +64,22 @@ def _widths(name: str, value: str) -> list[int]:
         raise EntrypointError(f"{name} must be comma-separated integers, got {value!r}") from None
 
 
+def _json_object(name: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EntrypointError(f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise EntrypointError(f"{name} must be a JSON object")
+    return value
+
+
 def monodecode_section(env: Mapping[str, str]) -> dict:
     """The ``monodecode`` options from the environment (not yet validated)."""
     section: dict = {}
     text = env.get("MONODECODE_CONFIG", "").strip()
     if text:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise EntrypointError(f"MONODECODE_CONFIG is not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(raw, dict):
-            raise EntrypointError("MONODECODE_CONFIG must be a JSON object")
-        section.update(raw)
+        section.update(_json_object("MONODECODE_CONFIG", text))
     section.setdefault("enabled", True)
     if "MONODECODE_ENABLED" in env:
         section["enabled"] = _bool("MONODECODE_ENABLED", env["MONODECODE_ENABLED"])
@@ -124,12 +128,7 @@ def _split_additional_config(args: Sequence[str]) -> tuple[list[str], dict | Non
             rest.append(a)
             i += 1
             continue
-        try:
-            found = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise EntrypointError(f"--additional-config is not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(found, dict):
-            raise EntrypointError("--additional-config must be a JSON object")
+        found = _json_object("--additional-config", text)
     return rest, found
 
 
