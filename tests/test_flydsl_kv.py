@@ -126,3 +126,37 @@ def test_flydsl_kernels_declare_strided_kv():
     # what the vLLM plugin checks before letting the backend run on vLLM's views
     assert FlyDSLKernels.kv_strided is True
     assert kv_reason_for_backend("flydsl", FlyDSLKernels) is None
+
+
+def flydsl_kernels_for_layout_check(block_size: int) -> FlyDSLKernels:
+    """FlyDSLKernels' binding-time check (``check_kv``) reads only the build request's dims and
+    block size and its per-layer argument cache; the rest of a build needs a ROCm device."""
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.runtime.platform import Platform
+
+    k = FlyDSLKernels.__new__(FlyDSLKernels)
+    k.req = BuildRequest(dims=DIMS, weight_dtype="bf16", tp_size=1, widths=(1,), block_size=block_size,
+                         platform=Platform("rocm", "gfx942", "MI300X", 304))
+    k.dims, k._kv_cache_args = DIMS, {}
+    return k
+
+
+def test_vllm_binding_runs_the_flydsl_layout_check():
+    """``kv_views(..., kernels)`` (the plugin's binding) accepts vLLM's views for FlyDSL, keeping
+    the launch arguments, and refuses a layout K1 cannot address as a one-line kv_layout error."""
+    from monodecode.vllm_plugin.step import KVLayoutError
+
+    raw = torch.randn(BLOCKS, BS, KVH, 2 * D).to(torch.bfloat16)
+    k = flydsl_kernels_for_layout_check(BS)
+    kv = kv_views([raw.permute(0, 2, 1, 3)], KVH, D, k)
+    assert k._kv_cache_args[0][1] == kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
+    # built for another block size than vLLM's cache
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([raw.permute(0, 2, 1, 3)], KVH, D, flydsl_kernels_for_layout_check(2 * BS))
+    assert str(e.value).startswith("kv_layout: ") and f"[*, {2 * BS}, " in str(e.value)
+    # a cache 8 bytes off K1's 16-byte vectors: vLLM's own view check passes it
+    shifted = torch.zeros(raw.numel() + 4, dtype=torch.bfloat16)[4:].view(raw.shape)
+    kv_views([shifted.permute(0, 2, 1, 3)], KVH, D)
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([shifted.permute(0, 2, 1, 3)], KVH, D, flydsl_kernels_for_layout_check(BS))
+    assert "not 16-byte aligned" in str(e.value) and "\n" not in str(e.value)

@@ -192,3 +192,39 @@ def test_vllm_plugin_accepts_triton_kernels_for_its_strided_kv():
     assert TritonKernels.kv_strided is True
     assert kv_reason_for_backend("triton", TritonKernels.__new__(TritonKernels)) is None
     assert kv_reason_for_backend("triton", object()).startswith("kv_layout: ")
+
+
+def test_vllm_binding_runs_the_triton_layout_check():
+    """``kv_views(..., kernels)`` (the plugin's binding) refuses a vLLM view the Triton kernels
+    cannot address (token stride not a multiple of 16 elements; a wrong block size) as a one-line
+    kv_layout error, and accepts vLLM's plain token-major view. ``check_kv`` reads only the build
+    request's dims and block size, so the kernels are not built here."""
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.kernels.triton.launch import TritonKernels
+    from monodecode.runtime.platform import Platform
+    from monodecode.vllm_plugin.step import KVLayoutError, kv_views
+
+    torch, dims, d, h = _kv_strides_args()
+
+    def kernels(block_size):
+        k = TritonKernels.__new__(TritonKernels)
+        k.req = BuildRequest(dims=dims, weight_dtype="bf16", tp_size=1, widths=(1,), block_size=block_size,
+                             platform=Platform("cuda", "sm_90", "H200", 132))
+        k.dims = dims
+        return k
+
+    def vllm_cache(token_stride):  # logical [blocks, kv heads, block size, 2 * head_dim], token-major
+        blocks, bs = 4, 16
+        flat = torch.zeros(blocks * bs * token_stride, dtype=torch.bfloat16)
+        return flat.as_strided((blocks, h, bs, 2 * d), (bs * token_stride, 2 * d, token_stride, 1))
+
+    kv_views([vllm_cache(h * 2 * d)], h, d, kernels(16))
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([vllm_cache(h * 2 * d)], h, d, kernels(32))
+    assert str(e.value).startswith("kv_layout: triton kernels: built for KV block size 32")
+    padded = vllm_cache(h * 2 * d + 8)
+    kv_views([padded], h, d)  # the plugin's own view check accepts the padded token stride
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([padded], h, d, kernels(16))
+    assert str(e.value).startswith("kv_layout: ") and "must be multiples of 16" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -161,6 +161,11 @@ class DecodeKernels(ABC):
         reported as not run)."""
         return False
 
+    def check_kv(self, kv: Any) -> None:
+        """Raise ``ConfigError`` when the kernels cannot address ``kv``'s layout (shape, dtype,
+        strides, alignment), before any launch: the vLLM plugin calls it when it binds vLLM's
+        cache. Default: any layout ``forward_layer`` accepts."""
+
     def close(self) -> None:
         """Release device resources (scratch, peer buffers). Default: nothing to release."""
 

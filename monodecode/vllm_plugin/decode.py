@@ -192,7 +192,8 @@ class MonoDecode:
         key = tuple((c.data_ptr(), c.numel()) for c in caches)
         if key != self._binding.key or self._binding.kv is None:
             a0 = self._attn_layers[0]
-            self._binding = _Binding(key, kv_views(caches, int(a0.num_kv_heads), int(a0.head_size)))
+            kv = kv_views(caches, int(a0.num_kv_heads), int(a0.head_size), self.runner.kernels)
+            self._binding = _Binding(key, kv)
         return self._binding.kv
 
     def _bound_kv(self) -> PagedKVCache | None:

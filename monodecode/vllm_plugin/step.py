@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from monodecode.errors import MonodecodeError
+from monodecode.errors import ConfigError, MonodecodeError
 from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
 from monodecode.runtime.vote import StepInfo
 
@@ -82,14 +82,16 @@ def decode_metadata(md: Any, positions: torch.Tensor, slot_mapping: torch.Tensor
     )
 
 
-def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int) -> PagedKVCache:
+def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int, kernels: Any = None) -> PagedKVCache:
     """Per-layer key/value views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM 0.33's
     per-layer caches, logically ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` with K then
     V along the last axis (the split vLLM's own backends use). The views alias vLLM's memory and
     are strided: K and V of one head are interleaved, so a kernel must address them through the
     tensors' strides. Token-major physical layouts (vLLM's LBNHC / NHD) give views whose
     (block, slot) axes merge into one slot axis; head-major ones (LBHNC / HND) do not and are
-    refused, since slot-indexed KV writes need a flat slot axis."""
+    refused, since slot-indexed KV writes need a flat slot axis. With ``kernels`` the views also
+    pass the backend's own layout check (``DecodeKernels.check_kv``: alignment, strides, block
+    size), so a layout its kernels cannot address is refused here, at binding, not at a launch."""
     keys, values = [], []
     block_size = None
     for layer, kv in enumerate(kv_caches):
@@ -110,7 +112,14 @@ def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int) ->
         block_size = k.shape[1]
     if block_size is None:
         raise KVLayoutError("kv_layout: no KV caches are bound")
-    return PagedKVCache(key=keys, value=values, block_size=block_size)
+    kv = PagedKVCache(key=keys, value=values, block_size=block_size)
+    if kernels is not None:
+        try:
+            kernels.check_kv(kv)
+        except ConfigError as e:
+            why = str(e)
+            raise KVLayoutError(why if why.startswith("kv_layout: ") else f"kv_layout: {why}") from None
+    return kv
 
 
 def kv_reason_for_backend(backend_name: str, backend: Any = None) -> str | None:

@@ -197,6 +197,10 @@ class FlyDSLKernels(TwoLaunchKernels):
             self._kv_cache_args[layer] = have
         return have[1]
 
+    def check_kv(self, kv) -> None:
+        for layer in range(len(kv.key)):
+            self._kv_args(layer, kv.key[layer], kv.value[layer])
+
     def _ptr(self, kind: str, t) -> Any:
         from monodecode.kernels.flydsl.compile import pointer
 

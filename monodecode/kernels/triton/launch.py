@@ -223,12 +223,19 @@ class TritonKernels(TwoLaunchKernels):
     def _launch_meta(self, meta):
         return _Meta(meta, self.device)
 
-    def _launch_k1(self, layer, x, meta, kv, width, stall=0):
+    def _kv_strides(self, layer: int, kv) -> list[int]:
         if kv.block_size != self.req.block_size:
             raise ConfigError(f"triton kernels: built for KV block size {self.req.block_size}, cache has {kv.block_size}")
+        return kv_strides(kv.key[layer], kv.value[layer], self.dims, self.req.block_size)
+
+    def check_kv(self, kv) -> None:
+        for layer in range(len(kv.key)):
+            self._kv_strides(layer, kv)
+
+    def _launch_k1(self, layer, x, meta, kv, width, stall=0):
+        st = self._kv_strides(layer, kv)
         out = self.attn[width]
         kc, vc = kv.key[layer], kv.value[layer]
-        st = kv_strides(kc, vc, self.dims, self.req.block_size)
         args = k1_args(self.layers[layer], x, kc, vc, st, meta, out, self.scratch,
                        self.health_word, layer, self.spin_limit, stall, self.dims)
         self._run(0, width, args)
