@@ -125,42 +125,47 @@ def test_decode_step_matches_reference(family, mono_models, model_dirs):
     assert _counter("monodecode_steps_total", path="mono") - steps_before == 2
 
 
-def test_head_major_kv_layout_degrades(model_dirs, vllm_distributed, tmp_path):
-    """vLLM's head-major layout (LBHNC) has no flat slot axis: the first eligible step degrades
-    (on_refusal=degrade) instead of writing K/V to the wrong place."""
+def _plan_one_decode_row(model, cfg, layout_name: str):
+    """``model.mono.plan`` for one decode row over vLLM caches allocated in ``layout_name``."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
     from monodecode.model.paged_kv import BlockAllocator
 
-    cfg = engine_config(model_dirs["llama"], block_size=BLOCK,
-                        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")})
-    model = load_model(cfg)
-    assert model.mono.state == "mono"
-    names, _ = _vllm_kv(model, cfg, "LBHNC")
+    names, _ = _vllm_kv(model, cfg, layout_name)
     alloc = BlockAllocator(NUM_BLOCKS, BLOCK)
     alloc.append_slots(0, 3)
     meta = alloc.decode_metadata([0])
     md = _metadata(meta, 1, 1)
     with set_current_vllm_config(cfg), set_forward_context({n: md for n in names}, cfg, num_tokens=1):
-        plan = model.mono.plan(meta.positions)
-    assert plan is None
+        return model.mono.plan(meta.positions)
+
+
+def _assert_degraded_for_kv_layout(model, needle: str) -> None:
     assert model.mono.state == "degraded"
-    assert model.mono.reasons[0].startswith("kv_layout: ") and "LBNHC" in model.mono.reasons[0]
+    reason = model.mono.reasons[0]
+    assert reason.startswith("kv_layout: ") and needle in reason, reason
     assert _counter("monodecode_refusal_info", reason="kv_layout") == 1.0
     assert _counter("monodecode_enabled") == 0.0
+
+
+def test_head_major_kv_layout_degrades(model_dirs, vllm_distributed, tmp_path):
+    """vLLM's head-major layout (LBHNC) has no flat slot axis: the first eligible step degrades
+    (on_refusal=degrade) instead of writing K/V to the wrong place."""
+    cfg = engine_config(model_dirs["llama"], block_size=BLOCK,
+                        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")})
+    model = load_model(cfg)
+    assert model.mono.state == "mono"
+    assert _plan_one_decode_row(model, cfg, "LBHNC") is None
+    _assert_degraded_for_kv_layout(model, "LBNHC")
 
 
 def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vllm_distributed, tmp_path):
     """The binding runs the backend's own layout check (``DecodeKernels.check_kv``): FlyDSL
     kernels built for another block size than vLLM's cache degrade the first eligible step with
     kv_layout, before any launch. Only the check runs (its build needs a ROCm device)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
-
     from monodecode.kernels.base import BuildRequest
     from monodecode.kernels.flydsl.backend import FlyDSLKernels
-    from monodecode.model.paged_kv import BlockAllocator
     from monodecode.runtime.platform import Platform
 
     cfg = engine_config(model_dirs["llama"], block_size=BLOCK,
@@ -173,16 +178,5 @@ def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vl
                               platform=Platform("rocm", "gfx942", "MI300X", 304))
     flydsl.dims, flydsl._kv_cache_args = dims, {}
     model.mono.runner.kernels = flydsl
-    names, _ = _vllm_kv(model, cfg, "LBNHC")
-    alloc = BlockAllocator(NUM_BLOCKS, BLOCK)
-    alloc.append_slots(0, 3)
-    meta = alloc.decode_metadata([0])
-    md = _metadata(meta, 1, 1)
-    with set_current_vllm_config(cfg), set_forward_context({n: md for n in names}, cfg, num_tokens=1):
-        plan = model.mono.plan(meta.positions)
-    assert plan is None
-    assert model.mono.state == "degraded"
-    reason = model.mono.reasons[0]
-    assert reason.startswith("kv_layout: ") and "flydsl K1 was built for [blocks, block_size" in reason, reason
-    assert _counter("monodecode_refusal_info", reason="kv_layout") == 1.0
-    assert _counter("monodecode_enabled") == 0.0
+    assert _plan_one_decode_row(model, cfg, "LBNHC") is None
+    _assert_degraded_for_kv_layout(model, "flydsl K1 was built for [blocks, block_size")
