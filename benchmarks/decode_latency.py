@@ -101,34 +101,24 @@ def kv_bytes(dims, layers: int, context: int, rows: int) -> int:
     return total
 
 
+def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
+    """Seconds of each of ``replays`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return out
+
+
 def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
-def _time_eager(fn, replays: int) -> list[float]:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
+    return _time_eager(graph.replay, replays, warmup=3)
 
 
 def _capture(fn) -> tuple[torch.cuda.CUDAGraph, Any]:
