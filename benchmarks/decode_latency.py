@@ -148,8 +148,17 @@ def _measure(name: str, fn, log) -> tuple[Any, str | None]:
         return None, why
 
 
-def bench_config(profile: str, weight_dtype: str, batches: list[int], context: int, layers: int | None,
-                 replays: int, bandwidth: float, device, log=print) -> list[dict]:
+def bench_config(
+    profile: str,
+    weight_dtype: str,
+    batches: list[int],
+    context: int,
+    layers: int | None,
+    replays: int,
+    bandwidth: float,
+    device,
+    log=print,
+) -> list[dict]:
     from monodecode.kernels.triton.backend import TritonBackend
     from monodecode.kernels.triton.launch import _Meta
     from monodecode.runtime.platform import detect_platform
@@ -158,12 +167,21 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
     n_layers = dims.num_layers if layers is None else min(layers, dims.num_layers)
     t0 = time.monotonic()
     weights = random_weights(dims, seed=1, weight_dtype=weight_dtype, device=device, num_layers=n_layers)
-    req = BuildRequest(dims=dims, weight_dtype=weight_dtype, tp_size=1, widths=tuple(sorted(set(batches))),
-                       block_size=BLOCK, platform=detect_platform(), wait_timeout_s=2.0)
+    req = BuildRequest(
+        dims=dims,
+        weight_dtype=weight_dtype,
+        tp_size=1,
+        widths=tuple(sorted(set(batches))),
+        block_size=BLOCK,
+        platform=detect_platform(),
+        wait_timeout_s=2.0,
+    )
     tk = TritonBackend().build(req, weights, None, allow_jit=True)
     stock = StockDecode(dims, weights, context + BLOCK, device)
-    log(f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
-        f"stock GEMMs: {stock.fp8_path}")
+    log(
+        f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
+        f"stock GEMMs: {stock.fp8_path}"
+    )
     wbytes = weight_bytes(weights)
     results = []
     for rows in batches:
@@ -198,6 +216,7 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
         if why:
             errors["reference-eager"] = why
         for name, fn in steps.items():
+
             def one(fn=fn):
                 g, out = _capture(fn)
                 ts = _time_graph(g, replays)
@@ -217,6 +236,7 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
         k2_only = lambda: [tk._launch_k2(l, x, attn_in, rows) for l in range(n_layers)]  # noqa: E731
         parts = {}
         for name, fn in (("k1", k1_only), ("k2", k2_only)):
+
             def part(fn=fn):
                 g_part, _ = _capture(fn)
                 return _median_ms(_time_graph(g_part, replays))
@@ -235,26 +255,41 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
         for backend in BACKENDS:
             ts = times.get(backend)
             med = statistics.median(ts) if ts else None
-            results.append({
-                "profile": profile, "weight_dtype": weight_dtype, "batch": rows, "context": context,
-                "layers_timed": n_layers, "layers_model": dims.num_layers, "backend": backend,
-                "step_ms": med * 1e3 if med else None, "step_ms_min": min(ts) * 1e3 if ts else None,
-                "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
-                "error": errors.get(backend),
-                "weight_bytes": wbytes, "kv_bytes": kbytes, "roofline_ms": roof * 1e3,
-                "fraction_of_roofline": roof / med if med else None,
-                "rel_error_vs_reference": rel(backend) if backend in ("stock-graph", "triton") else None,
-                "stock_gemm_path": stock.fp8_path,
-                "triton_health": decode_health(health).describe() if health else "ok",
-                "triton_k1_only_ms": parts["k1"], "triton_k2_only_ms": parts["k2"],
-            })
+            results.append(
+                {
+                    "profile": profile,
+                    "weight_dtype": weight_dtype,
+                    "batch": rows,
+                    "context": context,
+                    "layers_timed": n_layers,
+                    "layers_model": dims.num_layers,
+                    "backend": backend,
+                    "step_ms": med * 1e3 if med else None,
+                    "step_ms_min": min(ts) * 1e3 if ts else None,
+                    "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
+                    "error": errors.get(backend),
+                    "weight_bytes": wbytes,
+                    "kv_bytes": kbytes,
+                    "roofline_ms": roof * 1e3,
+                    "fraction_of_roofline": roof / med if med else None,
+                    "rel_error_vs_reference": rel(backend) if backend in ("stock-graph", "triton") else None,
+                    "stock_gemm_path": stock.fp8_path,
+                    "triton_health": decode_health(health).describe() if health else "ok",
+                    "triton_k1_only_ms": parts["k1"],
+                    "triton_k2_only_ms": parts["k2"],
+                }
+            )
         med = {b: statistics.median(times[b]) * 1e3 for b in BACKENDS if times.get(b)}
         ratio = lambda a, b: f"{med[a] / med[b]:.2f}x" if a in med and b in med else "n/a"  # noqa: E731
-        log(f"  batch {rows}: " + ", ".join(
-            f"{b} {med[b]:.3f} ms ({roof * 1e3 / med[b]:.1%})" if b in med else f"{b} FAILED" for b in BACKENDS
-        ) + f"; triton vs stock graph {ratio('stock-graph', 'triton')}, vs oracle graph "
+        log(
+            f"  batch {rows}: "
+            + ", ".join(
+                f"{b} {med[b]:.3f} ms ({roof * 1e3 / med[b]:.1%})" if b in med else f"{b} FAILED" for b in BACKENDS
+            )
+            + f"; triton vs stock graph {ratio('stock-graph', 'triton')}, vs oracle graph "
             f"{ratio('reference-graph', 'triton')}; rel err triton {rel('triton')}, stock {rel('stock-graph')}; "
-            f"K1 only {parts['k1']} ms, K2 only {parts['k2']} ms; health {health}")
+            f"K1 only {parts['k1']} ms, K2 only {parts['k2']} ms; health {health}"
+        )
         del outs, kv
         torch.cuda.empty_cache()
     tk.close()
@@ -264,8 +299,17 @@ def bench_config(profile: str, weight_dtype: str, batches: list[int], context: i
 
 
 def _find(rows: list[dict], r: dict, backend: str) -> dict | None:
-    return next((x for x in rows if x["profile"] == r["profile"] and x["weight_dtype"] == r["weight_dtype"]
-                 and x["batch"] == r["batch"] and x["backend"] == backend), None)
+    return next(
+        (
+            x
+            for x in rows
+            if x["profile"] == r["profile"]
+            and x["weight_dtype"] == r["weight_dtype"]
+            and x["batch"] == r["batch"]
+            and x["backend"] == backend
+        ),
+        None,
+    )
 
 
 def _ratio(base: dict | None, r: dict) -> str:
@@ -311,10 +355,18 @@ def summary(doc: dict) -> dict:
             continue
         stock = _find(rows, r, "stock-graph")
         s, t = (stock or {}).get("step_ms"), r.get("step_ms")
-        out.append({"profile": r["profile"], "weight_dtype": r["weight_dtype"], "batch": r["batch"],
-                    "triton_ms": t, "stock_graph_ms": s, "triton_fraction_of_roofline": r.get("fraction_of_roofline"),
-                    "stock_over_triton": s / t if s and t else None,
-                    "triton_not_slower_than_stock": (t <= s) if s and t else None})
+        out.append(
+            {
+                "profile": r["profile"],
+                "weight_dtype": r["weight_dtype"],
+                "batch": r["batch"],
+                "triton_ms": t,
+                "stock_graph_ms": s,
+                "triton_fraction_of_roofline": r.get("fraction_of_roofline"),
+                "stock_over_triton": s / t if s and t else None,
+                "triton_not_slower_than_stock": (t <= s) if s and t else None,
+            }
+        )
     verdicts = [x["triton_not_slower_than_stock"] for x in out]
     return {"per_config": out, "never_slower_than_stock": all(v is True for v in verdicts) if verdicts else None}
 
@@ -330,7 +382,11 @@ def summary_table(doc: dict) -> str:
     for r in rows:
         if r["backend"] != "triton":
             continue
-        st, orc, floor = _find(rows, r, "stock-graph"), _find(rows, r, "reference-graph"), _find(rows, r, "stock-gemm-floor")
+        st, orc, floor = (
+            _find(rows, r, "stock-graph"),
+            _find(rows, r, "reference-graph"),
+            _find(rows, r, "stock-gemm-floor"),
+        )
 
         def pct(x):
             f = (x or {}).get("fraction_of_roofline")
@@ -352,15 +408,20 @@ def plot(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = doc["results"]
-    groups = sorted({(r["profile"], r["weight_dtype"], r["batch"]) for r in rows},
-                    key=lambda k: (list(PROFILES).index(k[0]), k[1], k[2]))
+    groups = sorted(
+        {(r["profile"], r["weight_dtype"], r["batch"]) for r in rows},
+        key=lambda k: (list(PROFILES).index(k[0]), k[1], k[2]),
+    )
     shown = [b for b in BACKENDS if b != "reference-eager"]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.8))
     width = 0.8 / len(shown)
     for i, backend in enumerate(shown):
         vals = []
         for g in groups:
-            r = next((r for r in rows if (r["profile"], r["weight_dtype"], r["batch"]) == g and r["backend"] == backend), None)
+            r = next(
+                (r for r in rows if (r["profile"], r["weight_dtype"], r["batch"]) == g and r["backend"] == backend),
+                None,
+            )
             vals.append(100 * ((r or {}).get("fraction_of_roofline") or 0.0))
         ax.bar([j + i * width for j in range(len(groups))], vals, width, label=LABELS.get(backend, backend))
     ax.set_xticks([j + width * (len(shown) - 1) / 2 for j in range(len(groups))])
@@ -383,8 +444,9 @@ def _csv(text: str, kind=str) -> list:
         raise MonodecodeError(f"bad list {text!r}: expected comma-separated {kind.__name__} values") from None
 
 
-def run(profiles, batches, context: int, layers: int | None, fp8_profiles, replays: int, out_dir: Path,
-        log=print) -> dict:
+def run(
+    profiles, batches, context: int, layers: int | None, fp8_profiles, replays: int, out_dir: Path, log=print
+) -> dict:
     for p in list(profiles) + list(fp8_profiles):
         if p not in PROFILES:
             raise MonodecodeError(f"unknown model profile {p!r}; known: {', '.join(PROFILES)}")
@@ -402,10 +464,17 @@ def run(profiles, batches, context: int, layers: int | None, fp8_profiles, repla
     gpu = torch.cuda.get_device_name()
     date = _dt.date.today().isoformat()
     doc = {
-        "schema": 2, "gpu": gpu, "date": date, "context": context, "block_size": BLOCK,
-        "read_bandwidth_gbs": bw / 1e9, "torch": torch.__version__, "triton": triton.__version__,
+        "schema": 2,
+        "gpu": gpu,
+        "date": date,
+        "context": context,
+        "block_size": BLOCK,
+        "read_bandwidth_gbs": bw / 1e9,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
         "layers_note": "all layers timed" if layers is None else f"first {layers} layers timed (full-model ms scaled)",
-        "method": __doc__.split("\n\n")[1:4], "backends": {b: LABELS[b] for b in BACKENDS},
+        "method": __doc__.split("\n\n")[1:4],
+        "backends": {b: LABELS[b] for b in BACKENDS},
         "results": [],
     }
     stem = f"decode_latency_{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}_{date}"
@@ -434,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     try:
-        doc = run(_csv(a.profiles), _csv(a.batches, int), a.context, a.layers, _csv(a.fp8_profiles), a.replays,
-                  Path(a.out))
+        doc = run(
+            _csv(a.profiles), _csv(a.batches, int), a.context, a.layers, _csv(a.fp8_profiles), a.replays, Path(a.out)
+        )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -83,8 +83,11 @@ def main(selectors: list[str]) -> None:
     from monodecode.model.weights import random_weights
     from monodecode.runtime.platform import detect_platform
 
-    chosen = [v for v in VARIANTS if not selectors or any(s in f"{v.profile} {v.dtype} b{v.batch} {v.name}"
-                                                          for s in selectors)]
+    chosen = [
+        v
+        for v in VARIANTS
+        if not selectors or any(s in f"{v.profile} {v.dtype} b{v.batch} {v.name}" for s in selectors)
+    ]
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     with ProcessPoolExecutor(16, mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_compile, [(v.profile, v.dtype, v.batch, v.change, sm) for v in chosen]))
@@ -114,8 +117,15 @@ def main(selectors: list[str]) -> None:
         label = f"{v.profile} {v.dtype} b{v.batch} {v.name:38}"
         C.CUDA = dataclasses.replace(base_target, **v.change)
         try:
-            req = BuildRequest(dims=dims, weight_dtype=v.dtype, tp_size=1, widths=(rows,), block_size=16,
-                               platform=plat, wait_timeout_s=2.0)
+            req = BuildRequest(
+                dims=dims,
+                weight_dtype=v.dtype,
+                tp_size=1,
+                widths=(rows,),
+                block_size=16,
+                platform=plat,
+                wait_timeout_s=2.0,
+            )
             tk = TritonBackend().build(req, w, None, allow_jit=True)
             m = _Meta(meta, dev)
             attn = torch.randn(rows, dims.q_size, device=dev).to(torch.bfloat16)
@@ -137,8 +147,11 @@ def main(selectors: list[str]) -> None:
                 g, _ = D._capture(fn)
                 out[part] = statistics.median(D._time_graph(g, 15)) * 1e3
                 del g
-            print(f"{label} step {out['step']:.3f} ms ({roof * 1e3 / out['step']:.1%} of roofline)"
-                  f"  K1 {out['k1']:.3f}  K2 {out['k2']:.3f}  rel err {rel:.1e}  health {tk.health()}", flush=True)
+            print(
+                f"{label} step {out['step']:.3f} ms ({roof * 1e3 / out['step']:.1%} of roofline)"
+                f"  K1 {out['k1']:.3f}  K2 {out['k2']:.3f}  rel err {rel:.1e}  health {tk.health()}",
+                flush=True,
+            )
             tk.close()
         except Exception as e:  # a variant that cannot launch (e.g. not co-resident) is reported
             print(f"{label} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)

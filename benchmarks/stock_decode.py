@@ -100,8 +100,9 @@ class StockLayer:
         self.qk_norm = None
         if dims.qk_norm:
             hd = dims.head_dim
-            self.qk_norm = torch.cat([norm_w(w.q_norm).expand(dims.num_heads, hd),
-                                      norm_w(w.k_norm).expand(dims.num_kv_heads, hd)]).contiguous()
+            self.qk_norm = torch.cat(
+                [norm_w(w.q_norm).expand(dims.num_heads, hd), norm_w(w.k_norm).expand(dims.num_kv_heads, hd)]
+            ).contiguous()
         self.o = lin(w.o_proj)
         self.post_norm = norm_w(w.attn_post_norm) if w.attn_post_norm is not None else None
         self.mlp_norm = norm_w(w.mlp_norm)
@@ -127,9 +128,11 @@ class StockDecode:
             mode = "scaled_mm" if why is None else "dequant"
         else:
             mode, why = "dequant", f"{fp8_kind} weights: no row-wise _scaled_mm path here"
-        self.fp8_path = {"bf16": "bf16 GEMMs (F.linear)",
-                         "scaled_mm": "W8A8: per-row e4m3 activations, torch._scaled_mm row-wise scales",
-                         "dequant": f"FP8 weights dequantized to bf16 at setup ({why})"}[mode]
+        self.fp8_path = {
+            "bf16": "bf16 GEMMs (F.linear)",
+            "scaled_mm": "W8A8: per-row e4m3 activations, torch._scaled_mm row-wise scales",
+            "dequant": f"FP8 weights dequantized to bf16 at setup ({why})",
+        }[mode]
         self.layers = [StockLayer(dims, l, w, mode) for l, w in enumerate(weights.layers)]
         hd = dims.head_dim
         self._rope = {}
@@ -158,8 +161,10 @@ class StockDecode:
             if layer.window is not None and layer.window not in masks:
                 win = visible & (j[None, :] > meta.positions[:, None] - layer.window)
                 masks[layer.window] = win[:, None, None, :]
-        cos_sin = {rope: (c.index_select(0, meta.positions), s.index_select(0, meta.positions))
-                   for rope, (c, s) in self._rope.items()}
+        cos_sin = {
+            rope: (c.index_select(0, meta.positions), s.index_select(0, meta.positions))
+            for rope, (c, s) in self._rope.items()
+        }
         self._step = (blk, off, tables, masks, cos_sin)
 
     def _norm(self, x, w):
@@ -173,7 +178,7 @@ class StockDecode:
         nq, nkv = d.num_heads, d.num_kv_heads
         qkv = L.qkv(self._norm(x, L.attn_norm))
         qk = qkv[:, : d.q_size + d.kv_size].view(rows, nq + nkv, hd)
-        v = qkv[:, d.q_size + d.kv_size:].view(rows, nkv, hd)
+        v = qkv[:, d.q_size + d.kv_size :].view(rows, nkv, hd)
         if L.qk_norm is not None:
             qk = self._norm(qk, L.qk_norm)
         cos, sin = cos_sin[L.rope]
@@ -187,14 +192,15 @@ class StockDecode:
         ctx = tables.shape[1] * kv.block_size
         keys = kc[tables].view(rows, ctx, nkv, hd).transpose(1, 2)
         vals = vc[tables].view(rows, ctx, nkv, hd).transpose(1, 2)
-        att = F.scaled_dot_product_attention(q.reshape(rows, nkv, nq // nkv, hd), keys, vals,
-                                             attn_mask=masks[L.window], scale=d.attn_scale)
+        att = F.scaled_dot_product_attention(
+            q.reshape(rows, nkv, nq // nkv, hd), keys, vals, attn_mask=masks[L.window], scale=d.attn_scale
+        )
         o = L.o(att.reshape(rows, d.q_size))
         if L.post_norm is not None:
             o = self._norm(o, L.post_norm)
         x = x + o
         gu = L.gate_up(self._norm(x, L.mlp_norm))
-        g, u = gu[:, : d.intermediate_size], gu[:, d.intermediate_size:]
+        g, u = gu[:, : d.intermediate_size], gu[:, d.intermediate_size :]
         a = F.gelu(g, approximate="tanh") if d.activation == "gelu_tanh" else F.silu(g)
         y = L.down(a * u)
         if L.mlp_post_norm is not None:

@@ -61,15 +61,23 @@ def main() -> int:
     ap.add_argument("--sm", type=int, required=True, help="multiprocessors (persistent grid size)")
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--target", action="append", default=[],
-                    help="also compile the benchmark's builds with this CUDA target change (JSON), "
-                         "e.g. '{\"flatten\": false}'")
+    ap.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="also compile the benchmark's builds with this CUDA target change (JSON), e.g. '{\"flatten\": false}'",
+    )
     ap.add_argument("--experiments", action="store_true", help="also compile experiments.py's variants")
     a = ap.parse_args()
     changes = [{}] + [json.loads(t) for t in a.target]
     jobs = [(p, d, ws, w, k, a.sm, a.cc, {}) for p, d, ws in builds() for w in ws for k in ("k1", "k2")]
-    jobs += [(p, d, ws, w, k, a.sm, a.cc, ch) for ch in changes[1:] for p, d, ws in bench_builds() for w in ws
-             for k in ("k1", "k2")]
+    jobs += [
+        (p, d, ws, w, k, a.sm, a.cc, ch)
+        for ch in changes[1:]
+        for p, d, ws in bench_builds()
+        for w in ws
+        for k in ("k1", "k2")
+    ]
     if a.experiments:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from experiments import VARIANTS

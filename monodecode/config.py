@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from monodecode.errors import ConfigError
 
@@ -68,11 +69,11 @@ class MonoConfig:
         d["widths"] = list(self.widths)
         return d
 
-    def replace(self, **changes: Any) -> "MonoConfig":
+    def replace(self, **changes: Any) -> MonoConfig:
         return MonoConfig.from_dict({**self.to_dict(), **changes})
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any] | None, *, where: str = "monodecode config") -> "MonoConfig":
+    def from_dict(cls, raw: Mapping[str, Any] | None, *, where: str = "monodecode config") -> MonoConfig:
         """Validate and build; ``ConfigError`` (one line) for an unknown key or bad value."""
         if raw is None:
             return cls()
@@ -88,7 +89,7 @@ class MonoConfig:
         return cls(**values)
 
     @classmethod
-    def from_json(cls, text: str, *, where: str = "monodecode config") -> "MonoConfig":
+    def from_json(cls, text: str, *, where: str = "monodecode config") -> MonoConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
@@ -98,7 +99,7 @@ class MonoConfig:
     @classmethod
     def from_additional_config(
         cls, additional_config: Mapping[str, Any] | None, monokernel: bool = False
-    ) -> "MonoConfig":
+    ) -> MonoConfig:
         """From vLLM's ``additional_config`` dict (+ the ``--monokernel`` flag).
 
         ``{"monodecode": {...}}`` carries the options; a top-level ``decode_backend`` of
@@ -119,7 +120,7 @@ class MonoConfig:
         return cls.from_dict(opts, where="additional_config.monodecode")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "MonoConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MonoConfig:
         """From ``MONODECODE_CONFIG`` (a JSON object); defaults when unset."""
         env = os.environ if environ is None else environ
         text = env.get("MONODECODE_CONFIG")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -29,15 +29,43 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 
 # name -> (type, labels, help); the README table is generated from / tested against this.
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "monodecode_enabled": ("gauge", (), "1 when mono decode runs eligible decode steps on this rank, 0 when off or degraded"),
-    "monodecode_build_info": ("gauge", ("backend", "arch", "build_key", "version"), "Always 1; labels name the kernel backend, GPU arch, build key and monodecode version"),
-    "monodecode_refusal_info": ("gauge", ("reason",), "1 per refusal reason code while degraded (stock decode running)"),
-    "monodecode_steps_total": ("counter", ("path",), "Decode steps by path: mono (megakernel) or fallback (stock layers)"),
+    "monodecode_enabled": (
+        "gauge",
+        (),
+        "1 when mono decode runs eligible decode steps on this rank, 0 when off or degraded",
+    ),
+    "monodecode_build_info": (
+        "gauge",
+        ("backend", "arch", "build_key", "version"),
+        "Always 1; labels name the kernel backend, GPU arch, build key and monodecode version",
+    ),
+    "monodecode_refusal_info": (
+        "gauge",
+        ("reason",),
+        "1 per refusal reason code while degraded (stock decode running)",
+    ),
+    "monodecode_steps_total": (
+        "counter",
+        ("path",),
+        "Decode steps by path: mono (megakernel) or fallback (stock layers)",
+    ),
     "monodecode_fallback_steps_total": ("counter", ("reason",), "Steps that took the stock path, by reason"),
     "monodecode_step_duration_seconds": ("histogram", ("path",), "Wall time of a step's decoder-layer stack, by path"),
-    "monodecode_warmup_duration_seconds": ("gauge", (), "Duration of the last warm-up (build + golden check of every width)"),
-    "monodecode_warmup_max_abs_error": ("gauge", (), "Largest absolute difference between kernel and reference in the warm-up golden check (all widths, layers)"),
-    "monodecode_failstop_total": ("counter", ("site",), "Fail-stops recorded in this rank's marker (survives restarts), by site"),
+    "monodecode_warmup_duration_seconds": (
+        "gauge",
+        (),
+        "Duration of the last warm-up (build + golden check of every width)",
+    ),
+    "monodecode_warmup_max_abs_error": (
+        "gauge",
+        (),
+        "Largest absolute difference between kernel and reference in the warm-up golden check (all widths, layers)",
+    ),
+    "monodecode_failstop_total": (
+        "counter",
+        ("site",),
+        "Fail-stops recorded in this rank's marker (survives restarts), by site",
+    ),
     "monodecode_last_failstop_timestamp_seconds": ("gauge", (), "Unix time of the last recorded fail-stop (0 if none)"),
 }
 

@@ -86,7 +86,7 @@ class Deployment:
     weight_dtype: str = "bf16"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
-    dims: "ModelDims | None" = None
+    dims: ModelDims | None = None
     graph_mode: str = "none"  # none | full | full_decode_only | full_and_piecewise | piecewise
     capture_sizes: tuple[int, ...] = ()
     # filled by the runner after the artifact lookup: a "<code>: <sentence>" or None
@@ -147,14 +147,18 @@ def refusal_reasons(deployment: Deployment, spec: KernelSpec) -> list[str]:
         )
 
     if s.tp_sizes is not None and d.tp_size not in s.tp_sizes:
-        reasons.append(f"tp_size: kernels are built for tensor parallel sizes {_list(s.tp_sizes)}; deployment uses {d.tp_size}")
+        reasons.append(
+            f"tp_size: kernels are built for tensor parallel sizes {_list(s.tp_sizes)}; deployment uses {d.tp_size}"
+        )
     if d.dims is not None and d.tp_size > 1:
         if d.dims.num_kv_heads % d.tp_size or d.dims.num_heads % d.tp_size:
             reasons.append(
                 f"tp_size: {d.dims.num_heads} query / {d.dims.num_kv_heads} KV heads do not split evenly over TP {d.tp_size}"
             )
         elif d.dims.intermediate_size % d.tp_size:
-            reasons.append(f"tp_size: intermediate size {d.dims.intermediate_size} does not split evenly over TP {d.tp_size}")
+            reasons.append(
+                f"tp_size: intermediate size {d.dims.intermediate_size} does not split evenly over TP {d.tp_size}"
+            )
 
     for feature, detail in d.features_on().items():
         if feature not in s.supports:
@@ -163,7 +167,9 @@ def refusal_reasons(deployment: Deployment, spec: KernelSpec) -> list[str]:
     if d.model_dtype not in s.model_dtypes:
         reasons.append(f"dtype: model dtype {d.model_dtype} is not supported; supported: {_list(s.model_dtypes)}")
     if d.weight_dtype not in s.weight_dtypes:
-        reasons.append(f"weight_dtype: weights in {d.weight_dtype} are not supported; supported: {_list(s.weight_dtypes)}")
+        reasons.append(
+            f"weight_dtype: weights in {d.weight_dtype} are not supported; supported: {_list(s.weight_dtypes)}"
+        )
     if d.kv_cache_dtype not in s.kv_cache_dtypes:
         reasons.append(
             f"kv_cache_dtype: KV cache dtype {d.kv_cache_dtype} is not supported; supported: {_list(s.kv_cache_dtypes)}"
@@ -175,7 +181,9 @@ def refusal_reasons(deployment: Deployment, spec: KernelSpec) -> list[str]:
         reasons.append("model: the model's dimensions are unknown")
     else:
         if d.dims.family not in s.families:
-            reasons.append(f"model_family: {d.dims.architecture} ({d.dims.family}) is not supported; supported: {_list(s.families)}")
+            reasons.append(
+                f"model_family: {d.dims.architecture} ({d.dims.family}) is not supported; supported: {_list(s.families)}"
+            )
         if s.head_dims is not None and d.dims.head_dim not in s.head_dims:
             reasons.append(f"head_dim: head dim {d.dims.head_dim} is not built; built: {_list(s.head_dims)}")
         if s.built_dims is not None and d.dims.digest() not in s.built_dims:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from test_dashboard import dashboard, promql_for_prometheus, queries
 from test_helm_chart import CHART, RULES_SRC, helm, one
 
@@ -75,11 +74,16 @@ class SteppingRunner:
         weights = load_weights(model_dir, dims)
         self.registry = CollectorRegistry()
         metrics = MonoMetrics(registry=self.registry)
-        config = MonoConfig.from_dict({
-            "enabled": True, "backend": "reference", "widths": [1, 2],
-            "failstop_dir": str(tmp / "failstop"), "termination_log": str(tmp / "termination-log"),
-            "exit_on_failstop": False,
-        })
+        config = MonoConfig.from_dict(
+            {
+                "enabled": True,
+                "backend": "reference",
+                "widths": [1, 2],
+                "failstop_dir": str(tmp / "failstop"),
+                "termination_log": str(tmp / "termination-log"),
+                "exit_on_failstop": False,
+            }
+        )
         self.runner = Runner(config, dims, weights, detect_platform(), metrics=metrics).start()
         assert self.runner.state == "mono", self.runner.reasons
         alloc = BlockAllocator(16, 16)
@@ -116,24 +120,37 @@ class Prometheus:
     def __init__(self, tmp: Path, rules: Path, target_port: int):
         exe = shutil.which("prometheus")
         if not exe:
-            pytest.fail("prometheus is not installed: the Debian package prometheus is in scripts/apt-packages.txt (make test)")
+            pytest.fail(
+                "prometheus is not installed: the Debian package prometheus is in scripts/apt-packages.txt (make test)"
+            )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": [str(rules)],
-            "scrape_configs": [{
-                "job_name": JOB,
-                "static_configs": [{"targets": [f"127.0.0.1:{target_port}"], "labels": {"namespace": "e2e", "pod": "runner-0"}}],
-            }],
+            "scrape_configs": [
+                {
+                    "job_name": JOB,
+                    "static_configs": [
+                        {"targets": [f"127.0.0.1:{target_port}"], "labels": {"namespace": "e2e", "pod": "runner-0"}}
+                    ],
+                }
+            ],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = tmp / "prometheus.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [exe, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    exe,
+                    f"--config.file={tmp / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         wait_for("Prometheus to be ready", self._ready, 60, on_timeout=self.tail)
 
@@ -180,8 +197,15 @@ def runner(tmp_path):
 @pytest.fixture
 def chart_rules(tmp_path) -> Path:
     """The rules as the chart renders them (plain rules file ConfigMap), `for` shortened."""
-    out = helm("template", "rel", str(CHART), "--set", "rulesConfigMap.enabled=true",
-               "--set", f"prometheusRule.alerts.{ALERT}.for=2s").stdout
+    out = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--set",
+        "rulesConfigMap.enabled=true",
+        "--set",
+        f"prometheusRule.alerts.{ALERT}.for=2s",
+    ).stdout
     cm = one([d for d in yaml.safe_load_all(out) if d], "ConfigMap", "-rules")
     rules = yaml.safe_load(cm["data"]["monodecode-alerts.yaml"])
     shipped = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
@@ -204,11 +228,19 @@ def prometheus(tmp_path, runner, chart_rules):
 def test_fallback_alert_fires_on_a_live_runner(prometheus, runner):
     prom = prometheus
     # mono phase: data flows, every rule evaluates cleanly, and the fallback alert stays quiet
-    wait_for("two scrapes of the runner", lambda: prom.query(f'sum(rate(monodecode_steps_total{{job="{JOB}"}}[1m])) > 0'),
-             60, on_timeout=prom.tail)
+    wait_for(
+        "two scrapes of the runner",
+        lambda: prom.query(f'sum(rate(monodecode_steps_total{{job="{JOB}"}}[1m])) > 0'),
+        60,
+        on_timeout=prom.tail,
+    )
     assert prom.query('up{job="%s"}' % JOB)[0]["value"][1] == "1"
-    wait_for("every rule to be evaluated", lambda: set(prom.rule_health().values()) == {"ok"}, 30,
-             on_timeout=lambda: f"{prom.rule_health()}\n{prom.tail()}")
+    wait_for(
+        "every rule to be evaluated",
+        lambda: set(prom.rule_health().values()) == {"ok"},
+        30,
+        on_timeout=lambda: f"{prom.rule_health()}\n{prom.tail()}",
+    )
     time.sleep(4)  # four evaluations of the 2s-for rule on mono-only data
     assert prom.alerts(ALERT) == [], "fallback alert active while every step ran the mono path"
     assert runner.decisions.get("mono", 0) > 0 and runner.decisions.get("rows_exceed_width", 0) == 0
@@ -216,8 +248,12 @@ def test_fallback_alert_fires_on_a_live_runner(prometheus, runner):
     # fallback phase: 4 rows per step exceed the widest built width (2)
     runner.rows = 4
     t0 = time.monotonic()
-    firing = wait_for(f"{ALERT} to fire", lambda: [a for a in prom.alerts(ALERT) if a["state"] == "firing"],
-                      FIRE_WITHIN_S, on_timeout=lambda: f"alerts: {prom.alerts(ALERT)}\nrunner: {runner.decisions}\n{prom.tail()}")
+    firing = wait_for(
+        f"{ALERT} to fire",
+        lambda: [a for a in prom.alerts(ALERT) if a["state"] == "firing"],
+        FIRE_WITHIN_S,
+        on_timeout=lambda: f"alerts: {prom.alerts(ALERT)}\nrunner: {runner.decisions}\n{prom.tail()}",
+    )
     fired_after = time.monotonic() - t0
     assert runner.error is None, runner.error
     (alert,) = firing
@@ -244,8 +280,9 @@ def test_fallback_alert_fires_on_a_live_runner(prometheus, runner):
     argv = test_pod["spec"]["containers"][0]["command"]
     argv[-1] = f"http://127.0.0.1:{runner.exporter.port}"
     exe = Path(__import__("sys").executable).parent / argv[0]
-    proc = subprocess.run([str(exe), *argv[1:], "--json"], capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [str(exe), *argv[1:], "--json"], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
     (endpoint,) = [c for c in report["checks"] if c["name"] == "endpoint"]

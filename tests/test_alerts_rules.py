@@ -30,7 +30,19 @@ EXTERNAL_METRICS = {
 # ---- PromQL metric names -------------------------------------------------------------------------
 
 _PROMQL_WORDS = {
-    "and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool", "inf", "nan",
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
 }
 
 
@@ -48,10 +60,10 @@ def promql_metric_names(expr: str) -> set[str]:
     names = set()
     for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
         word = m.group(0)
-        rest = e[m.end():].lstrip()
+        rest = e[m.end() :].lstrip()
         if rest.startswith("(") or word.lower() in _PROMQL_WORDS:
             continue
-        if re.fullmatch(r"\d+[smhdwy]", e[m.start() - 1: m.end()] if m.start() else word):
+        if re.fullmatch(r"\d+[smhdwy]", e[m.start() - 1 : m.end()] if m.start() else word):
             continue
         names.add(word)
     return names
@@ -87,13 +99,15 @@ def check_documented(names: set[str], where: str) -> None:
             assert base in documented, f"{where} uses {name}, which README '## Metrics' does not list"
             assert base in METRICS, f"{where} uses {name}, which monodecode.metrics does not export"
         else:
-            assert base in EXTERNAL_METRICS, f"{where} uses {name}: neither a monodecode metric nor a known external one"
+            assert base in EXTERNAL_METRICS, (
+                f"{where} uses {name}: neither a monodecode metric nor a known external one"
+            )
 
 
 def test_metric_name_extraction():
     expr = (
         'sum by (namespace, job) (rate(monodecode_steps_total{path="mono", job=~"$job"}[$__rate_interval] offset 5m))'
-        ' / on (job) group_left histogram_quantile(0.9, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))'
+        " / on (job) group_left histogram_quantile(0.9, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket[5m])))"
         ' unless absent(up{job=~".*monodecode.*"}) > 1.5 * time()'
     )
     assert promql_metric_names(expr) == {"monodecode_steps_total", "vllm:inter_token_latency_seconds_bucket", "up"}
@@ -105,7 +119,9 @@ def test_metric_name_extraction():
 def promtool() -> str:
     found = shutil.which("promtool")
     if not found:
-        pytest.fail("promtool is not installed: the Debian package prometheus is in scripts/apt-packages.txt (make test)")
+        pytest.fail(
+            "promtool is not installed: the Debian package prometheus is in scripts/apt-packages.txt (make test)"
+        )
     return found
 
 
@@ -121,7 +137,9 @@ def test_promtool_check_rules():
 
 def test_promtool_unit_tests_pass():
     assert RULE_TESTS, "no promtool unit tests in deploy/prometheus/tests/"
-    proc = subprocess.run([promtool(), "test", "rules", *map(str, RULE_TESTS)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [promtool(), "test", "rules", *map(str, RULE_TESTS)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -131,8 +149,12 @@ def test_promtool_unit_tests_can_fail(tmp_path):
     (tmp_path / RULES.name).write_text(RULES.read_text().replace(") > 0.5\n", ") > 0.7\n", 1))
     for t in RULE_TESTS:
         shutil.copy(t, tmp_path / "tests" / t.name)
-    proc = subprocess.run([promtool(), "test", "rules", *[str(tmp_path / "tests" / t.name) for t in RULE_TESTS]],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [promtool(), "test", "rules", *[str(tmp_path / "tests" / t.name) for t in RULE_TESTS]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "MonodecodeFallbackRatioHigh" in proc.stdout + proc.stderr
 
@@ -151,8 +173,14 @@ def test_every_alert_is_tested_firing_and_quiet():
 
 def test_issue_alerts_are_all_there():
     names = {a["alert"] for a in alerts()}
-    for wanted in ("MonodecodeFallbackRatioHigh", "MonodecodeDegraded", "MonodecodeDisabled", "MonodecodeFailstop",
-                   "MonodecodeStepLatencyRegression", "MonodecodeMetricsAbsent"):
+    for wanted in (
+        "MonodecodeFallbackRatioHigh",
+        "MonodecodeDegraded",
+        "MonodecodeDisabled",
+        "MonodecodeFailstop",
+        "MonodecodeStepLatencyRegression",
+        "MonodecodeMetricsAbsent",
+    ):
         assert wanted in names
 
 
@@ -190,14 +218,23 @@ def test_unit_tests_pass_against_the_chart_rendered_rules(tmp_path):
     """The PrometheusRule the chart renders passes the same promtool unit tests."""
     from test_helm_chart import helm, one  # the chart tests' helm runner
 
-    out = helm("template", "rel", str(REPO / "helm" / "vllm-monodecode"), "--set", "prometheusRule.enabled=true",
-               "--api-versions", "monitoring.coreos.com/v1/PrometheusRule").stdout
+    out = helm(
+        "template",
+        "rel",
+        str(REPO / "helm" / "vllm-monodecode"),
+        "--set",
+        "prometheusRule.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+    ).stdout
     rule = one([d for d in yaml.safe_load_all(out) if d], "PrometheusRule")
     (tmp_path / "tests").mkdir()
     (tmp_path / RULES.name).write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
     for t in RULE_TESTS:
         shutil.copy(t, tmp_path / "tests" / t.name)
-    for cmd in (["check", "rules", str(tmp_path / RULES.name)],
-                ["test", "rules", *[str(tmp_path / "tests" / t.name) for t in RULE_TESTS]]):
+    for cmd in (
+        ["check", "rules", str(tmp_path / RULES.name)],
+        ["test", "rules", *[str(tmp_path / "tests" / t.name) for t in RULE_TESTS]],
+    ):
         proc = subprocess.run([promtool(), *cmd], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr

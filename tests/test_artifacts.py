@@ -15,9 +15,15 @@ KEY2 = "b" * 64
 
 def add(store, key=KEY, files=None, **kw):
     return store.add(
-        build_key=key, backend="flydsl", arch="gfx942", dims_digest="d" * 64, widths=(1, 2),
+        build_key=key,
+        backend="flydsl",
+        arch="gfx942",
+        dims_digest="d" * 64,
+        widths=(1, 2),
         files=files or {"k1.hsaco": b"\x7fELF-k1", "sub/k2.hsaco": b"\x7fELF-k2"},
-        compiler={"name": "flydsl", "version": "0.5.0"}, profile="tiny", **kw,
+        compiler={"name": "flydsl", "version": "0.5.0"},
+        profile="tiny",
+        **kw,
     )
 
 
@@ -79,8 +85,15 @@ def test_corrupt_artifact_fault_changes_nothing_on_disk(tmp_path, monkeypatch):
     assert store.lookup(KEY) is not None
 
 
-GOOD = {"build_key": KEY, "backend": "flydsl", "arch": "gfx942", "dims_digest": "d", "widths": [1],
-        "files": [{"path": "a", "sha256": "0" * 64, "bytes": 1}], "compiler": {"name": "f", "version": "1"}}
+GOOD = {
+    "build_key": KEY,
+    "backend": "flydsl",
+    "arch": "gfx942",
+    "dims_digest": "d",
+    "widths": [1],
+    "files": [{"path": "a", "sha256": "0" * 64, "bytes": 1}],
+    "compiler": {"name": "f", "version": "1"},
+}
 
 
 @pytest.mark.parametrize(
@@ -91,14 +104,38 @@ GOOD = {"build_key": KEY, "backend": "flydsl", "arch": "gfx942", "dims_digest": 
         ('{"schema": 2, "artifacts": []}', "unsupported schema 2"),
         ('{"schema": 1}', "'artifacts' must be a list"),
         (json.dumps({"schema": 1, "artifacts": [{**GOOD, "build_key": "xyz"}]}), "64-digit"),
-        (json.dumps({"schema": 1, "artifacts": [{k: v for k, v in GOOD.items() if k != "arch"}]}), "missing field 'arch'"),
+        (
+            json.dumps({"schema": 1, "artifacts": [{k: v for k, v in GOOD.items() if k != "arch"}]}),
+            "missing field 'arch'",
+        ),
         (json.dumps({"schema": 1, "artifacts": [{**GOOD, "widths": []}]}), "'widths' must be a non-empty list"),
         (json.dumps({"schema": 1, "artifacts": [{**GOOD, "widths": [0]}]}), "'widths' must be a non-empty list"),
         (json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": []}]}), "'files' is empty"),
-        (json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "../etc/passwd", "sha256": "0" * 64, "bytes": 1}]}]}), "leaves the artifact directory"),
-        (json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "/abs", "sha256": "0" * 64, "bytes": 1}]}]}), "leaves the artifact directory"),
-        (json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "a", "sha256": "XYZ", "bytes": 1}]}]}), "'sha256' must be"),
-        (json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "a", "sha256": "0" * 64, "bytes": -1}]}]}), "'bytes' must be"),
+        (
+            json.dumps(
+                {
+                    "schema": 1,
+                    "artifacts": [{**GOOD, "files": [{"path": "../etc/passwd", "sha256": "0" * 64, "bytes": 1}]}],
+                }
+            ),
+            "leaves the artifact directory",
+        ),
+        (
+            json.dumps(
+                {"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "/abs", "sha256": "0" * 64, "bytes": 1}]}]}
+            ),
+            "leaves the artifact directory",
+        ),
+        (
+            json.dumps({"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "a", "sha256": "XYZ", "bytes": 1}]}]}),
+            "'sha256' must be",
+        ),
+        (
+            json.dumps(
+                {"schema": 1, "artifacts": [{**GOOD, "files": [{"path": "a", "sha256": "0" * 64, "bytes": -1}]}]}
+            ),
+            "'bytes' must be",
+        ),
         (json.dumps({"schema": 1, "artifacts": [{**GOOD, "compiler": {"name": "f"}}]}), "'compiler' needs"),
         (json.dumps({"schema": 1, "artifacts": [GOOD, GOOD]}), "listed twice"),
     ],
@@ -137,7 +174,9 @@ def test_bad_entry_rejected_before_anything_is_written(tmp_path):
 def test_concurrent_adds_keep_every_entry(tmp_path):
     store = ArtifactStore(tmp_path)
     keys = [f"{i:064x}" for i in range(8)]
-    threads = [threading.Thread(target=add, args=(ArtifactStore(tmp_path), k, {f"{k[-2:]}.bin": k.encode()})) for k in keys]
+    threads = [
+        threading.Thread(target=add, args=(ArtifactStore(tmp_path), k, {f"{k[-2:]}.bin": k.encode()})) for k in keys
+    ]
     for t in threads:
         t.start()
     for t in threads:

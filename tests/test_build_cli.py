@@ -41,8 +41,15 @@ def error_line(result) -> str:
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def process_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -53,21 +60,24 @@ def process_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--arch", "gfx90a"], "unknown arch 'gfx90a' (choose gfx942, gfx950 or all)"),
-    (["--arch", "gfx942,mi300"], "unknown arch 'mi300'"),
-    (["--profile", "llama2-7b"], "unknown profile 'llama2-7b' (known: tiny"),
-    (["--push"], "--push needs --registry"),
-    (["--repository", "Not/Valid Repo"], "is not a valid image repository name"),
-    (["--registry", "bad registry"], "is not a registry host[:port][/namespace]"),
-    (["--tag", "-starts-with-dash"], "is not a valid tag"),
-    (["--network", "host;rm"], "is not a Docker network name"),
-    (["--base-image", "a b"], "is not an image reference"),
-    (["--extras", "ops;flydsl"], "must be comma-separated extra names"),
-    (["--pip-index-url", "ftp://mirror/simple"], "is not an http(s) URL"),
-    (["--ca-bundle", "/nonexistent/ca.pem"], "cannot read it"),
-    (["--source", "/"], "is not a monodecode checkout"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--arch", "gfx90a"], "unknown arch 'gfx90a' (choose gfx942, gfx950 or all)"),
+        (["--arch", "gfx942,mi300"], "unknown arch 'mi300'"),
+        (["--profile", "llama2-7b"], "unknown profile 'llama2-7b' (known: tiny"),
+        (["--push"], "--push needs --registry"),
+        (["--repository", "Not/Valid Repo"], "is not a valid image repository name"),
+        (["--registry", "bad registry"], "is not a registry host[:port][/namespace]"),
+        (["--tag", "-starts-with-dash"], "is not a valid tag"),
+        (["--network", "host;rm"], "is not a Docker network name"),
+        (["--base-image", "a b"], "is not an image reference"),
+        (["--extras", "ops;flydsl"], "must be comma-separated extra names"),
+        (["--pip-index-url", "ftp://mirror/simple"], "is not an http(s) URL"),
+        (["--ca-bundle", "/nonexistent/ca.pem"], "cannot read it"),
+        (["--source", "/"], "is not a monodecode checkout"),
+    ],
+)
 def test_bad_build_arguments(args, expected):
     line = error_line(invoke("build", "--dry-run", *args))
     assert expected in line, line
@@ -80,8 +90,9 @@ def test_ca_bundle_must_hold_a_certificate(tmp_path):
 
 
 def test_dry_run_plan_uses_pinned_bases_per_arch():
-    result = invoke("build", "--dry-run", "--json", "--registry", "registry.example:5000/team", "--push",
-                    "--tag", "rc1")
+    result = invoke(
+        "build", "--dry-run", "--json", "--registry", "registry.example:5000/team", "--push", "--tag", "rc1"
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
     assert [a["arch"] for a in plan["archs"]] == ["gfx942", "gfx950"]
@@ -91,8 +102,11 @@ def test_dry_run_plan_uses_pinned_bases_per_arch():
         assert a["base_image"] == BASE_IMAGES[a["arch"]].ref
         assert re.search(r"@sha256:[0-9a-f]{64}$", a["base_image"]), a["base_image"]
         assert a["tag"] == f"registry.example:5000/team/vllm-monodecode:rc1-{a['arch']}"
-        assert a["build_args"] == {"BASE_IMAGE": a["base_image"], "GFX_ARCH": a["arch"],
-                                   "PROFILES": "tiny,llama3-8b,qwen3-8b,gemma3-27b"}
+        assert a["build_args"] == {
+            "BASE_IMAGE": a["base_image"],
+            "GFX_ARCH": a["arch"],
+            "PROFILES": "tiny,llama3-8b,qwen3-8b,gemma3-27b",
+        }
 
 
 def test_dry_run_table_and_base_override():
@@ -135,10 +149,24 @@ def test_build_step_failure_names_the_step():
     base = f"monodecode-test/no-shell:{os.getpid()}"
     client.images.build(fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=no-shell\n"), tag=base, rm=True)
     try:
-        line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", "--base-image", base,
-                                      "--repository", "monodecode-test/img", "--tag", f"no-shell-{os.getpid()}"))
-        assert re.match(r"error: build for gfx942 failed at step \d+/\d+ \(RUN sh /src/images/build/resolve-wheels.sh\)",
-                        line), line
+        line = process_error_line(
+            cli(
+                "build",
+                "-a",
+                "gfx942",
+                "-p",
+                "tiny",
+                "--base-image",
+                base,
+                "--repository",
+                "monodecode-test/img",
+                "--tag",
+                f"no-shell-{os.getpid()}",
+            )
+        )
+        assert re.match(
+            r"error: build for gfx942 failed at step \d+/\d+ \(RUN sh /src/images/build/resolve-wheels.sh\)", line
+        ), line
     finally:
         client.images.remove(base, force=True)
         client.images.prune(filters={"dangling": True})

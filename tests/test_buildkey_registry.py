@@ -13,16 +13,35 @@ from monodecode.runtime.buildkey import build_key, source_digest
 from monodecode.runtime.faults import Fault, parse_faults
 from monodecode.runtime.platform import Platform
 
-BASE = dict(backend="flydsl", arch="gfx942", dims=profile_dims("tiny"), weight_dtype="bf16", kv_dtype="bf16",
-            tp_size=1, widths=(1, 2, 4, 8), block_size=16, source_digest="s" * 64, compiler_version="0.5.0")
+BASE = dict(
+    backend="flydsl",
+    arch="gfx942",
+    dims=profile_dims("tiny"),
+    weight_dtype="bf16",
+    kv_dtype="bf16",
+    tp_size=1,
+    widths=(1, 2, 4, 8),
+    block_size=16,
+    source_digest="s" * 64,
+    compiler_version="0.5.0",
+)
 
 
 def test_build_key_is_deterministic_and_sensitive_to_every_input():
     k = build_key(**BASE)
     assert k == build_key(**BASE) and len(k) == 64
-    changes = dict(backend="triton", arch="gfx950", dims=profile_dims("llama3-1b"), weight_dtype="fp8",
-                   kv_dtype="fp8", tp_size=2, widths=(1, 2, 4), block_size=32, source_digest="t" * 64,
-                   compiler_version="0.5.1")
+    changes = dict(
+        backend="triton",
+        arch="gfx950",
+        dims=profile_dims("llama3-1b"),
+        weight_dtype="fp8",
+        kv_dtype="fp8",
+        tp_size=2,
+        widths=(1, 2, 4),
+        block_size=32,
+        source_digest="t" * 64,
+        compiler_version="0.5.1",
+    )
     keys = {build_key(**{**BASE, name: value}) for name, value in changes.items()}
     assert len(keys) == len(changes) and k not in keys
     assert build_key(**{**BASE, "dims": profile_dims("tiny").digest()}) == k
@@ -110,10 +129,17 @@ def test_fault_grammar():
     assert parse_faults(None) == () and parse_faults("  ") == ()
     assert parse_faults("stall:layer=1") == (Fault("stall", layer=1),)
     assert parse_faults("nonfinite:layer=2,step=3,rank=1; corrupt_artifact") == (
-        Fault("nonfinite", layer=2, step=3, rank=1), Fault("corrupt_artifact"))
+        Fault("nonfinite", layer=2, step=3, rank=1),
+        Fault("corrupt_artifact"),
+    )
     assert str(Fault("stall", layer=1, step=2)) == "stall:layer=1,step=2"
-    for bad, frag in [("explode", "unknown fault 'explode'"), ("stall:lyer=1", "has no parameter 'lyer'"),
-                      ("stall:layer=x", "needs a non-negative integer"), ("stall:layer", "needs a non-negative integer"),
-                      ("corrupt_artifact:layer=1", "takes no parameters"), ("nonfinite:step=-1", "non-negative integer")]:
+    for bad, frag in [
+        ("explode", "unknown fault 'explode'"),
+        ("stall:lyer=1", "has no parameter 'lyer'"),
+        ("stall:layer=x", "needs a non-negative integer"),
+        ("stall:layer", "needs a non-negative integer"),
+        ("corrupt_artifact:layer=1", "takes no parameters"),
+        ("nonfinite:step=-1", "non-negative integer"),
+    ]:
         with pytest.raises(ConfigError, match=frag):
             parse_faults(bad)

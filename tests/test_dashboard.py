@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import yaml
-
 from test_alerts_rules import base_metric, check_documented, promql_metric_names, promtool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +99,9 @@ def test_dashboard_uses_only_documented_metrics():
 
 def test_dashboard_queries_parse(tmp_path):
     """promtool parses every panel query (as recording rules: the same PromQL parser)."""
-    rules = [{"record": f"dashboard:q{i}", "expr": promql_for_prometheus(e)} for i, (_, e) in enumerate(queries(dashboard()))]
+    rules = [
+        {"record": f"dashboard:q{i}", "expr": promql_for_prometheus(e)} for i, (_, e) in enumerate(queries(dashboard()))
+    ]
     path = tmp_path / "dashboard-queries.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     proc = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)

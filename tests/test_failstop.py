@@ -57,14 +57,26 @@ def drive(tmp_path):
     fs = tmp_path / "failstop"
 
     def run(fault=None, steps=4, **cfg):
-        conf = {"enabled": True, "widths": [1], "failstop_dir": str(fs), "termination_log": str(tmp_path / "termination-log"),
-                "wait_timeout_s": 0.3, "max_failstops": 3, **cfg}
+        conf = {
+            "enabled": True,
+            "widths": [1],
+            "failstop_dir": str(fs),
+            "termination_log": str(tmp_path / "termination-log"),
+            "wait_timeout_s": 0.3,
+            "max_failstops": 3,
+            **cfg,
+        }
         env = {k: v for k, v in os.environ.items() if k not in ("MONODECODE_FAULT", "PROMETHEUS_MULTIPROC_DIR")}
         env["OMP_NUM_THREADS"] = "1"  # small tensors: threads only contend on shared cores
         if fault:
             env["MONODECODE_FAULT"] = fault
-        p = subprocess.run([sys.executable, str(script), json.dumps(conf), str(steps)], capture_output=True,
-                           text=True, env=env, timeout=180)
+        p = subprocess.run(
+            [sys.executable, str(script), json.dumps(conf), str(steps)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+        )
         lines = p.stdout.splitlines()
         head = json.loads(lines[0]) if lines and lines[0].startswith("{") else None
         tokens = [l for l in lines if l.startswith("token ")]
@@ -111,7 +123,9 @@ def test_stall_failstop_restart_and_crash_loop_guard(drive):
     p, head, tokens = drive(steps=2)
     assert p.returncode == 0, p.stderr
     assert head["state"] == "degraded"
-    assert head["reasons"][0].startswith("failstop_loop: 3 fail-stops within 3600 s (limit 3); last: wait_timeout at rank 0 step 0")
+    assert head["reasons"][0].startswith(
+        "failstop_loop: 3 fail-stops within 3600 s (limit 3); last: wait_timeout at rank 0 step 0"
+    )
     assert head["failstops"] == {"wait_timeout": 2.0, "nonfinite": 1.0, "kernel_error": 0.0}
     assert [t.split()[2] for t in tokens] == ["path=fallback", "path=fallback"]
 

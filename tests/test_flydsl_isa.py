@@ -46,8 +46,11 @@ def isa_rows(tmp_path_factory) -> dict[str, dict]:
                 for name, rec in kernels.items():
                     res = read_resources(cache / rec["hsaco"])
                     key = f"{arch}/{profile}{f'/tp{tp}' if tp > 1 else ''}/{dtype}/w{w}/{name}"
-                    rows[key] = {"res": res, "fig": figures(res, spec, spec.compute_units),
-                                 "bad": budget_violations(res, spec, spec.compute_units)}
+                    rows[key] = {
+                        "res": res,
+                        "fig": figures(res, spec, spec.compute_units),
+                        "bad": budget_violations(res, spec, spec.compute_units),
+                    }
     cols = ["vgprs", "agprs", "sgprs", "spills", "scratch", "lds", "lds_limit", "waves_per_simd", "grid", "cus"]
     print("\n" + f"{'kernel':38s} " + " ".join(f"{c:>9s}" for c in cols))
     for key, r in sorted(rows.items()):

@@ -70,8 +70,9 @@ def test_words_address_what_torch_indexes(layout):
     """Every (block, token, head, dim pair) K1 reads through its words is the element torch sees."""
     kv = contiguous_cache() if layout == "contiguous" else vllm_cache()[0]
     a = kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
-    b, t, h, j = torch.meshgrid(torch.arange(BLOCKS), torch.arange(BS), torch.arange(KVH), torch.arange(D // 2),
-                                indexing="ij")
+    b, t, h, j = torch.meshgrid(
+        torch.arange(BLOCKS), torch.arange(BS), torch.arange(KVH), torch.arange(D // 2), indexing="ij"
+    )
     for tensor, addr, strides in ((kv.key[0], a.key_addr, a.key_strides), (kv.value[0], a.value_addr, a.value_strides)):
         words, _ = words_of(tensor)
         base = (addr - tensor.untyped_storage().data_ptr()) // 4
@@ -103,17 +104,24 @@ def _view(shape, strides, dtype=torch.bfloat16, offset=0, device="cpu"):
     return torch.zeros(n, dtype=dtype, device=device).as_strided(shape, strides, offset)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * 2 * D, KVH * 2 * D, 2 * D, 2)), "head-dim stride 2"),
-    (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * D, KVH * D, D, 1), offset=1), "not 16-byte aligned"),
-    (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * (D + 4), KVH * (D + 4), D + 4, 1)), "not 16-byte aligned"),
-    (lambda: torch.zeros(BLOCKS, BS, KVH, D), "4-byte elements; flydsl K1 reads bf16"),
-    (lambda: torch.zeros(BLOCKS, 8, KVH, D, dtype=torch.bfloat16), "[*, 16, "),
-    (lambda: torch.zeros(BLOCKS, BS * KVH, D, dtype=torch.bfloat16), "must be 4-D"),
-    # a layer cache past 2^31 words (meta tensors: shapes and strides, no memory)
-    (lambda: torch.empty(2**31 // (BS * KVH * D) + 1, BS, KVH, 2 * D, dtype=torch.bfloat16, device="meta")[..., :D],
-     "i32 offsets"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * 2 * D, KVH * 2 * D, 2 * D, 2)), "head-dim stride 2"),
+        (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * D, KVH * D, D, 1), offset=1), "not 16-byte aligned"),
+        (lambda: _view((BLOCKS, BS, KVH, D), (BS * KVH * (D + 4), KVH * (D + 4), D + 4, 1)), "not 16-byte aligned"),
+        (lambda: torch.zeros(BLOCKS, BS, KVH, D), "4-byte elements; flydsl K1 reads bf16"),
+        (lambda: torch.zeros(BLOCKS, 8, KVH, D, dtype=torch.bfloat16), "[*, 16, "),
+        (lambda: torch.zeros(BLOCKS, BS * KVH, D, dtype=torch.bfloat16), "must be 4-D"),
+        # a layer cache past 2^31 words (meta tensors: shapes and strides, no memory)
+        (
+            lambda: torch.empty(2**31 // (BS * KVH * D) + 1, BS, KVH, 2 * D, dtype=torch.bfloat16, device="meta")[
+                ..., :D
+            ],
+            "i32 offsets",
+        ),
+    ],
+)
 def test_layouts_k1_cannot_address_are_one_line(make, message):
     t = make()
     with pytest.raises(ConfigError) as e:
@@ -135,8 +143,14 @@ def flydsl_kernels_for_layout_check(block_size: int) -> FlyDSLKernels:
     from monodecode.runtime.platform import Platform
 
     k = FlyDSLKernels.__new__(FlyDSLKernels)
-    k.req = BuildRequest(dims=DIMS, weight_dtype="bf16", tp_size=1, widths=(1,), block_size=block_size,
-                         platform=Platform("rocm", "gfx942", "MI300X", 304))
+    k.req = BuildRequest(
+        dims=DIMS,
+        weight_dtype="bf16",
+        tp_size=1,
+        widths=(1,),
+        block_size=block_size,
+        platform=Platform("rocm", "gfx942", "MI300X", 304),
+    )
     k.dims, k._kv_cache_args = DIMS, {}
     return k
 

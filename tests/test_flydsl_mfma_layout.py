@@ -16,8 +16,14 @@ import numpy as np
 import pytest
 
 from monodecode.kernels.flydsl.arch import ARCHS, WAVES_PER_WORKGROUP
-from monodecode.kernels.flydsl.geometry import (MFMA_ROWS, mfma_k_elem, mfma_lane, mfma_part, mfma_weight_row,
-                                                plan_geometry)
+from monodecode.kernels.flydsl.geometry import (
+    MFMA_ROWS,
+    mfma_k_elem,
+    mfma_lane,
+    mfma_part,
+    mfma_weight_row,
+    plan_geometry,
+)
 from monodecode.model.profiles import profile_dims
 
 LANES = 64
@@ -58,8 +64,8 @@ def emulate_task(tile, arch: str, weights: np.ndarray, x: np.ndarray, n0: int) -
                 for lane in range(LANES):
                     rin, kq = mfma_lane(lane)
                     k0 = mfma_k_elem(b, kq, tile.vec)
-                    a[lane] = weights[mfma_weight_row(n0, t, rin, tile.pair, st.n), k0:k0 + tile.vec]
-                    bx[lane] = x[min(rin, width - 1), k0:k0 + tile.vec]  # padded columns read a real row
+                    a[lane] = weights[mfma_weight_row(n0, t, rin, tile.pair, st.n), k0 : k0 + tile.vec]
+                    bx[lane] = x[min(rin, width - 1), k0 : k0 + tile.vec]  # padded columns read a real row
                 for half in range(tile.vec // group):  # 8 bf16: 1 (gfx950) or 2 MFMAs; 16 fp8: 2 or 4
                     sl = slice(half * group, (half + 1) * group)
                     acc += mfma(a[:, sl], bx[:, sl], group)
@@ -96,6 +102,6 @@ def test_mfma_tiles_compute_the_gemv(arch, width, weight_dtype):
         n0 = st.rows * (st.tasks // 2)  # an interior task
         got = emulate_task(tile, arch, weights, x, n0)
         for p in range(tile.pair):
-            want = weights[p * st.n + n0:p * st.n + n0 + st.rows] @ x.T
+            want = weights[p * st.n + n0 : p * st.n + n0 + st.rows] @ x.T
             np.testing.assert_array_equal(got[p], want, err_msg=f"{name} matrix {p}")
     assert {ks for _, _, ks in shapes} >= {1, 2} or {ks for _, _, ks in shapes} >= {4}

@@ -14,8 +14,14 @@ import pytest
 from monodecode.errors import ConfigError
 from monodecode.kernels.base import health_code
 from monodecode.kernels.flydsl.arch import ARCHS, WAVE_SIZE
-from monodecode.kernels.flydsl.geometry import (HEALTH, MAX_WIDTH, first_task, health_word, launch_description,
-                                                plan_geometry)
+from monodecode.kernels.flydsl.geometry import (
+    HEALTH,
+    MAX_WIDTH,
+    first_task,
+    health_word,
+    launch_description,
+    plan_geometry,
+)
 from monodecode.kernels.plan import plan_model, wait_health_code
 from monodecode.model.profiles import profile_dims
 
@@ -43,7 +49,13 @@ def test_launch_description_is_the_plan(profile, arch, widths):
         for key, st in stages.items():
             g = got["stages"][key]
             assert (g["kind"], g["tasks"], g["offset"], g["rows"], g["n"], g["k"]) == (
-                st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k), key
+                st.kind,
+                st.num_tasks,
+                st.offset,
+                st.rows_per_task,
+                st.n,
+                st.k,
+            ), key
             assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
             # every task exactly once, on the workgroup the plan's table names
             runs = sorted(t for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
@@ -117,12 +129,15 @@ def test_gemv_tiles_cover_k_and_fit_lds(arch, profile, weight_dtype):
         assert g.head_dim % WAVE_SIZE == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"width": 0}, "width 0 out of range 1..16"),
-    ({"width": 17}, "width 17 out of range 1..16"),
-    ({"weight_dtype": "int4"}, "weight dtype 'int4' not supported"),
-    ({"tp_size": 3}, "does not divide"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"width": 0}, "width 0 out of range 1..16"),
+        ({"width": 17}, "width 17 out of range 1..16"),
+        ({"weight_dtype": "int4"}, "weight dtype 'int4' not supported"),
+        ({"tp_size": 3}, "does not divide"),
+    ],
+)
 def test_bad_specialisations_are_one_line(kwargs, message):
     args = {"dims": profile_dims("llama3-8b"), "width": 1, "spec": ARCHS["gfx942"], "weight_dtype": "bf16", **kwargs}
     with pytest.raises(ConfigError, match=message):

@@ -29,20 +29,41 @@ WIDTHS = (1, 2)
 
 
 def mi300x(cus: int = 304, partition: str = "SPX", torch_usable: bool = True) -> Platform:
-    return Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=cus,
-                    partition_mode=partition, source="torch" if torch_usable else "kfd", torch_usable=torch_usable)
+    return Platform(
+        kind="rocm",
+        arch="gfx942",
+        name="AMD Instinct MI300X",
+        compute_units=cus,
+        partition_mode=partition,
+        source="torch" if torch_usable else "kfd",
+        torch_usable=torch_usable,
+    )
 
 
 def request(platform: Platform, weight_dtype: str = "bf16", widths=WIDTHS) -> BuildRequest:
-    return BuildRequest(dims=profile_dims("tiny"), weight_dtype=weight_dtype, tp_size=1, widths=widths,
-                        block_size=16, platform=platform)
+    return BuildRequest(
+        dims=profile_dims("tiny"), weight_dtype=weight_dtype, tp_size=1, widths=widths, block_size=16, platform=platform
+    )
 
 
 @pytest.fixture(scope="module")
 def baked(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("artifacts")
-    res = CliRunner().invoke(app, ["precompile", "--arch", "gfx942", "--profile", "tiny", "--out", str(out),
-                                   "--widths", ",".join(map(str, WIDTHS)), "--json"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "precompile",
+            "--arch",
+            "gfx942",
+            "--profile",
+            "tiny",
+            "--out",
+            str(out),
+            "--widths",
+            ",".join(map(str, WIDTHS)),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     return out
 
@@ -85,16 +106,19 @@ def test_one_code_object_serves_contiguous_and_vllm_kv_caches(baked, tmp_path):
     plain = PagedKVCache.allocate(dims, 4, 16, num_layers=1)
     raw = torch.zeros(4, 16, dims.num_kv_heads, 2 * dims.head_dim, dtype=torch.bfloat16)
     vllm = kv_views([raw.permute(0, 2, 1, 3)], dims.num_kv_heads, dims.head_dim)
-    layouts = [kv_launch_args(kv.key[0], kv.value[0], dims.num_kv_heads, dims.head_dim, 16).named()
-               for kv in (plain, vllm)]
+    layouts = [
+        kv_launch_args(kv.key[0], kv.value[0], dims.num_kv_heads, dims.head_dim, 16).named() for kv in (plain, vllm)
+    ]
     assert layouts[0] != layouts[1]
     entry = ArtifactStore(baked).lookup(FlyDSLBackend().build_key(request(mi300x())))
     run = bake.stage_run_cache(entry, tmp_path / "run")
     hits = bake.check_run_only("gfx942", dims, list(WIDTHS), "bf16", 16, run, k1_scalars=layouts)
     assert hits[0] == hits[1]
     root = entry.extra["cache_root"] + "/"
-    baked_files = {int(w): {k: rec["cache_file"].removeprefix(root) for k, rec in ks.items()}
-                   for w, ks in entry.extra["kernels"].items()}
+    baked_files = {
+        int(w): {k: rec["cache_file"].removeprefix(root) for k, rec in ks.items()}
+        for w, ks in entry.extra["kernels"].items()
+    }
     assert hits[0] == baked_files  # the very files precompile wrote: one code object per width and kernel
 
 
@@ -135,32 +159,38 @@ def test_refusals_before_any_load(tmp_path):
     statuses = {s.name: s for s in backend_status(mi300x(torch_usable=False))}
     assert not statuses["flydsl"].available and statuses["flydsl"].reason == sysfs_only
     with pytest.raises(RefusalError) as err:  # build refuses before looking for an artifact
-        backend.build(request(mi300x(torch_usable=False)), weights=None, artifacts=ArtifactStore(tmp_path),
-                      allow_jit=False)
+        backend.build(
+            request(mi300x(torch_usable=False)), weights=None, artifacts=ArtifactStore(tmp_path), allow_jit=False
+        )
     assert err.value.codes == ["backend_unavailable"] and "torch cannot launch" in err.value.reasons[0]
     with pytest.raises(RefusalError) as err:  # gfx942 decodes FNUZ FP8, not OCP
-        backend.build(request(mi300x(), weight_dtype="fp8"), weights=None, artifacts=ArtifactStore(tmp_path),
-                      allow_jit=False)
+        backend.build(
+            request(mi300x(), weight_dtype="fp8"), weights=None, artifacts=ArtifactStore(tmp_path), allow_jit=False
+        )
     assert err.value.codes == ["weight_dtype"]
-    tp2 = BuildRequest(dims=profile_dims("tiny"), weight_dtype="bf16", tp_size=2, widths=WIDTHS, block_size=16,
-                       platform=mi300x())
+    tp2 = BuildRequest(
+        dims=profile_dims("tiny"), weight_dtype="bf16", tp_size=2, widths=WIDTHS, block_size=16, platform=mi300x()
+    )
     with pytest.raises(RefusalError) as err:  # TP kernels compile, the runtime peer exchange is not wired
         backend.build(tp2, weights=None, artifacts=ArtifactStore(tmp_path), allow_jit=False)
     assert err.value.codes == ["tp_size"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--arch", "gfx90a", "--profile", "tiny"], "unsupported GPU arch 'gfx90a'"),
-    (["--arch", "gfx942"], "exactly one of --profile NAME or --model DIR"),
-    (["--arch", "gfx942", "--profile", "tiny", "--model", "."], "exactly one of"),
-    (["--arch", "gfx942", "--profile", "llama9"], "unknown model profile 'llama9'"),
-    (["--arch", "gfx942", "--profile", "tiny", "--widths", "1,x"], "--widths must be comma-separated"),
-    (["--arch", "gfx942", "--profile", "tiny", "--widths", "0"], "--widths must list integers in 1..16"),
-    (["--arch", "gfx942", "--profile", "tiny", "--widths", "1,17"], "--widths must list integers in 1..16"),
-    (["--arch", "gfx942", "--profile", "tiny", "--weight-dtype", "int4"], "--weight-dtype must be bf16 or fp8"),
-    (["--arch", "gfx942", "--profile", "tiny", "--tp-size", "16"], "--tp-size must be in 1..8"),
-    (["--arch", "gfx942", "--profile", "llama3-8b", "--tp-size", "3"], "tp_size 3 does not divide num_heads 32"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--arch", "gfx90a", "--profile", "tiny"], "unsupported GPU arch 'gfx90a'"),
+        (["--arch", "gfx942"], "exactly one of --profile NAME or --model DIR"),
+        (["--arch", "gfx942", "--profile", "tiny", "--model", "."], "exactly one of"),
+        (["--arch", "gfx942", "--profile", "llama9"], "unknown model profile 'llama9'"),
+        (["--arch", "gfx942", "--profile", "tiny", "--widths", "1,x"], "--widths must be comma-separated"),
+        (["--arch", "gfx942", "--profile", "tiny", "--widths", "0"], "--widths must list integers in 1..16"),
+        (["--arch", "gfx942", "--profile", "tiny", "--widths", "1,17"], "--widths must list integers in 1..16"),
+        (["--arch", "gfx942", "--profile", "tiny", "--weight-dtype", "int4"], "--weight-dtype must be bf16 or fp8"),
+        (["--arch", "gfx942", "--profile", "tiny", "--tp-size", "16"], "--tp-size must be in 1..8"),
+        (["--arch", "gfx942", "--profile", "llama3-8b", "--tp-size", "3"], "tp_size 3 does not divide num_heads 32"),
+    ],
+)
 def test_bad_arguments_are_one_line(args, message, tmp_path):
     res = CliRunner().invoke(app, ["precompile", *args, "--out", str(tmp_path / "out")])
     assert res.exit_code == 2
@@ -172,6 +202,7 @@ def test_bad_arguments_are_one_line(args, message, tmp_path):
 def test_bad_model_dir_is_one_line(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
-    res = CliRunner().invoke(app, ["precompile", "--arch", "gfx950", "--model", str(tmp_path / "m"),
-                                   "--out", str(tmp_path / "out")])
+    res = CliRunner().invoke(
+        app, ["precompile", "--arch", "gfx950", "--model", str(tmp_path / "m"), "--out", str(tmp_path / "out")]
+    )
     assert res.exit_code == 2 and res.output.startswith("error: model config: unsupported model_type 'mixtral'")

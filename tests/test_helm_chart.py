@@ -48,14 +48,17 @@ def helm_bin() -> str:
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     # No cluster: a kubeconfig that does not exist, so helm never reaches out to an API server.
     env = {**os.environ, "KUBECONFIG": str(REPO / ".tools" / "no-cluster.kubeconfig")}
-    proc = subprocess.run([helm_bin(), *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
+    proc = subprocess.run(
+        [helm_bin(), *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env
+    )
     if check and proc.returncode != 0:
         pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 
-def render(tmp_path: Path, values: dict, *, apis: list[str] = MONITORING_APIS, namespace: str = "llm",
-           check: bool = True) -> list[dict] | subprocess.CompletedProcess:
+def render(
+    tmp_path: Path, values: dict, *, apis: list[str] = MONITORING_APIS, namespace: str = "llm", check: bool = True
+) -> list[dict] | subprocess.CompletedProcess:
     vf = tmp_path / "values.yaml"
     vf.write_text(yaml.safe_dump(values))
     args = ["template", "rel", str(CHART), "-n", namespace, "-f", str(vf), "--include-crds"]
@@ -133,7 +136,9 @@ def validate_strict(doc: dict) -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
         path = "/".join(str(p) for p in e.path)
-        pytest.fail(f"{kind}/{doc['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}")
+        pytest.fail(
+            f"{kind}/{doc['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}"
+        )
 
 
 def test_validators_reject_what_they_should():
@@ -143,20 +148,30 @@ def test_validators_reject_what_they_should():
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "bogus": 1}, "data": {}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
-    sm = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "x"},
-          "spec": {"selector": {}, "endpoints": [{"port": "http", "scrapeInterval": "30s"}]}}
+    sm = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {}, "endpoints": [{"port": "http", "scrapeInterval": "30s"}]},
+    }
     with pytest.raises(pydantic.ValidationError):
         crd_models()["ServiceMonitor"].model_validate(sm)
     sm["spec"]["endpoints"][0] = {"port": "http", "interval": "30s"}
     crd_models()["ServiceMonitor"].model_validate(sm)
     for bad in (
         dict(sm, metadata={"name": "x", "lables": {}}),
-        dict(sm, spec={"selector": {}, "endpoints": [{"port": "http", "relabelings": [{"action": "keep", "regx": "a"}]}]}),
+        dict(
+            sm, spec={"selector": {}, "endpoints": [{"port": "http", "relabelings": [{"action": "keep", "regx": "a"}]}]}
+        ),
     ):
         with pytest.raises(pydantic.ValidationError):
             crd_models()["ServiceMonitor"].model_validate(bad)
-    rule = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": "x"},
-            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "1", "for": "1m"}]}]}}
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "x"},
+        "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "1", "for": "1m"}]}]},
+    }
     crd_models()["PrometheusRule"].model_validate(rule)
     rule["spec"]["groups"][0]["rules"][0]["pending"] = "1m"
     with pytest.raises(pydantic.ValidationError):
@@ -183,7 +198,14 @@ def test_kubernetes_schemas_are_bundled_offline():
 # ---- the restricted Pod Security Standard ------------------------------------------------------
 
 RESTRICTED_VOLUME_TYPES = {
-    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
 }
 
 
@@ -275,8 +297,11 @@ def arg_after(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-@pytest.mark.parametrize("arch,tp,monitoring,on_refusal,source", MATRIX,
-                         ids=["-".join(map(str, m)).replace("True", "mon").replace("False", "nomon") for m in MATRIX])
+@pytest.mark.parametrize(
+    "arch,tp,monitoring,on_refusal,source",
+    MATRIX,
+    ids=["-".join(map(str, m)).replace("True", "mon").replace("False", "nomon") for m in MATRIX],
+)
 def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     from monodecode.config import MonoConfig
 
@@ -296,7 +321,9 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
         assert c["resources"][kind]["amd.com/gpu"] == str(tp)
     assert c["image"] == f"vllm-monodecode:0.1.0-{arch}"
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert term == [{"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}]}]
+    assert term == [
+        {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}]}
+    ]
 
     # vLLM arguments, and the mono decode options as MonoConfig reads them
     args = c["args"]
@@ -338,7 +365,10 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     assert restricted_violations(test_pod["spec"]) == []
     svc = one(docs, "Service")
     assert test_pod["spec"]["containers"][0]["command"] == [
-        "monodecode-ops", "verify", "--no-self-test", "--endpoint",
+        "monodecode-ops",
+        "verify",
+        "--no-self-test",
+        "--endpoint",
         f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
     ]
 
@@ -366,8 +396,10 @@ def test_rolling_update_never_surges(tmp_path):
 
 
 def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
-    docs = render(tmp_path, {"monodecode": {"enabled": False}, "prometheusRule": {"enabled": True},
-                             "rulesConfigMap": {"enabled": True}})
+    docs = render(
+        tmp_path,
+        {"monodecode": {"enabled": False}, "prometheusRule": {"enabled": True}, "rulesConfigMap": {"enabled": True}},
+    )
     args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     # explicit: the image's entrypoint turns mono decode on unless told otherwise
     assert json.loads(arg_after(args, "--additional-config"))["monodecode"]["enabled"] is False
@@ -376,26 +408,40 @@ def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
 
 def test_overrides_reach_the_pod(tmp_path):
     digest = "sha256:" + "ab" * 32
-    docs = render(tmp_path, {
-        "arch": "gfx950",
-        "image": {"repository": "registry.local/mono", "digests": {"gfx950": digest}},
-        "nodeSelection": {"deviceIds": {"gfx950": ["75a3"]},
-                          "extraRequirements": [{"key": "amd.com/compute-memory-partition", "operator": "In", "values": ["spx_nps1"]}]},
-        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-            {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}]}},
-        "monodecode": {"backend": "triton", "widths": [1, 4, 16], "allowJit": True, "artifactDir": "/opt/kernels"},
-        "vllm": {"maxModelLen": 4096, "extraArgs": ["--enable-prefix-caching"]},
-        "model": {"servedName": "qwen"},
-        "probes": {"startup": {"weightLoadSeconds": 100, "warmupSeconds": 55, "periodSeconds": 10}},
-        "rollout": {"progressDeadlineSeconds": 600},
-        "rocm": {"deviceGroups": [44, 992]},
-    })
+    docs = render(
+        tmp_path,
+        {
+            "arch": "gfx950",
+            "image": {"repository": "registry.local/mono", "digests": {"gfx950": digest}},
+            "nodeSelection": {
+                "deviceIds": {"gfx950": ["75a3"]},
+                "extraRequirements": [
+                    {"key": "amd.com/compute-memory-partition", "operator": "In", "values": ["spx_nps1"]}
+                ],
+            },
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}
+                    ]
+                }
+            },
+            "monodecode": {"backend": "triton", "widths": [1, 4, 16], "allowJit": True, "artifactDir": "/opt/kernels"},
+            "vllm": {"maxModelLen": 4096, "extraArgs": ["--enable-prefix-caching"]},
+            "model": {"servedName": "qwen"},
+            "probes": {"startup": {"weightLoadSeconds": 100, "warmupSeconds": 55, "periodSeconds": 10}},
+            "rollout": {"progressDeadlineSeconds": 600},
+            "rocm": {"deviceGroups": [44, 992]},
+        },
+    )
     dep = one(docs, "Deployment")
     validate_strict(dep)
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["image"] == f"registry.local/mono@{digest}"
-    exprs = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"]
+    exprs = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
     assert exprs[0]["values"] == ["75a3"] and exprs[1]["key"] == "amd.com/compute-memory-partition"
     assert "podAntiAffinity" in pod["affinity"]
     mono = json.loads(arg_after(c["args"], "--additional-config"))["monodecode"]
@@ -413,7 +459,9 @@ def test_hostpath_source_and_scrape_annotations(tmp_path):
         validate_strict(doc)
     pod = one(docs, "Deployment")["spec"]["template"]
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
-    assert {"name": "model", "hostPath": {"path": "/data/models/llama-3.1-8b", "type": "Directory"}} in pod["spec"]["volumes"]
+    assert {"name": "model", "hostPath": {"path": "/data/models/llama-3.1-8b", "type": "Directory"}} in pod["spec"][
+        "volumes"
+    ]
     # hostPath is the documented exception to the restricted standard
     assert restricted_violations(pod["spec"]) == ["volume model uses ['hostPath']"]
 
@@ -446,21 +494,33 @@ BAD_VALUES = [
     ({"rollout": {"maxUnavailable": 0}}, "at '/rollout/maxUnavailable'"),
     ({"model": {"source": "s3"}}, "at '/model/source'"),
     ({"fullnameOverride": "qwen"}, "at '/fullnameOverride'"),
-    ({"prometheusRule": {"alerts": {"MonodecodeFailstop": {"for": "soon"}}}}, "at '/prometheusRule/alerts/MonodecodeFailstop/for'"),
+    (
+        {"prometheusRule": {"alerts": {"MonodecodeFailstop": {"for": "soon"}}}},
+        "at '/prometheusRule/alerts/MonodecodeFailstop/for'",
+    ),
     ({"prometheusRule": {"alerts": {"MonodecodeFailstop": {"severity": "page"}}}}, "severity"),
     # checks across values, done by the templates
-    ({"resources": {"limits": {"amd.com/gpu": "2"}}},
-     "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize"),
+    (
+        {"resources": {"limits": {"amd.com/gpu": "2"}}},
+        "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize",
+    ),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName is empty"),
     ({"model": {"source": "hostPath"}}, "model.hostPath.path is empty"),
     ({"model": {"hf": {"cache": {"type": "pvc"}}}}, "model.hf.cache.claimName is empty"),
     ({"nodeSelection": {"deviceIds": {"gfx942": []}}}, "nodeSelection.deviceIds.gfx942 is empty"),
-    ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}},
-     "conflicts with nodeSelection"),
+    (
+        {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}},
+        "conflicts with nodeSelection",
+    ),
     ({"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}, "enable one"),
-    ({"rollout": {"progressDeadlineSeconds": 600}}, "rollout.progressDeadlineSeconds (600) is shorter than the startup budget"),
-    ({"prometheusRule": {"enabled": True, "alerts": {"MonodecodeFallbackRatio": {"disabled": True}}}},
-     "prometheusRule.alerts.MonodecodeFallbackRatio: no such alert (alerts: MonodecodeFallbackRatioHigh,"),
+    (
+        {"rollout": {"progressDeadlineSeconds": 600}},
+        "rollout.progressDeadlineSeconds (600) is shorter than the startup budget",
+    ),
+    (
+        {"prometheusRule": {"enabled": True, "alerts": {"MonodecodeFallbackRatio": {"disabled": True}}}},
+        "prometheusRule.alerts.MonodecodeFallbackRatio: no such alert (alerts: MonodecodeFallbackRatioHigh,",
+    ),
 ]
 
 
@@ -475,9 +535,11 @@ def test_bad_values_are_rejected(tmp_path, values, message):
 def test_monitoring_without_the_operator_crds_says_how_to_fix(tmp_path):
     proc = render(tmp_path, {"monitoring": {"serviceMonitor": {"enabled": True}}}, apis=[], check=False)
     assert proc.returncode != 0
-    assert ("monitoring.serviceMonitor.enabled is true but the cluster has no monitoring.coreos.com/v1 ServiceMonitor "
-            "(install the Prometheus Operator CRDs, or with `helm template` pass --api-versions "
-            "monitoring.coreos.com/v1/ServiceMonitor)") in proc.stderr
+    assert (
+        "monitoring.serviceMonitor.enabled is true but the cluster has no monitoring.coreos.com/v1 ServiceMonitor "
+        "(install the Prometheus Operator CRDs, or with `helm template` pass --api-versions "
+        "monitoring.coreos.com/v1/ServiceMonitor)"
+    ) in proc.stderr
 
 
 # ---- one source of truth for rules and dashboard ------------------------------------------------
@@ -495,8 +557,15 @@ def test_packaged_chart_carries_deploy_files_byte_for_byte(tmp_path):
     }
     assert "vllm-monodecode/values.schema.json" in names and "vllm-monodecode/templates/NOTES.txt" in names
     # the packaged chart renders on its own (no link back into the repository)
-    out = helm("template", "rel", str(pkg), "--set", "prometheusRule.enabled=true",
-               "--api-versions", "monitoring.coreos.com/v1/PrometheusRule").stdout
+    out = helm(
+        "template",
+        "rel",
+        str(pkg),
+        "--set",
+        "prometheusRule.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+    ).stdout
     rule = one([d for d in yaml.safe_load_all(io.StringIO(out)) if d], "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES_SRC.read_text())["groups"]
 
@@ -509,16 +578,21 @@ def test_chart_files_link_to_deploy():
 
 
 def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
-    docs = render(tmp_path, {
-        "prometheusRule": {
-            "enabled": True,
-            "runbookBaseUrl": "https://wiki.example.com/ops/monodecode-runbook",
-            "additionalRuleLabels": {"team": "inference"},
-            "alerts": {"MonodecodeDisabled": {"disabled": True},
-                       "MonodecodeFallbackRatioHigh": {"for": "2s", "severity": "critical"}},
+    docs = render(
+        tmp_path,
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "runbookBaseUrl": "https://wiki.example.com/ops/monodecode-runbook",
+                "additionalRuleLabels": {"team": "inference"},
+                "alerts": {
+                    "MonodecodeDisabled": {"disabled": True},
+                    "MonodecodeFallbackRatioHigh": {"for": "2s", "severity": "critical"},
+                },
+            },
+            "rulesConfigMap": {"enabled": True},
         },
-        "rulesConfigMap": {"enabled": True},
-    })
+    )
     src = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
     spec_groups = one(docs, "PrometheusRule")["spec"]["groups"]
     cm_groups = yaml.safe_load(one(docs, "ConfigMap", "-rules")["data"]["monodecode-alerts.yaml"])["groups"]
@@ -530,7 +604,8 @@ def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
         assert r["expr"] == s["expr"], f"{name}: the chart must not change expressions"
         assert r["labels"]["team"] == "inference"
         assert r["annotations"]["runbook_url"] == s["annotations"]["runbook_url"].replace(
-            "deploy/RUNBOOK.md", "https://wiki.example.com/ops/monodecode-runbook")
+            "deploy/RUNBOOK.md", "https://wiki.example.com/ops/monodecode-runbook"
+        )
         assert r["annotations"]["summary"] == s["annotations"]["summary"]
         if name == "MonodecodeFallbackRatioHigh":
             assert r["for"] == "2s" and r["labels"]["severity"] == "critical"
@@ -539,8 +614,18 @@ def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
 
 
 def test_notes_render_with_the_release(tmp_path):
-    proc = helm("install", "rel", str(CHART), "-n", "llm", "--dry-run=client",
-                "--set", "vllm.tensorParallelSize=8", "--set", "arch=gfx950")
+    proc = helm(
+        "install",
+        "rel",
+        str(CHART),
+        "-n",
+        "llm",
+        "--dry-run=client",
+        "--set",
+        "vllm.tensorParallelSize=8",
+        "--set",
+        "arch=gfx950",
+    )
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "8 x amd.com/gpu each, arch gfx950" in notes
     assert "amd.com/gpu.device-id in (75a0, 75a3, 75a8)" in notes
@@ -553,12 +638,19 @@ def test_notes_render_with_the_release(tmp_path):
 ENTRYPOINT = REPO / "images" / "build" / "entrypoint.py"
 
 
-@pytest.mark.parametrize("values", [
-    {},
-    {"monodecode": {"enabled": False}},
-    {"model": {"source": "pvc", "pvc": {"claimName": "m", "path": "llama"}}, "vllm": {"tensorParallelSize": 8},
-     "monodecode": {"onRefusal": "degrade", "artifactDir": "/mnt/kernels", "widths": [1, 8]}},
-], ids=["default", "mono-off", "pvc-degrade-artifacts"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"monodecode": {"enabled": False}},
+        {
+            "model": {"source": "pvc", "pvc": {"claimName": "m", "path": "llama"}},
+            "vllm": {"tensorParallelSize": 8},
+            "monodecode": {"onRefusal": "degrade", "artifactDir": "/mnt/kernels", "widths": [1, 8]},
+        },
+    ],
+    ids=["default", "mono-off", "pvc-degrade-artifacts"],
+)
 def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     """What the container runs: the image's entrypoint (dry run) turns the chart's args into
     `vllm serve` with the options MonoConfig accepts, the image's artifact dir filled in."""
@@ -566,11 +658,20 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
 
     assert ENTRYPOINT.is_file(), f"{ENTRYPOINT.relative_to(REPO)} (the image's entrypoint the chart runs) is missing"
     c = one(render(tmp_path, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
-    env = {"PATH": os.environ.get("PATH", ""), "MONODECODE_ENTRYPOINT_PRINT": "1",
-           "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts"}
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "MONODECODE_ENTRYPOINT_PRINT": "1",
+        "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts",
+    }
     env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
-    proc = subprocess.run([sys.executable, str(ENTRYPOINT), *c["args"]], capture_output=True, text=True, env=env,
-                          timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, str(ENTRYPOINT), *c["args"]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr
     planned = json.loads(proc.stdout)
     cmd = planned["argv"]
@@ -588,5 +689,5 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     # every chart argument but the config reaches vllm unchanged
     chart_rest = [a for a in c["args"][2:]]
     i = chart_rest.index("--additional-config")
-    del chart_rest[i:i + 2]
+    del chart_rest[i : i + 2]
     assert cmd[5:] == chart_rest

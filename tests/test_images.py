@@ -32,15 +32,28 @@ REPO = "monodecode-test/img"
 TAG = f"t{os.getpid()}"  # per run: parallel runs on one engine never touch each other's images
 BASE_REPO = "monodecode-test/base"
 # pip inside the build trusts what the host trusts (a TLS-intercepting egress proxy included).
-CA = next((p for p in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
-                       "/etc/ssl/certs/ca-certificates.crt") if p and Path(p).is_file()), None)
+CA = next(
+    (
+        p
+        for p in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"), "/etc/ssl/certs/ca-certificates.crt")
+        if p and Path(p).is_file()
+    ),
+    None,
+)
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
 MI300X = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, source="kfd")
 
 
 def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -64,8 +77,7 @@ def run_container(client, image: str, command: list[str], env: dict | None = Non
 
 
 def derived_image(client, tag: str, dockerfile: str) -> str:
-    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="none", rm=True,
-                        forcerm=True)
+    client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="none", rm=True, forcerm=True)
     return tag
 
 
@@ -96,8 +108,13 @@ def local_base(docker_client) -> str:
         return tag
     except docker.errors.ImageNotFound:
         pass
-    proc = subprocess.run(["bash", str(ROOT / "images" / "local-base.sh"), tag], capture_output=True,
-                          text=True, timeout=1500, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "images" / "local-base.sh"), tag],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for image in docker_client.images.list(BASE_REPO):  # older recipes are dead weight
         if tag not in image.tags:
@@ -108,8 +125,22 @@ def local_base(docker_client) -> str:
 @pytest.fixture(scope="module")
 def built(docker_client, local_base, tmp_path_factory):
     """Both arch images, built by the real CLI."""
-    args = ["build", "-a", "gfx942", "-a", "gfx950", "--base-image", local_base, "-p", "tiny",
-            "--repository", REPO, "--tag", TAG, "--json"]
+    args = [
+        "build",
+        "-a",
+        "gfx942",
+        "-a",
+        "gfx950",
+        "--base-image",
+        local_base,
+        "-p",
+        "tiny",
+        "--repository",
+        REPO,
+        "--tag",
+        TAG,
+        "--json",
+    ]
     if CA:
         args += ["--ca-bundle", CA]
     proc = cli(*args, timeout=2400)
@@ -225,8 +256,9 @@ def test_verify_image_against_a_node_and_a_model(docker_client, built):
     wrong = {c.name: c for c in verify_image(tag_of("gfx950"), MI300X, client=docker_client)}
     assert wrong["image arch"].status == "fail"
     assert "built for gfx950" in wrong["image arch"].detail and "gfx942" in wrong["image arch"].detail
-    other = {c.name: c for c in verify_image(tag_of("gfx942"), MI300X, dims=profile_dims("llama3-8b"),
-                                             client=docker_client)}
+    other = {
+        c.name: c for c in verify_image(tag_of("gfx942"), MI300X, dims=profile_dims("llama3-8b"), client=docker_client)
+    }
     assert other["image artifacts for model"].status == "fail"
     assert "profiles tiny" in other["image artifacts for model"].detail
 
@@ -234,13 +266,17 @@ def test_verify_image_against_a_node_and_a_model(docker_client, built):
 def test_tampered_artifact_fails_verify_with_the_checksum_reason(docker_client, built):
     from monodecode_ops.images import verify_image
 
-    tampered = derived_image(docker_client, f"{REPO}:{TAG}-tampered", f"""FROM {tag_of('gfx942')}
+    tampered = derived_image(
+        docker_client,
+        f"{REPO}:{TAG}-tampered",
+        f"""FROM {tag_of("gfx942")}
 USER root
 RUN python3 -c "import pathlib; f = sorted(p for p in pathlib.Path('/opt/monodecode/artifacts').rglob('*') \
 if p.is_file() and p.name != 'manifest.json')[0]; b = bytearray(f.read_bytes()); b[len(b) // 2] ^= 0xFF; \
 f.write_bytes(bytes(b)); print('flipped a byte of', f)"
 USER 10001:10001
-""")
+""",
+    )
     # inside the container: verify fails, naming the checksum mismatch
     rc, out, err = run_container(docker_client, tampered, ["verify", "--json"])
     assert rc == 1, out[-2000:] + err[-2000:]
@@ -259,14 +295,18 @@ USER 10001:10001
 # ---- bad input ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("label,value,expected", [
-    ("io.monodecode.manifest-digest", "sha256:not-a-digest", "expected sha256:<64 hex digits>"),
-    ("io.monodecode.arch", "gfx90a", "expected one of gfx942, gfx950"),
-    ("io.monodecode.build-keys", "abc123", "not a 64-digit lowercase sha256 hex key"),
-])
+@pytest.mark.parametrize(
+    "label,value,expected",
+    [
+        ("io.monodecode.manifest-digest", "sha256:not-a-digest", "expected sha256:<64 hex digits>"),
+        ("io.monodecode.arch", "gfx90a", "expected one of gfx942, gfx950"),
+        ("io.monodecode.build-keys", "abc123", "not a 64-digit lowercase sha256 hex key"),
+    ],
+)
 def test_bad_image_labels_are_one_error_line(docker_client, built, label, value, expected):
-    bad = derived_image(docker_client, f"{REPO}:{TAG}-bad-{label.split('.')[-1]}",
-                        f'FROM {tag_of("gfx942")}\nLABEL {label}="{value}"\n')
+    bad = derived_image(
+        docker_client, f"{REPO}:{TAG}-bad-{label.split('.')[-1]}", f'FROM {tag_of("gfx942")}\nLABEL {label}="{value}"\n'
+    )
     for args in (("inspect", bad), ("verify", "--image", bad, "--no-self-test")):
         line = one_error_line(cli(*args))
         assert label in line and expected in line, line
@@ -285,7 +325,10 @@ def test_serve_entrypoint_in_the_image(docker_client, built):
     cmd = printed["argv"]
     assert cmd[:3] == ["vllm", "serve", model] and cmd[3] == "--additional-config"
     assert json.loads(cmd[4])["monodecode"] == {
-        "enabled": True, "widths": [1, 2], "artifact_dir": "/opt/monodecode/artifacts"}
+        "enabled": True,
+        "widths": [1, 2],
+        "artifact_dir": "/opt/monodecode/artifacts",
+    }
     assert printed["env"] == {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}
     # the base has no vLLM: serving is one clear error line, exit 2
     rc, out, err = run_container(docker_client, tag_of("gfx942"), ["serve", model])
@@ -306,8 +349,10 @@ def registry(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp_path / "registry.yml"
-    cfg.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
-                   f"http:\n  addr: 127.0.0.1:{port}\n")
+    cfg.write_text(
+        f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'data'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
     log = open(tmp_path / "registry.log", "w")
     proc = subprocess.Popen(["docker-registry", "serve", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -328,8 +373,21 @@ def registry(tmp_path):
 def test_push_to_a_registry(docker_client, built, local_base, registry):
     import urllib.request
 
-    args = ["build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--registry",
-            f"{registry}/monodecode-test", "--tag", f"{TAG}-pushed", "--push", "--json"]
+    args = [
+        "build",
+        "-a",
+        "gfx942",
+        "--base-image",
+        local_base,
+        "-p",
+        "tiny",
+        "--registry",
+        f"{registry}/monodecode-test",
+        "--tag",
+        f"{TAG}-pushed",
+        "--push",
+        "--json",
+    ]
     proc = cli(*args, *(["--ca-bundle", CA] if CA else []), timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = json.loads(proc.stdout)["images"]
@@ -339,8 +397,9 @@ def test_push_to_a_registry(docker_client, built, local_base, registry):
         base = f"http://{registry}/v2/monodecode-test/vllm-monodecode"
         tags = json.loads(urllib.request.urlopen(f"{base}/tags/list", timeout=10).read())["tags"]
         assert tags == [pushed]
-        req = urllib.request.Request(f"{base}/manifests/{pushed}", headers={
-            "Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+        req = urllib.request.Request(
+            f"{base}/manifests/{pushed}", headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"}
+        )
         manifest = json.loads(urllib.request.urlopen(req, timeout=10).read())
         assert manifest["config"]["digest"] == r["id"]  # the registry holds exactly the built image
     finally:
@@ -353,7 +412,9 @@ def test_digest_pinned_base_is_pulled_and_used(docker_client, registry):
     from monodecode_ops.commands.build import ensure_base
 
     name = f"{registry}/monodecode-test/pinned-base"
-    docker_client.images.build(fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=pinned-base\n"), tag=f"{name}:v1", rm=True)
+    docker_client.images.build(
+        fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=pinned-base\n"), tag=f"{name}:v1", rm=True
+    )
     docker_client.images.push(name, tag="v1")
     digest = docker_client.images.get(f"{name}:v1").attrs["RepoDigests"][0].split("@")[1]
     docker_client.images.remove(f"{name}:v1", force=True)
@@ -369,8 +430,22 @@ def test_digest_pinned_base_is_pulled_and_used(docker_client, registry):
 
 def test_failing_build_step_is_one_line_with_its_output(local_base):
     # an unreachable package index (loopback, refused): the wheels stage fails inside pip
-    proc = cli("build", "-a", "gfx942", "--base-image", local_base, "-p", "tiny", "--repository", REPO,
-               "--tag", f"{TAG}-broken", "--pip-index-url", "http://127.0.0.1:9/simple", timeout=900)
+    proc = cli(
+        "build",
+        "-a",
+        "gfx942",
+        "--base-image",
+        local_base,
+        "-p",
+        "tiny",
+        "--repository",
+        REPO,
+        "--tag",
+        f"{TAG}-broken",
+        "--pip-index-url",
+        "http://127.0.0.1:9/simple",
+        timeout=900,
+    )
     line = one_error_line(proc)
     assert line.startswith("error: build for gfx942 failed at step "), line
     assert "resolve-wheels.sh" in line and "returned a non-zero code" in line and "last output:" in line, line

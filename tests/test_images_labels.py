@@ -34,18 +34,21 @@ def test_good_labels():
     assert parse_labels("img", {**GOOD, "io.monodecode.build-keys": ""}).build_keys == ()
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("io.monodecode.arch", "gfx1100", "label io.monodecode.arch is 'gfx1100'; expected one of gfx942, gfx950"),
-    ("io.monodecode.arch", None, "label io.monodecode.arch is missing or empty"),
-    ("io.monodecode.version", " ", "label io.monodecode.version is missing or empty"),
-    ("io.monodecode.manifest-digest", "md5:1234", "label io.monodecode.manifest-digest is 'md5:1234'"),
-    ("io.monodecode.build-keys", f"{KEY_A},{KEY_A}", "lists a build key twice"),
-    ("io.monodecode.build-keys", "A" * 64, "not a 64-digit lowercase sha256 hex key"),
-    ("io.monodecode.profiles", "tiny,Llama 8B", "malformed profile name 'Llama 8B'"),
-    ("io.monodecode.backends", "flydsl,<x>", "malformed backend name '<x>'"),
-    ("io.monodecode.artifact-dir", "artifacts", "expected an absolute path"),
-    ("io.monodecode.artifact-dir", "/opt/../etc", "expected an absolute path"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("io.monodecode.arch", "gfx1100", "label io.monodecode.arch is 'gfx1100'; expected one of gfx942, gfx950"),
+        ("io.monodecode.arch", None, "label io.monodecode.arch is missing or empty"),
+        ("io.monodecode.version", " ", "label io.monodecode.version is missing or empty"),
+        ("io.monodecode.manifest-digest", "md5:1234", "label io.monodecode.manifest-digest is 'md5:1234'"),
+        ("io.monodecode.build-keys", f"{KEY_A},{KEY_A}", "lists a build key twice"),
+        ("io.monodecode.build-keys", "A" * 64, "not a 64-digit lowercase sha256 hex key"),
+        ("io.monodecode.profiles", "tiny,Llama 8B", "malformed profile name 'Llama 8B'"),
+        ("io.monodecode.backends", "flydsl,<x>", "malformed backend name '<x>'"),
+        ("io.monodecode.artifact-dir", "artifacts", "expected an absolute path"),
+        ("io.monodecode.artifact-dir", "/opt/../etc", "expected an absolute path"),
+    ],
+)
 def test_bad_labels_name_the_label(key, value, expected):
     labels = dict(GOOD)
     if value is None:
@@ -77,13 +80,36 @@ def test_pull_ref_drops_the_documenting_tag():
 def baked(tmp_path, monkeypatch):
     """An image's /opt/monodecode layout on disk, with image.json written by the real pyenv.py."""
     store = ArtifactStore(tmp_path / "artifacts")
-    store.add(build_key=KEY_A, backend="flydsl", arch="gfx950", dims_digest="e" * 64, widths=[1, 2, 4, 8],
-              files={"a/k1_w1.hsaco": b"\x7fELF" + bytes(range(200)), "a/k2_w1.hsaco": b"\x7fELF" * 50},
-              compiler={"name": "flydsl", "version": "0.5.0"}, profile="tiny")
+    store.add(
+        build_key=KEY_A,
+        backend="flydsl",
+        arch="gfx950",
+        dims_digest="e" * 64,
+        widths=[1, 2, 4, 8],
+        files={"a/k1_w1.hsaco": b"\x7fELF" + bytes(range(200)), "a/k2_w1.hsaco": b"\x7fELF" * 50},
+        compiler={"name": "flydsl", "version": "0.5.0"},
+        profile="tiny",
+    )
     info = tmp_path / "image.json"
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "images/build/pyenv.py"),
-                           "image-info", "--arch", "gfx950", "--profiles", "tiny", "--artifacts", str(store.root),
-                           "--precompile", "test", "--out", str(info)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "images/build/pyenv.py"),
+            "image-info",
+            "--arch",
+            "gfx950",
+            "--profiles",
+            "tiny",
+            "--artifacts",
+            str(store.root),
+            "--precompile",
+            "test",
+            "--out",
+            str(info),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     monkeypatch.setenv("MONODECODE_IMAGE_INFO", str(info))
     monkeypatch.setenv("MONODECODE_ARTIFACT_DIR", str(store.root))

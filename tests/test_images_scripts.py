@@ -45,14 +45,24 @@ def test_no_arguments_serves_the_model_from_the_environment():
 
 
 def test_serve_model_argument_and_passthrough_args():
-    env = {**ART, "MONODECODE_BACKEND": "flydsl", "MONODECODE_ON_REFUSAL": "degrade",
-           "MONODECODE_WIDTHS": "1, 2,4", "MONODECODE_ALLOW_JIT": "no"}
+    env = {
+        **ART,
+        "MONODECODE_BACKEND": "flydsl",
+        "MONODECODE_ON_REFUSAL": "degrade",
+        "MONODECODE_WIDTHS": "1, 2,4",
+        "MONODECODE_ALLOW_JIT": "no",
+    }
     cmd = ep.command_for(["serve", "/models/qwen3", "--tensor-parallel-size", "8"], env)
     assert cmd[:3] == ["vllm", "serve", "/models/qwen3"]
     assert cmd[-2:] == ["--tensor-parallel-size", "8"]
     assert additional(cmd)["monodecode"] == {
-        "enabled": True, "backend": "flydsl", "on_refusal": "degrade", "widths": [1, 2, 4],
-        "allow_jit": False, "artifact_dir": "/opt/monodecode/artifacts"}
+        "enabled": True,
+        "backend": "flydsl",
+        "on_refusal": "degrade",
+        "widths": [1, 2, 4],
+        "allow_jit": False,
+        "artifact_dir": "/opt/monodecode/artifacts",
+    }
 
 
 def test_explicit_additional_config_wins_and_keeps_other_keys():
@@ -61,8 +71,12 @@ def test_explicit_additional_config_wins_and_keeps_other_keys():
     cmd = ep.command_for(["serve", "m", f"--additional-config={user}", "--port", "9000"], env)
     assert additional(cmd) == {
         "other_plugin": {"x": 1},
-        "monodecode": {"max_failstops": 5, "enabled": True, "on_refusal": "degrade",
-                       "artifact_dir": "/opt/monodecode/artifacts"},
+        "monodecode": {
+            "max_failstops": 5,
+            "enabled": True,
+            "on_refusal": "degrade",
+            "artifact_dir": "/opt/monodecode/artifacts",
+        },
     }
     assert cmd.count("--additional-config") == 1 and cmd[-2:] == ["--port", "9000"]
 
@@ -78,17 +92,20 @@ def test_verify_and_other_commands():
     assert ep.command_for(["monodecode-ops", "inspect"], {}) == ["monodecode-ops", "inspect"]
 
 
-@pytest.mark.parametrize("args,env,expected", [
-    ([], {}, "no model: pass it as the first argument of serve or set MONODECODE_MODEL"),
-    (["serve", "m"], {"MONODECODE_BACKEND": "cuda"}, "'backend' must be one of auto, flydsl, triton, reference"),
-    (["serve", "m"], {"MONODECODE_ENABLED": "maybe"}, "MONODECODE_ENABLED must be true or false"),
-    (["serve", "m"], {"MONODECODE_WIDTHS": "1,x"}, "MONODECODE_WIDTHS must be comma-separated integers"),
-    (["serve", "m"], {"MONODECODE_WIDTHS": "4,2"}, "'widths' must be strictly ascending"),
-    (["serve", "m"], {"MONODECODE_CONFIG": "{"}, "MONODECODE_CONFIG is not valid JSON"),
-    (["serve", "m"], {"MONODECODE_CONFIG": '{"colour": 1}'}, "unknown key 'colour'"),
-    (["serve", "m", "--additional-config", "[1]"], {}, "--additional-config must be a JSON object"),
-    (["serve", "m", "--additional-config"], {}, "--additional-config needs a JSON object argument"),
-])
+@pytest.mark.parametrize(
+    "args,env,expected",
+    [
+        ([], {}, "no model: pass it as the first argument of serve or set MONODECODE_MODEL"),
+        (["serve", "m"], {"MONODECODE_BACKEND": "cuda"}, "'backend' must be one of auto, flydsl, triton, reference"),
+        (["serve", "m"], {"MONODECODE_ENABLED": "maybe"}, "MONODECODE_ENABLED must be true or false"),
+        (["serve", "m"], {"MONODECODE_WIDTHS": "1,x"}, "MONODECODE_WIDTHS must be comma-separated integers"),
+        (["serve", "m"], {"MONODECODE_WIDTHS": "4,2"}, "'widths' must be strictly ascending"),
+        (["serve", "m"], {"MONODECODE_CONFIG": "{"}, "MONODECODE_CONFIG is not valid JSON"),
+        (["serve", "m"], {"MONODECODE_CONFIG": '{"colour": 1}'}, "unknown key 'colour'"),
+        (["serve", "m", "--additional-config", "[1]"], {}, "--additional-config must be a JSON object"),
+        (["serve", "m", "--additional-config"], {}, "--additional-config needs a JSON object argument"),
+    ],
+)
 def test_bad_settings_are_one_error_line(args, env, expected, capsys, monkeypatch):
     for key in [k for k in list(os.environ) if k.startswith("MONODECODE_")]:
         monkeypatch.delenv(key)
@@ -138,12 +155,18 @@ def test_serve_execs_vllm_with_its_environment(tmp_path):
     bindir.mkdir()
     record = tmp_path / "record.json"
     fake = bindir / "vllm"
-    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\njson.dump({{'argv': sys.argv[1:], "
-                    f"'mp': os.environ.get('PROMETHEUS_MULTIPROC_DIR'), 'layout': os.environ.get('VLLM_KV_CACHE_LAYOUT')}}, "
-                    f"open({str(record)!r}, 'w'))\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\njson.dump({{'argv': sys.argv[1:], "
+        f"'mp': os.environ.get('PROMETHEUS_MULTIPROC_DIR'), 'layout': os.environ.get('VLLM_KV_CACHE_LAYOUT')}}, "
+        f"open({str(record)!r}, 'w'))\n"
+    )
     fake.chmod(0o755)
-    env = {"PATH": f"{bindir}:/usr/bin:/bin", "MONODECODE_MODEL": "/models/m", "TMPDIR": str(tmp_path),
-           "PYTHONPATH": str(ROOT)}
+    env = {
+        "PATH": f"{bindir}:/usr/bin:/bin",
+        "MONODECODE_MODEL": "/models/m",
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+    }
     proc = subprocess.run([sys.executable, str(BUILD / "entrypoint.py")], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(record.read_text())
@@ -171,11 +194,13 @@ def test_undisturbed_names_every_changed_base_package(tmp_path):
 
 
 def test_plan_lists_what_pip_would_add_except_monodecode(tmp_path):
-    report = {"install": [
-        {"metadata": {"name": "monodecode", "version": "0.1.0"}},
-        {"metadata": {"name": "prometheus_client", "version": "0.26.0"}},
-        {"metadata": {"name": "typer", "version": "0.29.2"}},
-    ]}
+    report = {
+        "install": [
+            {"metadata": {"name": "monodecode", "version": "0.1.0"}},
+            {"metadata": {"name": "prometheus_client", "version": "0.26.0"}},
+            {"metadata": {"name": "typer", "version": "0.29.2"}},
+        ]
+    }
     (tmp_path / "report.json").write_text(json.dumps(report))
     proc = pyenv("plan", str(tmp_path / "report.json"), str(tmp_path / "missing.txt"))
     assert proc.returncode == 0, proc.stderr
@@ -195,10 +220,29 @@ def test_image_info_summarises_the_manifest(tmp_path):
 
     store = ArtifactStore(tmp_path / "artifacts")
     key = "ab" * 32
-    store.add(build_key=key, backend="flydsl", arch="gfx950", dims_digest="cd" * 32, widths=[1, 2],
-              files={"k1.hsaco": b"\x7fELF"}, compiler={"name": "flydsl", "version": "0.5.0"}, profile="tiny")
-    proc = pyenv("image-info", "--arch", "gfx950", "--profiles", "tiny", "--artifacts", str(store.root),
-                 "--precompile", "test", "--out", str(tmp_path / "image.json"))
+    store.add(
+        build_key=key,
+        backend="flydsl",
+        arch="gfx950",
+        dims_digest="cd" * 32,
+        widths=[1, 2],
+        files={"k1.hsaco": b"\x7fELF"},
+        compiler={"name": "flydsl", "version": "0.5.0"},
+        profile="tiny",
+    )
+    proc = pyenv(
+        "image-info",
+        "--arch",
+        "gfx950",
+        "--profiles",
+        "tiny",
+        "--artifacts",
+        str(store.root),
+        "--precompile",
+        "test",
+        "--out",
+        str(tmp_path / "image.json"),
+    )
     assert proc.returncode == 0, proc.stderr
     info = json.loads((tmp_path / "image.json").read_text())
 

@@ -111,7 +111,15 @@ def test_runner_steps_scraped_over_http(served, tmp_path):
     for reason in FALLBACK_REASONS:
         assert s[("monodecode_fallback_steps_total", (("reason", reason),))] == exp_counts.get(reason, 0)
     assert s[("monodecode_enabled", ())] == 1
-    assert s[("monodecode_build_info", (("arch", "cpu"), ("backend", "reference"), ("build_key", r.build_key), ("version", "0.1.0")))] == 1
+    assert (
+        s[
+            (
+                "monodecode_build_info",
+                (("arch", "cpu"), ("backend", "reference"), ("build_key", r.build_key), ("version", "0.1.0")),
+            )
+        ]
+        == 1
+    )
 
 
 def test_port_in_use_and_bad_ports_are_one_line_errors():

@@ -22,9 +22,17 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 # A small Gemma-3-style config: sliding window 5 on layers 0 and 2, GQA 4:2.
 SMALL = {
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "vocab_size": 97, "query_pre_attn_scalar": 16, "sliding_window": 5,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 97,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 5,
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
 }
 
@@ -141,8 +149,9 @@ def test_shuffled_block_table_gives_identical_outputs(model, block_size):
     dims, weights = model
     n = 16
     plain, kv_a, alloc_a = _decode(weights, dims, BlockAllocator(n, block_size), PROMPTS, 9, block_size, n)
-    shuffled, kv_b, alloc_b = _decode(weights, dims, BlockAllocator(n, block_size, shuffle_seed=11), PROMPTS, 9,
-                                      block_size, n)
+    shuffled, kv_b, alloc_b = _decode(
+        weights, dims, BlockAllocator(n, block_size, shuffle_seed=11), PROMPTS, 9, block_size, n
+    )
     assert alloc_a.block_table(0) != alloc_b.block_table(0)
     for a, b in zip(plain, shuffled):
         assert torch.equal(a, b)

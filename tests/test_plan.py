@@ -49,7 +49,7 @@ def test_every_output_element_written_exactly_once(profile, tp, widths, G):
                 for tk in lp.tasks(kernel, st.name):
                     for sp in tk.writes:
                         assert 0 <= sp.start < sp.stop <= counts[sp.region].size, (kernel, st.name, sp)
-                        counts[sp.region][sp.start:sp.stop] += 1
+                        counts[sp.region][sp.start : sp.stop] += 1
             for name, c in counts.items():
                 assert c.min() == 1 and c.max() == 1, f"{profile} w={w} {kernel}: {name} coverage {c.min()}..{c.max()}"
             # every launch output is produced
@@ -209,12 +209,24 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer({"hidden_size": 1}, 1, 1, 8), "dims must be a ModelDims"),
         (lambda d: P.plan_model(d, 1, [], 132), "widths must be a non-empty list"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
-        (lambda d: P.key_inputs(d, weight_dtype="int4", kv_dtype="bf16", tp_size=1, widths=[1], block_size=16,
-                                num_workgroups=8), "weight_dtype must be one of"),
-        (lambda d: P.key_inputs(d, weight_dtype="bf16", kv_dtype="fp8", tp_size=1, widths=[1], block_size=16,
-                                num_workgroups=8), "kv_dtype must be one of"),
-        (lambda d: P.key_inputs(d, weight_dtype="bf16", kv_dtype="bf16", tp_size=1, widths=[1], block_size=0,
-                                num_workgroups=8), "block_size must be a positive integer"),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="int4", kv_dtype="bf16", tp_size=1, widths=[1], block_size=16, num_workgroups=8
+            ),
+            "weight_dtype must be one of",
+        ),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="bf16", kv_dtype="fp8", tp_size=1, widths=[1], block_size=16, num_workgroups=8
+            ),
+            "kv_dtype must be one of",
+        ),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="bf16", kv_dtype="bf16", tp_size=1, widths=[1], block_size=0, num_workgroups=8
+            ),
+            "block_size must be a positive integer",
+        ),
     ],
 )
 def test_bad_inputs_rejected_with_one_line(call, message):

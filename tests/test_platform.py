@@ -45,13 +45,18 @@ def test_kfd_topology_spx_and_cpx(tmp_path):
     make_node(tmp_path, 0, CPU_NODE)
     make_node(tmp_path, 1, MI300X, partition="spx", product="AMD Instinct MI300X")
     # a CPX partition: 38 CUs visible
-    make_node(tmp_path, 2, MI300X.replace("simd_count 1216", "simd_count 152").replace("drm_render_minor 128", "drm_render_minor 136"),
-              partition="CPX")
+    make_node(
+        tmp_path,
+        2,
+        MI300X.replace("simd_count 1216", "simd_count 152").replace("drm_render_minor 128", "drm_render_minor 136"),
+        partition="CPX",
+    )
     (tmp_path / "sys/module/amdgpu").mkdir(parents=True)
     (tmp_path / "sys/module/amdgpu/version").write_text("6.10.5\n")
     gpus = list_kfd_gpus(tmp_path)
     assert [(g.node, g.arch, g.compute_units, g.partition_mode) for g in gpus] == [
-        (1, "gfx942", 304, "SPX"), (2, "gfx942", 38, "CPX")
+        (1, "gfx942", 304, "SPX"),
+        (2, "gfx942", 38, "CPX"),
     ]
     p = detect_platform(device=0, sysfs_root=tmp_path)
     assert (p.kind, p.arch, p.compute_units, p.partition_mode, p.source) == ("rocm", "gfx942", 304, "SPX", "kfd")

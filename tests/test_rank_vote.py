@@ -61,8 +61,16 @@ def run_ranks(tmp_path, scenario):
     script.write_text(DRIVER)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     env.pop("MONODECODE_FAULT", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), scenario, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), scenario, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     deadline = time.time() + 240
     outs = []
     for p in procs:
@@ -77,8 +85,14 @@ def test_local_disable_is_voted_not_read(tmp_path):
     assert r0["paths"] == r1["paths"]  # same path at every step, on both ranks
     paths = r0["paths"]
     # before the vote (steps 0-5) rank 1's local wish changes nothing
-    assert paths[:6] == [["mono", None, 1], ["mono", None, 4], ["fallback", "prefill", None],
-                         ["mono", None, 2], ["fallback", "rows_exceed_width", None], ["mono", None, 4]]
+    assert paths[:6] == [
+        ["mono", None, 1],
+        ["mono", None, 4],
+        ["fallback", "prefill", None],
+        ["mono", None, 2],
+        ["fallback", "rows_exceed_width", None],
+        ["mono", None, 4],
+    ]
     # after the vote at step 6 both ranks run the stock path
     assert all(p == ["fallback", "degraded", None] for p in paths[6:])
     assert r0["state"] == r1["state"] == "degraded"

@@ -49,29 +49,59 @@ MEASURED: dict[str, float] = {}
 
 
 def _hf_config(family: str):
-    common = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=24, vocab_size=128, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = dict(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=128,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if family == "llama":
-        return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        return transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        )
     if family == "qwen3":
-        return transformers.Qwen3Config(**common, tie_word_embeddings=False,
-                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        return transformers.Qwen3Config(
+            **common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
     return transformers.Gemma3TextConfig(
-        **common, sliding_window=6, query_pre_attn_scalar=32, final_logit_softcapping=30.0,
+        **common,
+        sliding_window=6,
+        query_pre_attn_scalar=32,
+        final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
 
 
 def _model_class(family: str):
-    return {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
-            "gemma3": transformers.Gemma3ForCausalLM}[family]
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma3": transformers.Gemma3ForCausalLM,
+    }[family]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checkpoint(family: str, root: str) -> str:
     """Directory of a random-weight HF checkpoint (bf16 safetensors written by ``save_pretrained``)."""
     torch.manual_seed({"llama": 1, "qwen3": 2, "gemma3": 3}[family])
@@ -90,7 +120,7 @@ def _checkpoint(family: str, root: str) -> str:
     return path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(family: str, root: str, dtype: torch.dtype):
     """HF's model loaded from the checkpoint the way users load it (RoPE buffers stay fp32)."""
     return _model_class(family).from_pretrained(_checkpoint(family, root), dtype=dtype).eval()
@@ -116,7 +146,7 @@ def _hf_teacher_forced(model, prompt: list[int]):
     return torch.stack(logits), fed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_run(family: str, root: str, dtype: torch.dtype, swap_weights: str | None = None):
     model = _hf_model(family, root, dtype)
     if swap_weights is not None:
@@ -132,9 +162,15 @@ def _with_dequantized_projections(model, weights):
     with torch.no_grad():
         for l, (hf_layer, w) in enumerate(zip(clone.model.layers, weights.layers)):
             attn, mlp = hf_layer.self_attn, hf_layer.mlp
-            for mod, lin in ((attn.q_proj, w.q_proj), (attn.k_proj, w.k_proj), (attn.v_proj, w.v_proj),
-                             (attn.o_proj, w.o_proj), (mlp.gate_proj, w.gate_proj), (mlp.up_proj, w.up_proj),
-                             (mlp.down_proj, w.down_proj)):
+            for mod, lin in (
+                (attn.q_proj, w.q_proj),
+                (attn.k_proj, w.k_proj),
+                (attn.v_proj, w.v_proj),
+                (attn.o_proj, w.o_proj),
+                (mlp.gate_proj, w.gate_proj),
+                (mlp.up_proj, w.up_proj),
+                (mlp.down_proj, w.down_proj),
+            ):
                 assert lin.kind != "bf16"
                 mod.weight.copy_(lin.dequant())
     return clone
@@ -200,7 +236,9 @@ def test_bf16_matches_hf(family, block_size, ckpt_root):
         hf_err = float((hf_logits - truth).abs().max())
         key = f"{family} bf16 bs{block_size}"
         MEASURED[key] = max(diff, MEASURED.get(key, 0.0))
-        MEASURED[f"{family} bf16 err vs fp32 (ref / hf)"] = max(ref_err, MEASURED.get(f"{family} bf16 err vs fp32 (ref / hf)", 0.0))
+        MEASURED[f"{family} bf16 err vs fp32 (ref / hf)"] = max(
+            ref_err, MEASURED.get(f"{family} bf16 err vs fp32 (ref / hf)", 0.0)
+        )
         MEASURED[f"{family} bf16 hf err vs fp32"] = max(hf_err, MEASURED.get(f"{family} bf16 hf err vs fp32", 0.0))
         assert diff <= BF16_TOL, f"{family}: max |logit diff| {diff:.3g} > {BF16_TOL}"
         assert ref_err <= 1.5 * hf_err + 0.02, f"{family}: reference bf16 error {ref_err:.3g} vs HF bf16 {hf_err:.3g}"
@@ -211,7 +249,7 @@ def test_bf16_matches_hf(family, block_size, ckpt_root):
 def _hf_forced_on(model, prompt: list[int], fed: list[int]) -> torch.Tensor:
     """HF logits at the prompt's end and after each fed token, in one causal forward."""
     out = model(torch.tensor([prompt + fed]))
-    return out.logits[0, len(prompt) - 1:].float()
+    return out.logits[0, len(prompt) - 1 :].float()
 
 
 @pytest.mark.parametrize("weight_dtype", ["fp8", "fp8_fnuz"])

@@ -46,8 +46,15 @@ def started(weights, tmp_path_factory):
 
 def make(weights, tmp_path, deployment=None, faults=(), **cfg):
     cfg.setdefault("widths", [1, 2])
-    conf = MonoConfig.from_dict({"enabled": True, "failstop_dir": str(tmp_path / "fs"),
-                                 "termination_log": str(tmp_path / "term"), "exit_on_failstop": False, **cfg})
+    conf = MonoConfig.from_dict(
+        {
+            "enabled": True,
+            "failstop_dir": str(tmp_path / "fs"),
+            "termination_log": str(tmp_path / "term"),
+            "exit_on_failstop": False,
+            **cfg,
+        }
+    )
     reg = CollectorRegistry()
     m = MonoMetrics(reg)
     r = Runner(conf, DIMS, weights, CPU, metrics=m, deployment=deployment, faults=faults)
@@ -132,8 +139,13 @@ def test_start_on_cpu_picks_reference_and_warms_every_width(weights, tmp_path):
     assert reg.get_sample_value("monodecode_enabled") == 1
     assert reg.get_sample_value("monodecode_warmup_duration_seconds") > 0
     assert reg.get_sample_value("monodecode_warmup_max_abs_error") == 0.0
-    assert reg.get_sample_value("monodecode_build_info", {"backend": "reference", "arch": "cpu",
-                                                          "build_key": r.build_key, "version": "0.1.0"}) == 1
+    assert (
+        reg.get_sample_value(
+            "monodecode_build_info",
+            {"backend": "reference", "arch": "cpu", "build_key": r.build_key, "version": "0.1.0"},
+        )
+        == 1
+    )
 
 
 def test_fp8_weights_warm_up(tmp_path):
@@ -233,7 +245,9 @@ def test_degrade_exports_reasons_and_falls_back(weights, tmp_path):
 
 def test_backend_unavailable_on_cpu(weights, tmp_path):
     r, _ = make(weights, tmp_path, backend="triton")
-    with pytest.raises(RefusalError, match=r"backend_unavailable: backend triton cannot run here: triton needs a CUDA or ROCm GPU"):
+    with pytest.raises(
+        RefusalError, match=r"backend_unavailable: backend triton cannot run here: triton needs a CUDA or ROCm GPU"
+    ):
         r.start()
 
 
@@ -259,9 +273,16 @@ def test_warmup_catches_a_wrong_kernel(weights, tmp_path, backend):
 
 
 def _bake(store, runner_key):
-    store.add(build_key=runner_key, backend="test_artifact_reference", arch="cpu", dims_digest=DIMS.digest(),
-              widths=(1, 2, 4, 8), files={"kernel.json": json.dumps({"key": runner_key}).encode()},
-              compiler={"name": "torch", "version": torch.__version__}, profile="tiny")
+    store.add(
+        build_key=runner_key,
+        backend="test_artifact_reference",
+        arch="cpu",
+        dims_digest=DIMS.digest(),
+        widths=(1, 2, 4, 8),
+        files={"kernel.json": json.dumps({"key": runner_key}).encode()},
+        compiler={"name": "torch", "version": torch.__version__},
+        profile="tiny",
+    )
 
 
 def test_artifact_lifecycle(weights, tmp_path, backend, monkeypatch):
@@ -270,7 +291,9 @@ def test_artifact_lifecycle(weights, tmp_path, backend, monkeypatch):
     # 1. nothing baked, JIT not allowed -> no_artifact
     r, reg = make(weights, tmp_path, backend=name, artifact_dir=str(art), on_refusal="degrade")
     r.start()
-    assert r.state == "degraded" and r.reasons[0].startswith("no_artifact: no baked test_artifact_reference artifact for build key")
+    assert r.state == "degraded" and r.reasons[0].startswith(
+        "no_artifact: no baked test_artifact_reference artifact for build key"
+    )
     assert reg.get_sample_value("monodecode_refusal_info", {"reason": "no_artifact"}) == 1
     key = r.build_key
     # 2. JIT allowed -> runs without an artifact
@@ -285,7 +308,9 @@ def test_artifact_lifecycle(weights, tmp_path, backend, monkeypatch):
     before = (art / "kernel.json").read_bytes()
     r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art))
     monkeypatch.setenv("MONODECODE_FAULT", "corrupt_artifact")
-    with pytest.raises(RefusalError, match=r"artifact_checksum: artifact [0-9a-f]{12}: checksum mismatch for kernel.json"):
+    with pytest.raises(
+        RefusalError, match=r"artifact_checksum: artifact [0-9a-f]{12}: checksum mismatch for kernel.json"
+    ):
         r.start()
     monkeypatch.delenv("MONODECODE_FAULT")
     assert (art / "kernel.json").read_bytes() == before
@@ -306,8 +331,13 @@ def test_reference_key_changes_with_widths_and_dtype(weights, tmp_path):
     for cfg in ({"widths": [1]}, {"widths": [1, 2]}):
         r, _ = make(weights, tmp_path, **cfg)
         keys.add(r.start().build_key)
-    r = Runner(MonoConfig(enabled=True, failstop_dir=str(tmp_path / "fs"), widths=(1,)), DIMS,
-               random_weights(DIMS, seed=0, weight_dtype="fp8"), CPU, faults=())
+    r = Runner(
+        MonoConfig(enabled=True, failstop_dir=str(tmp_path / "fs"), widths=(1,)),
+        DIMS,
+        random_weights(DIMS, seed=0, weight_dtype="fp8"),
+        CPU,
+        faults=(),
+    )
     keys.add(r.start().build_key)
     assert len(keys) == 3
 
@@ -341,4 +371,6 @@ def test_refusal_error_pickles_with_its_reasons():
     import pickle
 
     e = pickle.loads(pickle.dumps(RefusalError(["a: one", "b: two"])))
-    assert e.reasons == ["a: one", "b: two"] and e.codes == ["a", "b"] and str(e) == "mono decode refused: a: one; b: two"
+    assert (
+        e.reasons == ["a: one", "b: two"] and e.codes == ["a", "b"] and str(e) == "mono decode refused: a: one; b: two"
+    )

@@ -6,11 +6,29 @@ from monodecode.model.profiles import profile_dims
 from monodecode.spec import Deployment, KernelSpec, fitting_capture_sizes, reason_code, refusal_reasons
 
 DIMS = profile_dims("llama3-8b")
-AMD = KernelSpec(backend="flydsl", platform_kinds=("rocm",), archs=("gfx942", "gfx950"), grid_size=256,
-                 tp_sizes=(1, 2, 4, 8), block_sizes=(16,), widths=(1, 2, 4, 8), head_dims=(64, 128),
-                 built_dims=(DIMS.digest(),))
-GOOD = Deployment(platform_kind="rocm", arch="gfx942", compute_units=304, partition_mode="SPX", tp_size=2,
-                  weight_dtype="fp8_fnuz", block_size=16, dims=DIMS, graph_mode="full", capture_sizes=(1, 2, 4, 8, 16))
+AMD = KernelSpec(
+    backend="flydsl",
+    platform_kinds=("rocm",),
+    archs=("gfx942", "gfx950"),
+    grid_size=256,
+    tp_sizes=(1, 2, 4, 8),
+    block_sizes=(16,),
+    widths=(1, 2, 4, 8),
+    head_dims=(64, 128),
+    built_dims=(DIMS.digest(),),
+)
+GOOD = Deployment(
+    platform_kind="rocm",
+    arch="gfx942",
+    compute_units=304,
+    partition_mode="SPX",
+    tp_size=2,
+    weight_dtype="fp8_fnuz",
+    block_size=16,
+    dims=DIMS,
+    graph_mode="full",
+    capture_sizes=(1, 2, 4, 8, 16),
+)
 
 
 def codes(reasons):
@@ -23,17 +41,52 @@ def test_supported_deployment_has_no_reasons():
 
 def test_every_reason_is_reported_at_once():
     bad = dataclasses.replace(
-        GOOD, platform_kind="rocm", arch="gfx90a", compute_units=38, partition_mode="CPX", tp_size=3, pp_size=2,
-        dp_size=2, expert_parallel=True, lora=True, speculative="eagle3", kv_connector="LMCacheConnectorV1",
-        sleep_mode=True, dcp_size=2, cpu_offload=True, model_dtype="float16", weight_dtype="int4",
-        kv_cache_dtype="fp8_e4m3", block_size=32, dims=profile_dims("qwen3-8b"), graph_mode="piecewise",
-        artifact_problem="no_artifact: nothing baked", extra_reasons=("custom: extra",),
+        GOOD,
+        platform_kind="rocm",
+        arch="gfx90a",
+        compute_units=38,
+        partition_mode="CPX",
+        tp_size=3,
+        pp_size=2,
+        dp_size=2,
+        expert_parallel=True,
+        lora=True,
+        speculative="eagle3",
+        kv_connector="LMCacheConnectorV1",
+        sleep_mode=True,
+        dcp_size=2,
+        cpu_offload=True,
+        model_dtype="float16",
+        weight_dtype="int4",
+        kv_cache_dtype="fp8_e4m3",
+        block_size=32,
+        dims=profile_dims("qwen3-8b"),
+        graph_mode="piecewise",
+        artifact_problem="no_artifact: nothing baked",
+        extra_reasons=("custom: extra",),
     )
     got = codes(refusal_reasons(bad, AMD))
     assert got == [
-        "arch", "compute_units", "tp_size", "tp_size", "pipeline_parallel", "data_parallel", "expert_parallel",
-        "lora", "speculative_decoding", "kv_connector", "sleep_mode", "decode_context_parallel", "cpu_offload",
-        "dtype", "weight_dtype", "kv_cache_dtype", "block_size", "dims_not_built", "graph_mode", "no_artifact",
+        "arch",
+        "compute_units",
+        "tp_size",
+        "tp_size",
+        "pipeline_parallel",
+        "data_parallel",
+        "expert_parallel",
+        "lora",
+        "speculative_decoding",
+        "kv_connector",
+        "sleep_mode",
+        "decode_context_parallel",
+        "cpu_offload",
+        "dtype",
+        "weight_dtype",
+        "kv_cache_dtype",
+        "block_size",
+        "dims_not_built",
+        "graph_mode",
+        "no_artifact",
         "custom",
     ]
 

@@ -44,8 +44,14 @@ def _digests(path: Path) -> dict[str, str]:
 
 def test_files_and_config(tiny):
     names = {p.name for p in tiny.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "special_tokens_map.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    } <= names
     assert json.loads((tiny / "config.json").read_text()) == json.loads(json.dumps(TINY_CONFIG))
     assert load_dims(tiny) == profile_dims("tiny")
     gen = json.loads((tiny / "generation_config.json").read_text())
@@ -147,7 +153,7 @@ def test_greedy_decode_matches_transformers(tokenizer, hf32, continuations):
         assert len(out) == 12 and last.dtype == torch.float32 and last.shape == (512,)
         assert int(last.argmax()) == out[-1]
         with torch.no_grad():
-            hf = hf32(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float()
+            hf = hf32(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1].float()
         for step, tok in enumerate(out):
             want = int(hf[step].argmax())
             assert tok == want or float(hf[step, want] - hf[step, tok]) < TOL, f"{prompt!r} step {step}"

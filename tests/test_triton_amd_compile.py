@@ -27,8 +27,10 @@ from monodecode.model.profiles import profile_dims  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_amd_budgets.json"
 # (profile, weight dtype per arch, widths): the tiny model in bf16 and an 8B class in FP8
-CASES = [("tiny", {"gfx942": "bf16", "gfx950": "bf16"}, (1, 8)),
-         ("llama3-8b", {"gfx942": "fp8_fnuz", "gfx950": "fp8"}, (1, 8))]
+CASES = [
+    ("tiny", {"gfx942": "bf16", "gfx950": "bf16"}, (1, 8)),
+    ("llama3-8b", {"gfx942": "fp8_fnuz", "gfx950": "fp8"}, (1, 8)),
+]
 ARCHS = ("gfx942", "gfx950")
 FIELDS = ("regs", "sgprs", "spills", "vector_spills", "scratch_bytes", "lds_bytes", "workgroups_per_cu")
 
@@ -39,14 +41,25 @@ def figures() -> dict:
     for arch in ARCHS:
         for profile, dtypes, widths in CASES:
             for w in widths:
-                for r in compile_width(profile_dims(profile), dtypes[arch], w, arch, HIP, block_size=16,
-                                       num_programs=304 if arch == "gfx942" else 256):
+                for r in compile_width(
+                    profile_dims(profile),
+                    dtypes[arch],
+                    w,
+                    arch,
+                    HIP,
+                    block_size=16,
+                    num_programs=304 if arch == "gfx942" else 256,
+                ):
                     out[f"{arch}/{profile}/{dtypes[arch]}/w{w}/{r.kernel}"] = r.to_dict()
     print("\nTriton K1/K2 on AMD (compile only, wave64, num_warps=%d)" % HIP.num_warps)
-    print(f"{'kernel':44} {'vgpr+agpr':>9} {'sgpr':>5} {'sgpr spill':>10} {'scratch':>7} {'LDS':>7} {'limit':>7} {'WG/CU':>5}")
+    print(
+        f"{'kernel':44} {'vgpr+agpr':>9} {'sgpr':>5} {'sgpr spill':>10} {'scratch':>7} {'LDS':>7} {'limit':>7} {'WG/CU':>5}"
+    )
     for key, r in out.items():
-        print(f"{key:44} {r['regs']:>9} {r['sgprs']:>5} {r['spills']:>10} {r['scratch_bytes']:>7} "
-              f"{r['lds_bytes']:>7} {r['lds_limit']:>7} {r['workgroups_per_cu']:>5}")
+        print(
+            f"{key:44} {r['regs']:>9} {r['sgprs']:>5} {r['spills']:>10} {r['scratch_bytes']:>7} "
+            f"{r['lds_bytes']:>7} {r['lds_limit']:>7} {r['workgroups_per_cu']:>5}"
+        )
     return out
 
 

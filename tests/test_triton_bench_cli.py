@@ -43,11 +43,27 @@ def test_without_gpu_one_line():
 def _doc(h, times):
     rows = []
     for backend, ms in zip(h.BACKENDS, times):
-        rows.append(dict(profile="llama3-8b", weight_dtype="bf16", batch=1, backend=backend, step_ms=ms,
-                         roofline_ms=1.0, fraction_of_roofline=(1.0 / ms) if ms else None,
-                         triton_k1_only_ms=0.5, triton_k2_only_ms=1.5))
-    doc = dict(gpu="G", date="2026-01-01", read_bandwidth_gbs=4000.0, context=1024, layers_note="all layers timed",
-               results=rows)
+        rows.append(
+            dict(
+                profile="llama3-8b",
+                weight_dtype="bf16",
+                batch=1,
+                backend=backend,
+                step_ms=ms,
+                roofline_ms=1.0,
+                fraction_of_roofline=(1.0 / ms) if ms else None,
+                triton_k1_only_ms=0.5,
+                triton_k2_only_ms=1.5,
+            )
+        )
+    doc = dict(
+        gpu="G",
+        date="2026-01-01",
+        read_bandwidth_gbs=4000.0,
+        context=1024,
+        layers_note="all layers timed",
+        results=rows,
+    )
     doc["summary"] = h.summary(doc)
     return doc
 
@@ -61,8 +77,9 @@ def test_markdown_table_relates_backends_to_the_stock_graph():
     assert table[-1] == "| llama3-8b | bf16 | 1 | triton | 2.000 | 1.000 | 50.0 | 2.00x | 4.00x |"
     assert table[-3] == "| llama3-8b | bf16 | 1 | stock-graph | 4.000 | 1.000 | 25.0 | 1.00x | 2.00x |"
     summary = h.summary_table(doc).splitlines()
-    assert summary[-1] == ("| llama3-8b | bf16 | 1 | 1.00 | 8.00 | 4.00 (25 %) | 3.00 | **2.00 (50 %)** | 2.00x | "
-                           "4.00x | 0.50 / 1.50 |")
+    assert summary[-1] == (
+        "| llama3-8b | bf16 | 1 | 1.00 | 8.00 | 4.00 (25 %) | 3.00 | **2.00 (50 %)** | 2.00x | 4.00x | 0.50 / 1.50 |"
+    )
     assert doc["summary"]["never_slower_than_stock"] is True
 
 

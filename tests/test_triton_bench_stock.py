@@ -47,12 +47,15 @@ def _setup(profile: str, weight_dtype: str, layers: int, ctx: list[int]):
 
 
 # tiny = Gemma 3 style (q/k-norm, post norms, GELU, sliding window 24 exceeded by the contexts)
-@pytest.mark.parametrize("profile,weight_dtype,fp8,layers,bound", [
-    ("tiny", "bf16", "auto", 2, 2e-2),
-    ("llama3-1b", "bf16", "auto", 1, 1e-2),
-    ("tiny", "fp8", "auto", 2, 6e-2),
-    ("tiny", "fp8", "dequant", 2, 2e-2),
-])
+@pytest.mark.parametrize(
+    "profile,weight_dtype,fp8,layers,bound",
+    [
+        ("tiny", "bf16", "auto", 2, 2e-2),
+        ("llama3-1b", "bf16", "auto", 1, 1e-2),
+        ("tiny", "fp8", "auto", 2, 6e-2),
+        ("tiny", "fp8", "dequant", 2, 2e-2),
+    ],
+)
 def test_stock_layers_match_the_reference(profile, weight_dtype, fp8, layers, bound):
     dims, w, meta, kv_ref, kv = _setup(profile, weight_dtype, layers, [37, 70, 5])
     stock = StockDecode(dims, w, 128, "cpu", fp8=fp8)

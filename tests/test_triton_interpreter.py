@@ -123,8 +123,9 @@ RUNS = [
 @pytest.fixture(scope="module")
 def results() -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(RUNS)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(RUNS)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -160,12 +161,15 @@ def test_kv_strides_accept_planes_and_vllm_interleaved_views():
     assert kv_strides(buf[..., :d], buf[..., d:], dims, 16) == [16 * h * 2 * d, h * 2 * d, 2 * d] * 2
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("head_dim_strided", "head_dim axis is strided"),
-    ("wrong_block_size", "expected [blocks, 16,"),
-    ("fp32", "the kernels read bf16"),
-    ("odd_stride", "must be multiples of 16"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("head_dim_strided", "head_dim axis is strided"),
+        ("wrong_block_size", "expected [blocks, 16,"),
+        ("fp32", "the kernels read bf16"),
+        ("odd_stride", "must be multiples of 16"),
+    ],
+)
 def test_kv_strides_refuse_layouts_the_kernels_cannot_address(case, needle):
     from monodecode.errors import ConfigError
     from monodecode.kernels.triton.launch import kv_strides
@@ -208,8 +212,14 @@ def test_vllm_binding_runs_the_triton_layout_check():
 
     def kernels(block_size):
         k = TritonKernels.__new__(TritonKernels)
-        k.req = BuildRequest(dims=dims, weight_dtype="bf16", tp_size=1, widths=(1,), block_size=block_size,
-                             platform=Platform("cuda", "sm_90", "H200", 132))
+        k.req = BuildRequest(
+            dims=dims,
+            weight_dtype="bf16",
+            tp_size=1,
+            widths=(1,),
+            block_size=block_size,
+            platform=Platform("cuda", "sm_90", "H200", 132),
+        )
         k.dims = dims
         return k
 

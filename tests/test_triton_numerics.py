@@ -75,8 +75,15 @@ def _build(profile: str, weight_dtype: str, widths, layers: int, wait_timeout_s:
     dims = profile_dims(profile)
     seed = zlib.crc32(repr(key).encode()) % 1000
     weights = random_weights(dims, seed=seed, weight_dtype=weight_dtype, device=dev, num_layers=layers)
-    req = BuildRequest(dims=dims, weight_dtype=weight_dtype, tp_size=1, widths=tuple(widths), block_size=BLOCK,
-                       platform=detect_platform(), wait_timeout_s=wait_timeout_s)
+    req = BuildRequest(
+        dims=dims,
+        weight_dtype=weight_dtype,
+        tp_size=1,
+        widths=tuple(widths),
+        block_size=BLOCK,
+        platform=detect_platform(),
+        wait_timeout_s=wait_timeout_s,
+    )
     kernels = TritonBackend().build(req, weights, None, allow_jit=True)
     _CACHE[key] = (dims, weights, kernels)
     return _CACHE[key]
@@ -142,13 +149,14 @@ def _interleaved(kv: PagedKVCache) -> PagedKVCache:
     keys, values = [], []
     for k, v in zip(kv.key, kv.value):
         buf = torch.cat([k, v], dim=-1).contiguous()
-        keys.append(buf[..., :k.shape[-1]])
-        values.append(buf[..., k.shape[-1]:])
+        keys.append(buf[..., : k.shape[-1]])
+        values.append(buf[..., k.shape[-1] :])
     return PagedKVCache(keys, values, kv.block_size)
 
 
-@pytest.mark.parametrize("profile,weight_dtype,width", [("llama3-8b", "bf16", 3), ("gemma3-27b", "bf16", 1),
-                                                        ("tiny", "bf16", 8)])
+@pytest.mark.parametrize(
+    "profile,weight_dtype,width", [("llama3-8b", "bf16", 3), ("gemma3-27b", "bf16", 1), ("tiny", "bf16", 8)]
+)
 def test_vllm_interleaved_kv_views(profile, weight_dtype, width):
     """K1 reads and writes vLLM's interleaved K|V cache through its strides: outputs, the new
     entries and every other entry of the shared buffer (K and V of other heads) as with planes."""
@@ -193,8 +201,13 @@ def test_whole_stack_over_steps_crossing_blocks(profile, width):
         h_ref = R.run_layers(weights, x, meta, kv_ref)
         h_tri = R.run_layers(weights, x, meta, kv_tri, layer_fn=tk.forward_layer)
         _close(h_tri, h_ref, f"{profile} w={width} step {step} hidden", rel=STACK_REL_FRO, frac=None)
-        _close(R.final_logits(weights, h_tri), R.final_logits(weights, h_ref), f"step {step} logits",
-               rel=STACK_REL_FRO, frac=None)
+        _close(
+            R.final_logits(weights, h_tri),
+            R.final_logits(weights, h_ref),
+            f"step {step} logits",
+            rel=STACK_REL_FRO,
+            frac=None,
+        )
     assert tk.health() == 0, decode_health(tk.health())
 
 

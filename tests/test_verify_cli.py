@@ -58,7 +58,13 @@ def test_cpu_self_test_passes_with_fallback_accounting():
     assert acc["status"] == "pass" and acc["data"]["counted"]["rows_exceed_width"] >= 1
     assert acc["data"]["counted"]["prefill"] >= 1 and acc["data"]["counted"]["mono"] >= 4
     assert doc["metrics_url"].startswith("http://127.0.0.1:")
-    assert {s["expected_reason"] for s in doc["steps"]} >= {None, "prefill", "mixed_batch", "rows_exceed_width", "graph_mode"}
+    assert {s["expected_reason"] for s in doc["steps"]} >= {
+        None,
+        "prefill",
+        "mixed_batch",
+        "rows_exceed_width",
+        "graph_mode",
+    }
 
 
 def test_human_table():
@@ -83,8 +89,16 @@ def test_unavailable_backend_is_a_failed_check_not_a_crash():
 
 
 def test_stall_drill_fail_stops_without_a_token(tmp_path):
-    r = invoke("--json", "--widths", "1,2,4,8", "--wait-timeout-s", "0.2", "--failstop-dir", str(tmp_path),
-               env={"MONODECODE_FAULT": "stall:layer=1,step=1"})
+    r = invoke(
+        "--json",
+        "--widths",
+        "1,2,4,8",
+        "--wait-timeout-s",
+        "0.2",
+        "--failstop-dir",
+        str(tmp_path),
+        env={"MONODECODE_FAULT": "stall:layer=1,step=1"},
+    )
     assert r.exit_code == 1
     _, c = checks_of(r)
     assert c["decode"]["status"] == "fail" and "site wait_timeout, layer 1" in c["decode"]["detail"]
@@ -199,15 +213,25 @@ def test_bad_model_config_is_one_line(tmp_path):
 
 def test_bad_fault_env_is_one_line():
     r = invoke("--widths", "1", env={"MONODECODE_FAULT": "meltdown"})
-    assert r.exit_code == 2 and r.stderr == "error: MONODECODE_FAULT: unknown fault 'meltdown' (known: stall, nonfinite, corrupt_artifact)\n"
+    assert (
+        r.exit_code == 2
+        and r.stderr
+        == "error: MONODECODE_FAULT: unknown fault 'meltdown' (known: stall, nonfinite, corrupt_artifact)\n"
+    )
 
 
 def test_real_process_json(cache_dir):
     env = {**os.environ, "MONODECODE_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
     env.pop("MONODECODE_FAULT", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    p = subprocess.run([str(VENV_BIN / "monodecode-ops"), "verify", "--json", "--widths", "1,2"],
-                       capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [str(VENV_BIN / "monodecode-ops"), "verify", "--json", "--widths", "1,2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["verdict"] == "pass" and doc["runner"]["state"] == "mono"
@@ -218,7 +242,11 @@ def test_unwritable_cache_and_failstop_dirs_are_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     r = invoke("--widths", "1", env={"MONODECODE_CACHE_DIR": str(blocker)})
-    assert r.exit_code == 2 and r.stderr.startswith("error: tiny model: cannot create a directory") and r.stderr.count("\n") == 1
+    assert (
+        r.exit_code == 2
+        and r.stderr.startswith("error: tiny model: cannot create a directory")
+        and r.stderr.count("\n") == 1
+    )
     r = invoke("--widths", "1", "--failstop-dir", str(blocker / "sub"))
     assert r.exit_code == 2 and "fail-stop directory" in r.stderr and "not writable" in r.stderr
     assert blocker.read_text() == "x"

@@ -131,13 +131,19 @@ def _mutated(**changes):
 @pytest.mark.parametrize(
     "sd,needle",
     [
-        (_mutated(**{"model__layers__1__self_attn__k_proj__weight": None}),
-         "missing tensor 'model.layers.1.self_attn.k_proj.weight'"),
-        (_mutated(**{"model__layers__0__mlp__up_proj__weight": torch.zeros(768, 255, dtype=torch.bfloat16)}),
-         "'model.layers.0.mlp.up_proj.weight' has shape (768, 255), config implies (768, 256)"),
+        (
+            _mutated(**{"model__layers__1__self_attn__k_proj__weight": None}),
+            "missing tensor 'model.layers.1.self_attn.k_proj.weight'",
+        ),
+        (
+            _mutated(**{"model__layers__0__mlp__up_proj__weight": torch.zeros(768, 255, dtype=torch.bfloat16)}),
+            "'model.layers.0.mlp.up_proj.weight' has shape (768, 255), config implies (768, 256)",
+        ),
         (_mutated(**{"model__embed_tokens__weight": None}), "no embed_tokens.weight"),
-        (_mutated(**{"model__layers__3__mlp__down_proj__weight": torch.zeros(256, 768).to(torch.float8_e4m3fn)}),
-         "dtype torch.float8_e4m3fn; give a bf16/fp16/fp32 checkpoint"),
+        (
+            _mutated(**{"model__layers__3__mlp__down_proj__weight": torch.zeros(256, 768).to(torch.float8_e4m3fn)}),
+            "dtype torch.float8_e4m3fn; give a bf16/fp16/fp32 checkpoint",
+        ),
     ],
 )
 def test_load_weights_errors_name_the_tensor(tmp_path, sd, needle):
@@ -169,4 +175,3 @@ def test_random_weights():
     assert len(c.layers) == 2 and c.weight_dtype == "fp8" and c.layers[1].down_proj.scale.shape == (256,)
     assert a.layers[0].q_proj.weight.shape == (dims.q_size, dims.hidden_size)
     assert a.lm_head.weight is a.embed
-

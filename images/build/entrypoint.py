@@ -37,7 +37,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 EXIT_USER_ERROR = 2
 _TRUE = {"1", "true", "yes", "on"}
@@ -171,7 +171,9 @@ def fresh_multiprocess_dir(env: Mapping[str, str]) -> str:
         for stale in glob.glob(os.path.join(given, "*.db")):  # series of an earlier container
             os.unlink(stale)
     except OSError as e:
-        raise EntrypointError(f"PROMETHEUS_MULTIPROC_DIR: cannot prepare {given or tempfile.gettempdir()}: {e.strerror}") from None
+        raise EntrypointError(
+            f"PROMETHEUS_MULTIPROC_DIR: cannot prepare {given or tempfile.gettempdir()}: {e.strerror}"
+        ) from None
     return given
 
 

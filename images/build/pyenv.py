@@ -101,8 +101,7 @@ def cmd_undisturbed(args: argparse.Namespace) -> int:
         after = json.load(f)
     changed = [f"{n} {v} -> {after.get(n, 'removed')}" for n, v in before.items() if after.get(n) != v]
     if changed:
-        print("pyenv: installing the runtime changed the base image's packages: " + "; ".join(changed),
-              file=sys.stderr)
+        print("pyenv: installing the runtime changed the base image's packages: " + "; ".join(changed), file=sys.stderr)
         return 1
     added = sorted(set(after) - set(before))
     print(f"pyenv: base packages untouched; added {len(added)}: {' '.join(added)}")
@@ -150,10 +149,19 @@ def cmd_image_info(args: argparse.Namespace) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(prog="pyenv.py")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("snapshot"); s.add_argument("out"); s.set_defaults(fn=cmd_snapshot)
-    s = sub.add_parser("constraints"); s.add_argument("out"); s.set_defaults(fn=cmd_constraints)
-    s = sub.add_parser("plan"); s.add_argument("report"); s.add_argument("out"); s.set_defaults(fn=cmd_plan)
-    s = sub.add_parser("undisturbed"); s.add_argument("before"); s.add_argument("after")
+    s = sub.add_parser("snapshot")
+    s.add_argument("out")
+    s.set_defaults(fn=cmd_snapshot)
+    s = sub.add_parser("constraints")
+    s.add_argument("out")
+    s.set_defaults(fn=cmd_constraints)
+    s = sub.add_parser("plan")
+    s.add_argument("report")
+    s.add_argument("out")
+    s.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("undisturbed")
+    s.add_argument("before")
+    s.add_argument("after")
     s.set_defaults(fn=cmd_undisturbed)
     s = sub.add_parser("image-info")
     s.add_argument("--arch", required=True)

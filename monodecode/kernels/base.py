@@ -86,7 +86,7 @@ def decode_health(code: int) -> HealthFault | None:
 class BuildRequest:
     """Everything a backend needs to build (and key) the kernels of one model on one rank."""
 
-    dims: "ModelDims"
+    dims: ModelDims
     weight_dtype: str  # bf16 | fp8 | fp8_fnuz
     tp_size: int
     widths: tuple[int, ...]  # ascending step widths (rows per decode step) to build
@@ -129,7 +129,7 @@ class DecodeKernels(ABC):
     widths: tuple[int, ...]
 
     @abstractmethod
-    def forward_layer(self, layer: int, x: "torch.Tensor", meta: Any, kv: Any) -> "torch.Tensor":
+    def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         """Residual stream [rows, hidden] bf16 entering ``layer`` -> the one leaving it.
 
         ``rows`` <= max(widths); the backend pads to the smallest fitting width with inert rows
@@ -138,11 +138,11 @@ class DecodeKernels(ABC):
         runner's check before logits stops the step.
         """
 
-    def k1(self, layer: int, x: "torch.Tensor", meta: Any, kv: Any) -> "torch.Tensor":
+    def k1(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         """Optional per-launch entry point (tests): attention output before o_proj."""
         raise NotImplementedError(f"{type(self).__name__} has no separate K1 entry point")
 
-    def k2(self, layer: int, x: "torch.Tensor", attn: "torch.Tensor") -> "torch.Tensor":
+    def k2(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Optional per-launch entry point (tests): o_proj .. MLP residual add."""
         raise NotImplementedError(f"{type(self).__name__} has no separate K2 entry point")
 
@@ -191,12 +191,12 @@ class KernelBackend(ABC):
         self,
         req: BuildRequest,
         weights: Any,
-        artifacts: "ArtifactStore | None",
+        artifacts: ArtifactStore | None,
         allow_jit: bool,
     ) -> DecodeKernels:
         """Build (or load) every width. Raise ``RefusalError`` (reasons "code: sentence") to refuse."""
 
-    def kernel_spec(self, platform: Platform, widths: tuple[int, ...]) -> "KernelSpec":
+    def kernel_spec(self, platform: Platform, widths: tuple[int, ...]) -> KernelSpec:
         """What this backend's build supports (``monodecode.spec``); override to narrow it."""
         from monodecode.spec import KernelSpec
 

@@ -80,8 +80,9 @@ class TwoLaunchKernels(PaddedKernels):
         """K1 on ``width`` padded rows -> attention output [width, q_size] bf16."""
 
     @abstractmethod
-    def _launch_k2(self, layer: int, x: torch.Tensor, attn: torch.Tensor, width: int, nan_fault: int = 0
-                   ) -> torch.Tensor:
+    def _launch_k2(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, width: int, nan_fault: int = 0
+    ) -> torch.Tensor:
         """K2 on ``width`` padded rows -> residual stream leaving the layer [width, hidden] bf16."""
 
     def _launch_meta(self, meta: Any) -> Any:

@@ -38,8 +38,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 from monodecode.errors import ConfigError
 from monodecode.model.dims import ModelDims
@@ -214,10 +214,17 @@ class Stage:
 
     def to_dict(self) -> dict:
         return {
-            "kernel": self.kernel, "name": self.name, "index": self.index, "kind": self.kind,
-            "num_tasks": self.num_tasks, "offset": self.offset, "reads": list(self.reads),
-            "writes": list(self.writes), "rows_per_task": self.rows_per_task,
-            "n": self.n, "k": self.k,
+            "kernel": self.kernel,
+            "name": self.name,
+            "index": self.index,
+            "kind": self.kind,
+            "num_tasks": self.num_tasks,
+            "offset": self.offset,
+            "reads": list(self.reads),
+            "writes": list(self.writes),
+            "rows_per_task": self.rows_per_task,
+            "n": self.n,
+            "k": self.k,
         }
 
 
@@ -258,13 +265,9 @@ def local_dims(dims: ModelDims, tp_size: int) -> LocalDims:
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ConfigError(f"kernel plan: tp_size must be a positive integer, got {tp_size!r}")
     if dims.num_heads % tp_size:
-        raise ConfigError(
-            f"kernel plan: tp_size {tp_size} does not divide num_heads {dims.num_heads}"
-        )
+        raise ConfigError(f"kernel plan: tp_size {tp_size} does not divide num_heads {dims.num_heads}")
     if dims.intermediate_size % tp_size:
-        raise ConfigError(
-            f"kernel plan: tp_size {tp_size} does not divide intermediate_size {dims.intermediate_size}"
-        )
+        raise ConfigError(f"kernel plan: tp_size {tp_size} does not divide intermediate_size {dims.intermediate_size}")
     kvh = dims.num_kv_heads
     if kvh >= tp_size:
         if kvh % tp_size:
@@ -276,13 +279,18 @@ def local_dims(dims: ModelDims, tp_size: int) -> LocalDims:
         kv_local = 1
     heads = dims.num_heads // tp_size
     return LocalDims(
-        hidden=dims.hidden_size, heads=heads, kv_heads=kv_local, head_dim=dims.head_dim,
-        intermediate=dims.intermediate_size // tp_size, group=heads // kv_local,
+        hidden=dims.hidden_size,
+        heads=heads,
+        kv_heads=kv_local,
+        head_dim=dims.head_dim,
+        intermediate=dims.intermediate_size // tp_size,
+        group=heads // kv_local,
     )
 
 
-def gemv_rows_per_task(n: int, k: int, width: int, num_workgroups: int, *, matrices: int = 1,
-                       input_word_bytes: int = 2) -> int:
+def gemv_rows_per_task(
+    n: int, k: int, width: int, num_workgroups: int, *, matrices: int = 1, input_word_bytes: int = 2
+) -> int:
     """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
     tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
     input vector (mailbox words are 8 bytes) and paying a fixed cost (about 4 KiB of traffic)."""
@@ -494,7 +502,9 @@ def _peer_regions(L: LocalDims, W: int, tp: int) -> list[tuple[str, tuple[int, .
     return [("o_peer", (tp, W, L.hidden), WORD_BYTES), ("d_peer", (tp, W, L.hidden), WORD_BYTES)]
 
 
-def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
+def _stages(
+    dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int
+) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
     d_dst = ("d_peer" if tp > 1 else "d") if final else "x_out"
@@ -502,18 +512,28 @@ def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> t
     def gemv(kernel, name, index, n, k, reads, writes, offset):
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else WORD_BYTES
         rows = gemv_rows_per_task(n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes)
-        return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes),
-                     rows, n, k)
+        return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
     k1: list[Stage] = []
     qkv = gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0)
     k1.append(qkv)
     attn_tasks = W * L.kv_heads * S
-    attn = Stage(K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G, ("qkv",),
-                 ("attn_acc", "attn_ml"))
+    attn = Stage(
+        K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G, ("qkv",), ("attn_acc", "attn_ml")
+    )
     k1.append(attn)
-    k1.append(Stage(K1, "combine", 2, "combine", W * L.heads, (attn.offset + attn.num_tasks) % G,
-                    ("attn_acc", "attn_ml"), ("attn_out",)))
+    k1.append(
+        Stage(
+            K1,
+            "combine",
+            2,
+            "combine",
+            W * L.heads,
+            (attn.offset + attn.num_tasks) % G,
+            ("attn_acc", "attn_ml"),
+            ("attn_out",),
+        )
+    )
 
     k2: list[Stage] = []
     o = gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0)
@@ -526,8 +546,7 @@ def _stages(dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int) -> t
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
     k2.append(down)
     if final:
-        k2.append(Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (d_dst, "h"),
-                        ("x_out",)))
+        k2.append(Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (d_dst, "h"), ("x_out",)))
     return tuple(k1), tuple(k2)
 
 

@@ -61,12 +61,12 @@ class ReferenceKernels(PaddedKernels):
         if not self._take_fault(layer, "stall"):
             self._mailbox[layer] = (epoch, attn)  # publish, tagged with this launch's epoch
         # K2 consumes K1's result only when the tag matches; the wait is bounded
-        arrived = bounded_wait(
-            lambda: self._mailbox.get(layer, (None, None))[0] == epoch, self.req.wait_timeout_s
-        )
+        arrived = bounded_wait(lambda: self._mailbox.get(layer, (None, None))[0] == epoch, self.req.wait_timeout_s)
         if not arrived:
-            self._set_health(torch.ones((), dtype=torch.bool, device=self.health_word.device),
-                             health_code("wait_timeout", layer, "k2"))
+            self._set_health(
+                torch.ones((), dtype=torch.bool, device=self.health_word.device),
+                health_code("wait_timeout", layer, "k2"),
+            )
             stale = self._mailbox.get(layer)
             attn = stale[1] if stale is not None and stale[1].shape == attn.shape else torch.zeros_like(attn)
         else:
@@ -90,7 +90,10 @@ class ReferenceBackend(KernelBackend):
     def kernel_spec(self, platform: Platform, widths: tuple[int, ...]) -> KernelSpec:
         # any platform, any TP size (replicated), any block size; bf16 KV only
         return KernelSpec(
-            backend=self.name, tp_sizes=None, block_sizes=None, widths=tuple(widths),
+            backend=self.name,
+            tp_sizes=None,
+            block_sizes=None,
+            widths=tuple(widths),
             kv_cache_dtypes=("auto", "bf16", "bfloat16"),
         )
 
@@ -100,8 +103,16 @@ class ReferenceBackend(KernelBackend):
     def build_key(self, req: BuildRequest) -> str:
         digest = source_digest(_MODEL_DIR / "reference.py", extra_files=[Path(__file__)])
         return build_key(
-            self.name, req.platform.arch, req.dims, req.weight_dtype, req.kv_dtype, req.tp_size,
-            req.widths, req.block_size, digest, self.compiler_version(),
+            self.name,
+            req.platform.arch,
+            req.dims,
+            req.weight_dtype,
+            req.kv_dtype,
+            req.tp_size,
+            req.widths,
+            req.block_size,
+            digest,
+            self.compiler_version(),
         )
 
     def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> ReferenceKernels:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from monodecode.errors import ModelConfigError
 
@@ -183,9 +184,7 @@ def _rope_from(params: Any, where: str) -> RopeSpec:
                 f"low_freq_factor ({spec.low_freq_factor})"
             )
         return spec
-    raise ModelConfigError(
-        f"model config: field '{where}.rope_type' is '{kind}'; supported: default, linear, llama3"
-    )
+    raise ModelConfigError(f"model config: field '{where}.rope_type' is '{kind}'; supported: default, linear, llama3")
 
 
 def _legacy_rope(cfg: Mapping[str, Any], theta_field: str, default_theta: float, scaling: Any) -> dict:
@@ -268,11 +267,15 @@ def dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
         )
     family = _MODEL_TYPES[model_type]
     archs = cfg.get("architectures") or []
-    architecture = archs[0] if isinstance(archs, list) and archs else {
-        "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"
-    }[family]
+    architecture = (
+        archs[0]
+        if isinstance(archs, list) and archs
+        else {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[family]
+    )
     if any(str(a).endswith("MoeForCausalLM") for a in (archs if isinstance(archs, list) else [])):
-        raise ModelConfigError(f"model config: architecture {architecture!r} is a mixture of experts; only dense decoders are supported")
+        raise ModelConfigError(
+            f"model config: architecture {architecture!r} is a mixture of experts; only dense decoders are supported"
+        )
 
     hidden = _req(cfg, "hidden_size", int)
     layers = _req(cfg, "num_hidden_layers", int)
@@ -303,9 +306,13 @@ def dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
         if cfg.get(flag):
             raise ModelConfigError(f"model config: field '{flag}' is true; the kernels have no projection biases")
     if family == "gemma3" and cfg.get("attn_logit_softcapping") is not None:
-        raise ModelConfigError("model config: field 'attn_logit_softcapping' is set; attention softcapping is not supported")
+        raise ModelConfigError(
+            "model config: field 'attn_logit_softcapping' is set; attention softcapping is not supported"
+        )
     if cfg.get("use_bidirectional_attention"):
-        raise ModelConfigError("model config: field 'use_bidirectional_attention' is true; only causal decoders are supported")
+        raise ModelConfigError(
+            "model config: field 'use_bidirectional_attention' is true; only causal decoders are supported"
+        )
 
     layer_types = _layer_types(cfg, family, layers)
     if family == "qwen3" and not cfg.get("use_sliding_window"):
@@ -318,7 +325,7 @@ def dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
     if family == "gemma3":
         scale = _opt(cfg, "query_pre_attn_scalar", float, float(head_dim)) ** -0.5
     else:
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
     softcap = cfg.get("final_logit_softcapping")
     if softcap is not None:
         softcap = _req(cfg, "final_logit_softcapping", float)

@@ -34,7 +34,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         num_layers: int | None = None,
-    ) -> "PagedKVCache":
+    ) -> PagedKVCache:
         """Zero-filled cache for ``num_layers`` (default: all) layers."""
         if num_blocks < 1 or block_size < 1:
             raise MonodecodeError(f"KV cache: num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
@@ -76,12 +76,15 @@ class DecodeMetadata:
     def max_blocks(self) -> int:
         return self.block_tables.shape[1]
 
-    def to(self, device) -> "DecodeMetadata":
+    def to(self, device) -> DecodeMetadata:
         return DecodeMetadata(
-            self.positions.to(device), self.slot_mapping.to(device), self.block_tables.to(device), self.seq_lens.to(device)
+            self.positions.to(device),
+            self.slot_mapping.to(device),
+            self.block_tables.to(device),
+            self.seq_lens.to(device),
         )
 
-    def pad_to(self, width: int) -> "DecodeMetadata":
+    def pad_to(self, width: int) -> DecodeMetadata:
         """Append inert rows (position 0, slot -1, empty block table, length 0) up to ``width``."""
         rows = self.num_rows
         if width < rows:

@@ -21,8 +21,8 @@ in a CUDA graph (benchmarks use it as the stock per-op baseline).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

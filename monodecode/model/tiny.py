@@ -199,8 +199,12 @@ def _write_model(out: Path) -> None:
 
     config = dict(TINY_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-           "pad_token_id": config["pad_token_id"], "do_sample": False}
+    gen = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     save_file(tiny_state_dict(config), str(out / "model.safetensors"), metadata={"format": "pt"})
 

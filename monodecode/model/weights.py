@@ -70,7 +70,7 @@ class Linear:
             y = y * self.scale
         return y.to(out_dtype)
 
-    def to(self, device) -> "Linear":
+    def to(self, device) -> Linear:
         return Linear(self.weight.to(device), None if self.scale is None else self.scale.to(device))
 
     def __repr__(self) -> str:
@@ -199,9 +199,7 @@ def load_weights(
         if t is None:
             raise ModelConfigError(f"model weights: missing tensor '{key}'")
         if tuple(t.shape) != shape:
-            raise ModelConfigError(
-                f"model weights: tensor '{key}' has shape {tuple(t.shape)}, config implies {shape}"
-            )
+            raise ModelConfigError(f"model weights: tensor '{key}' has shape {tuple(t.shape)}, config implies {shape}")
         if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ModelConfigError(
                 f"model weights: tensor '{key}' has dtype {t.dtype}; give a bf16/fp16/fp32 checkpoint"
@@ -249,9 +247,7 @@ def load_weights(
         head_key = next((k for k in ("lm_head.weight", "language_model.lm_head.weight") if k in raw), "lm_head.weight")
         head = get("", (d.vocab_size, h), full=head_key)
         lm_head = Linear(head.to(device=device, dtype=torch.bfloat16).contiguous())
-    return ModelWeights(
-        dims=d, embed=embed, layers=layers, final_norm=norm("norm.weight", h), lm_head=lm_head
-    )
+    return ModelWeights(dims=d, embed=embed, layers=layers, final_norm=norm("norm.weight", h), lm_head=lm_head)
 
 
 # ---------------------------------------------------------------------------------------------

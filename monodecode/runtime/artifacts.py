@@ -24,9 +24,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from monodecode.errors import ArtifactError
 from monodecode.runtime.faults import faults_from_env, find_fault
@@ -106,8 +107,15 @@ def _safe_rel(path: Any, where: str) -> str:
 def _parse_entry(raw: Any, where: str) -> ArtifactEntry:
     if not isinstance(raw, Mapping):
         raise ArtifactError(f"{where}: must be an object")
-    for key, kind in (("build_key", str), ("backend", str), ("arch", str), ("dims_digest", str),
-                      ("widths", list), ("files", list), ("compiler", dict)):
+    for key, kind in (
+        ("build_key", str),
+        ("backend", str),
+        ("arch", str),
+        ("dims_digest", str),
+        ("widths", list),
+        ("files", list),
+        ("compiler", dict),
+    ):
         if key not in raw:
             raise ArtifactError(f"{where}: missing field {key!r}")
         if not isinstance(raw[key], kind):
@@ -141,10 +149,16 @@ def _parse_entry(raw: Any, where: str) -> ArtifactEntry:
     if not isinstance(extra, Mapping):
         raise ArtifactError(f"{where}: 'extra' must be an object")
     return ArtifactEntry(
-        build_key=raw["build_key"], backend=raw["backend"], arch=raw["arch"], profile=profile,
-        dims_digest=raw["dims_digest"], widths=tuple(widths), files=tuple(files),
+        build_key=raw["build_key"],
+        backend=raw["backend"],
+        arch=raw["arch"],
+        profile=profile,
+        dims_digest=raw["dims_digest"],
+        widths=tuple(widths),
+        files=tuple(files),
         compiler={"name": compiler["name"], "version": compiler["version"]},
-        created=str(raw.get("created", "")), extra=dict(extra),
+        created=str(raw.get("created", "")),
+        extra=dict(extra),
     )
 
 
@@ -207,8 +221,7 @@ class ArtifactStore:
         except UnicodeDecodeError:
             raise ArtifactError(f"{self.manifest_path}: not UTF-8 text") from None
         return [
-            ArtifactEntry(**{**e.__dict__, "root": self.root})
-            for e in parse_manifest(text, str(self.manifest_path))
+            ArtifactEntry(**{**e.__dict__, "root": self.root}) for e in parse_manifest(text, str(self.manifest_path))
         ]
 
     def verify_entry(self, entry: ArtifactEntry) -> None:
@@ -290,9 +303,15 @@ class ArtifactStore:
             blobs.append((rel, data))
             records.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
         raw = {
-            "build_key": build_key, "backend": backend, "arch": arch, "profile": profile,
-            "dims_digest": dims_digest, "widths": list(widths), "files": records,
-            "compiler": dict(compiler), "created": created,
+            "build_key": build_key,
+            "backend": backend,
+            "arch": arch,
+            "profile": profile,
+            "dims_digest": dims_digest,
+            "widths": list(widths),
+            "files": records,
+            "compiler": dict(compiler),
+            "created": created,
         }
         if extra:
             raw["extra"] = dict(extra)

@@ -24,9 +24,10 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from monodecode.errors import MonodecodeError
 from monodecode.runtime.artifacts import atomic_write_bytes
@@ -98,10 +99,14 @@ def _event_from(raw: Any) -> FailStopEvent:
     if not isinstance(raw, dict):
         raise ValueError("event is not an object")
     return FailStopEvent(
-        rank=int(raw["rank"]), step=int(raw["step"]), site=str(raw["site"]),
+        rank=int(raw["rank"]),
+        step=int(raw["step"]),
+        site=str(raw["site"]),
         layer=None if raw.get("layer") is None else int(raw["layer"]),
         kernel=None if raw.get("kernel") is None else str(raw["kernel"]),
-        time=float(raw["time"]), detail=str(raw.get("detail", "")), pid=int(raw.get("pid", 0)),
+        time=float(raw["time"]),
+        detail=str(raw.get("detail", "")),
+        pid=int(raw.get("pid", 0)),
     )
 
 
@@ -160,7 +165,9 @@ class FailStopRecorder:
             last = history.last
             self.metrics.set_failstop_history(history.totals, last.time if last else 0.0)
 
-    def crash_loop_reason(self, history: MarkerHistory, max_failstops: int, window_s: float, now: float | None = None) -> str | None:
+    def crash_loop_reason(
+        self, history: MarkerHistory, max_failstops: int, window_s: float, now: float | None = None
+    ) -> str | None:
         """A refusal reason when the N-in-window rule says: start degraded."""
         recent = history.within(window_s, time.time() if now is None else now)
         if len(recent) < max_failstops:

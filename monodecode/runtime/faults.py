@@ -19,8 +19,8 @@ Grammar: one or more faults separated by ``;``, each ``kind[:key=value[,key=valu
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from monodecode.errors import ConfigError
 
@@ -67,7 +67,9 @@ def parse_faults(text: str | None) -> tuple[Fault, ...]:
                 allowed = ", ".join(_KEYS[kind]) or "no parameters"
                 raise ConfigError(f"{ENV_VAR}: fault {kind!r} has no parameter {key!r} (takes {allowed})")
             if not eq or not raw.strip().isdigit():
-                raise ConfigError(f"{ENV_VAR}: {kind} parameter {key!r} needs a non-negative integer, got {raw.strip()!r}")
+                raise ConfigError(
+                    f"{ENV_VAR}: {kind} parameter {key!r} needs a non-negative integer, got {raw.strip()!r}"
+                )
             values[key] = int(raw)
         faults.append(Fault(kind=kind, **values))
     return tuple(faults)

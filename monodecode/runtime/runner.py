@@ -43,7 +43,7 @@ from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.faults import Fault, faults_from_env
 from monodecode.runtime.platform import Platform
 from monodecode.runtime.vote import RankVote, StepInfo
-from monodecode.spec import Deployment, refusal_reasons, reason_code
+from monodecode.spec import Deployment, reason_code, refusal_reasons
 
 OFF, MONO, DEGRADED = "off", "mono", "degraded"
 # startup vote levels (MIN over ranks): refuse < degrade-only (crash-loop guard) < ok
@@ -57,6 +57,8 @@ def _level(reasons: list[str]) -> int:
     if all(reason_code(r) in _DEGRADE_ONLY_CODES for r in reasons):
         return _DEGRADE_ONLY
     return _REFUSE
+
+
 STEP_GRAPH_MODES_OK = ("none", "full", "full_decode_only")
 
 
@@ -178,7 +180,10 @@ class Runner:
         if wanted != "auto":
             st = next((s for s in statuses if s.name == wanted), None)
             if st is None or not st.available:
-                return None, f"backend_unavailable: backend {wanted} cannot run here: {st.reason if st else 'unknown backend'}"
+                return (
+                    None,
+                    f"backend_unavailable: backend {wanted} cannot run here: {st.reason if st else 'unknown backend'}",
+                )
             return registry.get_backend(wanted)(), None
         # auto: on a GPU torch can drive only real kernels count; the reference is the choice where
         # decoding runs on the CPU (no GPU, or a GPU that this torch build cannot use)
@@ -191,14 +196,23 @@ class Runner:
         candidates = [s for s in statuses if s.available and (s.name != "reference" or not on_gpu)]
         if not candidates:
             why = "; ".join(f"{s.name}: {s.reason}" for s in statuses if not s.available)
-            return None, f"backend_unavailable: no kernel backend can run on {self.platform.kind} {self.platform.arch} ({why})"
+            return (
+                None,
+                f"backend_unavailable: no kernel backend can run on {self.platform.kind} {self.platform.arch} ({why})",
+            )
         return registry.get_backend(candidates[0].name)(), None
 
     def _default_deployment(self) -> Deployment:
         return Deployment(
-            platform_kind=self.platform.kind, arch=self.platform.arch, compute_units=self.platform.compute_units,
-            partition_mode=self.platform.partition_mode, tp_size=self.tp_size, weight_dtype=self.weight_dtype,
-            kv_cache_dtype=self.kv_dtype, block_size=self.block_size, dims=self.dims,
+            platform_kind=self.platform.kind,
+            arch=self.platform.arch,
+            compute_units=self.platform.compute_units,
+            partition_mode=self.platform.partition_mode,
+            tp_size=self.tp_size,
+            weight_dtype=self.weight_dtype,
+            kv_cache_dtype=self.kv_dtype,
+            block_size=self.block_size,
+            dims=self.dims,
         )
 
     def _artifact_problem(self, backend: KernelBackend, key: str) -> tuple[ArtifactStore | None, str | None]:
@@ -211,7 +225,11 @@ class Runner:
                 if store.lookup(key) is not None:
                     return store, None
             except ArtifactError as e:
-                code = "artifact_checksum" if "checksum mismatch" in str(e) or "is missing" in str(e) else "artifact_invalid"
+                code = (
+                    "artifact_checksum"
+                    if "checksum mismatch" in str(e) or "is missing" in str(e)
+                    else "artifact_invalid"
+                )
                 return store, f"{code}: {e}"
         if self.config.allow_jit:
             return store, None
@@ -220,7 +238,7 @@ class Runner:
             f"({self.platform.arch}, {self.dims.architecture}, TP {self.tp_size}) {where} and allow_jit is false"
         )
 
-    def start(self) -> "Runner":
+    def start(self) -> Runner:
         """Refusal -> build -> warm-up; leaves ``state`` mono, degraded or off."""
         t0 = time.perf_counter()
         cfg = self.config
@@ -247,8 +265,13 @@ class Runner:
             self.backend = backend
             try:
                 req = BuildRequest(
-                    dims=self.dims, weight_dtype=self.weight_dtype, tp_size=self.tp_size, widths=cfg.widths,
-                    block_size=self.block_size, platform=self.platform, kv_dtype=self.kv_dtype,
+                    dims=self.dims,
+                    weight_dtype=self.weight_dtype,
+                    tp_size=self.tp_size,
+                    widths=cfg.widths,
+                    block_size=self.block_size,
+                    platform=self.platform,
+                    kv_dtype=self.kv_dtype,
                     wait_timeout_s=cfg.wait_timeout_s,
                 )
             except ValueError as e:
@@ -296,7 +319,9 @@ class Runner:
             self.metrics.set_enabled(False)
             self.metrics.set_refusals(reason_code(r) for r in reasons)
             if self.backend is not None:
-                self.metrics.set_build(self.backend.name, self.platform.arch, self.build_key or "", monodecode.__version__)
+                self.metrics.set_build(
+                    self.backend.name, self.platform.arch, self.build_key or "", monodecode.__version__
+                )
 
     def _build_and_warm(self, backend: KernelBackend, req: BuildRequest, store: ArtifactStore | None) -> list[str]:
         try:
@@ -377,7 +402,8 @@ class Runner:
         ok = self.vote.agree(self.state == MONO and self._local_disable is None)
         if not ok and self.state == MONO:
             reason = (
-                f"disabled: {self._local_disable}" if self._local_disable
+                f"disabled: {self._local_disable}"
+                if self._local_disable
                 else "peer_disabled: another tensor-parallel rank disabled mono decode"
             )
             self._refuse_at_runtime([reason])
@@ -445,8 +471,13 @@ class Runner:
         if fault is None:
             return
         event = FailStopEvent(
-            rank=self.tp_rank, step=decision.step, site=fault.site, layer=fault.layer, kernel=fault.kernel,
-            time=time.time(), detail=f"backend {self.backend.name}, build key {(self.build_key or '')[:16]}",
+            rank=self.tp_rank,
+            step=decision.step,
+            site=fault.site,
+            layer=fault.layer,
+            kernel=fault.kernel,
+            time=time.time(),
+            detail=f"backend {self.backend.name}, build key {(self.build_key or '')[:16]}",
             pid=os.getpid(),
         )
         self.recorder.fail(event)
@@ -508,7 +539,9 @@ class Runner:
             "build_key": self.build_key,
             "reasons": list(self.reasons),
             "notes": list(self.notes),
-            "warmup": None if self.warmup is None else {
+            "warmup": None
+            if self.warmup is None
+            else {
                 "duration_s": self.warmup.duration_s,
                 "max_abs_error": self.warmup.max_abs_error,
                 "widths": [w.__dict__ for w in self.warmup.widths],

@@ -118,7 +118,9 @@ class MonoDecode:
         metrics = get_metrics()
         self.metrics = metrics if tp_rank == 0 else _StepCountsOff(metrics)
         backbone = model.model
-        self._attn_layers = [layer.self_attn.attn for layer in backbone.layers[backbone.start_layer : backbone.end_layer]]
+        self._attn_layers = [
+            layer.self_attn.attn for layer in backbone.layers[backbone.start_layer : backbone.end_layer]
+        ]
 
         weights = None
         if self.dims is not None:
@@ -131,9 +133,18 @@ class MonoDecode:
             self._refuse_without_runner(list(deployment.extra_reasons))
             return
         self.runner = Runner(
-            self.config, self.dims, weights, self.platform, tp_rank, tp_size, group,
-            deployment=deployment, metrics=self.metrics, block_size=deployment.block_size,
-            weight_dtype=deployment.weight_dtype, kv_dtype="bf16",
+            self.config,
+            self.dims,
+            weights,
+            self.platform,
+            tp_rank,
+            tp_size,
+            group,
+            deployment=deployment,
+            metrics=self.metrics,
+            block_size=deployment.block_size,
+            weight_dtype=deployment.weight_dtype,
+            kv_dtype="bf16",
         )
         self.runner.start()  # RefusalError (on_refusal=raise) propagates: vLLM refuses to start
         if self.runner.state == MONO:
@@ -147,8 +158,11 @@ class MonoDecode:
             w = self.runner.warmup
             log.info(
                 "mono decode active on rank %d: backend %s, widths %s, warm-up %.2f s, max |err| %.3g",
-                tp_rank, self.runner.backend.name, list(self.config.widths),
-                w.duration_s if w else 0.0, w.max_abs_error if w else 0.0,
+                tp_rank,
+                self.runner.backend.name,
+                list(self.config.widths),
+                w.duration_s if w else 0.0,
+                w.max_abs_error if w else 0.0,
             )
         else:
             log.warning("mono decode degraded to stock decode: %s", "; ".join(self.reasons))

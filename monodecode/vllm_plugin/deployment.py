@@ -54,9 +54,7 @@ def graph_mode_of(vllm_config: Any) -> str:
     return getattr(mode, "name", str(mode)).lower()
 
 
-def deployment_from_vllm_config(
-    vllm_config: Any, platform: Platform, dims: ModelDims | None = None
-) -> Deployment:
+def deployment_from_vllm_config(vllm_config: Any, platform: Platform, dims: ModelDims | None = None) -> Deployment:
     """Every fact the refusal rules read, from the real config objects."""
     pc = vllm_config.parallel_config
     cc = vllm_config.cache_config
@@ -81,7 +79,9 @@ def deployment_from_vllm_config(
         expert_parallel=bool(getattr(pc, "enable_expert_parallel", False)),
         lora=vllm_config.lora_config is not None,
         speculative=(getattr(spec, "method", None) or "on") if spec is not None else None,
-        kv_connector=(getattr(kvt, "kv_connector", None) or "on") if kvt is not None and getattr(kvt, "kv_connector", None) else None,
+        kv_connector=(getattr(kvt, "kv_connector", None) or "on")
+        if kvt is not None and getattr(kvt, "kv_connector", None)
+        else None,
         sleep_mode=bool(getattr(mc, "enable_sleep_mode", False)),
         cpu_offload=uva_gb > 0 or prefetch_groups > 0,
         model_dtype=_dtype_name(mc.dtype),

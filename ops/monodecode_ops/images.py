@@ -20,9 +20,10 @@ import os
 import re
 import tarfile
 import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from monodecode.errors import ArtifactError, MonodecodeError
 from monodecode.runtime.artifacts import MANIFEST, ArtifactStore, parse_manifest
@@ -31,6 +32,7 @@ from monodecode_ops.output import Check
 
 if TYPE_CHECKING:  # the Docker SDK is imported only when an engine is actually used
     import docker
+
     from monodecode.model.dims import ModelDims
 
 ARCHS: tuple[str, ...] = tuple(SUPPORTED_AMD_ARCHS)
@@ -149,7 +151,9 @@ def parse_labels(image: str, labels: Mapping[str, str] | None) -> ImageLabels:
     def get(key: str, required: bool = True) -> str:
         value = labels.get(key)
         if value is None or (required and not value.strip()):
-            raise ImageError(f"{image}: label {key} is missing or empty (was the image built with monodecode-ops build?)")
+            raise ImageError(
+                f"{image}: label {key} is missing or empty (was the image built with monodecode-ops build?)"
+            )
         return value.strip()
 
     arch = get(L_ARCH)
@@ -178,10 +182,16 @@ def parse_labels(image: str, labels: Mapping[str, str] | None) -> ImageLabels:
     if not p.is_absolute() or ".." in p.parts:
         raise ImageError(f"{image}: label {L_ARTIFACT_DIR} is {artifact_dir!r}; expected an absolute path")
     return ImageLabels(
-        arch=arch, version=version, profiles=profiles, backends=backends, build_keys=keys,
-        manifest_digest=digest, artifact_dir=artifact_dir,
+        arch=arch,
+        version=version,
+        profiles=profiles,
+        backends=backends,
+        build_keys=keys,
+        manifest_digest=digest,
+        artifact_dir=artifact_dir,
         compilers=_csv(labels.get(L_COMPILERS, "")),
-        vllm_version=labels.get(L_VLLM, "").strip(), torch_version=labels.get(L_TORCH, "").strip(),
+        vllm_version=labels.get(L_VLLM, "").strip(),
+        torch_version=labels.get(L_TORCH, "").strip(),
     )
 
 
@@ -200,7 +210,7 @@ def docker_host() -> str:
     return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
-def connect(timeout: int | None = 120) -> "docker.DockerClient":
+def connect(timeout: int | None = 120) -> docker.DockerClient:
     """A client for the engine in ``DOCKER_HOST`` (default the local socket), checked with a ping."""
     try:
         import docker
@@ -217,7 +227,7 @@ def connect(timeout: int | None = 120) -> "docker.DockerClient":
     return client
 
 
-def get_image(client: "docker.DockerClient", ref: str):
+def get_image(client: docker.DockerClient, ref: str):
     import docker
 
     try:
@@ -250,7 +260,7 @@ def _safe_members(tar: tarfile.TarFile, dest: Path) -> list[tarfile.TarInfo]:
 
 
 @contextlib.contextmanager
-def image_files(client: "docker.DockerClient", image: str, paths: Sequence[str]) -> Iterator[Path]:
+def image_files(client: docker.DockerClient, image: str, paths: Sequence[str]) -> Iterator[Path]:
     """Copy ``paths`` (files or directories) out of ``image`` into a temporary directory.
 
     ``<tmp>/<basename(path)>`` exists for every path the image has; missing ones are absent.
@@ -260,7 +270,10 @@ def image_files(client: "docker.DockerClient", image: str, paths: Sequence[str])
 
     try:
         container = client.containers.create(
-            image, entrypoint=["/monodecode-never-started"], command=[], network_disabled=True,
+            image,
+            entrypoint=["/monodecode-never-started"],
+            command=[],
+            network_disabled=True,
             labels={PREFIX + "purpose": "read-files"},
         )
     except docker.errors.APIError as e:
@@ -326,22 +339,26 @@ class ImageContents:
                 "digest": self.manifest_digest,
                 "error": self.manifest_error,
                 "artifacts": [
-                    {**e.to_dict(), "problem": dict(self.artifact_problems).get(e.build_key)}
-                    for e in self.entries
+                    {**e.to_dict(), "problem": dict(self.artifact_problems).get(e.build_key)} for e in self.entries
                 ],
             },
         }
 
 
-def read_image(image: str, client: "docker.DockerClient | None" = None) -> ImageContents:
+def read_image(image: str, client: docker.DockerClient | None = None) -> ImageContents:
     """Labels (validated; ``ImageError`` if bad) and baked files of ``image``, checksums verified."""
     client = client or connect()
     img = get_image(client, image)
     labels = parse_labels(image, img.labels)
     contents = ImageContents(
-        image=image, image_id=img.id, created=img.attrs.get("Created", ""),
-        size_bytes=int(img.attrs.get("Size", 0) or 0), labels=labels, all_labels=dict(img.labels or {}),
-        manifest_text=None, image_info=None,
+        image=image,
+        image_id=img.id,
+        created=img.attrs.get("Created", ""),
+        size_bytes=int(img.attrs.get("Size", 0) or 0),
+        labels=labels,
+        all_labels=dict(img.labels or {}),
+        manifest_text=None,
+        image_info=None,
     )
     art_name = PurePosixPath(labels.artifact_dir).name
     with image_files(client, image, [labels.artifact_dir, IMAGE_INFO_PATH]) as tmp:
@@ -371,22 +388,28 @@ def _arch_check(labels: ImageLabels, platform: Platform) -> Check:
     name = "image arch"
     if platform.kind != "rocm":
         return Check.skipped(
-            name, f"no AMD GPU on this node ({platform.kind}: {platform.name}); the image is for {labels.arch}",
+            name,
+            f"no AMD GPU on this node ({platform.kind}: {platform.name}); the image is for {labels.arch}",
             data={"image_arch": labels.arch, "node_arch": platform.arch},
         )
     if platform.arch not in ARCHS:
         return Check.failure(
-            name, f"node GPU arch {platform.arch} is not one monodecode builds for ({', '.join(ARCHS)})",
+            name,
+            f"node GPU arch {platform.arch} is not one monodecode builds for ({', '.join(ARCHS)})",
             data={"image_arch": labels.arch, "node_arch": platform.arch},
         )
     if platform.arch != labels.arch:
         return Check.failure(
-            name, f"image is built for {labels.arch}, this node's GPU is {platform.arch} ({platform.name}); "
+            name,
+            f"image is built for {labels.arch}, this node's GPU is {platform.arch} ({platform.name}); "
             f"use the {platform.arch} image",
             data={"image_arch": labels.arch, "node_arch": platform.arch},
         )
-    return Check.passed(name, f"{labels.arch} matches the node's GPU ({platform.name})",
-                        data={"image_arch": labels.arch, "node_arch": platform.arch})
+    return Check.passed(
+        name,
+        f"{labels.arch} matches the node's GPU ({platform.name})",
+        data={"image_arch": labels.arch, "node_arch": platform.arch},
+    )
 
 
 def _manifest_checks(c: ImageContents, prefix: str = "image", facts: str = "labels") -> list[Check]:
@@ -400,62 +423,82 @@ def _manifest_checks(c: ImageContents, prefix: str = "image", facts: str = "labe
         return [Check.failure(f"{prefix} manifest", f"{where} is missing from the image")]
     checks = []
     if c.manifest_digest != lab.manifest_digest:
-        checks.append(Check.failure(
-            f"{prefix} manifest",
-            f"{where} has digest {c.manifest_digest[:19]}..., {digest_src} says {lab.manifest_digest[:19]}... "
-            "(the manifest was changed after the build)",
-            data={"actual": c.manifest_digest, "label": lab.manifest_digest},
-        ))
+        checks.append(
+            Check.failure(
+                f"{prefix} manifest",
+                f"{where} has digest {c.manifest_digest[:19]}..., {digest_src} says {lab.manifest_digest[:19]}... "
+                "(the manifest was changed after the build)",
+                data={"actual": c.manifest_digest, "label": lab.manifest_digest},
+            )
+        )
     elif c.manifest_error:
         checks.append(Check.failure(f"{prefix} manifest", c.manifest_error))
     else:
-        checks.append(Check.passed(f"{prefix} manifest", f"{where} matches {digest_src} ({lab.manifest_digest[:19]}...)",
-                                   data={"digest": lab.manifest_digest}))
+        checks.append(
+            Check.passed(
+                f"{prefix} manifest",
+                f"{where} matches {digest_src} ({lab.manifest_digest[:19]}...)",
+                data={"digest": lab.manifest_digest},
+            )
+        )
     if c.manifest_error:
         return checks
     keys = {e.build_key for e in c.entries}
     if keys != set(lab.build_keys):
         only_m = sorted(k[:12] for k in keys - set(lab.build_keys))
         only_l = sorted(k[:12] for k in set(lab.build_keys) - keys)
-        checks.append(Check.failure(
-            f"{prefix} build keys",
-            f"{keys_src} and the manifest disagree (only in the manifest: {', '.join(only_m) or '-'}; "
-            f"only in {keys_src}: {', '.join(only_l) or '-'})",
-        ))
+        checks.append(
+            Check.failure(
+                f"{prefix} build keys",
+                f"{keys_src} and the manifest disagree (only in the manifest: {', '.join(only_m) or '-'}; "
+                f"only in {keys_src}: {', '.join(only_l) or '-'})",
+            )
+        )
     else:
         checks.append(Check.passed(f"{prefix} build keys", f"{len(keys)} build key(s) agree with the manifest"))
     problems = [(k, p) for k, p in c.artifact_problems if p]
     wrong_arch = [e for e in c.entries if e.arch != lab.arch]
     nfiles = sum(len(e.files) for e in c.entries)
     if problems:
-        checks.append(Check.failure(
-            f"{prefix} artifacts",
-            f"{len(problems)} of {len(c.entries)} artifact(s) failed verification: {problems[0][1]}",
-            data={"problems": [p for _, p in problems]},
-        ))
+        checks.append(
+            Check.failure(
+                f"{prefix} artifacts",
+                f"{len(problems)} of {len(c.entries)} artifact(s) failed verification: {problems[0][1]}",
+                data={"problems": [p for _, p in problems]},
+            )
+        )
     elif wrong_arch:
-        checks.append(Check.failure(
-            f"{prefix} artifacts",
-            f"artifact {wrong_arch[0].build_key[:12]} is compiled for {wrong_arch[0].arch}, the image is labelled {lab.arch}",
-        ))
+        checks.append(
+            Check.failure(
+                f"{prefix} artifacts",
+                f"artifact {wrong_arch[0].build_key[:12]} is compiled for {wrong_arch[0].arch}, the image is labelled {lab.arch}",
+            )
+        )
     elif not c.entries:
-        checks.append(Check.passed(
-            f"{prefix} artifacts", f"no ahead-of-time artifacts baked (backends: {', '.join(lab.backends)})"))
+        checks.append(
+            Check.passed(
+                f"{prefix} artifacts", f"no ahead-of-time artifacts baked (backends: {', '.join(lab.backends)})"
+            )
+        )
     else:
-        checks.append(Check.passed(
-            f"{prefix} artifacts", f"{len(c.entries)} artifact(s), {nfiles} file(s): sizes and sha256 verified",
-            data={"artifacts": len(c.entries), "files": nfiles},
-        ))
+        checks.append(
+            Check.passed(
+                f"{prefix} artifacts",
+                f"{len(c.entries)} artifact(s), {nfiles} file(s): sizes and sha256 verified",
+                data={"artifacts": len(c.entries), "files": nfiles},
+            )
+        )
     return checks
 
 
-def _model_check(c: ImageContents, platform: Platform, dims: "ModelDims | None") -> Check:
+def _model_check(c: ImageContents, platform: Platform, dims: ModelDims | None) -> Check:
     name = "image artifacts for model"
     # A missing kernel only matters where the image would run its AOT kernels.
     required = platform.kind == "rocm"
     if dims is None:
-        return Check.skipped(name, f"no model given; the image bakes profiles {', '.join(c.labels.profiles)}",
-                             required=False)
+        return Check.skipped(
+            name, f"no model given; the image bakes profiles {', '.join(c.labels.profiles)}", required=False
+        )
     if c.manifest_error or c.manifest_text is None:
         return Check.failure(name, "the image's manifest is unreadable (see image manifest)", required=required)
     digest = dims.digest()
@@ -463,17 +506,21 @@ def _model_check(c: ImageContents, platform: Platform, dims: "ModelDims | None")
     if hits:
         e = hits[0]
         return Check.passed(
-            name, f"{', '.join(sorted({h.backend for h in hits}))} artifact(s) for this model "
+            name,
+            f"{', '.join(sorted({h.backend for h in hits}))} artifact(s) for this model "
             f"(profile {e.profile or '-'}, widths {list(e.widths)})",
-            data={"build_keys": [h.build_key for h in hits]}, required=required,
+            data={"build_keys": [h.build_key for h in hits]},
+            required=required,
         )
     if not c.entries:
         return Check.skipped(
-            name, f"the image bakes no ahead-of-time artifacts (backends: {', '.join(c.labels.backends)})",
+            name,
+            f"the image bakes no ahead-of-time artifacts (backends: {', '.join(c.labels.backends)})",
             required=False,
         )
     return Check.failure(
-        name, f"no artifact for this model's dims (digest {digest[:12]}) on {c.labels.arch}; "
+        name,
+        f"no artifact for this model's dims (digest {digest[:12]}) on {c.labels.arch}; "
         f"the image bakes profiles {', '.join(c.labels.profiles)}",
         required=required,
     )
@@ -483,8 +530,8 @@ def verify_image(
     image: str,
     platform: Platform,
     *,
-    dims: "ModelDims | None" = None,
-    client: "docker.DockerClient | None" = None,
+    dims: ModelDims | None = None,
+    client: docker.DockerClient | None = None,
 ) -> list[Check]:
     """Checks that ``image`` fits ``platform`` (and the model ``dims`` when given).
 
@@ -494,12 +541,14 @@ def verify_image(
     """
     c = read_image(image, client)
     lab = c.labels
-    checks = [Check.passed(
-        "image labels",
-        f"{image}: monodecode {lab.version} for {lab.arch}, backends {', '.join(lab.backends)}, "
-        f"profiles {', '.join(lab.profiles)}",
-        data={"image": image, "id": c.image_id, **lab.to_dict()},
-    )]
+    checks = [
+        Check.passed(
+            "image labels",
+            f"{image}: monodecode {lab.version} for {lab.arch}, backends {', '.join(lab.backends)}, "
+            f"profiles {', '.join(lab.profiles)}",
+            data={"image": image, "id": c.image_id, **lab.to_dict()},
+        )
+    ]
     checks.append(_arch_check(lab, platform))
     checks.extend(_manifest_checks(c))
     checks.append(_model_check(c, platform, dims))
@@ -523,14 +572,26 @@ def baked_checks(info_path: str | Path | None = None) -> list[Check]:
         info = json.loads(path.read_text())
         art_dir = os.environ.get("MONODECODE_ARTIFACT_DIR") or DEFAULT_ARTIFACT_DIR
         labels = ImageLabels(
-            arch=info["arch"], version=str(info["versions"]["monodecode"]), profiles=tuple(info["profiles"]),
-            backends=tuple(info["backends"]), build_keys=tuple(info["build_keys"]),
-            manifest_digest=info["manifest_digest"], artifact_dir=art_dir,
+            arch=info["arch"],
+            version=str(info["versions"]["monodecode"]),
+            profiles=tuple(info["profiles"]),
+            backends=tuple(info["backends"]),
+            build_keys=tuple(info["build_keys"]),
+            manifest_digest=info["manifest_digest"],
+            artifact_dir=art_dir,
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [Check.failure("baked manifest", f"{path} is unreadable or incomplete ({type(e).__name__}: {e})")]
-    c = ImageContents(image="this image", image_id="", created="", size_bytes=0, labels=labels,
-                      all_labels={}, manifest_text=None, image_info=info)
+    c = ImageContents(
+        image="this image",
+        image_id="",
+        created="",
+        size_bytes=0,
+        labels=labels,
+        all_labels={},
+        manifest_text=None,
+        image_info=info,
+    )
     store = ArtifactStore(art_dir)
     if store.manifest_path.is_file():
         try:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -47,15 +48,15 @@ class Check:
         return asdict(self)
 
     @classmethod
-    def passed(cls, name: str, detail: str = "", **kw: Any) -> "Check":
+    def passed(cls, name: str, detail: str = "", **kw: Any) -> Check:
         return cls(name, PASS, detail, **kw)
 
     @classmethod
-    def failure(cls, name: str, detail: str, **kw: Any) -> "Check":
+    def failure(cls, name: str, detail: str, **kw: Any) -> Check:
         return cls(name, FAIL, detail, **kw)
 
     @classmethod
-    def skipped(cls, name: str, detail: str, **kw: Any) -> "Check":
+    def skipped(cls, name: str, detail: str, **kw: Any) -> Check:
         return cls(name, SKIP, detail, **kw)
 
 

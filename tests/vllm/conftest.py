@@ -31,7 +31,8 @@ def vllm_distributed():
 
     torch.set_num_threads(1)  # 2 shared CI cores: small-tensor ops are faster on one thread
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
         initialize_model_parallel(1, 1)
     yield

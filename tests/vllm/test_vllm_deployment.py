@@ -50,10 +50,18 @@ CASES = {
     "pp2": ({"pipeline_parallel_size": 2}, None, MI300X, {"pipeline_parallel"}),
     "dp2": ({"data_parallel_size": 2}, None, MI300X, {"data_parallel"}),
     "lora": ({"enable_lora": True}, None, MI300X, {"lora"}),
-    "ngram": ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-              None, MI300X, {"speculative_decoding"}),
-    "kv_connector": ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
-                     None, MI300X, {"kv_connector"}),
+    "ngram": (
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+        None,
+        MI300X,
+        {"speculative_decoding"},
+    ),
+    "kv_connector": (
+        {"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+        None,
+        MI300X,
+        {"kv_connector"},
+    ),
     "fp8_kv": ({"kv_cache_dtype": "fp8"}, None, MI300X, {"kv_cache_dtype"}),
     "fp16": ({"dtype": "float16"}, None, MI300X, {"dtype", "weight_dtype"}),
     "fp8_weights_gfx942": ({"quantization": "fp8"}, None, MI300X, set()),
@@ -119,8 +127,13 @@ def test_every_reason_at_once(model_dirs):
     from monodecode.kernels import registry
     from monodecode.vllm_plugin.deployment import deployment_from_vllm_config
 
-    cfg = engine_config(model_dirs["qwen3"], tensor_parallel_size=2, enable_lora=True, kv_cache_dtype="fp8",
-                        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    cfg = engine_config(
+        model_dirs["qwen3"],
+        tensor_parallel_size=2,
+        enable_lora=True,
+        kv_cache_dtype="fp8",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+    )
     _graphs("PIECEWISE", [1, 2, 4])(cfg)
     spec = registry.get_backend("flydsl")().kernel_spec(MI300X_CPX, (1, 2, 4, 8))
     codes = [reason_code(r) for r in refusal_reasons(deployment_from_vllm_config(cfg, MI300X_CPX), spec)]

@@ -25,16 +25,24 @@ def _md(num_tokens: int, num_reqs: int, max_query_len: int, slot0: int = 0):
 
     seq_lens = torch.full((num_reqs,), 8, dtype=torch.int32)
     return CPUAttentionMetadata(
-        num_actual_tokens=num_tokens, max_query_len=max_query_len,
-        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32), max_seq_len=8, seq_lens=seq_lens,
-        block_table=torch.arange(num_reqs, dtype=torch.int32)[:, None], slot_mapping=torch.arange(num_tokens) + slot0,
+        num_actual_tokens=num_tokens,
+        max_query_len=max_query_len,
+        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+        max_seq_len=8,
+        seq_lens=seq_lens,
+        block_table=torch.arange(num_reqs, dtype=torch.int32)[:, None],
+        slot_mapping=torch.arange(num_tokens) + slot0,
         scheduler_metadata=None,
     )
 
 
 def test_refusal_raises_with_every_reason(model_dirs, vllm_distributed, tmp_path):
-    cfg = engine_config(model_dirs["llama"], enable_lora=True, speculative_config=NGRAM,
-                        additional_config={"monodecode": mono_options(tmp_path)})
+    cfg = engine_config(
+        model_dirs["llama"],
+        enable_lora=True,
+        speculative_config=NGRAM,
+        additional_config={"monodecode": mono_options(tmp_path)},
+    )
     with pytest.raises(RefusalError) as err:
         load_model(cfg)
     assert sorted(err.value.codes) == ["lora", "speculative_decoding"]
@@ -42,8 +50,12 @@ def test_refusal_raises_with_every_reason(model_dirs, vllm_distributed, tmp_path
 
 
 def test_refusal_degrades_to_stock_and_exports_why(model_dirs, vllm_distributed, tmp_path):
-    cfg = engine_config(model_dirs["llama"], enable_lora=True, speculative_config=NGRAM,
-                        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")})
+    cfg = engine_config(
+        model_dirs["llama"],
+        enable_lora=True,
+        speculative_config=NGRAM,
+        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")},
+    )
     model = load_model(cfg)
     assert model.mono.state == "degraded"
     assert _sample("monodecode_enabled") == 0.0
@@ -90,8 +102,9 @@ def test_step_decisions_from_real_metadata(mono_llama, rows, reqs, max_q, mode, 
     md = _md(rows, reqs, max_q)
     label = ("fallback_steps_total", {"reason": reason}) if reason else ("steps_total", {"path": "mono"})
     before = _sample("monodecode_" + label[0], **label[1])
-    with set_current_vllm_config(cfg), set_forward_context(
-        {n: md for n in names}, cfg, num_tokens=rows, cudagraph_runtime_mode=CUDAGraphMode[mode]
+    with (
+        set_current_vllm_config(cfg),
+        set_forward_context({n: md for n in names}, cfg, num_tokens=rows, cudagraph_runtime_mode=CUDAGraphMode[mode]),
     ):
         plan = model.mono.plan(torch.arange(rows) + 7)
     assert (plan is None) == (reason is not None)
@@ -108,8 +121,11 @@ def test_no_metadata_runs_vllms_forward(model_dirs, vllm_distributed, tmp_path):
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    cfg = engine_config(model_dirs["gemma3"], compilation_config={"custom_ops": ["none"]},
-                        additional_config={"monodecode": mono_options(tmp_path)})
+    cfg = engine_config(
+        model_dirs["gemma3"],
+        compilation_config={"custom_ops": ["none"]},
+        additional_config={"monodecode": mono_options(tmp_path)},
+    )
     model = load_model(cfg)
     before = _sample("monodecode_fallback_steps_total", reason="no_metadata")
     with set_current_vllm_config(cfg), set_forward_context(None, cfg, num_tokens=2):
@@ -165,8 +181,9 @@ def test_failstop_before_logits_and_restart(model_dirs, vllm_distributed, tmp_pa
 
     monkeypatch.delenv("MONODECODE_FAULT")
     before = _sample("monodecode_failstop_total", site="nonfinite")
-    restarted = load_model(engine_config(model_dirs["qwen3"], additional_config={
-        "monodecode": {**opts, "on_refusal": "degrade"}}))
+    restarted = load_model(
+        engine_config(model_dirs["qwen3"], additional_config={"monodecode": {**opts, "on_refusal": "degrade"}})
+    )
     assert restarted.mono.state == "degraded"
     assert [r.split(":")[0] for r in restarted.mono.reasons] == ["failstop_loop"]
     assert _sample("monodecode_last_failstop_timestamp_seconds") > 0

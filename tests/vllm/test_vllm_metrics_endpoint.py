@@ -106,19 +106,32 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
         env["PROMETHEUS_MULTIPROC_DIR"] = str(mp)
     port = free_port()
     model = str(model_dirs["gemma3"])
-    server = subprocess.Popen([PYTHON, "-c", SERVER, model, str(port)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [PYTHON, "-c", SERVER, model, str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         worker = subprocess.run(
             [PYTHON, "-c", WORKER % {"testdir": str(REPO / "tests" / "vllm"), "tmp": str(tmp_path), "model": model}],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert worker.returncode == 0, worker.stderr[-3000:]
         assert "WORKER-DONE mono" in worker.stdout
         series = _series(_scrape(port))
         verify = subprocess.run(
             [str(OPS_CLI), "verify", "--no-self-test", "--json", "--endpoint", f"http://127.0.0.1:{port}/metrics"],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     finally:
         server.terminate()

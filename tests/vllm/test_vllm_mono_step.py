@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from vllm_testlib import engine_config, load_model, mono_options
 
 FAMILIES = ("gemma3", "llama", "qwen3")
@@ -34,8 +33,9 @@ def _vllm_kv(model, vllm_config, layout_name: str):
     spec = dataclasses.replace(spec, block_size=BLOCK)
     page = spec.page_size_bytes
     names = [a.layer_name for a in layers]
-    tensor = KVCacheTensor(size=page * NUM_BLOCKS * len(names), layers=names,
-                           layer_stride=page * NUM_BLOCKS, block_stride=page)
+    tensor = KVCacheTensor(
+        size=page * NUM_BLOCKS * len(names), layers=names, layer_stride=page * NUM_BLOCKS, block_stride=page
+    )
     buf = torch.zeros(tensor.size, dtype=torch.int8)
     views = create_kv_cache_views(buf, spec, NUM_BLOCKS, KVCacheLayout[layout_name], tensor)
     caches = dict(zip(names, views))
@@ -47,9 +47,13 @@ def _metadata(meta, num_reqs: int, max_query_len: int):
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     return CPUAttentionMetadata(
-        num_actual_tokens=int(meta.positions.shape[0]), max_query_len=max_query_len,
-        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32), max_seq_len=int(meta.seq_lens.max()),
-        seq_lens=meta.seq_lens, block_table=meta.block_tables, slot_mapping=meta.slot_mapping,
+        num_actual_tokens=int(meta.positions.shape[0]),
+        max_query_len=max_query_len,
+        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+        max_seq_len=int(meta.seq_lens.max()),
+        seq_lens=meta.seq_lens,
+        block_table=meta.block_tables,
+        slot_mapping=meta.slot_mapping,
         scheduler_metadata=None,
     )
 
@@ -66,8 +70,9 @@ def mono_models(model_dirs, vllm_distributed, tmp_path_factory):
     out = {}
     for family in FAMILIES:
         tmp = tmp_path_factory.mktemp(f"mono-{family}")
-        cfg = engine_config(model_dirs[family], block_size=BLOCK,
-                            additional_config={"monodecode": mono_options(tmp, widths=[1, 2, 4])})
+        cfg = engine_config(
+            model_dirs[family], block_size=BLOCK, additional_config={"monodecode": mono_options(tmp, widths=[1, 2, 4])}
+        )
         out[family] = (cfg, load_model(cfg))
     return out
 
@@ -108,8 +113,11 @@ def test_decode_step_matches_reference(family, mono_models, model_dirs):
         ids = torch.randint(0, dims.vocab_size, (len(lens),), generator=gen)
         ref_logits = R.decode_step(weights, ids, meta, ref_kv)
         md = _metadata(meta, len(lens), 1)
-        with set_current_vllm_config(cfg), set_forward_context(
-            {n: md for n in names}, cfg, num_tokens=len(lens), slot_mapping={n: meta.slot_mapping for n in names}
+        with (
+            set_current_vllm_config(cfg),
+            set_forward_context(
+                {n: md for n in names}, cfg, num_tokens=len(lens), slot_mapping={n: meta.slot_mapping for n in names}
+            ),
         ):
             hidden = model(ids, meta.positions)
         logits = model.compute_logits(hidden).float()[:, : dims.vocab_size]
@@ -152,8 +160,11 @@ def _assert_degraded_for_kv_layout(model, needle: str) -> None:
 def test_head_major_kv_layout_degrades(model_dirs, vllm_distributed, tmp_path):
     """vLLM's head-major layout (LBHNC) has no flat slot axis: the first eligible step degrades
     (on_refusal=degrade) instead of writing K/V to the wrong place."""
-    cfg = engine_config(model_dirs["llama"], block_size=BLOCK,
-                        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")})
+    cfg = engine_config(
+        model_dirs["llama"],
+        block_size=BLOCK,
+        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")},
+    )
     model = load_model(cfg)
     assert model.mono.state == "mono"
     assert _plan_one_decode_row(model, cfg, "LBHNC") is None
@@ -168,14 +179,23 @@ def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vl
     from monodecode.kernels.flydsl.backend import FlyDSLKernels
     from monodecode.runtime.platform import Platform
 
-    cfg = engine_config(model_dirs["llama"], block_size=BLOCK,
-                        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")})
+    cfg = engine_config(
+        model_dirs["llama"],
+        block_size=BLOCK,
+        additional_config={"monodecode": mono_options(tmp_path, on_refusal="degrade")},
+    )
     model = load_model(cfg)
     assert model.mono.state == "mono"
     dims = model.mono.runner.dims
     flydsl = FlyDSLKernels.__new__(FlyDSLKernels)
-    flydsl.req = BuildRequest(dims=dims, weight_dtype="bf16", tp_size=1, widths=(1,), block_size=2 * BLOCK,
-                              platform=Platform("rocm", "gfx942", "MI300X", 304))
+    flydsl.req = BuildRequest(
+        dims=dims,
+        weight_dtype="bf16",
+        tp_size=1,
+        widths=(1,),
+        block_size=2 * BLOCK,
+        platform=Platform("rocm", "gfx942", "MI300X", 304),
+    )
     flydsl.dims, flydsl._kv_cache_args = dims, {}
     model.mono.runner.kernels = flydsl
     assert _plan_one_decode_row(model, cfg, "LBNHC") is None

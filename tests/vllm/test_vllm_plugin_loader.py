@@ -97,7 +97,11 @@ def test_plugin_cannot_see_the_request_at_load_time(model_dirs):
     env = {k: v for k, v in os.environ.items() if "monodecode" not in v.lower()}
     out = subprocess.run(
         [PYTHON, "-c", _LOAD_TIME % {"model": str(model_dirs["llama"])}],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

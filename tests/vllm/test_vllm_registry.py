@@ -71,8 +71,12 @@ def test_stock_instance_unless_requested(family, model_dirs, vllm_distributed, t
     assert not hasattr(off, "mono")
 
     # "enabled": false wins over the decode_backend alias
-    off2 = load_model(engine_config(model_dirs[family], additional_config={
-        "decode_backend": "latency_specialized", "monodecode": {"enabled": False}}))
+    off2 = load_model(
+        engine_config(
+            model_dirs[family],
+            additional_config={"decode_backend": "latency_specialized", "monodecode": {"enabled": False}},
+        )
+    )
     assert type(off2) is stock_cls
 
     on = load_model(engine_config(model_dirs[family], additional_config={"monodecode": mono_options(tmp_path)}))
@@ -97,6 +101,12 @@ def test_pooling_adapter_of_our_class_stays_stock(model_dirs, vllm_distributed, 
     assert hasattr(model, "pooler")
 
     with pytest.raises(RefusalError) as err:
-        load_model(engine_config(model_dirs["llama"], runner="pooling", convert="embed",
-                                 additional_config={"monodecode": mono_options(tmp_path)}))
+        load_model(
+            engine_config(
+                model_dirs["llama"],
+                runner="pooling",
+                convert="embed",
+                additional_config={"monodecode": mono_options(tmp_path)},
+            )
+        )
     assert "runner_type" in err.value.codes

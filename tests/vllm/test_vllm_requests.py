@@ -15,8 +15,9 @@ def _serve_config(model_dir, *argv: str):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", str(model_dir), "--max-model-len", "256", "--enforce-eager",
-                              "--skip-tokenizer-init", *argv])
+    args = parser.parse_args(
+        ["--model", str(model_dir), "--max-model-len", "256", "--enforce-eager", "--skip-tokenizer-init", *argv]
+    )
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
@@ -29,7 +30,11 @@ def _serve_config(model_dir, *argv: str):
         (("--additional-config", '{"decode_backend": "latency_specialized"}'), True, (1, 2, 4, 8)),
         (("--additional-config", '{"decode_backend": "auto"}'), False, (1, 2, 4, 8)),
         (("--monokernel", "--additional-config", '{"monodecode": {"enabled": false}}'), False, (1, 2, 4, 8)),
-        (("--additional-config", '{"monodecode": {"backend": "reference", "on_refusal": "degrade"}}'), False, (1, 2, 4, 8)),
+        (
+            ("--additional-config", '{"monodecode": {"backend": "reference", "on_refusal": "degrade"}}'),
+            False,
+            (1, 2, 4, 8),
+        ),
     ],
 )
 def test_switches(model_dirs, argv, enabled, widths):
@@ -46,7 +51,10 @@ def test_switches(model_dirs, argv, enabled, widths):
     [
         ({"monodecode": {"enabeld": True}}, "additional_config.monodecode: unknown key 'enabeld'"),
         ({"monodecode": {"widths": [4, 2]}}, "additional_config.monodecode: 'widths' must be strictly ascending"),
-        ({"monodecode": {"on_refusal": "ignore"}}, "additional_config.monodecode: 'on_refusal' must be one of raise, degrade"),
+        (
+            {"monodecode": {"on_refusal": "ignore"}},
+            "additional_config.monodecode: 'on_refusal' must be one of raise, degrade",
+        ),
         ({"monodecode": "on"}, "additional_config.monodecode: must be an object, got str"),
         ({"decode_backend": "fast"}, "additional_config: 'decode_backend' must be 'auto' or 'latency_specialized'"),
     ],

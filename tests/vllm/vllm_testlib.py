@@ -23,9 +23,20 @@ PYTHON = sys.executable
 
 # Small Llama / Qwen3 decoders in HF format (random weights from transformers); Gemma 3 is the
 # project's embedded tiny model.
-SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
-             tie_word_embeddings=False, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
 
 
 def write_hf_model(out: Path, family: str, tokenizer_from: Path) -> Path:
@@ -59,14 +70,15 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
 def engine_config(model_dir: Path, **kwargs):
     """A real ``VllmConfig`` from vLLM's ``EngineArgs`` (loads the general plugins, ours included)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True,
-                skip_tokenizer_init=True)
+    args = dict(model=str(model_dir), dtype="bfloat16", max_model_len=256, enforce_eager=True, skip_tokenizer_init=True)
     args.update(kwargs)
     return EngineArgs(**args).create_engine_config()
+
 
 def load_model(vllm_config):
     """vLLM's own loader: construct the registered class, load safetensors, post-process."""
@@ -76,11 +88,17 @@ def load_model(vllm_config):
     with set_current_vllm_config(vllm_config):
         return get_model(vllm_config=vllm_config)
 
+
 def mono_options(tmp_path: Path, **extra) -> dict:
     """A ``monodecode`` section for tests: reference backend, fail-stop files under tmp_path,
     a fail-stop raises in-process instead of exiting."""
-    opts = {"enabled": True, "backend": "reference", "failstop_dir": str(tmp_path / "failstop"),
-            "termination_log": str(tmp_path / "termination-log"), "exit_on_failstop": False}
+    opts = {
+        "enabled": True,
+        "backend": "reference",
+        "failstop_dir": str(tmp_path / "failstop"),
+        "termination_log": str(tmp_path / "termination-log"),
+        "exit_on_failstop": False,
+    }
     opts.update(extra)
     return opts
 

@@ -40,14 +40,18 @@ class FlyDSLBackend(KernelBackend):
         if platform.kind != "rocm" or platform.arch not in ARCHS:
             return f"flydsl targets gfx942/gfx950 ROCm GPUs; this is {platform.kind} {platform.arch}"
         if not platform.torch_usable:  # e.g. seen only in sysfs by a CPU build of torch: nothing could launch
-            return (f"torch cannot launch on {platform.name} ({platform.arch}): a CPU build of torch or no "
-                    "/dev/kfd access; flydsl launches through a ROCm torch")
+            return (
+                f"torch cannot launch on {platform.name} ({platform.arch}): a CPU build of torch or no "
+                "/dev/kfd access; flydsl launches through a ROCm torch"
+            )
         if importlib.util.find_spec("flydsl") is None:
             return "the flydsl package is not installed (pip extra 'flydsl')"
         need = ARCHS[platform.arch].compute_units
         if platform.compute_units < need:
-            return (f"only {platform.compute_units} compute units visible (partition mode "
-                    f"{platform.partition_mode or 'unknown'}); the persistent grid needs all {need} resident")
+            return (
+                f"only {platform.compute_units} compute units visible (partition mode "
+                f"{platform.partition_mode or 'unknown'}); the persistent grid needs all {need} resident"
+            )
         return None
 
     def kernel_spec(self, platform: Platform, widths: tuple[int, ...]):
@@ -55,9 +59,14 @@ class FlyDSLBackend(KernelBackend):
 
         spec = ARCHS.get(platform.arch)
         return KernelSpec(
-            backend=self.name, platform_kinds=("rocm",), archs=tuple(ARCHS), tp_sizes=(1,),
-            grid_size=spec.compute_units if spec else None, widths=tuple(widths),
-            weight_dtypes=("bf16", spec.fp8_kind) if spec else ("bf16",), block_sizes=None,
+            backend=self.name,
+            platform_kinds=("rocm",),
+            archs=tuple(ARCHS),
+            tp_sizes=(1,),
+            grid_size=spec.compute_units if spec else None,
+            widths=tuple(widths),
+            weight_dtypes=("bf16", spec.fp8_kind) if spec else ("bf16",),
+            block_sizes=None,
         )
 
     def compiler_version(self) -> str:
@@ -68,8 +77,9 @@ class FlyDSLBackend(KernelBackend):
     def build_key(self, req: BuildRequest) -> str:
         from monodecode.kernels.flydsl.bake import flydsl_build_key
 
-        return flydsl_build_key(req.platform.arch, req.dims, req.weight_dtype, req.widths, req.block_size,
-                                req.tp_size, req.kv_dtype)
+        return flydsl_build_key(
+            req.platform.arch, req.dims, req.weight_dtype, req.widths, req.block_size, req.tp_size, req.kv_dtype
+        )
 
     def _refusals(self, req: BuildRequest) -> list[str]:
         reasons = []
@@ -77,8 +87,10 @@ class FlyDSLBackend(KernelBackend):
         if why:
             reasons.append(f"backend_unavailable: {why}")
         if req.tp_size != 1:
-            reasons.append(f"tp_size: flydsl K1/K2 for TP {req.tp_size} compile (precompile --tp-size), but the "
-                           "runtime does not yet give the backend its rank and the peer buffers of the other ranks")
+            reasons.append(
+                f"tp_size: flydsl K1/K2 for TP {req.tp_size} compile (precompile --tp-size), but the "
+                "runtime does not yet give the backend its rank and the peer buffers of the other ranks"
+            )
         if req.kv_dtype not in ("bf16", "auto", "bfloat16"):
             reasons.append(f"kv_dtype: flydsl reads a bf16 KV cache, not {req.kv_dtype}")
         arch = req.platform.arch
@@ -106,12 +118,14 @@ class FlyDSLBackend(KernelBackend):
         elif allow_jit:
             from monodecode.kernels.flydsl.compile import compile_in_subprocess
 
-            compile_in_subprocess(req.platform.arch, req.dims, list(req.widths), req.weight_dtype, req.block_size,
-                                  run_dir)
+            compile_in_subprocess(
+                req.platform.arch, req.dims, list(req.widths), req.weight_dtype, req.block_size, run_dir
+            )
         else:
             where = f"in {artifacts.root}" if artifacts is not None else "(no artifact_dir configured)"
-            raise RefusalError(f"no_artifact: no baked flydsl artifact for build key {key[:16]} {where} "
-                               "and allow_jit is false")
+            raise RefusalError(
+                f"no_artifact: no baked flydsl artifact for build key {key[:16]} {where} and allow_jit is false"
+            )
         return FlyDSLKernels(req, weights, run_dir)
 
 
@@ -142,12 +156,13 @@ class FlyDSLKernels(TwoLaunchKernels):
         self.cache_dir = cache_dir
         self.device = weights.embed.device
         dev = self.device
-        self._specs = {w: Specialisation(self.arch, self.dims, w, req.weight_dtype, req.block_size)
-                       for w in self.widths}
+        self._specs = {
+            w: Specialisation(self.arch, self.dims, w, req.weight_dtype, req.block_size) for w in self.widths
+        }
         self.plan = model_plan(self.dims, self.arch, self.widths, req.tp_size)
         self._scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=dev)
         base = self._scratch.data_ptr()
-        self.health_word = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4:][:1]
+        self.health_word = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4 :][:1]
         self._health_addr = base + self.plan.scratch.header[HEALTH].offset
         self._segment = {w: base + self.plan.scratch.widths[w].offset for w in self.widths}
         # ~1 us per poll (sc1 load + s_sleep 1): the wait bound in polls
@@ -160,23 +175,30 @@ class FlyDSLKernels(TwoLaunchKernels):
         # weights, fused once: q|k|v rows, gate|up rows; FP8 scales as fp32 rows (1.0 for bf16)
         self._layers = []
         for lw in weights.layers:
+
             def cat(*lins):
                 w_ = torch.cat([lin.weight for lin in lins], 0).contiguous()
-                s_ = (torch.cat([lin.scale for lin in lins], 0) if lins[0].scale is not None
-                      else torch.ones(w_.shape[0]))
+                s_ = torch.cat([lin.scale for lin in lins], 0) if lins[0].scale is not None else torch.ones(w_.shape[0])
                 return w_.view(torch.int8) if w_.element_size() == 1 else w_, s_.float().contiguous().to(dev)
 
             def one(w_, n):
                 return (w_ if w_ is not None else torch.ones(n, dtype=torch.bfloat16)).to(dev).contiguous()
 
             hd, hid = self.dims.head_dim, self.dims.hidden_size
-            self._layers.append({
-                "attn_norm": one(lw.attn_norm, hid), "qkv": cat(lw.q_proj, lw.k_proj, lw.v_proj),
-                "q_norm": one(lw.q_norm, hd), "k_norm": one(lw.k_norm, hd),
-                "o": cat(lw.o_proj), "post_attn": one(lw.attn_post_norm, hid), "mlp_norm": one(lw.mlp_norm, hid),
-                "gu": cat(lw.gate_proj, lw.up_proj), "down": cat(lw.down_proj),
-                "post_mlp": one(lw.mlp_post_norm, hid),
-            })
+            self._layers.append(
+                {
+                    "attn_norm": one(lw.attn_norm, hid),
+                    "qkv": cat(lw.q_proj, lw.k_proj, lw.v_proj),
+                    "q_norm": one(lw.q_norm, hd),
+                    "k_norm": one(lw.k_norm, hd),
+                    "o": cat(lw.o_proj),
+                    "post_attn": one(lw.attn_post_norm, hid),
+                    "mlp_norm": one(lw.mlp_norm, hid),
+                    "gu": cat(lw.gate_proj, lw.up_proj),
+                    "down": cat(lw.down_proj),
+                    "post_mlp": one(lw.mlp_post_norm, hid),
+                }
+            )
         positions = torch.arange(self.dims.max_position_embeddings, device=dev)
         self._cos_sin = {}
         for kind in {self.dims.rope_for_layer(l) for l in range(self.dims.num_layers)}:
@@ -218,14 +240,29 @@ class FlyDSLKernels(TwoLaunchKernels):
         cache = self._kv_args(layer, kv.key[layer], kv.value[layer])
         with arch_env(self.arch, self.cache_dir, run_only=True):
             self._launch[width][0](
-                p("i32", x), p("i32", lw["attn_norm"]), p("i32", lw["qkv"][0]), p("f32", lw["qkv"][1]),
-                p("i32", lw["q_norm"]), p("i32", lw["k_norm"]), p("f32", self._cos_sin[self.dims.rope_for_layer(layer)]),
-                p("i32", cache.key_addr), p("i32", cache.value_addr), p("i32", bt),
+                p("i32", x),
+                p("i32", lw["attn_norm"]),
+                p("i32", lw["qkv"][0]),
+                p("f32", lw["qkv"][1]),
+                p("i32", lw["q_norm"]),
+                p("i32", lw["k_norm"]),
+                p("f32", self._cos_sin[self.dims.rope_for_layer(layer)]),
+                p("i32", cache.key_addr),
+                p("i32", cache.value_addr),
+                p("i32", bt),
                 p("i32", meta.seq_lens.to(torch.int32).contiguous()),
                 p("i32", meta.slot_mapping.to(torch.int64).contiguous()),
-                p("i32", meta.positions.to(torch.int64).contiguous()), p("i16", out),
-                p("i64", self._segment[width]), p("i32", self._health_addr),
-                window, bt.shape[1], *cache.scalars(), self._max_polls, layer, stall)
+                p("i32", meta.positions.to(torch.int64).contiguous()),
+                p("i16", out),
+                p("i64", self._segment[width]),
+                p("i32", self._health_addr),
+                window,
+                bt.shape[1],
+                *cache.scalars(),
+                self._max_polls,
+                layer,
+                stall,
+            )
         return out
 
     def _launch_k2(self, layer, x, attn, width, nan_fault=0):
@@ -237,12 +274,26 @@ class FlyDSLKernels(TwoLaunchKernels):
         out = torch.empty_like(x)
         with arch_env(self.arch, self.cache_dir, run_only=True):
             self._launch[width][1](
-                p("i32", x), p("i32", attn), p("i32", lw["o"][0]), p("f32", lw["o"][1]), p("i32", lw["post_attn"]),
-                p("i32", lw["mlp_norm"]), p("i32", lw["gu"][0]), p("f32", lw["gu"][1]), p("i32", lw["down"][0]),
-                p("f32", lw["down"][1]), p("i32", lw["post_mlp"]), p("i16", out),
-                p("i64", self._segment[width]), p("i32", self._health_addr),
+                p("i32", x),
+                p("i32", attn),
+                p("i32", lw["o"][0]),
+                p("f32", lw["o"][1]),
+                p("i32", lw["post_attn"]),
+                p("i32", lw["mlp_norm"]),
+                p("i32", lw["gu"][0]),
+                p("f32", lw["gu"][1]),
+                p("i32", lw["down"][0]),
+                p("f32", lw["down"][1]),
+                p("i32", lw["post_mlp"]),
+                p("i16", out),
+                p("i64", self._segment[width]),
+                p("i32", self._health_addr),
                 p("i64", self._segment[width]),  # peer-buffer address table: unused at TP 1
-                self._max_polls, layer, nan_fault, 0)
+                self._max_polls,
+                layer,
+                nan_fault,
+                0,
+            )
         return out
 
     def close(self) -> None:

@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 from monodecode.errors import ArtifactError
+from monodecode.kernels import plan as plan_module
 from monodecode.kernels.flydsl.arch import arch_spec
 from monodecode.kernels.flydsl.compile import Specialisation, compile_in_subprocess
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
-from monodecode.kernels import plan as plan_module
 from monodecode.kernels.flydsl.toolchain import flydsl_version
 from monodecode.model.dims import ModelDims
 from monodecode.runtime.artifacts import ArtifactEntry, ArtifactStore
@@ -36,17 +36,27 @@ def compiler_version() -> str:
     return f"flydsl-{flydsl_version() or 'missing'}"
 
 
-def flydsl_build_key(arch: str, dims: ModelDims, weight_dtype: str, widths, block_size: int,
-                     tp_size: int = 1, kv_dtype: str = "bf16") -> str:
+def flydsl_build_key(
+    arch: str, dims: ModelDims, weight_dtype: str, widths, block_size: int, tp_size: int = 1, kv_dtype: str = "bf16"
+) -> str:
     """The kernels bake the shared plan's tables and offsets, so its source is part of the digest
     (as for the Triton backend): a plan change never loads a stale artifact."""
     digest = source_digest(SOURCE_DIR, extra_files=[Path(plan_module.__file__)])
-    return build_key(BACKEND, arch, dims, weight_dtype, kv_dtype, tp_size, list(widths), block_size,
-                     digest, compiler_version())
+    return build_key(
+        BACKEND, arch, dims, weight_dtype, kv_dtype, tp_size, list(widths), block_size, digest, compiler_version()
+    )
 
 
-def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[int], weight_dtype: str = "bf16",
-               block_size: int = 16, profile: str | None = None, tp_size: int = 1) -> tuple[ArtifactEntry, list[dict]]:
+def precompile(
+    store: ArtifactStore,
+    arch: str,
+    dims: ModelDims,
+    widths: list[int],
+    weight_dtype: str = "bf16",
+    block_size: int = 16,
+    profile: str | None = None,
+    tp_size: int = 1,
+) -> tuple[ArtifactEntry, list[dict]]:
     """Compile every width for ``arch`` and add one manifest entry; returns it and the ISA table.
 
     Refuses (ArtifactError) when a kernel breaks its ISA budget: such a kernel must not ship.
@@ -72,13 +82,27 @@ def precompile(store: ArtifactStore, arch: str, dims: ModelDims, widths: list[in
                 table.append({"arch": arch, "kernel": name, "width": w, **figures(res, spec, spec.compute_units)})
                 files[f"{prefix}/cache/{rec['cache_file']}"] = cache / rec["cache_file"]
                 files[f"{prefix}/{rec['hsaco']}"] = cache / rec["hsaco"]
-                layout[str(w)][name] = {"cache_file": f"{prefix}/cache/{rec['cache_file']}",
-                                        "hsaco": f"{prefix}/{rec['hsaco']}", "resources": res.to_dict()}
+                layout[str(w)][name] = {
+                    "cache_file": f"{prefix}/cache/{rec['cache_file']}",
+                    "hsaco": f"{prefix}/{rec['hsaco']}",
+                    "resources": res.to_dict(),
+                }
         entry = store.add(
-            build_key=key, backend=BACKEND, arch=arch, dims_digest=dims.digest(), widths=widths, files=files,
-            compiler={"name": "flydsl", "version": flydsl_version() or "missing"}, profile=profile,
-            extra={"weight_dtype": weight_dtype, "block_size": block_size, "tp_size": tp_size, "kernels": layout,
-                   "cache_root": f"{prefix}/cache"},
+            build_key=key,
+            backend=BACKEND,
+            arch=arch,
+            dims_digest=dims.digest(),
+            widths=widths,
+            files=files,
+            compiler={"name": "flydsl", "version": flydsl_version() or "missing"},
+            profile=profile,
+            extra={
+                "weight_dtype": weight_dtype,
+                "block_size": block_size,
+                "tp_size": tp_size,
+                "kernels": layout,
+                "cache_root": f"{prefix}/cache",
+            },
         )
     return entry, table
 
@@ -91,15 +115,22 @@ def stage_run_cache(entry: ArtifactEntry, run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     for f in entry.files:
         if f.path.startswith(cache_root + "/"):
-            dst = run_dir / f.path[len(cache_root) + 1:]
+            dst = run_dir / f.path[len(cache_root) + 1 :]
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(entry.path_of(f.path), dst)
     return run_dir
 
 
-def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
-                   cache_dir: Path, tp_size: int = 1,
-                   k1_scalars: list[dict[str, int]] | None = None) -> list[dict[int, dict[str, str]]]:
+def check_run_only(
+    arch: str,
+    dims: ModelDims,
+    widths: list[int],
+    weight_dtype: str,
+    block_size: int,
+    cache_dir: Path,
+    tp_size: int = 1,
+    k1_scalars: list[dict[str, int]] | None = None,
+) -> list[dict[int, dict[str, str]]]:
     """Prove (in a subprocess) that every width traces to a cache hit with run-only set.
 
     This is exactly the runtime's load path up to the first launch; on a CPU machine the launch
@@ -108,11 +139,23 @@ def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: 
     with, one pass each (default: one pass with zeros). Returns, per pass, the cache file each
     width's K1 and K2 hit (``{width: {"k1": "launch_k1/<key>.pkl", ...}}``).
     """
-    req = {"arch": arch, "dims": dims.to_dict(), "widths": widths, "weight_dtype": weight_dtype,
-           "block_size": block_size, "cache_dir": str(cache_dir), "tp_size": tp_size,
-           "k1_scalars": k1_scalars or [{}]}
-    proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.bake"], input=json.dumps(req),
-                          capture_output=True, text=True, timeout=600)
+    req = {
+        "arch": arch,
+        "dims": dims.to_dict(),
+        "widths": widths,
+        "weight_dtype": weight_dtype,
+        "block_size": block_size,
+        "cache_dir": str(cache_dir),
+        "tp_size": tp_size,
+        "k1_scalars": k1_scalars or [{}],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "monodecode.kernels.flydsl.bake"],
+        input=json.dumps(req),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         raise ArtifactError(f"flydsl: run-only load failed: {lines[-1] if lines else proc.returncode}")
@@ -123,8 +166,16 @@ def check_run_only(arch: str, dims: ModelDims, widths: list[int], weight_dtype: 
 def _run_only_main() -> int:
     import flydsl.compiler as flyc
 
-    from monodecode.kernels.flydsl.compile import (K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, _cache_entry,
-                                                   _dims_from_dict, launchers, pointer)
+    from monodecode.kernels.flydsl.compile import (
+        K1_ARGS,
+        K1_SCALARS,
+        K2_ARGS,
+        K2_SCALARS,
+        _cache_entry,
+        _dims_from_dict,
+        launchers,
+        pointer,
+    )
     from monodecode.kernels.flydsl.toolchain import arch_env
 
     req = json.loads(sys.stdin.read())
@@ -137,15 +188,19 @@ def _run_only_main() -> int:
             raise ValueError(f"unknown K1 scalar arguments {sorted(unknown)}; K1 takes {K1_SCALARS}")
         hits: dict[str, dict[str, str]] = {}
         for w in req["widths"]:
-            spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
-                                  int(req.get("tp_size", 1)))
+            spec = Specialisation(
+                req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]), int(req.get("tp_size", 1))
+            )
             with arch_env(spec.arch, cache_dir, compile_only=True, run_only=True):
                 k1, k2 = launchers(spec)
                 hits[str(w)] = {}
-                for name, fn, args, scalars, values in (("k1", k1, K1_ARGS, K1_SCALARS, given),
-                                                         ("k2", k2, K2_ARGS, K2_SCALARS, {})):
-                    flyc.compile(fn, *[pointer(kind, None) for _, kind in args],
-                                 *[int(values.get(s, 0)) for s in scalars])
+                for name, fn, args, scalars, values in (
+                    ("k1", k1, K1_ARGS, K1_SCALARS, given),
+                    ("k2", k2, K2_ARGS, K2_SCALARS, {}),
+                ):
+                    flyc.compile(
+                        fn, *[pointer(kind, None) for _, kind in args], *[int(values.get(s, 0)) for s in scalars]
+                    )
                     hits[str(w)][name] = str(_cache_entry(fn, cache_dir).relative_to(cache_dir))
         passes.append(hits)
     print(json.dumps(passes))

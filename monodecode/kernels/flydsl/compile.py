@@ -11,7 +11,6 @@ Some compiler failures abort the interpreter, so callers compile through ``compi
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import subprocess
@@ -31,16 +30,44 @@ KERNELS = ("k1", "k2")
 # Element type of every pointer argument, in launcher order (the traced IR, hence the cache key,
 # depends on them: the runtime passes the same types). ``mbox`` is the width's segment of the
 # scratch buffer (8-byte mailbox words and epoch counters), ``health`` the plan's header word.
-K1_ARGS = (("x", "i32"), ("norm_w", "i32"), ("w_qkv", "i32"), ("s_qkv", "f32"), ("q_norm_w", "i32"),
-           ("k_norm_w", "i32"), ("cos_sin", "f32"), ("key_cache", "i32"), ("value_cache", "i32"),
-           ("block_tables", "i32"), ("seq_lens", "i32"), ("slots", "i32"), ("positions", "i32"),
-           ("out_attn", "i16"), ("mbox", "i64"), ("health", "i32"))
+K1_ARGS = (
+    ("x", "i32"),
+    ("norm_w", "i32"),
+    ("w_qkv", "i32"),
+    ("s_qkv", "f32"),
+    ("q_norm_w", "i32"),
+    ("k_norm_w", "i32"),
+    ("cos_sin", "f32"),
+    ("key_cache", "i32"),
+    ("value_cache", "i32"),
+    ("block_tables", "i32"),
+    ("seq_lens", "i32"),
+    ("slots", "i32"),
+    ("positions", "i32"),
+    ("out_attn", "i16"),
+    ("mbox", "i64"),
+    ("health", "i32"),
+)
 # The KV cache strides (``kv.KV_STRIDE_ARGS``) are arguments, not constants: one code object
 # serves contiguous caches and vLLM's interleaved K|V views alike.
 K1_SCALARS = ("window", "bt_stride", *KV_STRIDE_ARGS, "max_polls", "layer", "stall")
-K2_ARGS = (("x", "i32"), ("attn", "i32"), ("w_o", "i32"), ("s_o", "f32"), ("post_attn_w", "i32"),
-           ("mlp_norm_w", "i32"), ("w_gu", "i32"), ("s_gu", "f32"), ("w_down", "i32"), ("s_down", "f32"),
-           ("post_mlp_w", "i32"), ("out", "i16"), ("mbox", "i64"), ("health", "i32"), ("peers", "i64"))
+K2_ARGS = (
+    ("x", "i32"),
+    ("attn", "i32"),
+    ("w_o", "i32"),
+    ("s_o", "f32"),
+    ("post_attn_w", "i32"),
+    ("mlp_norm_w", "i32"),
+    ("w_gu", "i32"),
+    ("s_gu", "f32"),
+    ("w_down", "i32"),
+    ("s_down", "f32"),
+    ("post_mlp_w", "i32"),
+    ("out", "i16"),
+    ("mbox", "i64"),
+    ("health", "i32"),
+    ("peers", "i64"),
+)
 K2_SCALARS = ("max_polls", "layer", "nan_fault", "rank")
 
 
@@ -120,13 +147,34 @@ def compile_specialisation(spec: Specialisation, cache_dir: Path) -> dict[str, d
     return out
 
 
-def compile_in_subprocess(arch: str, dims: ModelDims, widths: list[int], weight_dtype: str, block_size: int,
-                          cache_dir: Path, timeout_s: float = 1800, tp_size: int = 1) -> dict[int, dict[str, dict]]:
+def compile_in_subprocess(
+    arch: str,
+    dims: ModelDims,
+    widths: list[int],
+    weight_dtype: str,
+    block_size: int,
+    cache_dir: Path,
+    timeout_s: float = 1800,
+    tp_size: int = 1,
+) -> dict[int, dict[str, dict]]:
     """Compile every width in a child interpreter; a crash or compiler error is one ArtifactError line."""
-    req = {"arch": arch, "dims": dims.to_dict(), "config": None, "widths": widths, "tp_size": tp_size,
-           "weight_dtype": weight_dtype, "block_size": block_size, "cache_dir": str(cache_dir)}
-    proc = subprocess.run([sys.executable, "-m", "monodecode.kernels.flydsl.compile"], input=json.dumps(req),
-                          capture_output=True, text=True, timeout=timeout_s)
+    req = {
+        "arch": arch,
+        "dims": dims.to_dict(),
+        "config": None,
+        "widths": widths,
+        "tp_size": tp_size,
+        "weight_dtype": weight_dtype,
+        "block_size": block_size,
+        "cache_dir": str(cache_dir),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "monodecode.kernels.flydsl.compile"],
+        input=json.dumps(req),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else f"exit status {proc.returncode}"
@@ -150,8 +198,9 @@ def _main() -> int:
     dims = _dims_from_dict(req["dims"]) if req.get("dims") else dims_from_hf_config(req["config"])
     out = {}
     for w in req["widths"]:
-        spec = Specialisation(req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]),
-                              int(req.get("tp_size", 1)))
+        spec = Specialisation(
+            req["arch"], dims, int(w), req["weight_dtype"], int(req["block_size"]), int(req.get("tp_size", 1))
+        )
         out[str(w)] = compile_specialisation(spec, Path(req["cache_dir"]))
     print(json.dumps(out))
     return 0

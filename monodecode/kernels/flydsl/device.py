@@ -348,6 +348,7 @@ def dot_fp8(wv, xa, xb, acc):
 
 # ---------------------------------------------------------------- MFMA tiles (16 x 16, fp32 accumulators)
 
+
 def mfma_zero():
     return Vector.filled((4,), 0.0, fx.Float32)
 
@@ -355,7 +356,8 @@ def mfma_zero():
 def _bf16_exact(a, b):
     """Two fp32 values that are exactly bf16 (widened fp8) packed as a bf16 pair, no rounding."""
     return ((fx.Float32(a).bitcast(fx.Int32) >> 16) & fx.Int32(0xFFFF)) | (
-        fx.Float32(b).bitcast(fx.Int32) & fx.Int32(-65536))
+        fx.Float32(b).bitcast(fx.Int32) & fx.Int32(-65536)
+    )
 
 
 def fp8x16_as_bf16(wv):
@@ -376,8 +378,9 @@ def _mfma8(arch: str, a_words, b_words, acc):
     ``v_mfma_f32_16x16x32_bf16`` on gfx950, two ``v_mfma_f32_16x16x16_bf16`` on gfx942."""
     v4f = Vector.make_type(4, fx.Float32)
     if arch == "gfx950":
-        out = rocdl.mfma_f32_16x16x32_bf16(v4f, [a_words.bitcast(fx.BFloat16), b_words.bitcast(fx.BFloat16), acc,
-                                                 0, 0, 0])
+        out = rocdl.mfma_f32_16x16x32_bf16(
+            v4f, [a_words.bitcast(fx.BFloat16), b_words.bitcast(fx.BFloat16), acc, 0, 0, 0]
+        )
         return Vector(out, (4,), fx.Float32)
     a16, b16 = a_words.bitcast(fx.Int16), b_words.bitcast(fx.Int16)
     for h in (0, 1):

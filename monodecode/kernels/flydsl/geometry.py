@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
-from monodecode.kernels.plan import K1, K2, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
+from monodecode.kernels.plan import K1, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
@@ -103,7 +103,7 @@ class StageConsts:
     k: int  # gemv: reduction length
 
     @classmethod
-    def of(cls, st: Stage) -> "StageConsts":
+    def of(cls, st: Stage) -> StageConsts:
         return cls(st.kernel, st.name, st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k)
 
 
@@ -208,11 +208,14 @@ def _gemv_tile(st: StageConsts, width: int, spec: ArchSpec, fp8: bool) -> GemvTi
     step = WAVE_SIZE * vec
     pair = 2 if st.name == "gate_up" else 1
     if st.rows % WAVES_PER_WORKGROUP:
-        raise ConfigError(f"flydsl: stage {st.name} has {st.rows} rows per task, not a multiple of "
-                          f"{WAVES_PER_WORKGROUP} waves")
+        raise ConfigError(
+            f"flydsl: stage {st.name} has {st.rows} rows per task, not a multiple of {WAVES_PER_WORKGROUP} waves"
+        )
     if st.k % vec:
-        raise ConfigError(f"flydsl: stage {st.name} reduces over {st.k}, not a multiple of {vec} "
-                          f"({'fp8' if fp8 else 'bf16'} 16-byte loads)")
+        raise ConfigError(
+            f"flydsl: stage {st.name} reduces over {st.k}, not a multiple of {vec} "
+            f"({'fp8' if fp8 else 'bf16'} 16-byte loads)"
+        )
     if st.n * pair * st.k * (1 if fp8 else 2) > _MAX_I32_BYTES:
         raise ConfigError(f"flydsl: stage {st.name} weight is over 2 GiB (i32 buffer offsets)")
     rpw = st.rows // WAVES_PER_WORKGROUP
@@ -250,13 +253,16 @@ def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile
     # K1: row rstd, then either the QKV staging area or the attention buffers (never live together)
     head, base = _carve([("rstd", width), ("red", 2 * nw)])
     gemv, gend = _carve(gemv_parts(["qkv"]), base)
-    attn, aend = _carve([
-        ("qkv_vec", (group + 2) * head_dim),  # q heads of the group, k, v (fp32, normed + roped)
-        ("p", nw * group * ATTN_CHUNK),  # softmax weights of each wave's current chunk
-        ("slot", nw * ATTN_CHUNK),  # cache slot of each position of the chunk
-        ("ml", nw * group * 2),  # each wave's running max and sum per head
-        ("acc", nw * group * head_dim),  # each wave's unnormalised output per head
-    ], base)
+    attn, aend = _carve(
+        [
+            ("qkv_vec", (group + 2) * head_dim),  # q heads of the group, k, v (fp32, normed + roped)
+            ("p", nw * group * ATTN_CHUNK),  # softmax weights of each wave's current chunk
+            ("slot", nw * ATTN_CHUNK),  # cache slot of each position of the chunk
+            ("ml", nw * group * 2),  # each wave's running max and sum per head
+            ("acc", nw * group * head_dim),  # each wave's unnormalised output per head
+        ],
+        base,
+    )
     lds1 = {**head, **gemv, **attn, "words": max(gend, aend)}
     head2, base2 = _carve([("red", 2 * nw)])
     gemv2, end2 = _carve(gemv_parts(["o_proj", "gate_up", "down"]), base2)
@@ -297,13 +303,31 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
     lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles)
     for name, lds in (("k1", lds1), ("k2", lds2)):
         if lds["words"] * 4 > spec.lds_bytes:
-            raise ConfigError(f"flydsl: {name} needs {lds['words'] * 4} B of LDS at width {width}, "
-                              f"{spec.arch} has {spec.lds_bytes} B")
+            raise ConfigError(
+                f"flydsl: {name} needs {lds['words'] * 4} B of LDS at width {width}, {spec.arch} has {spec.lds_bytes} B"
+            )
     return Geometry(
-        arch=spec.arch, width=width, grid=lp.num_workgroups, tp_size=tp_size, fp8=fp8, hidden=L.hidden,
-        heads=L.heads, kv_heads=L.kv_heads, head_dim=L.head_dim, group=L.group, intermediate=L.intermediate,
-        attn_splits=lp.attn_splits, post_norms=dims.post_norms, k1=k1, k2=k2, regions=regions,
-        peer_regions=peer, tiles=tiles, lds1=lds1, lds2=lds2, layer_plan=lp,
+        arch=spec.arch,
+        width=width,
+        grid=lp.num_workgroups,
+        tp_size=tp_size,
+        fp8=fp8,
+        hidden=L.hidden,
+        heads=L.heads,
+        kv_heads=L.kv_heads,
+        head_dim=L.head_dim,
+        group=L.group,
+        intermediate=L.intermediate,
+        attn_splits=lp.attn_splits,
+        post_norms=dims.post_norms,
+        k1=k1,
+        k2=k2,
+        regions=regions,
+        peer_regions=peer,
+        tiles=tiles,
+        lds1=lds1,
+        lds2=lds2,
+        layer_plan=lp,
     )
 
 
@@ -340,9 +364,15 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
             entry["peer_regions"] = {n: pseg + off * 8 for n, off in g.peer_regions.items()}
         for st in g.k1 + g.k2:
             entry["stages"][f"{st.kernel}.{st.name}"] = {
-                "kind": st.kind, "tasks": st.tasks, "offset": st.offset, "rows": st.rows, "n": st.n, "k": st.k,
-                "workgroup_tasks": [list(range(first_task(b, st.offset, g.grid), st.tasks, g.grid))
-                                    for b in range(g.grid)],
+                "kind": st.kind,
+                "tasks": st.tasks,
+                "offset": st.offset,
+                "rows": st.rows,
+                "n": st.n,
+                "k": st.k,
+                "workgroup_tasks": [
+                    list(range(first_task(b, st.offset, g.grid), st.tasks, g.grid)) for b in range(g.grid)
+                ],
             }
         out["widths"][w] = entry
     return out

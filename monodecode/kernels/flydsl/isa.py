@@ -71,8 +71,9 @@ def parse_notes(text: str, where: str = "code object") -> KernelResources:
     if missing or not target:
         raise ArtifactError(f"flydsl: {where} metadata lacks {', '.join(missing) or 'amdhsa.target'}")
     ints = {k: int(v) for k, v in vals.items() if k not in ("name", "dynamic_stack")}
-    return KernelResources(name=str(vals["name"]), target=target.group(1), dynamic_stack=vals["dynamic_stack"] == "true",
-                           **ints)
+    return KernelResources(
+        name=str(vals["name"]), target=target.group(1), dynamic_stack=vals["dynamic_stack"] == "true", **ints
+    )
 
 
 def budget_violations(res: KernelResources, spec: ArchSpec, grid: int) -> list[str]:
@@ -88,7 +89,9 @@ def budget_violations(res: KernelResources, spec: ArchSpec, grid: int) -> list[s
         out.append(f"static LDS {res.lds_bytes} B > {spec.lds_bytes} B")
     waves = spec.waves_per_simd(res.vgprs, res.agprs)
     if waves < planned_waves_per_simd():
-        out.append(f"{res.vgprs}+{res.agprs} VGPR/AGPR allow {waves} waves per SIMD, planned {planned_waves_per_simd()}")
+        out.append(
+            f"{res.vgprs}+{res.agprs} VGPR/AGPR allow {waves} waves per SIMD, planned {planned_waves_per_simd()}"
+        )
     if res.sgprs > spec.max_sgprs:
         out.append(f"{res.sgprs} SGPRs > {spec.max_sgprs}")
     if res.wave_size != 64:
@@ -103,8 +106,14 @@ def budget_violations(res: KernelResources, spec: ArchSpec, grid: int) -> list[s
 def figures(res: KernelResources, spec: ArchSpec, grid: int) -> dict:
     """The row printed per kernel and arch, and stored in the golden file."""
     return {
-        "vgprs": res.vgprs, "agprs": res.agprs, "sgprs": res.sgprs,
-        "spills": res.vgpr_spills + res.sgpr_spills, "scratch": res.scratch_bytes,
-        "lds": res.lds_bytes, "lds_limit": spec.lds_bytes,
-        "waves_per_simd": spec.waves_per_simd(res.vgprs, res.agprs), "grid": grid, "cus": spec.compute_units,
+        "vgprs": res.vgprs,
+        "agprs": res.agprs,
+        "sgprs": res.sgprs,
+        "spills": res.vgpr_spills + res.sgpr_spills,
+        "scratch": res.scratch_bytes,
+        "lds": res.lds_bytes,
+        "lds_limit": spec.lds_bytes,
+        "waves_per_simd": spec.waves_per_simd(res.vgprs, res.agprs),
+        "grid": grid,
+        "cus": spec.compute_units,
     }

@@ -52,8 +52,18 @@ from flydsl.expr import gpu
 
 from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.geometry import (ATTN_CHUNK, MFMA_ROWS, NEG_BIG, Geometry, GemvTile, first_task,
-                                                mfma_k_elem, mfma_lane, mfma_part, mfma_weight_row)
+from monodecode.kernels.flydsl.geometry import (
+    ATTN_CHUNK,
+    MFMA_ROWS,
+    NEG_BIG,
+    GemvTile,
+    Geometry,
+    first_task,
+    mfma_k_elem,
+    mfma_lane,
+    mfma_part,
+    mfma_weight_row,
+)
 from monodecode.kernels.flydsl.kv import kv_word
 from monodecode.kernels.plan import K1, K2
 from monodecode.model.dims import ModelDims
@@ -70,8 +80,15 @@ KERNEL_K1, KERNEL_K2 = 1, 2
 def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
     """Build the K1 / K2 launchers for one specialisation (closures bake the constants in)."""
     W, G = geom.width, geom.grid
-    H, I, D, GQ, KVH, HEADS, S = (geom.hidden, geom.intermediate, geom.head_dim, geom.group, geom.kv_heads,
-                                  geom.heads, geom.attn_splits)
+    H, I, D, GQ, KVH, HEADS, S = (
+        geom.hidden,
+        geom.intermediate,
+        geom.head_dim,
+        geom.group,
+        geom.kv_heads,
+        geom.heads,
+        geom.attn_splits,
+    )
     Q, KV, NQKV = geom.q, geom.kv, geom.qkv
     EPS, SCALE = float(dims.rms_norm_eps), float(dims.attn_scale)
     QK_NORM, POST_NORMS, FP8 = dims.qk_norm, geom.post_norms, geom.fp8
@@ -101,12 +118,54 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         output (``values``: one per matrix) on some thread, ``valid`` false for padding."""
         st = tl.stage
         if tl.mfma:
-            return _gemv_mfma(t, w_rs, lds, tid, wave, lane, stage_chunk, finish, st.n, st.k, st.rows, tl.pair,
-                              tl.vec, tl.chunk, tl.x_stride, tl.chunks, tl.k_pad, tl.kblock, tl.k_split,
-                              tl.tiles * tl.k_split // NW, tl.tiles, x_off, part_off)
-        return _gemv_fma(t, w_rs, lds, wave, lane, stage_chunk, finish, st.n, st.k, st.rows, tl.rows_per_wave,
-                         tl.row_group, tl.pair, tl.vec, tl.step, tl.chunk, tl.x_stride, tl.chunks, tl.k_pad,
-                         x_off, part_off)
+            return _gemv_mfma(
+                t,
+                w_rs,
+                lds,
+                tid,
+                wave,
+                lane,
+                stage_chunk,
+                finish,
+                st.n,
+                st.k,
+                st.rows,
+                tl.pair,
+                tl.vec,
+                tl.chunk,
+                tl.x_stride,
+                tl.chunks,
+                tl.k_pad,
+                tl.kblock,
+                tl.k_split,
+                tl.tiles * tl.k_split // NW,
+                tl.tiles,
+                x_off,
+                part_off,
+            )
+        return _gemv_fma(
+            t,
+            w_rs,
+            lds,
+            wave,
+            lane,
+            stage_chunk,
+            finish,
+            st.n,
+            st.k,
+            st.rows,
+            tl.rows_per_wave,
+            tl.row_group,
+            tl.pair,
+            tl.vec,
+            tl.step,
+            tl.chunk,
+            tl.x_stride,
+            tl.chunks,
+            tl.k_pad,
+            x_off,
+            part_off,
+        )
 
     def weight_byte(row, n: int, k: int, p: int, kg):
         """Byte offset of weight element (row + p*n, kg): gate|up rows are stacked, 2I x K."""
@@ -141,8 +200,29 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         return accs
 
     @d.device
-    def _gemv_fma(t, w_rs, lds, wave, lane, stage_chunk, finish, N, K, R, RPW, GR, PR, VEC, STEP, CK, XS, NCH,
-                  KPAD, x_off, part_off):
+    def _gemv_fma(
+        t,
+        w_rs,
+        lds,
+        wave,
+        lane,
+        stage_chunk,
+        finish,
+        N,
+        K,
+        R,
+        RPW,
+        GR,
+        PR,
+        VEC,
+        STEP,
+        CK,
+        XS,
+        NCH,
+        KPAD,
+        x_off,
+        part_off,
+    ):
         """Narrow steps: lanes split K (16 bytes of weights each per step), waves split the rows.
         The task's first weights (chunk 0, row group 0, step 0) are loaded before its inputs are
         staged, so they stream in while ``stage_chunk`` waits for the producers' words."""
@@ -162,8 +242,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 wv0 = first
                 if (c != d.i32(0)) | (grp != d.i32(0)):
                     wv0 = _fma_weights(w_rs, row0, c0, d.i32(0), lane, N, K, R, GR, PR, VEC, STEP, KPAD)
-                accs = _fma_step(lds, wv0, d.i32(0), lane, [d.f32(0.0) for _ in range(GR * PR * W)], GR, PR, VEC,
-                                 STEP, XS, x_off)
+                accs = _fma_step(
+                    lds, wv0, d.i32(0), lane, [d.f32(0.0) for _ in range(GR * PR * W)], GR, PR, VEC, STEP, XS, x_off
+                )
                 for s_ in range(d.i32(1), nsteps, d.i32(1), unroll=2):
                     s = d.i32(s_)
                     wv = _fma_weights(w_rs, row0, c0, s, lane, N, K, R, GR, PR, VEC, STEP, KPAD)
@@ -178,8 +259,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                             d.lds_storef(lds, slot + d.i32(j), sums[j])
                 if c == d.i32(NCH - 1):
                     for i in fx.range_constexpr(GR):  # lane t < W takes token t's sums (wave-uniform)
-                        vals = [d.lane_pick(lane, [sums[(i * PR + p) * W + tk] for tk in range(W)])
-                                for p in range(PR)]
+                        vals = [d.lane_pick(lane, [sums[(i * PR + p) * W + tk] for tk in range(W)]) for p in range(PR)]
                         finish(row0 + d.i32(i), lane, vals, lane < d.i32(W))
 
     def _mfma_weights(w_rs, n0, tg, rin, kq, b, c0, N, K, R, PR, VEC, KPAD, TW):
@@ -207,8 +287,31 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         return [d.mfma_tile(ARCH, wv[j], xa, xb, accs[j], VEC == 16) for j in range(TW)]
 
     @d.device
-    def _gemv_mfma(t, w_rs, lds, tid, wave, lane, stage_chunk, finish, N, K, R, PR, VEC, CK, XS, NCH, KPAD, KB, KS,
-                   TW, NT, x_off, part_off):
+    def _gemv_mfma(
+        t,
+        w_rs,
+        lds,
+        tid,
+        wave,
+        lane,
+        stage_chunk,
+        finish,
+        N,
+        K,
+        R,
+        PR,
+        VEC,
+        CK,
+        XS,
+        NCH,
+        KPAD,
+        KB,
+        KS,
+        TW,
+        NT,
+        x_off,
+        part_off,
+    ):
         """Wide steps: 16x16 MFMA tiles, A = 16 weight rows (lane l: row l % 16), B = 16 token
         columns (lane l: token l % 16, padded columns read a real row and are dropped), both with
         the same 16 K-bytes per lane (lane l: K group l // 16), so each 16-byte weight load feeds
@@ -255,7 +358,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 tile = (rr // d.i32(MFMA_ROWS)) * d.i32(PR) + d.i32(p)
                 v = d.f32(0.0)
                 for kk in fx.range_constexpr(KS):
-                    v = v + d.lds_loadf(lds, d.i32(part_off) + mfma_part(d.i32(kk), tile, rr % d.i32(MFMA_ROWS), tk, NT, W))
+                    v = v + d.lds_loadf(
+                        lds, d.i32(part_off) + mfma_part(d.i32(kk), tile, rr % d.i32(MFMA_ROWS), tk, NT, W)
+                    )
                 vals.append(v)
             finish(n0 + rr, tk, vals, tk >= d.i32(0))
 
@@ -291,13 +396,35 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
     # ------------------------------------------------------------------------------------ K1
     @flyc.kernel
-    def k1_kernel(x: fx.Pointer, norm_w: fx.Pointer, w_qkv: fx.Pointer, s_qkv: fx.Pointer, q_norm_w: fx.Pointer,
-                  k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
-                  block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
-                  out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, k_block_stride: fx.Int32, k_token_stride: fx.Int32, k_head_stride: fx.Int32,
-                  v_block_stride: fx.Int32, v_token_stride: fx.Int32, v_head_stride: fx.Int32,
-                  max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32):
+    def k1_kernel(
+        x: fx.Pointer,
+        norm_w: fx.Pointer,
+        w_qkv: fx.Pointer,
+        s_qkv: fx.Pointer,
+        q_norm_w: fx.Pointer,
+        k_norm_w: fx.Pointer,
+        cos_sin: fx.Pointer,
+        key_cache: fx.Pointer,
+        value_cache: fx.Pointer,
+        block_tables: fx.Pointer,
+        seq_lens: fx.Pointer,
+        slots: fx.Pointer,
+        positions: fx.Pointer,
+        out_attn: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        window: fx.Int32,
+        bt_stride: fx.Int32,
+        k_block_stride: fx.Int32,
+        k_token_stride: fx.Int32,
+        k_head_stride: fx.Int32,
+        v_block_stride: fx.Int32,
+        v_token_stride: fx.Int32,
+        v_head_stride: fx.Int32,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        stall: fx.Int32,
+    ):
         tid = fx.Int32(gpu.thread_idx.x)
         bid = fx.Int32(gpu.block_idx.x)
         wave = d.uniform(tid // WAVE_SIZE)
@@ -339,9 +466,31 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
         # ---- attn: (row, KV head, split) partials
         for t_ in range(first_task(bid, st_attn.offset, G), d.i32(st_attn.tasks), d.i32(G)):
-            _attn_task(d.i32(t_), mbox, tag, polls, health, wait_code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
-                       key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride,
-                       (k_block_stride, k_token_stride, k_head_stride), (v_block_stride, v_token_stride, v_head_stride))
+            _attn_task(
+                d.i32(t_),
+                mbox,
+                tag,
+                polls,
+                health,
+                wait_code,
+                lds,
+                tid,
+                wave,
+                lane,
+                q_norm_w,
+                k_norm_w,
+                cos_sin,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                slots,
+                positions,
+                window,
+                bt_stride,
+                (k_block_stride, k_token_stride, k_head_stride),
+                (v_block_stride, v_token_stride, v_head_stride),
+            )
 
         # ---- combine: merge each query head's splits -> attn_out (bf16)
         for t_ in range(first_task(bid, st_comb.offset, G), d.i32(st_comb.tasks), d.i32(G)):
@@ -365,8 +514,31 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             d.lds_store(lds, d.i32(L1["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
-    def _attn_task(t, mbox, tag, polls, health, code, lds, tid, wave, lane, q_norm_w, k_norm_w, cos_sin,
-                   key_cache, value_cache, block_tables, seq_lens, slots, positions, window, bt_stride, kst, vst):
+    def _attn_task(
+        t,
+        mbox,
+        tag,
+        polls,
+        health,
+        code,
+        lds,
+        tid,
+        wave,
+        lane,
+        q_norm_w,
+        k_norm_w,
+        cos_sin,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        slots,
+        positions,
+        window,
+        bt_stride,
+        kst,
+        vst,
+    ):
         """Task t = (row, KV head g, split s). K/V of (block, token, head g) sit at word
         ``kv_word(block, token, g, kst | vst)`` of the caches (strides are launch arguments)."""
         r = t // d.i32(KVH * S)
@@ -385,8 +557,10 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             i = tid + d.i32(u * WG)
             src = (i < d.i32(GQ * D)).select(
                 g * d.i32(GQ * D) + i,
-                (i < d.i32((GQ + 1) * D)).select(d.i32(Q - GQ * D) + g * d.i32(D) + i,
-                                                 d.i32(Q + KV - (GQ + 1) * D) + g * d.i32(D) + i))
+                (i < d.i32((GQ + 1) * D)).select(
+                    d.i32(Q - GQ * D) + g * d.i32(D) + i, d.i32(Q + KV - (GQ + 1) * D) + g * d.i32(D) + i
+                ),
+            )
             ok = i < d.i32((GQ + 2) * D)
             ats.append(base + ok.select(src, d.i32(0)))
             oks.append(ok)
@@ -443,10 +617,16 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             vb = vec + d.i32((GQ + 1) * D) + tid * d.i32(2)
             nblk = slot // d.i32(BS)
             ntok = slot - nblk * d.i32(BS)
-            d.store_word(key_cache, kv_word(nblk, ntok, g, kst) + tid,
-                         d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))))
-            d.store_word(value_cache, kv_word(nblk, ntok, g, vst) + tid,
-                         d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))))
+            d.store_word(
+                key_cache,
+                kv_word(nblk, ntok, g, kst) + tid,
+                d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))),
+            )
+            d.store_word(
+                value_cache,
+                kv_word(nblk, ntok, g, vst) + tid,
+                d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))),
+            )
 
         # online softmax over the cached positions: chunk c of 64 positions -> wave c % 4
         m = [d.f32(NEG_BIG) for _ in range(GQ)]
@@ -515,30 +695,32 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 d.lds_storef(lds, d.i32(L1["ml"] + h * 2) + wave * d.i32(GQ * 2), m[h])
                 d.lds_storef(lds, d.i32(L1["ml"] + h * 2 + 1) + wave * d.i32(GQ * 2), lsum[h])
             for j in fx.range_constexpr(DPL):
-                d.lds_storef(lds, d.i32(L1["acc"] + h * D + j) + wave * d.i32(GQ * D) + lane * d.i32(DPL),
-                             acc[h * DPL + j])
+                d.lds_storef(
+                    lds, d.i32(L1["acc"] + h * D + j) + wave * d.i32(GQ * D) + lane * d.i32(DPL), acc[h * DPL + j]
+                )
         gpu.barrier()
         for h in fx.range_constexpr(GQ):
             if wave == d.i32(h % NW):
                 cur = d.f32(0.0)
                 for j in fx.range_constexpr(DPL):
                     dd = lane * d.i32(DPL) + d.i32(j)
-                    cur = fx.math.fma(d.lds_loadf(lds, vec + d.i32(h * D) + dd),
-                                      d.lds_loadf(lds, vec + d.i32(GQ * D) + dd), cur)
+                    cur = fx.math.fma(
+                        d.lds_loadf(lds, vec + d.i32(h * D) + dd), d.lds_loadf(lds, vec + d.i32(GQ * D) + dd), cur
+                    )
                 s_new = has_new.select(d.warp_sum(cur) * d.f32(SCALE), d.f32(NEG_BIG))
                 mx = s_new
                 for w in fx.range_constexpr(NW):
                     mx = fx.max(mx, d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2)))
                 e_new = has_new.select(d.exp(s_new - mx), d.f32(0.0))
                 den = e_new
-                outs = [e_new * d.lds_loadf(lds, vec + d.i32((GQ + 1) * D + j) + lane * d.i32(DPL))
-                        for j in range(DPL)]
+                outs = [e_new * d.lds_loadf(lds, vec + d.i32((GQ + 1) * D + j) + lane * d.i32(DPL)) for j in range(DPL)]
                 for w in fx.range_constexpr(NW):
                     f = d.exp(d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2)) - mx)
                     den = den + f * d.lds_loadf(lds, d.i32(L1["ml"] + (w * GQ + h) * 2 + 1))
                     for j in fx.range_constexpr(DPL):
                         outs[j] = outs[j] + f * d.lds_loadf(
-                            lds, d.i32(L1["acc"] + (w * GQ + h) * D + j) + lane * d.i32(DPL))
+                            lds, d.i32(L1["acc"] + (w * GQ + h) * D + j) + lane * d.i32(DPL)
+                        )
                 hrow = (r * d.i32(HEADS) + g * d.i32(GQ) + d.i32(h)) * d.i32(S) + s
                 for j in fx.range_constexpr(DPL):
                     d.mb_put(mbox, d.i32(RG["attn_acc"] + j) + hrow * d.i32(D) + lane * d.i32(DPL), tag, outs[j])
@@ -561,8 +743,11 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                 ats = []
                 for j in fx.range_constexpr(SPLIT_BATCH):
                     at = (hrow + s0 + d.i32(j)) * d.i32(2)
-                    ats += [d.i32(RG["attn_ml"]) + at, d.i32(RG["attn_ml"] + 1) + at,
-                            d.i32(RG["attn_acc"]) + (hrow + s0 + d.i32(j)) * d.i32(D) + tid]
+                    ats += [
+                        d.i32(RG["attn_ml"]) + at,
+                        d.i32(RG["attn_ml"] + 1) + at,
+                        d.i32(RG["attn_acc"]) + (hrow + s0 + d.i32(j)) * d.i32(D) + tid,
+                    ]
                 got = d.mb_wait_all(mbox, ats, [tid >= d.i32(0)] * len(ats), tag, polls, health, code)
                 new_big = big
                 for j in fx.range_constexpr(SPLIT_BATCH):
@@ -580,11 +765,27 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
     # ------------------------------------------------------------------------------------ K2
     @flyc.kernel
-    def k2_kernel(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
-                  mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
-                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
-                  health: fx.Pointer, peers: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32,
-                  nan_fault: fx.Int32, rank: fx.Int32):
+    def k2_kernel(
+        x: fx.Pointer,
+        attn: fx.Pointer,
+        w_o: fx.Pointer,
+        s_o: fx.Pointer,
+        post_attn_w: fx.Pointer,
+        mlp_norm_w: fx.Pointer,
+        w_gu: fx.Pointer,
+        s_gu: fx.Pointer,
+        w_down: fx.Pointer,
+        s_down: fx.Pointer,
+        post_mlp_w: fx.Pointer,
+        out: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        peers: fx.Pointer,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        nan_fault: fx.Int32,
+        rank: fx.Int32,
+    ):
         tid = fx.Int32(gpu.thread_idx.x)
         bid = fx.Int32(gpu.block_idx.x)
         wave = d.uniform(tid // WAVE_SIZE)
@@ -619,16 +820,32 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
         # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
         for r_ in range(first_task(bid, st_post.offset, G), d.i32(st_post.tasks), d.i32(G)):
-            _post_task(d.i32(r_), x, post_attn_w, mlp_norm_w, mbox, mine, tag, polls, health, wait_code, lds, tid,
-                       wave, lane, o_region)
+            _post_task(
+                d.i32(r_),
+                x,
+                post_attn_w,
+                mlp_norm_w,
+                mbox,
+                mine,
+                tag,
+                polls,
+                health,
+                wait_code,
+                lds,
+                tid,
+                wave,
+                lane,
+                o_region,
+            )
 
         # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
         t_gu = geom.tiles["gate_up"]
         gu_rs = d.buffer_rsrc(w_gu)
 
         def stage_hn(c0):
-            _stage_words(mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words,
-                         t_gu.x_stride, H)
+            _stage_words(
+                mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
+            )
 
         def publish_act(row, tok, vals, valid):
             srow = fx.min(row, d.i32(I - 1))
@@ -646,8 +863,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         dn_rs = d.buffer_rsrc(w_down)
 
         def stage_act(c0):
-            _stage_words(mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words,
-                         t_dn.x_stride, I)
+            _stage_words(
+                mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
+            )
 
         def finish_down(row, tok, vals, valid):
             v = scaled(s_down, fx.min(row, d.i32(H - 1)), vals[0])
@@ -665,8 +883,24 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         if fx.const_expr(FINAL):
             gpu.barrier()
             for r_ in range(first_task(bid, st_fin.offset, G), d.i32(st_fin.tasks), d.i32(G)):
-                _final_task(d.i32(r_), post_mlp_w, out, mbox, mine, tag, polls, health, wait_code, bad_code, lds,
-                            tid, wave, lane, d_region, nan_fault)
+                _final_task(
+                    d.i32(r_),
+                    post_mlp_w,
+                    out,
+                    mbox,
+                    mine,
+                    tag,
+                    polls,
+                    health,
+                    wait_code,
+                    bad_code,
+                    lds,
+                    tid,
+                    wave,
+                    lane,
+                    d_region,
+                    nan_fault,
+                )
 
         d.finish_launch(epoch, tid)
 
@@ -782,8 +1016,9 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                     d.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
 
     @d.device
-    def _final_task(r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane,
-                    d_region: int, nan_fault):
+    def _final_task(
+        r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane, d_region: int, nan_fault
+    ):
         """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d)."""
         rs_d = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
@@ -813,25 +1048,109 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
 
     # ------------------------------------------------------------------------------------ launchers
     @flyc.jit
-    def launch_k1(x: fx.Pointer, norm_w: fx.Pointer, w_qkv: fx.Pointer, s_qkv: fx.Pointer, q_norm_w: fx.Pointer,
-                  k_norm_w: fx.Pointer, cos_sin: fx.Pointer, key_cache: fx.Pointer, value_cache: fx.Pointer,
-                  block_tables: fx.Pointer, seq_lens: fx.Pointer, slots: fx.Pointer, positions: fx.Pointer,
-                  out_attn: fx.Pointer, mbox: fx.Pointer, health: fx.Pointer, window: fx.Int32,
-                  bt_stride: fx.Int32, k_block_stride: fx.Int32, k_token_stride: fx.Int32, k_head_stride: fx.Int32,
-                  v_block_stride: fx.Int32, v_token_stride: fx.Int32, v_head_stride: fx.Int32,
-                  max_polls: fx.Int32, layer: fx.Int32, stall: fx.Int32, stream: fx.Stream = fx.Stream(None)):
-        k1_kernel(x, norm_w, w_qkv, s_qkv, q_norm_w, k_norm_w, cos_sin, key_cache, value_cache, block_tables,
-                  seq_lens, slots, positions, out_attn, mbox, health, window, bt_stride, k_block_stride,
-                  k_token_stride, k_head_stride, v_block_stride, v_token_stride, v_head_stride, max_polls, layer,
-                  stall).launch(grid=(G,), block=(WG,), stream=stream)
+    def launch_k1(
+        x: fx.Pointer,
+        norm_w: fx.Pointer,
+        w_qkv: fx.Pointer,
+        s_qkv: fx.Pointer,
+        q_norm_w: fx.Pointer,
+        k_norm_w: fx.Pointer,
+        cos_sin: fx.Pointer,
+        key_cache: fx.Pointer,
+        value_cache: fx.Pointer,
+        block_tables: fx.Pointer,
+        seq_lens: fx.Pointer,
+        slots: fx.Pointer,
+        positions: fx.Pointer,
+        out_attn: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        window: fx.Int32,
+        bt_stride: fx.Int32,
+        k_block_stride: fx.Int32,
+        k_token_stride: fx.Int32,
+        k_head_stride: fx.Int32,
+        v_block_stride: fx.Int32,
+        v_token_stride: fx.Int32,
+        v_head_stride: fx.Int32,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        stall: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        k1_kernel(
+            x,
+            norm_w,
+            w_qkv,
+            s_qkv,
+            q_norm_w,
+            k_norm_w,
+            cos_sin,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            slots,
+            positions,
+            out_attn,
+            mbox,
+            health,
+            window,
+            bt_stride,
+            k_block_stride,
+            k_token_stride,
+            k_head_stride,
+            v_block_stride,
+            v_token_stride,
+            v_head_stride,
+            max_polls,
+            layer,
+            stall,
+        ).launch(grid=(G,), block=(WG,), stream=stream)
 
     @flyc.jit
-    def launch_k2(x: fx.Pointer, attn: fx.Pointer, w_o: fx.Pointer, s_o: fx.Pointer, post_attn_w: fx.Pointer,
-                  mlp_norm_w: fx.Pointer, w_gu: fx.Pointer, s_gu: fx.Pointer, w_down: fx.Pointer,
-                  s_down: fx.Pointer, post_mlp_w: fx.Pointer, out: fx.Pointer, mbox: fx.Pointer,
-                  health: fx.Pointer, peers: fx.Pointer, max_polls: fx.Int32, layer: fx.Int32, nan_fault: fx.Int32,
-                  rank: fx.Int32, stream: fx.Stream = fx.Stream(None)):
-        k2_kernel(x, attn, w_o, s_o, post_attn_w, mlp_norm_w, w_gu, s_gu, w_down, s_down, post_mlp_w, out,
-                  mbox, health, peers, max_polls, layer, nan_fault, rank).launch(grid=(G,), block=(WG,), stream=stream)
+    def launch_k2(
+        x: fx.Pointer,
+        attn: fx.Pointer,
+        w_o: fx.Pointer,
+        s_o: fx.Pointer,
+        post_attn_w: fx.Pointer,
+        mlp_norm_w: fx.Pointer,
+        w_gu: fx.Pointer,
+        s_gu: fx.Pointer,
+        w_down: fx.Pointer,
+        s_down: fx.Pointer,
+        post_mlp_w: fx.Pointer,
+        out: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        peers: fx.Pointer,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        nan_fault: fx.Int32,
+        rank: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        k2_kernel(
+            x,
+            attn,
+            w_o,
+            s_o,
+            post_attn_w,
+            mlp_norm_w,
+            w_gu,
+            s_gu,
+            w_down,
+            s_down,
+            post_mlp_w,
+            out,
+            mbox,
+            health,
+            peers,
+            max_polls,
+            layer,
+            nan_fault,
+            rank,
+        ).launch(grid=(G,), block=(WG,), stream=stream)
 
     return launch_k1, launch_k2

@@ -23,8 +23,14 @@ from typing import Any
 from monodecode.errors import ConfigError
 
 # K1's scalar launch arguments for the cache strides, in signature order (32-bit words).
-KV_STRIDE_ARGS = ("k_block_stride", "k_token_stride", "k_head_stride",
-                  "v_block_stride", "v_token_stride", "v_head_stride")
+KV_STRIDE_ARGS = (
+    "k_block_stride",
+    "k_token_stride",
+    "k_head_stride",
+    "v_block_stride",
+    "v_token_stride",
+    "v_head_stride",
+)
 WORD_ELEMS = 2  # bf16 head dims per 32-bit word
 VECTOR_BYTES = 16  # K is read 16 bytes per load (global_load_dwordx4)
 _MAX_WORD = 2**31 - 1  # word offsets are i32 in the kernel
@@ -57,24 +63,32 @@ class KVLaunchArgs:
 
 def _word_strides(name: str, t: Any, shape: tuple[int, ...]) -> tuple[int, int, int]:
     if tuple(t.shape) != shape:
-        raise ConfigError(f"kv_layout: the {name} cache has shape {tuple(t.shape)}; flydsl K1 was built for "
-                          f"[blocks, block_size, kv_heads, head_dim] = [*, {shape[1]}, {shape[2]}, {shape[3]}]")
+        raise ConfigError(
+            f"kv_layout: the {name} cache has shape {tuple(t.shape)}; flydsl K1 was built for "
+            f"[blocks, block_size, kv_heads, head_dim] = [*, {shape[1]}, {shape[2]}, {shape[3]}]"
+        )
     if t.element_size() != 2:
         raise ConfigError(f"kv_layout: the {name} cache has {t.element_size()}-byte elements; flydsl K1 reads bf16")
     strides = tuple(int(s) for s in t.stride())
     if strides[3] != 1:
-        raise ConfigError(f"kv_layout: the {name} cache has head-dim stride {strides[3]}; flydsl K1 reads the "
-                          "head dims of a token contiguously (stride 1)")
+        raise ConfigError(
+            f"kv_layout: the {name} cache has head-dim stride {strides[3]}; flydsl K1 reads the "
+            "head dims of a token contiguously (stride 1)"
+        )
     elems = VECTOR_BYTES // 2
     if any(s < 0 or s % elems for s in strides[:3]) or t.data_ptr() % VECTOR_BYTES:
-        raise ConfigError(f"kv_layout: the {name} cache (strides {strides}, address {t.data_ptr():#x}) is not "
-                          f"{VECTOR_BYTES}-byte aligned per token and head; flydsl K1 loads K/V in "
-                          f"{VECTOR_BYTES}-byte vectors")
+        raise ConfigError(
+            f"kv_layout: the {name} cache (strides {strides}, address {t.data_ptr():#x}) is not "
+            f"{VECTOR_BYTES}-byte aligned per token and head; flydsl K1 loads K/V in "
+            f"{VECTOR_BYTES}-byte vectors"
+        )
     words = tuple(s // WORD_ELEMS for s in strides[:3])
     last = kv_word(shape[0] - 1, shape[1] - 1, shape[2] - 1, words) + shape[3] // WORD_ELEMS
     if last > _MAX_WORD:
-        raise ConfigError(f"kv_layout: the {name} cache spans {last} 32-bit words; flydsl K1 addresses at most "
-                          f"{_MAX_WORD} (i32 offsets)")
+        raise ConfigError(
+            f"kv_layout: the {name} cache spans {last} 32-bit words; flydsl K1 addresses at most "
+            f"{_MAX_WORD} (i32 offsets)"
+        )
     return words  # type: ignore[return-value]
 
 
@@ -82,8 +96,14 @@ def kv_launch_args(key: Any, value: Any, num_kv_heads: int, head_dim: int, block
     """K1's cache arguments for one layer's key / value tensors (``ConfigError`` ``kv_layout: ...``
     when K1 cannot address them)."""
     if key.dim() != 4 or value.dim() != 4:
-        raise ConfigError(f"kv_layout: key / value caches must be 4-D [blocks, block_size, kv_heads, head_dim], "
-                          f"got {tuple(key.shape)} / {tuple(value.shape)}")
+        raise ConfigError(
+            f"kv_layout: key / value caches must be 4-D [blocks, block_size, kv_heads, head_dim], "
+            f"got {tuple(key.shape)} / {tuple(value.shape)}"
+        )
     shape = (int(key.shape[0]), block_size, num_kv_heads, head_dim)
-    return KVLaunchArgs(key_addr=key.data_ptr(), value_addr=value.data_ptr(),
-                        key_strides=_word_strides("key", key, shape), value_strides=_word_strides("value", value, shape))
+    return KVLaunchArgs(
+        key_addr=key.data_ptr(),
+        value_addr=value.data_ptr(),
+        key_strides=_word_strides("key", key, shape),
+        value_strides=_word_strides("value", value, shape),
+    )

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from monodecode.errors import ConfigError
 
@@ -47,8 +47,11 @@ def rocm_path() -> Path:
 
 def readelf() -> str:
     """llvm-readelf able to print AMDGPU metadata notes."""
-    for cand in (rocm_path() / "llvm" / "bin" / "llvm-readelf", Path("/usr/lib/llvm-19/bin/llvm-readelf"),
-                 Path("/usr/bin/llvm-readelf")):
+    for cand in (
+        rocm_path() / "llvm" / "bin" / "llvm-readelf",
+        Path("/usr/lib/llvm-19/bin/llvm-readelf"),
+        Path("/usr/bin/llvm-readelf"),
+    ):
         if cand.exists():
             return str(cand)
     raise ConfigError("flydsl: llvm-readelf not found (Debian package llvm-19)")
@@ -64,8 +67,9 @@ def flydsl_version() -> str | None:
 
 
 @contextlib.contextmanager
-def arch_env(arch: str, cache_dir: Path | None = None, *, compile_only: bool = False,
-             run_only: bool = False) -> Iterator[None]:
+def arch_env(
+    arch: str, cache_dir: Path | None = None, *, compile_only: bool = False, run_only: bool = False
+) -> Iterator[None]:
     """Set the FlyDSL environment for one arch (restored afterwards)."""
     want = {"ARCH": arch, "FLYDSL_GPU_ARCH": arch, "ROCM_PATH": str(rocm_path())}
     if cache_dir is not None:

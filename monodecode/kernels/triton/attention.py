@@ -49,12 +49,45 @@ def _rope(a, b, cos, sin):
 
 @triton.jit
 def attn_task(
-    t, qkv_mb, acc_mb, ml_mb, qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr,
-    k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window, eps, scale, tag, health_ptr, bad_code,
-    NQKV: tl.constexpr, Q: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    GP: tl.constexpr, KVH: tl.constexpr, H: tl.constexpr, S: tl.constexpr, BS: tl.constexpr,
-    BT: tl.constexpr, QK_NORM: tl.constexpr, ONE_PLUS: tl.constexpr,
+    t,
+    qkv_mb,
+    acc_mb,
+    ml_mb,
+    qnorm_ptr,
+    knorm_ptr,
+    inv_freq_ptr,
+    kc_ptr,
+    vc_ptr,
+    k_sb,
+    k_st,
+    k_sh,
+    v_sb,
+    v_st,
+    v_sh,
+    pos_ptr,
+    slot_ptr,
+    bt_ptr,
+    bt_stride,
+    seq_ptr,
+    window,
+    eps,
+    scale,
+    tag,
+    health_ptr,
+    bad_code,
+    NQKV: tl.constexpr,
+    Q: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    KVH: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    BS: tl.constexpr,
+    BT: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
 ):
     """One (row, KV head, split) task; the caller has waited for the qkv stage."""
     HALF: tl.constexpr = D // 2
@@ -146,8 +179,19 @@ def attn_task(
 
 
 @triton.jit
-def combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code,
-                 Q: tl.constexpr, D: tl.constexpr, H: tl.constexpr, S: tl.constexpr):
+def combine_task(
+    t,
+    acc_mb,
+    ml_mb,
+    out_ptr,
+    tag,
+    health_ptr,
+    bad_code,
+    Q: tl.constexpr,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+):
     """One (row, query head) task; the caller has waited for the attention stage."""
     r = t // H
     h = t % H

@@ -62,8 +62,16 @@ class TritonBackend(KernelBackend):
     def build_key(self, req: BuildRequest) -> str:
         digest = source_digest(_SOURCE_DIR, extra_files=[Path(plan_mod.__file__)])
         return build_key(
-            self.name, req.platform.arch, req.dims, req.weight_dtype, req.kv_dtype, req.tp_size,
-            req.widths, req.block_size, digest, self.compiler_version(),
+            self.name,
+            req.platform.arch,
+            req.dims,
+            req.weight_dtype,
+            req.kv_dtype,
+            req.tp_size,
+            req.widths,
+            req.block_size,
+            digest,
+            self.compiler_version(),
         )
 
     def refusals(self, req: BuildRequest) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.plan import LayerPlan, ModelPlan, K1, K2
+from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
@@ -48,8 +48,18 @@ class Target:
         return dict(self.__dict__)
 
 
-CUDA = Target("cuda", num_warps=8, gemv_stages=4, attn_tile=64, bk_narrow=512, bk_wide=128, narrow_stages=6,
-              flatten=True, fp8_split=2, fp8_narrow_stages=5)
+CUDA = Target(
+    "cuda",
+    num_warps=8,
+    gemv_stages=4,
+    attn_tile=64,
+    bk_narrow=512,
+    bk_wide=128,
+    narrow_stages=6,
+    flatten=True,
+    fp8_split=2,
+    fp8_narrow_stages=5,
+)
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
 
@@ -99,8 +109,9 @@ def _word(plan: LayerPlan, region: str) -> int:
     return plan.region(region).word_offset
 
 
-def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, vp: int = 1,
-                  fp8: bool = False) -> dict:
+def k1_constexprs(
+    dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, vp: int = 1, fp8: bool = False
+) -> dict:
     L = plan.local
     W = plan.width
     qkv = _stage(plan, K1, "qkv")
@@ -109,16 +120,41 @@ def k1_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     wide = W > 1
     bk = k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow)
     return dict(
-        HIDDEN=L.hidden, NQKV=L.qkv, Q=L.q, KV=L.kv, D=L.head_dim, G=L.group, GP=max(16, _pow2(L.group)),
-        KVH=L.kv_heads, H=L.heads, S=plan.attn_splits, BS=block_size, BT=target.attn_tile,
-        W=W, WP=max(16, _pow2(W)) if wide else 1, BN=qkv.rows_per_task,
-        BK=bk, NUM_STAGES=target.stages(W, fp8), SPLIT=target.split(W, fp8, L.hidden, bk),
-        QKV_TASKS=qkv.num_tasks, QKV_OFF=qkv.offset, ATTN_TASKS=attn.num_tasks, ATTN_OFF=attn.offset,
-        COMB_TASKS=comb.num_tasks, COMB_OFF=comb.offset,
-        EPOCH_W=_word(plan, "epoch_k1"), DONE_W=_word(plan, "done_k1"), QKV_W=_word(plan, "qkv"), ACC_W=_word(plan, "attn_acc"),
+        HIDDEN=L.hidden,
+        NQKV=L.qkv,
+        Q=L.q,
+        KV=L.kv,
+        D=L.head_dim,
+        G=L.group,
+        GP=max(16, _pow2(L.group)),
+        KVH=L.kv_heads,
+        H=L.heads,
+        S=plan.attn_splits,
+        BS=block_size,
+        BT=target.attn_tile,
+        W=W,
+        WP=max(16, _pow2(W)) if wide else 1,
+        BN=qkv.rows_per_task,
+        BK=bk,
+        NUM_STAGES=target.stages(W, fp8),
+        SPLIT=target.split(W, fp8, L.hidden, bk),
+        QKV_TASKS=qkv.num_tasks,
+        QKV_OFF=qkv.offset,
+        ATTN_TASKS=attn.num_tasks,
+        ATTN_OFF=attn.offset,
+        COMB_TASKS=comb.num_tasks,
+        COMB_OFF=comb.offset,
+        EPOCH_W=_word(plan, "epoch_k1"),
+        DONE_W=_word(plan, "done_k1"),
+        QKV_W=_word(plan, "qkv"),
+        ACC_W=_word(plan, "attn_acc"),
         ML_W=_word(plan, "attn_ml"),
-        NPROG=plan.num_workgroups, VP=vp, QK_NORM=dims.qk_norm, ONE_PLUS=dims.norm_one_plus,
-        FP8=fp8, FLAT=target.flatten,
+        NPROG=plan.num_workgroups,
+        VP=vp,
+        QK_NORM=dims.qk_norm,
+        ONE_PLUS=dims.norm_one_plus,
+        FP8=fp8,
+        FLAT=target.flatten,
     )
 
 
@@ -136,22 +172,52 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1,
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     o_bk, gu_bk, d_bk = k_chunk(L.q, bk), k_chunk(L.hidden, bk), k_chunk(L.intermediate, bk)
     return dict(
-        HIDDEN=L.hidden, HP=_pow2(L.hidden), Q=L.q, I=L.intermediate, W=W, WP=max(16, _pow2(W)) if wide else 1,
-        O_BN=o.rows_per_task, O_BK=o_bk, GU_BN=gu.rows_per_task, GU_BK=gu_bk,
-        D_BN=dn.rows_per_task, D_BK=d_bk, NUM_STAGES=target.stages(W, fp8),
-        O_SPLIT=target.split(W, fp8, L.q, o_bk), GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
+        HIDDEN=L.hidden,
+        HP=_pow2(L.hidden),
+        Q=L.q,
+        I=L.intermediate,
+        W=W,
+        WP=max(16, _pow2(W)) if wide else 1,
+        O_BN=o.rows_per_task,
+        O_BK=o_bk,
+        GU_BN=gu.rows_per_task,
+        GU_BK=gu_bk,
+        D_BN=dn.rows_per_task,
+        D_BK=d_bk,
+        NUM_STAGES=target.stages(W, fp8),
+        O_SPLIT=target.split(W, fp8, L.q, o_bk),
+        GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
         D_SPLIT=target.split(W, fp8, L.intermediate, d_bk),
-        O_TASKS=o.num_tasks, O_OFF=o.offset, POST_OFF=post.offset, GU_TASKS=gu.num_tasks, GU_OFF=gu.offset,
-        D_TASKS=dn.num_tasks, D_OFF=dn.offset, FIN_OFF=final[0].offset if final else 0,
-        EPOCH_W=_word(plan, "epoch_k2"), DONE_W=_word(plan, "done_k2"), O_W=_word(plan, "o"), H_W=_word(plan, "h"), HN_W=_word(plan, "hn"),
-        ACT_W=_word(plan, "act"), D_W=_word(plan, "d") if final else _word(plan, "o"),
-        NPROG=plan.num_workgroups, VP=vp, POST_NORMS=dims.post_norms,
-        ONE_PLUS=dims.norm_one_plus, FP8=fp8, GELU=dims.activation == "gelu_tanh", FLAT=target.flatten,
+        O_TASKS=o.num_tasks,
+        O_OFF=o.offset,
+        POST_OFF=post.offset,
+        GU_TASKS=gu.num_tasks,
+        GU_OFF=gu.offset,
+        D_TASKS=dn.num_tasks,
+        D_OFF=dn.offset,
+        FIN_OFF=final[0].offset if final else 0,
+        EPOCH_W=_word(plan, "epoch_k2"),
+        DONE_W=_word(plan, "done_k2"),
+        O_W=_word(plan, "o"),
+        H_W=_word(plan, "h"),
+        HN_W=_word(plan, "hn"),
+        ACT_W=_word(plan, "act"),
+        D_W=_word(plan, "d") if final else _word(plan, "o"),
+        NPROG=plan.num_workgroups,
+        VP=vp,
+        POST_NORMS=dims.post_norms,
+        ONE_PLUS=dims.norm_one_plus,
+        FP8=fp8,
+        GELU=dims.activation == "gelu_tanh",
+        FLAT=target.flatten,
     )
 
 
-def constexprs(dims: ModelDims, mplan: ModelPlan, width: int, target: Target, block_size: int,
-               fp8: bool, vp: int = 1) -> tuple[dict, dict]:
+def constexprs(
+    dims: ModelDims, mplan: ModelPlan, width: int, target: Target, block_size: int, fp8: bool, vp: int = 1
+) -> tuple[dict, dict]:
     plan = mplan.layers[width]
-    return (k1_constexprs(dims, plan, target, block_size, vp, bool(fp8)),
-            k2_constexprs(dims, plan, target, vp, bool(fp8)))
+    return (
+        k1_constexprs(dims, plan, target, block_size, vp, bool(fp8)),
+        k2_constexprs(dims, plan, target, vp, bool(fp8)),
+    )

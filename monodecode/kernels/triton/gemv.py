@@ -50,8 +50,20 @@ def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(x_ptr, x_stride, kk, rows, rmask, norm_ptr, rstd, tag, bad,
-                 BK: tl.constexpr, SRC: tl.constexpr, ONE_PLUS: tl.constexpr):
+def _input_chunk(
+    x_ptr,
+    x_stride,
+    kk,
+    rows,
+    rmask,
+    norm_ptr,
+    rstd,
+    tag,
+    bad,
+    BK: tl.constexpr,
+    SRC: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
     m2 = rmask[:, None] & (k[None, :] >= 0)
@@ -78,8 +90,9 @@ def _mac(acc, w, xb, DOT: tl.constexpr):
 
 
 @triton.jit
-def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr,
-             NUM_STAGES: tl.constexpr):
+def row_rstd(
+    x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, NUM_STAGES: tl.constexpr
+):
     """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input (loads pipelined, so the
     chunks do not cost one memory round trip each)."""
     ss = tl.zeros([WP], dtype=tl.float32)
@@ -92,10 +105,30 @@ def row_rstd(x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def gemv_task(
-    w1_ptr, s1_ptr, w2_ptr, s2_ptr, n0, N, x_ptr, x_stride, norm_ptr, rstd, tag, health_ptr, bad_code,
-    K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SRC: tl.constexpr, TWO: tl.constexpr, FP8: tl.constexpr, ONE_PLUS: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr = 1,
+    w1_ptr,
+    s1_ptr,
+    w2_ptr,
+    s2_ptr,
+    n0,
+    N,
+    x_ptr,
+    x_stride,
+    norm_ptr,
+    rstd,
+    tag,
+    health_ptr,
+    bad_code,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SRC: tl.constexpr,
+    TWO: tl.constexpr,
+    FP8: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr = 1,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8

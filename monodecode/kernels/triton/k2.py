@@ -10,7 +10,14 @@ import triton.language as tl
 
 from monodecode.kernels.triton.gemv import gemv_task, rms_apply
 from monodecode.kernels.triton.mailbox import (
-    check_tags, finish_launch, launch_epoch, pack, signal_done, signal_tasks, unpack, wait_done,
+    check_tags,
+    finish_launch,
+    launch_epoch,
+    pack,
+    signal_done,
+    signal_tasks,
+    unpack,
+    wait_done,
 )
 
 
@@ -33,8 +40,23 @@ def _check_finite(val, mask, health_ptr, code):
 
 
 @triton.jit
-def _post_task(r, x_ptr, o_mb, h_mb, hn_mb, post_w_ptr, mlp_w_ptr, eps, tag, health_ptr, bad_code,
-               HIDDEN: tl.constexpr, HP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr):
+def _post_task(
+    r,
+    x_ptr,
+    o_mb,
+    h_mb,
+    hn_mb,
+    post_w_ptr,
+    mlp_w_ptr,
+    eps,
+    tag,
+    health_ptr,
+    bad_code,
+    HIDDEN: tl.constexpr,
+    HP: tl.constexpr,
+    POST_NORMS: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+):
     """Row r, whole row in registers: h = bf16(x + o'), o' = bf16(o) or Gemma's bf16(norm(o) * (1 + w));
     hn = norm(h). Both published."""
     k = tl.arange(0, HP)
@@ -54,8 +76,22 @@ def _post_task(r, x_ptr, o_mb, h_mb, hn_mb, post_w_ptr, mlp_w_ptr, eps, tag, hea
 
 
 @triton.jit
-def _final_task(r, d_mb, h_mb, w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code, nf_code,
-                HIDDEN: tl.constexpr, HP: tl.constexpr, ONE_PLUS: tl.constexpr):
+def _final_task(
+    r,
+    d_mb,
+    h_mb,
+    w_ptr,
+    out_ptr,
+    eps,
+    nan_fault,
+    tag,
+    health_ptr,
+    bad_code,
+    nf_code,
+    HIDDEN: tl.constexpr,
+    HP: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+):
     """Row r (Gemma): out = bf16(h + bf16(norm(d) * (1 + w)))."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
@@ -74,19 +110,64 @@ def _final_task(r, d_mb, h_mb, w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, 
 
 @triton.jit
 def k2_kernel(
-    x_ptr, attn_ptr, wo_ptr, so_ptr, post_w_ptr, mlp_w_ptr, wg_ptr, sg_ptr, wu_ptr, su_ptr,
-    wd_ptr, sd_ptr, mlp_post_w_ptr, out_ptr, mbox_ptr, health_ptr,
-    layer, spin_limit, nan_fault, eps,
-    HIDDEN: tl.constexpr, HP: tl.constexpr, Q: tl.constexpr, I: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    O_BN: tl.constexpr, O_BK: tl.constexpr, GU_BN: tl.constexpr, GU_BK: tl.constexpr,
-    D_BN: tl.constexpr, D_BK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    O_TASKS: tl.constexpr, O_OFF: tl.constexpr, POST_OFF: tl.constexpr, GU_TASKS: tl.constexpr,
-    GU_OFF: tl.constexpr, D_TASKS: tl.constexpr, D_OFF: tl.constexpr, FIN_OFF: tl.constexpr,
-    EPOCH_W: tl.constexpr, DONE_W: tl.constexpr, O_W: tl.constexpr, H_W: tl.constexpr, HN_W: tl.constexpr,
-    ACT_W: tl.constexpr, D_W: tl.constexpr,
-    NPROG: tl.constexpr, VP: tl.constexpr, POST_NORMS: tl.constexpr, ONE_PLUS: tl.constexpr,
-    FP8: tl.constexpr, GELU: tl.constexpr, FLAT: tl.constexpr,
-    O_SPLIT: tl.constexpr, GU_SPLIT: tl.constexpr, D_SPLIT: tl.constexpr,
+    x_ptr,
+    attn_ptr,
+    wo_ptr,
+    so_ptr,
+    post_w_ptr,
+    mlp_w_ptr,
+    wg_ptr,
+    sg_ptr,
+    wu_ptr,
+    su_ptr,
+    wd_ptr,
+    sd_ptr,
+    mlp_post_w_ptr,
+    out_ptr,
+    mbox_ptr,
+    health_ptr,
+    layer,
+    spin_limit,
+    nan_fault,
+    eps,
+    HIDDEN: tl.constexpr,
+    HP: tl.constexpr,
+    Q: tl.constexpr,
+    I: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    O_BN: tl.constexpr,
+    O_BK: tl.constexpr,
+    GU_BN: tl.constexpr,
+    GU_BK: tl.constexpr,
+    D_BN: tl.constexpr,
+    D_BK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    O_TASKS: tl.constexpr,
+    O_OFF: tl.constexpr,
+    POST_OFF: tl.constexpr,
+    GU_TASKS: tl.constexpr,
+    GU_OFF: tl.constexpr,
+    D_TASKS: tl.constexpr,
+    D_OFF: tl.constexpr,
+    FIN_OFF: tl.constexpr,
+    EPOCH_W: tl.constexpr,
+    DONE_W: tl.constexpr,
+    O_W: tl.constexpr,
+    H_W: tl.constexpr,
+    HN_W: tl.constexpr,
+    ACT_W: tl.constexpr,
+    D_W: tl.constexpr,
+    NPROG: tl.constexpr,
+    VP: tl.constexpr,
+    POST_NORMS: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+    FP8: tl.constexpr,
+    GELU: tl.constexpr,
+    FLAT: tl.constexpr,
+    O_SPLIT: tl.constexpr,
+    GU_SPLIT: tl.constexpr,
+    D_SPLIT: tl.constexpr,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -114,11 +195,35 @@ def k2_kernel(
         for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
             n0 = t * O_BN
             y, _y = gemv_task(
-                wo_ptr, so_ptr, wo_ptr, so_ptr, n0, HIDDEN, attn_ptr, Q, post_w_ptr, zero, tag, health_ptr,
-                bad_code, Q, W, WP, O_BN, O_BK, 1, False, FP8, ONE_PLUS, NUM_STAGES, O_SPLIT,
+                wo_ptr,
+                so_ptr,
+                wo_ptr,
+                so_ptr,
+                n0,
+                HIDDEN,
+                attn_ptr,
+                Q,
+                post_w_ptr,
+                zero,
+                tag,
+                health_ptr,
+                bad_code,
+                Q,
+                W,
+                WP,
+                O_BN,
+                O_BK,
+                1,
+                False,
+                FP8,
+                ONE_PLUS,
+                NUM_STAGES,
+                O_SPLIT,
             )
             n = n0 + tl.arange(0, O_BN)
-            tl.store(o_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=(n < HIDDEN)[:, None] & rmask[None, :])
+            tl.store(
+                o_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=(n < HIDDEN)[:, None] & rmask[None, :]
+            )
         signal_tasks(done_o, first, O_TASKS, NPROG)
 
     # post: one task per row
@@ -128,8 +233,23 @@ def k2_kernel(
         if first < W:
             budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
         for r in range(first, W, NPROG):
-            _post_task(r, x_ptr, o_mb, h_mb, hn_mb, post_w_ptr, mlp_w_ptr, eps, tag, health_ptr, bad_code,
-                       HIDDEN, HP, POST_NORMS, ONE_PLUS)
+            _post_task(
+                r,
+                x_ptr,
+                o_mb,
+                h_mb,
+                hn_mb,
+                post_w_ptr,
+                mlp_w_ptr,
+                eps,
+                tag,
+                health_ptr,
+                bad_code,
+                HIDDEN,
+                HP,
+                POST_NORMS,
+                ONE_PLUS,
+            )
             signal_done(done_post)
 
     # gate/up + activation
@@ -141,8 +261,30 @@ def k2_kernel(
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_BN
             g, u = gemv_task(
-                wg_ptr, sg_ptr, wu_ptr, su_ptr, n0, I, hn_mb, HIDDEN, post_w_ptr, zero, tag, health_ptr, bad_code,
-                HIDDEN, W, WP, GU_BN, GU_BK, 2, True, FP8, ONE_PLUS, NUM_STAGES, GU_SPLIT,
+                wg_ptr,
+                sg_ptr,
+                wu_ptr,
+                su_ptr,
+                n0,
+                I,
+                hn_mb,
+                HIDDEN,
+                post_w_ptr,
+                zero,
+                tag,
+                health_ptr,
+                bad_code,
+                HIDDEN,
+                W,
+                WP,
+                GU_BN,
+                GU_BK,
+                2,
+                True,
+                FP8,
+                ONE_PLUS,
+                NUM_STAGES,
+                GU_SPLIT,
             )
             gb = g.to(tl.bfloat16).to(tl.float32)
             ub = u.to(tl.bfloat16).to(tl.float32)
@@ -163,8 +305,30 @@ def k2_kernel(
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0 = t * D_BN
             y, _y = gemv_task(
-                wd_ptr, sd_ptr, wd_ptr, sd_ptr, n0, HIDDEN, act_mb, I, post_w_ptr, zero, tag, health_ptr, bad_code,
-                I, W, WP, D_BN, D_BK, 2, False, FP8, ONE_PLUS, NUM_STAGES, D_SPLIT,
+                wd_ptr,
+                sd_ptr,
+                wd_ptr,
+                sd_ptr,
+                n0,
+                HIDDEN,
+                act_mb,
+                I,
+                post_w_ptr,
+                zero,
+                tag,
+                health_ptr,
+                bad_code,
+                I,
+                W,
+                WP,
+                D_BN,
+                D_BK,
+                2,
+                False,
+                FP8,
+                ONE_PLUS,
+                NUM_STAGES,
+                D_SPLIT,
             )
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
@@ -188,8 +352,33 @@ def k2_kernel(
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
                 budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
             for r in range(first, W, NPROG):
-                _final_task(r, d_mb, h_mb, mlp_post_w_ptr, out_ptr, eps, nan_fault, tag, health_ptr, bad_code,
-                            nf_code, HIDDEN, HP, ONE_PLUS)
+                _final_task(
+                    r,
+                    d_mb,
+                    h_mb,
+                    mlp_post_w_ptr,
+                    out_ptr,
+                    eps,
+                    nan_fault,
+                    tag,
+                    health_ptr,
+                    bad_code,
+                    nf_code,
+                    HIDDEN,
+                    HP,
+                    ONE_PLUS,
+                )
 
-    finish_launch(epoch_ptr, VP, NPROG, done_o, epoch * O_TASKS, done_post, epoch * W,
-                  done_gu, epoch * GU_TASKS, done_down, epoch * D_TASKS)
+    finish_launch(
+        epoch_ptr,
+        VP,
+        NPROG,
+        done_o,
+        epoch * O_TASKS,
+        done_post,
+        epoch * W,
+        done_gu,
+        epoch * GU_TASKS,
+        done_down,
+        epoch * D_TASKS,
+    )

@@ -73,16 +73,23 @@ def pack_layer(dims, l: int, w, device) -> _Layer:
     norm = w.attn_norm.to(device).contiguous()
     inv = torch.tensor(dims.rope_for_layer(l).inv_freq(dims.head_dim), dtype=torch.float32, device=device)
     return _Layer(
-        attn_norm=norm, wqkv=qkv_w, sqkv=qkv_s,
+        attn_norm=norm,
+        wqkv=qkv_w,
+        sqkv=qkv_s,
         q_norm=(w.q_norm if w.q_norm is not None else w.attn_norm).to(device).contiguous(),
         k_norm=(w.k_norm if w.k_norm is not None else w.attn_norm).to(device).contiguous(),
-        inv_freq=inv, window=dims.window_for_layer(l) or 0,
-        wo=w.o_proj.weight.to(device).contiguous(), so=_scale(w.o_proj, dummy).to(device),
+        inv_freq=inv,
+        window=dims.window_for_layer(l) or 0,
+        wo=w.o_proj.weight.to(device).contiguous(),
+        so=_scale(w.o_proj, dummy).to(device),
         post_norm=(w.attn_post_norm if w.attn_post_norm is not None else w.mlp_norm).to(device).contiguous(),
         mlp_norm=w.mlp_norm.to(device).contiguous(),
-        wg=w.gate_proj.weight.to(device).contiguous(), sg=_scale(w.gate_proj, dummy).to(device),
-        wu=w.up_proj.weight.to(device).contiguous(), su=_scale(w.up_proj, dummy).to(device),
-        wd=w.down_proj.weight.to(device).contiguous(), sd=_scale(w.down_proj, dummy).to(device),
+        wg=w.gate_proj.weight.to(device).contiguous(),
+        sg=_scale(w.gate_proj, dummy).to(device),
+        wu=w.up_proj.weight.to(device).contiguous(),
+        su=_scale(w.up_proj, dummy).to(device),
+        wd=w.down_proj.weight.to(device).contiguous(),
+        sd=_scale(w.down_proj, dummy).to(device),
         mlp_post_norm=(w.mlp_post_norm if w.mlp_post_norm is not None else w.mlp_norm).to(device).contiguous(),
     )
 
@@ -103,38 +110,83 @@ def kv_strides(kc: torch.Tensor, vc: torch.Tensor, dims, block_size: int) -> lis
     for name, t in (("key", kc), ("value", vc)):
         want = (t.shape[0], block_size, dims.num_kv_heads, dims.head_dim)
         if t.dim() != 4 or tuple(t.shape) != want:
-            raise ConfigError(f"triton kernels: KV {name} cache has shape {tuple(t.shape)}; expected "
-                              f"[blocks, {block_size}, {dims.num_kv_heads}, {dims.head_dim}]")
+            raise ConfigError(
+                f"triton kernels: KV {name} cache has shape {tuple(t.shape)}; expected "
+                f"[blocks, {block_size}, {dims.num_kv_heads}, {dims.head_dim}]"
+            )
         if t.dtype != torch.bfloat16:
             raise ConfigError(f"triton kernels: KV {name} cache is {t.dtype}; the kernels read bf16")
         if t.stride(3) != 1:
-            raise ConfigError(f"triton kernels: KV {name} cache's head_dim axis is strided ({t.stride(3)}); "
-                              "it must be contiguous")
+            raise ConfigError(
+                f"triton kernels: KV {name} cache's head_dim axis is strided ({t.stride(3)}); it must be contiguous"
+            )
         strides = [t.stride(0), t.stride(1), t.stride(2)]
         if any(st % KV_STRIDE_MULTIPLE for st in strides) or max(strides) >= 2**31:
-            raise ConfigError(f"triton kernels: KV {name} cache strides {tuple(t.stride())} must be multiples "
-                              f"of {KV_STRIDE_MULTIPLE} elements below 2**31")
+            raise ConfigError(
+                f"triton kernels: KV {name} cache strides {tuple(t.stride())} must be multiples "
+                f"of {KV_STRIDE_MULTIPLE} elements below 2**31"
+            )
         out += strides
     if kc.shape[0] != vc.shape[0]:
         raise ConfigError(f"triton kernels: KV key and value caches have {kc.shape[0]} and {vc.shape[0]} blocks")
     return out
 
 
-def k1_args(L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, health, layer: int, spin_limit: int,
-            stall: int, dims) -> list:
+def k1_args(
+    L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, health, layer: int, spin_limit: int, stall: int, dims
+) -> list:
     """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``)."""
     return [
-        x, L.attn_norm, L.wqkv, L.sqkv, L.q_norm, L.k_norm, L.inv_freq, kc, vc, *kv_st,
-        meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
-        out, scratch, health, L.window, layer, spin_limit, stall, float(dims.rms_norm_eps), float(dims.attn_scale),
+        x,
+        L.attn_norm,
+        L.wqkv,
+        L.sqkv,
+        L.q_norm,
+        L.k_norm,
+        L.inv_freq,
+        kc,
+        vc,
+        *kv_st,
+        meta.positions,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.block_tables.stride(0),
+        meta.seq_lens,
+        out,
+        scratch,
+        health,
+        L.window,
+        layer,
+        spin_limit,
+        stall,
+        float(dims.rms_norm_eps),
+        float(dims.attn_scale),
     ]
 
 
 def k2_args(L: _Layer, x, attn, out, scratch, health, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
     """Runtime arguments of ``k2_kernel`` in signature order."""
     return [
-        x, attn, L.wo, L.so, L.post_norm, L.mlp_norm, L.wg, L.sg, L.wu, L.su, L.wd, L.sd, L.mlp_post_norm,
-        out, scratch, health, layer, spin_limit, nan_fault, float(dims.rms_norm_eps),
+        x,
+        attn,
+        L.wo,
+        L.so,
+        L.post_norm,
+        L.mlp_norm,
+        L.wg,
+        L.sg,
+        L.wu,
+        L.su,
+        L.wd,
+        L.sd,
+        L.mlp_post_norm,
+        out,
+        scratch,
+        health,
+        layer,
+        spin_limit,
+        nan_fault,
+        float(dims.rms_norm_eps),
     ]
 
 
@@ -197,8 +249,10 @@ class TritonKernels(TwoLaunchKernels):
         out = {}
         for w in req.widths:
             srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target))
-            out[w] = (triton.compile(srcs["k1"], target=gpu, options=opts),
-                      triton.compile(srcs["k2"], target=gpu, options=opts))
+            out[w] = (
+                triton.compile(srcs["k1"], target=gpu, options=opts),
+                triton.compile(srcs["k2"], target=gpu, options=opts),
+            )
         return out
 
     def _run(self, which: int, width: int, args: list) -> None:
@@ -225,7 +279,9 @@ class TritonKernels(TwoLaunchKernels):
 
     def _kv_strides(self, layer: int, kv) -> list[int]:
         if kv.block_size != self.req.block_size:
-            raise ConfigError(f"triton kernels: built for KV block size {self.req.block_size}, cache has {kv.block_size}")
+            raise ConfigError(
+                f"triton kernels: built for KV block size {self.req.block_size}, cache has {kv.block_size}"
+            )
         return kv_strides(kv.key[layer], kv.value[layer], self.dims, self.req.block_size)
 
     def check_kv(self, kv) -> None:
@@ -236,15 +292,38 @@ class TritonKernels(TwoLaunchKernels):
         st = self._kv_strides(layer, kv)
         out = self.attn[width]
         kc, vc = kv.key[layer], kv.value[layer]
-        args = k1_args(self.layers[layer], x, kc, vc, st, meta, out, self.scratch,
-                       self.health_word, layer, self.spin_limit, stall, self.dims)
+        args = k1_args(
+            self.layers[layer],
+            x,
+            kc,
+            vc,
+            st,
+            meta,
+            out,
+            self.scratch,
+            self.health_word,
+            layer,
+            self.spin_limit,
+            stall,
+            self.dims,
+        )
         self._run(0, width, args)
         return out
 
     def _launch_k2(self, layer, x, attn, width, nan_fault=0):
         out = torch.empty(width, self.dims.hidden_size, dtype=torch.bfloat16, device=self.device)
-        args = k2_args(self.layers[layer], x, attn, out, self.scratch, self.health_word, layer, self.spin_limit,
-                       nan_fault, self.dims)
+        args = k2_args(
+            self.layers[layer],
+            x,
+            attn,
+            out,
+            self.scratch,
+            self.health_word,
+            layer,
+            self.spin_limit,
+            nan_fault,
+            self.dims,
+        )
         self._run(1, width, args)
         return out
 

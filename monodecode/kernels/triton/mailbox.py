@@ -117,8 +117,7 @@ def _misses(b1, n1, b2, n2, b3, n3, c0, i, tag, POLL: tl.constexpr, UNROLL: tl.c
 
 
 @triton.jit
-def wait_words(b1, n1, b2, n2, b3, n3, tag, budget, health_ptr, code,
-               POLL: tl.constexpr, UNROLL: tl.constexpr):
+def wait_words(b1, n1, b2, n2, b3, n3, tag, budget, health_ptr, code, POLL: tl.constexpr, UNROLL: tl.constexpr):
     """Wait until every word of b1[0:n1], b2[0:n2], b3[0:n3] carries ``tag``; returns the budget.
 
     The polled vectors are 1-D with POLL >= threads per program, so each word is checked by

@@ -28,8 +28,12 @@ VGPRS_PER_SIMD = 512
 REGS_PER_SM = 65536
 
 _TYPES = {
-    torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32",
-    torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e4m3fnuz: "*fp8e4b8",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e4m3fnuz: "*fp8e4b8",
 }
 
 
@@ -42,10 +46,24 @@ def _meta_layer(dims: ModelDims, weight_dtype: str):
         return torch.empty(16, dtype=dtype, device="meta")
 
     return _Layer(
-        attn_norm=t(torch.bfloat16), wqkv=t(wdt), sqkv=t(torch.float32), q_norm=t(torch.bfloat16),
-        k_norm=t(torch.bfloat16), inv_freq=t(torch.float32), window=0, wo=t(wdt), so=t(torch.float32),
-        post_norm=t(torch.bfloat16), mlp_norm=t(torch.bfloat16), wg=t(wdt), sg=t(torch.float32), wu=t(wdt),
-        su=t(torch.float32), wd=t(wdt), sd=t(torch.float32), mlp_post_norm=t(torch.bfloat16),
+        attn_norm=t(torch.bfloat16),
+        wqkv=t(wdt),
+        sqkv=t(torch.float32),
+        q_norm=t(torch.bfloat16),
+        k_norm=t(torch.bfloat16),
+        inv_freq=t(torch.float32),
+        window=0,
+        wo=t(wdt),
+        so=t(torch.float32),
+        post_norm=t(torch.bfloat16),
+        mlp_norm=t(torch.bfloat16),
+        wg=t(wdt),
+        sg=t(torch.float32),
+        wu=t(wdt),
+        su=t(torch.float32),
+        wd=t(wdt),
+        sd=t(torch.float32),
+        mlp_post_norm=t(torch.bfloat16),
     )
 
 
@@ -83,8 +101,9 @@ class _MetaMeta:
         self.seq_lens = torch.empty(width, dtype=torch.int32, device="meta")
 
 
-def kernel_sources(dims: ModelDims, weight_dtype: str, width: int, block_size: int, mplan: ModelPlan,
-                   target: Target) -> list[tuple[str, object]]:
+def kernel_sources(
+    dims: ModelDims, weight_dtype: str, width: int, block_size: int, mplan: ModelPlan, target: Target
+) -> list[tuple[str, object]]:
     """[(name, ASTSource)] of K1 and K2 for one width: what the launcher compiles on a GPU and
     the compile checks compile on a CPU (same constants, same argument order)."""
     from triton.compiler import ASTSource
@@ -99,10 +118,33 @@ def kernel_sources(dims: ModelDims, weight_dtype: str, width: int, block_size: i
     scratch = torch.empty(16, dtype=torch.int64, device="meta")
     health = torch.empty(2, dtype=torch.int32, device="meta")
     kv = bf(2, block_size, dims.num_kv_heads, dims.head_dim)
-    a1 = k1_args(L, bf(width, dims.hidden_size), kv, kv, kv_strides(kv, kv, dims, block_size), _MetaMeta(width),
-                 bf(width, dims.q_size), scratch, health, 0, 1000, 0, dims)
-    a2 = k2_args(L, bf(width, dims.hidden_size), bf(width, dims.q_size), bf(width, dims.hidden_size), scratch,
-                 health, 0, 1000, 0, dims)
+    a1 = k1_args(
+        L,
+        bf(width, dims.hidden_size),
+        kv,
+        kv,
+        kv_strides(kv, kv, dims, block_size),
+        _MetaMeta(width),
+        bf(width, dims.q_size),
+        scratch,
+        health,
+        0,
+        1000,
+        0,
+        dims,
+    )
+    a2 = k2_args(
+        L,
+        bf(width, dims.hidden_size),
+        bf(width, dims.q_size),
+        bf(width, dims.hidden_size),
+        scratch,
+        health,
+        0,
+        1000,
+        0,
+        dims,
+    )
     out = []
     for name, fn, args, consts in (("k1", k1_kernel, a1, c1), ("k2", k2_kernel, a2, c2)):
         sig, attrs = _signature(fn, args, consts)
@@ -149,8 +191,9 @@ def amd_resources(kernel: str, arch: str, width: int, num_warps: int, compiled) 
     regs = vgpr + agpr
     by_regs = VGPRS_PER_SIMD // max(1, -(-regs // 8) * 8) // waves_per_simd
     by_lds = LDS_LIMIT[arch] // lds if lds else 99
-    return Resources(kernel, arch, width, num_warps, regs, sgpr, spills, scratch, lds, LDS_LIMIT[arch],
-                     min(by_regs, by_lds), vspills)
+    return Resources(
+        kernel, arch, width, num_warps, regs, sgpr, spills, scratch, lds, LDS_LIMIT[arch], min(by_regs, by_lds), vspills
+    )
 
 
 def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resources:
@@ -160,8 +203,9 @@ def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resourc
     tmp = Path(f"/tmp/monodecode-{kernel}-{width}.ptx")
     tmp.write_text(ptx)
     ptxas = get_ptxas(90).path
-    res = subprocess.run([ptxas, "--gpu-name", "sm_90a", "-v", str(tmp), "-o", "/dev/null"],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [ptxas, "--gpu-name", "sm_90a", "-v", str(tmp), "-o", "/dev/null"], capture_output=True, text=True, check=True
+    )
     info = res.stderr + res.stdout
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info))
@@ -169,12 +213,20 @@ def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resourc
     lds = int(compiled.metadata.shared)
     by_regs = REGS_PER_SM // (regs * 32 * num_warps)
     by_lds = LDS_LIMIT["sm_90"] // lds if lds else 99
-    return Resources(kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"],
-                     min(by_regs, by_lds), spill)
+    return Resources(
+        kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"], min(by_regs, by_lds), spill
+    )
 
 
-def compile_width(dims: ModelDims, weight_dtype: str, width: int, arch: str, target: Target,
-                  block_size: int = 16, num_programs: int = 304) -> list[Resources]:
+def compile_width(
+    dims: ModelDims,
+    weight_dtype: str,
+    width: int,
+    arch: str,
+    target: Target,
+    block_size: int = 16,
+    num_programs: int = 304,
+) -> list[Resources]:
     """Compile K1 and K2 of one width for ``arch`` (gfx942 | gfx950 | sm_90); their resources."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -192,4 +244,3 @@ def compile_width(dims: ModelDims, weight_dtype: str, width: int, arch: str, tar
         else:
             out.append(cuda_resources(name, width, target.num_warps, compiled))
     return out
-

@@ -45,8 +45,12 @@ def _names(text: str) -> list[str]:
 
 
 def bench(
-    profile: str = typer.Option("llama3-1b,llama3-8b,gemma3-27b", "--profile", help="Model profiles (comma-separated)."),
-    fp8_profile: str = typer.Option("llama3-8b", "--fp8-profile", help="Profiles also timed with FP8 weights ('' for none)."),
+    profile: str = typer.Option(
+        "llama3-1b,llama3-8b,gemma3-27b", "--profile", help="Model profiles (comma-separated)."
+    ),
+    fp8_profile: str = typer.Option(
+        "llama3-8b", "--fp8-profile", help="Profiles also timed with FP8 weights ('' for none)."
+    ),
     batch: str = typer.Option("1,8", "--batch", help="Rows per decode step (comma-separated, 1..16)."),
     context: int = typer.Option(1024, "--context", help="Context length of every row."),
     layers: int = typer.Option(0, "--layers", help="Time only the first N layers (0: all)."),
@@ -65,9 +69,13 @@ def bench(
         emit_json(doc)
         return
     con = console()
-    con.print(table(f"decode step on {doc['gpu']} ({doc['read_bandwidth_gbs']:.0f} GB/s read), context {context}",
-                    ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline", "vs stock graph"],
-                    report_rows(harness, doc)))
+    con.print(
+        table(
+            f"decode step on {doc['gpu']} ({doc['read_bandwidth_gbs']:.0f} GB/s read), context {context}",
+            ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline", "vs stock graph"],
+            report_rows(harness, doc),
+        )
+    )
     con.print(f"triton never slower than the stock graph: {doc['summary']['never_slower_than_stock']}")
     con.print("\n".join(doc["paths"]))
 
@@ -77,9 +85,18 @@ def report_rows(harness: ModuleType, doc: dict) -> list[tuple]:
     rows = []
     for r in doc["results"]:
         frac = r.get("fraction_of_roofline")
-        rows.append((r["profile"], r["weight_dtype"], r["batch"], harness.LABELS.get(r["backend"], r["backend"]),
-                     harness._ms(r), f"{r['roofline_ms']:.3f}", f"{100 * frac:.1f}%" if frac else "n/a",
-                     harness._ratio(harness._find(doc["results"], r, "stock-graph"), r)))
+        rows.append(
+            (
+                r["profile"],
+                r["weight_dtype"],
+                r["batch"],
+                harness.LABELS.get(r["backend"], r["backend"]),
+                harness._ms(r),
+                f"{r['roofline_ms']:.3f}",
+                f"{100 * frac:.1f}%" if frac else "n/a",
+                harness._ratio(harness._find(doc["results"], r, "stock-graph"), r),
+            )
+        )
     return rows
 
 

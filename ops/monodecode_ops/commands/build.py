@@ -120,8 +120,12 @@ def find_source(source: Path | None) -> Path:
 
 def _vcs_ref(source: Path) -> str:
     try:
-        out = subprocess.run(["git", "-C", str(source), "describe", "--always", "--dirty", "--abbrev=12"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(source), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
@@ -180,13 +184,27 @@ def make_plan(
     plans = []
     for arch in arch_list:
         base = base_image or BASE_IMAGES[arch].ref
-        plans.append(ArchPlan(
-            arch=arch, base_image=base, tag=image_ref(repository, registry, tag, arch),
-            build_args={"BASE_IMAGE": base, "GFX_ARCH": arch, "PROFILES": ",".join(profile_list)},
-        ))
-    return BuildPlan(source=str(src), archs=plans, profiles=profile_list, network=network, push=push,
-                     pull_base=pull_base, ca_bundle=ca, extras=extras, pip_index_url=pip_index_url,
-                     vcs_ref=_vcs_ref(src), source_url=source_url)
+        plans.append(
+            ArchPlan(
+                arch=arch,
+                base_image=base,
+                tag=image_ref(repository, registry, tag, arch),
+                build_args={"BASE_IMAGE": base, "GFX_ARCH": arch, "PROFILES": ",".join(profile_list)},
+            )
+        )
+    return BuildPlan(
+        source=str(src),
+        archs=plans,
+        profiles=profile_list,
+        network=network,
+        push=push,
+        pull_base=pull_base,
+        ca_bundle=ca,
+        extras=extras,
+        pip_index_url=pip_index_url,
+        vcs_ref=_vcs_ref(src),
+        source_url=source_url,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +225,8 @@ def build_context(plan: BuildPlan):
 
     source = Path(plan.source)
     patterns = [
-        line.strip() for line in (source / DOCKERIGNORE).read_text().splitlines()
+        line.strip()
+        for line in (source / DOCKERIGNORE).read_text().splitlines()
         if line.strip() and not line.lstrip().startswith("#")
     ]
     files = sorted(exclude_paths(str(source), patterns, dockerfile=DOCKERFILE))
@@ -231,11 +250,15 @@ def ensure_base(client, ref: str, pull: bool) -> BaseInfo:
         image = client.images.get(ref)
     except docker.errors.ImageNotFound:
         if not pull:
-            raise ImageError(f"base image {ref} is not in the Docker engine (pull it first, or drop --no-pull)") from None
+            raise ImageError(
+                f"base image {ref} is not in the Docker engine (pull it first, or drop --no-pull)"
+            ) from None
         try:
             image = client.images.pull(img.pull_ref(ref))
         except docker.errors.APIError as e:
-            raise ImageError(f"base image {ref} is not in the Docker engine and pulling it failed: {img._reason(e)}") from None
+            raise ImageError(
+                f"base image {ref} is not in the Docker engine and pulling it failed: {img._reason(e)}"
+            ) from None
     except docker.errors.APIError as e:
         raise ImageError(f"cannot look up base image {ref}: {img._reason(e)}") from None
     if "@" in ref:
@@ -264,8 +287,20 @@ def _one_line(s: str, limit: int = 240) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def run_build(client, context, *, arch: str, target: str, tag: str | None, build_args: dict[str, str],
-              labels: dict[str, str] | None, network: str, progress: Progress, task, offset: int) -> tuple[str, int]:
+def run_build(
+    client,
+    context,
+    *,
+    arch: str,
+    target: str,
+    tag: str | None,
+    build_args: dict[str, str],
+    labels: dict[str, str] | None,
+    network: str,
+    progress: Progress,
+    task,
+    offset: int,
+) -> tuple[str, int]:
     """One ``docker build`` through the SDK; returns (image id, steps it had)."""
     import docker
 
@@ -274,8 +309,17 @@ def run_build(client, context, *, arch: str, target: str, tag: str | None, build
     image_id = None
     try:
         stream = client.api.build(
-            fileobj=context, custom_context=True, dockerfile=DOCKERFILE, target=target, tag=tag,
-            buildargs=build_args, labels=labels, network_mode=network, rm=True, forcerm=True, decode=True,
+            fileobj=context,
+            custom_context=True,
+            dockerfile=DOCKERFILE,
+            target=target,
+            tag=tag,
+            buildargs=build_args,
+            labels=labels,
+            network_mode=network,
+            rm=True,
+            forcerm=True,
+            decode=True,
             pull=False,
         )
         for chunk in stream:
@@ -299,8 +343,12 @@ def run_build(client, context, *, arch: str, target: str, tag: str | None, build
                 if m:
                     st.step_no, st.steps, st.step = int(m.group(1)), int(m.group(2)), m.group(3)
                     st.tail.clear()
-                    progress.update(task, total=offset + st.steps, completed=offset + st.step_no - 1,
-                                    description=_one_line(f"{target}: {st.step}", 70))
+                    progress.update(
+                        task,
+                        total=offset + st.steps,
+                        completed=offset + st.step_no - 1,
+                        description=_one_line(f"{target}: {st.step}", 70),
+                    )
                 else:
                     st.tail.append(line)
                     mm = re.match(r"^Successfully built ([0-9a-f]+)$", line.strip())
@@ -388,21 +436,46 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
     context = build_context(plan)
     results = []
     err = console(stderr=True)
-    columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[arch]}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
-               TextColumn("{task.description}"))
+    columns = (
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[arch]}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} steps"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    )
     try:
         with Progress(*columns, console=err, transient=False) as progress:
             for p in plan.archs:
                 task = progress.add_task("waiting", arch=p.arch, total=None)
                 base = bases[p.base_image]
-                stage_id, n1 = run_build(client, context, arch=p.arch, target="artifacts", tag=None,
-                                         build_args=p.build_args, labels=None, network=plan.network,
-                                         progress=progress, task=task, offset=0)
+                stage_id, n1 = run_build(
+                    client,
+                    context,
+                    arch=p.arch,
+                    target="artifacts",
+                    tag=None,
+                    build_args=p.build_args,
+                    labels=None,
+                    network=plan.network,
+                    progress=progress,
+                    task=task,
+                    offset=0,
+                )
                 info = read_build_outputs(client, stage_id)
-                image_id, _ = run_build(client, context, arch=p.arch, target="final", tag=p.tag,
-                                        build_args=p.build_args, labels=image_labels(plan, p, info, base),
-                                        network=plan.network, progress=progress, task=task, offset=n1)
+                image_id, _ = run_build(
+                    client,
+                    context,
+                    arch=p.arch,
+                    target="final",
+                    tag=p.tag,
+                    build_args=p.build_args,
+                    labels=image_labels(plan, p, info, base),
+                    network=plan.network,
+                    progress=progress,
+                    task=task,
+                    offset=n1,
+                )
                 progress.update(task, description=f"built {p.tag}")
                 pushed = False
                 if plan.push:
@@ -411,10 +484,18 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
                     pushed = True
                     progress.update(task, description=f"pushed {p.tag}")
                 labels = client.images.get(image_id).labels or {}
-                results.append({
-                    "arch": p.arch, "tag": p.tag, "id": image_id, "base_image": p.base_image,
-                    "base_digest": base.digest, "pushed": pushed, "labels": labels, "image_info": info,
-                })
+                results.append(
+                    {
+                        "arch": p.arch,
+                        "tag": p.tag,
+                        "id": image_id,
+                        "base_image": p.base_image,
+                        "base_digest": base.digest,
+                        "pushed": pushed,
+                        "labels": labels,
+                        "image_info": info,
+                    }
+                )
     finally:
         context.close()
     return results
@@ -427,17 +508,22 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
 def build(
     arch: list[str] = typer.Option(["all"], "--arch", "-a", help="gfx942, gfx950 or all (repeatable)."),
     base_image: Optional[str] = typer.Option(
-        None, "--base-image", help="Base image for every arch (default: the pinned ROCm vLLM image of each arch)."),
-    profile: list[str] = typer.Option(list(DEFAULT_PROFILES), "--profile", "-p",
-                                      help="Model profile to precompile kernels for (repeatable)."),
+        None, "--base-image", help="Base image for every arch (default: the pinned ROCm vLLM image of each arch)."
+    ),
+    profile: list[str] = typer.Option(
+        list(DEFAULT_PROFILES), "--profile", "-p", help="Model profile to precompile kernels for (repeatable)."
+    ),
     repository: str = typer.Option(DEFAULT_REPOSITORY, "--repository", help="Image repository name."),
     registry: Optional[str] = typer.Option(None, "--registry", help="Registry host[/namespace] to tag (and push) for."),
-    tag: Optional[str] = typer.Option(None, "--tag", help="Tag stem (default: the monodecode version); -ARCH is appended."),
+    tag: Optional[str] = typer.Option(
+        None, "--tag", help="Tag stem (default: the monodecode version); -ARCH is appended."
+    ),
     push: bool = typer.Option(False, "--push", help="Push each image after it is built (needs --registry)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and build nothing."),
     network: str = typer.Option("host", "--network", help="Network for RUN steps (host works without a bridge)."),
     ca_bundle: Optional[Path] = typer.Option(
-        None, "--ca-bundle", help="Extra CA bundle for pip in the build (not shipped in the image)."),
+        None, "--ca-bundle", help="Extra CA bundle for pip in the build (not shipped in the image)."
+    ),
     pip_index_url: Optional[str] = typer.Option(None, "--pip-index-url", help="Python package index for the build."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Pull a base image the engine does not have."),
     extras: str = typer.Option("ops,flydsl", "--extras", help="monodecode extras to install in the image."),
@@ -447,9 +533,20 @@ def build(
 ) -> None:
     """Build the monodecode image for each arch (Docker SDK), label it, optionally push it."""
     plan = make_plan(
-        archs=arch, base_image=base_image, profiles=profile, repository=repository, registry=registry,
-        tag=tag, push=push, network=network, ca_bundle=ca_bundle, pip_index_url=pip_index_url,
-        pull_base=pull, extras=extras, source=source, source_url=source_url,
+        archs=arch,
+        base_image=base_image,
+        profiles=profile,
+        repository=repository,
+        registry=registry,
+        tag=tag,
+        push=push,
+        network=network,
+        ca_bundle=ca_bundle,
+        pip_index_url=pip_index_url,
+        pull_base=pull,
+        extras=extras,
+        source=source,
+        source_url=source_url,
     )
     if dry_run:
         if as_json:
@@ -458,21 +555,36 @@ def build(
         rows = []
         for p in plan.archs:
             rows += [(p.arch, "tag", p.tag), ("", "base image", p.base_image)]
-        rows += [("all", "profiles", ",".join(plan.profiles)), ("", "push", "yes" if plan.push else "no"),
-                 ("", "source", f"{plan.source} ({plan.vcs_ref})"), ("", "RUN network", plan.network),
-                 ("", "extras", plan.extras), ("", "pip index", plan.pip_index_url or "default"),
-                 ("", "CA bundle", plan.ca_bundle or "none")]
+        rows += [
+            ("all", "profiles", ",".join(plan.profiles)),
+            ("", "push", "yes" if plan.push else "no"),
+            ("", "source", f"{plan.source} ({plan.vcs_ref})"),
+            ("", "RUN network", plan.network),
+            ("", "extras", plan.extras),
+            ("", "pip index", plan.pip_index_url or "default"),
+            ("", "CA bundle", plan.ca_bundle or "none"),
+        ]
         print_table("build plan (dry run: nothing is built)", ["arch", "setting", "value"], rows)
         return
     results = execute(plan)
     if as_json:
         emit_json({"images": results})
         return
-    print_table("built images", ["arch", "tag", "image id", "backends", "build keys", "pushed"], [
-        (r["arch"], r["tag"], r["id"].split(":")[-1][:12], r["labels"].get(img.L_BACKENDS, ""),
-         len([k for k in r["labels"].get(img.L_BUILD_KEYS, "").split(",") if k]), "yes" if r["pushed"] else "no")
-        for r in results
-    ])
+    print_table(
+        "built images",
+        ["arch", "tag", "image id", "backends", "build keys", "pushed"],
+        [
+            (
+                r["arch"],
+                r["tag"],
+                r["id"].split(":")[-1][:12],
+                r["labels"].get(img.L_BACKENDS, ""),
+                len([k for k in r["labels"].get(img.L_BUILD_KEYS, "").split(",") if k]),
+                "yes" if r["pushed"] else "no",
+            )
+            for r in results
+        ],
+    )
     console().print("check one: monodecode-ops inspect TAG; monodecode-ops verify --image TAG")
 
 

@@ -42,13 +42,26 @@ def inspect(
         con.print(f"[bold red]manifest unreadable:[/] {c.manifest_error}")
     else:
         problems = dict(c.artifact_problems)
-        con.print(table(
-            f"artifacts in {lab.artifact_dir} (manifest {c.manifest_digest[:19]}...)",
-            ["build key", "backend", "arch", "profile", "widths", "files", "bytes", "compiler", "check"],
-            [(e.build_key[:16], e.backend, e.arch, e.profile or "-", ",".join(map(str, e.widths)), len(e.files),
-              sum(f.bytes for f in e.files), f"{e.compiler['name']} {e.compiler['version']}",
-              problems.get(e.build_key) or "sha256 ok") for e in c.entries],
-        ))
+        con.print(
+            table(
+                f"artifacts in {lab.artifact_dir} (manifest {c.manifest_digest[:19]}...)",
+                ["build key", "backend", "arch", "profile", "widths", "files", "bytes", "compiler", "check"],
+                [
+                    (
+                        e.build_key[:16],
+                        e.backend,
+                        e.arch,
+                        e.profile or "-",
+                        ",".join(map(str, e.widths)),
+                        len(e.files),
+                        sum(f.bytes for f in e.files),
+                        f"{e.compiler['name']} {e.compiler['version']}",
+                        problems.get(e.build_key) or "sha256 ok",
+                    )
+                    for e in c.entries
+                ],
+            )
+        )
         if not c.entries:
             con.print(f"no ahead-of-time artifacts baked (backends: {', '.join(lab.backends)})")
         if c.manifest_digest != lab.manifest_digest:

@@ -72,16 +72,47 @@ def register(app: typer.Typer) -> None:
 
         from monodecode.kernels.flydsl.bake import precompile
 
-        entry, table = precompile(ArtifactStore(out), arch, dims, ws, weight_dtype, block_size,
-                                  profile=profile or dims.architecture, tp_size=tp_size)
-        result = {"build_key": entry.build_key, "arch": arch, "profile": entry.profile, "widths": list(entry.widths),
-                  "weight_dtype": weight_dtype, "tp_size": tp_size, "manifest": str(out / "manifest.json"),
-                  "files": len(entry.files), "isa": table}
+        entry, table = precompile(
+            ArtifactStore(out),
+            arch,
+            dims,
+            ws,
+            weight_dtype,
+            block_size,
+            profile=profile or dims.architecture,
+            tp_size=tp_size,
+        )
+        result = {
+            "build_key": entry.build_key,
+            "arch": arch,
+            "profile": entry.profile,
+            "widths": list(entry.widths),
+            "weight_dtype": weight_dtype,
+            "tp_size": tp_size,
+            "manifest": str(out / "manifest.json"),
+            "files": len(entry.files),
+            "isa": table,
+        }
         if as_json:
             emit_json(result)
             return
-        print_table(f"flydsl {arch} {entry.profile} ({weight_dtype}, TP {tp_size}): ISA budgets",
-                    ["kernel", "width", "VGPR", "AGPR", "SGPR", "spills", "scratch", "LDS", "waves/SIMD", "grid"],
-                    [[r["kernel"], r["width"], r["vgprs"], r["agprs"], r["sgprs"], r["spills"], r["scratch"],
-                      f"{r['lds']}/{r['lds_limit']}", r["waves_per_simd"], f"{r['grid']}/{r['cus']}"] for r in table])
+        print_table(
+            f"flydsl {arch} {entry.profile} ({weight_dtype}, TP {tp_size}): ISA budgets",
+            ["kernel", "width", "VGPR", "AGPR", "SGPR", "spills", "scratch", "LDS", "waves/SIMD", "grid"],
+            [
+                [
+                    r["kernel"],
+                    r["width"],
+                    r["vgprs"],
+                    r["agprs"],
+                    r["sgprs"],
+                    r["spills"],
+                    r["scratch"],
+                    f"{r['lds']}/{r['lds_limit']}",
+                    r["waves_per_simd"],
+                    f"{r['grid']}/{r['cus']}",
+                ]
+                for r in table
+            ],
+        )
         console().print(f"build key {entry.build_key}  ({len(entry.files)} files) -> {out / 'manifest.json'}")

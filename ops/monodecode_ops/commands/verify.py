@@ -50,7 +50,11 @@ def node_checks(platform: Any, require_gpu: bool) -> list[Check]:
     from monodecode.runtime.platform import SUPPORTED_AMD_ARCHS
 
     p = platform
-    facts = [p.label, p.name, f"{p.compute_units} {'CUs' if p.kind == 'rocm' else 'SMs' if p.kind == 'cuda' else 'logical CPUs'}"]
+    facts = [
+        p.label,
+        p.name,
+        f"{p.compute_units} {'CUs' if p.kind == 'rocm' else 'SMs' if p.kind == 'cuda' else 'logical CPUs'}",
+    ]
     if p.partition_mode:
         facts.append(f"partition {p.partition_mode}")
     if p.driver:
@@ -60,19 +64,43 @@ def node_checks(platform: Any, require_gpu: bool) -> list[Check]:
         if p.arch in SUPPORTED_AMD_ARCHS:
             checks.append(Check.passed("gpu", f"supported AMD GPU {p.arch}"))
         else:
-            checks.append(Check("gpu", "fail", f"AMD GPU {p.arch} is not a supported arch ({', '.join(SUPPORTED_AMD_ARCHS)})", required=require_gpu))
+            checks.append(
+                Check(
+                    "gpu",
+                    "fail",
+                    f"AMD GPU {p.arch} is not a supported arch ({', '.join(SUPPORTED_AMD_ARCHS)})",
+                    required=require_gpu,
+                )
+            )
         if not p.torch_usable:
-            checks.append(Check("gpu_torch", "fail", "the GPU is visible in sysfs but torch cannot use it (CPU build of torch or no /dev/kfd access)", required=require_gpu))
+            checks.append(
+                Check(
+                    "gpu_torch",
+                    "fail",
+                    "the GPU is visible in sysfs but torch cannot use it (CPU build of torch or no /dev/kfd access)",
+                    required=require_gpu,
+                )
+            )
         if p.partition_mode and p.partition_mode != "SPX":
-            checks.append(Check("partition_mode", "fail", f"compute partition {p.partition_mode}: persistent kernels need the whole GPU (SPX)", required=require_gpu))
+            checks.append(
+                Check(
+                    "partition_mode",
+                    "fail",
+                    f"compute partition {p.partition_mode}: persistent kernels need the whole GPU (SPX)",
+                    required=require_gpu,
+                )
+            )
         elif p.partition_mode:
             checks.append(Check.passed("partition_mode", "SPX (whole GPU)"))
     elif p.kind == "cuda":
         checks.append(Check.passed("gpu", f"NVIDIA GPU {p.name} ({p.arch}): triton backend"))
     else:
         why = "no GPU found (torch sees none, no KFD topology in sysfs, no amd-smi)"
-        checks.append(Check.failure("gpu", why + "; --require-gpu was given") if require_gpu
-                      else Check.skipped("gpu", why + "; GPU checks skipped", required=False))
+        checks.append(
+            Check.failure("gpu", why + "; --require-gpu was given")
+            if require_gpu
+            else Check.skipped("gpu", why + "; GPU checks skipped", required=False)
+        )
     return checks
 
 
@@ -149,14 +177,19 @@ def self_test(
 
     checks: list[Check] = []
     info: dict[str, Any] = {}
-    cfg = MonoConfig.from_dict({"enabled": True, "on_refusal": "degrade", "allow_jit": True, **cfg_overrides},
-                               where="verify options")
+    cfg = MonoConfig.from_dict(
+        {"enabled": True, "on_refusal": "degrade", "allow_jit": True, **cfg_overrides}, where="verify options"
+    )
     t0 = time.perf_counter()
     label, model_dir, dims, weights = _load_model(model, weight_dtype, platform.torch_device)
-    checks.append(Check.passed(
-        "model", f"{label}: {dims.architecture}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
-        f"{weight_dtype} weights on {platform.torch_device} ({time.perf_counter() - t0:.1f} s)",
-        data={"model_dir": str(model_dir), "dims_digest": dims.digest()}))
+    checks.append(
+        Check.passed(
+            "model",
+            f"{label}: {dims.architecture}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
+            f"{weight_dtype} weights on {platform.torch_device} ({time.perf_counter() - t0:.1f} s)",
+            data={"model_dir": str(model_dir), "dims_digest": dims.digest()},
+        )
+    )
 
     metrics = get_metrics()
     before = _scrape(exporter.url)
@@ -169,16 +202,26 @@ def self_test(
     info["runner"] = runner.summary()
     backend = runner.backend.name if runner.backend else "none"
     if runner.enabled:
-        checks.append(Check.passed("refusal rules", f"backend {backend}: no refusal reasons (build key {runner.build_key[:16]})"))
+        checks.append(
+            Check.passed("refusal rules", f"backend {backend}: no refusal reasons (build key {runner.build_key[:16]})")
+        )
     else:
         checks.append(Check.failure("refusal rules", f"backend {backend} refused: " + "; ".join(runner.reasons)))
     w = runner.warmup
     if w is not None:
         per = ", ".join(f"w{x.width}: {x.max_abs_error:.3g}" for x in w.widths)
-        detail = (f"{backend} vs reference, every layer, widths {','.join(str(x.width) for x in w.widths)}: "
-                  f"max abs error {w.max_abs_error:.3g} ({per}); {w.duration_s:.2f} s")
-        checks.append(Check("warm-up golden check", "pass" if w.passed else "fail", detail,
-                            data={"max_abs_error": w.max_abs_error, "duration_s": w.duration_s}))
+        detail = (
+            f"{backend} vs reference, every layer, widths {','.join(str(x.width) for x in w.widths)}: "
+            f"max abs error {w.max_abs_error:.3g} ({per}); {w.duration_s:.2f} s"
+        )
+        checks.append(
+            Check(
+                "warm-up golden check",
+                "pass" if w.passed else "fail",
+                detail,
+                data={"max_abs_error": w.max_abs_error, "duration_s": w.duration_s},
+            )
+        )
     elif runner.enabled is False and runner.backend is not None:
         checks.append(Check.skipped("warm-up golden check", "not run: the deployment was refused", required=False))
     for note in runner.notes:
@@ -190,37 +233,71 @@ def self_test(
     info["steps"] = [s.__dict__ for s in result.steps]
     if result.failstop is not None:
         ev = result.failstop
-        checks.append(Check.failure(
-            "decode", f"fail-stop at step {ev.step} (site {ev.site}"
-            f"{', layer ' + str(ev.layer) if ev.layer is not None else ''}): no token was returned for it; "
-            f"marker {runner.recorder.marker_path}"))
+        checks.append(
+            Check.failure(
+                "decode",
+                f"fail-stop at step {ev.step} (site {ev.site}"
+                f"{', layer ' + str(ev.layer) if ev.layer is not None else ''}): no token was returned for it; "
+                f"marker {runner.recorder.marker_path}",
+            )
+        )
         return checks, info
     wrong = [s for s in result.steps if not s.as_expected]
     mismatch = [s for s in result.steps if not s.tokens_match]
     if wrong:
         s = wrong[0]
-        checks.append(Check.failure("step decisions", f"step '{s.name}' took {s.path}/{s.reason}, expected {s.expected_path}/{s.expected_reason}"))
+        checks.append(
+            Check.failure(
+                "step decisions",
+                f"step '{s.name}' took {s.path}/{s.reason}, expected {s.expected_path}/{s.expected_reason}",
+            )
+        )
     else:
         n_mono = sum(1 for s in result.steps if s.path == "mono")
-        checks.append(Check.passed("step decisions", f"{len(result.steps)} steps: {n_mono} mono, {len(result.steps) - n_mono} fallback, each as expected"))
+        checks.append(
+            Check.passed(
+                "step decisions",
+                f"{len(result.steps)} steps: {n_mono} mono, {len(result.steps) - n_mono} fallback, each as expected",
+            )
+        )
     if mismatch:
         s = mismatch[0]
-        checks.append(Check.failure("decode vs reference", f"step '{s.name}': logits differ by {s.max_abs_logit_diff:.3g} or greedy tokens differ"))
+        checks.append(
+            Check.failure(
+                "decode vs reference",
+                f"step '{s.name}': logits differ by {s.max_abs_logit_diff:.3g} or greedy tokens differ",
+            )
+        )
     else:
-        checks.append(Check.passed("decode vs reference", f"{result.tokens_emitted} tokens identical to the reference; max |logit diff| {result.max_abs_logit_diff:.3g}"))
+        checks.append(
+            Check.passed(
+                "decode vs reference",
+                f"{result.tokens_emitted} tokens identical to the reference; max |logit diff| {result.max_abs_logit_diff:.3g}",
+            )
+        )
 
     # fallback accounting, read back over HTTP from the exporter
     after = _scrape(exporter.url)
     exp = result.expected_counts()
-    got = {p: _value(after, "monodecode_steps_total", path=p) - _value(before, "monodecode_steps_total", path=p)
-           for p in ("mono", "fallback")}
+    got = {
+        p: _value(after, "monodecode_steps_total", path=p) - _value(before, "monodecode_steps_total", path=p)
+        for p in ("mono", "fallback")
+    }
     for r in FALLBACK_REASONS:
-        got[r] = _value(after, "monodecode_fallback_steps_total", reason=r) - _value(before, "monodecode_fallback_steps_total", reason=r)
+        got[r] = _value(after, "monodecode_fallback_steps_total", reason=r) - _value(
+            before, "monodecode_fallback_steps_total", reason=r
+        )
     want = {k: float(exp.get(k, 0)) for k in got}
     reasons = ", ".join(f"{r} {int(got[r])}" for r in FALLBACK_REASONS if got[r])
     text = f"mono {int(got['mono'])}, fallback {int(got['fallback'])} ({reasons or 'none'}) scraped from {exporter.url}"
-    checks.append(Check("fallback accounting", "pass" if got == want else "fail",
-                        text if got == want else text + f"; expected {want}", data={"counted": got}))
+    checks.append(
+        Check(
+            "fallback accounting",
+            "pass" if got == want else "fail",
+            text if got == want else text + f"; expected {want}",
+            data={"counted": got},
+        )
+    )
     return checks, info
 
 
@@ -243,17 +320,30 @@ def endpoint_checks(url: str) -> list[Check]:
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         return [Check.failure("endpoint", f"cannot scrape {target}: {reason}")]
-    families = {n[: -len(sfx)] if n.endswith(sfx) else n for n in samples
-                for sfx in ("_bucket", "_count", "_sum", "_created", "") if n.endswith(sfx)}
+    families = {
+        n[: -len(sfx)] if n.endswith(sfx) else n
+        for n in samples
+        for sfx in ("_bucket", "_count", "_sum", "_created", "")
+        if n.endswith(sfx)
+    }
     missing = [n for n in REQUIRED_SERIES if n not in families and n not in samples]
     if missing:
-        return [Check.failure("endpoint", f"{target} lacks {', '.join(missing)} (is mono decode installed and the plugin loaded?)")]
+        return [
+            Check.failure(
+                "endpoint", f"{target} lacks {', '.join(missing)} (is mono decode installed and the plugin loaded?)"
+            )
+        ]
     enabled = samples.get("monodecode_enabled", {})
     mono = _value(samples, "monodecode_steps_total", path="mono")
     fb = _value(samples, "monodecode_steps_total", path="fallback")
     en = ", ".join(str(int(v)) for v in enabled.values()) or "?"
-    return [Check.passed("endpoint", f"{target}: monodecode series present; enabled={en}, steps mono {int(mono)} / fallback {int(fb)}",
-                         data={"url": target, "enabled": list(enabled.values()), "mono": mono, "fallback": fb})]
+    return [
+        Check.passed(
+            "endpoint",
+            f"{target}: monodecode series present; enabled={en}, steps mono {int(mono)} / fallback {int(fb)}",
+            data={"url": target, "enabled": list(enabled.values()), "mono": mono, "fallback": fb},
+        )
+    ]
 
 
 # ---- command ---------------------------------------------------------------------------------
@@ -262,21 +352,39 @@ def endpoint_checks(url: str) -> list[Check]:
 def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify(
-        model: Optional[Path] = typer.Option(None, "--model", help="HF model directory (default: the embedded tiny model)."),
+        model: Optional[Path] = typer.Option(
+            None, "--model", help="HF model directory (default: the embedded tiny model)."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
         require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail when no supported GPU is present."),
-        metrics_port: int = typer.Option(0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."),
-        endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Also check a live server's /metrics, e.g. http://vllm:8000/metrics."),
-        image: Optional[str] = typer.Option(None, "--image", help="Also check that IMAGE's labels and artifacts fit this node."),
-        self_test_on: bool = typer.Option(True, "--self-test/--no-self-test", help="Run the runner lifecycle and decode self-test."),
+        metrics_port: int = typer.Option(
+            0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."
+        ),
+        endpoint: Optional[str] = typer.Option(
+            None, "--endpoint", help="Also check a live server's /metrics, e.g. http://vllm:8000/metrics."
+        ),
+        image: Optional[str] = typer.Option(
+            None, "--image", help="Also check that IMAGE's labels and artifacts fit this node."
+        ),
+        self_test_on: bool = typer.Option(
+            True, "--self-test/--no-self-test", help="Run the runner lifecycle and decode self-test."
+        ),
         backend: str = typer.Option("auto", "--backend", help="Kernel backend: auto, flydsl, triton or reference."),
         widths: Optional[str] = typer.Option(None, "--widths", help="Step widths to build, e.g. 1,2,4,8."),
         weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16, fp8 or fp8_fnuz."),
         block_size: int = typer.Option(16, "--block-size", help="KV cache block size."),
-        artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."),
-        failstop_dir: Optional[Path] = typer.Option(None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."),
-        serve_seconds: float = typer.Option(0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."),
-        wait_timeout_s: float = typer.Option(10.0, "--wait-timeout-s", help="Bound on every kernel wait (fail-stop drills use a short one)."),
+        artifact_dir: Optional[Path] = typer.Option(
+            None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."
+        ),
+        failstop_dir: Optional[Path] = typer.Option(
+            None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."
+        ),
+        serve_seconds: float = typer.Option(
+            0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."
+        ),
+        wait_timeout_s: float = typer.Option(
+            10.0, "--wait-timeout-s", help="Bound on every kernel wait (fail-stop drills use a short one)."
+        ),
     ) -> None:
         """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and optionally check an image and a live server's metrics."""
         from monodecode.metrics import start_exporter
@@ -330,7 +438,9 @@ def register(app: typer.Typer) -> None:
                 try:
                     from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
                 except ImportError as e:
-                    raise MonodecodeError(f"--image needs monodecode_ops.images, which cannot be imported: {e}") from None
+                    raise MonodecodeError(
+                        f"--image needs monodecode_ops.images, which cannot be imported: {e}"
+                    ) from None
                 image_dims = None
                 if model is not None:  # only an explicit model is checked against the image's artifacts
                     from monodecode.model import load_dims
