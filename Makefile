@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 VLLM_BIN := $(dir $(VENV)).venv-vllm/bin
 VLLM_PYTEST_ARGS ?=
 
-.PHONY: run test venv test-deps system-deps clean
+.PHONY: run test lint venv test-deps system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,14 @@ test-deps: system-deps venv
 	$(PIP) install -e '.[ops,dev,flydsl,triton]' '$(TORCH_SPEC)'
 	scripts/setup-toolchains.sh $(VENV)
 
+# Style and the import contract (pyproject.toml: [tool.ruff], [tool.importlinter]).
+lint: test-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	cd $(CURDIR) && PYTHONPATH=ops $(BIN)/lint-imports
+
 # Both suites always run (the main one skips tests/vllm); the target fails if either fails.
-test: test-deps
+test: test-deps lint
 	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_ARGS) || rc=1; \
 	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python
 

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from monodecode.errors import MonodecodeError
-from monodecode.kernels.base import BuildRequest, decode_health
+from monodecode.kernels.base import BuildRequest
+from monodecode.kernels.health import decode_health
 from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import PROFILES, profile_dims
@@ -161,7 +162,7 @@ def bench_config(
 ) -> list[dict]:
     from monodecode.kernels.triton.backend import TritonBackend
     from monodecode.kernels.triton.launch import _Meta
-    from monodecode.runtime.platform import detect_platform
+    from monodecode.services.platform import detect_platform
 
     dims = profile_dims(profile)
     n_layers = dims.num_layers if layers is None else min(layers, dims.num_layers)

@@ -30,7 +30,7 @@ timeout "$(left "${WARM_TIMEOUT:-120}")" python3 benchmarks/warm_cache.py --sm "
   > "$OUT/warm_cache.log" 2>&1
 echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$OUT/warm_cache.log")"
 if want tests; then
-  timeout "$(left "${TESTS_TIMEOUT:-120}")" python3 -m pytest tests/test_triton_numerics.py -q -p no:cacheprovider -rA \
+  timeout "$(left "${TESTS_TIMEOUT:-120}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py -q -p no:cacheprovider -rA \
     > "$OUT/numerics.log" 2>&1
   echo "[${SECONDS}s] numerics rc=$?"; grep -E "passed|failed|error" "$OUT/numerics.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/numerics.log" | head -20

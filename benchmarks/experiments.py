@@ -56,7 +56,7 @@ def _compile(job):
     from monodecode.kernels.plan import plan_model
     from monodecode.kernels.triton import config as C
     from monodecode.kernels.triton.launch import compile_options
-    from monodecode.kernels.triton.offline import kernel_sources
+    from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 
     target = dataclasses.replace(C.CUDA, **change)
@@ -81,7 +81,7 @@ def main(selectors: list[str]) -> None:
     from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
     from monodecode.model.profiles import profile_dims
     from monodecode.model.weights import random_weights
-    from monodecode.runtime.platform import detect_platform
+    from monodecode.services.platform import detect_platform
 
     chosen = [
         v

@@ -44,7 +44,7 @@ def _one(job) -> tuple[str, float]:
     from monodecode.kernels.plan import plan_model
     from monodecode.kernels.triton.config import CUDA
     from monodecode.kernels.triton.launch import compile_options
-    from monodecode.kernels.triton.offline import kernel_sources
+    from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 
     t0 = time.monotonic()

@@ -28,3 +28,16 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the numeric differences tests recorded (``MEASURED`` dicts), so a CI log shows how
+    close each comparison came to its tolerance, not just that it passed."""
+    import sys
+
+    for name, module in sorted(sys.modules.items()):
+        measured = getattr(module, "MEASURED", None) if name.startswith(("test_", "tests.")) else None
+        if isinstance(measured, dict) and measured:
+            terminalreporter.section(f"measured differences ({name})")
+            for key in sorted(measured):
+                terminalreporter.write_line(f"  {key:40s} {measured[key]:.3g}")

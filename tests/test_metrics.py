@@ -94,9 +94,9 @@ def test_runner_steps_scraped_over_http(served, tmp_path):
     from monodecode.config import MonoConfig
     from monodecode.model.profiles import profile_dims
     from monodecode.model.weights import random_weights
-    from monodecode.runtime.platform import Platform
     from monodecode.runtime.runner import Runner
-    from monodecode.runtime.selfcheck import run_scenario
+    from monodecode.services.platform import Platform
+    from monodecode_ops.selfcheck import run_scenario
 
     m, exp = served
     dims = profile_dims("tiny")

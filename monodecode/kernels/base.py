@@ -16,68 +16,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from monodecode.runtime.platform import Platform
+from monodecode.services.platform import Platform
 
 if TYPE_CHECKING:  # heavy or optional imports only for annotations
     import torch
 
     from monodecode.model.dims import ModelDims
-    from monodecode.runtime.artifacts import ArtifactStore
+    from monodecode.services.artifacts import ArtifactStore
     from monodecode.spec import KernelSpec
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 KV_DTYPES = ("bf16",)
-
-# ---- health word ---------------------------------------------------------------------------
-
-HEALTH_OK = 0
-# site id -> label used in metrics (monodecode_failstop_total{site}) and termination messages
-HEALTH_SITES: dict[int, str] = {
-    1: "wait_timeout",  # a bounded wait on a mailbox / peer expired
-    2: "nonfinite",  # a NaN/Inf in a layer output
-    3: "kernel_error",  # anything else a backend detects (launch failure, bad argument)
-}
-_SITE_IDS = {v: k for k, v in HEALTH_SITES.items()}
-_KERNELS = {0: None, 1: "k1", 2: "k2"}
-_KERNEL_IDS = {v: k for k, v in _KERNELS.items()}
-
-
-@dataclass(frozen=True)
-class HealthFault:
-    site: str
-    layer: int | None
-    kernel: str | None  # k1 | k2 | None
-
-    def describe(self) -> str:
-        where = []
-        if self.kernel:
-            where.append(self.kernel)
-        if self.layer is not None:
-            where.append(f"layer {self.layer}")
-        return self.site + (f" ({', '.join(where)})" if where else "")
-
-
-def health_code(site: str, layer: int | None = None, kernel: str | None = None) -> int:
-    """Pack a failure into a positive int32: bits 0-7 site, 8-9 kernel, 10-29 layer+1."""
-    if site not in _SITE_IDS:
-        raise ValueError(f"unknown health site {site!r}; known: {', '.join(_SITE_IDS)}")
-    if kernel not in _KERNEL_IDS:
-        raise ValueError(f"unknown kernel {kernel!r}; expected k1, k2 or None")
-    layer_bits = 0 if layer is None else (layer + 1)
-    if not 0 <= layer_bits < (1 << 20):
-        raise ValueError(f"layer {layer} out of range for the health word")
-    return _SITE_IDS[site] | (_KERNEL_IDS[kernel] << 8) | (layer_bits << 10)
-
-
-def decode_health(code: int) -> HealthFault | None:
-    """Inverse of ``health_code``; None for 0 (healthy). Unknown site ids read as kernel_error."""
-    if code == HEALTH_OK:
-        return None
-    site = HEALTH_SITES.get(code & 0xFF, "kernel_error")
-    kernel = _KERNELS.get((code >> 8) & 0x3)
-    layer_bits = (code >> 10) & ((1 << 20) - 1)
-    return HealthFault(site=site, layer=layer_bits - 1 if layer_bits else None, kernel=kernel)
-
 
 # ---- build request -------------------------------------------------------------------------
 
@@ -155,7 +104,7 @@ class DecodeKernels(ABC):
         """Clear the health word (tests only: production fail-stops instead)."""
 
     def arm_fault(self, fault: Any) -> bool:
-        """Fault injection (``monodecode.runtime.faults.Fault``, kinds stall / nonfinite): make
+        """Fault injection (``monodecode.services.faults.Fault``, kinds stall / nonfinite): make
         the next launch of ``fault.layer`` fail that way, once. The runner arms it right before
         the targeted step. Return False when the backend cannot inject it (the drill is then
         reported as not run)."""
@@ -184,7 +133,7 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def build_key(self, req: BuildRequest) -> str:
-        """Deterministic key over everything the compiled kernels depend on (runtime.buildkey)."""
+        """Deterministic key over everything the compiled kernels depend on (services.buildkey)."""
 
     @abstractmethod
     def build(

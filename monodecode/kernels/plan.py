@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from monodecode.errors import ConfigError
+from monodecode.kernels.health import health_code
 from monodecode.model.dims import ModelDims
 
 PLAN_VERSION = 1
@@ -230,10 +231,8 @@ class Stage:
 
 def wait_health_code(kernel: str, layer: int) -> int:
     """Health word a backend stores when a bounded wait of ``kernel`` in ``layer`` expires
-    (RT's packing, ``monodecode.kernels.base.health_code``); kernels compute it on device as
+    (RT's packing, ``monodecode.kernels.health.health_code``); kernels compute it on device as
     ``site | kernel_id << 8 | (layer + 1) << 10``."""
-    from monodecode.kernels.base import health_code
-
     return health_code("wait_timeout", layer, kernel)
 
 
@@ -651,7 +650,7 @@ def key_inputs(
     num_workgroups: int,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict (RT's
-    ``runtime.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
+    ``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
 
     ``plan_digest`` covers the task tables and the scratch layout, so any change to the plan
     (or to the workgroup count, e.g. a partitioned GPU) yields a different key.

@@ -15,11 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from monodecode.kernels.base import BuildRequest, KernelBackend, health_code
+from monodecode.kernels.base import BuildRequest, KernelBackend
+from monodecode.kernels.health import health_code
 from monodecode.kernels.padded import PaddedKernels
-from monodecode.runtime.buildkey import build_key, source_digest
-from monodecode.runtime.failstop import bounded_wait
-from monodecode.runtime.platform import Platform
+from monodecode.services.buildkey import build_key, source_digest
+from monodecode.services.platform import Platform
+from monodecode.services.waits import bounded_wait
 from monodecode.spec import KernelSpec
 
 _MODEL_DIR = Path(__file__).resolve().parent.parent / "model"

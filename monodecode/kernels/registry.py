@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 
 from monodecode.kernels.base import KernelBackend
-from monodecode.runtime.platform import Platform
+from monodecode.services.platform import Platform
 
 # name -> "module:Class"; the order is the preference order.
 _LAZY: dict[str, str] = {

@@ -24,13 +24,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from monodecode.errors import MonodecodeError
-from monodecode.runtime.artifacts import atomic_write_bytes
+from monodecode.services.artifacts import atomic_write_bytes
 
 EXIT_CODE = 70  # EX_SOFTWARE
 MARKER_SCHEMA = 1
@@ -82,17 +81,6 @@ class MarkerHistory:
 
     def within(self, window_s: float, now: float) -> list[FailStopEvent]:
         return [e for e in self.events if now - e.time <= window_s]
-
-
-def bounded_wait(ready: Callable[[], bool], timeout_s: float, poll_s: float = 0.0005) -> bool:
-    """Poll ``ready`` until it is true (True) or ``timeout_s`` passes (False). Never unbounded."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if ready():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
 
 
 def _event_from(raw: Any) -> FailStopEvent:

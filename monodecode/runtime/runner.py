@@ -30,19 +30,13 @@ import monodecode
 from monodecode.config import MonoConfig
 from monodecode.errors import ArtifactError, RefusalError
 from monodecode.kernels import registry
-from monodecode.kernels.base import (
-    BuildRequest,
-    DecodeKernels,
-    HealthFault,
-    KernelBackend,
-    decode_health,
-    smallest_width,
-)
-from monodecode.runtime.artifacts import ArtifactStore
+from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, smallest_width
+from monodecode.kernels.health import HealthFault, decode_health
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
-from monodecode.runtime.faults import Fault, faults_from_env
-from monodecode.runtime.platform import Platform
 from monodecode.runtime.vote import RankVote, StepInfo
+from monodecode.services.artifacts import ArtifactStore
+from monodecode.services.faults import Fault, faults_from_env
+from monodecode.services.platform import Platform
 from monodecode.spec import Deployment, reason_code, refusal_reasons
 
 OFF, MONO, DEGRADED = "off", "mono", "degraded"

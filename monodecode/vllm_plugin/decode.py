@@ -30,9 +30,9 @@ import torch
 from monodecode.config import MonoConfig
 from monodecode.errors import RefusalError
 from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
-from monodecode.runtime.platform import Platform, detect_platform
 from monodecode.runtime.runner import MONO, Runner, StepDecision
 from monodecode.runtime.vote import StepInfo
+from monodecode.services.platform import Platform, detect_platform
 from monodecode.spec import reason_code
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
 from monodecode.vllm_plugin.step import KVLayoutError, decode_metadata, kv_reason_for_backend, kv_views, step_info

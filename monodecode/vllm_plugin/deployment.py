@@ -12,7 +12,7 @@ from typing import Any
 
 from monodecode.errors import ModelConfigError
 from monodecode.model.dims import ModelDims, dims_from_hf_config
-from monodecode.runtime.platform import Platform
+from monodecode.services.platform import Platform
 from monodecode.spec import Deployment
 
 # torch dtype -> the short names monodecode uses for unquantized weights

@@ -26,8 +26,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from monodecode.errors import ArtifactError, MonodecodeError
-from monodecode.runtime.artifacts import MANIFEST, ArtifactStore, parse_manifest
-from monodecode.runtime.platform import SUPPORTED_AMD_ARCHS, Platform
+from monodecode.services.artifacts import MANIFEST, ArtifactStore, parse_manifest
+from monodecode.services.platform import SUPPORTED_AMD_ARCHS, Platform
 from monodecode_ops.output import Check
 
 if TYPE_CHECKING:  # the Docker SDK is imported only when an engine is actually used

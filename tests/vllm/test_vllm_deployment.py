@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from vllm_testlib import engine_config
 
-from monodecode.runtime.platform import Platform
+from monodecode.services.platform import Platform
 from monodecode.spec import reason_code, refusal_reasons
 
 MI300X = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, partition_mode="SPX")

@@ -177,7 +177,7 @@ def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vl
     kv_layout, before any launch. Only the check runs (its build needs a ROCm device)."""
     from monodecode.kernels.base import BuildRequest
     from monodecode.kernels.flydsl.backend import FlyDSLKernels
-    from monodecode.runtime.platform import Platform
+    from monodecode.services.platform import Platform
 
     cfg = engine_config(
         model_dirs["llama"],

@@ -24,7 +24,7 @@ from monodecode.errors import RefusalError
 from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend
 from monodecode.kernels.flydsl.arch import ARCHS
 from monodecode.kernels.padded import TwoLaunchKernels
-from monodecode.runtime.platform import Platform
+from monodecode.services.platform import Platform
 
 
 def _fp8_kind_for(arch: str) -> str:

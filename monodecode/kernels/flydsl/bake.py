@@ -25,8 +25,8 @@ from monodecode.kernels.flydsl.compile import Specialisation, compile_in_subproc
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
 from monodecode.kernels.flydsl.toolchain import flydsl_version
 from monodecode.model.dims import ModelDims
-from monodecode.runtime.artifacts import ArtifactEntry, ArtifactStore
-from monodecode.runtime.buildkey import build_key, source_digest
+from monodecode.services.artifacts import ArtifactEntry, ArtifactStore
+from monodecode.services.buildkey import build_key, source_digest
 
 BACKEND = "flydsl"
 SOURCE_DIR = Path(__file__).resolve().parent

@@ -18,8 +18,8 @@ from monodecode.kernels import plan as plan_mod
 from monodecode.kernels.base import BuildRequest, KernelBackend
 from monodecode.kernels.triton.config import MAX_WIDTH, check_dims, target_for
 from monodecode.kernels.triton.launch import TritonKernels
-from monodecode.runtime.buildkey import build_key, source_digest
-from monodecode.runtime.platform import Platform
+from monodecode.services.buildkey import build_key, source_digest
+from monodecode.services.platform import Platform
 from monodecode.spec import KernelSpec
 
 _SOURCE_DIR = Path(__file__).resolve().parent

@@ -14,10 +14,9 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from monodecode.kernels.plan import ModelPlan, plan_model
-from monodecode.kernels.triton.config import Target, constexprs
+from monodecode.kernels.plan import plan_model
+from monodecode.kernels.triton.config import Target
+from monodecode.kernels.triton.sources import kernel_sources
 from monodecode.model.dims import ModelDims
 
 # LDS per CU / shared memory per SM that one workgroup may use.
@@ -26,130 +25,6 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "sm_90": 227 * 1024}
 # puts one wave on each of the 4 SIMDs. Hopper: 64K 32-bit registers per SM.
 VGPRS_PER_SIMD = 512
 REGS_PER_SM = 65536
-
-_TYPES = {
-    torch.bfloat16: "*bf16",
-    torch.float32: "*fp32",
-    torch.int64: "*i64",
-    torch.int32: "*i32",
-    torch.float8_e4m3fn: "*fp8e4nv",
-    torch.float8_e4m3fnuz: "*fp8e4b8",
-}
-
-
-def _meta_layer(dims: ModelDims, weight_dtype: str):
-    from monodecode.kernels.triton.launch import _Layer
-
-    wdt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}[weight_dtype]
-
-    def t(dtype):
-        return torch.empty(16, dtype=dtype, device="meta")
-
-    return _Layer(
-        attn_norm=t(torch.bfloat16),
-        wqkv=t(wdt),
-        sqkv=t(torch.float32),
-        q_norm=t(torch.bfloat16),
-        k_norm=t(torch.bfloat16),
-        inv_freq=t(torch.float32),
-        window=0,
-        wo=t(wdt),
-        so=t(torch.float32),
-        post_norm=t(torch.bfloat16),
-        mlp_norm=t(torch.bfloat16),
-        wg=t(wdt),
-        sg=t(torch.float32),
-        wu=t(wdt),
-        su=t(torch.float32),
-        wd=t(wdt),
-        sd=t(torch.float32),
-        mlp_post_norm=t(torch.bfloat16),
-    )
-
-
-def _signature(fn, args: list, consts: dict) -> tuple[dict, dict]:
-    from monodecode.kernels.triton.launch import KV_STRIDE_ARGS
-
-    names = list(fn.arg_names)
-    sig: dict[str, str] = {}
-    attrs: dict = {}
-    it = iter(args)
-    for i, name in enumerate(names):
-        if name in consts:
-            sig[name] = "constexpr"
-            continue
-        v = next(it)
-        if isinstance(v, torch.Tensor):
-            sig[name] = _TYPES[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # every buffer is 256-byte aligned
-        elif isinstance(v, bool):
-            sig[name] = "i1"
-        elif isinstance(v, int):
-            sig[name] = "i32"
-            if name in KV_STRIDE_ARGS:  # the launcher checks these are multiples of 16 (kv_strides)
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32"
-    return sig, attrs
-
-
-class _MetaMeta:
-    def __init__(self, width: int):
-        self.positions = torch.empty(width, dtype=torch.int64, device="meta")
-        self.slot_mapping = torch.empty(width, dtype=torch.int64, device="meta")
-        self.block_tables = torch.empty(width, 64, dtype=torch.int32, device="meta")
-        self.seq_lens = torch.empty(width, dtype=torch.int32, device="meta")
-
-
-def kernel_sources(
-    dims: ModelDims, weight_dtype: str, width: int, block_size: int, mplan: ModelPlan, target: Target
-) -> list[tuple[str, object]]:
-    """[(name, ASTSource)] of K1 and K2 for one width: what the launcher compiles on a GPU and
-    the compile checks compile on a CPU (same constants, same argument order)."""
-    from triton.compiler import ASTSource
-
-    from monodecode.kernels.triton.k1 import k1_kernel
-    from monodecode.kernels.triton.k2 import k2_kernel
-    from monodecode.kernels.triton.launch import k1_args, k2_args, kv_strides
-
-    c1, c2 = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16")
-    L = _meta_layer(dims, weight_dtype)
-    bf = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
-    scratch = torch.empty(16, dtype=torch.int64, device="meta")
-    health = torch.empty(2, dtype=torch.int32, device="meta")
-    kv = bf(2, block_size, dims.num_kv_heads, dims.head_dim)
-    a1 = k1_args(
-        L,
-        bf(width, dims.hidden_size),
-        kv,
-        kv,
-        kv_strides(kv, kv, dims, block_size),
-        _MetaMeta(width),
-        bf(width, dims.q_size),
-        scratch,
-        health,
-        0,
-        1000,
-        0,
-        dims,
-    )
-    a2 = k2_args(
-        L,
-        bf(width, dims.hidden_size),
-        bf(width, dims.q_size),
-        bf(width, dims.hidden_size),
-        scratch,
-        health,
-        0,
-        1000,
-        0,
-        dims,
-    )
-    out = []
-    for name, fn, args, consts in (("k1", k1_kernel, a1, c1), ("k2", k2_kernel, a2, c2)):
-        sig, attrs = _signature(fn, args, consts)
-        out.append((name, ASTSource(fn, sig, constexprs=dict(consts), attrs=attrs)))
-    return out
 
 
 @dataclass

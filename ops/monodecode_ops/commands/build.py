@@ -27,7 +27,7 @@ from rich.text import Text
 from monodecode import __version__
 from monodecode.errors import ArtifactError
 from monodecode.model.profiles import PROFILES
-from monodecode.runtime.artifacts import parse_manifest
+from monodecode.services.artifacts import parse_manifest
 from monodecode_ops import images as img
 from monodecode_ops.images import ARCHS, BASE_IMAGES, ImageError
 from monodecode_ops.output import console, emit_json, print_table

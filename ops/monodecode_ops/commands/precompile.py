@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         from monodecode.kernels.flydsl.arch import arch_spec
         from monodecode.model.dims import load_dims
         from monodecode.model.profiles import profile_dims
-        from monodecode.runtime.artifacts import ArtifactStore
+        from monodecode.services.artifacts import ArtifactStore
 
         spec = arch_spec(arch)
         if (profile is None) == (model is None):

@@ -47,7 +47,7 @@ REQUIRED_SERIES = (
 
 
 def node_checks(platform: Any, require_gpu: bool) -> list[Check]:
-    from monodecode.runtime.platform import SUPPORTED_AMD_ARCHS
+    from monodecode.services.platform import SUPPORTED_AMD_ARCHS
 
     p = platform
     facts = [
@@ -173,7 +173,7 @@ def self_test(
     from monodecode.errors import RefusalError
     from monodecode.metrics import FALLBACK_REASONS, get_metrics
     from monodecode.runtime.runner import Runner
-    from monodecode.runtime.selfcheck import run_scenario
+    from monodecode_ops.selfcheck import run_scenario
 
     checks: list[Check] = []
     info: dict[str, Any] = {}
@@ -389,7 +389,7 @@ def register(app: typer.Typer) -> None:
         """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and optionally check an image and a live server's metrics."""
         from monodecode.metrics import start_exporter
         from monodecode.model.weights import WEIGHT_DTYPES
-        from monodecode.runtime.platform import detect_platform
+        from monodecode.services.platform import detect_platform
 
         if weight_dtype not in WEIGHT_DTYPES:
             raise MonodecodeError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")

@@ -1,0 +1,339 @@
+"""Baked kernel artifacts: files on disk listed in ``manifest.json`` under their build keys.
+
+Manifest (schema 1)::
+
+    {"schema": 1, "artifacts": [{"build_key": "<sha256>", "backend": "flydsl", "arch": "gfx942",
+      "profile": "tiny", "dims_digest": "<sha256>", "widths": [1, 2, 4, 8],
+      "files": [{"path": "<relative path>", "sha256": "<hex>", "bytes": 1234}],
+      "compiler": {"name": "flydsl", "version": "0.5.0"}, "created": "2026-11-01T12:00:00Z",
+      "extra": {...optional, backend-specific...}}]}
+
+Rules: a file's sha256 and size are verified before anything is handed out (``lookup``); a
+malformed manifest, a path leaving the store, a missing file or a checksum mismatch is an
+``ArtifactError`` naming the problem, never a load. Writes (``add``) go to temp files renamed
+into place, under a lock, so readers never see half a manifest and concurrent precompile runs
+do not lose each other's entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from monodecode.errors import ArtifactError
+from monodecode.services.faults import faults_from_env, find_fault
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+_HEX = set("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class ArtifactFile:
+    path: str  # relative to the store root, POSIX separators
+    sha256: str
+    bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "sha256": self.sha256, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class ArtifactEntry:
+    build_key: str
+    backend: str
+    arch: str
+    profile: str | None
+    dims_digest: str
+    widths: tuple[int, ...]
+    files: tuple[ArtifactFile, ...]
+    compiler: dict[str, str]
+    created: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    root: Path | None = field(default=None, compare=False)  # set by the store on lookup
+
+    def path_of(self, rel: str) -> Path:
+        if self.root is None:
+            raise ArtifactError(f"artifact {self.build_key[:12]} is not bound to a store")
+        return self.root / rel
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "build_key": self.build_key,
+            "backend": self.backend,
+            "arch": self.arch,
+            "profile": self.profile,
+            "dims_digest": self.dims_digest,
+            "widths": list(self.widths),
+            "files": [f.to_dict() for f in self.files],
+            "compiler": dict(self.compiler),
+            "created": self.created,
+        }
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_sha256(s: Any) -> bool:
+    return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX
+
+
+def _safe_rel(path: Any, where: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise ArtifactError(f"{where}: 'path' must be a non-empty string")
+    p = PurePosixPath(path)
+    if p.is_absolute() or ".." in p.parts or "\\" in path or "\0" in path:
+        raise ArtifactError(f"{where}: path {path!r} leaves the artifact directory")
+    return p.as_posix()
+
+
+def _parse_entry(raw: Any, where: str) -> ArtifactEntry:
+    if not isinstance(raw, Mapping):
+        raise ArtifactError(f"{where}: must be an object")
+    for key, kind in (
+        ("build_key", str),
+        ("backend", str),
+        ("arch", str),
+        ("dims_digest", str),
+        ("widths", list),
+        ("files", list),
+        ("compiler", dict),
+    ):
+        if key not in raw:
+            raise ArtifactError(f"{where}: missing field {key!r}")
+        if not isinstance(raw[key], kind):
+            raise ArtifactError(f"{where}: field {key!r} must be a {kind.__name__}")
+    if not _is_sha256(raw["build_key"]):
+        raise ArtifactError(f"{where}: 'build_key' must be a 64-digit lowercase sha256 hex string")
+    widths = raw["widths"]
+    if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in widths):
+        raise ArtifactError(f"{where}: 'widths' must be a non-empty list of positive integers")
+    compiler = raw["compiler"]
+    if not isinstance(compiler.get("name"), str) or not isinstance(compiler.get("version"), str):
+        raise ArtifactError(f"{where}: 'compiler' needs string fields 'name' and 'version'")
+    files = []
+    for i, f in enumerate(raw["files"]):
+        fw = f"{where}.files[{i}]"
+        if not isinstance(f, Mapping):
+            raise ArtifactError(f"{fw}: must be an object")
+        rel = _safe_rel(f.get("path"), fw)
+        if not _is_sha256(f.get("sha256")):
+            raise ArtifactError(f"{fw}: 'sha256' must be a 64-digit lowercase hex string")
+        size = f.get("bytes")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ArtifactError(f"{fw}: 'bytes' must be a non-negative integer")
+        files.append(ArtifactFile(rel, f["sha256"], size))
+    if not files:
+        raise ArtifactError(f"{where}: 'files' is empty")
+    profile = raw.get("profile")
+    if profile is not None and not isinstance(profile, str):
+        raise ArtifactError(f"{where}: 'profile' must be a string or null")
+    extra = raw.get("extra", {})
+    if not isinstance(extra, Mapping):
+        raise ArtifactError(f"{where}: 'extra' must be an object")
+    return ArtifactEntry(
+        build_key=raw["build_key"],
+        backend=raw["backend"],
+        arch=raw["arch"],
+        profile=profile,
+        dims_digest=raw["dims_digest"],
+        widths=tuple(widths),
+        files=tuple(files),
+        compiler={"name": compiler["name"], "version": compiler["version"]},
+        created=str(raw.get("created", "")),
+        extra=dict(extra),
+    )
+
+
+def parse_manifest(text: str, source: str = MANIFEST) -> list[ArtifactEntry]:
+    """Parse and validate manifest text; ``ArtifactError`` naming the first problem."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, Mapping):
+        raise ArtifactError(f"{source}: must hold a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise ArtifactError(f"{source}: unsupported schema {data.get('schema')!r} (expected {SCHEMA})")
+    arts = data.get("artifacts")
+    if not isinstance(arts, list):
+        raise ArtifactError(f"{source}: 'artifacts' must be a list")
+    entries = [_parse_entry(a, f"{source}: artifacts[{i}]") for i, a in enumerate(arts)]
+    seen: set[str] = set()
+    for e in entries:
+        if e.build_key in seen:
+            raise ArtifactError(f"{source}: build key {e.build_key[:12]} is listed twice")
+        seen.add(e.build_key)
+    return entries
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same directory + rename (no half files)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class ArtifactStore:
+    """A directory of artifacts and its ``manifest.json``."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser()
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST
+
+    def entries(self) -> list[ArtifactEntry]:
+        """All entries (manifest validated, files not checked); [] when there is no manifest."""
+        try:
+            text = self.manifest_path.read_text()
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise ArtifactError(f"cannot read {self.manifest_path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ArtifactError(f"{self.manifest_path}: not UTF-8 text") from None
+        return [
+            ArtifactEntry(**{**e.__dict__, "root": self.root}) for e in parse_manifest(text, str(self.manifest_path))
+        ]
+
+    def verify_entry(self, entry: ArtifactEntry) -> None:
+        """Check every file's size and sha256; ``ArtifactError`` on the first mismatch."""
+        corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
+        for f in entry.files:
+            path = self.root / f.path
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise ArtifactError(f"artifact {entry.build_key[:12]}: file {f.path} is missing") from None
+            except OSError as e:
+                raise ArtifactError(f"artifact {entry.build_key[:12]}: cannot read {f.path}: {e.strerror}") from None
+            if size != f.bytes:
+                raise ArtifactError(
+                    f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
+                    f"(size {size} bytes, manifest says {f.bytes})"
+                )
+            digest = _corrupted_digest(path) if corrupt else sha256_file(path)
+            if digest != f.sha256:
+                raise ArtifactError(
+                    f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
+                    f"(sha256 {digest[:12]}, manifest says {f.sha256[:12]})"
+                )
+
+    def lookup(self, build_key: str) -> ArtifactEntry | None:
+        """The verified entry for ``build_key``; None if the manifest has no such key."""
+        for entry in self.entries():
+            if entry.build_key == build_key:
+                self.verify_entry(entry)
+                return entry
+        return None
+
+    def verify_all(self) -> list[tuple[ArtifactEntry, str | None]]:
+        """Every entry with its problem (None = verified)."""
+        out = []
+        for entry in self.entries():
+            try:
+                self.verify_entry(entry)
+                out.append((entry, None))
+            except ArtifactError as e:
+                out.append((entry, str(e)))
+        return out
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise ArtifactError(f"artifact directory {self.root} is not writable: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def add(
+        self,
+        *,
+        build_key: str,
+        backend: str,
+        arch: str,
+        dims_digest: str,
+        widths: tuple[int, ...] | list[int],
+        files: Mapping[str, bytes | Path],
+        compiler: Mapping[str, str],
+        profile: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> ArtifactEntry:
+        """Store ``files`` (relative path -> bytes or a source file to copy) under ``build_key``
+        and record them in the manifest (replacing an older entry with the same key)."""
+        created = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        records = []
+        blobs: list[tuple[str, bytes]] = []
+        for rel, content in sorted(files.items()):
+            rel = _safe_rel(rel, f"artifact {build_key[:12]}")
+            data = Path(content).read_bytes() if isinstance(content, (str, Path)) else bytes(content)
+            blobs.append((rel, data))
+            records.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        raw = {
+            "build_key": build_key,
+            "backend": backend,
+            "arch": arch,
+            "profile": profile,
+            "dims_digest": dims_digest,
+            "widths": list(widths),
+            "files": records,
+            "compiler": dict(compiler),
+            "created": created,
+        }
+        if extra:
+            raw["extra"] = dict(extra)
+        entry = _parse_entry(raw, f"artifact {build_key[:12]}")  # same validation as on read
+        with self._locked():
+            current = self.entries()
+            try:
+                for rel, data in blobs:
+                    atomic_write_bytes(self.root / rel, data)
+                kept = [e.to_dict() for e in current if e.build_key != build_key]
+                manifest = {"schema": SCHEMA, "artifacts": kept + [entry.to_dict()]}
+                atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2) + "\n").encode())
+            except OSError as e:
+                raise ArtifactError(f"artifact directory {self.root} is not writable: {e.strerror}") from None
+        return ArtifactEntry(**{**entry.__dict__, "root": self.root})
+
+
+def _corrupted_digest(path: Path) -> str:
+    """sha256 of the file as if its last byte had flipped (the corrupt_artifact drill)."""
+    data = bytearray(path.read_bytes())
+    if data:
+        data[-1] ^= 0xFF
+    else:
+        data = bytearray(b"\xff")
+    return hashlib.sha256(bytes(data)).hexdigest()

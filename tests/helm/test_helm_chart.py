@@ -1,0 +1,693 @@
+"""The Helm chart, with the real helm v4 binary (scripts/toolchains.d/30-helm.sh).
+
+`helm lint --strict`; `helm template` over a matrix of values with every rendered manifest
+validated strictly (Kubernetes 1.30 schemas bundled in kubernetes-validate, offline; the
+Prometheus-operator CRD models with extra fields forbidden) and its content checked; bad values
+rejected with a message naming the key; the alert rules and dashboard shipped in the chart are
+the bytes of deploy/ (one source of truth).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import typing
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "vllm-monodecode"
+RULES_SRC = REPO / "deploy" / "prometheus" / "monodecode-alerts.yaml"
+DASHBOARD_SRC = REPO / "deploy" / "grafana" / "monodecode.json"
+K8S_VERSION = "1.30.0"
+MONITORING_APIS = [f"monitoring.coreos.com/v1/{k}" for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")]
+DEVICE_IDS = {
+    "gfx942": ["74a1", "74a9", "74a5", "74a0", "74a2", "74a8"],
+    "gfx950": ["75a0", "75a3", "75a8"],
+}
+
+
+def helm_bin() -> str:
+    found = os.environ.get("MONODECODE_HELM") or str(REPO / ".tools" / "bin" / "helm")
+    if not Path(found).is_file():
+        found = shutil.which("helm") or ""
+    if not found:
+        pytest.fail("helm is not installed: run scripts/toolchains.d/30-helm.sh .venv (make test does)")
+    return found
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    # No cluster: a kubeconfig that does not exist, so helm never reaches out to an API server.
+    env = {**os.environ, "KUBECONFIG": str(REPO / ".tools" / "no-cluster.kubeconfig")}
+    proc = subprocess.run(
+        [helm_bin(), *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def render(
+    tmp_path: Path, values: dict, *, apis: list[str] = MONITORING_APIS, namespace: str = "llm", check: bool = True
+) -> list[dict] | subprocess.CompletedProcess:
+    vf = tmp_path / "values.yaml"
+    vf.write_text(yaml.safe_dump(values))
+    args = ["template", "rel", str(CHART), "-n", namespace, "-f", str(vf), "--include-crds"]
+    for api in apis:
+        args += ["--api-versions", api]
+    proc = helm(*args, check=check)
+    if not check:
+        return proc
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
+    found = [d for d in by_kind(docs, kind) if d["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, f"expected one {kind}*{name_suffix}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+# ---- strict validation -------------------------------------------------------------------------
+
+_CRD_MODELS = None
+
+
+def _nested_models(annotation) -> list[type]:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
+
+
+def crd_models() -> dict[str, type]:
+    """Prometheus-operator kinds -> cloudcoil pydantic models with extra fields forbidden.
+
+    The package allows extra fields; forbid them on every model reachable from the three kinds
+    and rebuild leaves first (a parent's schema embeds its children's as they were built).
+    """
+    global _CRD_MODELS
+    if _CRD_MODELS is None:
+        from cloudcoil.models.prometheus_operator import v1
+
+        kinds = {k: getattr(v1, k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
+        done: set[type] = set()
+
+        def forbid(model: type) -> None:
+            if model in done:
+                return
+            done.add(model)
+            for field in model.model_fields.values():
+                for child in _nested_models(field.annotation):
+                    forbid(child)
+            model.model_config["extra"] = "forbid"
+            model.model_rebuild(force=True)
+
+        for model in kinds.values():
+            forbid(model)
+        _CRD_MODELS = kinds
+    return _CRD_MODELS
+
+
+def validate_strict(doc: dict) -> None:
+    import kubernetes_validate
+
+    kind = doc["kind"]
+    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        model = crd_models().get(kind)
+        assert model is not None, f"no CRD model for {kind}"
+        try:
+            model.model_validate(doc)
+        except pydantic.ValidationError as e:
+            pytest.fail(f"{kind}/{doc['metadata']['name']} does not match the {kind} CRD: {e}")
+        return
+    try:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = "/".join(str(p) for p in e.path)
+        pytest.fail(
+            f"{kind}/{doc['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}"
+        )
+
+
+def test_validators_reject_what_they_should():
+    """The strict validators themselves fail on an unknown field (so a pass means something)."""
+    import kubernetes_validate
+
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x", "bogus": 1}, "data": {}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    sm = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {}, "endpoints": [{"port": "http", "scrapeInterval": "30s"}]},
+    }
+    with pytest.raises(pydantic.ValidationError):
+        crd_models()["ServiceMonitor"].model_validate(sm)
+    sm["spec"]["endpoints"][0] = {"port": "http", "interval": "30s"}
+    crd_models()["ServiceMonitor"].model_validate(sm)
+    for bad in (
+        dict(sm, metadata={"name": "x", "lables": {}}),
+        dict(
+            sm, spec={"selector": {}, "endpoints": [{"port": "http", "relabelings": [{"action": "keep", "regx": "a"}]}]}
+        ),
+    ):
+        with pytest.raises(pydantic.ValidationError):
+            crd_models()["ServiceMonitor"].model_validate(bad)
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "x"},
+        "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "1", "for": "1m"}]}]},
+    }
+    crd_models()["PrometheusRule"].model_validate(rule)
+    rule["spec"]["groups"][0]["rules"][0]["pending"] = "1m"
+    with pytest.raises(pydantic.ValidationError):
+        crd_models()["PrometheusRule"].model_validate(rule)
+
+
+def test_kubernetes_schemas_are_bundled_offline():
+    """kubernetes-validate ships the 1.30 strict schemas and validates with no network at all
+    (CI cannot reach a schema host): run its CLI in an empty network namespace."""
+    import kubernetes_validate
+
+    root = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    assert (root / "v1.30.0-local-strict").is_dir(), sorted(p.name for p in root.iterdir())
+    cli = [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", "-k", K8S_VERSION, "-"]
+    isolate = ["unshare", "-n"]
+    if not shutil.which("unshare") or subprocess.run([*isolate, "true"], capture_output=True).returncode != 0:
+        isolate = []  # no permission for a network namespace: the bundled-schema check above stands
+    good = "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: [{port: 80}]}\n"
+    for doc, ok in ((good, True), (good.replace("{name: x}", "{name: x, bogus: 1}"), False)):
+        proc = subprocess.run([*isolate, *cli], input=doc, capture_output=True, text=True, timeout=60)
+        assert (proc.returncode == 0) is ok, proc.stdout + proc.stderr
+
+
+# ---- the restricted Pod Security Standard ------------------------------------------------------
+
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def restricted_violations(pod_spec: dict) -> list[str]:
+    """The checks of Kubernetes' "restricted" Pod Security Standard that apply to our pods."""
+    bad = []
+    psc = pod_spec.get("securityContext", {})
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(flag):
+            bad.append(f"{flag} is set")
+    for v in pod_spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUME_TYPES:
+            bad.append(f"volume {v['name']} uses {sorted(kinds - RESTRICTED_VOLUME_TYPES)}")
+    seccomp_pod = psc.get("seccompProfile", {}).get("type")
+    for c in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation is not false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            bad.append(f"{name}: capabilities do not drop ALL")
+        if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: adds capabilities")
+        if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            bad.append(f"{name}: runAsNonRoot is not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            bad.append(f"{name}: runs as uid 0")
+        if sc.get("seccompProfile", {}).get("type", seccomp_pod) not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile is not RuntimeDefault/Localhost")
+        for p in c.get("ports", []):
+            if p.get("hostPort"):
+                bad.append(f"{name}: hostPort")
+    return bad
+
+
+def test_restricted_check_catches_violations():
+    spec = {"containers": [{"name": "c", "securityContext": {}}], "volumes": [{"name": "h", "hostPath": {"path": "/"}}]}
+    found = "\n".join(restricted_violations(spec))
+    for expected in ("hostPath", "allowPrivilegeEscalation", "drop ALL", "runAsNonRoot", "seccompProfile"):
+        assert expected in found
+
+
+# ---- lint --------------------------------------------------------------------------------------
+
+
+def test_helm_is_v4():
+    assert helm("version", "--short").stdout.startswith("v4."), "the chart is tested with helm v4"
+
+
+@pytest.mark.parametrize("values_file", [None, *sorted(p.name for p in (CHART / "ci").glob("*-values.yaml"))])
+def test_lint_strict(values_file):
+    args = ["lint", "--strict", str(CHART)]
+    if values_file:
+        args += ["-f", str(CHART / "ci" / values_file)]
+    proc = helm(*args, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "[WARNING]" not in out and "[ERROR]" not in out, out
+    assert "0 chart(s) failed" in out
+
+
+# ---- the matrix ----------------------------------------------------------------------------------
+
+MATRIX = list(itertools.product(("gfx942", "gfx950"), (1, 2, 8), (False, True), ("raise", "degrade"), ("hf", "pvc")))
+
+
+def matrix_values(arch, tp, monitoring, on_refusal, source) -> dict:
+    values = {
+        "arch": arch,
+        "vllm": {"tensorParallelSize": tp},
+        "monodecode": {"onRefusal": on_refusal},
+        "monitoring": {"serviceMonitor": {"enabled": monitoring, "labels": {"release": "prom"}}},
+        "prometheusRule": {"enabled": monitoring},
+        "rulesConfigMap": {"enabled": monitoring},
+        "grafanaDashboard": {"enabled": monitoring},
+    }
+    if source == "hf":
+        values["model"] = {"source": "hf", "hf": {"id": "Qwen/Qwen3-8B", "tokenSecret": {"name": "hf-token"}}}
+    else:
+        values["model"] = {"source": "pvc", "pvc": {"claimName": "models", "path": "qwen3-8b"}}
+    return values
+
+
+def arg_after(args: list[str], flag: str) -> str:
+    assert flag in args, f"{flag} missing from {args}"
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize(
+    "arch,tp,monitoring,on_refusal,source",
+    MATRIX,
+    ids=["-".join(map(str, m)).replace("True", "mon").replace("False", "nomon") for m in MATRIX],
+)
+def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
+    from monodecode.config import MonoConfig
+
+    docs = render(tmp_path, matrix_values(arch, tp, monitoring, on_refusal, source))
+    for doc in docs:
+        validate_strict(doc)
+        assert doc["metadata"].get("namespace") == "llm", f"{doc['kind']} outside the release namespace"
+
+    dep = one(docs, "Deployment")
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    pod = dep["spec"]["template"]["spec"]
+    assert restricted_violations(pod) == []
+    (c,) = pod["containers"]
+
+    # GPUs = TP size; the image and the nodes are the arch's
+    for kind in ("requests", "limits"):
+        assert c["resources"][kind]["amd.com/gpu"] == str(tp)
+    assert c["image"] == f"vllm-monodecode:0.1.0-{arch}"
+    term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term == [
+        {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}]}
+    ]
+
+    # vLLM arguments, and the mono decode options as MonoConfig reads them
+    args = c["args"]
+    assert "command" not in c and args[0] == "serve", "the image's entrypoint runs vllm serve"
+    assert arg_after(args, "--tensor-parallel-size") == str(tp)
+    mono = MonoConfig.from_additional_config(json.loads(arg_after(args, "--additional-config")))
+    assert mono.enabled and mono.on_refusal == on_refusal and mono.widths == (1, 2, 4, 8) and not mono.allow_jit
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["failstop"]["mountPath"] == mono.failstop_dir and "emptyDir" in volumes["failstop"]
+    assert mounts["shm"]["mountPath"] == "/dev/shm" and volumes["shm"]["emptyDir"]["medium"] == "Memory"
+
+    # model source
+    env = {e["name"]: e for e in c["env"]}
+    if source == "hf":
+        assert args[1] == "Qwen/Qwen3-8B"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+        assert env["HF_HOME"]["value"].startswith(mounts["model"]["mountPath"])
+        assert not mounts["model"].get("readOnly")
+    else:
+        assert args[1] == "/models/qwen3-8b"
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert mounts["model"]["readOnly"] is True and env["HF_HUB_OFFLINE"]["value"] == "1"
+        assert "HF_TOKEN" not in env
+
+    # probes: startup covers weight load + warm-up; liveness/readiness only run after it
+    sp = c["startupProbe"]
+    assert sp["periodSeconds"] * sp["failureThreshold"] >= 1200 + 600
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["port"] == "http"
+    assert set(pod["securityContext"]["supplementalGroups"]) >= {44, 109}
+
+    # a PDB that lets a node drain proceed; the helm test hook
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    test_pod = one(docs, "Pod", "-verify")
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert restricted_violations(test_pod["spec"]) == []
+    svc = one(docs, "Service")
+    assert test_pod["spec"]["containers"][0]["command"] == [
+        "monodecode-ops",
+        "verify",
+        "--no-self-test",
+        "--endpoint",
+        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
+    ]
+
+    monitoring_kinds = {"ServiceMonitor", "PrometheusRule"}
+    kinds = {d["kind"] for d in docs}
+    if monitoring:
+        assert monitoring_kinds <= kinds
+        sm = one(docs, "ServiceMonitor")
+        assert sm["metadata"]["labels"]["release"] == "prom"
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+        assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+        assert "monodecode" in svc["metadata"]["name"], "MonodecodeMetricsAbsent matches jobs containing 'monodecode'"
+        dash = one(docs, "ConfigMap", "-dashboard")
+        assert json.loads(dash["data"]["monodecode.json"]) == json.loads(DASHBOARD_SRC.read_text())
+        assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    else:
+        assert not monitoring_kinds & kinds
+        assert not [d for d in by_kind(docs, "ConfigMap")]
+
+
+def test_rolling_update_never_surges(tmp_path):
+    docs = render(tmp_path, {"rollout": {"strategy": "RollingUpdate", "maxUnavailable": 1}, "replicaCount": 3})
+    strategy = one(docs, "Deployment")["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
+    docs = render(
+        tmp_path,
+        {"monodecode": {"enabled": False}, "prometheusRule": {"enabled": True}, "rulesConfigMap": {"enabled": True}},
+    )
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    # explicit: the image's entrypoint turns mono decode on unless told otherwise
+    assert json.loads(arg_after(args, "--additional-config"))["monodecode"]["enabled"] is False
+    assert not by_kind(docs, "PrometheusRule") and not by_kind(docs, "ConfigMap")
+
+
+def test_overrides_reach_the_pod(tmp_path):
+    digest = "sha256:" + "ab" * 32
+    docs = render(
+        tmp_path,
+        {
+            "arch": "gfx950",
+            "image": {"repository": "registry.local/mono", "digests": {"gfx950": digest}},
+            "nodeSelection": {
+                "deviceIds": {"gfx950": ["75a3"]},
+                "extraRequirements": [
+                    {"key": "amd.com/compute-memory-partition", "operator": "In", "values": ["spx_nps1"]}
+                ],
+            },
+            "affinity": {
+                "podAntiAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}
+                    ]
+                }
+            },
+            "monodecode": {"backend": "triton", "widths": [1, 4, 16], "allowJit": True, "artifactDir": "/opt/kernels"},
+            "vllm": {"maxModelLen": 4096, "extraArgs": ["--enable-prefix-caching"]},
+            "model": {"servedName": "qwen"},
+            "probes": {"startup": {"weightLoadSeconds": 100, "warmupSeconds": 55, "periodSeconds": 10}},
+            "rollout": {"progressDeadlineSeconds": 600},
+            "rocm": {"deviceGroups": [44, 992]},
+        },
+    )
+    dep = one(docs, "Deployment")
+    validate_strict(dep)
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == f"registry.local/mono@{digest}"
+    exprs = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"
+    ]
+    assert exprs[0]["values"] == ["75a3"] and exprs[1]["key"] == "amd.com/compute-memory-partition"
+    assert "podAntiAffinity" in pod["affinity"]
+    mono = json.loads(arg_after(c["args"], "--additional-config"))["monodecode"]
+    assert mono["backend"] == "triton" and mono["widths"] == [1, 4, 16] and mono["allow_jit"] is True
+    assert mono["artifact_dir"] == "/opt/kernels"
+    assert arg_after(c["args"], "--max-model-len") == "4096" and c["args"][-1] == "--enable-prefix-caching"
+    assert arg_after(c["args"], "--served-model-name") == "qwen"
+    assert c["startupProbe"]["failureThreshold"] == 16  # ceil(155 / 10)
+    assert pod["securityContext"]["supplementalGroups"] == [44, 992]
+
+
+def test_hostpath_source_and_scrape_annotations(tmp_path):
+    docs = render(tmp_path, yaml.safe_load((CHART / "ci" / "hostpath-annotations-values.yaml").read_text()))
+    for doc in docs:
+        validate_strict(doc)
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert {"name": "model", "hostPath": {"path": "/data/models/llama-3.1-8b", "type": "Directory"}} in pod["spec"][
+        "volumes"
+    ]
+    # hostPath is the documented exception to the restricted standard
+    assert restricted_violations(pod["spec"]) == ["volume model uses ['hostPath']"]
+
+
+@pytest.mark.parametrize("values_file", sorted(p.name for p in (CHART / "ci").glob("*-values.yaml")))
+def test_ci_scenarios_render_valid_manifests(tmp_path, values_file):
+    docs = render(tmp_path, yaml.safe_load((CHART / "ci" / values_file).read_text()))
+    assert by_kind(docs, "Deployment")
+    for doc in docs:
+        validate_strict(doc)
+
+
+# ---- bad values: one clear message naming the key ---------------------------------------------
+
+BAD_VALUES = [
+    ({"arch": "gfx90a"}, "at '/arch': value must be one of 'gfx942', 'gfx950'"),
+    ({"vllm": {"tensorParallelSize": 3}}, "at '/vllm/tensorParallelSize': value must be one of 1, 2, 4, 8"),
+    ({"monodecode": {"onRefusal": "ignore"}}, "at '/monodecode/onRefusal': value must be one of 'raise', 'degrade'"),
+    ({"monodecode": {"backend": "cuda"}}, "at '/monodecode/backend'"),
+    ({"monodecode": {"widths": []}}, "at '/monodecode/widths'"),
+    ({"monodecode": {"widths": [1, 1]}}, "at '/monodecode/widths'"),
+    ({"monodecode": {"widths": [0]}}, "at '/monodecode/widths/0'"),
+    ({"monodecode": {"widht": [1]}}, "at '/monodecode': additional properties 'widht' not allowed"),
+    ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+    ({"image": {"digests": {"gfx942": "sha256:xyz"}}}, "at '/image/digests/gfx942'"),
+    ({"nodeSelection": {"deviceIds": {"gfx942": ["0x74a1"]}}}, "at '/nodeSelection/deviceIds/gfx942/0'"),
+    ({"vllm": {"gpuMemoryUtilization": 1.5}}, "at '/vllm/gpuMemoryUtilization'"),
+    ({"vllm": {"shmSize": "lots"}}, "at '/vllm/shmSize'"),
+    ({"rollout": {"strategy": "BlueGreen"}}, "at '/rollout/strategy'"),
+    ({"rollout": {"maxUnavailable": 0}}, "at '/rollout/maxUnavailable'"),
+    ({"model": {"source": "s3"}}, "at '/model/source'"),
+    ({"fullnameOverride": "qwen"}, "at '/fullnameOverride'"),
+    (
+        {"prometheusRule": {"alerts": {"MonodecodeFailstop": {"for": "soon"}}}},
+        "at '/prometheusRule/alerts/MonodecodeFailstop/for'",
+    ),
+    ({"prometheusRule": {"alerts": {"MonodecodeFailstop": {"severity": "page"}}}}, "severity"),
+    # checks across values, done by the templates
+    (
+        {"resources": {"limits": {"amd.com/gpu": "2"}}},
+        "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize",
+    ),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName is empty"),
+    ({"model": {"source": "hostPath"}}, "model.hostPath.path is empty"),
+    ({"model": {"hf": {"cache": {"type": "pvc"}}}}, "model.hf.cache.claimName is empty"),
+    ({"nodeSelection": {"deviceIds": {"gfx942": []}}}, "nodeSelection.deviceIds.gfx942 is empty"),
+    (
+        {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}},
+        "conflicts with nodeSelection",
+    ),
+    ({"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}}, "enable one"),
+    (
+        {"rollout": {"progressDeadlineSeconds": 600}},
+        "rollout.progressDeadlineSeconds (600) is shorter than the startup budget",
+    ),
+    (
+        {"prometheusRule": {"enabled": True, "alerts": {"MonodecodeFallbackRatio": {"disabled": True}}}},
+        "prometheusRule.alerts.MonodecodeFallbackRatio: no such alert (alerts: MonodecodeFallbackRatioHigh,",
+    ),
+]
+
+
+@pytest.mark.parametrize("values,message", BAD_VALUES, ids=[m[:48] for _, m in BAD_VALUES])
+def test_bad_values_are_rejected(tmp_path, values, message):
+    proc = render(tmp_path, values, check=False)
+    assert proc.returncode != 0, f"accepted bad values {values}"
+    assert message in proc.stderr, proc.stderr
+    assert "goroutine" not in proc.stderr and "panic" not in proc.stderr
+
+
+def test_monitoring_without_the_operator_crds_says_how_to_fix(tmp_path):
+    proc = render(tmp_path, {"monitoring": {"serviceMonitor": {"enabled": True}}}, apis=[], check=False)
+    assert proc.returncode != 0
+    assert (
+        "monitoring.serviceMonitor.enabled is true but the cluster has no monitoring.coreos.com/v1 ServiceMonitor "
+        "(install the Prometheus Operator CRDs, or with `helm template` pass --api-versions "
+        "monitoring.coreos.com/v1/ServiceMonitor)"
+    ) in proc.stderr
+
+
+# ---- one source of truth for rules and dashboard ------------------------------------------------
+
+
+def test_packaged_chart_carries_deploy_files_byte_for_byte(tmp_path):
+    helm("package", str(CHART), "-d", str(tmp_path))
+    (pkg,) = tmp_path.glob("vllm-monodecode-*.tgz")
+    with tarfile.open(pkg) as tar:
+        names = tar.getnames()
+        got = {n: tar.extractfile(n).read() for n in names if n.startswith("vllm-monodecode/files/")}
+    assert got == {
+        "vllm-monodecode/files/monodecode-alerts.yaml": RULES_SRC.read_bytes(),
+        "vllm-monodecode/files/monodecode-dashboard.json": DASHBOARD_SRC.read_bytes(),
+    }
+    assert "vllm-monodecode/values.schema.json" in names and "vllm-monodecode/templates/NOTES.txt" in names
+    # the packaged chart renders on its own (no link back into the repository)
+    out = helm(
+        "template",
+        "rel",
+        str(pkg),
+        "--set",
+        "prometheusRule.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/PrometheusRule",
+    ).stdout
+    rule = one([d for d in yaml.safe_load_all(io.StringIO(out)) if d], "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES_SRC.read_text())["groups"]
+
+
+def test_chart_files_link_to_deploy():
+    for link, target in (("monodecode-alerts.yaml", RULES_SRC), ("monodecode-dashboard.json", DASHBOARD_SRC)):
+        path = CHART / "files" / link
+        assert path.is_symlink(), f"{path} must be a link to {target} (one source of truth)"
+        assert path.resolve() == target.resolve()
+
+
+def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
+    docs = render(
+        tmp_path,
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "runbookBaseUrl": "https://wiki.example.com/ops/monodecode-runbook",
+                "additionalRuleLabels": {"team": "inference"},
+                "alerts": {
+                    "MonodecodeDisabled": {"disabled": True},
+                    "MonodecodeFallbackRatioHigh": {"for": "2s", "severity": "critical"},
+                },
+            },
+            "rulesConfigMap": {"enabled": True},
+        },
+    )
+    src = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    spec_groups = one(docs, "PrometheusRule")["spec"]["groups"]
+    cm_groups = yaml.safe_load(one(docs, "ConfigMap", "-rules")["data"]["monodecode-alerts.yaml"])["groups"]
+    assert spec_groups == cm_groups
+    rendered = {r["alert"]: r for g in spec_groups for r in g["rules"]}
+    assert set(rendered) == set(src) - {"MonodecodeDisabled"}
+    for name, r in rendered.items():
+        s = src[name]
+        assert r["expr"] == s["expr"], f"{name}: the chart must not change expressions"
+        assert r["labels"]["team"] == "inference"
+        assert r["annotations"]["runbook_url"] == s["annotations"]["runbook_url"].replace(
+            "deploy/RUNBOOK.md", "https://wiki.example.com/ops/monodecode-runbook"
+        )
+        assert r["annotations"]["summary"] == s["annotations"]["summary"]
+        if name == "MonodecodeFallbackRatioHigh":
+            assert r["for"] == "2s" and r["labels"]["severity"] == "critical"
+        else:
+            assert r.get("for") == s.get("for") and r["labels"]["severity"] == s["labels"]["severity"]
+
+
+def test_notes_render_with_the_release(tmp_path):
+    proc = helm(
+        "install",
+        "rel",
+        str(CHART),
+        "-n",
+        "llm",
+        "--dry-run=client",
+        "--set",
+        "vllm.tensorParallelSize=8",
+        "--set",
+        "arch=gfx950",
+    )
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "8 x amd.com/gpu each, arch gfx950" in notes
+    assert "amd.com/gpu.device-id in (75a0, 75a3, 75a8)" in notes
+    assert "helm test rel -n llm --logs" in notes
+    assert "up to 1800s" in notes
+
+
+# ---- the chart's arguments through the image's entrypoint ---------------------------------------
+
+ENTRYPOINT = REPO / "images" / "build" / "entrypoint.py"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"monodecode": {"enabled": False}},
+        {
+            "model": {"source": "pvc", "pvc": {"claimName": "m", "path": "llama"}},
+            "vllm": {"tensorParallelSize": 8},
+            "monodecode": {"onRefusal": "degrade", "artifactDir": "/mnt/kernels", "widths": [1, 8]},
+        },
+    ],
+    ids=["default", "mono-off", "pvc-degrade-artifacts"],
+)
+def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
+    """What the container runs: the image's entrypoint (dry run) turns the chart's args into
+    `vllm serve` with the options MonoConfig accepts, the image's artifact dir filled in."""
+    from monodecode.config import MonoConfig
+
+    assert ENTRYPOINT.is_file(), f"{ENTRYPOINT.relative_to(REPO)} (the image's entrypoint the chart runs) is missing"
+    c = one(render(tmp_path, values), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "MONODECODE_ENTRYPOINT_PRINT": "1",
+        "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts",
+    }
+    env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
+    proc = subprocess.run(
+        [sys.executable, str(ENTRYPOINT), *c["args"]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    planned = json.loads(proc.stdout)
+    cmd = planned["argv"]
+    assert cmd[:3] == ["vllm", "serve", c["args"][1]]
+    # with mono decode on, vLLM gets the token-major KV layout the kernels' strided views need
+    mono_on = values.get("monodecode", {}).get("enabled", True)
+    assert planned["env"].get("VLLM_KV_CACHE_LAYOUT") == ("LBNHC" if mono_on else None)
+    mono = MonoConfig.from_additional_config(json.loads(arg_after(cmd, "--additional-config")))
+    want = values.get("monodecode", {})
+    assert mono.enabled is want.get("enabled", True)
+    assert mono.on_refusal == want.get("onRefusal", "raise")
+    assert mono.artifact_dir == want.get("artifactDir", "/opt/monodecode/artifacts")
+    assert mono.failstop_dir == "/var/lib/monodecode/failstop"
+    assert arg_after(cmd, "--tensor-parallel-size") == str(values.get("vllm", {}).get("tensorParallelSize", 1))
+    # every chart argument but the config reaches vllm unchanged
+    chart_rest = [a for a in c["args"][2:]]
+    i = chart_rest.index("--additional-config")
+    del chart_rest[i : i + 2]
+    assert cmd[5:] == chart_rest

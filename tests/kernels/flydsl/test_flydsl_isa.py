@@ -1,0 +1,86 @@
+"""ISA budgets of the FlyDSL K1/K2 code objects, compiled for gfx942 and gfx950 on this CPU machine.
+
+For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 weights (plus
+the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8): zero spills, zero scratch, static LDS within
+the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
+printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (more VGPR/AGPR
+/SGPR or LDS, fewer waves) fails so it is visible in review. After an intended change, rewrite the
+golden file with MONODECODE_UPDATE_GOLDEN=1 and commit it with the change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flydsl", reason="the flydsl extra is not installed")
+
+from monodecode.kernels.flydsl.arch import ARCHS
+from monodecode.kernels.flydsl.compile import compile_in_subprocess
+from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
+from monodecode.model.profiles import profile_dims
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "flydsl_isa.json"
+CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor-parallel size)
+    ("tiny", "bf16", [1, 8], 1),
+    ("llama3-8b", "bf16", [1, 8], 1),
+    ("llama3-8b", "fp8", [8], 1),
+    ("llama3-8b", "bf16", [8], 2),  # K2 pushes its partials to every peer and sums them in rank order
+    ("llama3-8b", "bf16", [8], 8),
+]
+WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
+
+
+@pytest.fixture(scope="module")
+def isa_rows(tmp_path_factory) -> dict[str, dict]:
+    rows = {}
+    for arch, spec in ARCHS.items():
+        for profile, dtype, widths, tp in CASES:
+            wdt = spec.fp8_kind if dtype == "fp8" else dtype
+            cache = tmp_path_factory.mktemp(f"flydsl-{arch}-{profile}-{dtype}-tp{tp}")
+            compiled = compile_in_subprocess(arch, profile_dims(profile), widths, wdt, 16, cache, tp_size=tp)
+            for w, kernels in compiled.items():
+                for name, rec in kernels.items():
+                    res = read_resources(cache / rec["hsaco"])
+                    key = f"{arch}/{profile}{f'/tp{tp}' if tp > 1 else ''}/{dtype}/w{w}/{name}"
+                    rows[key] = {
+                        "res": res,
+                        "fig": figures(res, spec, spec.compute_units),
+                        "bad": budget_violations(res, spec, spec.compute_units),
+                    }
+    cols = ["vgprs", "agprs", "sgprs", "spills", "scratch", "lds", "lds_limit", "waves_per_simd", "grid", "cus"]
+    print("\n" + f"{'kernel':38s} " + " ".join(f"{c:>9s}" for c in cols))
+    for key, r in sorted(rows.items()):
+        print(f"{key:38s} " + " ".join(f"{r['fig'][c]:>9}" for c in cols))
+    return rows
+
+
+def test_budgets_hold_on_both_archs(isa_rows):
+    assert {k.split("/")[0] for k in isa_rows} == set(ARCHS)
+    broken = {k: r["bad"] for k, r in isa_rows.items() if r["bad"]}
+    assert not broken, f"ISA budget violations: {broken}"
+
+
+def test_code_objects_target_their_arch(isa_rows):
+    for key, r in isa_rows.items():
+        assert r["res"].target.endswith(key.split("/")[0]), (key, r["res"].target)
+        assert r["res"].wave_size == 64
+
+
+def test_no_worse_than_golden(isa_rows):
+    current = {k: r["fig"] for k, r in sorted(isa_rows.items())}
+    if os.environ.get("MONODECODE_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    missing = sorted(set(current) - set(golden))
+    assert not missing, f"kernels without golden figures (run with MONODECODE_UPDATE_GOLDEN=1): {missing}"
+    worse = []
+    for key, fig in current.items():
+        old = golden[key]
+        worse += [f"{key} {f}: {old[f]} -> {fig[f]}" for f in WORSE_IF_HIGHER if fig[f] > old[f]]
+        if fig["waves_per_simd"] < old["waves_per_simd"]:
+            worse.append(f"{key} waves_per_simd: {old['waves_per_simd']} -> {fig['waves_per_simd']}")
+    assert not worse, "ISA figures got worse than tests/kernels/golden/flydsl_isa.json: " + "; ".join(worse)

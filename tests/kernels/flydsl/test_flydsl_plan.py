@@ -1,0 +1,144 @@
+"""The FlyDSL backend launches exactly the shared kernel plan (``monodecode/kernels/plan.py``).
+
+``geometry.launch_description`` is built from what the FlyDSL kernels bake (per-width
+``Geometry``: stage tables, the workgroup -> tasks rule of their loops, relative region offsets)
+and what the backend allocates (segment placement in the one scratch buffer, the health word).
+Here it is held against an independent ``plan_model`` call: a divergence in the grid, a stage,
+its task table, a region offset or the health word's packing fails. Pure Python (no compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from monodecode.errors import ConfigError
+from monodecode.kernels.flydsl.arch import ARCHS, WAVE_SIZE
+from monodecode.kernels.flydsl.geometry import (
+    HEALTH,
+    MAX_WIDTH,
+    first_task,
+    health_word,
+    launch_description,
+    plan_geometry,
+)
+from monodecode.kernels.health import health_code
+from monodecode.kernels.plan import plan_model, wait_health_code
+from monodecode.model.profiles import profile_dims
+
+WIDTH_SETS = [(1,), (1, 2, 4, 8), (3, 16)]
+
+
+@pytest.mark.parametrize("profile", ["tiny", "llama3-8b", "gemma3-27b"])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("widths", WIDTH_SETS, ids=lambda ws: "w" + "-".join(map(str, ws)))
+def test_launch_description_is_the_plan(profile, arch, widths):
+    dims = profile_dims(profile)
+    grid = ARCHS[arch].compute_units
+    desc = launch_description(dims, arch, widths)
+    plan = plan_model(dims, 1, list(widths), grid)
+    assert desc["grid"] == plan.num_workgroups == grid
+    assert desc["scratch_bytes"] == plan.scratch.nbytes
+    assert desc["health_offset"] == plan.scratch.header[HEALTH].offset
+    assert sorted(desc["widths"]) == sorted(widths)
+    for w in widths:
+        lp, got = plan.layers[w], desc["widths"][w]
+        assert got["grid"] == grid and got["attn_splits"] == lp.attn_splits
+        assert got["regions"] == {n: r.offset for n, r in plan.scratch.widths[w].regions.items()}
+        stages = {f"{s.kernel}.{s.name}": s for s in lp.stages()}
+        assert list(got["stages"]) == list(stages), "same stages, same order"
+        for key, st in stages.items():
+            g = got["stages"][key]
+            assert (g["kind"], g["tasks"], g["offset"], g["rows"], g["n"], g["k"]) == (
+                st.kind,
+                st.num_tasks,
+                st.offset,
+                st.rows_per_task,
+                st.n,
+                st.k,
+            ), key
+            assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
+            # every task exactly once, on the workgroup the plan's table names
+            runs = sorted(t for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
+            assert runs == list(range(st.num_tasks)), key
+            assert all(st.workgroup_of(t, grid) == b for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_tensor_parallel_launch_is_the_plan(arch, tp):
+    dims = profile_dims("llama3-8b")
+    grid = ARCHS[arch].compute_units
+    widths = (1, 4, 8)
+    desc = launch_description(dims, arch, widths, tp_size=tp)
+    plan = plan_model(dims, tp, list(widths), grid)
+    assert desc["peer_bytes"] == plan.peer.nbytes > 0
+    for w in widths:
+        got, lp = desc["widths"][w], plan.layers[w]
+        assert got["peer_regions"] == {n: r.offset for n, r in plan.peer.widths[w].regions.items()}
+        assert set(got["peer_regions"]) == {"o_peer", "d_peer"} and "o" not in got["regions"]
+        assert list(got["stages"]) == [f"{s.kernel}.{s.name}" for s in lp.stages()]
+        assert got["stages"]["k2.final"]["tasks"] == w  # the rank-order sum of the down partials
+        assert got["stages"]["k2.gate_up"]["n"] == dims.intermediate_size // tp
+        assert got["stages"]["k2.o_proj"]["k"] == dims.q_size // tp
+
+
+def test_width_segments_never_alias_and_hold_the_epochs():
+    desc = launch_description(profile_dims("llama3-8b"), "gfx942", (1, 2, 4, 8))
+    spans = []
+    for w, e in desc["widths"].items():
+        regions = e["regions"]
+        assert {"epoch_k1", "epoch_k2", "qkv", "attn_acc", "attn_ml", "h", "hn", "act", "o"} <= set(regions)
+        assert all(off % 8 == 0 for off in regions.values()), "8-byte mailbox words and counters"
+        spans.append((min(regions.values()), max(regions.values()), w))
+    spans.sort()
+    assert desc["health_offset"] < spans[0][0]
+    assert all(a_hi < b_lo for (_, a_hi, _), (b_lo, _, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("layer", [0, 1, 61])
+def test_health_word_is_the_runtime_packing(layer):
+    assert health_word(1, 1, layer) == wait_health_code("k1", layer) == health_code("wait_timeout", layer, "k1")
+    assert health_word(1, 2, layer) == wait_health_code("k2", layer)
+    assert health_word(2, 2, layer) == health_code("nonfinite", layer, "k2")
+
+
+def test_first_task_matches_the_plan_rule_for_every_offset():
+    for grid in (7, 256, 304):
+        for off in (0, 1, grid - 1):
+            for b in range(grid):
+                assert first_task(b, off, grid) == (b - off) % grid
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("profile", ["tiny", "llama3-8b", "qwen3-8b", "gemma3-27b"])
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_gemv_tiles_cover_k_and_fit_lds(arch, profile, weight_dtype):
+    spec = ARCHS[arch]
+    for w in (1, 2, 8, MAX_WIDTH):
+        g = plan_geometry(profile_dims(profile), w, spec, weight_dtype)
+        for name, tile in g.tiles.items():
+            st = tile.stage
+            assert tile.rows_per_wave * 4 == st.rows and tile.rows_per_wave % tile.row_group == 0, name
+            assert tile.k_pad % tile.step == 0 and st.k <= tile.k_pad < st.k + tile.step, name
+            assert tile.chunk % tile.step == 0 and tile.chunks * tile.chunk >= tile.k_pad, name
+            assert w * tile.chunk * 2 <= spec.x_stage_bytes or tile.chunk == tile.step, name
+            assert tile.mfma == (w >= 2), name  # the plan's wide tasks are whole 16-row tiles
+            if tile.mfma:
+                assert tile.tiles * tile.k_split % 4 == 0 and tile.chunk % tile.kblock == 0, name
+        assert max(g.lds1["words"], g.lds2["words"]) * 4 <= spec.lds_bytes
+        assert g.head_dim % WAVE_SIZE == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"width": 0}, "width 0 out of range 1..16"),
+        ({"width": 17}, "width 17 out of range 1..16"),
+        ({"weight_dtype": "int4"}, "weight dtype 'int4' not supported"),
+        ({"tp_size": 3}, "does not divide"),
+    ],
+)
+def test_bad_specialisations_are_one_line(kwargs, message):
+    args = {"dims": profile_dims("llama3-8b"), "width": 1, "spec": ARCHS["gfx942"], "weight_dtype": "bf16", **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        plan_geometry(**args)

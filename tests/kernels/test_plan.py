@@ -1,0 +1,247 @@
+"""The kernel plan (monodecode/kernels/plan.py): coverage, dependencies, layouts, bad inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from monodecode.errors import ConfigError
+from monodecode.kernels import plan as P
+from monodecode.model.profiles import profile_dims
+
+# (profile, tp, widths, workgroups): small and real dims, odd widths/grids, TP with GQA.
+CASES = [
+    ("tiny", 1, (1, 2, 3, 8), 7),
+    ("tiny", 2, (1, 5), 16),
+    ("llama3-1b", 1, (1, 8), 132),
+    ("llama3-8b", 1, (1, 4), 132),
+    ("llama3-8b", 2, (2,), 304),
+    ("qwen3-8b", 1, (1,), 256),
+    ("gemma3-27b", 1, (1, 8), 132),
+    ("gemma3-27b", 4, (3,), 304),
+]
+
+
+def _region_shapes(lp: P.LayerPlan) -> dict[str, tuple[int, ...]]:
+    L = lp.local
+    shapes = {name: r.shape for name, r in lp.layout.regions.items()}
+    if lp.peer_layout is not None:
+        for name, r in lp.peer_layout.regions.items():
+            shapes[name] = r.shape[1:]  # this rank's slot
+    shapes["attn_out"] = (lp.width, L.q)
+    shapes["x_out"] = (lp.width, L.hidden)
+    return shapes
+
+
+@pytest.mark.parametrize("profile,tp,widths,G", CASES)
+def test_every_output_element_written_exactly_once(profile, tp, widths, G):
+    dims = profile_dims(profile)
+    for w in widths:
+        lp = P.plan_layer(dims, tp, w, G)
+        shapes = _region_shapes(lp)
+        for kernel in (P.K1, P.K2):
+            counts: dict[str, np.ndarray] = {}
+            for st in lp.stages(kernel):
+                for name in st.writes:
+                    counts.setdefault(name, np.zeros(int(np.prod(shapes[name])), dtype=np.int32))
+                for tk in lp.tasks(kernel, st.name):
+                    for sp in tk.writes:
+                        assert 0 <= sp.start < sp.stop <= counts[sp.region].size, (kernel, st.name, sp)
+                        counts[sp.region][sp.start : sp.stop] += 1
+            for name, c in counts.items():
+                assert c.min() == 1 and c.max() == 1, f"{profile} w={w} {kernel}: {name} coverage {c.min()}..{c.max()}"
+            # every launch output is produced
+            for out in P.LAUNCH_OUTPUTS[kernel]:
+                assert out in counts, f"{kernel} never writes {out}"
+
+
+@pytest.mark.parametrize("profile,tp,widths,G", CASES)
+def test_dependencies_only_on_earlier_stages_and_grid_completes(profile, tp, widths, G):
+    dims = profile_dims(profile)
+    for w in widths:
+        lp = P.plan_layer(dims, tp, w, G)
+        for kernel in (P.K1, P.K2):
+            order = {st.name: st.index for st in lp.stages(kernel)}
+            graph = lp.dependency_graph(kernel)
+            for (stage, t), deps in graph.items():
+                for dstage, _ in deps:
+                    assert order[dstage] < order[stage], f"{kernel}.{stage}[{t}] waits on {dstage}"
+            # every mailbox region a stage reads is written by an earlier stage of the launch
+            written: set[str] = set()
+            for st in lp.stages(kernel):
+                for src in st.reads:
+                    assert src in written or src in P.LAUNCH_INPUTS[kernel], f"{kernel}.{st.name} reads {src}"
+                written.update(st.writes)
+            # stages past the first read something produced in this launch
+            for st in lp.stages(kernel)[1:]:
+                assert any(graph[(st.name, t)] for t in range(st.num_tasks)), st.name
+            _simulate(lp, kernel, graph)
+
+
+def _simulate(lp: P.LayerPlan, kernel: str, graph) -> None:
+    """Each workgroup runs its tasks stage by stage, in task order, waiting on dependencies;
+    all workgroups resident. Progress must always be possible until every task is done."""
+    G = lp.num_workgroups
+    queues = [[(st.name, t) for st in lp.stages(kernel) for t in st.tasks_of(b, G)] for b in range(G)]
+    done: set[tuple[str, int]] = set()
+    pos = [0] * G
+    total = sum(len(q) for q in queues)
+    while len(done) < total:
+        progressed = False
+        for b in range(G):
+            while pos[b] < len(queues[b]) and graph[queues[b][pos[b]]] <= done:
+                done.add(queues[b][pos[b]])
+                pos[b] += 1
+                progressed = True
+        assert progressed, f"{kernel}: deadlock with {total - len(done)} tasks left"
+
+
+@pytest.mark.parametrize("G", [1, 5, 132, 304])
+def test_task_tables_partition_tasks_over_workgroups(G):
+    lp = P.plan_layer(profile_dims("llama3-8b"), 1, 2, G)
+    for st in lp.stages():
+        seen = []
+        for b in range(G):
+            mine = list(st.tasks_of(b, G))
+            assert all(st.workgroup_of(t, G) == b for t in mine)
+            assert mine == sorted(mine) and all(y - x == G for x, y in zip(mine, mine[1:]))
+            seen.extend(mine)
+        assert sorted(seen) == list(range(st.num_tasks))
+    table = lp.task_table(P.K2)
+    assert [len(t) for t in table] == [s.num_tasks for s in lp.k2]
+
+
+def test_gemv_tasks_cover_rows_and_wide_tiles_fit_matrix_units():
+    dims = profile_dims("llama3-8b")
+    for w in (1, 2, 8):
+        lp = P.plan_layer(dims, 1, w, 132)
+        for st in lp.stages():
+            if st.kind == "gemv":
+                assert st.num_tasks * st.rows_per_task >= st.n > (st.num_tasks - 1) * st.rows_per_task
+                assert st.rows_per_task >= (16 if w > 1 else 4)
+        assert lp.attn_splits * w * lp.local.kv_heads <= max(132, w * lp.local.kv_heads)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_width_layouts_never_alias(tp):
+    dims = profile_dims("gemma3-27b" if tp == 1 else "llama3-8b")
+    mp = P.plan_model(dims, tp, [8, 1, 2, 4, 3], 132)
+    assert mp.widths == (1, 2, 3, 4, 8)
+    for layout in [mp.scratch] + ([mp.peer] if mp.peer else []):
+        regions = sorted(layout.regions(), key=lambda r: r.offset)
+        assert regions, "empty layout"
+        for r in regions:
+            assert r.offset % P.ALIGN == 0 and r.nbytes > 0 and r.end <= layout.nbytes
+        for a, b in zip(regions, regions[1:]):
+            assert a.end <= b.offset, f"{a.name} overlaps {b.name}"
+        segs = sorted(layout.widths.values(), key=lambda s: s.offset)
+        for a, b in zip(segs, segs[1:]):
+            assert a.end <= b.offset, f"width {a.width} segment overlaps width {b.width}"
+        for seg in segs:
+            for r in seg.regions.values():
+                assert seg.offset <= r.offset and r.end <= seg.end
+    # each width has its own epoch counters and every mailbox region a stage uses
+    for w, lp in mp.layers.items():
+        assert {"epoch_k1", "epoch_k2", "done_k1", "done_k2", "qkv", "act"} <= set(lp.layout.regions)
+        assert lp.region("done_k2").shape == (len(P.DONE_STAGES[P.K2]),)
+        for kernel, names in P.DONE_STAGES.items():
+            assert all(lp.stage(kernel, n) for n in names)
+        assert lp.layout is mp.scratch.widths[w]
+    assert mp.scratch.header["health"].offset == 0
+    assert mp.for_rows(3).width == 3 and mp.for_rows(5).width == 8
+    with pytest.raises(ConfigError, match="exceed the largest built width 8"):
+        mp.for_rows(9)
+
+
+def test_mailbox_words_are_8_bytes_and_regions_sized_from_dims():
+    dims = profile_dims("llama3-8b")
+    lp = P.plan_layer(dims, 1, 4, 132)
+    qkv = lp.region("qkv")
+    assert qkv.word_bytes == 8 and qkv.shape == (4, dims.q_size + 2 * dims.kv_size)
+    assert lp.region("act").shape == (4, dims.intermediate_size)
+    assert lp.region("attn_acc").shape == (4, dims.num_heads, lp.attn_splits, dims.head_dim)
+
+
+def test_family_variants_and_tp_stages():
+    llama = P.plan_layer(profile_dims("llama3-8b"), 1, 1, 132)
+    gemma = P.plan_layer(profile_dims("gemma3-27b"), 1, 1, 132)
+    assert [s.name for s in llama.k2] == ["o_proj", "post", "gate_up", "down"]
+    assert llama.stage(P.K2, "down").writes == ("x_out",)
+    assert [s.name for s in gemma.k2] == ["o_proj", "post", "gate_up", "down", "final"]
+    tp = P.plan_layer(profile_dims("llama3-8b"), 2, 1, 132)
+    assert tp.stage(P.K2, "o_proj").writes == ("o_peer",) and tp.stage(P.K2, "final").reads[0] == "d_peer"
+    assert tp.local.heads == 16 and tp.local.intermediate == 7168 and tp.peer_layout is not None
+    rep = P.local_dims(profile_dims("llama3-8b"), 16)  # 8 KV heads over 16 ranks: replicated
+    assert rep.kv_heads == 1 and rep.heads == 2
+
+
+def test_wait_health_code_uses_runtime_packing():
+    from monodecode.kernels.health import decode_health
+
+    fault = decode_health(P.wait_health_code(P.K2, 3))
+    assert (fault.site, fault.kernel, fault.layer) == ("wait_timeout", "k2", 3)
+    assert P.wait_health_code(P.K1, 0) == 1 | (1 << 8) | (1 << 10)
+
+
+def test_key_inputs_deterministic_and_sensitive():
+    dims = profile_dims("llama3-1b")
+    base = dict(weight_dtype="bf16", kv_dtype="bf16", tp_size=1, widths=(1, 2, 4, 8), block_size=16, num_workgroups=132)
+    a = P.key_inputs(dims, **base)
+    assert a == P.key_inputs(dims, **{**base, "widths": [8, 4, 2, 1]})
+    for change in ({"num_workgroups": 304}, {"widths": (1, 2)}, {"weight_dtype": "fp8"}, {"block_size": 32}):
+        assert P.key_inputs(dims, **{**base, **change}) != a, change
+    assert P.key_inputs(profile_dims("llama3-8b"), **base)["dims_digest"] != a["dims_digest"]
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda d: P.plan_layer(d, 3, 1, 132), "tp_size 3 does not divide num_heads 32"),
+        (lambda d: P.plan_layer(d, 0, 1, 132), "tp_size must be a positive integer"),
+        (lambda d: P.plan_layer(d, 1, 0, 132), "width must be an integer in 1..256"),
+        (lambda d: P.plan_layer(d, 1, 257, 132), "width must be an integer in 1..256"),
+        (lambda d: P.plan_layer(d, 1, "2", 132), "width must be an integer"),
+        (lambda d: P.plan_layer(d, 1, True, 132), "width must be an integer"),
+        (lambda d: P.plan_layer(d, 1, 1, 0), "num_workgroups must be a positive integer"),
+        (lambda d: P.plan_layer(d, 1, 1, 2.5), "num_workgroups must be a positive integer"),
+        (lambda d: P.plan_layer({"hidden_size": 1}, 1, 1, 8), "dims must be a ModelDims"),
+        (lambda d: P.plan_model(d, 1, [], 132), "widths must be a non-empty list"),
+        (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="int4", kv_dtype="bf16", tp_size=1, widths=[1], block_size=16, num_workgroups=8
+            ),
+            "weight_dtype must be one of",
+        ),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="bf16", kv_dtype="fp8", tp_size=1, widths=[1], block_size=16, num_workgroups=8
+            ),
+            "kv_dtype must be one of",
+        ),
+        (
+            lambda d: P.key_inputs(
+                d, weight_dtype="bf16", kv_dtype="bf16", tp_size=1, widths=[1], block_size=0, num_workgroups=8
+            ),
+            "block_size must be a positive integer",
+        ),
+    ],
+)
+def test_bad_inputs_rejected_with_one_line(call, message):
+    with pytest.raises(ConfigError) as exc:
+        call(profile_dims("llama3-8b"))
+    text = str(exc.value)
+    assert message in text and "\n" not in text and text.startswith("kernel plan: ")
+
+
+def test_tp_kv_heads_mismatch_rejected():
+    # gemma3-27b has 16 KV heads: tp 32 divides 32 heads but 16 KV heads do not divide... 32 % 16 == 0 is fine;
+    # tiny has 2 KV heads and 4 heads: tp 4 replicates KV; tp 3 divides nothing.
+    tiny = profile_dims("tiny")
+    assert P.local_dims(tiny, 4).kv_heads == 1
+    with pytest.raises(ConfigError, match="does not divide"):
+        P.local_dims(tiny, 3)
+    for a, b in itertools.combinations(range(1, 5), 2):
+        assert P.attention_splits(a, 8, 132) >= P.attention_splits(b, 8, 132)

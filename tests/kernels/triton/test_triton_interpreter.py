@@ -1,0 +1,240 @@
+"""The Triton K1/K2 logic on a CPU: Triton's interpreter runs the real kernels against the reference.
+
+The interpreter executes programs one after another, so the launcher gives it one instance that
+plays all planned programs stage by stage (``VP``); task tables, mailbox words and tags, the
+completion counters, the split-context attention and its merge, the paged-KV insert (into
+contiguous K/V planes and into vLLM 0.33's interleaved K|V views, addressed through strides) and
+every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
+subprocess because the interpreter is chosen when the kernel modules are imported.
+Same tolerances as the GPU tests (``test_triton_numerics.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is installed by the project's 'triton' extra (make test)")
+
+CHILD = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    from monodecode.kernels.triton import interpret
+    interpret.enable()
+    import torch
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.kernels.triton.config import CUDA
+    from monodecode.kernels.triton.launch import TritonKernels
+    from monodecode.model import reference as R
+    from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+    from monodecode.model.profiles import profile_dims
+    from monodecode.model.weights import random_weights
+    from monodecode.services.platform import Platform
+
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        return float((a - b).norm() / b.norm()), float((a - b).abs().max() / b.abs().max())
+
+    from monodecode.model.dims import dims_from_hf_config
+    from monodecode.model.profiles import profile_config
+
+    # tiny is Gemma-style (post norms, (1+w)); "llama" is a Llama-style shrink of llama3-1b
+    # (no post norms: K2's residual add sits in down's epilogue)
+    llama = dict(profile_config("llama3-1b"), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama)}
+    out = {}
+    def interleaved(ref_k, ref_v):
+        # vLLM 0.33's per-layer cache, token-major: K|V side by side per head; K and V are views
+        buf = torch.cat([ref_k, ref_v], dim=-1).contiguous()
+        return buf[..., :ref_k.shape[-1]], buf[..., ref_k.shape[-1]:]
+
+    def at(t, s):
+        return t[s // 16, s % 16]
+
+    for name, wd, widths, rows, layers, ctx, kv_layout, bk, arch in json.loads(sys.argv[1]):
+        dims = DIMS[arch]
+        torch.manual_seed(0)
+        w = random_weights(dims, 1, weight_dtype=wd, num_layers=layers)
+        req = BuildRequest(dims=dims, weight_dtype=wd, tp_size=1, widths=tuple(widths), block_size=16,
+                           platform=Platform("cuda", "sm_90", "interpreter", 8), wait_timeout_s=0.01)
+        # bk: a smaller width-1 K chunk, so tiny's K (256, 768) spans several split iterations
+        target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
+        tk = TritonKernels(req, w, target, 8, "cpu")
+        if bk:
+            assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
+        alloc = BlockAllocator(64, 16, shuffle_seed=2)
+        for i, c in enumerate(ctx):
+            alloc.append_slots(i, c - 1)
+        kv_ref = PagedKVCache.allocate(dims, 64, 16, num_layers=layers)
+        for t in kv_ref.key + kv_ref.value:
+            t.normal_()
+        if kv_layout == "interleaved":
+            views = [interleaved(k, v) for k, v in zip(kv_ref.key, kv_ref.value)]
+            kv_tri = PagedKVCache([k for k, _ in views], [v for _, v in views], 16)
+            assert kv_tri.key[0].stride()[1:] == (2 * dims.num_kv_heads * dims.head_dim, 2 * dims.head_dim, 1)
+            assert kv_tri.value[0].data_ptr() == kv_tri.key[0].data_ptr() + 2 * dims.head_dim
+        else:
+            kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
+        meta = alloc.decode_metadata(list(range(rows)))
+        x = torch.randn(rows, dims.hidden_size).to(torch.bfloat16)
+        res = []
+        for l in range(layers):
+            a_ref = R.k1_reference(dims, l, w.layers[l], x, meta, kv_ref)
+            y_ref = R.k2_reference(dims, l, w.layers[l], x, a_ref)
+            y_tri = tk.forward_layer(l, x, meta, kv_tri)  # pads rows up to the width
+            s = meta.slot_mapping[meta.slot_mapping >= 0]
+            untouched = True
+            for a, b in ((kv_tri.key[l], kv_ref.key[l]), (kv_tri.value[l], kv_ref.value[l])):
+                rest = a.clone()
+                rest[s // 16, s % 16] = b[s // 16, s % 16]
+                untouched = untouched and torch.equal(rest, b)
+            res.append({"y": rel(y_tri, y_ref),
+                        "k": rel(at(kv_tri.key[l], s), at(kv_ref.key[l], s)),
+                        "v": rel(at(kv_tri.value[l], s), at(kv_ref.value[l], s)),
+                        "untouched": untouched})
+            x = y_ref
+        out[name] = {"layers": res, "health": tk.health()}
+    print(json.dumps(out))
+    """
+)
+
+# (name, weight dtype, built widths, live rows, layers, context lengths, KV layout, width-1 K chunk
+# or 0, dims): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
+# on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
+# buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
+# "llama_*" run a Llama-style layer (no post norms, SiLU).
+RUNS = [
+    ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny"),
+    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny"),
+    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny"),
+    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny"),
+    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny"),
+    ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama"),
+    ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama"),
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(RUNS)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_interpreted_kernels_match_reference(results, name):
+    run = results[name]
+    assert run["health"] == 0, f"{name}: health word {run['health']}"
+    for l, layer in enumerate(run["layers"]):
+        for what in ("y", "k", "v"):
+            rel_fro, max_frac = layer[what]
+            assert rel_fro <= 1e-2 and max_frac <= 0.03, f"{name} layer {l} {what}: {rel_fro:.2e} / {max_frac:.2%}"
+        assert layer["untouched"], f"{name} layer {l}: KV entries other than the step's slots changed"
+
+
+def _kv_strides_args():
+    import torch
+
+    from monodecode.model.profiles import profile_dims
+
+    dims = profile_dims("tiny")
+    d, h = dims.head_dim, dims.num_kv_heads
+    return torch, dims, d, h
+
+
+def test_kv_strides_accept_planes_and_vllm_interleaved_views():
+    from monodecode.kernels.triton.args import kv_strides
+
+    torch, dims, d, h = _kv_strides_args()
+    planes = torch.zeros(4, 16, h, d, dtype=torch.bfloat16)
+    assert kv_strides(planes, planes, dims, 16) == [16 * h * d, h * d, d] * 2
+    buf = torch.zeros(4, 16, h, 2 * d, dtype=torch.bfloat16)  # vLLM 0.33 LBNHC: K|V per head
+    assert kv_strides(buf[..., :d], buf[..., d:], dims, 16) == [16 * h * 2 * d, h * 2 * d, 2 * d] * 2
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("head_dim_strided", "head_dim axis is strided"),
+        ("wrong_block_size", "expected [blocks, 16,"),
+        ("fp32", "the kernels read bf16"),
+        ("odd_stride", "must be multiples of 16"),
+    ],
+)
+def test_kv_strides_refuse_layouts_the_kernels_cannot_address(case, needle):
+    from monodecode.errors import ConfigError
+    from monodecode.kernels.triton.args import kv_strides
+
+    torch, dims, d, h = _kv_strides_args()
+    bf = torch.bfloat16
+    kc = {
+        "head_dim_strided": torch.zeros(4, 16, h, 2 * d, dtype=bf)[..., ::2],
+        "wrong_block_size": torch.zeros(4, 8, h, d, dtype=bf),
+        "fp32": torch.zeros(4, 16, h, d),
+        "odd_stride": torch.zeros(4, 16, h, d + 8, dtype=bf)[..., :d],
+    }[case]
+    with pytest.raises(ConfigError) as e:
+        kv_strides(kc, kc, dims, 16)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllm_plugin_accepts_triton_kernels_for_its_strided_kv():
+    """vLLM 0.33's interleaved cache is refused (kv_layout) for backends whose kernels ignore
+    strides; the Triton kernels declare ``kv_strided`` and are accepted."""
+    from monodecode.kernels.triton.launch import TritonKernels
+    from monodecode.vllm_plugin.step import kv_reason_for_backend
+
+    assert TritonKernels.kv_strided is True
+    assert kv_reason_for_backend("triton", TritonKernels.__new__(TritonKernels)) is None
+    assert kv_reason_for_backend("triton", object()).startswith("kv_layout: ")
+
+
+def test_vllm_binding_runs_the_triton_layout_check():
+    """``kv_views(..., kernels)`` (the plugin's binding) refuses a vLLM view the Triton kernels
+    cannot address (token stride not a multiple of 16 elements; a wrong block size) as a one-line
+    kv_layout error, and accepts vLLM's plain token-major view. ``check_kv`` reads only the build
+    request's dims and block size, so the kernels are not built here."""
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.kernels.triton.launch import TritonKernels
+    from monodecode.services.platform import Platform
+    from monodecode.vllm_plugin.step import KVLayoutError, kv_views
+
+    torch, dims, d, h = _kv_strides_args()
+
+    def kernels(block_size):
+        k = TritonKernels.__new__(TritonKernels)
+        k.req = BuildRequest(
+            dims=dims,
+            weight_dtype="bf16",
+            tp_size=1,
+            widths=(1,),
+            block_size=block_size,
+            platform=Platform("cuda", "sm_90", "H200", 132),
+        )
+        k.dims = dims
+        return k
+
+    def vllm_cache(token_stride):  # logical [blocks, kv heads, block size, 2 * head_dim], token-major
+        blocks, bs = 4, 16
+        flat = torch.zeros(blocks * bs * token_stride, dtype=torch.bfloat16)
+        return flat.as_strided((blocks, h, bs, 2 * d), (bs * token_stride, 2 * d, token_stride, 1))
+
+    kv_views([vllm_cache(h * 2 * d)], h, d, kernels(16))
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([vllm_cache(h * 2 * d)], h, d, kernels(32))
+    assert str(e.value).startswith("kv_layout: triton kernels: built for KV block size 32")
+    padded = vllm_cache(h * 2 * d + 8)
+    kv_views([padded], h, d)  # the plugin's own view check accepts the padded token stride
+    with pytest.raises(KVLayoutError) as e:
+        kv_views([padded], h, d, kernels(16))
+    assert str(e.value).startswith("kv_layout: ") and "must be multiples of 16" in str(e.value)
+    assert "\n" not in str(e.value)

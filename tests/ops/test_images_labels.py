@@ -1,0 +1,169 @@
+"""monodecode_ops.images without an engine: label validation, pull references, and the checks
+``verify`` runs on the image it is inside (baked manifest + artifacts on a real directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from monodecode.services.artifacts import ArtifactStore
+from monodecode_ops.images import ImageError, baked_checks, parse_labels, pull_ref
+
+KEY_A, KEY_B = "a" * 64, "b" * 64
+GOOD = {
+    "io.monodecode.arch": "gfx942",
+    "io.monodecode.version": "0.1.0",
+    "io.monodecode.profiles": "tiny,llama3-8b",
+    "io.monodecode.backends": "flydsl,reference",
+    "io.monodecode.build-keys": f"{KEY_A},{KEY_B}",
+    "io.monodecode.manifest-digest": "sha256:" + "c" * 64,
+    "io.monodecode.artifact-dir": "/opt/monodecode/artifacts",
+    "io.monodecode.compilers": "flydsl=0.5.0",
+}
+
+
+def test_good_labels():
+    lab = parse_labels("img", GOOD)
+    assert lab.arch == "gfx942" and lab.build_keys == (KEY_A, KEY_B)
+    assert lab.profiles == ("tiny", "llama3-8b") and lab.compilers == ("flydsl=0.5.0",)
+    assert parse_labels("img", {**GOOD, "io.monodecode.build-keys": ""}).build_keys == ()
+
+
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("io.monodecode.arch", "gfx1100", "label io.monodecode.arch is 'gfx1100'; expected one of gfx942, gfx950"),
+        ("io.monodecode.arch", None, "label io.monodecode.arch is missing or empty"),
+        ("io.monodecode.version", " ", "label io.monodecode.version is missing or empty"),
+        ("io.monodecode.manifest-digest", "md5:1234", "label io.monodecode.manifest-digest is 'md5:1234'"),
+        ("io.monodecode.build-keys", f"{KEY_A},{KEY_A}", "lists a build key twice"),
+        ("io.monodecode.build-keys", "A" * 64, "not a 64-digit lowercase sha256 hex key"),
+        ("io.monodecode.profiles", "tiny,Llama 8B", "malformed profile name 'Llama 8B'"),
+        ("io.monodecode.backends", "flydsl,<x>", "malformed backend name '<x>'"),
+        ("io.monodecode.artifact-dir", "artifacts", "expected an absolute path"),
+        ("io.monodecode.artifact-dir", "/opt/../etc", "expected an absolute path"),
+    ],
+)
+def test_bad_labels_name_the_label(key, value, expected):
+    labels = dict(GOOD)
+    if value is None:
+        del labels[key]
+    else:
+        labels[key] = value
+    with pytest.raises(ImageError) as e:
+        parse_labels("repo/img:tag", labels)
+    assert str(e.value).startswith("repo/img:tag: ") and expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_image_without_our_labels():
+    with pytest.raises(ImageError, match="not a monodecode image"):
+        parse_labels("debian:12", {"org.opencontainers.image.title": "debian"})
+
+
+def test_pull_ref_drops_the_documenting_tag():
+    digest = "sha256:" + "d" * 64
+    assert pull_ref(f"rocm/vllm:rocm7.12.0_gfx94X@{digest}") == f"rocm/vllm@{digest}"
+    assert pull_ref(f"registry.local:5000/ns/img:v1@{digest}") == f"registry.local:5000/ns/img@{digest}"
+    assert pull_ref("registry.local:5000/ns/img:v1") == "registry.local:5000/ns/img:v1"
+
+
+# ---- baked_checks: what verify reports inside an image ----------------------------------------
+
+
+@pytest.fixture
+def baked(tmp_path, monkeypatch):
+    """An image's /opt/monodecode layout on disk, with image.json written by the real pyenv.py."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    store.add(
+        build_key=KEY_A,
+        backend="flydsl",
+        arch="gfx950",
+        dims_digest="e" * 64,
+        widths=[1, 2, 4, 8],
+        files={"a/k1_w1.hsaco": b"\x7fELF" + bytes(range(200)), "a/k2_w1.hsaco": b"\x7fELF" * 50},
+        compiler={"name": "flydsl", "version": "0.5.0"},
+        profile="tiny",
+    )
+    info = tmp_path / "image.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[2] / "images/build/pyenv.py"),
+            "image-info",
+            "--arch",
+            "gfx950",
+            "--profiles",
+            "tiny",
+            "--artifacts",
+            str(store.root),
+            "--precompile",
+            "test",
+            "--out",
+            str(info),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    monkeypatch.setenv("MONODECODE_IMAGE_INFO", str(info))
+    monkeypatch.setenv("MONODECODE_ARTIFACT_DIR", str(store.root))
+    monkeypatch.delenv("MONODECODE_FAULT", raising=False)
+    return store
+
+
+def by_name(checks):
+    return {c.name: c for c in checks}
+
+
+def test_baked_checks_pass_on_an_intact_image(baked):
+    checks = by_name(baked_checks())
+    assert [c.status for c in checks.values()] == ["pass", "pass", "pass"]
+    assert "1 artifact(s), 2 file(s)" in checks["baked artifacts"].detail
+
+
+def test_baked_checks_outside_an_image(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONODECODE_IMAGE_INFO", str(tmp_path / "nothing.json"))
+    assert baked_checks() == []
+
+
+def test_flipped_byte_is_a_checksum_failure(baked):
+    f = baked.root / "a" / "k1_w1.hsaco"
+    data = bytearray(f.read_bytes())
+    data[10] ^= 0x01
+    f.write_bytes(bytes(data))
+    checks = by_name(baked_checks())
+    assert checks["baked manifest"].status == "pass"
+    assert checks["baked artifacts"].status == "fail" and checks["baked artifacts"].required
+    assert "checksum mismatch for a/k1_w1.hsaco" in checks["baked artifacts"].detail
+
+
+def test_missing_file_and_rewritten_manifest(baked):
+    (baked.root / "a" / "k2_w1.hsaco").unlink()
+    assert "is missing" in by_name(baked_checks())["baked artifacts"].detail
+    manifest = json.loads(baked.manifest_path.read_text())
+    manifest["artifacts"][0]["widths"] = [1]
+    baked.manifest_path.write_text(json.dumps(manifest))
+    checks = by_name(baked_checks())
+    assert checks["baked manifest"].status == "fail"
+    assert "the manifest was changed after the build" in checks["baked manifest"].detail
+
+
+def test_manifest_entry_for_another_arch(baked):
+    info_path = Path(os.environ["MONODECODE_IMAGE_INFO"])
+    info = json.loads(info_path.read_text())
+    info["arch"] = "gfx942"
+    info_path.write_text(json.dumps(info))
+    detail = by_name(baked_checks())["baked artifacts"].detail
+    assert "compiled for gfx950, the image is labelled gfx942" in detail
+
+
+def test_unreadable_image_info_is_a_failed_check(baked):
+    Path(os.environ["MONODECODE_IMAGE_INFO"]).write_text("{not json")
+    (check,) = baked_checks()
+    assert check.status == "fail" and "unreadable or incomplete" in check.detail

@@ -1,0 +1,376 @@
+"""Runner lifecycle on the CPU: refusal (raise/degrade), artifacts, build, warm-up golden check,
+per-step decisions, padding, and the scripted mono/fallback run against the reference."""
+
+import json
+from typing import ClassVar
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from monodecode.config import MonoConfig
+from monodecode.errors import RefusalError
+from monodecode.kernels import registry
+from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
+from monodecode.metrics import MonoMetrics
+from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+from monodecode.model.profiles import profile_dims
+from monodecode.model.reference import decode_step as reference_decode_step
+from monodecode.model.weights import random_weights
+from monodecode.runtime.runner import Runner
+from monodecode.runtime.vote import StepInfo
+from monodecode.services.artifacts import ArtifactStore
+from monodecode.services.platform import Platform
+from monodecode.spec import Deployment
+from monodecode_ops.selfcheck import run_scenario
+
+# small torch ops on one thread (2 shared CI cores; see conftest)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+DIMS = profile_dims("tiny")
+CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(DIMS, seed=0)
+
+
+@pytest.fixture(scope="module")
+def started(weights, tmp_path_factory):
+    """One started runner (widths 1,2,4,8) shared by the tests that only decide or decode."""
+    r, reg = make(weights, tmp_path_factory.mktemp("started"), widths=[1, 2, 4, 8])
+    r.start()
+    return r
+
+
+def make(weights, tmp_path, deployment=None, faults=(), **cfg):
+    cfg.setdefault("widths", [1, 2])
+    conf = MonoConfig.from_dict(
+        {
+            "enabled": True,
+            "failstop_dir": str(tmp_path / "fs"),
+            "termination_log": str(tmp_path / "term"),
+            "exit_on_failstop": False,
+            **cfg,
+        }
+    )
+    reg = CollectorRegistry()
+    m = MonoMetrics(reg)
+    r = Runner(conf, DIMS, weights, CPU, metrics=m, deployment=deployment, faults=faults)
+    return r, reg
+
+
+# ---- test backends: real runner and store code around deliberately different builds ----------
+
+
+class ArtifactReference(ReferenceBackend):
+    """The reference math, but it only builds from a baked artifact (like flydsl): the artifact
+    holds the build key; build() reads it back through the verified entry."""
+
+    name: ClassVar[str] = "test_artifact_reference"
+    needs_artifacts: ClassVar[bool] = True
+
+    def build(self, req, weights, artifacts, allow_jit):
+        key = self.build_key(req)
+        entry = artifacts.lookup(key) if artifacts else None
+        if entry is None:
+            if not allow_jit:
+                raise RefusalError(f"no_artifact: nothing for {key[:12]}")
+        else:
+            assert json.loads(entry.path_of("kernel.json").read_text())["key"] == key
+        return ReferenceKernels(req, weights)
+
+
+class SkipsLayer(ReferenceKernels):
+    def forward_layer(self, layer, x, meta, kv):
+        return x if layer == 2 else super().forward_layer(layer, x, meta, kv)
+
+
+class WrongBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_wrong"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        return SkipsLayer(req, weights)
+
+
+class CrashingBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_crash"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        raise RuntimeError("compiler exploded\nsecond line")
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """Select a test backend by name through the real registry and MonoConfig (backend=...)."""
+    import monodecode.config as config_mod
+
+    def use(cls):
+        registry.register_backend(cls)
+        monkeypatch.setitem(config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (cls.name,)))
+        return cls.name
+
+    yield use
+    for n in ("test_artifact_reference", "test_wrong", "test_crash"):
+        registry._LAZY.pop(n, None)
+        registry._LOADED.pop(n, None)
+
+
+# ---- lifecycle -------------------------------------------------------------------------------
+
+
+def test_disabled_runner_counts_every_step_as_disabled(weights, tmp_path):
+    r, reg = make(weights, tmp_path, enabled=False)
+    r.start()
+    assert r.state == "off" and r.kernels is None
+    d = r.begin_step(StepInfo(num_rows=1))
+    assert not d and d.reason == "disabled"
+    assert reg.get_sample_value("monodecode_fallback_steps_total", {"reason": "disabled"}) == 1
+    assert reg.get_sample_value("monodecode_enabled") == 0
+
+
+def test_start_on_cpu_picks_reference_and_warms_every_width(weights, tmp_path):
+    r, reg = make(weights, tmp_path, widths=[1, 3, 5])
+    r.start()
+    assert r.state == "mono" and r.backend.name == "reference" and not r.reasons
+    assert [w.width for w in r.warmup.widths] == [1, 3, 5]
+    assert r.warmup.passed and r.warmup.max_abs_error == 0.0  # the reference path is exact
+    assert reg.get_sample_value("monodecode_enabled") == 1
+    assert reg.get_sample_value("monodecode_warmup_duration_seconds") > 0
+    assert reg.get_sample_value("monodecode_warmup_max_abs_error") == 0.0
+    assert (
+        reg.get_sample_value(
+            "monodecode_build_info",
+            {"backend": "reference", "arch": "cpu", "build_key": r.build_key, "version": "0.1.0"},
+        )
+        == 1
+    )
+
+
+def test_fp8_weights_warm_up(tmp_path):
+    r, _ = make(random_weights(DIMS, seed=1, weight_dtype="fp8"), tmp_path, widths=[1])
+    r.start()
+    assert r.state == "mono" and r.weight_dtype == "fp8"
+
+
+@pytest.mark.parametrize(
+    "info, path, reason, width",
+    [
+        (StepInfo(num_rows=1), "mono", None, 1),
+        (StepInfo(num_rows=3), "mono", None, 4),
+        (StepInfo(num_rows=8, graph_mode="full"), "mono", None, 8),
+        (StepInfo(num_rows=4, graph_mode="full_decode_only"), "mono", None, 4),
+        (StepInfo(num_rows=9), "fallback", "rows_exceed_width", None),
+        (StepInfo(num_rows=0), "fallback", "rows_exceed_width", None),
+        (StepInfo(num_rows=5, num_prefill_rows=5), "fallback", "prefill", None),
+        (StepInfo(num_rows=5, num_prefill_rows=4), "fallback", "mixed_batch", None),
+        (StepInfo(num_rows=2, graph_mode="piecewise"), "fallback", "graph_mode", None),
+        (StepInfo(num_rows=2, has_metadata=False), "fallback", "no_metadata", None),
+    ],
+)
+def test_step_decisions(started, info, path, reason, width):
+    d = started.decide(info)
+    assert (d.path, d.reason, d.width) == (path, reason, width)
+
+
+def test_padded_rows_are_inert_and_exact(weights, started):
+    r = started
+    bs = 16
+    alloc = BlockAllocator(32, bs)
+    for s in range(3):
+        alloc.append_slots(s, 17 + s)
+    kv_run = PagedKVCache.allocate(DIMS, 32, bs)
+    for t in kv_run.key + kv_run.value:
+        t.normal_()
+    kv_ref = PagedKVCache(key=[t.clone() for t in kv_run.key], value=[t.clone() for t in kv_run.value], block_size=bs)
+    meta = alloc.decode_metadata([0, 1, 2])
+    ids = torch.tensor([5, 6, 7])
+    out = r.decode_step(ids, meta, kv_run, StepInfo(num_rows=3))
+    assert r.last_decision.width == 4
+    ref = reference_decode_step(weights, ids, meta, kv_ref)
+    assert torch.equal(out, ref)
+    for a, b in zip(kv_run.key + kv_run.value, kv_ref.key + kv_ref.value):
+        assert torch.equal(a, b)  # the padded 4th row wrote nothing
+
+
+def test_scripted_run_matches_reference_and_counts(weights, tmp_path):
+    r, reg = make(weights, tmp_path, widths=[1, 2, 4, 8])
+    r.start()
+    res = run_scenario(r)
+    assert res.failstop is None and res.tokens_match and res.max_abs_logit_diff == 0.0
+    assert all(s.as_expected for s in res.steps), [(s.name, s.path, s.reason) for s in res.steps]
+    exp = res.expected_counts()
+    assert exp["mono"] >= 4 and exp["prefill"] >= 1 and exp["mixed_batch"] == 1
+    assert exp["rows_exceed_width"] == 1 and exp["graph_mode"] == 1
+    for p in ("mono", "fallback"):
+        assert reg.get_sample_value("monodecode_steps_total", {"path": p}) == exp[p]
+        assert reg.get_sample_value("monodecode_step_duration_seconds_count", {"path": p}) == exp[p]
+    for reason in ("prefill", "mixed_batch", "rows_exceed_width", "graph_mode"):
+        assert reg.get_sample_value("monodecode_fallback_steps_total", {"reason": reason}) == exp[reason]
+
+
+def test_scripted_run_with_a_single_width(weights, tmp_path):
+    r, reg = make(weights, tmp_path, widths=[1])
+    r.start()
+    res = run_scenario(r)
+    assert res.failstop is None and res.tokens_match and all(s.as_expected for s in res.steps)
+    assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == res.expected_counts()["mono"] >= 2
+
+
+# ---- refusals --------------------------------------------------------------------------------
+
+
+def test_every_refusal_reason_raises_together(weights, tmp_path):
+    dep = Deployment(platform_kind="cpu", arch="cpu", compute_units=2, pp_size=2, lora=True, block_size=16, dims=DIMS)
+    r, _ = make(weights, tmp_path, deployment=dep)
+    with pytest.raises(RefusalError) as e:
+        r.start()
+    assert e.value.codes == ["pipeline_parallel", "lora"]
+    assert "\n" not in str(e.value) and str(e.value).startswith("mono decode refused: pipeline_parallel:")
+
+
+def test_degrade_exports_reasons_and_falls_back(weights, tmp_path):
+    dep = Deployment(platform_kind="cpu", arch="cpu", compute_units=2, sleep_mode=True, kv_cache_dtype="fp8", dims=DIMS)
+    r, reg = make(weights, tmp_path, deployment=dep, on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded" and [x.split(":")[0] for x in r.reasons] == ["sleep_mode", "kv_cache_dtype"]
+    assert reg.get_sample_value("monodecode_enabled") == 0
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": "sleep_mode"}) == 1
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": "kv_cache_dtype"}) == 1
+    d = r.begin_step(StepInfo(num_rows=1))
+    assert d.reason == "degraded"
+    assert r.warmup is None and r.kernels is None  # nothing was built for a refused deployment
+
+
+def test_backend_unavailable_on_cpu(weights, tmp_path):
+    r, _ = make(weights, tmp_path, backend="triton")
+    with pytest.raises(
+        RefusalError, match=r"backend_unavailable: backend triton cannot run here: triton needs a CUDA or ROCm GPU"
+    ):
+        r.start()
+
+
+def test_build_failure_is_a_refusal_with_its_cause(weights, tmp_path, backend):
+    r, _ = make(weights, tmp_path, backend=backend(CrashingBackend), on_refusal="degrade", widths=[1])
+    r.start()
+    assert r.state == "degraded"
+    assert r.reasons == ["build_failed: test_crash build raised RuntimeError: compiler exploded"]
+
+
+def test_warmup_catches_a_wrong_kernel(weights, tmp_path, backend):
+    r, reg = make(weights, tmp_path, backend=backend(WrongBackend), on_refusal="degrade", widths=[1, 2])
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith("warmup_failed: width 1 differs from the reference")
+    assert "at layer 2" in r.reasons[0]
+    assert not r.warmup.passed and r.warmup.max_abs_error > 0.1
+    assert reg.get_sample_value("monodecode_warmup_max_abs_error") == r.warmup.max_abs_error
+    with pytest.raises(RefusalError, match="warmup_failed"):
+        make(weights, tmp_path, backend="test_wrong", widths=[1])[0].start()
+
+
+# ---- artifacts -------------------------------------------------------------------------------
+
+
+def _bake(store, runner_key):
+    store.add(
+        build_key=runner_key,
+        backend="test_artifact_reference",
+        arch="cpu",
+        dims_digest=DIMS.digest(),
+        widths=(1, 2, 4, 8),
+        files={"kernel.json": json.dumps({"key": runner_key}).encode()},
+        compiler={"name": "torch", "version": torch.__version__},
+        profile="tiny",
+    )
+
+
+def test_artifact_lifecycle(weights, tmp_path, backend, monkeypatch):
+    name = backend(ArtifactReference)
+    art = tmp_path / "art"
+    # 1. nothing baked, JIT not allowed -> no_artifact
+    r, reg = make(weights, tmp_path, backend=name, artifact_dir=str(art), on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith(
+        "no_artifact: no baked test_artifact_reference artifact for build key"
+    )
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": "no_artifact"}) == 1
+    key = r.build_key
+    # 2. JIT allowed -> runs without an artifact
+    r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art), allow_jit=True)
+    assert r.start().state == "mono"
+    # 3. baked -> verified and loaded
+    store = ArtifactStore(art)
+    _bake(store, key)
+    r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art))
+    assert r.start().state == "mono" and r.build_key == key
+    # 4. the corrupt_artifact drill -> checksum refusal, file untouched
+    before = (art / "kernel.json").read_bytes()
+    r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art))
+    monkeypatch.setenv("MONODECODE_FAULT", "corrupt_artifact")
+    with pytest.raises(
+        RefusalError, match=r"artifact_checksum: artifact [0-9a-f]{12}: checksum mismatch for kernel.json"
+    ):
+        r.start()
+    monkeypatch.delenv("MONODECODE_FAULT")
+    assert (art / "kernel.json").read_bytes() == before
+    # 5. tampered on disk -> checksum refusal, never a load (even with JIT allowed)
+    (art / "kernel.json").write_bytes(before.replace(b"{", b"[", 1))
+    r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art), allow_jit=True, on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith("artifact_checksum:")
+    # 6. malformed manifest -> artifact_invalid
+    (art / "manifest.json").write_text('{"schema": 1, "artifacts": [{}]}')
+    r, _ = make(weights, tmp_path, backend=name, artifact_dir=str(art), on_refusal="degrade")
+    r.start()
+    assert r.reasons[0].startswith("artifact_invalid:") and "missing field 'build_key'" in r.reasons[0]
+
+
+def test_reference_key_changes_with_widths_and_dtype(weights, tmp_path):
+    keys = set()
+    for cfg in ({"widths": [1]}, {"widths": [1, 2]}):
+        r, _ = make(weights, tmp_path, **cfg)
+        keys.add(r.start().build_key)
+    r = Runner(
+        MonoConfig(enabled=True, failstop_dir=str(tmp_path / "fs"), widths=(1,)),
+        DIMS,
+        random_weights(DIMS, seed=0, weight_dtype="fp8"),
+        CPU,
+        faults=(),
+    )
+    keys.add(r.start().build_key)
+    assert len(keys) == 3
+
+
+def test_unwritable_failstop_dir_is_one_line_error(weights, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = Runner(MonoConfig(enabled=True, failstop_dir=str(blocker / "sub")), DIMS, weights, CPU, faults=())
+    with pytest.raises(Exception) as e:
+        r.start()
+    assert "fail-stop directory" in str(e.value) and "not writable" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_backend_choice_by_platform(weights, tmp_path):
+    # a GPU torch can drive: the reference is not a serving backend, so auto refuses when no kernel backend runs
+    gpu = Platform(kind="rocm", arch="gfx942", name="MI300X", compute_units=304, torch_usable=True)
+    r = Runner(MonoConfig(enabled=True, failstop_dir=str(tmp_path), widths=(1,)), DIMS, weights, gpu, faults=())
+    backend, why = r._choose_backend()
+    if backend is None:
+        assert why.startswith("backend_unavailable: no kernel backend can run on rocm gfx942")
+    else:
+        assert backend.name in ("flydsl", "triton")
+    # a GPU seen only in sysfs (CPU build of torch): the self-test runs on the reference
+    sysfs_only = Platform(kind="rocm", arch="gfx942", name="MI300X", compute_units=304, torch_usable=False)
+    r = Runner(MonoConfig(enabled=True, failstop_dir=str(tmp_path), widths=(1,)), DIMS, weights, sysfs_only, faults=())
+    backend, _ = r._choose_backend()
+    assert backend.name == "reference" and "torch cannot launch" in r.notes[0]
+
+
+def test_refusal_error_pickles_with_its_reasons():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(RefusalError(["a: one", "b: two"])))
+    assert (
+        e.reasons == ["a: one", "b: two"] and e.codes == ["a", "b"] and str(e) == "mono decode refused: a: one; b: two"
+    )
