@@ -21,9 +21,14 @@ VLLM_PYTEST_ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# What `make run` installs, and nothing else: the runtime, the CLI, and triton (on a machine
+# without a GPU, verify runs the Triton kernels in Triton's interpreter). .ci/run runs `make run`
+# in a venv of its own first, so a runtime import that only the test extras satisfy fails CI.
+RUN_EXTRAS := ops,triton
+
 venv: $(BIN)/python
 	$(PIP) install '$(TORCH_SPEC)'
-	$(PIP) install -e '.[ops]'
+	$(PIP) install -e '.[$(RUN_EXTRAS)]'
 
 run: venv
 	$(BIN)/monodecode-ops verify
