@@ -176,7 +176,7 @@ def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vl
     kernels built for another block size than vLLM's cache degrade the first eligible step with
     kv_layout, before any launch. Only the check runs (its build needs a ROCm device)."""
     from monodecode.kernels.base import BuildRequest
-    from monodecode.kernels.flydsl.backend import FlyDSLKernels
+    from monodecode.kernels.flydsl.launch import FlyDSLKernels
     from monodecode.services.platform import Platform
 
     cfg = engine_config(

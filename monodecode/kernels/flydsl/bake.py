@@ -166,16 +166,8 @@ def check_run_only(
 def _run_only_main() -> int:
     import flydsl.compiler as flyc
 
-    from monodecode.kernels.flydsl.compile import (
-        K1_ARGS,
-        K1_SCALARS,
-        K2_ARGS,
-        K2_SCALARS,
-        _cache_entry,
-        _dims_from_dict,
-        launchers,
-        pointer,
-    )
+    from monodecode.kernels.flydsl.args import K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, pointer
+    from monodecode.kernels.flydsl.compile import _cache_entry, _dims_from_dict, launchers
     from monodecode.kernels.flydsl.toolchain import arch_env
 
     req = json.loads(sys.stdin.read())

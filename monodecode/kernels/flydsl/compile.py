@@ -20,55 +20,12 @@ from pathlib import Path
 
 from monodecode.errors import ArtifactError
 from monodecode.kernels.flydsl.arch import arch_spec
+from monodecode.kernels.flydsl.args import K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, pointer
 from monodecode.kernels.flydsl.geometry import Geometry, plan_geometry
-from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS
 from monodecode.kernels.flydsl.toolchain import arch_env
 from monodecode.model.dims import ModelDims, dims_from_hf_config
 
 KERNELS = ("k1", "k2")
-
-# Element type of every pointer argument, in launcher order (the traced IR, hence the cache key,
-# depends on them: the runtime passes the same types). ``mbox`` is the width's segment of the
-# scratch buffer (8-byte mailbox words and epoch counters), ``health`` the plan's header word.
-K1_ARGS = (
-    ("x", "i32"),
-    ("norm_w", "i32"),
-    ("w_qkv", "i32"),
-    ("s_qkv", "f32"),
-    ("q_norm_w", "i32"),
-    ("k_norm_w", "i32"),
-    ("cos_sin", "f32"),
-    ("key_cache", "i32"),
-    ("value_cache", "i32"),
-    ("block_tables", "i32"),
-    ("seq_lens", "i32"),
-    ("slots", "i32"),
-    ("positions", "i32"),
-    ("out_attn", "i16"),
-    ("mbox", "i64"),
-    ("health", "i32"),
-)
-# The KV cache strides (``kv.KV_STRIDE_ARGS``) are arguments, not constants: one code object
-# serves contiguous caches and vLLM's interleaved K|V views alike.
-K1_SCALARS = ("window", "bt_stride", *KV_STRIDE_ARGS, "max_polls", "layer", "stall")
-K2_ARGS = (
-    ("x", "i32"),
-    ("attn", "i32"),
-    ("w_o", "i32"),
-    ("s_o", "f32"),
-    ("post_attn_w", "i32"),
-    ("mlp_norm_w", "i32"),
-    ("w_gu", "i32"),
-    ("s_gu", "f32"),
-    ("w_down", "i32"),
-    ("s_down", "f32"),
-    ("post_mlp_w", "i32"),
-    ("out", "i16"),
-    ("mbox", "i64"),
-    ("health", "i32"),
-    ("peers", "i64"),
-)
-K2_SCALARS = ("max_polls", "layer", "nan_fault", "rank")
 
 
 @dataclass(frozen=True)
@@ -83,14 +40,6 @@ class Specialisation:
     def geometry(self) -> Geometry:
         """The shared plan of this width on the arch's grid (``geometry.plan_geometry``)."""
         return plan_geometry(self.dims, self.width, arch_spec(self.arch), self.weight_dtype, self.tp_size)
-
-
-def pointer(kind: str, address: int | None):
-    import flydsl.compiler as flyc
-    import flydsl.expr as fx
-
-    dtype = {"i32": fx.Int32, "f32": fx.Float32, "i16": fx.Int16, "i64": fx.Int64}[kind]
-    return flyc.from_c_void_p(dtype, address)
 
 
 def launchers(spec: Specialisation):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.flydsl.backend import FlyDSLKernels
 from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS, kv_launch_args, kv_word
+from monodecode.kernels.flydsl.launch import FlyDSLKernels
 from monodecode.model.paged_kv import PagedKVCache
 from monodecode.model.profiles import profile_dims
 from monodecode.vllm_plugin.step import kv_reason_for_backend, kv_views
