@@ -37,7 +37,7 @@ system-deps:
 	scripts/install-system-deps.sh
 
 test-deps: system-deps venv
-	$(PIP) install -e '.[ops,dev,flydsl,triton]' '$(TORCH_SPEC)'
+	$(PIP) install -e '.[ops,dev,flydsl,triton,bench]' '$(TORCH_SPEC)'
 	scripts/setup-toolchains.sh $(VENV)
 
 # Style and the import contract (pyproject.toml: [tool.ruff], [tool.importlinter]).
