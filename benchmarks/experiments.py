@@ -53,17 +53,17 @@ def _compile(job):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from monodecode.kernels.plan import plan_model
     from monodecode.kernels.triton import config as C
+    from monodecode.kernels.triton.config import plan_for
     from monodecode.kernels.triton.launch import compile_options
     from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 
     target = dataclasses.replace(C.CUDA, **change)
     dims = profile_dims(profile)
-    mplan = plan_model(dims, 1, [batch], sm)
+    mplan = plan_for(dims, [batch], sm, target)
     for _, src in kernel_sources(dims, dtype, batch, 16, mplan, target):
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target))
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, batch))
     return profile
 
 

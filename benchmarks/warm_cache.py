@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def builds() -> list[tuple[str, str, tuple[int, ...]]]:
     """(profile, weight dtype, widths) of the numerics tests and the default benchmark."""
-    spec = importlib.util.spec_from_file_location("tnum", ROOT / "tests" / "test_triton_numerics.py")
+    spec = importlib.util.spec_from_file_location(
+        "tnum", ROOT / "tests" / "kernels" / "triton" / "test_triton_numerics.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = [(p, d, tuple(ws)) for p, d, ws, _ in mod.GPU_BUILDS]
@@ -41,18 +43,17 @@ def _one(job) -> tuple[str, float]:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from monodecode.kernels.plan import plan_model
-    from monodecode.kernels.triton.config import CUDA
+    from monodecode.kernels.triton.config import CUDA, plan_for
     from monodecode.kernels.triton.launch import compile_options
     from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 
     t0 = time.monotonic()
     dims = profile_dims(profile)
-    mplan = plan_model(dims, 1, list(widths), sm)
+    mplan = plan_for(dims, widths, sm, target)
     target = dataclasses.replace(CUDA, **change)
     src = dict(kernel_sources(dims, dtype, width, 16, mplan, target))[which]
-    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target))
+    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target, width))
     return f"{profile}/{dtype}/{widths} w={width} {which} {change or ''}", time.monotonic() - t0
 
 

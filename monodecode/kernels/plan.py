@@ -20,10 +20,17 @@ workgroup count (one per CU/SM), the plan fixes:
   the grid is resident.
 
 * the **scratch layout** per width: every hand-off between workgroups goes through a mailbox
-  region of 8-byte words (fp32 value in the low half, the launch's 31-bit epoch tag in the high
-  half, written with one store). A producing stage also counts finished tasks in a monotonic
-  completion counter (release after its stores); a consumer polls that one word (acquire), then
-  reads the words and checks every tag. Each width owns a disjoint segment with its own epoch
+  region. A producing stage counts finished tasks in a monotonic completion counter (release
+  after its stores); a consumer polls that one word (acquire), then reads the region. Two
+  mailbox formats (``MAILBOX_FORMATS``, chosen per build):
+
+  - ``tagged``: 8-byte words (fp32 value in the low half, the launch's 31-bit epoch tag in the
+    high half, written with one store); consumers also check every word's tag.
+  - ``bf16``: activations (qkv, o, h, hn, act, d and their TP peer slots) as plain bf16 values,
+    attention partials (attn_acc, attn_ml) as plain fp32; the completion counters are the only
+    synchronisation. Every consumer rounds its inputs to bf16 anyway, so both formats give the
+    same numbers; bf16 moves a quarter of the bytes.
+ Each width owns a disjoint segment with its own epoch
   and completion counters, so layouts of different widths never alias. A one-word health header (sticky site code) leads
   the buffer. With TP, a second symmetric *peer* buffer (one per rank, IPC-mapped) has the same
   per-width rule.
@@ -46,7 +53,19 @@ from monodecode.kernels.health import health_code
 from monodecode.model.dims import ModelDims
 
 PLAN_VERSION = 1
-WORD_BYTES = 8  # mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
+WORD_BYTES = 8  # tagged mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
+MAILBOX_FORMATS = ("tagged", "bf16")
+# Element bytes of each mailbox region per format; regions not named are activations.
+_PARTIAL_REGIONS = ("attn_acc", "attn_ml")
+
+
+def mailbox_bytes(mailbox: str, region: str) -> int:
+    """Bytes per element of a mailbox region in a mailbox format."""
+    if mailbox == "tagged":
+        return WORD_BYTES
+    return 4 if region in _PARTIAL_REGIONS else 2
+
+
 ALIGN = 256  # every region and width segment starts on a 256-byte boundary (cache-line multiple)
 MAX_WIDTH = 256
 MAX_ATTN_SPLITS = 16
@@ -292,7 +311,7 @@ def gemv_rows_per_task(
 ) -> int:
     """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
     tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
-    input vector (mailbox words are 8 bytes) and paying a fixed cost (about 4 KiB of traffic)."""
+    input vector (``input_word_bytes`` per element) and paying a fixed cost (about 4 KiB of traffic)."""
     best, best_cost = 0, None
     for rows in _GEMV_ROWS_W1 if width == 1 else _GEMV_ROWS_WIDE:
         tasks = -(-n // rows)
@@ -333,6 +352,7 @@ class LayerPlan:
     k2: tuple[Stage, ...]
     layout: WidthLayout
     peer_layout: WidthLayout | None = None  # TP only: this width's segment of the peer buffer
+    mailbox: str = "tagged"  # one of MAILBOX_FORMATS
 
     def stages(self, kernel: str | None = None) -> tuple[Stage, ...]:
         if kernel == K1:
@@ -455,6 +475,7 @@ class LayerPlan:
             "width": self.width,
             "num_workgroups": self.num_workgroups,
             "attn_splits": self.attn_splits,
+            "mailbox": self.mailbox,
             "k1": [s.to_dict() for s in self.k1],
             "k2": [s.to_dict() for s in self.k2],
             "layout": self.layout.to_dict(),
@@ -474,7 +495,16 @@ def _check_workgroups(num_workgroups: object) -> int:
     return num_workgroups
 
 
-def _width_regions(L: LocalDims, W: int, S: int, tp: int, final: bool) -> list[tuple[str, tuple[int, ...], int]]:
+def _check_mailbox(mailbox: object) -> str:
+    if mailbox not in MAILBOX_FORMATS:
+        raise ConfigError(f"kernel plan: mailbox must be one of {', '.join(MAILBOX_FORMATS)}, got {mailbox!r}")
+    return mailbox
+
+
+def _width_regions(
+    L: LocalDims, W: int, S: int, tp: int, final: bool, mailbox: str = "tagged"
+) -> list[tuple[str, tuple[int, ...], int]]:
+    mb = mailbox_bytes
     specs = [
         ("epoch_k1", (1,), 8),  # int64 launch counters: epoch = counter // G + 1 (advanced on device)
         ("epoch_k2", (1,), 8),
@@ -483,33 +513,34 @@ def _width_regions(L: LocalDims, W: int, S: int, tp: int, final: bool) -> list[t
         # wait on them (one word to poll), then read the tagged words and check the tags.
         ("done_k1", (len(DONE_STAGES[K1]),), 8),
         ("done_k2", (len(DONE_STAGES[K2]),), 8),
-        ("qkv", (W, L.qkv), WORD_BYTES),
-        ("attn_acc", (W, L.heads, S, L.head_dim), WORD_BYTES),
-        ("attn_ml", (W, L.heads, S, 2), WORD_BYTES),
-        ("h", (W, L.hidden), WORD_BYTES),
-        ("hn", (W, L.hidden), WORD_BYTES),
-        ("act", (W, L.intermediate), WORD_BYTES),
+        ("qkv", (W, L.qkv), mb(mailbox, "qkv")),
+        ("attn_acc", (W, L.heads, S, L.head_dim), mb(mailbox, "attn_acc")),
+        ("attn_ml", (W, L.heads, S, 2), mb(mailbox, "attn_ml")),
+        ("h", (W, L.hidden), mb(mailbox, "h")),
+        ("hn", (W, L.hidden), mb(mailbox, "hn")),
+        ("act", (W, L.intermediate), mb(mailbox, "act")),
     ]
     if tp == 1:
-        specs.append(("o", (W, L.hidden), WORD_BYTES))
+        specs.append(("o", (W, L.hidden), mb(mailbox, "o")))
         if final:
-            specs.append(("d", (W, L.hidden), WORD_BYTES))
+            specs.append(("d", (W, L.hidden), mb(mailbox, "d")))
     return specs
 
 
-def _peer_regions(L: LocalDims, W: int, tp: int) -> list[tuple[str, tuple[int, ...], int]]:
-    return [("o_peer", (tp, W, L.hidden), WORD_BYTES), ("d_peer", (tp, W, L.hidden), WORD_BYTES)]
+def _peer_regions(L: LocalDims, W: int, tp: int, mailbox: str = "tagged") -> list[tuple[str, tuple[int, ...], int]]:
+    b = mailbox_bytes(mailbox, "o_peer")
+    return [("o_peer", (tp, W, L.hidden), b), ("d_peer", (tp, W, L.hidden), b)]
 
 
 def _stages(
-    dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int
+    dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int, mailbox: str = "tagged"
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
     d_dst = ("d_peer" if tp > 1 else "d") if final else "x_out"
 
     def gemv(kernel, name, index, n, k, reads, writes, offset):
-        in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else WORD_BYTES
+        in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else mailbox_bytes(mailbox, reads[0])
         rows = gemv_rows_per_task(n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes)
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
@@ -549,27 +580,29 @@ def _stages(
     return tuple(k1), tuple(k2)
 
 
-def plan_layer(dims: ModelDims, tp_size: int, width: int, num_workgroups: int) -> LayerPlan:
+def plan_layer(dims: ModelDims, tp_size: int, width: int, num_workgroups: int, *, mailbox: str = "tagged") -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
-    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0)
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, _check_mailbox(mailbox))
 
 
-def _plan_width(dims: ModelDims, tp: int, W: int, G: int, offset: int, peer_offset: int) -> LayerPlan:
+def _plan_width(
+    dims: ModelDims, tp: int, W: int, G: int, offset: int, peer_offset: int, mailbox: str = "tagged"
+) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
     W = _check_width(W)
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox)
     final = dims.post_norms or tp > 1
-    regions, end = _pack(_width_regions(L, W, S, tp, final), offset)
+    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
     peer = None
     if tp > 1:
-        pregions, pend = _pack(_peer_regions(L, W, tp), peer_offset)
+        pregions, pend = _pack(_peer_regions(L, W, tp, mailbox), peer_offset)
         peer = WidthLayout(W, _align(peer_offset), pend - _align(peer_offset), pregions)
-    return LayerPlan(dims.digest(), tp, W, G, L, S, dims.post_norms, k1, k2, layout, peer)
+    return LayerPlan(dims.digest(), tp, W, G, L, S, dims.post_norms, k1, k2, layout, peer, mailbox)
 
 
 @dataclass(frozen=True)
@@ -618,16 +651,19 @@ def _check_widths(widths: object) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def plan_model(dims: ModelDims, tp_size: int, widths: Iterable[int], num_workgroups: int) -> ModelPlan:
+def plan_model(
+    dims: ModelDims, tp_size: int, widths: Iterable[int], num_workgroups: int, *, mailbox: str = "tagged"
+) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
+    mailbox = _check_mailbox(mailbox)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur)
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mailbox)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end
@@ -648,6 +684,7 @@ def key_inputs(
     widths: Iterable[int],
     block_size: int,
     num_workgroups: int,
+    mailbox: str = "tagged",
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict (RT's
     ``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -661,7 +698,7 @@ def key_inputs(
         raise ConfigError(f"kernel plan: kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ConfigError(f"kernel plan: block_size must be a positive integer, got {block_size!r}")
-    mp = plan_model(dims, tp_size, list(widths), num_workgroups)
+    mp = plan_model(dims, tp_size, list(widths), num_workgroups, mailbox=mailbox)
     return {
         "plan_version": PLAN_VERSION,
         "dims_digest": dims.digest(),
@@ -671,5 +708,6 @@ def key_inputs(
         "widths": list(mp.widths),
         "block_size": block_size,
         "num_workgroups": num_workgroups,
+        "mailbox": mailbox,
         "plan_digest": mp.digest(),
     }

@@ -111,9 +111,23 @@ def kv_strides(kc: torch.Tensor, vc: torch.Tensor, dims, block_size: int) -> lis
 
 
 def k1_args(
-    L: _Layer, x, kc, vc, kv_st: list[int], meta, out, scratch, health, layer: int, spin_limit: int, stall: int, dims
+    L: _Layer,
+    x,
+    kc,
+    vc,
+    kv_st: list[int],
+    meta,
+    out,
+    scratch,
+    health,
+    prof,
+    layer: int,
+    spin_limit: int,
+    stall: int,
+    dims,
 ) -> list:
-    """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``)."""
+    """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``;
+    ``prof``: the int64 timestamp buffer, any int64 tensor when the timestamps are compiled out)."""
     return [
         x,
         L.attn_norm,
@@ -133,6 +147,7 @@ def k1_args(
         out,
         scratch,
         health,
+        prof,
         L.window,
         layer,
         spin_limit,
@@ -142,7 +157,7 @@ def k1_args(
     ]
 
 
-def k2_args(L: _Layer, x, attn, out, scratch, health, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
+def k2_args(L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
     """Runtime arguments of ``k2_kernel`` in signature order."""
     return [
         x,
@@ -161,6 +176,7 @@ def k2_args(L: _Layer, x, attn, out, scratch, health, layer: int, spin_limit: in
         out,
         scratch,
         health,
+        prof,
         layer,
         spin_limit,
         nan_fault,

@@ -9,7 +9,8 @@ axis is contiguous), so the contiguous ``[blocks, block_size, kv_heads, head_dim
 reference cache and vLLM's interleaved K|V views (``vllm_plugin.step.kv_views``) both work.
 It then runs an online softmax over its slice of the visible context, reading K/V through the
 block table, and publishes the unnormalised partial (m, l, acc) per query head. Both tasks read
-their inputs after the launch's wait on the producing stage and check every word's tag.
+their inputs after the launch's wait on the producing stage (``mailbox.fetch``: tagged words
+have their tags checked; the bf16 format holds q/k/v as bf16 and the partials as fp32).
 
 ``combine_task`` (row r, query head h): waits for the S partials of its head and writes the
 merged, normalised attention output (bf16) — K1's launch output.
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import mma, rms_apply
-from monodecode.kernels.triton.mailbox import check_tags, pack, unpack
+from monodecode.kernels.triton.mailbox import fetch, publish
 
 
 @triton.jit
@@ -88,6 +89,7 @@ def attn_task(
     BT: tl.constexpr,
     QK_NORM: tl.constexpr,
     ONE_PLUS: tl.constexpr,
+    BF16MB: tl.constexpr,
 ):
     """One (row, KV head, split) task; the caller has waited for the qkv stage."""
     HALF: tl.constexpr = D // 2
@@ -107,21 +109,11 @@ def attn_task(
     k_w = base + Q + g * D
     v_w = base + Q + KV + g * D
     qm = qrow[:, None] & (dh[None, :] >= 0)
-    wq1 = tl.load(q_w + jq[:, None] * D + dh[None, :], mask=qm, other=0, volatile=True)
-    wq2 = tl.load(q_w + jq[:, None] * D + HALF + dh[None, :], mask=qm, other=0, volatile=True)
-    wk1 = tl.load(k_w + dh, volatile=True)
-    wk2 = tl.load(k_w + HALF + dh, volatile=True)
-    wv = tl.load(v_w + d, volatile=True)
-    check_tags(wq1, qm, tag, health_ptr, bad_code)
-    check_tags(wq2, qm, tag, health_ptr, bad_code)
-    check_tags(wk1, dh >= 0, tag, health_ptr, bad_code)
-    check_tags(wk2, dh >= 0, tag, health_ptr, bad_code)
-    check_tags(wv, d >= 0, tag, health_ptr, bad_code)
-    q1 = unpack(wq1).to(tl.bfloat16)
-    q2 = unpack(wq2).to(tl.bfloat16)
-    k1 = unpack(wk1).to(tl.bfloat16)[None, :]
-    k2 = unpack(wk2).to(tl.bfloat16)[None, :]
-    v = unpack(wv).to(tl.bfloat16)
+    q1 = fetch(q_w + jq[:, None] * D + dh[None, :], qm, tag, health_ptr, bad_code, BF16MB).to(tl.bfloat16)
+    q2 = fetch(q_w + jq[:, None] * D + HALF + dh[None, :], qm, tag, health_ptr, bad_code, BF16MB).to(tl.bfloat16)
+    k1 = fetch(k_w + dh, dh >= 0, tag, health_ptr, bad_code, BF16MB).to(tl.bfloat16)[None, :]
+    k2 = fetch(k_w + HALF + dh, dh >= 0, tag, health_ptr, bad_code, BF16MB).to(tl.bfloat16)[None, :]
+    v = fetch(v_w + d, d >= 0, tag, health_ptr, bad_code, BF16MB).to(tl.bfloat16)
     if QK_NORM:
         q1, q2 = _head_norm(q1, q2, qnorm_ptr, eps, D, ONE_PLUS)
         k1, k2 = _head_norm(k1, k2, knorm_ptr, eps, D, ONE_PLUS)
@@ -173,9 +165,9 @@ def attn_task(
         m_i = m_new
 
     hrow = (r * H + g * G + jq) * S + s
-    tl.store(acc_mb + hrow[:, None] * D + d[None, :], pack(acc, tag), mask=qrow[:, None] & (d[None, :] >= 0))
-    tl.store(ml_mb + hrow * 2, pack(m_i, tag), mask=qrow)
-    tl.store(ml_mb + hrow * 2 + 1, pack(l_i, tag), mask=qrow)
+    publish(acc_mb + hrow[:, None] * D + d[None, :], acc, qrow[:, None] & (d[None, :] >= 0), tag, BF16MB, True)
+    publish(ml_mb + hrow * 2, m_i, qrow, tag, BF16MB, True)
+    publish(ml_mb + hrow * 2 + 1, l_i, qrow, tag, BF16MB, True)
 
 
 @triton.jit
@@ -191,6 +183,7 @@ def combine_task(
     D: tl.constexpr,
     H: tl.constexpr,
     S: tl.constexpr,
+    BF16MB: tl.constexpr,
 ):
     """One (row, query head) task; the caller has waited for the attention stage."""
     r = t // H
@@ -199,15 +192,11 @@ def combine_task(
     d = tl.arange(0, D)
     mlb = ml_mb + (r * H + h) * S * 2
     accb = acc_mb + (r * H + h) * S * D
-    wm = tl.load(mlb + si * 2, volatile=True)
-    wl = tl.load(mlb + si * 2 + 1, volatile=True)
-    wa = tl.load(accb + si[:, None] * D + d[None, :], volatile=True)
-    check_tags(wm, si >= 0, tag, health_ptr, bad_code)
-    check_tags(wl, si >= 0, tag, health_ptr, bad_code)
-    check_tags(wa, (si[:, None] >= 0) & (d[None, :] >= 0), tag, health_ptr, bad_code)
-    m = unpack(wm)
-    l = unpack(wl)
-    a = unpack(wa)
+    m = fetch(mlb + si * 2, si >= 0, tag, health_ptr, bad_code, BF16MB)
+    l = fetch(mlb + si * 2 + 1, si >= 0, tag, health_ptr, bad_code, BF16MB)
+    a = fetch(
+        accb + si[:, None] * D + d[None, :], (si[:, None] >= 0) & (d[None, :] >= 0), tag, health_ptr, bad_code, BF16MB
+    )
     big = tl.max(m, axis=0)
     wts = tl.exp(m - big)
     den = tl.sum(wts * l, axis=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan
+from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, plan_model
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
@@ -32,11 +32,22 @@ class Target:
     # flight as bf16 without widening the accumulator) and the pipelining depth then (0 = as bf16).
     fp8_split: int = 1
     fp8_narrow_stages: int = 0
+    # Mailbox format of the plan (``plan.MAILBOX_FORMATS``): bf16 activations + fp32 partials
+    # synchronised by the completion counters alone, or the tagged 8-byte words.
+    mailbox: str = "bf16"
+    # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
+    wide_warps: int = 0
+    wide_stages: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
             return self.fp8_narrow_stages
+        if width > 1 and self.wide_stages:
+            return self.wide_stages
         return self.narrow_stages if width == 1 and self.narrow_stages else self.gemv_stages
+
+    def warps(self, width: int) -> int:
+        return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
         """K chunks per pipelined iteration of a GEMV over ``k`` with chunk ``bk``."""
@@ -62,6 +73,11 @@ CUDA = Target(
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
+
+
+def plan_for(dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1) -> ModelPlan:
+    """The shared plan of these kernels for ``target`` (its mailbox format)."""
+    return plan_model(dims, tp_size, list(widths), num_programs, mailbox=target.mailbox)
 
 
 def target_for(kind: str) -> Target:
@@ -110,7 +126,13 @@ def _word(plan: LayerPlan, region: str) -> int:
 
 
 def k1_constexprs(
-    dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, vp: int = 1, fp8: bool = False
+    dims: ModelDims,
+    plan: LayerPlan,
+    target: Target,
+    block_size: int,
+    vp: int = 1,
+    fp8: bool = False,
+    prof: bool = False,
 ) -> dict:
     L = plan.local
     W = plan.width
@@ -155,10 +177,14 @@ def k1_constexprs(
         ONE_PLUS=dims.norm_one_plus,
         FP8=fp8,
         FLAT=target.flatten,
+        BF16MB=plan.mailbox == "bf16",
+        PROF=prof,
     )
 
 
-def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1, fp8: bool = False) -> dict:
+def k2_constexprs(
+    dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1, fp8: bool = False, prof: bool = False
+) -> dict:
     L = plan.local
     W = plan.width
     wide = W > 1
@@ -210,14 +236,24 @@ def k2_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, vp: int = 1,
         FP8=fp8,
         GELU=dims.activation == "gelu_tanh",
         FLAT=target.flatten,
+        BF16MB=plan.mailbox == "bf16",
+        PROF=prof,
     )
 
 
 def constexprs(
-    dims: ModelDims, mplan: ModelPlan, width: int, target: Target, block_size: int, fp8: bool, vp: int = 1
+    dims: ModelDims,
+    mplan: ModelPlan,
+    width: int,
+    target: Target,
+    block_size: int,
+    fp8: bool,
+    vp: int = 1,
+    prof: bool = False,
 ) -> tuple[dict, dict]:
+    """``prof``: compile in the stage timestamps (``timeline.py``; CUDA only)."""
     plan = mplan.layers[width]
     return (
-        k1_constexprs(dims, plan, target, block_size, vp, bool(fp8)),
-        k2_constexprs(dims, plan, target, vp, bool(fp8)),
+        k1_constexprs(dims, plan, target, block_size, vp, bool(fp8), prof),
+        k2_constexprs(dims, plan, target, vp, bool(fp8), prof),
     )

@@ -7,10 +7,12 @@ use matrix instructions on ``dot(w[BN, BK], x[WP, BK]^T)`` with the rows padded 
 The input vector comes from one of three places (``SRC``):
   0  the launch input (bf16) with the pre-norm fused in (RMSNorm with the row's rstd),
   1  the launch input (bf16) as is,
-  2  mailbox words (fp32 | tag). Before its first task of the stage a program waits for the
-     producing stage's completion counter (``mailbox.wait_done``); the K loop then streams the
-     words with ``.cg`` loads (L2, never a stale L1 line) and checks every tag on the way (a
+  2  tagged mailbox words (fp32 | tag). Before its first task of the stage a program waits for
+     the producing stage's completion counter (``mailbox.wait_done``); the K loop then streams
+     the words with ``.cg`` loads (L2, never a stale L1 line) and checks every tag on the way (a
      mismatch is recorded in the health word; it is never waited on).
+  3  a bf16 mailbox region (after the same wait), streamed with ``.cg`` loads: plain bf16
+     tiles, a quarter of the tagged words' bytes and no unpacking.
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does.
@@ -71,6 +73,8 @@ def _input_chunk(
         words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
         bad += (m2 & ((words >> 32) != tag)).to(tl.int32)
         xb = unpack(words).to(tl.bfloat16)
+    elif SRC == 3:
+        xb = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.bfloat16)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         g = tl.load(norm_ptr + k).to(tl.float32)

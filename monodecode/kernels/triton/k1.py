@@ -4,7 +4,9 @@ A persistent launch of ``NPROG`` programs (one per SM/CU). Stages and task table
 ``kernels/plan.py``: task ``t`` of a stage runs on program ``(t + OFF) % NPROG``. ``VP`` > 1 lets
 one program stand for several (used only by the CPU interpreter, which runs programs one after
 another: each stage then runs for all of them before the next stage starts). ``k_s*``/``v_s*``
-are the block, token and head strides (elements) of the layer's K and V caches.
+are the block, token and head strides (elements) of the layer's K and V caches. ``BF16MB``
+selects the bf16 mailbox format (``plan.MAILBOX_FORMATS``); ``PROF`` compiles in the stage
+timestamps (``timeline.py``) written to ``prof_ptr``.
 """
 
 import triton
@@ -12,7 +14,16 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd
-from monodecode.kernels.triton.mailbox import finish_launch, launch_epoch, pack, signal_done, signal_tasks, wait_done
+from monodecode.kernels.triton.mailbox import (
+    finish_launch,
+    launch_epoch,
+    publish,
+    region,
+    signal_done,
+    signal_tasks,
+    wait_done,
+)
+from monodecode.kernels.triton.timeline import stamp
 
 
 @triton.jit
@@ -40,6 +51,7 @@ def k1_kernel(
     out_ptr,
     mbox_ptr,
     health_ptr,
+    prof_ptr,
     window,
     layer,
     spin_limit,
@@ -81,6 +93,8 @@ def k1_kernel(
     FP8: tl.constexpr,
     FLAT: tl.constexpr,
     SPLIT: tl.constexpr,
+    BF16MB: tl.constexpr = False,
+    PROF: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -89,13 +103,20 @@ def k1_kernel(
     bad_code = 3 + (1 << 8) + (layer + 1) * 1024  # kernel_error: a word without this launch's tag
     done_qkv = mbox_ptr + DONE_W
     done_attn = mbox_ptr + DONE_W + 1
-    qkv_mb = mbox_ptr + QKV_W
-    acc_mb = mbox_ptr + ACC_W
-    ml_mb = mbox_ptr + ML_W
+    if BF16MB:
+        qkv_mb = region(mbox_ptr, QKV_W, tl.bfloat16)
+        acc_mb = region(mbox_ptr, ACC_W, tl.float32)
+        ml_mb = region(mbox_ptr, ML_W, tl.float32)
+    else:
+        qkv_mb = mbox_ptr + QKV_W
+        acc_mb = mbox_ptr + ACC_W
+        ml_mb = mbox_ptr + ML_W
     rows = tl.arange(0, WP)
     rmask = rows < W
 
     # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, NPROG, PROF)
     rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
@@ -130,20 +151,25 @@ def k1_kernel(
             )
             n = n0 + tl.arange(0, BN)
             # fault injection (stall != 0): never publish, so the waits below expire
-            tl.store(
+            publish(
                 qkv_mb + rows[None, :] * NQKV + n[:, None],
-                pack(y, tag),
-                mask=(n < NQKV)[:, None] & rmask[None, :] & (stall == 0),
+                y,
+                (n < NQKV)[:, None] & rmask[None, :] & (stall == 0),
+                tag,
+                BF16MB,
             )
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, NPROG, PROF)
 
     # stage attn: (row, KV head, context split) partials
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
         if first < ATTN_TASKS:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)
         for t in range(first, ATTN_TASKS, NPROG):
             attn_task(
                 t,
@@ -185,17 +211,22 @@ def k1_kernel(
                 BT,
                 QK_NORM,
                 ONE_PLUS,
+                BF16MB,
             )
             signal_done(done_attn)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - COMB_OFF + NPROG) % NPROG
         if first < COMB_TASKS:
             budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, NPROG, PROF)
         for t in range(first, COMB_TASKS, NPROG):
-            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S)
+            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, BF16MB)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, NPROG, PROF)
 
     finish_launch(
         epoch_ptr,

@@ -3,6 +3,7 @@
 
 Rounding follows the reference (``k2_reference``): every projection output, norm, activation,
 product and residual add is rounded to bf16 where Hugging Face rounds it; accumulation is fp32.
+``BF16MB`` selects the bf16 mailbox format, ``PROF`` the stage timestamps (as in K1).
 """
 
 import triton
@@ -10,15 +11,16 @@ import triton.language as tl
 
 from monodecode.kernels.triton.gemv import gemv_task, rms_apply
 from monodecode.kernels.triton.mailbox import (
-    check_tags,
+    fetch,
     finish_launch,
     launch_epoch,
-    pack,
+    publish,
+    region,
     signal_done,
     signal_tasks,
-    unpack,
     wait_done,
 )
+from monodecode.kernels.triton.timeline import stamp
 
 
 @triton.jit
@@ -56,23 +58,23 @@ def _post_task(
     HP: tl.constexpr,
     POST_NORMS: tl.constexpr,
     ONE_PLUS: tl.constexpr,
+    BF16MB: tl.constexpr,
 ):
     """Row r, whole row in registers: h = bf16(x + o'), o' = bf16(o) or Gemma's bf16(norm(o) * (1 + w));
     hn = norm(h). Both published."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
-    wo = tl.load(o_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
-    check_tags(wo, km, tag, health_ptr, bad_code)
-    o = tl.where(km, unpack(wo), 0.0).to(tl.bfloat16).to(tl.float32)
+    o = tl.where(km, fetch(o_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB), 0.0)
+    o = o.to(tl.bfloat16).to(tl.float32)
     if POST_NORMS:
         rstd_o = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / HIDDEN + eps)
         o = rms_apply(o, rstd_o, tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
     xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
     h = tl.where(km, (xr + o).to(tl.bfloat16).to(tl.float32), 0.0)
-    tl.store(h_mb + r * HIDDEN + k, pack(h, tag), mask=km)
+    publish(h_mb + r * HIDDEN + k, h, km, tag, BF16MB)
     rstd_h = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / HIDDEN + eps)
     hn = rms_apply(h, rstd_h, tl.load(mlp_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
-    tl.store(hn_mb + r * HIDDEN + k, pack(hn.to(tl.float32), tag), mask=km)
+    publish(hn_mb + r * HIDDEN + k, hn.to(tl.float32), km, tag, BF16MB)
 
 
 @triton.jit
@@ -91,18 +93,17 @@ def _final_task(
     HIDDEN: tl.constexpr,
     HP: tl.constexpr,
     ONE_PLUS: tl.constexpr,
+    BF16MB: tl.constexpr,
 ):
     """Row r (Gemma): out = bf16(h + bf16(norm(d) * (1 + w)))."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
-    wd = tl.load(d_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
-    wh = tl.load(h_mb + r * HIDDEN + k, mask=km, other=0, volatile=True)
-    check_tags(wd, km, tag, health_ptr, bad_code)
-    check_tags(wh, km, tag, health_ptr, bad_code)
-    dv = tl.where(km, unpack(wd), 0.0).to(tl.bfloat16).to(tl.float32)
+    dv = tl.where(km, fetch(d_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB), 0.0)
+    dv = dv.to(tl.bfloat16).to(tl.float32)
+    hv = fetch(h_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(dv * dv, axis=0) / HIDDEN + eps)
     dn = rms_apply(dv, rstd, tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
-    out = (unpack(wh) + dn.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    out = (hv + dn.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
     out = tl.where((nan_fault != 0) & (r == 0) & (k == 0), float("nan"), out)
     _check_finite(out, km, health_ptr, nf_code)
     tl.store(out_ptr + r * HIDDEN + k, out.to(tl.bfloat16), mask=km)
@@ -126,6 +127,7 @@ def k2_kernel(
     out_ptr,
     mbox_ptr,
     health_ptr,
+    prof_ptr,
     layer,
     spin_limit,
     nan_fault,
@@ -168,6 +170,8 @@ def k2_kernel(
     O_SPLIT: tl.constexpr,
     GU_SPLIT: tl.constexpr,
     D_SPLIT: tl.constexpr,
+    BF16MB: tl.constexpr = False,
+    PROF: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -179,16 +183,27 @@ def k2_kernel(
     done_post = mbox_ptr + DONE_W + 1
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
-    o_mb = mbox_ptr + O_W
-    h_mb = mbox_ptr + H_W
-    hn_mb = mbox_ptr + HN_W
-    act_mb = mbox_ptr + ACT_W
-    d_mb = mbox_ptr + D_W
+    if BF16MB:
+        o_mb = region(mbox_ptr, O_W, tl.bfloat16)
+        h_mb = region(mbox_ptr, H_W, tl.bfloat16)
+        hn_mb = region(mbox_ptr, HN_W, tl.bfloat16)
+        act_mb = region(mbox_ptr, ACT_W, tl.bfloat16)
+        d_mb = region(mbox_ptr, D_W, tl.bfloat16)
+    else:
+        o_mb = mbox_ptr + O_W
+        h_mb = mbox_ptr + H_W
+        hn_mb = mbox_ptr + HN_W
+        act_mb = mbox_ptr + ACT_W
+        d_mb = mbox_ptr + D_W
+    MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
+    me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
     zero = tl.zeros([WP], dtype=tl.float32)
 
     # o_proj (input: K1's bf16 output, a launch input)
+    stamp(prof_ptr, layer, me, 1, 0, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 0, 1, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
@@ -221,17 +236,18 @@ def k2_kernel(
                 O_SPLIT,
             )
             n = n0 + tl.arange(0, O_BN)
-            tl.store(
-                o_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=(n < HIDDEN)[:, None] & rmask[None, :]
-            )
+            publish(o_mb + rows[None, :] * HIDDEN + n[:, None], y, (n < HIDDEN)[:, None] & rmask[None, :], tag, BF16MB)
         signal_tasks(done_o, first, O_TASKS, NPROG)
+    stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
 
     # post: one task per row
+    stamp(prof_ptr, layer, me, 1, 1, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - POST_OFF + NPROG) % NPROG
         if first < W:
             budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+        stamp(prof_ptr, layer, me, 1, 1, 1, NPROG, PROF)
         for r in range(first, W, NPROG):
             _post_task(
                 r,
@@ -249,15 +265,19 @@ def k2_kernel(
                 HP,
                 POST_NORMS,
                 ONE_PLUS,
+                BF16MB,
             )
             signal_done(done_post)
+    stamp(prof_ptr, layer, me, 1, 1, 2, NPROG, PROF)
 
     # gate/up + activation
+    stamp(prof_ptr, layer, me, 1, 2, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - GU_OFF + NPROG) % NPROG
         if first < GU_TASKS:
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+        stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_BN
             g, u = gemv_task(
@@ -279,7 +299,7 @@ def k2_kernel(
                 WP,
                 GU_BN,
                 GU_BK,
-                2,
+                MB_SRC,
                 True,
                 FP8,
                 ONE_PLUS,
@@ -291,17 +311,20 @@ def k2_kernel(
             a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
             m = (a * ub).to(tl.bfloat16).to(tl.float32)
             n = n0 + tl.arange(0, GU_BN)
-            tl.store(act_mb + rows[None, :] * I + n[:, None], pack(m, tag), mask=(n < I)[:, None] & rmask[None, :])
+            publish(act_mb + rows[None, :] * I + n[:, None], m, (n < I)[:, None] & rmask[None, :], tag, BF16MB)
         signal_tasks(done_gu, first, GU_TASKS, NPROG)
+    stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
     # every gate/up task acquired the post stage before releasing its own count.
+    stamp(prof_ptr, layer, me, 1, 3, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
         if first < D_TASKS:
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+        stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0 = t * D_BN
             y, _y = gemv_task(
@@ -323,7 +346,7 @@ def k2_kernel(
                 WP,
                 D_BN,
                 D_BK,
-                2,
+                MB_SRC,
                 False,
                 FP8,
                 ONE_PLUS,
@@ -333,24 +356,26 @@ def k2_kernel(
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
             if POST_NORMS:
-                tl.store(d_mb + rows[None, :] * HIDDEN + n[:, None], pack(y, tag), mask=om)
+                publish(d_mb + rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB)
             else:
-                wh = tl.load(h_mb + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0, volatile=True)
-                check_tags(wh, om, tag, health_ptr, bad_code)
-                out = (unpack(wh) + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+                hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
+                out = (hv + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
                 out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                 _check_finite(out, om, health_ptr, nf_code)
                 tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
         if POST_NORMS:
             signal_tasks(done_down, first, D_TASKS, NPROG)
+    stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
 
     if POST_NORMS:
+        stamp(prof_ptr, layer, me, 1, 4, 0, NPROG, PROF)
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
             first = (pid - FIN_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
                 budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+            stamp(prof_ptr, layer, me, 1, 4, 1, NPROG, PROF)
             for r in range(first, W, NPROG):
                 _final_task(
                     r,
@@ -367,7 +392,9 @@ def k2_kernel(
                     HIDDEN,
                     HP,
                     ONE_PLUS,
+                    BF16MB,
                 )
+        stamp(prof_ptr, layer, me, 1, 4, 2, NPROG, PROF)
 
     finish_launch(
         epoch_ptr,

@@ -15,17 +15,16 @@ import torch
 from monodecode.errors import ConfigError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import TwoLaunchKernels
-from monodecode.kernels.plan import plan_model
 from monodecode.kernels.triton.args import k1_args, k2_args, kv_strides, pack_layer
-from monodecode.kernels.triton.config import Target, check_dims, constexprs
+from monodecode.kernels.triton.config import Target, check_dims, constexprs, plan_for
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
 # the wait timeout in polls.
 _POLL_SECONDS = 0.5e-6
 
 
-def compile_options(target: Target) -> dict:
-    opts = {"num_warps": target.num_warps}
+def compile_options(target: Target, width: int = 1) -> dict:
+    opts = {"num_warps": target.warps(width)}
     if target.kind == "cuda":
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
     return opts
@@ -66,7 +65,8 @@ class TritonKernels(TwoLaunchKernels):
         # The interpreter runs programs one after another: one instance plays all of them, stage by stage.
         self.grid = 1 if self.interpret else num_programs
         vp = num_programs if self.interpret else 1
-        self.plan = plan_model(dims, req.tp_size, req.widths, num_programs)
+        self.num_programs = num_programs
+        self.plan = plan_for(dims, req.widths, num_programs, target, req.tp_size)
         self.fp8 = req.weight_dtype in ("fp8", "fp8_fnuz")
         have = weights.layers[0].q_proj.kind if weights.layers else req.weight_dtype
         if have != req.weight_dtype:
@@ -75,6 +75,7 @@ class TritonKernels(TwoLaunchKernels):
         self.layers = [pack_layer(dims, l, w, self.device) for l, w in enumerate(weights.layers)]
         self.scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=self.device)
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
+        self.prof = self.scratch[:1]  # timestamp buffer (``enable_timeline``); unused while compiled out
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._compiled = {} if self.interpret else self._compile(req)
@@ -83,17 +84,37 @@ class TritonKernels(TwoLaunchKernels):
 
         self._arg_names = (list(k1_kernel.arg_names), list(k2_kernel.arg_names))
 
-    def _compile(self, req: BuildRequest) -> dict:
+    def enable_timeline(self, num_layers: int) -> None:
+        """Recompile with the stage timestamps on (``timeline.py``; CUDA only, for the
+        benchmark's timeline plots): every launch then writes its programs' stamps."""
+        from monodecode.kernels.triton.timeline import buffer_words
+
+        if self.interpret or self.target.kind != "cuda":
+            raise ConfigError("triton kernels: stage timestamps need a compiled CUDA build")
+        self.prof = torch.zeros(buffer_words(num_layers, self.num_programs), dtype=torch.int64, device=self.device)
+        self.consts = {
+            w: constexprs(self.dims, self.plan, w, self.target, self.req.block_size, self.fp8, 1, prof=True)
+            for w in self.widths
+        }
+        self._compiled = self._compile(self.req, prof=True)
+
+    def timeline(self, num_layers: int):
+        """The stamps as ``[layer, kernel, program, stage, (enter, ready, end, -)]`` int64 ns."""
+        from monodecode.kernels.triton.timeline import MAX_STAGES, SLOTS
+
+        return self.prof.view(num_layers, 2, self.num_programs, MAX_STAGES, SLOTS).cpu()
+
+    def _compile(self, req: BuildRequest, prof: bool = False) -> dict:
         """Compile K1/K2 of every width (Triton's cache makes a rebuild cheap)."""
         import triton
 
         from monodecode.kernels.triton.sources import kernel_sources
 
         gpu = triton.runtime.driver.active.get_current_target()
-        opts = compile_options(self.target)
         out = {}
         for w in req.widths:
-            srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target))
+            opts = compile_options(self.target, w)
+            srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target, prof))
             out[w] = (
                 triton.compile(srcs["k1"], target=gpu, options=opts),
                 triton.compile(srcs["k2"], target=gpu, options=opts),
@@ -147,6 +168,7 @@ class TritonKernels(TwoLaunchKernels):
             out,
             self.scratch,
             self.health_word,
+            self.prof,
             layer,
             self.spin_limit,
             stall,
@@ -164,6 +186,7 @@ class TritonKernels(TwoLaunchKernels):
             out,
             self.scratch,
             self.health_word,
+            self.prof,
             layer,
             self.spin_limit,
             nan_fault,

@@ -133,3 +133,37 @@ def wait_words(b1, n1, b2, n2, b3, n3, tag, budget, health_ptr, code, POLL: tl.c
         if miss > 0:
             tl.atomic_cas(health_ptr, 0, code)
     return budget
+
+
+# -- both mailbox formats (plan.MAILBOX_FORMATS): ``BF16MB`` picks plain bf16/fp32 values ------
+
+
+@triton.jit
+def region(mbox_ptr, word_offset, DT: tl.constexpr):
+    """Pointer to a mailbox region whose elements are ``DT`` (``word_offset`` in those elements)."""
+    return mbox_ptr.to(tl.pointer_type(DT), bitcast=True) + word_offset
+
+
+@triton.jit
+def publish(ptrs, value, mask, tag, BF16MB: tl.constexpr, PARTIAL: tl.constexpr = False):
+    """Store fp32 ``value``: a bf16 activation (fp32 for attention partials) or a tagged word."""
+    if BF16MB:
+        if PARTIAL:
+            tl.store(ptrs, value.to(tl.float32), mask=mask)
+        else:
+            tl.store(ptrs, value.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptrs, pack(value, tag), mask=mask)
+
+
+@triton.jit
+def fetch(ptrs, mask, tag, health_ptr, code, BF16MB: tl.constexpr):
+    """Read published values as fp32 after the stage's wait (volatile: never a stale L1 line);
+    tagged words also have their tags checked."""
+    if BF16MB:
+        val = tl.load(ptrs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    else:
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+        check_tags(words, mask, tag, health_ptr, code)
+        val = unpack(words)
+    return val

@@ -14,8 +14,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from monodecode.kernels.plan import plan_model
-from monodecode.kernels.triton.config import Target
+from monodecode.kernels.triton.config import Target, plan_for
 from monodecode.kernels.triton.sources import kernel_sources
 from monodecode.model.dims import ModelDims
 
@@ -111,11 +110,12 @@ def compile_width(
     else:
         gpu = GPUTarget("cuda", 90, 32)
     out = []
-    mplan = plan_model(dims, 1, [width], num_programs)
+    mplan = plan_for(dims, [width], num_programs, target)
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
-        compiled = triton.compile(src, target=gpu, options={"num_warps": target.num_warps})
+        warps = target.warps(width)
+        compiled = triton.compile(src, target=gpu, options={"num_warps": warps})
         if arch.startswith("gfx"):
-            out.append(amd_resources(name, arch, width, target.num_warps, compiled))
+            out.append(amd_resources(name, arch, width, warps, compiled))
         else:
-            out.append(cuda_resources(name, width, target.num_warps, compiled))
+            out.append(cuda_resources(name, width, warps, compiled))
     return out

@@ -84,7 +84,13 @@ class _MetaMeta:
 
 
 def kernel_sources(
-    dims: ModelDims, weight_dtype: str, width: int, block_size: int, mplan: ModelPlan, target: Target
+    dims: ModelDims,
+    weight_dtype: str,
+    width: int,
+    block_size: int,
+    mplan: ModelPlan,
+    target: Target,
+    prof: bool = False,
 ) -> list[tuple[str, object]]:
     """[(name, ASTSource)] of K1 and K2 for one width: what the launcher compiles on a GPU and
     the compile checks compile on a CPU (same constants, same argument order)."""
@@ -93,7 +99,7 @@ def kernel_sources(
     from monodecode.kernels.triton.k1 import k1_kernel
     from monodecode.kernels.triton.k2 import k2_kernel
 
-    c1, c2 = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16")
+    c1, c2 = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16", prof=prof)
     L = _meta_layer(dims, weight_dtype)
     bf = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
     scratch = torch.empty(16, dtype=torch.int64, device="meta")
@@ -109,6 +115,7 @@ def kernel_sources(
         bf(width, dims.q_size),
         scratch,
         health,
+        scratch,
         0,
         1000,
         0,
@@ -121,6 +128,7 @@ def kernel_sources(
         bf(width, dims.hidden_size),
         scratch,
         health,
+        scratch,
         0,
         1000,
         0,

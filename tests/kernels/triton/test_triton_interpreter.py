@@ -57,7 +57,7 @@ CHILD = textwrap.dedent(
     def at(t, s):
         return t[s // 16, s % 16]
 
-    for name, wd, widths, rows, layers, ctx, kv_layout, bk, arch in json.loads(sys.argv[1]):
+    for name, wd, widths, rows, layers, ctx, kv_layout, bk, arch, mailbox in json.loads(sys.argv[1]):
         dims = DIMS[arch]
         torch.manual_seed(0)
         w = random_weights(dims, 1, weight_dtype=wd, num_layers=layers)
@@ -65,7 +65,9 @@ CHILD = textwrap.dedent(
                            platform=Platform("cuda", "sm_90", "interpreter", 8), wait_timeout_s=0.01)
         # bk: a smaller width-1 K chunk, so tiny's K (256, 768) spans several split iterations
         target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
+        target = dataclasses.replace(target, mailbox=mailbox)
         tk = TritonKernels(req, w, target, 8, "cpu")
+        assert tk.plan.layers[widths[0]].mailbox == mailbox
         if bk:
             assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
         alloc = BlockAllocator(64, 16, shuffle_seed=2)
@@ -83,11 +85,12 @@ CHILD = textwrap.dedent(
             kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
         meta = alloc.decode_metadata(list(range(rows)))
         x = torch.randn(rows, dims.hidden_size).to(torch.bfloat16)
-        res = []
+        res, ys = [], []
         for l in range(layers):
             a_ref = R.k1_reference(dims, l, w.layers[l], x, meta, kv_ref)
             y_ref = R.k2_reference(dims, l, w.layers[l], x, a_ref)
             y_tri = tk.forward_layer(l, x, meta, kv_tri)  # pads rows up to the width
+            ys.append(y_tri.view(torch.int16).tolist())
             s = meta.slot_mapping[meta.slot_mapping >= 0]
             untouched = True
             for a, b in ((kv_tri.key[l], kv_ref.key[l]), (kv_tri.value[l], kv_ref.value[l])):
@@ -99,7 +102,7 @@ CHILD = textwrap.dedent(
                         "v": rel(at(kv_tri.value[l], s), at(kv_ref.value[l], s)),
                         "untouched": untouched})
             x = y_ref
-        out[name] = {"layers": res, "health": tk.health()}
+        out[name] = {"layers": res, "health": tk.health(), "bits": ys}
     print(json.dumps(out))
     """
 )
@@ -108,15 +111,18 @@ CHILD = textwrap.dedent(
 # or 0, dims): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
 # on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
 # buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
-# "llama_*" run a Llama-style layer (no post norms, SiLU).
+# "llama_*" run a Llama-style layer (no post norms, SiLU); mailbox format (``plan.MAILBOX_FORMATS``):
+# the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits.
 RUNS = [
-    ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny"),
-    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny"),
-    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny"),
-    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny"),
-    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny"),
-    ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama"),
-    ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama"),
+    ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
+    ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny", "bf16"),
+    ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny", "bf16"),
+    ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny", "bf16"),
+    ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
+    ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
+    ("w3_fp8_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
+    ("llama_w2_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
 ]
 
 
@@ -128,6 +134,16 @@ def results() -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith("_tagged")])
+def test_mailbox_formats_give_identical_bits(results, name):
+    """bf16 activations in the mailbox change bytes, not numbers: every consumer rounds its
+    inputs to bf16 anyway, so each layer's output equals the tagged-word run's bit for bit."""
+    twin = results[name.removesuffix("_tagged")]
+    assert results[name]["health"] == 0
+    for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
+        assert a == b, f"{name}: layer {layer} differs from the bf16-mailbox run"
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
