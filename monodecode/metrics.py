@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from monodecode.errors import MonodecodeError
+from monodecode.reasons import FallbackReason, RefusalReason
 
 PATHS = ("mono", "fallback")
-FALLBACK_REASONS = ("prefill", "mixed_batch", "rows_exceed_width", "graph_mode", "no_metadata", "disabled", "degraded")
+FALLBACK_REASONS = tuple(r.value for r in FallbackReason)
+REFUSAL_REASONS = tuple(r.value for r in RefusalReason)
 FAILSTOP_SITES = ("wait_timeout", "nonfinite", "kernel_error")
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
@@ -143,8 +145,13 @@ class MonoMetrics:
         self.build_info.labels(backend=backend, arch=arch, build_key=build_key, version=version).set(1)
 
     def set_refusals(self, codes: Iterable[str]) -> None:
+        """Exactly ``codes`` (``RefusalReason`` values) at 1; an unknown code is a ValueError."""
+        codes = [str(c) for c in dict.fromkeys(codes)]
+        unknown = [c for c in codes if c not in REFUSAL_REASONS]
+        if unknown:
+            raise ValueError(f"unknown refusal reason code(s) {', '.join(map(repr, unknown))}")
         self.refusal_info.clear()
-        for code in dict.fromkeys(codes):
+        for code in codes:
             self.refusal_info.labels(reason=code).set(1)
 
     def set_warmup(self, duration_s: float, max_abs_error: float) -> None:

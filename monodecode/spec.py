@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from monodecode.reasons import reason_code
+
+__all__ = ["Deployment", "KernelSpec", "fitting_capture_sizes", "reason_code", "refusal_reasons"]
+
 if TYPE_CHECKING:
     from monodecode.model.dims import ModelDims
 
@@ -210,8 +214,3 @@ def refusal_reasons(deployment: Deployment, spec: KernelSpec) -> list[str]:
         reasons.append(d.artifact_problem)
     reasons.extend(d.extra_reasons)
     return reasons
-
-
-def reason_code(reason: str) -> str:
-    """The snake_case code of a ``"<code>: <sentence>"`` reason (the metric label)."""
-    return reason.split(":", 1)[0].strip()

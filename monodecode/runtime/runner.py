@@ -17,6 +17,10 @@ Per step: ``begin_step(StepInfo)`` decides from metadata identical on all ranks 
 step; the caller runs ``forward_layer`` per layer on the mono path (stock layers otherwise),
 calls ``check_health_before_logits`` (fail-stop) and ``end_step``. ``decode_step`` is that loop
 for the reference model (what ``monodecode-ops verify`` and the tests drive).
+
+The runner owns its state: callers read it through properties and change it only through verbs
+(``begin_step(info, real=False)`` for warm-up forwards, ``capture_step`` / ``account_replay``
+for FULL graphs, ``request_disable`` + ``revote`` / ``degrade`` / ``refuse`` after start).
 """
 
 from __future__ import annotations
@@ -32,17 +36,19 @@ from monodecode.errors import ArtifactError, RefusalError
 from monodecode.kernels import registry
 from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, smallest_width
 from monodecode.kernels.health import HealthFault, decode_health
+from monodecode.reasons import RefusalReason, reason_code
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.vote import RankVote, StepInfo
 from monodecode.services.artifacts import ArtifactStore
 from monodecode.services.faults import Fault, faults_from_env
 from monodecode.services.platform import Platform
-from monodecode.spec import Deployment, reason_code, refusal_reasons
+from monodecode.spec import Deployment, refusal_reasons
 
 OFF, MONO, DEGRADED = "off", "mono", "degraded"
 # startup vote levels (MIN over ranks): refuse < degrade-only (crash-loop guard) < ok
 _REFUSE, _DEGRADE_ONLY, _OK = 0, 1, 2
-_DEGRADE_ONLY_CODES = {"failstop_loop"}
+_DEGRADE_ONLY_CODES = {RefusalReason.failstop_loop.value, RefusalReason.slower_than_stock.value}
+_KNOWN_REFUSAL_CODES = {r.value for r in RefusalReason}
 
 
 def _level(reasons: list[str]) -> int:
@@ -62,6 +68,7 @@ class StepDecision:
     reason: str | None = None  # fallback reason (metric label)
     width: int | None = None  # built width the rows are padded to (mono only)
     step: int = -1
+    real: bool = True  # False for warm-up and capture forwards: never counted
 
     def __bool__(self) -> bool:
         return self.path == "mono"
@@ -126,51 +133,130 @@ class Runner:
         kv_dtype: str = "bf16",
         faults: tuple[Fault, ...] | None = None,
     ):
-        self.config = config
-        self.dims = dims
-        self.weights = weights
-        self.platform = platform
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.metrics = metrics
-        self.block_size = block_size
-        self.weight_dtype = weight_dtype or getattr(weights, "weight_dtype", "bf16")
-        self.kv_dtype = kv_dtype
-        self.deployment = deployment
-        self.faults = faults_from_env() if faults is None else faults
-        self.vote = RankVote(tp_group, tp_size)
-        self.recorder = FailStopRecorder(
+        self._config = config
+        self._dims = dims
+        self._weights = weights
+        self._platform = platform
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
+        self._metrics = metrics
+        self._block_size = block_size
+        self._weight_dtype = weight_dtype or getattr(weights, "weight_dtype", "bf16")
+        self._kv_dtype = kv_dtype
+        self._deployment = deployment
+        self._faults = faults_from_env() if faults is None else faults
+        self._vote = RankVote(tp_group, tp_size)
+        self._recorder = FailStopRecorder(
             config.failstop_dir, tp_rank, config.termination_log, config.exit_on_failstop, metrics
         )
-        self.state = OFF
-        self.reasons: list[str] = []
-        self.notes: list[str] = []  # non-fatal observations (unreadable marker, drill not run)
-        self.backend: KernelBackend | None = None
-        self.build_key: str | None = None
-        self.kernels: DecodeKernels | None = None
-        self.warmup: WarmupReport | None = None
-        self.mono_steps = 0  # mono steps since warm-up (fault drills count these)
-        self.step = 0  # every step this runner saw
+        self._state = OFF
+        self._reasons: list[str] = []
+        self._notes: list[str] = []  # non-fatal observations (unreadable marker, drill not run)
+        self._backend: KernelBackend | None = None
+        self._build_key: str | None = None
+        self._kernels: DecodeKernels | None = None
+        self._warmup: WarmupReport | None = None
+        self._mono_steps = 0  # real mono steps since warm-up (fault drills count these)
+        self._steps = 0  # real steps this runner saw (warm-up and capture forwards excluded)
         self._local_disable: str | None = None
+        self._captured: dict[int, StepDecision] = {}  # decisions baked into FULL graphs, by rows
         self._pending_times: list[tuple[str, Any, Any]] = []  # GPU step timings not yet resolved
         self._t_start: Any = None
-        self.last_decision: StepDecision | None = None
+        self._last_decision: StepDecision | None = None
 
-    # ---- startup ---------------------------------------------------------------------------
+    # ---- read-only view --------------------------------------------------------------------
+
+    @property
+    def config(self) -> MonoConfig:
+        return self._config
+
+    @property
+    def dims(self) -> Any:
+        return self._dims
+
+    @property
+    def weights(self) -> Any:
+        return self._weights
+
+    @property
+    def weight_dtype(self) -> str:
+        return self._weight_dtype
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self._tp_rank
+
+    @property
+    def state(self) -> str:
+        """off (disabled in the config), mono, or degraded (stock decode, see ``reasons``)."""
+        return self._state
 
     @property
     def enabled(self) -> bool:
-        return self.state == MONO
+        return self._state == MONO
 
-    def _device(self):
+    @property
+    def reasons(self) -> list[str]:
+        """Every refusal / degrade reason, ``"<code>: <sentence>"`` (a copy)."""
+        return list(self._reasons)
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._notes)
+
+    @property
+    def backend(self) -> KernelBackend | None:
+        return self._backend
+
+    @property
+    def build_key(self) -> str | None:
+        return self._build_key
+
+    @property
+    def kernels(self) -> DecodeKernels | None:
+        return self._kernels
+
+    @property
+    def warmup(self) -> WarmupReport | None:
+        return self._warmup
+
+    @property
+    def steps(self) -> int:
+        """Real steps seen (mono and fallback); warm-up and capture forwards are not counted."""
+        return self._steps
+
+    @property
+    def mono_steps(self) -> int:
+        return self._mono_steps
+
+    @property
+    def last_decision(self) -> StepDecision | None:
+        return self._last_decision
+
+    @property
+    def vote(self) -> RankVote:
+        return self._vote
+
+    @property
+    def marker_path(self) -> Any:
+        return self._recorder.marker_path
+
+    @property
+    def device(self) -> Any:
         import torch
 
-        emb = getattr(self.weights, "embed", None)
+        emb = getattr(self._weights, "embed", None)
         return emb.device if emb is not None else torch.device("cpu")
 
+    # ---- startup ---------------------------------------------------------------------------
+
     def _choose_backend(self) -> tuple[KernelBackend | None, str | None]:
-        statuses = registry.backend_status(self.platform)
-        wanted = self.config.backend
+        statuses = registry.backend_status(self._platform)
+        wanted = self._config.backend
         if wanted != "auto":
             st = next((s for s in statuses if s.name == wanted), None)
             if st is None or not st.available:
@@ -181,10 +267,10 @@ class Runner:
             return registry.get_backend(wanted)(), None
         # auto: on a GPU torch can drive only real kernels count; the reference is the choice where
         # decoding runs on the CPU (no GPU, or a GPU that this torch build cannot use)
-        on_gpu = self.platform.is_gpu and self.platform.torch_usable
-        if self.platform.is_gpu and not on_gpu:
-            self.notes.append(
-                f"torch cannot launch on the {self.platform.arch} GPU (CPU build of torch?); decoding runs on the reference"
+        on_gpu = self._platform.is_gpu and self._platform.torch_usable
+        if self._platform.is_gpu and not on_gpu:
+            self._notes.append(
+                f"torch cannot launch on the {self._platform.arch} GPU (CPU build of torch?); decoding runs on the reference"
             )
             statuses = [s for s in statuses if s.name == "reference"]
         candidates = [s for s in statuses if s.available and (s.name != "reference" or not on_gpu)]
@@ -192,25 +278,25 @@ class Runner:
             why = "; ".join(f"{s.name}: {s.reason}" for s in statuses if not s.available)
             return (
                 None,
-                f"backend_unavailable: no kernel backend can run on {self.platform.kind} {self.platform.arch} ({why})",
+                f"backend_unavailable: no kernel backend can run on {self._platform.kind} {self._platform.arch} ({why})",
             )
         return registry.get_backend(candidates[0].name)(), None
 
     def _default_deployment(self) -> Deployment:
         return Deployment(
-            platform_kind=self.platform.kind,
-            arch=self.platform.arch,
-            compute_units=self.platform.compute_units,
-            partition_mode=self.platform.partition_mode,
-            tp_size=self.tp_size,
-            weight_dtype=self.weight_dtype,
-            kv_cache_dtype=self.kv_dtype,
-            block_size=self.block_size,
-            dims=self.dims,
+            platform_kind=self._platform.kind,
+            arch=self._platform.arch,
+            compute_units=self._platform.compute_units,
+            partition_mode=self._platform.partition_mode,
+            tp_size=self._tp_size,
+            weight_dtype=self._weight_dtype,
+            kv_cache_dtype=self._kv_dtype,
+            block_size=self._block_size,
+            dims=self._dims,
         )
 
     def _artifact_problem(self, backend: KernelBackend, key: str) -> tuple[ArtifactStore | None, str | None]:
-        store = ArtifactStore(self.config.artifact_dir) if self.config.artifact_dir else None
+        store = ArtifactStore(self._config.artifact_dir) if self._config.artifact_dir else None
         if not backend.needs_artifacts:
             return store, None
         where = f"in {store.root}" if store else "(no artifact_dir configured)"
@@ -225,29 +311,29 @@ class Runner:
                     else "artifact_invalid"
                 )
                 return store, f"{code}: {e}"
-        if self.config.allow_jit:
+        if self._config.allow_jit:
             return store, None
         return store, (
             f"no_artifact: no baked {backend.name} artifact for build key {key[:16]} "
-            f"({self.platform.arch}, {self.dims.architecture}, TP {self.tp_size}) {where} and allow_jit is false"
+            f"({self._platform.arch}, {self._dims.architecture}, TP {self._tp_size}) {where} and allow_jit is false"
         )
 
     def start(self) -> Runner:
         """Refusal -> build -> warm-up; leaves ``state`` mono, degraded or off."""
         t0 = time.perf_counter()
-        cfg = self.config
+        cfg = self._config
         if not cfg.enabled:
-            self.state = OFF
-            if self.metrics is not None:
-                self.metrics.set_enabled(False)
+            self._state = OFF
+            if self._metrics is not None:
+                self._metrics.set_enabled(False)
             return self
-        self.recorder.check_writable()
-        history = self.recorder.read()
-        self.notes.extend(history.problems)
-        self.recorder.export(history)
+        self._recorder.check_writable()
+        history = self._recorder.read()
+        self._notes.extend(history.problems)
+        self._recorder.export(history)
 
         reasons: list[str] = []
-        loop = self.recorder.crash_loop_reason(history, cfg.max_failstops, cfg.failstop_window_s)
+        loop = self._recorder.crash_loop_reason(history, cfg.max_failstops, cfg.failstop_window_s)
         if loop:
             reasons.append(loop)
         backend, why = self._choose_backend()
@@ -256,34 +342,34 @@ class Runner:
         if backend is None:
             reasons.append(why)
         else:
-            self.backend = backend
+            self._backend = backend
             try:
                 req = BuildRequest(
-                    dims=self.dims,
-                    weight_dtype=self.weight_dtype,
-                    tp_size=self.tp_size,
+                    dims=self._dims,
+                    weight_dtype=self._weight_dtype,
+                    tp_size=self._tp_size,
                     widths=cfg.widths,
-                    block_size=self.block_size,
-                    platform=self.platform,
-                    kv_dtype=self.kv_dtype,
+                    block_size=self._block_size,
+                    platform=self._platform,
+                    kv_dtype=self._kv_dtype,
                     wait_timeout_s=cfg.wait_timeout_s,
                 )
             except ValueError as e:
                 reasons.append(f"build_request: {e}")
             if req is not None:
-                self.build_key = backend.build_key(req)
-                store, problem = self._artifact_problem(backend, self.build_key)
-                deployment = replace(self.deployment or self._default_deployment(), artifact_problem=problem)
-                reasons.extend(refusal_reasons(deployment, backend.kernel_spec(self.platform, cfg.widths)))
+                self._build_key = backend.build_key(req)
+                store, problem = self._artifact_problem(backend, self._build_key)
+                deployment = replace(self._deployment or self._default_deployment(), artifact_problem=problem)
+                reasons.extend(refusal_reasons(deployment, backend.kernel_spec(self._platform, cfg.widths)))
 
         # vote 1: every rank agrees before anything (possibly collective) is built
-        agreed = self.vote.min_vote(_level(reasons))
+        agreed = self._vote.min_vote(_level(reasons))
         if agreed < _OK and not reasons:
             reasons.append("peer_refused: another tensor-parallel rank refused; see its log")
         if agreed == _OK:
             reasons.extend(self._build_and_warm(backend, req, store))
             # vote 2: warm-up results
-            agreed = self.vote.min_vote(_level(reasons))
+            agreed = self._vote.min_vote(_level(reasons))
             if agreed < _OK and not reasons:
                 reasons.append("peer_refused: warm-up failed on another tensor-parallel rank; see its log")
 
@@ -291,35 +377,38 @@ class Runner:
             # a crash loop always degrades (raising would restart into the same loop)
             self._refuse(reasons, force_degrade=agreed == _DEGRADE_ONLY)
         else:
-            self.state = MONO
-            if self.metrics is not None:
-                self.metrics.set_enabled(True)
-                self.metrics.set_build(backend.name, self.platform.arch, self.build_key or "", monodecode.__version__)
-        if self.warmup is not None:
-            self.warmup.duration_s = time.perf_counter() - t0
-            if self.metrics is not None:
-                self.metrics.set_warmup(self.warmup.duration_s, self.warmup.max_abs_error)
+            self._state = MONO
+            if self._metrics is not None:
+                self._metrics.set_enabled(True)
+                self._metrics.set_refusals(())
+                self._metrics.set_build(
+                    backend.name, self._platform.arch, self._build_key or "", monodecode.__version__
+                )
+        if self._warmup is not None:
+            self._warmup.duration_s = time.perf_counter() - t0
+            if self._metrics is not None:
+                self._metrics.set_warmup(self._warmup.duration_s, self._warmup.max_abs_error)
         return self
 
     def _refuse(self, reasons: list[str], force_degrade: bool = False) -> None:
-        self.reasons = reasons
-        if self.kernels is not None:
-            self.kernels.close()
-            self.kernels = None
-        if self.config.on_refusal == "raise" and not force_degrade:
+        self._reasons = reasons
+        if self._kernels is not None:
+            self._kernels.close()
+            self._kernels = None
+        if self._config.on_refusal == "raise" and not force_degrade:
             raise RefusalError(reasons)
-        self.state = DEGRADED
-        if self.metrics is not None:
-            self.metrics.set_enabled(False)
-            self.metrics.set_refusals(reason_code(r) for r in reasons)
-            if self.backend is not None:
-                self.metrics.set_build(
-                    self.backend.name, self.platform.arch, self.build_key or "", monodecode.__version__
+        self._state = DEGRADED
+        if self._metrics is not None:
+            self._metrics.set_enabled(False)
+            self._metrics.set_refusals(reason_code(r) for r in reasons)
+            if self._backend is not None:
+                self._metrics.set_build(
+                    self._backend.name, self._platform.arch, self._build_key or "", monodecode.__version__
                 )
 
     def _build_and_warm(self, backend: KernelBackend, req: BuildRequest, store: ArtifactStore | None) -> list[str]:
         try:
-            self.kernels = backend.build(req, self.weights, store, self.config.allow_jit)
+            self._kernels = backend.build(req, self._weights, store, self._config.allow_jit)
         except RefusalError as e:
             return e.reasons
         except ArtifactError as e:
@@ -328,11 +417,11 @@ class Runner:
             first = (str(e).splitlines() or [""])[0]
             return [f"build_failed: {backend.name} build raised {type(e).__name__}: {first}"]
         try:
-            self.warmup = self._golden_check()
+            self._warmup = self._golden_check()
         except Exception as e:
             first = (str(e).splitlines() or [""])[0]
             return [f"warmup_failed: golden decode raised {type(e).__name__}: {first}"]
-        failure = self.warmup.failure()
+        failure = self._warmup.failure()
         return [failure] if failure else []
 
     def _golden_check(self) -> WarmupReport:
@@ -342,12 +431,12 @@ class Runner:
         from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
         from monodecode.model.reference import decode_layer, embed
 
-        dims, weights, kernels = self.dims, self.weights, self.kernels
-        device = self._device()
-        bs = self.block_size
+        dims, weights, kernels = self._dims, self._weights, self._kernels
+        device = self.device
+        bs = self._block_size
         report = WarmupReport()
         gen = torch.Generator(device="cpu").manual_seed(20261101)
-        for width in self.config.widths:
+        for width in self._config.widths:
             t0 = time.perf_counter()
             # contexts cross a KV block boundary and differ per row
             lens = [bs + 1 + (r % bs) for r in range(width)]
@@ -371,7 +460,7 @@ class Runner:
                 err = (out.float() - ref_out.float()).abs().max().item()
                 for a, b in ((kv_mono.key[layer], kv_ref.key[layer]), (kv_mono.value[layer], kv_ref.value[layer])):
                     err = max(err, (a.float() - b.float()).abs().max().item())
-                tol = self.config.warmup_atol + self.config.warmup_rtol * ref_out.float().abs().max().item()
+                tol = self._config.warmup_atol + self._config.warmup_rtol * ref_out.float().abs().max().item()
                 if err != err:  # NaN
                     err = float("inf")
                 max_err = max(max_err, err)
@@ -385,79 +474,123 @@ class Runner:
             )
         return report
 
-    # ---- rank-local state, folded in by vote -----------------------------------------------
+    # ---- after start: refusals and rank-local wishes, folded in by vote -----------------------
 
     def request_disable(self, reason: str) -> None:
-        """Rank-local wish to stop mono decode; takes effect at the next ``revote`` on all ranks."""
+        """Rank-local wish to stop mono decode (no collective); takes effect at the next
+        ``revote`` on all ranks. ``reason`` is a ``"<code>: <sentence>"`` reason or a sentence
+        (reported as ``disabled: <sentence>``)."""
+        if reason_code(reason) not in _KNOWN_REFUSAL_CODES:
+            reason = f"disabled: {reason}"
         self._local_disable = reason
 
     def revote(self) -> bool:
         """MIN vote over ranks at a safe point (never inside graph capture); True = still mono."""
-        ok = self.vote.agree(self.state == MONO and self._local_disable is None)
-        if not ok and self.state == MONO:
-            reason = (
-                f"disabled: {self._local_disable}"
-                if self._local_disable
-                else "peer_disabled: another tensor-parallel rank disabled mono decode"
-            )
-            self._refuse_at_runtime([reason])
+        ok = self._vote.agree(self._state == MONO and self._local_disable is None)
+        if not ok and self._state == MONO:
+            reason = self._local_disable or "peer_disabled: another tensor-parallel rank disabled mono decode"
+            self._degrade_now([reason])
         return ok
 
-    def _refuse_at_runtime(self, reasons: list[str]) -> None:
-        self.reasons = reasons
-        self.state = DEGRADED
-        if self.metrics is not None:
-            self.metrics.set_enabled(False)
-            self.metrics.set_refusals(reason_code(r) for r in reasons)
+    def degrade(self, reason: str) -> None:
+        """Stop mono decode on every rank now, with ``reason`` (every rank calls it at the same
+        point: it votes). Steps from here on take the stock path under ``degraded``."""
+        self.request_disable(reason)
+        self.revote()
+
+    def refuse(self, reason: str) -> None:
+        """A refusal found after ``start`` (e.g. when vLLM binds its KV cache): ``RefusalError``
+        under ``on_refusal: raise``, else ``degrade``. Every rank calls it at the same point."""
+        if self._config.on_refusal == "raise":
+            raise RefusalError([reason])
+        self.degrade(reason)
+
+    def _degrade_now(self, reasons: list[str]) -> None:
+        self._reasons = reasons
+        self._local_disable = None
+        self._state = DEGRADED
+        if self._metrics is not None:
+            self._metrics.set_enabled(False)
+            self._metrics.set_refusals(reason_code(r) for r in reasons)
 
     # ---- per step --------------------------------------------------------------------------
 
     def decide(self, info: StepInfo) -> StepDecision:
         """Pure function of ``info`` and the agreed state: the same on every rank."""
-        if self.state == OFF:
-            return StepDecision("fallback", "disabled", step=self.step)
-        if self.state != MONO:
-            return StepDecision("fallback", "degraded", step=self.step)
+        step = self._steps
+        if self._state == OFF:
+            return StepDecision("fallback", "disabled", step=step)
+        if self._state != MONO:
+            return StepDecision("fallback", "degraded", step=step)
         if not info.has_metadata:
-            return StepDecision("fallback", "no_metadata", step=self.step)
+            return StepDecision("fallback", "no_metadata", step=step)
         if info.num_prefill_rows > 0:
             reason = "prefill" if info.num_decode_rows <= 0 else "mixed_batch"
-            return StepDecision("fallback", reason, step=self.step)
+            return StepDecision("fallback", reason, step=step)
         if info.graph_mode not in STEP_GRAPH_MODES_OK:
-            return StepDecision("fallback", "graph_mode", step=self.step)
-        width = smallest_width(self.config.widths, info.num_rows)
+            return StepDecision("fallback", "graph_mode", step=step)
+        width = smallest_width(self._config.widths, info.num_rows)
         if width is None or info.num_rows <= 0:
-            return StepDecision("fallback", "rows_exceed_width", step=self.step)
-        return StepDecision("mono", None, width, step=self.step)
+            return StepDecision("fallback", "rows_exceed_width", step=step)
+        return StepDecision("mono", None, width, step=step)
 
-    def begin_step(self, info: StepInfo) -> StepDecision:
+    def begin_step(self, info: StepInfo, *, real: bool = True) -> StepDecision:
+        """This step's decision. A real step (one that serves requests) is counted, timed and may
+        fire an armed fault drill; warm-up forwards (``real=False``) are decided the same way but
+        leave no trace: no count, no metric, no drill consumed."""
+        if not real:
+            return replace(self.decide(info), real=False)
+        if self._local_disable is not None and self._tp_size == 1:
+            self.revote()  # one rank: the vote is local, so a pending wish applies at once
         decision = self.decide(info)
-        self.step += 1
+        self._steps += 1
         if decision:
             self._arm_faults()
-            self.mono_steps += 1
-        if self.metrics is not None:
-            self.metrics.count_step(decision.path, decision.reason)
+            self._mono_steps += 1
+        if self._metrics is not None:
+            self._metrics.count_step(decision.path, decision.reason)
         self._t_start = self._timestamp()
         return decision
 
+    def capture_step(self, info: StepInfo) -> StepDecision:
+        """The decision a FULL graph captured for ``info.num_rows`` rows bakes in: recorded for
+        ``account_replay``, not counted (a capture serves no request)."""
+        decision = replace(self.decide(info), real=False)
+        self._captured[info.num_rows] = decision
+        return decision
+
+    def account_replay(self, rows: int) -> StepDecision:
+        """Count a real step vLLM served by replaying a FULL graph (our Python did not run): the
+        decision baked into the smallest captured size that holds ``rows`` (vLLM pads up to it)."""
+        sizes = [s for s in self._captured if s >= rows]
+        baked = self._captured[min(sizes)] if sizes else StepDecision("fallback", "rows_exceed_width")
+        decision = replace(baked, step=self._steps, real=True)
+        self._steps += 1
+        if decision:
+            self._mono_steps += 1
+        if self._metrics is not None:
+            self._metrics.count_step(decision.path, decision.reason)
+        self._last_decision = decision
+        return decision
+
     def _arm_faults(self) -> None:
-        for f in self.faults:
-            if f.kind in ("stall", "nonfinite") and f.step == self.mono_steps and f.applies_to(self.tp_rank):
-                if not self.kernels.arm_fault(f):
-                    self.notes.append(f"fault drill {f} not run: backend {self.backend.name} cannot inject it")
+        for f in self._faults:
+            if f.kind in ("stall", "nonfinite") and f.step == self._mono_steps and f.applies_to(self._tp_rank):
+                if not self._kernels.arm_fault(f):
+                    self._notes.append(f"fault drill {f} not run: backend {self._backend.name} cannot inject it")
 
     def forward_layer(self, layer: int, x: Any, meta: Any, kv: Any) -> Any:
-        return self.kernels.forward_layer(layer, x, meta, kv)
+        return self._kernels.forward_layer(layer, x, meta, kv)
 
     def check_health_before_logits(self, decision: StepDecision, x: Any = None) -> None:
-        """Fail-stop when the kernels' health word is set or the residual stream is non-finite.
-        Never returns on failure: the step's logits are never computed."""
-        if not decision or self.kernels is None:
+        """Fail-stop when the kernels' health word is set or (on a mono step) the residual stream
+        ``x`` is non-finite. Never returns on failure: the step's logits are never computed. The
+        health word is sticky, so it is read on fallback steps too while mono decode runs."""
+        if self._state != MONO or self._kernels is None:
             return
-        code = self.kernels.health()
+        code = self._kernels.health()
         fault = decode_health(code)
-        if fault is None and x is not None:
+        if fault is None and x is not None and decision:
             import torch
 
             if not bool(torch.isfinite(x).all()):
@@ -465,37 +598,39 @@ class Runner:
         if fault is None:
             return
         event = FailStopEvent(
-            rank=self.tp_rank,
+            rank=self._tp_rank,
             step=decision.step,
             site=fault.site,
             layer=fault.layer,
             kernel=fault.kernel,
             time=time.time(),
-            detail=f"backend {self.backend.name}, build key {(self.build_key or '')[:16]}",
+            detail=f"backend {self._backend.name}, build key {(self._build_key or '')[:16]}",
             pid=os.getpid(),
         )
-        self.recorder.fail(event)
+        self._recorder.fail(event)
 
     def end_step(self, decision: StepDecision) -> None:
-        if self.metrics is None:
+        """Close a step ``begin_step`` opened: its time goes to the step-duration histogram."""
+        self._last_decision = decision
+        if self._metrics is None or not decision.real:
             return
-        start = self._t_start
+        start, self._t_start = self._t_start, None
         end = self._timestamp()
         if isinstance(start, float):
-            self.metrics.observe_step(decision.path, end - start)
+            self._metrics.observe_step(decision.path, end - start)
         elif start is not None:
             # GPU: resolve event pairs lazily (no host sync in the step)
             self._pending_times.append((decision.path, start, end))
             still = []
             for path, s, e in self._pending_times:
                 if e.query():
-                    self.metrics.observe_step(path, s.elapsed_time(e) / 1000.0)
+                    self._metrics.observe_step(path, s.elapsed_time(e) / 1000.0)
                 else:
                     still.append((path, s, e))
             self._pending_times = still[-1024:]
 
     def _timestamp(self):
-        dev = self._device()
+        dev = self.device
         if getattr(dev, "type", "cpu") == "cuda":
             import torch
 
@@ -506,38 +641,37 @@ class Runner:
 
     # ---- a whole step on the reference model (verify, tests) --------------------------------
 
-    def decode_step(self, ids: Any, meta: Any, kv: Any, info: StepInfo | None = None):
+    def decode_step(self, ids: Any, meta: Any, kv: Any, info: StepInfo | None = None, *, real: bool = True):
         """One step over every layer: mono kernels when eligible, the reference (stock) layers
         otherwise. Returns fp32 logits, or fail-stops (no logits) on a kernel failure."""
         from monodecode.model.reference import decode_layer, embed, final_logits
 
         rows = int(ids.shape[0])
         info = info or StepInfo(num_rows=rows)
-        decision = self.begin_step(info)
-        x = embed(self.weights, ids, dtype=kv.dtype)
-        for layer, lw in enumerate(self.weights.layers):
+        decision = self.begin_step(info, real=real)
+        x = embed(self._weights, ids, dtype=kv.dtype)
+        for layer, lw in enumerate(self._weights.layers):
             if decision:
                 x = self.forward_layer(layer, x, meta, kv)
             else:
-                x = decode_layer(self.dims, layer, lw, x, meta, kv)
+                x = decode_layer(self._dims, layer, lw, x, meta, kv)
         self.check_health_before_logits(decision, x)
-        logits = final_logits(self.weights, x)
+        logits = final_logits(self._weights, x)
         self.end_step(decision)
-        self.last_decision = decision
         return logits
 
     def summary(self) -> dict[str, Any]:
         return {
-            "state": self.state,
-            "backend": self.backend.name if self.backend else None,
-            "build_key": self.build_key,
-            "reasons": list(self.reasons),
-            "notes": list(self.notes),
+            "state": self._state,
+            "backend": self._backend.name if self._backend else None,
+            "build_key": self._build_key,
+            "reasons": list(self._reasons),
+            "notes": list(self._notes),
             "warmup": None
-            if self.warmup is None
+            if self._warmup is None
             else {
-                "duration_s": self.warmup.duration_s,
-                "max_abs_error": self.warmup.max_abs_error,
-                "widths": [w.__dict__ for w in self.warmup.widths],
+                "duration_s": self._warmup.duration_s,
+                "max_abs_error": self._warmup.max_abs_error,
+                "widths": [w.__dict__ for w in self._warmup.widths],
             },
         }

@@ -98,8 +98,6 @@ class MonoDecode:
         self.metrics: Any = None
         self._binding = _Binding()
         self._attn_layers: list[Any] = []
-        # decisions baked into FULL graphs at capture, by padded token count
-        self._captured: dict[int, StepDecision] = {}
         self._forward_ran = False
         self._last: StepDecision | None = None
         self._eager_counted = False
@@ -169,15 +167,10 @@ class MonoDecode:
 
     def _disable(self, reason: str) -> None:
         """A refusal found after ``Runner.start``: raise, or degrade every rank (voted)."""
-        if self.config.on_refusal == "raise":
-            raise RefusalError([reason])
-        self.runner.request_disable(reason.split(": ", 1)[-1])
-        self.runner.revote()
-        self.runner.reasons = [reason]
-        self.metrics.set_refusals([reason_code(reason)])
+        self.runner.refuse(reason)
         self.state = self.runner.state
-        self.reasons = [reason]
-        log.warning("mono decode degraded to stock decode: %s", reason)
+        self.reasons = self.runner.reasons
+        log.warning("mono decode degraded to stock decode: %s", "; ".join(self.reasons))
 
     def _refuse_without_runner(self, reasons: list[str]) -> None:
         if self.config.on_refusal == "raise":
@@ -230,8 +223,7 @@ class MonoDecode:
             kv = self._bound_kv()  # may degrade (KV layout), which turns this step into a fallback
         capturing = _is_capturing()
         if capturing:
-            decision = runner.decide(info)
-            self._captured[info.num_rows] = decision
+            decision = runner.capture_step(info)  # baked into the graph; counted at each replay
         else:
             decision = runner.begin_step(info)  # the same decision; counts (rank 0), times, arms drills
         self._forward_ran = True
@@ -258,14 +250,6 @@ class MonoDecode:
             x = self.runner.forward_layer(layer, x, meta, plan.kv)
         return x
 
-    def _replayed_decision(self, rows: int) -> StepDecision:
-        """The decision baked into the FULL graph vLLM replays for ``rows`` decode rows: the
-        smallest captured size that holds them (vLLM pads up to it)."""
-        sizes = [s for s in self._captured if s >= rows]
-        if not sizes:
-            return StepDecision("fallback", "rows_exceed_width")
-        return self._captured[min(sizes)]
-
     def before_logits(self, hidden_states: torch.Tensor) -> None:
         """Accounting + fail-stop, once per step, before any logits exist."""
         runner = self.runner
@@ -275,19 +259,11 @@ class MonoDecode:
             decision = self._last or StepDecision("fallback", "no_metadata")
         else:
             # our forward did not run: vLLM replayed a FULL graph captured with our decision
-            decision = self._replayed_decision(int(hidden_states.shape[0]))
-            decision = replace(decision, step=runner.step)
-            runner.step += 1
-            if decision:
-                runner.mono_steps += 1
-            if self.metrics is not None:
-                self.metrics.count_step(decision.path, decision.reason)
+            decision = runner.account_replay(int(hidden_states.shape[0]))
         self._forward_ran = False
-        if runner.state == MONO:
-            # the health word is sticky, so it is read every step; the non-finite check only
-            # applies to steps the kernels produced
-            check = decision if decision else StepDecision("mono", step=decision.step)
-            runner.check_health_before_logits(check, hidden_states if decision else None)
+        # the health word is sticky, so it is read every step while mono decode runs; the
+        # non-finite check applies only to steps the kernels produced
+        runner.check_health_before_logits(decision, hidden_states)
         if self._eager_counted:
             runner.end_step(decision)
             self._eager_counted = False

@@ -82,7 +82,7 @@ def _cat(metas: list[DecodeMetadata], max_blocks: int) -> DecodeMetadata:
 
 def run_scenario(runner: Any, seed: int = 7, logit_atol: float = 0.05, logit_rtol: float = 0.02) -> ScenarioResult:
     weights, dims = runner.weights, runner.dims
-    device = runner._device()
+    device = runner.device
     bs = runner.block_size
     widths = tuple(runner.config.widths) if runner.enabled else (1, 2, 4, 8)
     W = widths[-1]

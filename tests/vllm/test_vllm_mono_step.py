@@ -197,6 +197,6 @@ def test_kv_layout_the_backend_cannot_address_degrades_at_binding(model_dirs, vl
         platform=Platform("rocm", "gfx942", "MI300X", 304),
     )
     flydsl.dims, flydsl._kv_cache_args = dims, {}
-    model.mono.runner.kernels = flydsl
+    model.mono.runner._kernels = flydsl  # the runner keeps its kernels private; the test swaps them in
     assert _plan_one_decode_row(model, cfg, "LBNHC") is None
     _assert_degraded_for_kv_layout(model, "flydsl K1 was built for [blocks, block_size")

@@ -12,9 +12,9 @@ Checks, each pass / fail / skip with the reason:
   from the metrics served on 127.0.0.1 during the run;
 - ``--endpoint URL``: a live server's ``/metrics`` carries the monodecode series;
 - ``--image IMAGE``: the image's labels and baked artifacts fit this node
-  (``monodecode_ops.images.verify_image``);
+  (``monodecode_ops.image_checks.verify_image``);
 - inside a monodecode image: its baked manifest and artifacts are intact
-  (``monodecode_ops.images.baked_checks``).
+  (``monodecode_ops.image_checks.baked_checks``).
 
 Exit 0 when every required check passed, 1 when one failed, 2 for bad arguments.
 """
@@ -32,7 +32,7 @@ from typing import Any, Optional
 import typer
 
 from monodecode.errors import MonodecodeError
-from monodecode_ops.output import Check, console, report_checks
+from monodecode_ops.output import Check, console, json_output, report_checks
 
 REQUIRED_SERIES = (
     "monodecode_enabled",
@@ -238,7 +238,7 @@ def self_test(
                 "decode",
                 f"fail-stop at step {ev.step} (site {ev.site}"
                 f"{', layer ' + str(ev.layer) if ev.layer is not None else ''}): no token was returned for it; "
-                f"marker {runner.recorder.marker_path}",
+                f"marker {runner.marker_path}",
             )
         )
         return checks, info
@@ -355,7 +355,6 @@ def register(app: typer.Typer) -> None:
         model: Optional[Path] = typer.Option(
             None, "--model", help="HF model directory (default: the embedded tiny model)."
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
         require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail when no supported GPU is present."),
         metrics_port: int = typer.Option(
             0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."
@@ -387,6 +386,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and optionally check an image and a live server's metrics."""
+        as_json = json_output()
         from monodecode.metrics import start_exporter
         from monodecode.model.weights import WEIGHT_DTYPES
         from monodecode.services.platform import detect_platform
@@ -436,10 +436,10 @@ def register(app: typer.Typer) -> None:
                 checks += endpoint_checks(endpoint)
             if image:
                 try:
-                    from monodecode_ops.images import verify_image  # IMG's module; lazy (Docker SDK)
+                    from monodecode_ops.image_checks import verify_image  # lazy (Docker SDK)
                 except ImportError as e:
                     raise MonodecodeError(
-                        f"--image needs monodecode_ops.images, which cannot be imported: {e}"
+                        f"--image needs monodecode_ops.image_checks, which cannot be imported: {e}"
                     ) from None
                 image_dims = None
                 if model is not None:  # only an explicit model is checked against the image's artifacts
@@ -448,7 +448,7 @@ def register(app: typer.Typer) -> None:
                     image_dims = load_dims(model)
                 checks += verify_image(image, platform, dims=image_dims)
             # Inside a monodecode image: its baked manifest and every artifact's sha256 (IMG).
-            from monodecode_ops.images import baked_checks
+            from monodecode_ops.image_checks import baked_checks
 
             checks += baked_checks()
             code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
