@@ -25,6 +25,8 @@ EXTERNAL_METRICS = {
     "up": "Prometheus (per scrape target)",
     "vllm:inter_token_latency_seconds": "vLLM (/metrics)",
     "gpu_gfx_activity": "AMD device metrics exporter",
+    "kube_pod_container_status_last_terminated_exitcode": "kube-state-metrics",
+    "kube_pod_container_status_restarts_total": "kube-state-metrics",
 }
 
 # ---- PromQL metric names -------------------------------------------------------------------------
@@ -143,10 +145,46 @@ def test_promtool_unit_tests_pass():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_promtool_unit_tests_can_fail(tmp_path):
-    """The unit tests notice a changed threshold (so passing them means something)."""
+# (what is broken in the rules, the original text, its broken form, the test case that must fail)
+RULE_BREAKS = [
+    ("threshold 70%", ") > 0.5\n", ") > 0.7\n", "fallback ratio 2/3 from rows_exceed_width"),
+    ("no traffic guard", ") >= 0.1\n", ") >= 0\n", "fallback ratio stays quiet"),
+    ("degraded steps counted", '|disabled|degraded"}', '|disabled"}', "fallback ratio stays quiet"),
+    (
+        "ratio over all steps",
+        "+\n              sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total",
+        '+\n              sum by (namespace, pod, job, instance) (rate(monodecode_steps_total{path="fallback"}[10m])) * 0 +'
+        " sum by (namespace, pod, job, instance) (rate(monodecode_steps_total",
+        "prefill-heavy pod",
+    ),
+    (
+        "ratio per job",
+        "            sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total{reason!~",
+        "            sum by (namespace, job) (rate(monodecode_fallback_steps_total{reason!~",
+        "fallback ratio 2/3",
+    ),
+    ("any exit code", "== 70\n", "> 0\n", "other exit codes"),
+    ("exits of any container", '{container="vllm"}', "", "other exit codes"),
+    ("no step-rate band", "> 0.8 *", "> 0 *", "a load shift"),
+    ("shadow passes alert", 'result="fail"', 'result=~"fail|pass"', "passing shadow checks"),
+    (
+        "job-name selector",
+        'up{app_kubernetes_io_part_of="monodecode"}) == 1',
+        'up{job=~".*monodecode.*"}) == 1',
+        "annotation scrape job",
+    ),
+]
+
+
+@pytest.mark.parametrize("what,good,bad,case", RULE_BREAKS, ids=[b[0] for b in RULE_BREAKS])
+def test_promtool_unit_tests_catch_a_broken_rule(tmp_path, what, good, bad, case):
+    """Each property of the rules is load-bearing: breaking it fails a named unit test."""
+    text = RULES.read_text()
+    assert good in text, f"{what}: {good!r} is no longer in the rules (update RULE_BREAKS)"
     (tmp_path / "tests").mkdir()
-    (tmp_path / RULES.name).write_text(RULES.read_text().replace(") > 0.5\n", ") > 0.7\n", 1))
+    (tmp_path / RULES.name).write_text(text.replace(good, bad))
+    check = subprocess.run([promtool(), "check", "rules", str(tmp_path / RULES.name)], capture_output=True, text=True)
+    assert check.returncode == 0, f"{what}: the broken rules do not even load: {check.stdout}{check.stderr}"
     for t in RULE_TESTS:
         shutil.copy(t, tmp_path / "tests" / t.name)
     proc = subprocess.run(
@@ -155,8 +193,9 @@ def test_promtool_unit_tests_can_fail(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode != 0
-    assert "MonodecodeFallbackRatioHigh" in proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"{what}: the unit tests still pass"
+    failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip().startswith("name:")]
+    assert any(case in line for line in failed), f"{what}: expected {case!r} to fail, failed: {failed}"
 
 
 def test_every_alert_is_tested_firing_and_quiet():
@@ -178,6 +217,8 @@ def test_issue_alerts_are_all_there():
         "MonodecodeDegraded",
         "MonodecodeDisabled",
         "MonodecodeFailstop",
+        "MonodecodeFailstopExit",
+        "MonodecodeShadowCheckFailed",
         "MonodecodeStepLatencyRegression",
         "MonodecodeMetricsAbsent",
     ):
@@ -238,3 +279,92 @@ def test_unit_tests_pass_against_the_chart_rendered_rules(tmp_path):
     ):
         proc = subprocess.run([promtool(), *cmd], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- reason codes and label values are the runtime's ---------------------------------------------
+
+
+def _label_values(label: str, metric: str | None = None) -> set[str]:
+    """Values of `label` in the unit tests' input series (of `metric` only, when given)."""
+    values = set()
+    for t in RULE_TESTS:
+        for case in yaml.safe_load(t.read_text())["tests"]:
+            for series in case.get("input_series", []):
+                name = series["series"].split("{", 1)[0]
+                if metric is None or name == metric:
+                    values |= set(re.findall(rf'\b{label}="([^"]*)"', series["series"]))
+    return values
+
+
+def _runbook_section(title: str) -> str:
+    m = re.search(rf"^## {title}\s*$(.*?)(?=^## |\Z)", RUNBOOK.read_text(), re.M | re.S)
+    assert m, f"RUNBOOK.md has no section {title}"
+    return m.group(1)
+
+
+def _bullet_codes(section: str) -> set[str]:
+    """Backticked words that start a bullet or follow a bullet's leading codes."""
+    codes = set()
+    for bullet in re.split(r"^- ", section, flags=re.M)[1:]:
+        lead = bullet.split(":", 1)[0]
+        codes |= set(re.findall(r"`([a-z_]+)`", lead))
+    return codes
+
+
+def test_test_data_uses_the_runtimes_codes():
+    from monodecode.metrics import FAILSTOP_SITES
+    from monodecode.reasons import FallbackReason, RefusalReason
+
+    fallback = _label_values("reason", "monodecode_fallback_steps_total")
+    refusal = _label_values("reason", "monodecode_refusal_info")
+    sites = _label_values("site")
+    assert fallback and refusal and sites
+    assert fallback <= {r.value for r in FallbackReason}, fallback - {r.value for r in FallbackReason}
+    assert refusal <= {r.value for r in RefusalReason}, refusal - {r.value for r in RefusalReason}
+    assert sites <= set(FAILSTOP_SITES), sites - set(FAILSTOP_SITES)
+    assert _label_values("result", "monodecode_shadow_checks_total") == {"pass", "fail"}
+
+
+def test_rule_reason_filters_are_fallback_codes():
+    from monodecode.reasons import FallbackReason
+
+    exprs = "\n".join(a["expr"] for a in alerts())
+    for regex in re.findall(r'reason!?=~?"([^"]*)"', exprs):
+        for code in regex.split("|"):
+            assert code in {r.value for r in FallbackReason}, f"rules filter on unknown fallback reason {code!r}"
+
+
+def test_runbook_covers_every_reason_code_and_only_those():
+    from monodecode.reasons import FallbackReason, RefusalReason
+
+    excluded = {"prefill", "disabled", "degraded"}  # not counted by MonodecodeFallbackRatioHigh
+    fallback = _bullet_codes(_runbook_section("MonodecodeFallbackRatioHigh"))
+    assert fallback == {r.value for r in FallbackReason} - excluded
+    refusal = _bullet_codes(_runbook_section("MonodecodeDegraded"))
+    assert refusal == {r.value for r in RefusalReason}, (
+        f"missing: {sorted({r.value for r in RefusalReason} - refusal)}; unknown: "
+        f"{sorted(refusal - {r.value for r in RefusalReason})}"
+    )
+    failstop = set(re.findall(r"`([a-z_]+)`", _runbook_section("MonodecodeFailstop")))
+    from monodecode.metrics import FAILSTOP_SITES
+
+    assert set(FAILSTOP_SITES) <= failstop
+
+
+def test_runbook_graph_mode_advice_matches_the_runtime():
+    """FULL is refused at start; the fallback advice names the modes that run mono steps."""
+    from monodecode.spec import GRAPH_MODES_OK
+
+    advice = _runbook_section("MonodecodeFallbackRatioHigh")
+    advice = advice[advice.index("`graph_mode`") :].split("\n- ", 1)[0]
+    named = set(re.findall(r"\b(FULL_AND_PIECEWISE|FULL_DECODE_ONLY|PIECEWISE|FULL|NONE)\b", advice))
+    recommended = {m for m in named if m.lower() in GRAPH_MODES_OK and m != "FULL"}
+    assert recommended == {"FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"}
+    assert "`FULL` is refused" in advice
+    assert "full" in GRAPH_MODES_OK or "refused" in advice
+
+
+def test_runbook_names_the_kube_prometheus_alerts_for_crash_loops_and_scrapes():
+    section = _runbook_section("MonodecodeFailstopExit")
+    for alert in ("KubePodCrashLooping", "TargetDown", "KubePodNotReady"):
+        assert f"**`{alert}`**" in section
