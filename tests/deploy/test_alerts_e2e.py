@@ -132,7 +132,15 @@ class Prometheus:
                 {
                     "job_name": JOB,
                     "static_configs": [
-                        {"targets": [f"127.0.0.1:{target_port}"], "labels": {"namespace": "e2e", "pod": "runner-0"}}
+                        {
+                            "targets": [f"127.0.0.1:{target_port}"],
+                            # what the chart's podTargetLabels (or a pod labelmap) put on the target
+                            "labels": {
+                                "namespace": "e2e",
+                                "pod": "runner-0",
+                                "app_kubernetes_io_part_of": "monodecode",
+                            },
+                        }
                     ],
                 }
             ],
@@ -257,7 +265,14 @@ def test_fallback_alert_fires_on_a_live_runner(prometheus, runner):
     fired_after = time.monotonic() - t0
     assert runner.error is None, runner.error
     (alert,) = firing
-    assert alert["labels"] == {"alertname": ALERT, "severity": "warning", "job": JOB, "namespace": "e2e"}
+    assert alert["labels"] == {
+        "alertname": ALERT,
+        "severity": "warning",
+        "job": JOB,
+        "namespace": "e2e",
+        "pod": "runner-0",
+        "instance": f"127.0.0.1:{runner.exporter.port}",
+    }
     assert float(alert["value"]) > 0.5
     assert alert["annotations"]["runbook_url"] == "deploy/RUNBOOK.md#monodecodefallbackratiohigh"
     assert runner.decisions.get("rows_exceed_width", 0) > 0
