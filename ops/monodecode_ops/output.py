@@ -136,3 +136,17 @@ def report_checks(
             f"({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped)"
         )
     return code
+
+
+# Set by the CLI group for the invocation in progress (``--json`` before or after the command).
+_json_requested = False
+
+
+def set_json_output(value: bool) -> None:
+    global _json_requested
+    _json_requested = bool(value)
+
+
+def json_output() -> bool:
+    """Whether this invocation asked for ``--json`` (one JSON document on stdout)."""
+    return _json_requested

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from monodecode_ops.bases import BASE_IMAGES, RECORDED_DIGESTS
 from monodecode_ops.cli import app
-from monodecode_ops.images import BASE_IMAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = str(Path(sys.executable).with_name("monodecode-ops"))
@@ -63,17 +63,25 @@ def process_error_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--arch", "gfx90a"], "unknown arch 'gfx90a' (choose gfx942, gfx950 or all)"),
-        (["--arch", "gfx942,mi300"], "unknown arch 'mi300'"),
-        (["--profile", "llama2-7b"], "unknown profile 'llama2-7b' (known: tiny"),
+        (["--arch", "gfx90a"], "'gfx90a' is not one of 'gfx942', 'gfx950', 'all'"),
+        (["--profile", "llama2-7b"], "'llama2-7b' is not one of 'tiny'"),
         (["--push"], "--push needs --registry"),
         (["--repository", "Not/Valid Repo"], "is not a valid image repository name"),
         (["--registry", "bad registry"], "is not a registry host[:port][/namespace]"),
         (["--tag", "-starts-with-dash"], "is not a valid tag"),
-        (["--network", "host;rm"], "is not a Docker network name"),
+        (["--network", "host;rm"], "'host;rm' is not one of 'host', 'none', 'default', 'bridge'"),
+        (["--network", "bogus"], "'bogus' is not one of 'host', 'none', 'default', 'bridge'"),
         (["--base-image", "a b"], "is not an image reference"),
+        (["--base-image", "::"], "'::' is not an image reference"),
+        (["--base-image", "Repo/Upper:1"], "is not an image reference"),
+        (["--base-image", "r/x@sha256:abc"], "is not an image reference"),
+        (["--local-base"], "--local-base needs --base-image"),
         (["--extras", "ops;flydsl"], "must be comma-separated extra names"),
         (["--pip-index-url", "ftp://mirror/simple"], "is not an http(s) URL"),
+        (
+            ["--pip-index-url", "ftp://user:s3cr3t@mirror/simple"],
+            "'ftp://user:***@mirror/simple' is not an http(s) URL",
+        ),
         (["--ca-bundle", "/nonexistent/ca.pem"], "cannot read it"),
         (["--source", "/"], "is not a monodecode checkout"),
     ],
@@ -89,9 +97,22 @@ def test_ca_bundle_must_hold_a_certificate(tmp_path):
     assert "no PEM certificate" in error_line(invoke("build", "--dry-run", "--ca-bundle", str(not_pem)))
 
 
-def test_dry_run_plan_uses_pinned_bases_per_arch():
+PINNED = "registry.example:5000/team/base:1@sha256:" + "e" * 64
+NO_ENGINE = {"DOCKER_HOST": "unix:///nonexistent/monodecode-docker.sock"}
+
+
+def test_dry_run_plan_with_a_pinned_base():
     result = invoke(
-        "build", "--dry-run", "--json", "--registry", "registry.example:5000/team", "--push", "--tag", "rc1"
+        "build",
+        "--dry-run",
+        "--json",
+        "--base-image",
+        PINNED,
+        "--registry",
+        "registry.example:5000/team",
+        "--push",
+        "--tag",
+        "rc1",
     )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
@@ -99,27 +120,60 @@ def test_dry_run_plan_uses_pinned_bases_per_arch():
     assert plan["profiles"] == ["tiny", "llama3-8b", "qwen3-8b", "gemma3-27b"]
     assert plan["push"] is True
     for a in plan["archs"]:
-        assert a["base_image"] == BASE_IMAGES[a["arch"]].ref
-        assert re.search(r"@sha256:[0-9a-f]{64}$", a["base_image"]), a["base_image"]
+        assert a["base"] == {"ref": PINNED, "use": PINNED, "digest": "sha256:" + "e" * 64, "how": "reference"}
         assert a["tag"] == f"registry.example:5000/team/vllm-monodecode:rc1-{a['arch']}"
         assert a["build_args"] == {
-            "BASE_IMAGE": a["base_image"],
+            "BASE_IMAGE": PINNED,
             "GFX_ARCH": a["arch"],
             "PROFILES": "tiny,llama3-8b,qwen3-8b,gemma3-27b",
         }
 
 
-def test_dry_run_table_and_base_override():
-    result = invoke("build", "--dry-run", "-a", "gfx950", "--base-image", "local/base:1", "-p", "tiny")
+def test_global_json_before_the_command():
+    result = invoke("--json", "build", "--dry-run", "--base-image", PINNED, "-p", "tiny", "-a", "gfx950")
     assert result.exit_code == 0, result.output
-    assert "vllm-monodecode:0.1.0-gfx950" in result.stdout and "local/base:1" in result.stdout
+    assert json.loads(result.stdout)["plan"]["archs"][0]["arch"] == "gfx950"
+
+
+def test_dry_run_table_and_base_override():
+    args = ["build", "--dry-run", "-a", "gfx950", "--base-image", PINNED, "-p", "tiny"]
+    result = runner.invoke(app, args, env={"COLUMNS": "300"})  # one table row per line
+    assert result.exit_code == 0, result.output
+    assert "vllm-monodecode:0.1.0-gfx950" in result.stdout and PINNED in result.stdout
     assert "gfx942" not in result.stdout
     assert "nothing is built" in result.stdout
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_pip_index_credentials_are_never_printed(as_json):
+    url = "https://builder:s3cr3t-token@pypi.example/simple"
+    args = ["build", "--dry-run", "--base-image", PINNED, "-p", "tiny", "--pip-index-url", url]
+    result = runner.invoke(app, [*args, *(["--json"] if as_json else [])], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "s3cr3t" not in result.output
+    assert "https://builder:***@pypi.example/simple" in result.stdout
+
+
+def test_unpinned_base_is_refused_without_its_digest():
+    """A tag without a digest is pinned through its registry (engine needed) or refused: the dry
+    run checks that too, and the defaults (no digest on record for their vLLM) are no exception."""
+    for args in (["--base-image", "ubuntu:latest"], []):
+        proc = cli("build", "--dry-run", "-a", "gfx942", "-p", "tiny", *args, env=NO_ENGINE)
+        line = process_error_line(proc)
+        base = "ubuntu:latest" if args else BASE_IMAGES["gfx942"].ref
+        assert line.startswith(f"error: base image {base} has no digest; pinning it needs the Docker engine"), line
+
+
+def test_default_bases_are_real_references():
+    for arch, base in BASE_IMAGES.items():
+        assert base.arch == arch and base.ref.startswith("vllm/vllm-openai-rocm:v")
+        # never an invented digest: pinned only where a public record has one
+        assert base.digest is None or RECORDED_DIGESTS.get(base.ref.split("@")[0]) == base.digest
+
+
 def test_engine_unreachable_is_one_line():
-    env = {"DOCKER_HOST": "unix:///nonexistent/monodecode-docker.sock"}
-    line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", env=env))
+    env = NO_ENGINE
+    line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", "--base-image", PINNED, env=env))
     assert line.startswith("error: cannot reach the Docker engine at unix:///nonexistent/monodecode-docker.sock")
     line = process_error_line(cli("inspect", "any/image:tag", env=env))
     assert "cannot reach the Docker engine" in line
@@ -128,11 +182,15 @@ def test_engine_unreachable_is_one_line():
 @pytest.mark.docker
 def test_missing_base_image_is_one_line():
     # 127.0.0.1:9 refuses connections: the pull fails at once, on loopback
-    missing = "127.0.0.1:9/monodecode-missing:base"
+    missing = "127.0.0.1:9/monodecode-missing:base@sha256:" + "e" * 64
     line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", "--base-image", missing))
     assert f"base image {missing} is not in the Docker engine and pulling it failed" in line, line
     line = process_error_line(cli("build", "-a", "gfx942", "-p", "tiny", "--base-image", missing, "--no-pull"))
     assert "is not in the Docker engine (pull it first, or drop --no-pull)" in line, line
+    # without a digest the registry must pin it first; this one refuses the connection
+    tag_only = missing.split("@")[0]
+    line = process_error_line(cli("build", "--dry-run", "-a", "gfx942", "-p", "tiny", "--base-image", tag_only))
+    assert line.startswith(f"error: base image {tag_only} has no digest and cannot be pinned: the registry"), line
 
 
 @pytest.mark.docker
@@ -158,6 +216,7 @@ def test_build_step_failure_names_the_step():
                 "tiny",
                 "--base-image",
                 base,
+                "--local-base",
                 "--repository",
                 "monodecode-test/img",
                 "--tag",

@@ -83,7 +83,8 @@ def derived_image(client, tag: str, dockerfile: str) -> str:
 
 @pytest.fixture(scope="session")
 def docker_client():
-    from monodecode_ops.images import ImageError, connect
+    from monodecode_ops.engine import connect
+    from monodecode_ops.labels import ImageError
 
     try:
         return connect()
@@ -133,6 +134,7 @@ def built(docker_client, local_base, tmp_path_factory):
         "gfx950",
         "--base-image",
         local_base,
+        "--local-base",
         "-p",
         "tiny",
         "--repository",
@@ -248,7 +250,7 @@ def test_verify_image_from_the_host(built):
 
 
 def test_verify_image_against_a_node_and_a_model(docker_client, built):
-    from monodecode_ops.images import verify_image
+    from monodecode_ops.image_checks import verify_image
 
     ok = {c.name: c for c in verify_image(tag_of("gfx942"), MI300X, dims=profile_dims("tiny"), client=docker_client)}
     assert ok["image arch"].status == "pass"
@@ -264,7 +266,7 @@ def test_verify_image_against_a_node_and_a_model(docker_client, built):
 
 
 def test_tampered_artifact_fails_verify_with_the_checksum_reason(docker_client, built):
-    from monodecode_ops.images import verify_image
+    from monodecode_ops.image_checks import verify_image
 
     tampered = derived_image(
         docker_client,
@@ -379,6 +381,7 @@ def test_push_to_a_registry(docker_client, built, local_base, registry):
         "gfx942",
         "--base-image",
         local_base,
+        "--local-base",
         "-p",
         "tiny",
         "--registry",
@@ -436,6 +439,7 @@ def test_failing_build_step_is_one_line_with_its_output(local_base):
         "gfx942",
         "--base-image",
         local_base,
+        "--local-base",
         "-p",
         "tiny",
         "--repository",

@@ -1,5 +1,6 @@
-"""monodecode_ops.images without an engine: label validation, pull references, and the checks
-``verify`` runs on the image it is inside (baked manifest + artifacts on a real directory)."""
+"""The image contract without an engine: labels (validation and the to/from round trip), pull
+references, and the checks ``verify`` runs on the image it is inside (baked manifest + artifacts
+on a real directory)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from monodecode.services.artifacts import ArtifactStore
-from monodecode_ops.images import ImageError, baked_checks, parse_labels, pull_ref
+from monodecode_ops.engine import pull_ref
+from monodecode_ops.image_checks import baked_checks
+from monodecode_ops.labels import ImageError, ImageLabels
 
 KEY_A, KEY_B = "a" * 64, "b" * 64
 GOOD = {
@@ -27,11 +30,36 @@ GOOD = {
 }
 
 
+def test_labels_round_trip():
+    """What build writes (to_labels) is what inspect/verify read back (from_labels), field by field."""
+    lab = ImageLabels(
+        arch="gfx950",
+        version="0.1.0",
+        profiles=("tiny", "llama3-8b"),
+        backends=("flydsl", "reference"),
+        build_keys=(KEY_A, KEY_B),
+        manifest_digest="sha256:" + "c" * 64,
+        compilers=("flydsl=0.5.0",),
+        vllm_version="0.33.0",
+        torch_version="2.9.1",
+        base_name="vllm/vllm-openai-rocm:v0.33.0",
+        base_digest="sha256:" + "d" * 64,
+        revision="abc123",
+        created="2026-12-01T00:00:00Z",
+        source="https://example.invalid/monodecode",
+    )
+    written = lab.to_labels()
+    assert ImageLabels.from_labels("img", written) == lab
+    assert written["org.opencontainers.image.base.digest"] == "sha256:" + "d" * 64
+    assert written["io.monodecode.vllm-version"] == "0.33.0"
+    assert ImageLabels.from_labels("img", GOOD).to_labels().items() >= GOOD.items()
+
+
 def test_good_labels():
-    lab = parse_labels("img", GOOD)
+    lab = ImageLabels.from_labels("img", GOOD)
     assert lab.arch == "gfx942" and lab.build_keys == (KEY_A, KEY_B)
     assert lab.profiles == ("tiny", "llama3-8b") and lab.compilers == ("flydsl=0.5.0",)
-    assert parse_labels("img", {**GOOD, "io.monodecode.build-keys": ""}).build_keys == ()
+    assert ImageLabels.from_labels("img", {**GOOD, "io.monodecode.build-keys": ""}).build_keys == ()
 
 
 @pytest.mark.parametrize(
@@ -56,14 +84,14 @@ def test_bad_labels_name_the_label(key, value, expected):
     else:
         labels[key] = value
     with pytest.raises(ImageError) as e:
-        parse_labels("repo/img:tag", labels)
+        ImageLabels.from_labels("repo/img:tag", labels)
     assert str(e.value).startswith("repo/img:tag: ") and expected in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_image_without_our_labels():
     with pytest.raises(ImageError, match="not a monodecode image"):
-        parse_labels("debian:12", {"org.opencontainers.image.title": "debian"})
+        ImageLabels.from_labels("debian:12", {"org.opencontainers.image.title": "debian"})
 
 
 def test_pull_ref_drops_the_documenting_tag():

@@ -16,7 +16,7 @@ from types import ModuleType
 import typer
 
 from monodecode.errors import MonodecodeError
-from monodecode_ops.output import console, emit_json, table
+from monodecode_ops.output import console, emit_json, json_output, table
 
 HARNESS = Path(__file__).resolve().parents[3] / "benchmarks" / "decode_latency.py"
 
@@ -56,9 +56,9 @@ def bench(
     layers: int = typer.Option(0, "--layers", help="Time only the first N layers (0: all)."),
     replays: int = typer.Option(20, "--replays", help="Graph replays per measurement (median reported)."),
     out: Path = typer.Option(Path("benchmarks/results"), "--out", help="Directory for the JSON and PNG."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result document as JSON."),
 ) -> None:
     """Decode-step latency per backend, profile and batch, as a fraction of the memory roofline."""
+    as_json = json_output()
     batches = _ints(batch, "--batch")
     if layers < 0 or replays < 1:
         raise MonodecodeError("--layers must be >= 0 and --replays >= 1")

@@ -1,10 +1,14 @@
 """``monodecode-ops build``: one image per GPU arch from images/Dockerfile, with the Docker SDK.
 
-Per arch the build runs twice against the same cache: first up to the ``artifacts`` stage, whose
-baked manifest and image.json are read back, then the final stage with those facts as labels
-(build keys, manifest digest, backends, versions). The second pass reuses every cached layer,
-so only the labels are new. The log streams with a progress bar per arch; a failed step is one
-``error:`` line naming the step with its last output lines.
+Every base is used pinned (``monodecode_ops.bases``): by the digest in its reference, by the
+digest its registry serves for the tag (resolved when the plan is made, ``--dry-run`` included),
+or, with ``--local-base``, by the image id of an image built in this engine; an unpinnable base
+is refused. Per arch the build runs twice against the same cache: first up to the ``artifacts``
+stage, whose baked manifest and image.json are read back, then the final stage with those facts
+as labels (``ImageLabels.to_labels``). The second pass reuses every cached layer, so only the
+labels are new. The log streams with a progress bar per arch; a failed step is one ``error:``
+line naming the step with its last output lines. Credentials in ``--pip-index-url`` never reach
+the terminal or the JSON plan.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -26,11 +31,12 @@ from rich.text import Text
 
 from monodecode import __version__
 from monodecode.errors import ArtifactError
-from monodecode.model.profiles import PROFILES
 from monodecode.services.artifacts import parse_manifest
-from monodecode_ops import images as img
-from monodecode_ops.images import ARCHS, BASE_IMAGES, ImageError
-from monodecode_ops.output import console, emit_json, print_table
+from monodecode_ops.bases import BASE_IMAGES, PinnedBase, parse_reference, pin_base
+from monodecode_ops.engine import connect, image_files, pull_ref, reason
+from monodecode_ops.labels import ARCHS, DEFAULT_ARTIFACT_DIR, L_BACKENDS, L_BUILD_KEYS, ImageError, ImageLabels
+from monodecode_ops.options import BuildArch, BuildArchsOpt, Network, NetworkOpt, Profile, ProfilesOpt
+from monodecode_ops.output import console, emit_json, json_output, print_table
 
 DOCKERFILE = "images/Dockerfile"
 DOCKERIGNORE = "images/Dockerfile.dockerignore"
@@ -43,7 +49,6 @@ BUILD_TIMEOUT_S = 6 * 3600  # a socket read may wait this long for a silent buil
 _REPO = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}$")
-_NETWORK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Builder chatter that says nothing about why a step failed.
@@ -57,9 +62,26 @@ _NOISE = re.compile(r"^(--->|Removing intermediate container|Successfully (built
 @dataclass
 class ArchPlan:
     arch: str
-    base_image: str
+    base_image: str  # as asked for (the default of the arch, or --base-image)
     tag: str
-    build_args: dict[str, str]  # Dockerfile ARGs (BASE_IMAGE, GFX_ARCH, PROFILES)
+    profiles: list[str]
+    base: PinnedBase | None = None  # set by pin_bases
+
+    @property
+    def build_args(self) -> dict[str, str]:
+        """Dockerfile ARGs: the base only ever as pinned."""
+        if self.base is None:
+            raise ImageError(f"base image {self.base_image} of {self.arch} is not pinned yet")
+        return {"BASE_IMAGE": self.base.use, "GFX_ARCH": self.arch, "PROFILES": ",".join(self.profiles)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "base_image": self.base_image,
+            "base": asdict(self.base) if self.base else None,
+            "tag": self.tag,
+            "build_args": self.build_args,
+        }
 
 
 @dataclass
@@ -70,37 +92,38 @@ class BuildPlan:
     network: str
     push: bool
     pull_base: bool
+    local_base: bool
     ca_bundle: str | None
     extras: str
-    pip_index_url: str | None
+    pip_index_url: str | None  # with any credentials: only build.env sees it
     vcs_ref: str
     source_url: str
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k != "archs"}
+        d["archs"] = [p.to_dict() for p in self.archs]
+        d["pip_index_url"] = redact_url(self.pip_index_url) if self.pip_index_url else None
+        return d
 
 
-def _expand_archs(values: list[str]) -> list[str]:
+def redact_url(url: str) -> str:
+    """``url`` without its password (``https://user:***@host/...``), for anything printed."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and "@" not in parts.netloc:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[-1]
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if user else f"***@{host}"))
+    except ValueError:  # unparseable: show nothing of it
+        return "<unparseable URL>"
+
+
+def _expand_archs(values: list[BuildArch]) -> list[str]:
     out: list[str] = []
-    for v in values or ["all"]:
-        for a in (x.strip() for x in v.split(",")):
-            if a == "all":
-                out.extend(ARCHS)
-            elif a in ARCHS:
-                out.append(a)
-            else:
-                raise ImageError(f"unknown arch {a!r} (choose {', '.join(ARCHS)} or all)")
+    for v in values or [BuildArch("all")]:
+        out.extend(ARCHS if v.value == "all" else [v.value])
     return list(dict.fromkeys(out))
-
-
-def _check_profiles(values: list[str]) -> list[str]:
-    profiles = list(dict.fromkeys(p.strip() for v in values for p in v.split(",") if p.strip()))
-    if not profiles:
-        raise ImageError("no model profile given (--profile NAME)")
-    for p in profiles:
-        if p not in PROFILES:
-            raise ImageError(f"unknown profile {p!r} (known: {', '.join(PROFILES)})")
-    return profiles
 
 
 def find_source(source: Path | None) -> Path:
@@ -152,9 +175,13 @@ def make_plan(
     extras: str,
     source: Path | None,
     source_url: str,
+    local_base: bool = False,
 ) -> BuildPlan:
+    """The checked plan (no engine needed); ``pin_bases`` then pins its bases."""
     arch_list = _expand_archs(archs)
-    profile_list = _check_profiles(profiles)
+    profile_list = list(dict.fromkeys(Profile(p).value for p in profiles))
+    if not profile_list:
+        raise ImageError("no model profile given (--profile NAME)")
     if not _REPO.match(repository):
         raise ImageError(f"--repository {repository!r} is not a valid image repository name (lowercase, a-z0-9._-/)")
     if registry is not None and not _REGISTRY.match(registry.rstrip("/")):
@@ -163,10 +190,11 @@ def make_plan(
         raise ImageError(f"--tag {tag!r} is not a valid tag (letters, digits, _ . -; at most 100 characters)")
     if push and not registry:
         raise ImageError("--push needs --registry (where to push, e.g. ghcr.io/acme)")
-    if not _NETWORK.match(network):
-        raise ImageError(f"--network {network!r} is not a Docker network name (host, default, none, ...)")
-    if base_image is not None and (not base_image.strip() or any(ch.isspace() for ch in base_image)):
-        raise ImageError(f"--base-image {base_image!r} is not an image reference")
+    network = Network(network).value
+    if base_image is not None:
+        parse_reference(base_image)
+    if local_base and base_image is None:
+        raise ImageError("--local-base needs --base-image (the local image to build on)")
     if not re.fullmatch(r"[a-z0-9_-]+(,[a-z0-9_-]+)*", extras):
         raise ImageError(f"--extras {extras!r} must be comma-separated extra names (e.g. ops,flydsl)")
     ca = None
@@ -178,20 +206,18 @@ def make_plan(
         if "-----BEGIN CERTIFICATE-----" not in text:
             raise ImageError(f"--ca-bundle {ca_bundle}: no PEM certificate in it")
         ca = str(ca_bundle.resolve())
-    if pip_index_url is not None and not re.fullmatch(r"https?://\S+", pip_index_url):
-        raise ImageError(f"--pip-index-url {pip_index_url!r} is not an http(s) URL")
+    if pip_index_url is not None and not re.fullmatch(r"https?://[^\s'\\]+", pip_index_url):
+        raise ImageError(f"--pip-index-url {redact_url(pip_index_url)!r} is not an http(s) URL")
     src = find_source(source)
-    plans = []
-    for arch in arch_list:
-        base = base_image or BASE_IMAGES[arch].ref
-        plans.append(
-            ArchPlan(
-                arch=arch,
-                base_image=base,
-                tag=image_ref(repository, registry, tag, arch),
-                build_args={"BASE_IMAGE": base, "GFX_ARCH": arch, "PROFILES": ",".join(profile_list)},
-            )
+    plans = [
+        ArchPlan(
+            arch=arch,
+            base_image=base_image or BASE_IMAGES[arch].ref,
+            tag=image_ref(repository, registry, tag, arch),
+            profiles=profile_list,
         )
+        for arch in arch_list
+    ]
     return BuildPlan(
         source=str(src),
         archs=plans,
@@ -199,12 +225,37 @@ def make_plan(
         network=network,
         push=push,
         pull_base=pull_base,
+        local_base=local_base,
         ca_bundle=ca,
         extras=extras,
         pip_index_url=pip_index_url,
         vcs_ref=_vcs_ref(src),
         source_url=source_url,
     )
+
+
+def pin_bases(plan: BuildPlan, client=None):
+    """Pin every base of ``plan`` (``bases.pin_base``); the engine is needed only for a base
+    without a digest in its reference. Returns the client it used (or None)."""
+    for p in plan.archs:
+        if parse_reference(p.base_image).pinned:
+            p.base = PinnedBase(
+                ref=p.base_image, use=p.base_image, digest=parse_reference(p.base_image).digest, how="reference"
+            )
+    todo = [p for p in plan.archs if p.base is None]
+    if todo and client is None:
+        try:
+            client = connect(timeout=BUILD_TIMEOUT_S)
+        except ImageError as e:
+            raise ImageError(
+                f"base image {todo[0].base_image} has no digest; pinning it needs the Docker engine: {e}"
+            ) from None
+    pinned: dict[str, PinnedBase] = {}
+    for p in todo:
+        if p.base_image not in pinned:
+            pinned[p.base_image] = pin_base(client, p.base_image, local=plan.local_base)
+        p.base = pinned[p.base_image]
+    return client
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,37 +287,25 @@ def build_context(plan: BuildPlan):
     return create_archive(str(source), files=files, extra_files=extra)
 
 
-@dataclass
-class BaseInfo:
-    ref: str
-    digest: str
-    image_id: str
-
-
-def ensure_base(client, ref: str, pull: bool) -> BaseInfo:
+def ensure_base(client, ref: str, pull: bool) -> None:
+    """The base ``ref`` (pinned: name@digest or a local image id) in the engine, pulled if allowed."""
     import docker
 
     try:
-        image = client.images.get(ref)
+        client.images.get(ref)
     except docker.errors.ImageNotFound:
         if not pull:
             raise ImageError(
                 f"base image {ref} is not in the Docker engine (pull it first, or drop --no-pull)"
             ) from None
         try:
-            image = client.images.pull(img.pull_ref(ref))
+            client.images.pull(pull_ref(ref))
         except docker.errors.APIError as e:
             raise ImageError(
-                f"base image {ref} is not in the Docker engine and pulling it failed: {img._reason(e)}"
+                f"base image {ref} is not in the Docker engine and pulling it failed: {reason(e)}"
             ) from None
     except docker.errors.APIError as e:
-        raise ImageError(f"cannot look up base image {ref}: {img._reason(e)}") from None
-    if "@" in ref:
-        digest = ref.split("@", 1)[1]
-    else:
-        repo_digests = image.attrs.get("RepoDigests") or []
-        digest = repo_digests[0].split("@", 1)[1] if repo_digests else image.id  # local image: its id
-    return BaseInfo(ref=ref, digest=digest, image_id=image.id)
+        raise ImageError(f"cannot look up base image {ref}: {reason(e)}") from None
 
 
 class BuildStepFailed(ImageError):
@@ -356,9 +395,9 @@ def run_build(
                         image_id = mm.group(1)
                 progress.console.print(Text(f"{arch} | {line}", style="dim"), soft_wrap=True)
     except docker.errors.APIError as e:
-        raise ImageError(f"build for {arch} ({target}) was refused by the Docker engine: {img._reason(e)}") from None
+        raise ImageError(f"build for {arch} ({target}) was refused by the Docker engine: {reason(e)}") from None
     except (docker.errors.DockerException, OSError) as e:
-        raise ImageError(f"build for {arch} ({target}) lost the Docker engine: {img._reason(e)}") from None
+        raise ImageError(f"build for {arch} ({target}) lost the Docker engine: {reason(e)}") from None
     if image_id is None:
         raise ImageError(f"build for {arch} ({target}) ended without an image id")
     progress.update(task, completed=offset + st.steps)
@@ -367,7 +406,7 @@ def run_build(
 
 def read_build_outputs(client, artifacts_image: str) -> dict[str, Any]:
     """image.json of the artifacts stage, cross-checked against its manifest."""
-    with img.image_files(client, artifacts_image, ["/out/image.json", "/out/artifacts"]) as tmp:
+    with image_files(client, artifacts_image, ["/out/image.json", "/out/artifacts"]) as tmp:
         info_path, manifest = tmp / "image.json", tmp / "artifacts" / "manifest.json"
         if not info_path.is_file() or not manifest.is_file():
             raise ImageError("the precompile stage produced no /out/image.json or /out/artifacts/manifest.json")
@@ -389,33 +428,26 @@ def read_build_outputs(client, artifacts_image: str) -> dict[str, Any]:
     return info
 
 
-def image_labels(plan: BuildPlan, p: ArchPlan, info: dict[str, Any], base: BaseInfo) -> dict[str, str]:
-    """Every label of the final image (images/README.md says what each means)."""
+def image_labels(plan: BuildPlan, p: ArchPlan, info: dict[str, Any]) -> ImageLabels:
+    """The facts of the final image (``ImageLabels.to_labels()`` writes them as labels)."""
     versions = info.get("versions") or {}
-    labels = {
-        img.OCI + "title": "vllm-monodecode",
-        img.OCI + "description": f"vLLM with monodecode decode megakernels for AMD Instinct {p.arch}",
-        img.OCI + "version": __version__,
-        img.OCI + "revision": plan.vcs_ref,
-        img.OCI + "created": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        img.OCI + "licenses": "Apache-2.0",
-        img.OCI + "vendor": "monodecode",
-        img.OCI + "base.name": base.ref,
-        img.OCI + "base.digest": base.digest,
-        img.L_ARCH: p.arch,
-        img.L_VERSION: __version__,
-        img.L_PROFILES: ",".join(plan.profiles),
-        img.L_BACKENDS: ",".join(info["backends"]),
-        img.L_BUILD_KEYS: ",".join(info["build_keys"]),
-        img.L_MANIFEST_DIGEST: info["manifest_digest"],
-        img.L_COMPILERS: ",".join(info.get("compilers") or []),
-        img.L_ARTIFACT_DIR: img.DEFAULT_ARTIFACT_DIR,
-        img.L_VLLM: versions.get("vllm") or "",
-        img.L_TORCH: versions.get("torch") or "",
-    }
-    if plan.source_url:
-        labels[img.OCI + "source"] = plan.source_url
-    return labels
+    return ImageLabels(
+        arch=p.arch,
+        version=__version__,
+        profiles=tuple(plan.profiles),
+        backends=tuple(info["backends"]),
+        build_keys=tuple(info["build_keys"]),
+        manifest_digest=info["manifest_digest"],
+        artifact_dir=DEFAULT_ARTIFACT_DIR,
+        compilers=tuple(info.get("compilers") or []),
+        vllm_version=versions.get("vllm") or "",
+        torch_version=versions.get("torch") or "",
+        base_name=p.base_image,
+        base_digest=p.base.digest,
+        revision=plan.vcs_ref,
+        created=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        source=plan.source_url,
+    )
 
 
 def push_image(client, ref: str) -> None:
@@ -427,12 +459,13 @@ def push_image(client, ref: str) -> None:
             if "error" in chunk:
                 raise ImageError(f"push of {ref} failed: {_one_line(chunk['error'])}")
     except docker.errors.APIError as e:
-        raise ImageError(f"push of {ref} failed: {img._reason(e)}") from None
+        raise ImageError(f"push of {ref} failed: {reason(e)}") from None
 
 
-def execute(plan: BuildPlan) -> list[dict[str, Any]]:
-    client = img.connect(timeout=BUILD_TIMEOUT_S)
-    bases = {p.base_image: ensure_base(client, p.base_image, plan.pull_base) for p in plan.archs}
+def execute(plan: BuildPlan, client=None) -> list[dict[str, Any]]:
+    client = client or connect(timeout=BUILD_TIMEOUT_S)
+    for use in dict.fromkeys(p.base.use for p in plan.archs):
+        ensure_base(client, use, plan.pull_base)
     context = build_context(plan)
     results = []
     err = console(stderr=True)
@@ -448,7 +481,6 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
         with Progress(*columns, console=err, transient=False) as progress:
             for p in plan.archs:
                 task = progress.add_task("waiting", arch=p.arch, total=None)
-                base = bases[p.base_image]
                 stage_id, n1 = run_build(
                     client,
                     context,
@@ -470,7 +502,7 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
                     target="final",
                     tag=p.tag,
                     build_args=p.build_args,
-                    labels=image_labels(plan, p, info, base),
+                    labels=image_labels(plan, p, info).to_labels(),
                     network=plan.network,
                     progress=progress,
                     task=task,
@@ -490,7 +522,7 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
                         "tag": p.tag,
                         "id": image_id,
                         "base_image": p.base_image,
-                        "base_digest": base.digest,
+                        "base_digest": p.base.digest,
                         "pushed": pushed,
                         "labels": labels,
                         "image_info": info,
@@ -506,30 +538,37 @@ def execute(plan: BuildPlan) -> list[dict[str, Any]]:
 
 
 def build(
-    arch: list[str] = typer.Option(["all"], "--arch", "-a", help="gfx942, gfx950 or all (repeatable)."),
+    arch: BuildArchsOpt = [BuildArch("all")],
     base_image: Optional[str] = typer.Option(
-        None, "--base-image", help="Base image for every arch (default: the pinned ROCm vLLM image of each arch)."
+        None,
+        "--base-image",
+        help="Base image for every arch (default: the upstream vLLM ROCm image). Used pinned: "
+        "name:tag@sha256:DIGEST, or a tag the registry resolves to its digest now.",
     ),
-    profile: list[str] = typer.Option(
-        list(DEFAULT_PROFILES), "--profile", "-p", help="Model profile to precompile kernels for (repeatable)."
+    local_base: bool = typer.Option(
+        False, "--local-base", help="--base-image is an image of this Docker engine: pin it by its image id."
     ),
+    profile: ProfilesOpt = [Profile(p) for p in DEFAULT_PROFILES],
     repository: str = typer.Option(DEFAULT_REPOSITORY, "--repository", help="Image repository name."),
-    registry: Optional[str] = typer.Option(None, "--registry", help="Registry host[/namespace] to tag (and push) for."),
+    registry: Optional[str] = typer.Option(
+        None, "--registry", help="Registry host[:port][/namespace] to tag (and push) for."
+    ),
     tag: Optional[str] = typer.Option(
         None, "--tag", help="Tag stem (default: the monodecode version); -ARCH is appended."
     ),
     push: bool = typer.Option(False, "--push", help="Push each image after it is built (needs --registry)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and build nothing."),
-    network: str = typer.Option("host", "--network", help="Network for RUN steps (host works without a bridge)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and pin everything, print the plan, build nothing."),
+    network: NetworkOpt = Network.host,
     ca_bundle: Optional[Path] = typer.Option(
         None, "--ca-bundle", help="Extra CA bundle for pip in the build (not shipped in the image)."
     ),
-    pip_index_url: Optional[str] = typer.Option(None, "--pip-index-url", help="Python package index for the build."),
+    pip_index_url: Optional[str] = typer.Option(
+        None, "--pip-index-url", help="Python package index for the build (credentials are never printed)."
+    ),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Pull a base image the engine does not have."),
     extras: str = typer.Option("ops,flydsl", "--extras", help="monodecode extras to install in the image."),
     source: Optional[Path] = typer.Option(None, "--source", help="Repository checkout to build from."),
     source_url: str = typer.Option("", "--source-url", help="org.opencontainers.image.source value."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result (or plan) as JSON."),
 ) -> None:
     """Build the monodecode image for each arch (Docker SDK), label it, optionally push it."""
     plan = make_plan(
@@ -540,34 +579,36 @@ def build(
         registry=registry,
         tag=tag,
         push=push,
-        network=network,
+        network=network.value,
         ca_bundle=ca_bundle,
         pip_index_url=pip_index_url,
         pull_base=pull,
         extras=extras,
         source=source,
         source_url=source_url,
+        local_base=local_base,
     )
+    client = pin_bases(plan)
     if dry_run:
-        if as_json:
+        if json_output():
             emit_json({"dry_run": True, "plan": plan.to_dict()})
             return
         rows = []
         for p in plan.archs:
-            rows += [(p.arch, "tag", p.tag), ("", "base image", p.base_image)]
+            rows += [(p.arch, "tag", p.tag), ("", "base image", p.base.use), ("", "base pinned by", p.base.how)]
         rows += [
             ("all", "profiles", ",".join(plan.profiles)),
             ("", "push", "yes" if plan.push else "no"),
             ("", "source", f"{plan.source} ({plan.vcs_ref})"),
             ("", "RUN network", plan.network),
             ("", "extras", plan.extras),
-            ("", "pip index", plan.pip_index_url or "default"),
+            ("", "pip index", redact_url(plan.pip_index_url) if plan.pip_index_url else "default"),
             ("", "CA bundle", plan.ca_bundle or "none"),
         ]
         print_table("build plan (dry run: nothing is built)", ["arch", "setting", "value"], rows)
         return
-    results = execute(plan)
-    if as_json:
+    results = execute(plan, client)
+    if json_output():
         emit_json({"images": results})
         return
     print_table(
@@ -578,8 +619,8 @@ def build(
                 r["arch"],
                 r["tag"],
                 r["id"].split(":")[-1][:12],
-                r["labels"].get(img.L_BACKENDS, ""),
-                len([k for k in r["labels"].get(img.L_BUILD_KEYS, "").split(",") if k]),
+                r["labels"].get(L_BACKENDS, ""),
+                len([k for k in r["labels"].get(L_BUILD_KEYS, "").split(",") if k]),
                 "yes" if r["pushed"] else "no",
             )
             for r in results

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import typer
 
-from monodecode_ops import images as img
-from monodecode_ops.output import console, emit_json, table
+from monodecode_ops.image_checks import read_image
+from monodecode_ops.labels import OCI, PREFIX
+from monodecode_ops.output import console, emit_json, json_output, table
 
 
 def _size(n: int) -> str:
@@ -24,17 +25,16 @@ def _size(n: int) -> str:
 
 def inspect(
     image: str = typer.Argument(..., help="Image reference (repository:tag, id or repository@digest)."),
-    as_json: bool = typer.Option(False, "--json", help="Print everything as one JSON document."),
 ) -> None:
     """Show an image's labels, baked manifest, artifacts and build keys."""
-    c = img.read_image(image)
-    if as_json:
+    c = read_image(image)
+    if json_output():
         emit_json(c.to_dict())
         return
     con = console()
     lab = c.labels
     con.print(f"[bold]{image}[/]  id {c.image_id.split(':')[-1][:12]}  {_size(c.size_bytes)}  created {c.created[:19]}")
-    rows = [(k, v) for k, v in sorted(c.all_labels.items()) if k.startswith(img.PREFIX) or k.startswith(img.OCI)]
+    rows = [(k, v) for k, v in sorted(c.all_labels.items()) if k.startswith(PREFIX) or k.startswith(OCI)]
     con.print(table("labels (meanings: images/README.md)", ["label", "value"], rows))
     if c.manifest_text is None:
         con.print(f"[bold red]no manifest at {lab.artifact_dir}/manifest.json[/]")

@@ -1,0 +1,76 @@
+"""Option types every ``monodecode-ops`` command shares: one spelling, one parser, one help text.
+
+Choices are Enums derived from the runtime's own lists (the AMD archs monodecode builds for, the
+kernel plan's weight dtypes, the model profiles), so a new arch or profile reaches every command
+at once. ``--widths`` goes through the runtime's widths rule, the one ``MonoConfig`` applies.
+A bad value is one ``error:`` line (the CLI group prints usage errors that way).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from monodecode.errors import MonodecodeError
+from monodecode.kernels.plan import WEIGHT_DTYPES
+from monodecode.model.profiles import PROFILES
+from monodecode_ops.labels import ARCHS
+
+Arch = Enum("Arch", {a: a for a in ARCHS}, type=str, module=__name__)
+Arch.__doc__ = "A GPU arch monodecode builds kernels for."
+BuildArch = Enum("BuildArch", {**{a: a for a in ARCHS}, "all": "all"}, type=str, module=__name__)
+BuildArch.__doc__ = "An arch to build an image for, or all of them."
+WeightDtype = Enum("WeightDtype", {d: d for d in WEIGHT_DTYPES}, type=str, module=__name__)
+WeightDtype.__doc__ = "How the weights are stored: bf16, or FP8 (fp8 = OCP e4m3fn, fp8_fnuz = e4m3fnuz)."
+Profile = Enum("Profile", {p: p for p in PROFILES}, type=str, module=__name__)
+Profile.__doc__ = "A named model profile (its dims; no weights needed)."
+
+
+class Network(str, Enum):
+    """Docker network modes a build's RUN steps may use (no bridge is needed for host or none)."""
+
+    host = "host"
+    none = "none"
+    default = "default"
+    bridge = "bridge"
+
+
+class Widths(tuple):
+    """Step widths, ascending without duplicates (what ``--widths 1,2,4,8`` parses to)."""
+
+
+def parse_widths(text: str) -> Widths:
+    """``--widths`` text -> ``Widths`` by the runtime's rule; one-line ``BadParameter`` otherwise."""
+    from monodecode.config import MonoConfig
+
+    items = [w.strip() for w in str(text).split(",")]
+    if not all(w.isascii() and w.isdigit() and len(w) <= 6 for w in items):
+        raise typer.BadParameter(f"must be comma-separated positive integers such as 1,2,4,8, got {text!r}")
+    try:
+        cfg = MonoConfig.from_dict({"widths": [int(w) for w in items]}, where="--widths")
+    except MonodecodeError as e:
+        raise typer.BadParameter(str(e).removeprefix("--widths: ")) from None
+    return Widths(cfg.widths)
+
+
+ArchOpt = Annotated[
+    Arch, typer.Option("--arch", "-a", help="GPU arch: gfx942 (MI300X/MI325X) or gfx950 (MI350X/MI355X).")
+]
+BuildArchsOpt = Annotated[list[BuildArch], typer.Option("--arch", "-a", help="gfx942, gfx950 or all (repeatable).")]
+ProfileOpt = Annotated[Optional[Profile], typer.Option("--profile", "-p", help="Named model profile.")]
+ProfilesOpt = Annotated[
+    list[Profile], typer.Option("--profile", "-p", help="Model profile to precompile kernels for (repeatable).")
+]
+WeightDtypeOpt = Annotated[WeightDtype, typer.Option("--weight-dtype", help="bf16, or fp8 / fp8_fnuz (FP8 weights).")]
+WidthsOpt = Annotated[
+    Optional[Widths],
+    typer.Option("--widths", parser=parse_widths, metavar="W[,W...]", help="Step widths, ascending, e.g. 1,2,4,8."),
+]
+BlockSizeOpt = Annotated[int, typer.Option("--block-size", min=1, max=1024, help="Paged-KV block size (1..1024).")]
+ModelDirOpt = Annotated[
+    Optional[Path], typer.Option("--model", help="Model directory with a Hugging Face config.json.")
+]
+NetworkOpt = Annotated[Network, typer.Option("--network", help="Network for RUN steps (host works without a bridge).")]
