@@ -201,7 +201,7 @@ def test_inspect_missing_image_is_one_line():
 
 @pytest.mark.docker
 def test_build_step_failure_names_the_step():
-    from monodecode_ops.images import connect
+    from monodecode_ops.engine import connect
 
     client = connect()
     base = f"monodecode-test/no-shell:{os.getpid()}"
