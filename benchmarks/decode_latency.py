@@ -4,24 +4,34 @@ For each model profile (random weights with the profile's real dims), step width
 dtype, one decode step over every decoder layer (embedding, final norm and LM head excluded:
 they stay in vLLM) at a context of ``--context`` tokens per row is timed for:
 
-  reference-eager   REF's reference decode (the numerics oracle), op by op (PyTorch eager)
-  reference-graph   the oracle replayed from one CUDA graph (fp32 attention and norms: slow)
-  stock-graph       a realistic stock per-op decode (``stock_decode.py``: what vLLM's per-op path
-                    runs, in plain PyTorch: cuBLAS / _scaled_mm GEMMs, SDPA attention) replayed
-                    from one CUDA graph: THE baseline ("never slower than stock")
-  stock-gemm-floor  only that path's GEMMs, from one CUDA graph: no per-op path on these GEMMs is
-                    faster
-  triton            the persistent K1/K2 per layer, replayed from one CUDA graph
+  reference-eager      the reference decode (the numerics oracle), op by op (PyTorch eager)
+  reference-graph      the oracle replayed from one CUDA graph (fp32 attention and norms: slow)
+  stock-graph          stock per-op decode over the paged KV cache (``stock_decode.StockDecode``:
+                       cuBLAS / _scaled_mm GEMMs, gather + SDPA attention), one CUDA graph
+  stock-contig-graph   (a) the same per-op step over a contiguous per-row KV cache (SDPA reads it
+                       in place, no gather), one CUDA graph
+  stock-compiled-graph (b) as (a) with each layer's two halves around attention
+                       ``torch.compile``d (inductor, default mode; vLLM's piecewise split), the
+                       whole step one CUDA graph
+  stock-gemm-floor     only the stock GEMMs, from one CUDA graph: no per-op path on them is faster
+  triton               the persistent K1/K2 per layer (current launch target), one CUDA graph
+  triton-<variant>     the same with a changed launch target (``--variants``; default: ``tagged``,
+                       the previous 8-byte tagged mailbox), measured in the same run
 
-Roofline: the bytes a step must read (every projection weight, scale and norm of every layer,
-plus the K/V entries each row attends to) over the read bandwidth measured in the same run
-(``sum`` over a 4 GiB fp32 tensor). ``fraction`` = roofline time / measured time.
+"Stock" in every verdict is the fastest of the three stock-* step graphs. Roofline: the bytes a
+step must read (every projection weight, scale and norm of every layer, plus the K/V entries each
+row attends to) over the read bandwidth measured in the same run (``sum`` over a 4 GiB fp32
+tensor). ``fraction`` = roofline time / measured time.
 
 Timing: device events around each graph replay (a whole step), after warm-up; the median of
 ``--replays``. The weights of a step are far larger than L2, so replays do not run from cache.
+With ``--timeline-batches`` the triton kernels are then rebuilt with per-stage ``%globaltimer``
+stamps and one replayed step is drawn per layer-of-interest (``timeline.py``).
 
-Writes ``<out>/decode_latency_<gpu>_<date>.json`` and ``.png`` and prints a Markdown table.
-Usage: ``python benchmarks/decode_latency.py [--profiles ...] [--batches 1,8] [--out DIR]``.
+Public interface (used by ``monodecode-ops bench``): ``run``, ``summary``, ``report_rows``,
+``markdown_table``, ``summary_table``, ``verdict_table``, ``plot``.
+Writes ``<out>/decode_latency_<gpu>_<date>.json`` and ``.png`` (+ timeline PNGs) and prints tables.
+Usage: ``python benchmarks/decode_latency.py [--profiles ...] [--batches 1,2,4,8] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -47,16 +57,30 @@ from monodecode.model.profiles import PROFILES, profile_dims
 from monodecode.model.weights import random_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stock_decode import StockDecode  # noqa: E402
+from stock_decode import ContiguousStockDecode, StockDecode  # noqa: E402
 
 DEFAULT_PROFILES = ("llama3-1b", "llama3-8b", "gemma3-27b")
+DEFAULT_BATCHES = (1, 2, 4, 8)
 BACKENDS = ("reference-eager", "reference-graph", "stock-graph", "stock-gemm-floor", "triton")
+STOCK_BACKENDS = ("stock-graph", "stock-contig-graph", "stock-compiled-graph")
+EXTRA_BACKENDS = ("stock-contig-graph", "stock-compiled-graph")
 LABELS = {
     "reference-eager": "reference (oracle) eager",
     "reference-graph": "reference (oracle) graph",
     "stock-graph": "stock per-op graph",
+    "stock-contig-graph": "stock per-op graph, contiguous KV",
+    "stock-compiled-graph": "stock torch.compile'd layers, one graph",
     "stock-gemm-floor": "stock GEMMs only (floor)",
     "triton": "triton K1/K2",
+}
+# Launch-target changes measured next to the current target in the same run ("before" first).
+DEFAULT_VARIANTS = {"tagged": {"mailbox": "tagged"}}
+# Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).
+TARGETS = {
+    ("llama3-8b", "bf16"): 0.85,
+    ("gemma3-27b", "bf16"): 0.90,
+    ("llama3-1b", "bf16"): 0.70,
+    ("llama3-8b", "fp8"): 0.75,
 }
 BLOCK = 16
 
@@ -149,6 +173,20 @@ def _measure(name: str, fn, log) -> tuple[Any, str | None]:
         return None, why
 
 
+def _triton_kernels(req, weights, change: dict, device):
+    """Triton kernels for ``req`` with the CUDA launch target changed by ``change``."""
+    import dataclasses
+
+    from monodecode.kernels.triton.backend import TritonBackend
+    from monodecode.kernels.triton.config import target_for
+    from monodecode.kernels.triton.launch import TritonKernels
+
+    if not change:
+        return TritonBackend().build(req, weights, None, allow_jit=True)
+    target = dataclasses.replace(target_for(req.platform.kind), **change)
+    return TritonKernels(req, weights, target, req.platform.compute_units, device)
+
+
 def bench_config(
     profile: str,
     weight_dtype: str,
@@ -159,11 +197,18 @@ def bench_config(
     bandwidth: float,
     device,
     log=print,
+    variants: dict | None = None,
+    timeline_batches: tuple[int, ...] = (),
+    out_dir: Path | None = None,
+    stem: str = "",
+    timelines: list | None = None,
 ) -> list[dict]:
-    from monodecode.kernels.triton.backend import TritonBackend
+    """Result rows of one model profile and weight dtype, every batch; timeline summaries are
+    appended to ``timelines``."""
     from monodecode.kernels.triton.launch import _Meta
     from monodecode.services.platform import detect_platform
 
+    variants = DEFAULT_VARIANTS if variants is None else variants
     dims = profile_dims(profile)
     n_layers = dims.num_layers if layers is None else min(layers, dims.num_layers)
     t0 = time.monotonic()
@@ -177,11 +222,15 @@ def bench_config(
         platform=detect_platform(),
         wait_timeout_s=2.0,
     )
-    tk = TritonBackend().build(req, weights, None, allow_jit=True)
+    kernels = {"triton": _triton_kernels(req, weights, {}, device)}
+    for name, change in variants.items():
+        kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device)
     stock = StockDecode(dims, weights, context + BLOCK, device)
+    contig = ContiguousStockDecode(dims, weights, context, device, share=stock)
+    compiled = ContiguousStockDecode(dims, weights, context, device, compiled=True, share=stock)
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
-        f"stock GEMMs: {stock.fp8_path}"
+        f"stock GEMMs: {stock.fp8_path}; triton variants: {variants}"
     )
     wbytes = weight_bytes(weights)
     results = []
@@ -194,25 +243,35 @@ def bench_config(
         kv = PagedKVCache.allocate(dims, blocks, BLOCK, device=device, num_layers=n_layers)
         for t in kv.key + kv.value:
             t.normal_()
+        contig.load_cache(kv, meta)
+        compiled.key, compiled.value = contig.key, contig.value  # one contiguous cache for (a) and (b)
         x = torch.randn(rows, dims.hidden_size, device=device).to(torch.bfloat16)
         m = _Meta(meta, device)
         x_q = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
         x_i = torch.randn(rows, dims.intermediate_size, device=device).to(torch.bfloat16)
 
-        def step_stock():
-            stock.prepare(meta, BLOCK)
-            return R.run_layers(weights, x, meta, kv, layer_fn=stock.forward_layer)
+        def stock_step(path):
+            def step():
+                path.prepare(meta, BLOCK)
+                return R.run_layers(weights, x, meta, kv, layer_fn=path.forward_layer)
+
+            return step
 
         steps = {
             "reference-graph": lambda: R.run_layers(weights, x, meta, kv),
-            "stock-graph": step_stock,
+            "stock-graph": stock_step(stock),
+            "stock-contig-graph": stock_step(contig),
+            "stock-compiled-graph": stock_step(compiled),
             "stock-gemm-floor": lambda: [stock.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1],
-            "triton": lambda: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer),
         }
+        for name, tk in kernels.items():
+            steps[name] = lambda tk=tk: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer)
         times: dict[str, list[float] | None] = {}
         errors: dict[str, str] = {}
         outs: dict[str, torch.Tensor] = {}
-        t, why = _measure("reference-eager", lambda: _time_eager(steps["reference-graph"], max(5, replays // 4)), log)
+        t, why = _measure(
+            "reference-eager", lambda: _time_eager(steps["reference-graph"], max(3, replays // 8), warmup=1), log
+        )
         times["reference-eager"] = t
         if why:
             errors["reference-eager"] = why
@@ -231,18 +290,6 @@ def bench_config(
                 continue
             times[name], outs[name], g = got
             del g
-        # where the time goes: the K1 launches alone and the K2 launches alone, all layers
-        attn_in = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
-        k1_only = lambda: [tk._launch_k1(l, x, m, kv, rows) for l in range(n_layers)]  # noqa: E731
-        k2_only = lambda: [tk._launch_k2(l, x, attn_in, rows) for l in range(n_layers)]  # noqa: E731
-        parts = {}
-        for name, fn in (("k1", k1_only), ("k2", k2_only)):
-
-            def part(fn=fn):
-                g_part, _ = _capture(fn)
-                return _median_ms(_time_graph(g_part, replays))
-
-            parts[name], _ = _measure(f"triton {name} only", part, log)
         ref = outs.get("reference-graph")
 
         def rel(name):
@@ -250,12 +297,14 @@ def bench_config(
                 return None
             return float((outs[name].float() - ref.float()).norm() / ref.float().norm())
 
-        health = tk.health()
+        health = {name: tk.health() for name, tk in kernels.items()}
         kbytes = kv_bytes(dims, n_layers, context, rows)
         roof = (wbytes + kbytes) / bandwidth
-        for backend in BACKENDS:
+        names = ["reference-eager", *steps]
+        for backend in names:
             ts = times.get(backend)
             med = statistics.median(ts) if ts else None
+            h = health.get(backend)
             results.append(
                 {
                     "profile": profile,
@@ -273,30 +322,69 @@ def bench_config(
                     "kv_bytes": kbytes,
                     "roofline_ms": roof * 1e3,
                     "fraction_of_roofline": roof / med if med else None,
-                    "rel_error_vs_reference": rel(backend) if backend in ("stock-graph", "triton") else None,
+                    "rel_error_vs_reference": rel(backend) if backend.startswith(("stock-", "triton")) else None,
                     "stock_gemm_path": stock.fp8_path,
-                    "triton_health": decode_health(health).describe() if health else "ok",
-                    "triton_k1_only_ms": parts["k1"],
-                    "triton_k2_only_ms": parts["k2"],
+                    "triton_health": (decode_health(h).describe() if h else "ok") if h is not None else None,
+                    "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
+                    if backend.startswith("triton")
+                    else None,
                 }
             )
-        med = {b: statistics.median(times[b]) * 1e3 for b in BACKENDS if times.get(b)}
-        ratio = lambda a, b: f"{med[a] / med[b]:.2f}x" if a in med and b in med else "n/a"  # noqa: E731
+        med = {b: statistics.median(times[b]) * 1e3 for b in names if times.get(b)}
+        best = min((b for b in STOCK_BACKENDS if b in med), key=lambda b: med[b], default=None)
         log(
             f"  batch {rows}: "
             + ", ".join(
-                f"{b} {med[b]:.3f} ms ({roof * 1e3 / med[b]:.1%})" if b in med else f"{b} FAILED" for b in BACKENDS
+                f"{b} {med[b]:.3f} ms ({roof * 1e3 / med[b]:.1%})" if b in med else f"{b} FAILED" for b in names
             )
-            + f"; triton vs stock graph {ratio('stock-graph', 'triton')}, vs oracle graph "
-            f"{ratio('reference-graph', 'triton')}; rel err triton {rel('triton')}, stock {rel('stock-graph')}; "
-            f"K1 only {parts['k1']} ms, K2 only {parts['k2']} ms; health {health}"
+            + f"; fastest stock {best}; triton/stock "
+            + (f"{med[best] / med['triton']:.2f}x" if best and "triton" in med else "n/a")
+            + "; rel err "
+            + ", ".join(f"{b} {rel(b):.2e}" for b in names if rel(b) is not None)
+            + f"; health {health}"
         )
+        if rows in timeline_batches and out_dir is not None and timelines is not None:
+            tl_args = (kernels["triton"], steps["triton"], n_layers, profile, weight_dtype, rows, out_dir, stem, log)
+            got, _ = _measure("timeline", lambda: _timeline(*tl_args), log)
+            if got:
+                timelines.append(got)
         del outs, kv
         torch.cuda.empty_cache()
-    tk.close()
-    del tk, weights, stock
+    for tk in kernels.values():
+        tk.close()
+    del kernels, weights, stock, contig, compiled
     torch.cuda.empty_cache()
     return results
+
+
+def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log) -> dict:
+    """Rebuild ``tk`` with stage timestamps, replay one step from a graph, plot and summarise."""
+    import timeline as TL
+
+    tk.enable_timeline(n_layers)
+    g, _ = _capture(step)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    stamps = tk.timeline(n_layers)
+    prof_ms = _median_ms(_time_graph(g, 5))
+    del g
+    layer = n_layers // 2
+    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_b{rows}.png"
+    TL.plot_layer(stamps, layer, f"{profile} {weight_dtype} batch {rows}, layer {layer}", path)
+    summ = TL.summarize(stamps)
+    log(f"  timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
+    for line in TL.describe(summ):
+        log(f"    {line}")
+    tk.enable_timeline(n_layers, on=False)  # back to the kernels without stamps
+    return {
+        "profile": profile,
+        "weight_dtype": weight_dtype,
+        "batch": rows,
+        "step_ms_with_stamps": prof_ms,
+        "timeline": summ,
+        "timeline_png": path.name,
+    }
 
 
 def _find(rows: list[dict], r: dict, backend: str) -> dict | None:
@@ -347,33 +435,105 @@ def markdown_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def best_stock(rows: list[dict], r: dict) -> dict | None:
+    """The fastest measured stock step graph of ``r``'s configuration ("stock" in every verdict)."""
+    got = [x for b in STOCK_BACKENDS if (x := _find(rows, r, b)) and x.get("step_ms")]
+    return min(got, key=lambda x: x["step_ms"], default=None)
+
+
 def summary(doc: dict) -> dict:
-    """Triton against the realistic stock graph per configuration, and the targets' verdicts."""
+    """Triton against the fastest stock step per configuration, and the targets' verdicts."""
     rows = doc["results"]
     out = []
     for r in rows:
         if r["backend"] != "triton":
             continue
-        stock = _find(rows, r, "stock-graph")
+        stock = best_stock(rows, r)
         s, t = (stock or {}).get("step_ms"), r.get("step_ms")
+        target = TARGETS.get((r["profile"], r["weight_dtype"])) if r["batch"] == 1 else None
+        frac = r.get("fraction_of_roofline")
         out.append(
             {
                 "profile": r["profile"],
                 "weight_dtype": r["weight_dtype"],
                 "batch": r["batch"],
                 "triton_ms": t,
-                "stock_graph_ms": s,
-                "triton_fraction_of_roofline": r.get("fraction_of_roofline"),
+                "stock_ms": s,
+                "stock_backend": (stock or {}).get("backend"),
+                "stock_graph_ms": (_find(rows, r, "stock-graph") or {}).get("step_ms"),
+                "triton_fraction_of_roofline": frac,
                 "stock_over_triton": s / t if s and t else None,
                 "triton_not_slower_than_stock": (t <= s) if s and t else None,
+                "roofline_target": target,
+                "roofline_target_met": (frac >= target) if target and frac else None,
             }
         )
     verdicts = [x["triton_not_slower_than_stock"] for x in out]
     return {"per_config": out, "never_slower_than_stock": all(v is True for v in verdicts) if verdicts else None}
 
 
+def report_rows(doc: dict) -> list[tuple]:
+    """One row per result (profile, weights, batch, backend label, ms, roofline ms, % roofline,
+    ratio vs the fastest stock step); a failed measurement shows as 'failed'."""
+    rows = []
+    for r in doc["results"]:
+        frac = r.get("fraction_of_roofline")
+        rows.append(
+            (
+                r["profile"],
+                r["weight_dtype"],
+                r["batch"],
+                LABELS.get(r["backend"], r["backend"]),
+                _ms(r),
+                f"{r['roofline_ms']:.3f}",
+                f"{100 * frac:.1f}%" if frac else "n/a",
+                _ratio(best_stock(doc["results"], r), r),
+            )
+        )
+    return rows
+
+
+def verdict_table(doc: dict) -> str:
+    """Per model and batch: ms (% of roofline) of every triton build and stock step, the ratio of
+    the fastest stock step over triton (> 1: triton faster), and the batch-1 roofline target."""
+    rows = doc["results"]
+    tri = sorted({r["backend"] for r in rows if r["backend"].startswith("triton")}, key=lambda b: (b != "triton", b))
+    cols = [*tri, *STOCK_BACKENDS]
+    lines = [
+        "| model | weights | batch | roofline ms | "
+        + " | ".join(f"{c} ms (%)" for c in cols)
+        + " | stock/triton | "
+        + " | ".join(f"stock/{c}" for c in tri[1:])
+        + (" | " if tri[1:] else "")
+        + "target |",
+        "| " + " | ".join(["---"] * (6 + len(cols) + len(tri[1:]))) + " |",
+    ]
+    for r in rows:
+        if r["backend"] != "triton":
+            continue
+        best = best_stock(rows, r)
+
+        def cell(b):
+            x = _find(rows, r, b)
+            f = (x or {}).get("fraction_of_roofline")
+            return f"{_ms(x, 2)}" + (f" ({100 * f:.0f} %)" if f else "")
+
+        target = TARGETS.get((r["profile"], r["weight_dtype"])) if r["batch"] == 1 else None
+        frac = r.get("fraction_of_roofline")
+        verdict = "" if not target else f"{'met' if frac and frac >= target else 'not met'} (>= {100 * target:.0f} %)"
+        lines.append(
+            f"| {r['profile']} | {r['weight_dtype']} | {r['batch']} | {r['roofline_ms']:.2f} | "
+            + " | ".join(cell(c) for c in cols)
+            + f" | {_ratio(best, r)} | "
+            + " | ".join(_ratio(best, _find(rows, r, c) or {}) for c in tri[1:])
+            + (" | " if tri[1:] else "")
+            + f"{verdict} |"
+        )
+    return "\n".join(lines)
+
+
 def summary_table(doc: dict) -> str:
-    """One row per configuration: the README's table."""
+    """One row per configuration against the paged per-op stock graph (the earlier runs' table)."""
     rows = doc["results"]
     lines = [
         "| model | weights | batch | roofline ms | oracle graph ms | stock graph ms (% roofline) | stock GEMMs only ms "
@@ -413,8 +573,10 @@ def plot(doc: dict, path: Path) -> None:
         {(r["profile"], r["weight_dtype"], r["batch"]) for r in rows},
         key=lambda k: (list(PROFILES).index(k[0]), k[1], k[2]),
     )
-    shown = [b for b in BACKENDS if b != "reference-eager"]
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(groups)), 4.8))
+    present = {r["backend"] for r in rows}
+    tri = sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b))
+    shown = [b for b in ("reference-graph", *STOCK_BACKENDS, "stock-gemm-floor") if b in present] + tri
+    fig, ax = plt.subplots(figsize=(max(8, 0.25 * len(shown) * len(groups) + 2), 5.2))
     width = 0.8 / len(shown)
     for i, backend in enumerate(shown):
         vals = []
@@ -430,7 +592,7 @@ def plot(doc: dict, path: Path) -> None:
     ax.set_ylabel("% of memory roofline")
     ax.set_ylim(0, 100)
     ax.axhline(100, color="k", lw=0.5)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"Decode step vs roofline, {doc['gpu']}, context {doc['context']} ({doc['date']})")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
@@ -446,8 +608,22 @@ def _csv(text: str, kind=str) -> list:
 
 
 def run(
-    profiles, batches, context: int, layers: int | None, fp8_profiles, replays: int, out_dir: Path, log=print
+    profiles,
+    batches,
+    context: int,
+    layers: int | None,
+    fp8_profiles,
+    replays: int,
+    out_dir: Path,
+    log=print,
+    variants: dict | None = None,
+    timeline_batches=(),
 ) -> dict:
+    """Run the benchmark; returns the result document (also written as JSON + PNG under ``out_dir``).
+
+    ``variants``: name -> change of the CUDA launch target, each timed as ``triton-<name>`` next to
+    the current target (default ``DEFAULT_VARIANTS``; ``{}`` for none). ``timeline_batches``: batches
+    whose triton step is also drawn as a per-stage timeline (kernels rebuilt with timestamps)."""
     for p in list(profiles) + list(fp8_profiles):
         if p not in PROFILES:
             raise MonodecodeError(f"unknown model profile {p!r}; known: {', '.join(PROFILES)}")
@@ -455,6 +631,8 @@ def run(
         raise MonodecodeError(f"batches must be in 1..16, got {batches}")
     if context < 1:
         raise MonodecodeError(f"context must be >= 1, got {context}")
+    variants = DEFAULT_VARIANTS if variants is None else variants
+    _check_variants(variants)
     if not torch.cuda.is_available():
         raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
     device = torch.device("cuda")
@@ -465,7 +643,7 @@ def run(
     gpu = torch.cuda.get_device_name()
     date = _dt.date.today().isoformat()
     doc = {
-        "schema": 2,
+        "schema": 3,
         "gpu": gpu,
         "date": date,
         "context": context,
@@ -474,16 +652,33 @@ def run(
         "torch": torch.__version__,
         "triton": triton.__version__,
         "layers_note": "all layers timed" if layers is None else f"first {layers} layers timed (full-model ms scaled)",
-        "method": __doc__.split("\n\n")[1:4],
-        "backends": {b: LABELS[b] for b in BACKENDS},
+        "method": __doc__.split("\n\n")[1:5],
+        "backends": {b: LABELS.get(b, b) for b in (*BACKENDS, *EXTRA_BACKENDS)},
+        "variants": variants,
         "results": [],
+        "timelines": [],
     }
     stem = f"decode_latency_{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}_{date}"
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath, ppath = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     configs = [(p, "bf16") for p in profiles] + [(p, "fp8") for p in fp8_profiles]
     for p, dtype in configs:
-        doc["results"] += bench_config(p, dtype, batches, context, layers, replays, bw, device, log)
+        doc["results"] += bench_config(
+            p,
+            dtype,
+            batches,
+            context,
+            layers,
+            replays,
+            bw,
+            device,
+            log,
+            variants=variants,
+            timeline_batches=tuple(timeline_batches),
+            out_dir=out_dir,
+            stem=stem,
+            timelines=doc["timelines"],
+        )
         doc["summary"] = summary(doc)
         tmp = jpath.with_suffix(".json.tmp")  # saved after every model: a cut-short run keeps what it measured
         tmp.write_text(json.dumps(doc, indent=1))
@@ -493,27 +688,56 @@ def run(
     return doc
 
 
+def _check_variants(variants: dict) -> None:
+    import dataclasses
+
+    from monodecode.kernels.triton.config import CUDA
+
+    fields = {f.name for f in dataclasses.fields(CUDA)}
+    for name, change in variants.items():
+        if not isinstance(change, dict) or set(change) - fields:
+            raise MonodecodeError(
+                f"variant {name!r}: expected an object of launch-target fields ({', '.join(sorted(fields))})"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default=",".join(DEFAULT_PROFILES))
     ap.add_argument("--fp8-profiles", default="llama3-8b")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=None, help="time only the first N layers")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--variants", default=None, help="JSON: name -> launch-target change (default: tagged mailbox)")
+    ap.add_argument("--timeline-batches", default="", help="batches drawn as per-stage timelines, e.g. 1,8")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     try:
+        try:
+            variants = json.loads(a.variants) if a.variants else None
+        except json.JSONDecodeError as e:
+            raise MonodecodeError(f"--variants is not JSON: {e}") from None
+        if variants is not None and not isinstance(variants, dict):
+            raise MonodecodeError("--variants must be a JSON object (name -> launch-target change)")
         doc = run(
-            _csv(a.profiles), _csv(a.batches, int), a.context, a.layers, _csv(a.fp8_profiles), a.replays, Path(a.out)
+            _csv(a.profiles),
+            _csv(a.batches, int),
+            a.context,
+            a.layers,
+            _csv(a.fp8_profiles),
+            a.replays,
+            Path(a.out),
+            variants=variants,
+            timeline_batches=_csv(a.timeline_batches, int),
         )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(doc))
     print()
-    print(summary_table(doc))
-    print(f"\ntriton never slower than the stock graph: {doc['summary']['never_slower_than_stock']}")
+    print(verdict_table(doc))
+    print(f"\ntriton never slower than the fastest stock step: {doc['summary']['never_slower_than_stock']}")
     print("\n".join(doc["paths"]))
     return 0
 

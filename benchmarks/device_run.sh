@@ -1,46 +1,66 @@
 #!/usr/bin/env bash
-# One GPU session: warm Triton's cache in parallel, run the GPU numerics tests, run the decode
-# benchmark (every backend side by side), then the launch-configuration experiments. Everything
-# it prints and writes goes under $OUT (default ./benchmarks/results/run); at most 8 files.
-# Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]] (tests, bench, experiments)
-# BUDGET_S (default 330) bounds the whole run: each phase gets at most what is left of it.
+# One GPU session: warm Triton's cache in parallel, run the GPU tests, run the decode benchmark
+# (every backend side by side, the previous launch target as a variant, per-stage timelines).
+# Logs and results go to $RUN (default /tmp/monodecode-run); at the end everything is packed into
+# $OUT/run.tgz and the main log + JSON are copied to $OUT (the device tool returns at most 8 files).
+# Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]]
+#   phases: tests (Triton GPU tests), bench (decode benchmark), gpu_all (every GPU-marked test in the
+#   tree but tests/vllm), experiments (experiments.py)
+# BUDGET_S (default 540) bounds the whole run: each phase gets at most what is left of it.
+# BENCH_ARGS: extra decode_latency.py arguments (e.g. --profiles llama3-1b --batches 1,8).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/benchmarks/results/run}"
-mkdir -p "$OUT"
+RUN="${RUN:-/tmp/monodecode-run}"
+mkdir -p "$OUT" "$RUN"
 what="${1:-all}"
-BUDGET_S="${BUDGET_S:-330}"
+BUDGET_S="${BUDGET_S:-540}"
 left() {  # seconds for the next phase: its cap, or what is left of the budget (at least 5)
   local cap=$1 rest=$((BUDGET_S - SECONDS))
   [ "$rest" -lt 5 ] && rest=5
   [ "$cap" -lt "$rest" ] && echo "$cap" || echo "$rest"
 }
 want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
-python3 - <<'PY' | tee "$OUT/device.txt"
+pack() {
+  tar czf "$OUT/run.tgz" -C "$RUN" . 2>/dev/null
+  cp "$RUN"/summary.log "$OUT"/ 2>/dev/null
+  cp "$RUN"/decode_latency_*.json "$OUT"/ 2>/dev/null
+  true
+}
+trap pack EXIT
+python3 - <<'PY' | tee "$RUN/device.txt"
 import torch, triton
 p = torch.cuda.get_device_properties(0)
 print(f"{torch.cuda.get_device_name()} sm={p.multi_processor_count} cc={p.major}{p.minor} torch={torch.__version__} triton={triton.__version__}")
 PY
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$RUN/device.txt"
 SM=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)')
 CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
 EXP=""
 want experiments && EXP="--experiments"
-timeout "$(left "${WARM_TIMEOUT:-120}")" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CAP" $EXP \
-  > "$OUT/warm_cache.log" 2>&1
-echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$OUT/warm_cache.log")"
+timeout "$(left "${WARM_TIMEOUT:-150}")" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CAP" $EXP \
+  --target '{"mailbox": "tagged"}' ${WARM_ARGS:-} > "$RUN/warm_cache.log" 2>&1
+echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$RUN/warm_cache.log")" | tee -a "$RUN/summary.log"
 if want tests; then
-  timeout "$(left "${TESTS_TIMEOUT:-120}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py -q -p no:cacheprovider -rA \
-    > "$OUT/numerics.log" 2>&1
-  echo "[${SECONDS}s] numerics rc=$?"; grep -E "passed|failed|error" "$OUT/numerics.log" | tail -3
-  grep -E "^(FAILED|ERROR)" "$OUT/numerics.log" | head -20
+  timeout "$(left "${TESTS_TIMEOUT:-150}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py \
+    tests/kernels/triton/test_triton_vllm_graph.py -q -p no:cacheprovider -rA > "$RUN/numerics.log" 2>&1
+  echo "[${SECONDS}s] triton GPU tests rc=$?" | tee -a "$RUN/summary.log"
+  grep -E "passed|failed|error" "$RUN/numerics.log" | tail -3 | tee -a "$RUN/summary.log"
+  grep -E "^(FAILED|ERROR)" "$RUN/numerics.log" | head -20 | tee -a "$RUN/summary.log"
 fi
 if want bench; then
-  timeout "$(left "${BENCH_TIMEOUT:-180}")" python3 benchmarks/decode_latency.py --out "$OUT" ${BENCH_ARGS:-} \
-    > "$OUT/bench.log" 2>&1
-  echo "[${SECONDS}s] bench rc=$?"; grep -vE "^\| .* \| (reference-eager|reference-graph|stock-graph|stock-gemm-floor|triton) \|" "$OUT/bench.log" | tail -40
+  timeout "$(left "${BENCH_TIMEOUT:-420}")" python3 benchmarks/decode_latency.py --out "$RUN" \
+    --timeline-batches "${TIMELINE_BATCHES:-1,8}" ${BENCH_ARGS:-} > "$RUN/bench.log" 2>&1
+  echo "[${SECONDS}s] bench rc=$?" | tee -a "$RUN/summary.log"
+  grep -vE "^\| [a-z0-9-]+ \| (bf16|fp8) \| [0-9]+ \| [a-z-]+ \| " "$RUN/bench.log" | tail -60 | tee -a "$RUN/summary.log"
+fi
+if want gpu_all; then
+  timeout "$(left "${GPU_ALL_TIMEOUT:-240}")" python3 -m pytest -m gpu tests --ignore=tests/vllm -q -p no:cacheprovider -rA \
+    > "$RUN/gpu_all_tests.log" 2>&1
+  echo "[${SECONDS}s] every GPU-marked test rc=$?" | tee -a "$RUN/summary.log"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$RUN/gpu_all_tests.log" | tail -25 | tee -a "$RUN/summary.log"
 fi
 if want experiments; then
-  timeout "$(left "${EXP_TIMEOUT:-120}")" python3 benchmarks/experiments.py > "$OUT/experiments.log" 2>&1
-  echo "[${SECONDS}s] experiments rc=$?"; cat "$OUT/experiments.log"
+  timeout "$(left "${EXP_TIMEOUT:-120}")" python3 benchmarks/experiments.py > "$RUN/experiments.log" 2>&1
+  echo "[${SECONDS}s] experiments rc=$?" | tee -a "$RUN/summary.log"; cat "$RUN/experiments.log" | tee -a "$RUN/summary.log"
 fi

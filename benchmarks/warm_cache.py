@@ -33,7 +33,8 @@ def builds() -> list[tuple[str, str, tuple[int, ...]]]:
 
 def bench_builds() -> list[tuple[str, str, tuple[int, ...]]]:
     """(profile, weight dtype, widths) of the default benchmark (decode_latency.py)."""
-    return [(p, "bf16", (1, 8)) for p in ("llama3-1b", "llama3-8b", "gemma3-27b")] + [("llama3-8b", "fp8", (1, 8))]
+    ws = (1, 2, 4, 8)
+    return [(p, "bf16", ws) for p in ("llama3-1b", "llama3-8b", "gemma3-27b")] + [("llama3-8b", "fp8", ws)]
 
 
 def _one(job) -> tuple[str, float]:

@@ -97,3 +97,34 @@ def test_gemm_floor_runs_the_layer_gemms():
     x_i = torch.randn(2, dims.intermediate_size).to(torch.bfloat16)
     y = stock.gemms_only(0, x_h, x_q, x_i)
     assert torch.equal(y, torch.nn.functional.linear(x_i, w.layers[0].down_proj.weight))
+
+
+@pytest.mark.parametrize(
+    "profile,weight_dtype,compiled,bound",
+    [
+        ("tiny", "bf16", False, 2e-2),
+        ("llama3-1b", "bf16", False, 1e-2),
+        ("tiny", "fp8", False, 6e-2),
+        ("tiny", "bf16", True, 2e-2),
+    ],
+)
+def test_contiguous_stock_layers_match_the_reference(profile, weight_dtype, compiled, bound):
+    """Paths (a) and (b) of the benchmark: the contiguous-KV stock step (per-op, or each layer's
+    halves torch.compile'd) computes the reference layer; every row has the same context (the
+    benchmark's setting), longer than tiny's sliding window (24)."""
+    from stock_decode import ContiguousStockDecode
+
+    ctx = 40
+    dims, w, meta, kv_ref, kv = _setup(profile, weight_dtype, 2 if profile == "tiny" else 1, [ctx] * 3)
+    stock = ContiguousStockDecode(dims, w, ctx, "cpu", compiled=compiled)
+    stock.load_cache(kv, meta)
+    stock.prepare(meta, BLOCK)
+    x = torch.randn(3, dims.hidden_size).to(torch.bfloat16)
+    for l in range(len(w.layers)):
+        y_ref = R.decode_layer(dims, l, w.layers[l], x, meta, kv_ref)
+        y = stock.forward_layer(l, x, meta, kv)
+        assert _rel(y, y_ref) <= bound, f"layer {l}: {_rel(y, y_ref):.2e}"
+        k_new = stock.key[l][torch.arange(3), :, meta.positions.long()]
+        s = meta.slot_mapping
+        assert _rel(k_new, kv_ref.key[l][s // BLOCK, s % BLOCK]) <= bound
+        x = y_ref

@@ -84,19 +84,21 @@ class TritonKernels(TwoLaunchKernels):
 
         self._arg_names = (list(k1_kernel.arg_names), list(k2_kernel.arg_names))
 
-    def enable_timeline(self, num_layers: int) -> None:
+    def enable_timeline(self, num_layers: int, on: bool = True) -> None:
         """Recompile with the stage timestamps on (``timeline.py``; CUDA only, for the
-        benchmark's timeline plots): every launch then writes its programs' stamps."""
+        benchmark's timeline plots): every launch then writes its programs' stamps. ``on=False``
+        goes back to the kernels without them."""
         from monodecode.kernels.triton.timeline import buffer_words
 
         if self.interpret or self.target.kind != "cuda":
             raise ConfigError("triton kernels: stage timestamps need a compiled CUDA build")
-        self.prof = torch.zeros(buffer_words(num_layers, self.num_programs), dtype=torch.int64, device=self.device)
+        words = buffer_words(num_layers, self.num_programs) if on else 1
+        self.prof = torch.zeros(words, dtype=torch.int64, device=self.device)
         self.consts = {
-            w: constexprs(self.dims, self.plan, w, self.target, self.req.block_size, self.fp8, 1, prof=True)
+            w: constexprs(self.dims, self.plan, w, self.target, self.req.block_size, self.fp8, 1, prof=on)
             for w in self.widths
         }
-        self._compiled = self._compile(self.req, prof=True)
+        self._compiled = self._compile(self.req, prof=on)
 
     def timeline(self, num_layers: int):
         """The stamps as ``[layer, kernel, program, stage, (enter, ready, end, -)]`` int64 ns."""

@@ -1,0 +1,120 @@
+"""Per-stage timelines of the Triton K1/K2 from their ``%globaltimer`` stamps.
+
+The kernels, built with ``TritonKernels.enable_timeline``, write per program and stage three
+stamps (ns): entering the stage (before its wait), the wait over, and its last task done
+(``monodecode/kernels/triton/timeline.py``). Here they become, per layer and kernel:
+
+  span    first entry to last end of the kernel
+  stage   when the first program got past the wait (``ready``), when the last one finished
+          (``end``), relative to the kernel's first entry; the mean wait of the programs that had
+          tasks; and the programs' mean busy time (ready -> end)
+  gap     K1's last end to K2's first entry (the launch boundary)
+
+and a plot of one layer: one line per program, grey while waiting, coloured while working.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+STAGES = (("qkv", "attn", "combine"), ("o_proj", "post", "gate_up", "down", "final"))
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+
+
+def _valid(st: torch.Tensor) -> torch.Tensor:
+    """Stages a kernel ran: every program stamped them (a stage compiled out stays 0)."""
+    return (st[:, :, 0] > 0).all(dim=0)
+
+
+def summarize(stamps: torch.Tensor) -> dict:
+    """``stamps``: ``[layer, kernel, program, stage, slot]`` int64 ns. Means over the layers."""
+    layers = stamps.shape[0]
+    out: dict = {"layers": layers, "kernels": {}}
+    gaps = []
+    for k in (0, 1):
+        per_stage: dict[str, dict[str, list[float]]] = {}
+        spans = []
+        for l in range(layers):
+            st = stamps[l, k].double()
+            ok = _valid(st)
+            if not ok.any():
+                continue
+            t0 = st[:, ok, 0].min()
+            spans.append(float(st[:, ok, 2].max() - t0) / 1e3)
+            if k == 1:
+                k1 = stamps[l, 0].double()
+                gaps.append(float(t0 - k1[:, _valid(k1), 2].max()) / 1e3)
+            for s, name in enumerate(STAGES[k]):
+                if not ok[s]:
+                    continue
+                enter, ready, end = st[:, s, 0], st[:, s, 1], st[:, s, 2]
+                busy = end - ready
+                worked = busy > 0
+                d = per_stage.setdefault(name, {"ready_us": [], "end_us": [], "wait_us": [], "busy_us": []})
+                d["ready_us"].append(float(ready.min() - t0) / 1e3)
+                d["end_us"].append(float(end.max() - t0) / 1e3)
+                d["wait_us"].append(float((ready - enter)[worked].mean()) / 1e3 if worked.any() else 0.0)
+                d["busy_us"].append(float(busy[worked].mean()) / 1e3 if worked.any() else 0.0)
+        out["kernels"]["k1" if k == 0 else "k2"] = {
+            "span_us": sum(spans) / len(spans) if spans else None,
+            "stages": {n: {f: sum(v) / len(v) for f, v in d.items()} for n, d in per_stage.items()},
+        }
+    out["launch_gap_us"] = sum(gaps) / len(gaps) if gaps else None
+    return out
+
+
+def describe(summ: dict) -> list[str]:
+    lines = []
+    for k, d in summ["kernels"].items():
+        if d["span_us"] is None:
+            continue
+        parts = [
+            f"{n} {v['ready_us']:.1f}->{v['end_us']:.1f} (wait {v['wait_us']:.1f}, busy {v['busy_us']:.1f})"
+            for n, v in d["stages"].items()
+        ]
+        lines.append(f"{k} span {d['span_us']:.1f} us: " + "; ".join(parts))
+    if summ.get("launch_gap_us") is not None:
+        lines.append(f"K1 end -> K2 start {summ['launch_gap_us']:.1f} us (mean over {summ['layers']} layers)")
+    return lines
+
+
+def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    st = stamps[layer].double()
+    t0 = float(st[0][:, _valid(st[0]), 0].min())
+    fig, ax = plt.subplots(figsize=(12, 6))
+    programs = st.shape[1]
+    for k in (0, 1):
+        ok = _valid(st[k])
+        for s, name in enumerate(STAGES[k]):
+            if not ok[s]:
+                continue
+            enter = (st[k, :, s, 0] - t0) / 1e3
+            ready = (st[k, :, s, 1] - t0) / 1e3
+            end = (st[k, :, s, 2] - t0) / 1e3
+            ys = torch.arange(programs)
+            ax.hlines(ys, enter, ready, colors="0.8", lw=1)
+            work = end > ready
+            ax.hlines(
+                ys[work],
+                ready[work],
+                end[work],
+                colors=COLORS[s],
+                lw=1.5 if k == 0 else 2.5,
+                label=f"{'K1' if k == 0 else 'K2'} {name}",
+            )
+    ax.set_xlabel("µs since K1's first program started (grey: waiting)")
+    ax.set_ylabel("program (SM)")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=4, loc="upper right")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    tmp.replace(path)
+    plt.close(fig)
