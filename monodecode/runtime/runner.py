@@ -163,6 +163,7 @@ class Runner:
         self._pending_times: list[tuple[str, Any, Any]] = []  # GPU step timings not yet resolved
         self._t_start: Any = None
         self._last_decision: StepDecision | None = None
+        self._guard: Any = None  # HealthGuard once mono decode runs
 
     # ---- read-only view --------------------------------------------------------------------
 
@@ -377,7 +378,10 @@ class Runner:
             # a crash loop always degrades (raising would restart into the same loop)
             self._refuse(reasons, force_degrade=agreed == _DEGRADE_ONLY)
         else:
+            from monodecode.runtime.guard import HealthGuard
+
             self._state = MONO
+            self._guard = HealthGuard(self._kernels.health_word, self._fail_stop)
             if self._metrics is not None:
                 self._metrics.set_enabled(True)
                 self._metrics.set_refusals(())
@@ -584,22 +588,20 @@ class Runner:
 
     def check_health_before_logits(self, decision: StepDecision, x: Any = None) -> None:
         """Fail-stop when the kernels' health word is set or (on a mono step) the residual stream
-        ``x`` is non-finite. Never returns on failure: the step's logits are never computed. The
-        health word is sticky, so it is read on fallback steps too while mono decode runs."""
-        if self._state != MONO or self._kernels is None:
+        ``x`` is non-finite: no token of a failed step is ever computed, and the cause is
+        recorded. No blocking host sync (``monodecode.runtime.guard``): on a GPU the check is a
+        device-side assert and the cause is read by a watcher thread. The health word is sticky,
+        so it is checked on fallback steps too while mono decode runs."""
+        if self._state != MONO or self._guard is None:
             return
-        code = self._kernels.health()
-        fault = decode_health(code)
-        if fault is None and x is not None and decision:
-            import torch
+        self._guard.check(decision.step, x if decision else None)
 
-            if not bool(torch.isfinite(x).all()):
-                fault = HealthFault("nonfinite", None, None)
-        if fault is None:
-            return
+    def _fail_stop(self, code: int, step: int) -> None:
+        """The guard saw health ``code`` at ``step``: record the cause everywhere and end."""
+        fault = decode_health(code) or HealthFault("kernel_error", None, None)
         event = FailStopEvent(
             rank=self._tp_rank,
-            step=decision.step,
+            step=step,
             site=fault.site,
             layer=fault.layer,
             kernel=fault.kernel,

@@ -27,22 +27,27 @@ DRIVER = textwrap.dedent(
     from monodecode.services.platform import Platform
     from monodecode.runtime.runner import Runner
 
+    from monodecode.services.platform import detect_platform
+
     cfg = MonoConfig.from_json(sys.argv[1])
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     dims = profile_dims("tiny")
-    weights = random_weights(dims, seed=0)
+    weights = random_weights(dims, seed=0, device=device)
+    platform = Platform("cpu", "cpu", "cpu", 2) if device == "cpu" else detect_platform(0)
     reg = CollectorRegistry()
-    runner = Runner(cfg, dims, weights, Platform("cpu", "cpu", "cpu", 2), metrics=MonoMetrics(reg)).start()
+    runner = Runner(cfg, dims, weights, platform, metrics=MonoMetrics(reg)).start()
     print(json.dumps({
         "state": runner.state, "reasons": runner.reasons, "notes": runner.notes,
         "failstops": {s: reg.get_sample_value("monodecode_failstop_total", {"site": s}) for s in FAILSTOP_SITES},
         "last": reg.get_sample_value("monodecode_last_failstop_timestamp_seconds"),
     }), flush=True)
     alloc = BlockAllocator(8, 16)
-    kv = PagedKVCache.allocate(dims, 8, 16)
+    kv = PagedKVCache.allocate(dims, 8, 16, device=device)
     alloc.append_slots(0, 15)
     token = 5
     for step in range(int(sys.argv[2])):
-        logits = runner.decode_step(torch.tensor([token]), alloc.decode_metadata([0]), kv)
+        ids = torch.tensor([token], device=device)
+        logits = runner.decode_step(ids, alloc.decode_metadata([0], device=device), kv)
         token = int(logits[0].argmax())
         print(f"token step={step} path={runner.last_decision.path} id={token}", flush=True)
     print("done", flush=True)
@@ -56,7 +61,7 @@ def drive(tmp_path):
     script.write_text(DRIVER)
     fs = tmp_path / "failstop"
 
-    def run(fault=None, steps=4, **cfg):
+    def run(fault=None, steps=4, device="cpu", **cfg):
         conf = {
             "enabled": True,
             "widths": [1],
@@ -71,7 +76,7 @@ def drive(tmp_path):
         if fault:
             env["MONODECODE_FAULT"] = fault
         p = subprocess.run(
-            [sys.executable, str(script), json.dumps(conf), str(steps)],
+            [sys.executable, str(script), json.dumps(conf), str(steps), device],
             capture_output=True,
             text=True,
             env=env,
@@ -189,3 +194,19 @@ def test_marker_keeps_totals_beyond_the_kept_events(tmp_path):
             rec.fail(ev(1000.0 + i, site="nonfinite", step=i))
     h = rec.read()
     assert len(h.events) == 100 and h.totals == {"nonfinite": 105} and h.last.step == 104
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA/ROCm GPU torch can launch on")
+def test_gpu_failstop_without_host_sync_keeps_the_promise(drive):
+    """The compiled kernels on a GPU: the check before logits is a device-side assert (no host
+    sync); a NaN injected at mono step 1, layer 2 still ends the process with exit 70, the cause
+    in the marker and no token for the failed step."""
+    p, head, tokens = drive("nonfinite:layer=2,step=1", steps=4, device="cuda", backend="triton", allow_jit=True)
+    assert head is not None and head["state"] == "mono", (p.stdout, p.stderr[-3000:])
+    assert p.returncode == EXIT_CODE, p.stderr[-3000:]
+    assert [t.split()[1] for t in tokens] == ["step=0"]  # no token for step 1
+    marker = json.loads((drive.failstop_dir / "failstop-rank0.json").read_text())
+    (ev,) = marker["events"]
+    assert (ev["step"], ev["site"], ev["layer"], ev["kernel"]) == (1, "nonfinite", 2, "k2")
+    assert drive.termination_log.read_text().startswith("monodecode fail-stop: rank 0, step 1, site nonfinite")

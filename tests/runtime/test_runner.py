@@ -17,9 +17,11 @@ from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_dims
 from monodecode.model.reference import decode_step as reference_decode_step
 from monodecode.model.weights import random_weights
+from monodecode.runtime.failstop import FailStop
 from monodecode.runtime.runner import Runner
 from monodecode.runtime.vote import StepInfo
 from monodecode.services.artifacts import ArtifactStore
+from monodecode.services.faults import Fault
 from monodecode.services.platform import Platform
 from monodecode.spec import Deployment
 from monodecode_ops.selfcheck import run_scenario
@@ -216,6 +218,62 @@ def test_scripted_run_with_a_single_width(weights, tmp_path):
     res = run_scenario(r)
     assert res.failstop is None and res.tokens_match and all(s.as_expected for s in res.steps)
     assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == res.expected_counts()["mono"] >= 2
+
+
+def _one_row(bs=16):
+    alloc = BlockAllocator(4, bs)
+    alloc.append_slots(0, 5)
+    return alloc.decode_metadata([0]), PagedKVCache.allocate(DIMS, 4, bs), torch.tensor([3])
+
+
+def test_warmup_forwards_are_not_counted_and_keep_the_drill(weights, tmp_path):
+    """vLLM's warm-up / profiling forwards (real=False) run the kernels but are no step: nothing
+    is counted and an armed drill waits for the first real mono step."""
+    r, reg = make(weights, tmp_path, faults=(Fault("nonfinite", layer=1, step=0),))
+    r.start()
+    meta, kv, ids = _one_row()
+    for _ in range(3):
+        r.decode_step(ids, meta, kv, real=False)
+    assert r.last_decision.path == "mono" and not r.last_decision.real
+    assert (r.steps, r.mono_steps) == (0, 0)
+    assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == 0
+    assert reg.get_sample_value("monodecode_step_duration_seconds_count", {"path": "mono"}) == 0
+    with pytest.raises(FailStop) as e:
+        r.decode_step(ids, meta, kv)
+    ev = e.value.event
+    assert (ev.step, ev.site, ev.layer, ev.kernel) == (0, "nonfinite", 1, "k2")
+    assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == 1
+
+
+def test_captured_decisions_are_counted_at_each_replay(weights, tmp_path):
+    r, reg = make(weights, tmp_path, widths=[1, 2, 4])
+    r.start()
+    for rows in (1, 2, 4):
+        assert r.capture_step(StepInfo(num_rows=rows, graph_mode="full_decode_only")).width == rows
+    assert r.steps == 0 and reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == 0
+    d = r.account_replay(3)  # vLLM pads 3 rows up to the graph captured for 4
+    assert (d.path, d.width, d.step, d.real) == ("mono", 4, 0, True)
+    d = r.account_replay(9)
+    assert (d.path, d.reason, d.step) == ("fallback", "rows_exceed_width", 1)
+    assert (r.steps, r.mono_steps) == (2, 1)
+    assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == 1
+    assert reg.get_sample_value("monodecode_fallback_steps_total", {"reason": "rows_exceed_width"}) == 1
+
+
+def test_degrade_after_start_is_voted_and_exported(weights, tmp_path):
+    r, reg = make(weights, tmp_path, on_refusal="degrade")
+    r.start()
+    r.request_disable("shadow_mismatch: layer 0 differs from vLLM's layer by 1 (tolerance 0.1)")
+    assert r.state == "mono"  # a rank-local wish: nothing changes before the vote
+    d = r.begin_step(StepInfo(num_rows=1))  # one rank: the vote is local and applies here
+    assert (d.path, d.reason) == ("fallback", "degraded") and r.state == "degraded"
+    assert r.reasons == ["shadow_mismatch: layer 0 differs from vLLM's layer by 1 (tolerance 0.1)"]
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": "shadow_mismatch"}) == 1
+    assert reg.get_sample_value("monodecode_enabled") == 0
+    r2, _ = make(weights, tmp_path)
+    r2.start()
+    with pytest.raises(RefusalError, match="kv_layout: bad"):
+        r2.refuse("kv_layout: bad")
 
 
 # ---- refusals --------------------------------------------------------------------------------
