@@ -298,6 +298,15 @@ def lds_store(p, idx, v):
     fx.generic_store(p + idx, fx.Int32(v))
 
 
+def lds_store64(p, idx, v):
+    """A 64-bit value into words ``idx``, ``idx + 1`` (8-byte aligned)."""
+    fx.generic_store(p + idx, fx.Int64(v))
+
+
+def lds_load64(p, idx):
+    return fx.generic_load(p + idx, dtype=fx.Int64)
+
+
 def lds_loadf(p, idx):
     return fx.Int32(fx.generic_load(p + idx, dtype=fx.Int32)).bitcast(fx.Float32)
 

@@ -257,7 +257,7 @@ def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile
         [
             ("qkv_vec", (group + 2) * head_dim),  # q heads of the group, k, v (fp32, normed + roped)
             ("p", nw * group * ATTN_CHUNK),  # softmax weights of each wave's current chunk
-            ("slot", nw * ATTN_CHUNK),  # cache slot of each position of the chunk
+            ("slot", 2 * nw * ATTN_CHUNK),  # 64-bit V word offset of each position of the chunk
             ("ml", nw * group * 2),  # each wave's running max and sum per head
             ("acc", nw * group * head_dim),  # each wave's unnormalised output per head
         ],

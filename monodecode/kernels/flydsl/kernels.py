@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import flydsl.compiler as flyc
 import flydsl.expr as fx
-from flydsl.expr import gpu
+from flydsl.expr import gpu, rocdl
 
 from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
@@ -618,13 +618,13 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             nblk = slot // d.i32(BS)
             ntok = slot - nblk * d.i32(BS)
             d.store_word(
-                key_cache,
-                kv_word(nblk, ntok, g, kst) + tid,
+                key_cache + kv_word(nblk, ntok, g, kst),
+                tid,
                 d.pack_bf16x2(d.lds_loadf(lds, kb), d.lds_loadf(lds, kb + d.i32(1))),
             )
             d.store_word(
-                value_cache,
-                kv_word(nblk, ntok, g, vst) + tid,
+                value_cache + kv_word(nblk, ntok, g, vst),
+                tid,
                 d.pack_bf16x2(d.lds_loadf(lds, vb), d.lds_loadf(lds, vb + d.i32(1))),
             )
 
@@ -634,7 +634,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
         acc = [d.f32(0.0) for _ in range(GQ * DPL)]
         nch = (fx.max(cend - lo, d.i32(0)) + d.i32(ATTN_CHUNK - 1)) // d.i32(ATTN_CHUNK)
         p_base = d.i32(L1["p"]) + wave * d.i32(GQ * ATTN_CHUNK)
-        s_base = d.i32(L1["slot"]) + wave * d.i32(ATTN_CHUNK)
+        s_base = d.i32(L1["slot"]) + wave * d.i32(2 * ATTN_CHUNK)  # 64-bit V word offsets
         # this lane's V dims as a 64-bit address, added to each position's word below (kept out of
         # the i32 offset: that sum made the scheduler hoist the score loop's q reads, +30 VGPRs)
         v_lane = value_cache + ((lane // d.i32(2)) if DPL == 1 else lane * d.i32(DPL // 2))
@@ -646,13 +646,14 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
             pc = valid.select(p, lo)
             blk = d.load_word(block_tables, r * bt_stride + pc // d.i32(BS))
             btok = pc % d.i32(BS)
-            d.lds_store(lds, s_base + lane, kv_word(blk, btok, g, vst))  # V's word, for the P.V loop
+            d.lds_store64(lds, s_base + lane * d.i32(2), kv_word(blk, btok, g, vst))  # V's word, for P.V
             krow = key_cache + kv_word(blk, btok, g, kst)  # this lane's position: K of head g
             sc = [d.f32(0.0) for _ in range(GQ)]
             for k4_ in range(d.i32(D // 32)):  # 32 dims (4 x 16 bytes of K) per iteration
                 k4 = d.i32(k4_)
                 kw = [d.load_words(krow, k4 * d.i32(16) + d.i32(4 * u), 4) for u in range(4)]
                 for h in fx.range_constexpr(GQ):
+                    rocdl.sched_barrier(0)  # one head's q reads at a time (else all are hoisted: +30 VGPRs)
                     qb = vec + d.i32(h * D) + k4 * d.i32(32)
                     for u in fx.range_constexpr(4):
                         q0 = d.lds_load4(lds, qb + d.i32(8 * u))
@@ -674,7 +675,7 @@ def make_kernels(dims: ModelDims, geom: Geometry, block_size: int):
                     acc[h * DPL + j] = acc[h * DPL + j] * corr
             for i_ in range(fx.min(d.i32(ATTN_CHUNK), cend - p0)):
                 i = d.i32(i_)
-                vrow = v_lane + fx.Int64(d.lds_load(lds, s_base + i))  # position i's V of head g
+                vrow = v_lane + d.lds_load64(lds, s_base + i * d.i32(2))  # position i's V of head g
                 vv = []
                 if fx.const_expr(DPL == 1):
                     vw = d.load_word(vrow, d.i32(0))

@@ -1,8 +1,9 @@
 """How K1 addresses the paged KV cache: base addresses and strides are launch arguments.
 
 K1 reads and writes K (V) of (block ``b``, token ``t`` of the block, KV head ``g``) at 32-bit word
-``b * block + t * token + g * head`` of the key (value) pointer; a word holds two bf16 head dims,
-and the head dims are contiguous. The three strides of each tensor are kernel arguments, never
+``b * block + t * token + g * head`` of the key (value) pointer, an offset computed in 64 bits (a
+layer's cache may span more than the 2^31 words, 8 GiB, an i32 offset reaches); a word holds two
+bf16 head dims, and the head dims are contiguous. The three strides of each tensor are kernel arguments, never
 constants of the code object, so one baked artifact serves every layout a deployment hands it:
 
 * the reference's own cache (``PagedKVCache.allocate``): contiguous planes
@@ -17,6 +18,7 @@ error line.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +35,29 @@ KV_STRIDE_ARGS = (
 )
 WORD_ELEMS = 2  # bf16 head dims per 32-bit word
 VECTOR_BYTES = 16  # K is read 16 bytes per load (global_load_dwordx4)
-_MAX_WORD = 2**31 - 1  # word offsets are i32 in the kernel
+MAX_STRIDE_WORDS = 2**31 - 1  # the stride arguments are i32; the offsets they make are i64
+
+
+def _wide(v):
+    """``v`` as a 64-bit integer of its own kind: a Python int as is, a torch tensor as int64, a
+    traced FlyDSL value as ``Int64``."""
+    if isinstance(v, int):
+        return v
+    torch = sys.modules.get("torch")  # a tensor implies torch is loaded; never import it here
+    if torch is not None and isinstance(v, torch.Tensor):
+        return v.to(torch.int64)
+    import flydsl.expr as fx
+
+    return fx.Int64(v)
 
 
 def kv_word(block, token, head, strides):
-    """Word offset of (block, token, KV head) for strides ``(block, token, head)`` in words.
+    """Word offset of (block, token, KV head) for strides ``(block, token, head)`` in words, in 64
+    bits: every factor is widened before it is multiplied.
 
-    The kernels evaluate it on traced i32 values, the tests on Python ints."""
+    The kernels evaluate it on traced i32 values, the tests on Python ints and torch tensors."""
     sb, st, sh = strides
-    return block * sb + token * st + head * sh
+    return _wide(block) * _wide(sb) + _wide(token) * _wide(st) + _wide(head) * _wide(sh)
 
 
 @dataclass(frozen=True)
@@ -83,11 +99,10 @@ def _word_strides(name: str, t: Any, shape: tuple[int, ...]) -> tuple[int, int, 
             f"{VECTOR_BYTES}-byte vectors"
         )
     words = tuple(s // WORD_ELEMS for s in strides[:3])
-    last = kv_word(shape[0] - 1, shape[1] - 1, shape[2] - 1, words) + shape[3] // WORD_ELEMS
-    if last > _MAX_WORD:
+    if max(words) > MAX_STRIDE_WORDS:
         raise ConfigError(
-            f"kv_layout: the {name} cache spans {last} 32-bit words; flydsl K1 addresses at most "
-            f"{_MAX_WORD} (i32 offsets)"
+            f"kv_layout: the {name} cache has strides {words} in 32-bit words; flydsl K1 takes strides "
+            f"up to {MAX_STRIDE_WORDS} (i32 launch arguments)"
         )
     return words  # type: ignore[return-value]
 

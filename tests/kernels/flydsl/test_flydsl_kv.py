@@ -113,12 +113,12 @@ def _view(shape, strides, dtype=torch.bfloat16, offset=0, device="cpu"):
         (lambda: torch.zeros(BLOCKS, BS, KVH, D), "4-byte elements; flydsl K1 reads bf16"),
         (lambda: torch.zeros(BLOCKS, 8, KVH, D, dtype=torch.bfloat16), "[*, 16, "),
         (lambda: torch.zeros(BLOCKS, BS * KVH, D, dtype=torch.bfloat16), "must be 4-D"),
-        # a layer cache past 2^31 words (meta tensors: shapes and strides, no memory)
+        # a block stride past the i32 launch argument (meta tensor: shape and strides, no memory)
         (
-            lambda: torch.empty(2**31 // (BS * KVH * D) + 1, BS, KVH, 2 * D, dtype=torch.bfloat16, device="meta")[
-                ..., :D
-            ],
-            "i32 offsets",
+            lambda: torch.empty(0, dtype=torch.bfloat16, device="meta").as_strided(
+                (BLOCKS, BS, KVH, D), (2**32, KVH * D, D, 1)
+            ),
+            "up to 2147483647 (i32 launch arguments)",
         ),
     ],
 )
@@ -128,6 +128,33 @@ def test_layouts_k1_cannot_address_are_one_line(make, message):
         kv_launch_args(t, t, KVH, D, BS)
     text = str(e.value)
     assert text.startswith("kv_layout: ") and message in text and "\n" not in text, text
+
+
+def big_vllm_cache() -> torch.Tensor:
+    """A vLLM-layout layer cache of 12 GiB (interleaved K|V, past the 2^31 words an i32 offset
+    reaches), as a meta tensor: shapes and strides, no memory."""
+    blocks = 3 * 2**31 // (BS * KVH * D) + 7
+    raw = torch.empty(blocks, BS, KVH, 2 * D, dtype=torch.bfloat16, device="meta")
+    return kv_views([raw.permute(0, 2, 1, 3)], KVH, D)
+
+
+def test_cache_past_8gib_is_addressed_in_64_bits():
+    """A layer cache over 8 GiB is accepted, and K1's offsets (``kv_word``, evaluated here on int32
+    operands as the kernel's traced i32 values are) reach its last block exactly: every factor is
+    widened before it is multiplied, so nothing wraps at 2^31."""
+    kv = big_vllm_cache()
+    key = kv.key[0]
+    assert key.untyped_storage().nbytes() > 8 * 2**30
+    a = kv_launch_args(key, kv.value[0], KVH, D, BS)
+    last = key.shape[0] - 1
+    blocks = torch.tensor([0, 1, last // 2, last], dtype=torch.int32)
+    tokens = torch.tensor([0, BS - 1, 3, BS - 1], dtype=torch.int32)
+    heads = torch.tensor([0, KVH - 1, 1, KVH - 1], dtype=torch.int32)
+    strides = tuple(torch.tensor(s, dtype=torch.int32) for s in a.key_strides)
+    got = kv_word(blocks, tokens, heads, strides)
+    want = [kv_word(int(b), int(t), int(h), a.key_strides) for b, t, h in zip(blocks, tokens, heads)]
+    assert got.tolist() == want
+    assert want[-1] > 2**31 and want[-1] + D // 2 <= key.untyped_storage().nbytes() // 4
 
 
 def test_flydsl_kernels_declare_strided_kv():
