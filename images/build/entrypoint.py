@@ -6,27 +6,31 @@
     monodecode-ops [args...]                         any monodecode-ops command
     anything else                                    run as given (bash, python3, ...)
 
-``serve`` builds vLLM's ``--additional-config '{"monodecode": {...}}'`` from the environment,
-validates it with the runtime's own ``MonoConfig`` (a bad value is one ``error:`` line and exit
-code 2, before vLLM starts), and replaces this process with ``vllm serve`` so signals and the
-exit status are vLLM's own. Environment (later rows override earlier ones):
+``serve`` builds vLLM's ``--additional-config '{"monodecode": {...}}'``, validates the whole
+additional config with the runtime's own ``MonoConfig.from_additional_config`` (a bad value is
+one ``error:`` line and exit code 2, before vLLM starts), and replaces this process with
+``vllm serve`` so signals and the exit status are vLLM's own. The monodecode options come from,
+later ones winning:
 
-    MONODECODE_CONFIG       JSON object with any monodecode option
-    MONODECODE_ENABLED      true|false (default true: this image exists to run mono decode)
-    MONODECODE_BACKEND      auto|flydsl|triton|reference
-    MONODECODE_ON_REFUSAL   raise|degrade
-    MONODECODE_WIDTHS       comma-separated step widths, e.g. 1,2,4,8
-    MONODECODE_ALLOW_JIT    true|false
-    MONODECODE_ARTIFACT_DIR the baked artifacts (set by the image)
-    MONODECODE_MODEL        the model when no MODEL argument is given
+    the image's defaults       enabled = true (this image exists to run mono decode), and
+                               MONODECODE_ARTIFACT_DIR (the baked artifacts, set by the image)
+    MONODECODE_CONFIG          a JSON object with any option
+    MONODECODE_<FIELD>         one option each, for every field of MonoConfig (MONODECODE_WIDTHS=1,2,4,
+                               MONODECODE_ON_REFUSAL=degrade, MONODECODE_ALLOW_JIT=false, ...); empty = unset
+    --additional-config JSON   its "monodecode" object (given at most once)
 
-Options given in an explicit ``--additional-config`` argument win over all of these.
+``MONODECODE_MODEL`` names the model when no MODEL argument is given. ``exit_on_failstop`` cannot
+be turned off for ``serve`` (only in-process tests may keep running after a fail-stop).
 
-``serve`` also prepares vLLM's environment for mono decode: ``PROMETHEUS_MULTIPROC_DIR`` is a
-fresh, empty directory at every container start (a new temporary one, or the given one with
-stale ``*.db`` files of an earlier container removed), so the workers' monodecode series reach
-the API server's ``/metrics``; ``VLLM_KV_CACHE_LAYOUT=LBNHC`` (the token-major KV layout the
-kernels read) unless set, when mono decode is enabled.
+With mono decode enabled, ``serve`` selects the attention backend and KV cache layout mono decode
+supports on this platform, exactly ``monodecode.vllm_plugin.serving.serve_settings(platform)``
+(``--attention-backend`` and ``VLLM_KV_CACHE_LAYOUT``; a different value given by the operator is
+an error). The platform is ``MONODECODE_SERVE_PLATFORM`` (rocm, cuda, cpu) or else what the
+image's torch was built for. ``PROMETHEUS_MULTIPROC_DIR`` is a fresh directory made at every
+start (inside the given ``PROMETHEUS_MULTIPROC_DIR``, or the temporary directory), so the workers'
+monodecode series reach the API server's ``/metrics``; nothing the entrypoint did not create is
+ever deleted (stale directories of earlier starts are cleared only under the private temporary
+directory). ``MONODECODE_ENTRYPOINT_PRINT=1`` prints ``{"argv": [...], "env": {...}}`` instead.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -42,10 +47,25 @@ from collections.abc import Mapping, Sequence
 EXIT_USER_ERROR = 2
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_INT = re.compile(r"[+-]?[0-9]{1,18}")
+ENV_PREFIX = "MONODECODE_"
+# Options the image's own ENV sets: defaults that MONODECODE_CONFIG may override.
+IMAGE_DEFAULTS = ("artifact_dir",)
+ADDITIONAL_CONFIG = ("--additional-config", "--additional_config")
+ATTENTION_BACKEND = ("--attention-backend", "--attention_backend")
+PLATFORMS = ("rocm", "cuda", "cpu")
+METRICS_DIR_PREFIX = "monodecode-metrics-"
+METRICS_DIR_MARKER = ".monodecode-entrypoint"  # in every metrics directory this script made
+MAX_JSON_CHARS = 1 << 20
 
 
 class EntrypointError(ValueError):
     """A bad argument or environment value: printed as one line."""
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _bool(name: str, value: str) -> bool:
@@ -54,59 +74,110 @@ def _bool(name: str, value: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise EntrypointError(f"{name} must be true or false, got {value!r}")
+    raise EntrypointError(f"{name} must be true or false, got {_shown(value)}")
+
+
+def _int(name: str, value: str) -> int:
+    if not _INT.fullmatch(value.strip()):
+        raise EntrypointError(f"{name} must be an integer, got {_shown(value)}")
+    return int(value.strip())
+
+
+def _float(name: str, value: str) -> float:
+    try:
+        return float(value.strip())
+    except ValueError:
+        raise EntrypointError(f"{name} must be a number, got {_shown(value)}") from None
 
 
 def _widths(name: str, value: str) -> list[int]:
+    items = value.replace(" ", "").split(",")
+    if not all(_INT.fullmatch(w) for w in items):
+        raise EntrypointError(f"{name} must be comma-separated integers, got {_shown(value)}")
+    return [int(w) for w in items]
+
+
+def load_json(name: str, text: str) -> object:
+    """``json.loads`` with every failure as one line (bad syntax, nesting, huge numbers)."""
+    if len(text) > MAX_JSON_CHARS:
+        raise EntrypointError(f"{name} is longer than {MAX_JSON_CHARS} characters")
     try:
-        return [int(w) for w in value.replace(" ", "").split(",") if w]
-    except ValueError:
-        raise EntrypointError(f"{name} must be comma-separated integers, got {value!r}") from None
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EntrypointError(f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise EntrypointError(f"{name} is nested too deeply") from None
+    except ValueError:  # an integer past Python's digit limit
+        raise EntrypointError(f"{name} has a number with too many digits") from None
 
 
 def _json_object(name: str, text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise EntrypointError(f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
+    value = load_json(name, text)
     if not isinstance(value, dict):
-        raise EntrypointError(f"{name} must be a JSON object")
+        raise EntrypointError(f"{name} must be a JSON object, got {type(value).__name__}")
     return value
 
 
-def monodecode_section(env: Mapping[str, str]) -> dict:
-    """The ``monodecode`` options from the environment (not yet validated)."""
-    section: dict = {}
-    text = env.get("MONODECODE_CONFIG", "").strip()
-    if text:
-        section.update(_json_object("MONODECODE_CONFIG", text))
-    section.setdefault("enabled", True)
-    if "MONODECODE_ENABLED" in env:
-        section["enabled"] = _bool("MONODECODE_ENABLED", env["MONODECODE_ENABLED"])
-    if env.get("MONODECODE_BACKEND"):
-        section["backend"] = env["MONODECODE_BACKEND"]
-    if env.get("MONODECODE_ON_REFUSAL"):
-        section["on_refusal"] = env["MONODECODE_ON_REFUSAL"]
-    if env.get("MONODECODE_WIDTHS"):
-        section["widths"] = _widths("MONODECODE_WIDTHS", env["MONODECODE_WIDTHS"])
-    if "MONODECODE_ALLOW_JIT" in env:
-        section["allow_jit"] = _bool("MONODECODE_ALLOW_JIT", env["MONODECODE_ALLOW_JIT"])
-    if env.get("MONODECODE_ARTIFACT_DIR") and "artifact_dir" not in section:
-        section["artifact_dir"] = env["MONODECODE_ARTIFACT_DIR"]
-    return section
+def _config_fields() -> dict[str, str]:
+    """MonoConfig's fields -> how an environment string becomes that field's value."""
+    import dataclasses
+    import typing
 
-
-def _validate(section: dict, where: str) -> dict:
-    # The runtime's own validation, so the image and the vLLM plugin agree on every option.
     try:
         from monodecode.config import MonoConfig
-        from monodecode.errors import MonodecodeError
     except ImportError as e:  # the image always has monodecode; this guards a broken install
         raise EntrypointError(f"monodecode is not importable in this image: {e}") from None
-    try:
-        MonoConfig.from_dict(section, where=where)
-    except MonodecodeError as e:
-        raise EntrypointError(str(e)) from None
+    hints = typing.get_type_hints(MonoConfig)
+    kinds = {}
+    for f in dataclasses.fields(MonoConfig):
+        hint = hints[f.name]
+        if hint is bool:
+            kinds[f.name] = "bool"
+        elif hint is int:
+            kinds[f.name] = "int"
+        elif hint is float:
+            kinds[f.name] = "float"
+        elif typing.get_origin(hint) is tuple and typing.get_args(hint)[:1] == (int,):
+            kinds[f.name] = "ints"
+        elif hint is str or set(typing.get_args(hint)) == {str, type(None)}:
+            kinds[f.name] = "str"
+        else:  # any other type: the variable holds its JSON value
+            kinds[f.name] = "json"
+    return kinds
+
+
+def _from_env(name: str, text: str, kind: str) -> object:
+    if kind == "bool":
+        return _bool(name, text)
+    if kind == "int":
+        return _int(name, text)
+    if kind == "float":
+        return _float(name, text)
+    if kind == "ints":
+        return _widths(name, text)
+    if kind == "json":
+        return load_json(name, text)
+    return text
+
+
+def monodecode_section(env: Mapping[str, str]) -> dict:
+    """The ``monodecode`` options from the environment (validated later, with the rest)."""
+    fields = _config_fields()
+
+    def env_value(field: str) -> object:
+        name = ENV_PREFIX + field.upper()
+        return _from_env(name, env[name], fields[field])
+
+    section: dict = {"enabled": True}
+    for field in IMAGE_DEFAULTS:
+        if env.get(ENV_PREFIX + field.upper()):
+            section[field] = env_value(field)
+    text = env.get(ENV_PREFIX + "CONFIG", "")
+    if text.strip():
+        section.update(_json_object(ENV_PREFIX + "CONFIG", text))
+    for field in fields:
+        if field not in IMAGE_DEFAULTS and env.get(ENV_PREFIX + field.upper()):
+            section[field] = env_value(field)
     return section
 
 
@@ -117,81 +188,190 @@ def _split_additional_config(args: Sequence[str]) -> tuple[list[str], dict | Non
     i = 0
     while i < len(args):
         a = args[i]
-        text = None
-        if a == "--additional-config":
-            if i + 1 >= len(args):
-                raise EntrypointError("--additional-config needs a JSON object argument")
-            text, i = args[i + 1], i + 2
-        elif a.startswith("--additional-config="):
-            text, i = a.split("=", 1)[1], i + 1
-        else:
+        flag = next((f for f in ADDITIONAL_CONFIG if a == f or a.startswith(f + "=")), None)
+        if flag is None:
             rest.append(a)
             i += 1
             continue
+        if a == flag:
+            if i + 1 >= len(args):
+                raise EntrypointError("--additional-config needs a JSON object argument")
+            text, i = args[i + 1], i + 2
+        else:
+            text, i = a.split("=", 1)[1], i + 1
+        if found is not None:
+            raise EntrypointError("--additional-config is given twice; put every option in one JSON object")
         found = _json_object("--additional-config", text)
     return rest, found
 
 
-def serve_command(args: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """The ``vllm serve`` command line for ``serve [MODEL] [args...]``."""
+def _validate(additional: dict) -> None:
+    # The runtime's own validation of what vLLM will get, so the image and the plugin agree.
+    try:
+        from monodecode.config import MonoConfig
+        from monodecode.errors import MonodecodeError
+    except ImportError as e:
+        raise EntrypointError(f"monodecode is not importable in this image: {e}") from None
+    try:
+        cfg = MonoConfig.from_additional_config(additional)
+    except MonodecodeError as e:
+        raise EntrypointError(str(e)) from None
+    if not cfg.exit_on_failstop:
+        raise EntrypointError(
+            "monodecode option 'exit_on_failstop' is false: serve always exits on a fail-stop "
+            "(false is for in-process tests only)"
+        )
+
+
+def serve_platform(env: Mapping[str, str]) -> str:
+    """rocm, cuda or cpu: ``MONODECODE_SERVE_PLATFORM``, else what this image's torch is built for."""
+    given = env.get(ENV_PREFIX + "SERVE_PLATFORM", "").strip()
+    if given:
+        if given not in PLATFORMS:
+            raise EntrypointError(
+                f"{ENV_PREFIX}SERVE_PLATFORM must be one of {', '.join(PLATFORMS)}, got {_shown(given)}"
+            )
+        return given
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    return "cuda" if getattr(torch.version, "cuda", None) else "cpu"
+
+
+def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def serve_settings_for(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The arguments to add and the environment to set so vLLM runs the attention backend and
+    KV layout mono decode supports here (``serving.serve_settings``); a conflicting value the
+    operator gave is an ``EntrypointError``."""
+    from monodecode.errors import MonodecodeError
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    platform = serve_platform(env)
+    try:
+        settings = serve_settings(platform)
+    except MonodecodeError as e:
+        raise EntrypointError(str(e)) from None
+    add_args = list(settings.args)
+    given = _option_value(args, ATTENTION_BACKEND)
+    if given is not None:
+        if given != settings.attention_backend:
+            raise EntrypointError(
+                f"--attention-backend {_shown(given)}: mono decode on {platform} runs only with "
+                f"{settings.attention_backend} (drop the option, or disable mono decode)"
+            )
+        add_args = []
+    add_env = {}
+    for key, value in settings.env.items():
+        if env.get(key) not in (None, value):
+            raise EntrypointError(
+                f"{key}={_shown(env[key])}: mono decode on {platform} needs {key}={value} "
+                "(unset it, or disable mono decode)"
+            )
+        add_env[key] = value
+    return add_args, add_env
+
+
+def serve_command(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The ``vllm serve`` command line for ``serve [MODEL] [args...]`` and the environment it adds."""
     rest, additional = _split_additional_config(list(args))
     if rest and not rest[0].startswith("-"):
         model, rest = rest[0], rest[1:]
     else:
-        model = env.get("MONODECODE_MODEL", "")
+        model = env.get(ENV_PREFIX + "MODEL", "")
     if not model:
         raise EntrypointError("no model: pass it as the first argument of serve or set MONODECODE_MODEL")
     additional = dict(additional or {})
-    user_section = additional.get("monodecode") or {}
+    user_section = additional.get("monodecode", {})
     if not isinstance(user_section, dict):
-        raise EntrypointError("--additional-config: 'monodecode' must be a JSON object")
-    section = {**monodecode_section(env), **user_section}
-    additional["monodecode"] = _validate(section, "monodecode options")
-    return ["vllm", "serve", model, "--additional-config", json.dumps(additional, sort_keys=True), *rest]
-
-
-def serve_environment(cmd: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
-    """Variables ``vllm serve`` needs for mono decode that are not set yet (no side effects)."""
-    if cmd[:2] != ["vllm", "serve"]:
-        return {}
-    add: dict[str, str] = {}
-    section = json.loads(cmd[cmd.index("--additional-config") + 1]).get("monodecode", {})
-    if section.get("enabled") and not env.get("VLLM_KV_CACHE_LAYOUT"):
-        add["VLLM_KV_CACHE_LAYOUT"] = "LBNHC"
-    return add
+        raise EntrypointError(f"--additional-config: 'monodecode' must be a JSON object, got {_shown(user_section)}")
+    additional["monodecode"] = {**monodecode_section(env), **user_section}
+    _validate(additional)
+    add_env: dict[str, str] = {}
+    if additional["monodecode"].get("enabled"):
+        add_args, add_env = serve_settings_for(rest, env)
+        rest = [*rest, *add_args]
+    try:
+        text = json.dumps(additional, sort_keys=True)
+    except (RecursionError, ValueError):
+        raise EntrypointError("--additional-config is nested too deeply") from None
+    cmd = ["vllm", "serve", model, "--additional-config", text, *rest]
+    if any("\0" in a for a in cmd):
+        raise EntrypointError("an argument contains a NUL byte")
+    return cmd, add_env
 
 
 def fresh_multiprocess_dir(env: Mapping[str, str]) -> str:
-    """An empty PROMETHEUS_MULTIPROC_DIR for this container start."""
-    given = env.get("PROMETHEUS_MULTIPROC_DIR")
+    """A new, empty PROMETHEUS_MULTIPROC_DIR for this start. Made inside the given directory (whose
+    contents are never touched) or the temporary directory; only there are directories of earlier
+    starts that this script made (its marker file inside) cleared of their ``*.db`` files."""
+    given = env.get("PROMETHEUS_MULTIPROC_DIR", "")
+    parent = given or tempfile.gettempdir()
     try:
-        if not given:
-            return tempfile.mkdtemp(prefix="monodecode-metrics-")
-        os.makedirs(given, exist_ok=True)
-        for stale in glob.glob(os.path.join(given, "*.db")):  # series of an earlier container
-            os.unlink(stale)
+        if given:
+            if not os.path.isabs(given) or "\0" in given:
+                raise EntrypointError(f"PROMETHEUS_MULTIPROC_DIR must be an absolute path, got {_shown(given)}")
+            os.makedirs(given, exist_ok=True)
+        else:
+            _clear_earlier_starts(parent)
+        path = tempfile.mkdtemp(prefix=METRICS_DIR_PREFIX, dir=parent)
+        with open(os.path.join(path, METRICS_DIR_MARKER), "w") as f:
+            f.write("made by the monodecode image entrypoint for one container start\n")
     except OSError as e:
         raise EntrypointError(
-            f"PROMETHEUS_MULTIPROC_DIR: cannot prepare {given or tempfile.gettempdir()}: {e.strerror}"
+            f"PROMETHEUS_MULTIPROC_DIR: cannot prepare a directory in {parent}: {e.strerror}"
         ) from None
-    return given
+    return path
 
 
-def command_for(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+def _clear_earlier_starts(parent: str) -> None:
+    for old in glob.glob(os.path.join(glob.escape(parent), METRICS_DIR_PREFIX + "*")):
+        marker = os.path.join(old, METRICS_DIR_MARKER)
+        if os.path.islink(old) or not os.path.isfile(marker):
+            continue  # not one of ours
+        for db in glob.glob(os.path.join(glob.escape(old), "*.db")):
+            if os.path.isfile(db) and not os.path.islink(db):
+                os.unlink(db)
+        os.unlink(marker)
+        try:
+            os.rmdir(old)
+        except OSError:
+            pass  # something else is in it: left alone
+
+
+def command_for(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """What to run for ``argv``, and the environment it adds."""
     args = list(argv)
     if not args or args[0] == "serve" or args[0].startswith("-"):
         return serve_command(args[1:] if args and args[0] == "serve" else args, env)
     if args[0] == "verify":
-        return ["monodecode-ops", "verify", *args[1:]]
-    return args
+        return ["monodecode-ops", "verify", *args[1:]], {}
+    return args, {}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _error_line(message: str) -> str:
+    # one line, printable on any stderr encoding
+    text = " ".join(str(message).split())[:2000]
+    return "error: " + text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
     try:
-        cmd = command_for(argv, os.environ)
-        env_add = serve_environment(cmd, os.environ)
-        if os.environ.get("MONODECODE_ENTRYPOINT_PRINT") == "1":
+        cmd, env_add = command_for(argv, environ)
+        if environ.get(ENV_PREFIX + "ENTRYPOINT_PRINT") == "1":
             # what would run; for checking a deployment's arguments
             print(json.dumps({"argv": cmd, "env": env_add}))
             return 0
@@ -200,12 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = " (this image's base has no vLLM; `serve` needs a vLLM base image)" if cmd[0] == "vllm" else ""
             raise EntrypointError(f"{cmd[0]}: command not found{hint}")
         if cmd[:2] == ["vllm", "serve"]:
-            env_add["PROMETHEUS_MULTIPROC_DIR"] = fresh_multiprocess_dir(os.environ)
+            env_add["PROMETHEUS_MULTIPROC_DIR"] = fresh_multiprocess_dir(environ)
     except EntrypointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(_error_line(str(e)), file=sys.stderr)
         return EXIT_USER_ERROR
     sys.stdout.flush()
-    os.execve(exe, cmd, {**os.environ, **env_add})
+    os.execve(exe, cmd, {**environ, **env_add})
     return 127  # not reached
 
 

@@ -331,7 +331,10 @@ def test_serve_entrypoint_in_the_image(docker_client, built):
         "widths": [1, 2],
         "artifact_dir": "/opt/monodecode/artifacts",
     }
-    assert printed["env"] == {"VLLM_KV_CACHE_LAYOUT": "LBNHC"}
+    # the local base's torch is a CPU build: the platform the entrypoint detects is cpu
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    assert printed["env"] == serve_settings("cpu").env and cmd[5:] == list(serve_settings("cpu").args)
     # the base has no vLLM: serving is one clear error line, exit 2
     rc, out, err = run_container(docker_client, tag_of("gfx942"), ["serve", model])
     assert rc == 2 and err.strip().splitlines()[-1].startswith("error: vllm: command not found"), err
