@@ -247,6 +247,24 @@ class ArtifactStore:
                     f"(sha256 {digest[:12]}, manifest says {f.sha256[:12]})"
                 )
 
+    def read_verified(self, entry: ArtifactEntry, relpath: str) -> bytes:
+        """The bytes of ``entry``'s file ``relpath``, read once and hashed against the manifest: a
+        loader uses these bytes, never re-opens the path (``ArtifactError`` when it differs)."""
+        f = next((f for f in entry.files if f.path == relpath), None)
+        if f is None:
+            raise ArtifactError(f"artifact {entry.build_key[:12]}: {relpath} is not in its manifest entry")
+        try:
+            data = (self.root / relpath).read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"artifact {entry.build_key[:12]}: cannot read {relpath}: {e.strerror or e}") from None
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != f.bytes or digest != f.sha256:
+            raise ArtifactError(
+                f"artifact {entry.build_key[:12]}: checksum mismatch for {relpath} "
+                f"(sha256 {digest[:12]}, manifest says {f.sha256[:12]})"
+            )
+        return data
+
     def lookup(self, build_key: str) -> ArtifactEntry | None:
         """The verified entry for ``build_key``; None if the manifest has no such key."""
         for entry in self.entries():

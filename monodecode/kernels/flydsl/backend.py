@@ -113,7 +113,10 @@ class FlyDSLBackend(KernelBackend):
             except ArtifactError as e:
                 raise RefusalError(f"artifact_checksum: {e}") from None
         if entry is not None:
-            bake.stage_run_cache(entry, run_dir)
+            try:
+                bake.stage_run_cache(entry, run_dir, artifacts)
+            except ArtifactError as e:
+                raise RefusalError(f"artifact_checksum: {e}") from None
         elif allow_jit:
             from monodecode.kernels.flydsl.compile import compile_in_subprocess
 

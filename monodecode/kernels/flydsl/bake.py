@@ -4,15 +4,15 @@ FlyDSL 0.5 loads a compiled kernel only from its own disk cache, so that cache *
 precompile compiles every width of K1/K2 into a fresh cache directory (in a subprocess), and
 records each cache entry plus the raw code objects (for ``inspect`` and the ISA budgets) in the
 ``ArtifactStore`` manifest under the build key. At startup the runtime looks the key up (sha256
-of every file verified), copies the cache entries into a private writable directory (FlyDSL opens
-``<key>.lock`` read-write) and runs with ``FLYDSL_RUNTIME_RUN_ONLY=1``: the kernels are traced,
-found, never lowered; a miss is an error, not a compile.
+of every file verified), writes the cache entries into a private writable directory (FlyDSL opens
+``<key>.lock`` read-write) from bytes hashed as they are read, and runs with
+``FLYDSL_RUNTIME_RUN_ONLY=1``: the kernels are traced, found, never lowered; a miss is an error,
+not a compile.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,17 +107,26 @@ def precompile(
     return entry, table
 
 
-def stage_run_cache(entry: ArtifactEntry, run_dir: Path) -> Path:
-    """Copy a verified entry's FlyDSL cache files into a writable run-only cache directory."""
+def stage_run_cache(entry: ArtifactEntry, run_dir: Path, store: ArtifactStore) -> Path:
+    """Write an entry's FlyDSL cache files into a writable run-only cache directory.
+
+    Each file is read once and hashed against the manifest (``ArtifactStore.read_verified``), and
+    those very bytes are written: a file swapped after ``lookup`` verified it is refused
+    (ArtifactError), never unpickled. Every file is verified before the first one is written, so
+    a refusal stages nothing."""
     cache_root = entry.extra.get("cache_root")
     if not isinstance(cache_root, str):
         raise ArtifactError(f"artifact {entry.build_key[:12]}: manifest extra lacks 'cache_root'")
     run_dir = Path(run_dir)
-    for f in entry.files:
-        if f.path.startswith(cache_root + "/"):
-            dst = run_dir / f.path[len(cache_root) + 1 :]
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(entry.path_of(f.path), dst)
+    staged = {
+        f.path[len(cache_root) + 1 :]: store.read_verified(entry, f.path)
+        for f in entry.files
+        if f.path.startswith(cache_root + "/")
+    }
+    for rel, data in staged.items():
+        dst = run_dir / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
     return run_dir
 
 

@@ -83,8 +83,9 @@ def test_manifest_entry_matches_the_runtime_build_key(baked):
 
 
 def test_baked_cache_loads_run_only_without_compiling(baked, tmp_path):
-    entry = ArtifactStore(baked).lookup(FlyDSLBackend().build_key(request(mi300x())))
-    run = bake.stage_run_cache(entry, tmp_path / "run")
+    store = ArtifactStore(baked)
+    entry = store.lookup(FlyDSLBackend().build_key(request(mi300x())))
+    run = bake.stage_run_cache(entry, tmp_path / "run", store)
     bake.check_run_only("gfx942", profile_dims("tiny"), list(WIDTHS), "bf16", 16, run)
     # an empty cache misses: run-only never falls back to compiling
     (tmp_path / "empty").mkdir()
@@ -110,8 +111,9 @@ def test_one_code_object_serves_contiguous_and_vllm_kv_caches(baked, tmp_path):
         kv_launch_args(kv.key[0], kv.value[0], dims.num_kv_heads, dims.head_dim, 16).named() for kv in (plain, vllm)
     ]
     assert layouts[0] != layouts[1]
-    entry = ArtifactStore(baked).lookup(FlyDSLBackend().build_key(request(mi300x())))
-    run = bake.stage_run_cache(entry, tmp_path / "run")
+    store = ArtifactStore(baked)
+    entry = store.lookup(FlyDSLBackend().build_key(request(mi300x())))
+    run = bake.stage_run_cache(entry, tmp_path / "run", store)
     hits = bake.check_run_only("gfx942", dims, list(WIDTHS), "bf16", 16, run, k1_scalars=layouts)
     assert hits[0] == hits[1]
     root = entry.extra["cache_root"] + "/"
@@ -138,6 +140,54 @@ def test_tampered_artifact_is_refused(baked, tmp_path):
     with pytest.raises(RefusalError) as err:
         FlyDSLBackend().build(request(mi300x()), weights=None, artifacts=store, allow_jit=False)
     assert err.value.codes == ["artifact_checksum"]
+
+
+class SwapAfterLookup(ArtifactStore):
+    """A real store whose files are swapped by someone with write access to the artifact directory
+    right after ``lookup`` verified them (the window before the cache entries are staged)."""
+
+    def lookup(self, build_key):
+        entry = super().lookup(build_key)
+        swap_a_pickle(self.root, entry)
+        return entry
+
+
+def swap_a_pickle(root: Path, entry) -> bytes:
+    victim = next(f for f in entry.files if f.path.endswith(".pkl"))
+    evil = (b"EVILPICKLE" * (victim.bytes // 10 + 1))[: victim.bytes]  # same size: only the hash tells
+    (root / victim.path).write_bytes(evil)
+    return evil
+
+
+def test_a_pickle_swapped_after_lookup_is_never_staged(baked, tmp_path):
+    """The run-only cache gets the bytes that were hashed, read once: a file swapped between the
+    manifest check and staging is refused, and nothing of the entry is staged."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(baked, copy)
+    store = ArtifactStore(copy)
+    entry = store.lookup(FlyDSLBackend().build_key(request(mi300x())))
+    swap_a_pickle(copy, entry)
+    run = tmp_path / "run"
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        bake.stage_run_cache(entry, run, store)
+    assert not [p for p in run.rglob("*") if p.is_file()], "unverified bytes were staged"
+    # through the backend's build: refused with artifact_checksum before anything is loaded
+    swapped = SwapAfterLookup(tmp_path / "store2")
+    shutil.copytree(baked, swapped.root)
+    with pytest.raises(RefusalError) as err:
+        FlyDSLBackend().build(request(mi300x()), weights=None, artifacts=swapped, allow_jit=False)
+    assert err.value.codes == ["artifact_checksum"]
+
+
+def test_staged_cache_is_the_verified_bytes(baked, tmp_path):
+    store = ArtifactStore(baked)
+    entry = store.lookup(FlyDSLBackend().build_key(request(mi300x())))
+    run = bake.stage_run_cache(entry, tmp_path / "run", store)
+    root = entry.extra["cache_root"]
+    staged = {f.path: (run / f.path[len(root) + 1 :]).read_bytes() for f in entry.files if f.path.startswith(root)}
+    assert staged and all(data == (baked / path).read_bytes() for path, data in staged.items())
 
 
 def test_missing_artifact_is_refused_without_jit(tmp_path):
