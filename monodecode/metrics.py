@@ -124,6 +124,8 @@ class MonoMetrics:
         self.failstops = counter("monodecode_failstop_total")
         self.last_failstop = gauge("monodecode_last_failstop_timestamp_seconds")
         self._failstop_base: dict[str, float] = {}
+        self._refusal_codes: set[str] = set()  # every reason label ever set (zeroed when cleared)
+        self._build_labels: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
         for p in PATHS:
             self.steps.labels(path=p)
@@ -141,18 +143,25 @@ class MonoMetrics:
         self.enabled.set(1 if enabled else 0)
 
     def set_build(self, backend: str, arch: str, build_key: str, version: str) -> None:
-        self.build_info.clear()
-        self.build_info.labels(backend=backend, arch=arch, build_key=build_key, version=version).set(1)
+        labels = (backend, arch, build_key, version)
+        for old in self._build_labels - {labels}:
+            self.build_info.labels(*old).set(0)  # clear() does not reach multiprocess files
+        self.build_info.labels(*labels).set(1)
+        self._build_labels.add(labels)
 
     def set_refusals(self, codes: Iterable[str]) -> None:
-        """Exactly ``codes`` (``RefusalReason`` values) at 1; an unknown code is a ValueError."""
+        """Exactly ``codes`` (``RefusalReason`` values) at 1, every code set before at 0; an
+        unknown code is a ValueError. Zeroing, not ``clear()``: under ``PROMETHEUS_MULTIPROC_DIR``
+        a label's value lives in this process's file, which ``clear()`` leaves as it was."""
         codes = [str(c) for c in dict.fromkeys(codes)]
         unknown = [c for c in codes if c not in REFUSAL_REASONS]
         if unknown:
             raise ValueError(f"unknown refusal reason code(s) {', '.join(map(repr, unknown))}")
-        self.refusal_info.clear()
+        for old in self._refusal_codes - set(codes):
+            self.refusal_info.labels(reason=old).set(0)
         for code in codes:
             self.refusal_info.labels(reason=code).set(1)
+        self._refusal_codes |= set(codes)
 
     def set_warmup(self, duration_s: float, max_abs_error: float) -> None:
         self.warmup_duration.set(duration_s)

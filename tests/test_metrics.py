@@ -1,6 +1,7 @@
 """Metrics: exact names (and the README table), real HTTP scrapes of the loopback exporter after
 scripted steps, multiprocess aggregation, and one-line errors for a busy or bad port."""
 
+import os
 import re
 import socket
 import subprocess
@@ -188,3 +189,47 @@ def test_readme_table_is_the_contract():
     assert table == {name: (kind, labels) for name, (kind, labels, _) in METRICS.items()}
     for value in FALLBACK_REASONS + FAILSTOP_SITES:
         assert f"`{value}`" in section
+
+
+MULTIPROC_CHILD = """
+import sys
+from prometheus_client import CollectorRegistry
+from monodecode.metrics import MonoMetrics
+m = MonoMetrics(CollectorRegistry())
+m.set_refusals(["no_artifact", "lora"])      # a refused start ...
+m.set_build("flydsl", "gfx942", "k1", "0.1.0")
+m.set_refusals(["kv_layout"])                 # ... then a degrade at binding replaces the reasons
+m.set_build("reference", "cpu", "k2", "0.1.0")
+if sys.argv[1] == "recovered":
+    m.set_refusals([])                        # mono decode runs: no reason left
+"""
+
+
+@pytest.mark.parametrize("case", ["replaced", "recovered"])
+def test_refusal_info_has_no_stale_reasons_under_multiprocess_collection(tmp_path, case):
+    """What vLLM's API server serves under PROMETHEUS_MULTIPROC_DIR: the aggregate of every
+    process's files, read here by prometheus-client's real MultiProcessCollector after the writer
+    process exited. Replaced reasons and a replaced build must read 0, not their old 1."""
+    from prometheus_client import multiprocess
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", MULTIPROC_CHILD, case], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    live = {
+        s.labels["reason"]
+        for fam in reg.collect()
+        if fam.name == "monodecode_refusal_info"
+        for s in fam.samples
+        if s.value == 1
+    }
+    assert live == ({"kv_layout"} if case == "replaced" else set())
+    builds = {
+        s.labels["backend"]
+        for fam in reg.collect()
+        if fam.name == "monodecode_build_info"
+        for s in fam.samples
+        if s.value
+    }
+    assert builds == {"reference"}
