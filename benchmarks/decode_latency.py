@@ -173,8 +173,9 @@ def _measure(name: str, fn, log) -> tuple[Any, str | None]:
         return None, why
 
 
-def _triton_kernels(req, weights, change: dict, device):
-    """Triton kernels for ``req`` with the CUDA launch target changed by ``change``."""
+def _triton_kernels(req, weights, change: dict, device, share=None):
+    """Triton kernels for ``req`` with the CUDA launch target changed by ``change`` (sharing the
+    packed weights of ``share``)."""
     import dataclasses
 
     from monodecode.kernels.triton.backend import TritonBackend
@@ -184,7 +185,7 @@ def _triton_kernels(req, weights, change: dict, device):
     if not change:
         return TritonBackend().build(req, weights, None, allow_jit=True)
     target = dataclasses.replace(target_for(req.platform.kind), **change)
-    return TritonKernels(req, weights, target, req.platform.compute_units, device)
+    return TritonKernels(req, weights, target, req.platform.compute_units, device, share=share)
 
 
 def bench_config(
@@ -224,7 +225,7 @@ def bench_config(
     )
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
-        kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device)
+        kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
     stock = StockDecode(dims, weights, context + BLOCK, device)
     contig = ContiguousStockDecode(dims, weights, context, device, share=stock)
     compiled = ContiguousStockDecode(dims, weights, context, device, compiled=True, share=stock)

@@ -90,8 +90,10 @@ def attn_task(
     QK_NORM: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
+    ATTN_STAGES: tl.constexpr,
 ):
-    """One (row, KV head, split) task; the caller has waited for the qkv stage."""
+    """One (row, KV head, split) task; the caller has waited for the qkv stage. ``ATTN_STAGES``:
+    software-pipelining depth of the context loop (block-table, K and V loads in flight)."""
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
     g = (t // S) % KVH
@@ -144,7 +146,7 @@ def attn_task(
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     jt = tl.arange(0, BT)
-    for t0 in range(lo, hi, BT):
+    for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
         j = t0 + jt
         jm = j < hi
         blk = tl.load(bt_ptr + r * bt_stride + j // BS, mask=jm, other=0)

@@ -17,7 +17,7 @@ from monodecode.errors import ConfigError, RefusalError
 from monodecode.kernels import plan as plan_mod
 from monodecode.kernels.base import BuildRequest, KernelBackend
 from monodecode.kernels.triton.config import MAX_WIDTH, check_dims, target_for
-from monodecode.kernels.triton.launch import TritonKernels
+from monodecode.kernels.triton.launch import TritonKernels, interpreting
 from monodecode.services.buildkey import build_key, source_digest
 from monodecode.services.platform import Platform
 from monodecode.spec import KernelSpec
@@ -36,6 +36,8 @@ class TritonBackend(KernelBackend):
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:
         if not platform.is_gpu:
+            if interpreting():
+                return None  # Triton's CPU interpreter (TRITON_INTERPRET=1): the real kernels, one program at a time
             return f"triton needs a CUDA or ROCm GPU; this is {platform.kind}"
         if not platform.torch_usable:
             return f"torch cannot launch on {platform.name} ({platform.arch})"
@@ -47,8 +49,8 @@ class TritonBackend(KernelBackend):
     def kernel_spec(self, platform: Platform, widths: tuple[int, ...]) -> KernelSpec:
         return KernelSpec(
             backend=self.name,
-            platform_kinds=("cuda", "rocm"),
-            grid_size=platform.compute_units or None,
+            platform_kinds=("cuda", "rocm", "cpu") if interpreting() else ("cuda", "rocm"),
+            grid_size=(platform.compute_units or None) if platform.is_gpu else None,
             tp_sizes=(1,),
             weight_dtypes=("bf16", fp8_kind_for(platform)),
             block_sizes=None,
@@ -97,6 +99,7 @@ class TritonBackend(KernelBackend):
             reasons.append("no_artifact: the triton backend compiles just in time and allow_jit is off")
         if reasons:
             raise RefusalError(reasons)
-        target = target_for(req.platform.kind)
-        device = torch.device(req.platform.torch_device)
+        on_cpu = not req.platform.is_gpu  # the interpreter plays the CUDA target's programs on the CPU
+        target = target_for("cuda" if on_cpu else req.platform.kind)
+        device = torch.device("cpu" if on_cpu else req.platform.torch_device)
         return TritonKernels(req, weights, target, req.platform.compute_units, device)

@@ -38,6 +38,8 @@ class Target:
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
+    # Software-pipelining depth of the attention context loop (1: a plain loop).
+    attn_stages: int = 1
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -179,6 +181,7 @@ def k1_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
+        ATTN_STAGES=target.attn_stages,
     )
 
 

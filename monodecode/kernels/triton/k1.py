@@ -95,6 +95,7 @@ def k1_kernel(
     SPLIT: tl.constexpr,
     BF16MB: tl.constexpr = False,
     PROF: tl.constexpr = False,
+    ATTN_STAGES: tl.constexpr = 1,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -212,6 +213,7 @@ def k1_kernel(
                 QK_NORM,
                 ONE_PLUS,
                 BF16MB,
+                ATTN_STAGES,
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)

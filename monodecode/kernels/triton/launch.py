@@ -53,7 +53,9 @@ class TritonKernels(TwoLaunchKernels):
     # ``vllm_plugin.step.kv_reason_for_backend`` reads this).
     kv_strided = True
 
-    def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device):
+    def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device, share: Any = None):
+        """``share``: another TritonKernels of the same weights whose packed layers this one reuses
+        (the benchmark's launch-target variants; no second copy of the fused QKV weights)."""
         dims = req.dims
         check_dims(dims, req.widths)
         self.req = req
@@ -72,7 +74,10 @@ class TritonKernels(TwoLaunchKernels):
         if have != req.weight_dtype:
             raise ConfigError(f"triton kernels: built for {req.weight_dtype} weights but the model has {have}")
         self.consts = {w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, vp) for w in req.widths}
-        self.layers = [pack_layer(dims, l, w, self.device) for l, w in enumerate(weights.layers)]
+        if share is not None:
+            self.layers = share.layers
+        else:
+            self.layers = [pack_layer(dims, l, w, self.device) for l, w in enumerate(weights.layers)]
         self.scratch = torch.zeros(self.plan.scratch.nbytes // 8, dtype=torch.int64, device=self.device)
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
         self.prof = self.scratch[:1]  # timestamp buffer (``enable_timeline``); unused while compiled out
