@@ -10,7 +10,10 @@ and checks afterwards that no distribution of the base changed.
 Subcommands:
   snapshot OUT                    installed distributions {name: version} as JSON
   constraints OUT                 the same as a pip constraints file (PEP 440 versions only)
-  plan REPORT OUT                 pip --dry-run --report JSON -> requirement lines to download
+  plan REPORT OUT                 pip --dry-run --report JSON -> requirement lines to download, each
+                                  with the sha256 the index gave (pip then checks every download)
+  lock WHEELDIR PREFIX OUT        a requirements file of every wheel in WHEELDIR (as PREFIX/NAME) with
+                                  its sha256: what the runtime stage installs with --require-hashes
   undisturbed BEFORE AFTER        exit 1 naming every base distribution that changed or vanished
   image-info --arch A --profiles P --artifacts DIR --out FILE
                                   versions + baked artifact summary, read back by monodecode-ops build
@@ -88,9 +91,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return 1
         if _norm(name) == "monodecode":
             continue  # our own wheel is already in the wheelhouse
-        reqs.append(f"{name}=={version}")
+        archive = (item.get("download_info") or {}).get("archive_info") or {}
+        sha256 = (archive.get("hashes") or {}).get("sha256")
+        if not sha256 and str(archive.get("hash", "")).startswith("sha256="):
+            sha256 = archive["hash"].split("=", 1)[1]
+        if not sha256 or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            print(
+                f"pyenv plan: the package index gave no sha256 for {name}=={version}; "
+                "downloads are hash-checked, so the index must publish hashes",
+                file=sys.stderr,
+            )
+            return 1
+        reqs.append(f"{name}=={version} --hash=sha256:{sha256}")
     _write(args.out, "".join(r + "\n" for r in reqs))
-    print(f"pyenv plan: the base lacks {len(reqs)} distribution(s): {' '.join(reqs) or '(none)'}")
+    names = " ".join(r.split(" ", 1)[0] for r in reqs)
+    print(f"pyenv plan: the base lacks {len(reqs)} distribution(s): {names or '(none)'}")
+    return 0
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    wheels = sorted(n for n in os.listdir(args.wheeldir) if n.endswith(".whl"))
+    if not wheels:
+        print(f"pyenv lock: no wheels in {args.wheeldir}", file=sys.stderr)
+        return 1
+    lines = [f"{args.prefix.rstrip('/')}/{n} --hash=sha256:{_sha256(os.path.join(args.wheeldir, n))}" for n in wheels]
+    _write(args.out, "".join(line + "\n" for line in lines))
     return 0
 
 
@@ -159,6 +192,11 @@ def main() -> int:
     s.add_argument("report")
     s.add_argument("out")
     s.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("lock")
+    s.add_argument("wheeldir")
+    s.add_argument("prefix")
+    s.add_argument("out")
+    s.set_defaults(fn=cmd_lock)
     s = sub.add_parser("undisturbed")
     s.add_argument("before")
     s.add_argument("after")

@@ -33,8 +33,11 @@ echo "wheels: built $(basename "$whl")"
 "$PY" -m pip install --quiet --dry-run --report /tmp/report.json \
     -c /tmp/installed.txt "monodecode[$EXTRAS] @ file://$whl"
 "$PY" "$STAGE/build/pyenv.py" plan /tmp/report.json /tmp/missing.txt
+# Every download is checked against the sha256 the index published for the resolved version.
 if [ -s /tmp/missing.txt ]; then
-  "$PY" -m pip wheel --quiet --no-deps --wheel-dir "$STAGE/wheels" -r /tmp/missing.txt
+  "$PY" -m pip wheel --quiet --no-deps --require-hashes --wheel-dir "$STAGE/wheels" -r /tmp/missing.txt
 fi
+# The runtime stage installs exactly these files, each checked against this lock.
+"$PY" "$STAGE/build/pyenv.py" lock "$STAGE/wheels" /opt/monodecode/wheels "$STAGE/wheels.lock"
 rm -f /tmp/installed.txt /tmp/report.json /tmp/missing.txt
-ls -l "$STAGE/wheels"
+cat "$STAGE/wheels.lock"

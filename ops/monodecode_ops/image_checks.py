@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from monodecode.errors import ArtifactError
 from monodecode.services.artifacts import MANIFEST, ArtifactStore, parse_manifest
 from monodecode.services.platform import Platform
+from monodecode_ops.base_vllm import supported_vllm, vllm_problem
 from monodecode_ops.engine import connect, get_image, image_files
 from monodecode_ops.labels import (
     ARCHS,
@@ -149,6 +150,18 @@ def _arch_check(labels: ImageLabels, platform: Platform) -> Check:
         f"{labels.arch} matches the node's GPU ({platform.name})",
         data={"image_arch": labels.arch, "node_arch": platform.arch},
     )
+
+
+def vllm_check(labels: ImageLabels) -> Check:
+    """The image's vLLM (its label) against the range the plugin supports."""
+    name = "image vLLM"
+    data = {"vllm_version": labels.vllm_version, "supported": supported_vllm()}
+    if not labels.vllm_version:
+        return Check.skipped(name, "the image has no vLLM: it can verify and run kernels, not serve", data=data)
+    problem = vllm_problem(labels.vllm_version)
+    if problem:
+        return Check.failure(name, problem.replace("the base image has", "the image has"), data=data)
+    return Check.passed(name, f"vLLM {labels.vllm_version}, in the plugin's range vllm{data['supported']}", data=data)
 
 
 def _manifest_checks(c: ImageContents, prefix: str = "image", facts: str = "labels") -> list[Check]:
@@ -289,6 +302,7 @@ def verify_image(
         )
     ]
     checks.append(_arch_check(lab, platform))
+    checks.append(vllm_check(lab))
     checks.extend(_manifest_checks(c))
     checks.append(_model_check(c, platform, dims))
     return checks

@@ -456,3 +456,73 @@ def test_failing_build_step_is_one_line_with_its_output(local_base):
     line = one_error_line(proc)
     assert line.startswith("error: build for gfx942 failed at step "), line
     assert "resolve-wheels.sh" in line and "returned a non-zero code" in line and "last output:" in line, line
+
+
+def test_verify_image_fails_on_a_vllm_outside_the_plugins_range(docker_client, built):
+    from monodecode_ops.base_vllm import supported_vllm
+    from monodecode_ops.image_checks import verify_image
+
+    old = derived_image(
+        docker_client, f"{REPO}:{TAG}-old-vllm", f'FROM {tag_of("gfx942")}\nLABEL io.monodecode.vllm-version="0.31.0"\n'
+    )
+    checks = {c.name: c for c in verify_image(old, CPU, client=docker_client)}
+    assert checks["image vLLM"].status == "fail" and checks["image vLLM"].required
+    assert "0.31.0" in checks["image vLLM"].detail and supported_vllm() in checks["image vLLM"].detail
+    proc = cli("verify", "--image", old, "--no-self-test", "--json")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the local base has no vLLM: reported, not a failure
+    ok = {c.name: c for c in verify_image(tag_of("gfx942"), CPU, client=docker_client)}
+    assert ok["image vLLM"].status == "skip"
+
+
+def test_build_fails_on_a_base_with_an_unsupported_vllm(docker_client, built, local_base):
+    """The runtime stage refuses a base whose vLLM (here a metadata-only 0.31.0 distribution,
+    what importlib.metadata reads) is outside the plugin's range, naming both versions."""
+    from monodecode_ops.base_vllm import supported_vllm
+
+    old_base = derived_image(
+        docker_client,
+        f"{REPO}:{TAG}-base-vllm031",
+        f"""FROM {local_base}
+RUN d=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/vllm-0.31.0.dist-info && \\
+mkdir -p "$d" && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.31.0\\n' > "$d/METADATA"
+""",
+    )
+    proc = cli(
+        "build",
+        "-a",
+        "gfx942",
+        "--base-image",
+        old_base,
+        "--local-base",
+        "-p",
+        "tiny",
+        "--repository",
+        REPO,
+        "--tag",
+        f"{TAG}-vllm031",
+        *(["--ca-bundle", CA] if CA else []),
+        timeout=1500,
+    )
+    line = one_error_line(proc)
+    assert "install-runtime.sh" in line, line
+    assert f"the base image has vLLM 0.31.0; the monodecode plugin supports vllm{supported_vllm()}" in line, line
+
+
+def test_unpinned_base_is_pinned_through_its_registry(docker_client, registry):
+    """A tag without a digest: the plan asks the registry (through the engine) for the digest it
+    serves, and the build uses and records exactly that."""
+    name = f"{registry}/monodecode-test/tag-only-base"
+    docker_client.images.build(fileobj=io.BytesIO(b"FROM scratch\nLABEL purpose=tag-only\n"), tag=f"{name}:v2", rm=True)
+    docker_client.images.push(name, tag="v2")
+    digest = docker_client.images.get(f"{name}:v2").attrs["RepoDigests"][0].split("@")[1]
+    try:
+        proc = cli("build", "--dry-run", "--json", "-a", "gfx950", "-p", "tiny", "--base-image", f"{name}:v2")
+        assert proc.returncode == 0, proc.stderr
+        (arch,) = json.loads(proc.stdout)["plan"]["archs"]
+        assert arch["base"] == {"ref": f"{name}:v2", "use": f"{name}:v2@{digest}", "digest": digest, "how": "registry"}
+        assert arch["build_args"]["BASE_IMAGE"] == f"{name}:v2@{digest}"
+        line = one_error_line(cli("build", "--dry-run", "-a", "gfx950", "-p", "tiny", "--base-image", f"{name}:nope"))
+        assert f"base image {name}:nope has no digest and cannot be pinned" in line, line
+    finally:
+        docker_client.images.remove(f"{name}:v2", force=True)

@@ -195,3 +195,54 @@ def test_unreadable_image_info_is_a_failed_check(baked):
     Path(os.environ["MONODECODE_IMAGE_INFO"]).write_text("{not json")
     (check,) = baked_checks()
     assert check.status == "fail" and "unreadable or incomplete" in check.detail
+
+
+# ---- the image's vLLM against the plugin's range -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "version,status",
+    [
+        ("0.33.0", "pass"),
+        ("0.33.0+rocm7.1", "pass"),
+        ("0.31.0", "fail"),
+        ("0.16.0", "fail"),
+        ("not-a-version", "fail"),
+        ("", "skip"),
+    ],
+)
+def test_vllm_label_against_the_supported_range(version, status):
+    from monodecode_ops.base_vllm import supported_vllm
+    from monodecode_ops.image_checks import vllm_check
+
+    lab = ImageLabels.from_labels("img", {**GOOD, "io.monodecode.vllm-version": version})
+    check = vllm_check(lab)
+    assert check.status == status, check
+    if status == "fail":
+        assert version in check.detail and supported_vllm() in check.detail  # names both
+
+
+def _fake_vllm_site(tmp_path: Path, version: str) -> Path:
+    """A site directory holding only vLLM's distribution metadata (what importlib.metadata reads)."""
+    site = tmp_path / f"site-{version}"
+    info = site / f"vllm-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return site
+
+
+@pytest.mark.parametrize("version,ok", [("0.31.0", False), ("0.33.0", True)])
+def test_runtime_stage_check_of_the_base_vllm(tmp_path, version, ok):
+    """What the image's runtime stage runs (python3 -m monodecode_ops.base_vllm) on a base whose
+    vLLM has ``version``: outside the range it fails, naming both versions."""
+    from monodecode_ops.base_vllm import supported_vllm
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_fake_vllm_site(tmp_path, version)), *sys.path])}
+    proc = subprocess.run([sys.executable, "-m", "monodecode_ops.base_vllm"], capture_output=True, text=True, env=env)
+    if ok:
+        assert proc.returncode == 0 and f"vLLM {version} is in the supported range" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == 1, proc.stdout
+        assert (
+            f"the base image has vLLM {version}; the monodecode plugin supports vllm{supported_vllm()}" in proc.stderr
+        )
