@@ -11,6 +11,7 @@ reference, which runs everywhere.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 
 from monodecode.kernels.base import KernelBackend
@@ -91,8 +92,8 @@ def _platform_order(platform: Platform) -> list[str]:
     order = []
     if platform.is_supported_amd:
         order.append("flydsl")
-    if platform.is_gpu:
-        order.append("triton")
+    if platform.is_gpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        order.append("triton")  # on a CPU: Triton's interpreter runs the real kernels (verify)
     order.append("reference")
     return order + [n for n in _LAZY if n not in order and n not in ("flydsl", "triton", "reference")]
 

@@ -37,6 +37,11 @@ def cache_dir(tmp_path_factory):
 
 
 def invoke(*args, env=None):
+    """verify in this process on the reference backend (the interpreted triton backend, verify's
+    CPU default, runs in ``test_real_process_runs_the_triton_kernels_interpreted``: selecting the
+    interpreter is process-wide)."""
+    if "--backend" not in args:
+        args = (*args, "--backend", "reference")
     return CliRunner().invoke(app, ["verify", *args], env=env, catch_exceptions=False)
 
 
@@ -82,7 +87,7 @@ def test_require_gpu_fails_on_cpu():
 
 
 def test_unavailable_backend_is_a_failed_check_not_a_crash():
-    r = invoke("--json", "--backend", "triton", "--widths", "1")
+    r = invoke("--json", "--backend", "flydsl", "--widths", "1")
     assert r.exit_code == 1
     _, c = checks_of(r)
     assert c["refusal rules"]["status"] == "fail" and "backend_unavailable" in c["refusal rules"]["detail"]
@@ -220,22 +225,33 @@ def test_bad_fault_env_is_one_line():
     )
 
 
-def test_real_process_json(cache_dir):
+def test_real_process_runs_the_triton_kernels_interpreted(cache_dir):
+    """The console script on a CPU node, as ``make run`` calls it: the mono backend is the Triton
+    K1/K2 under Triton's interpreter, so the golden check, the mono steps and their tokens come
+    from the kernel code (not the reference compared with itself), and the output says so."""
     env = {**os.environ, "MONODECODE_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    env.pop("MONODECODE_FAULT", None)
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    for var in ("MONODECODE_FAULT", "PROMETHEUS_MULTIPROC_DIR", "TRITON_INTERPRET"):
+        env.pop(var, None)
     p = subprocess.run(
-        [str(VENV_BIN / "monodecode-ops"), "verify", "--json", "--widths", "1,2"],
+        [str(VENV_BIN / "monodecode-ops"), "verify", "--json"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=600,
         stdin=subprocess.DEVNULL,
     )
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads(p.stdout)
-    assert doc["verdict"] == "pass" and doc["runner"]["state"] == "mono"
-    assert all(c["status"] in ("pass", "skip") for c in doc["checks"])
+    c = {x["name"]: x for x in doc["checks"]}
+    assert doc["verdict"] == "pass" and doc["runner"]["state"] == "mono" and doc["runner"]["backend"] == "triton"
+    assert "Triton's CPU interpreter" in c["mono backend"]["detail"]
+    golden = c["warm-up golden check"]
+    assert golden["status"] == "pass" and golden["detail"].startswith("triton vs reference, every layer, widths 1,2")
+    assert golden["data"]["max_abs_error"] > 0  # bf16 kernel arithmetic, not the reference against itself
+    assert c["decode vs reference"]["status"] == "pass"
+    mono = [s for s in doc["steps"] if s["path"] == "mono"]
+    assert len(mono) >= 3 and all(s["tokens_match"] for s in mono)
+    assert all(x["status"] in ("pass", "skip") for x in doc["checks"])
 
 
 def test_unwritable_cache_and_failstop_dirs_are_one_line(tmp_path):

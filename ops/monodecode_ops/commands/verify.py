@@ -128,6 +128,45 @@ def _parse_widths(text: str | None) -> list[int] | None:
         raise MonodecodeError(f"--widths must be a comma-separated list of integers, got {text!r}") from None
 
 
+INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
+
+
+def use_triton_interpreter(platform: Any, backend: str) -> str | None:
+    """On a node without a GPU torch can drive, run the Triton K1/K2 under Triton's CPU
+    interpreter as the mono backend, so the self-test checks real kernel code, not the reference
+    against itself. Returns why not (None = enable it); call before the kernel modules load."""
+    if platform.is_gpu and platform.torch_usable:
+        return "a GPU is present"
+    if backend not in ("auto", "triton"):
+        return f"--backend {backend} was asked for"
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'monodecode[triton]')"
+    import os
+    import sys
+
+    if "monodecode.kernels.triton.launch" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "the triton kernel modules were imported before the interpreter could be selected"
+    from monodecode.kernels.triton import interpret
+
+    interpret.enable()
+    return None
+
+
+def backend_how(runner: Any, platform: Any) -> str:
+    """Which backend ran the mono steps and how, in words."""
+    name = runner.backend.name if runner.backend else "none"
+    if name == "reference":
+        return "reference: PyTorch reference layers (no kernel code runs on this node)"
+    if name == "triton" and not platform.is_gpu:
+        return (
+            "triton: the real K1/K2 kernel code under Triton's CPU interpreter (TRITON_INTERPRET=1), "
+            "every program played in turn; correctness only, not speed"
+        )
+    return f"{name}: compiled kernels on {platform.label}"
+
+
 def _load_model(model: Path | None, weight_dtype: str, device: str):
     from monodecode.model import ensure_tiny_model, load_dims, load_weights
 
@@ -201,6 +240,8 @@ def self_test(
         return checks, info
     info["runner"] = runner.summary()
     backend = runner.backend.name if runner.backend else "none"
+    info["mono_backend"] = backend_how(runner, platform)
+    checks.append(Check.passed("mono backend", info["mono_backend"], required=False))
     if runner.enabled:
         checks.append(
             Check.passed("refusal rules", f"backend {backend}: no refusal reasons (build key {runner.build_key[:16]})")
@@ -419,6 +460,9 @@ def register(app: typer.Typer) -> None:
             overrides["termination_log"] = str(Path(overrides["failstop_dir"]) / "termination-log")
             overrides["exit_on_failstop"] = False
             platform = detect_platform()
+            not_interpreted = use_triton_interpreter(platform, backend) if self_test_on else "no self-test"
+            if not_interpreted is None and parsed_widths is None:
+                overrides["widths"] = INTERPRETER_WIDTHS
             checks = node_checks(platform, require_gpu)
             checks += backend_checks(platform)
             info: dict[str, Any] = {"platform": platform.to_dict()}
