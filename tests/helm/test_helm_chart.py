@@ -28,12 +28,17 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "vllm-monodecode"
 RULES_SRC = REPO / "deploy" / "prometheus" / "monodecode-alerts.yaml"
 DASHBOARD_SRC = REPO / "deploy" / "grafana" / "monodecode.json"
+# the chart's own files (not links): generated serve settings, the init container's and helm test's scripts
+CHART_OWN_FILES = ("serve-settings.json", "gpu-access-check.py", "helm-test.sh")
 K8S_VERSION = "1.30.0"
 MONITORING_APIS = [f"monitoring.coreos.com/v1/{k}" for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")]
+# Physical and virtual functions, as the AMD GPU operator's node-feature rule lists them
+# (ROCm/gpu-operator helm-charts-k8s/templates/gpu-nfd-default-rule.yaml); 75a8 is not an id there.
 DEVICE_IDS = {
-    "gfx942": ["74a1", "74a9", "74a5", "74a0", "74a2", "74a8"],
-    "gfx950": ["75a0", "75a3", "75a8"],
+    "gfx942": ["74a1", "74a9", "74a5", "74a0", "74a2", "74a8", "74b5", "74bd", "74b6", "74bc", "74b9"],
+    "gfx950": ["75a0", "75a3", "75b0", "75b3"],
 }
+SPX = {"key": "amd.com/compute-memory-partition", "operator": "In", "values": ["spx_nps1"]}
 
 
 def helm_bin() -> str:
@@ -279,7 +284,7 @@ def matrix_values(arch, tp, monitoring, on_refusal, source) -> dict:
     values = {
         "arch": arch,
         "vllm": {"tensorParallelSize": tp},
-        "monodecode": {"onRefusal": on_refusal},
+        "monodecode": {"on_refusal": on_refusal},
         "monitoring": {"serviceMonitor": {"enabled": monitoring, "labels": {"release": "prom"}}},
         "prometheusRule": {"enabled": monitoring},
         "rulesConfigMap": {"enabled": monitoring},
@@ -304,8 +309,15 @@ def arg_after(args: list[str], flag: str) -> str:
 )
 def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     from monodecode.config import MonoConfig
+    from monodecode.vllm_plugin.serving import serve_settings
 
-    docs = render(tmp_path, matrix_values(arch, tp, monitoring, on_refusal, source))
+    values = matrix_values(arch, tp, monitoring, on_refusal, source)
+    if tp > 1 and on_refusal == "raise":
+        proc = render(tmp_path, values, check=False)
+        assert proc.returncode != 0, "TP > 1 with on_refusal raise always crash-loops: it must not render"
+        assert f"vllm.tensorParallelSize {tp} with monodecode.on_refusal raise always crash-loops" in proc.stderr
+        return
+    docs = render(tmp_path, values)
     for doc in docs:
         validate_strict(doc)
         assert doc["metadata"].get("namespace") == "llm", f"{doc['kind']} outside the release namespace"
@@ -322,7 +334,7 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     assert c["image"] == f"vllm-monodecode:0.1.0-{arch}"
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert term == [
-        {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}]}
+        {"matchExpressions": [{"key": "amd.com/gpu.device-id", "operator": "In", "values": DEVICE_IDS[arch]}, SPX]}
     ]
 
     # vLLM arguments, and the mono decode options as MonoConfig reads them
@@ -331,6 +343,12 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     assert arg_after(args, "--tensor-parallel-size") == str(tp)
     mono = MonoConfig.from_additional_config(json.loads(arg_after(args, "--additional-config")))
     assert mono.enabled and mono.on_refusal == on_refusal and mono.widths == (1, 2, 4, 8) and not mono.allow_jit
+    # the attention backend + KV layout pair mono decode supports on ROCm, exactly
+    serve = serve_settings("rocm")
+    backend_flag = serve.args[0]
+    assert [args[i : i + 2] for i, a in enumerate(args) if a == backend_flag] == [list(serve.args)]
+    env_values = {e["name"]: e.get("value") for e in c["env"]}
+    assert {k: env_values.get(k) for k in serve.env} == serve.env
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert mounts["failstop"]["mountPath"] == mono.failstop_dir and "emptyDir" in volumes["failstop"]
@@ -364,13 +382,14 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     assert restricted_violations(test_pod["spec"]) == []
     svc = one(docs, "Service")
-    assert test_pod["spec"]["containers"][0]["command"] == [
-        "monodecode-ops",
-        "verify",
-        "--no-self-test",
-        "--endpoint",
-        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
+    command = test_pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["sh", "-c"] and command[3:] == [
+        "helm-test",
+        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}/metrics",
+        "120",
     ]
+    assert test_pod["spec"]["activeDeadlineSeconds"] == 120 + 300
+    assert "busybox" in test_pod["spec"]["containers"][0]["image"]
 
     monitoring_kinds = {"ServiceMonitor", "PrometheusRule"}
     kinds = {d["kind"] for d in docs}
@@ -380,13 +399,49 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
         assert sm["metadata"]["labels"]["release"] == "prom"
         assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
         assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
-        assert "monodecode" in svc["metadata"]["name"], "MonodecodeMetricsAbsent matches jobs containing 'monodecode'"
+        assert_targets_carry_the_alert_label(sm, dep)
         dash = one(docs, "ConfigMap", "-dashboard")
         assert json.loads(dash["data"]["monodecode.json"]) == json.loads(DASHBOARD_SRC.read_text())
         assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     else:
         assert not monitoring_kinds & kinds
         assert not [d for d in by_kind(docs, "ConfigMap")]
+
+
+def labelmap_of_pod_labels(labels: dict) -> dict:
+    """Pod labels as Prometheus target labels (`labelmap` of __meta_kubernetes_pod_label_(.+),
+    and the operator's podTargetLabels): every character outside [a-zA-Z0-9_] becomes '_'."""
+    import re
+
+    return {re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in labels.items()}
+
+
+def alert_target_selector() -> dict:
+    """The equality matchers MonodecodeMetricsAbsent selects scrape targets (`up`) by."""
+    import re
+
+    rules = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    expr = rules["MonodecodeMetricsAbsent"]["expr"]
+    selectors = set(re.findall(r"up\{([^}]*)\}", expr))
+    assert len(selectors) == 1, f"MonodecodeMetricsAbsent selects up{{...}} in more than one way: {selectors}"
+    matchers = dict(re.findall(r'([a-zA-Z_]+)="([^"]*)"', selectors.pop()))
+    assert "job" not in matchers, "select on a label the chart controls, not the scrape job"
+    return matchers
+
+
+def assert_targets_carry_the_alert_label(monitor: dict, deployment: dict) -> None:
+    """The monitor copies the pod label the alert rules select on onto every scraped series."""
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    copied = {k: v for k, v in pod_labels.items() if k in monitor["spec"].get("podTargetLabels", [])}
+    assert labelmap_of_pod_labels(copied).items() >= alert_target_selector().items(), (
+        f"{monitor['kind']} does not put {alert_target_selector()} on the targets (podTargetLabels {copied})"
+    )
+
+
+def test_pod_monitor_targets_carry_the_alert_label(tmp_path):
+    docs = render(tmp_path, yaml.safe_load((CHART / "ci" / "pvc-degrade-values.yaml").read_text()))
+    assert_targets_carry_the_alert_label(one(docs, "PodMonitor"), one(docs, "Deployment"))
+    validate_strict(one(docs, "PodMonitor"))
 
 
 def test_rolling_update_never_surges(tmp_path):
@@ -400,10 +455,16 @@ def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
         tmp_path,
         {"monodecode": {"enabled": False}, "prometheusRule": {"enabled": True}, "rulesConfigMap": {"enabled": True}},
     )
-    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    c = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
     # explicit: the image's entrypoint turns mono decode on unless told otherwise
     assert json.loads(arg_after(args, "--additional-config"))["monodecode"]["enabled"] is False
     assert not by_kind(docs, "PrometheusRule") and not by_kind(docs, "ConfigMap")
+    # stock vLLM picks its own attention backend and KV layout
+    serve = serve_settings("rocm")
+    assert serve.args[0] not in args and not set(serve.env) & {e["name"] for e in c["env"]}
 
 
 def test_overrides_reach_the_pod(tmp_path):
@@ -426,7 +487,12 @@ def test_overrides_reach_the_pod(tmp_path):
                     ]
                 }
             },
-            "monodecode": {"backend": "triton", "widths": [1, 4, 16], "allowJit": True, "artifactDir": "/opt/kernels"},
+            "monodecode": {
+                "backend": "triton",
+                "widths": [1, 4, 16],
+                "allow_jit": True,
+                "artifact_dir": "/opt/kernels",
+            },
             "vllm": {"maxModelLen": 4096, "extraArgs": ["--enable-prefix-caching"]},
             "model": {"servedName": "qwen"},
             "probes": {"startup": {"weightLoadSeconds": 100, "warmupSeconds": 55, "periodSeconds": 10}},
@@ -442,7 +508,7 @@ def test_overrides_reach_the_pod(tmp_path):
     exprs = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"
     ]
-    assert exprs[0]["values"] == ["75a3"] and exprs[1]["key"] == "amd.com/compute-memory-partition"
+    assert exprs[0]["values"] == ["75a3"] and exprs[1:] == [SPX, SPX]
     assert "podAntiAffinity" in pod["affinity"]
     mono = json.loads(arg_after(c["args"], "--additional-config"))["monodecode"]
     assert mono["backend"] == "triton" and mono["widths"] == [1, 4, 16] and mono["allow_jit"] is True
@@ -464,6 +530,8 @@ def test_hostpath_source_and_scrape_annotations(tmp_path):
     ]
     # hostPath is the documented exception to the restricted standard
     assert restricted_violations(pod["spec"]) == ["volume model uses ['hostPath']"]
+    # an annotation scrape job's pod labelmap gives the series the label the alert rules select on
+    assert labelmap_of_pod_labels(pod["metadata"]["labels"]).items() >= alert_target_selector().items()
 
 
 @pytest.mark.parametrize("values_file", sorted(p.name for p in (CHART / "ci").glob("*-values.yaml")))
@@ -479,7 +547,7 @@ def test_ci_scenarios_render_valid_manifests(tmp_path, values_file):
 BAD_VALUES = [
     ({"arch": "gfx90a"}, "at '/arch': value must be one of 'gfx942', 'gfx950'"),
     ({"vllm": {"tensorParallelSize": 3}}, "at '/vllm/tensorParallelSize': value must be one of 1, 2, 4, 8"),
-    ({"monodecode": {"onRefusal": "ignore"}}, "at '/monodecode/onRefusal': value must be one of 'raise', 'degrade'"),
+    ({"monodecode": {"on_refusal": "ignore"}}, "at '/monodecode/on_refusal': value must be one of 'raise', 'degrade'"),
     ({"monodecode": {"backend": "cuda"}}, "at '/monodecode/backend'"),
     ({"monodecode": {"widths": []}}, "at '/monodecode/widths'"),
     ({"monodecode": {"widths": [1, 1]}}, "at '/monodecode/widths'"),
@@ -493,13 +561,69 @@ BAD_VALUES = [
     ({"rollout": {"strategy": "BlueGreen"}}, "at '/rollout/strategy'"),
     ({"rollout": {"maxUnavailable": 0}}, "at '/rollout/maxUnavailable'"),
     ({"model": {"source": "s3"}}, "at '/model/source'"),
-    ({"fullnameOverride": "qwen"}, "at '/fullnameOverride'"),
     (
         {"prometheusRule": {"alerts": {"MonodecodeFailstop": {"for": "soon"}}}},
         "at '/prometheusRule/alerts/MonodecodeFailstop/for'",
     ),
     ({"prometheusRule": {"alerts": {"MonodecodeFailstop": {"severity": "page"}}}}, "severity"),
+    ({"monodecode": {"widths": None}}, "at '/monodecode': missing property 'widths'"),
+    ({"monodecode": {"max_failstops": 0}}, "at '/monodecode/max_failstops'"),
+    ({"monodecode": {"failstop_dir": "/tmp"}}, "additional properties 'failstop_dir' not allowed"),
+    ({"monodecode": {"onRefusal": "degrade"}}, "additional properties 'onRefusal' not allowed"),
+    ({"resources": {"requests": {"cpu": -8}}}, "at '/resources/requests/cpu': minimum: got -8, want 0"),
+    ({"resources": {"requests": {"cpu": "-8"}}}, "at '/resources/requests/cpu'"),
+    ({"resources": {"limits": {"memory": -1}}}, "at '/resources/limits/memory'"),
+    # the restricted Pod Security Standard
+    ({"podSecurityContext": {"runAsUser": 0}}, "at '/podSecurityContext/runAsUser': minimum: got 0, want 1"),
+    ({"podSecurityContext": {"runAsUser": -1}}, "at '/podSecurityContext/runAsUser'"),
+    ({"podSecurityContext": {"runAsNonRoot": False}}, "at '/podSecurityContext/runAsNonRoot': value must be true"),
+    ({"podSecurityContext": {"runAsNonRoot": None}}, "at '/podSecurityContext': missing property 'runAsNonRoot'"),
+    ({"podSecurityContext": {"runAsGroup": 0}}, "at '/podSecurityContext/runAsGroup'"),
+    (
+        {"podSecurityContext": {"seccompProfile": {"type": "Unconfined"}}},
+        "at '/podSecurityContext/seccompProfile/type'",
+    ),
+    ({"podSecurityContext": {"sysctls": [{"name": "kernel.shm_rmid_forced", "value": "0"}]}}, "'sysctls' not allowed"),
+    ({"securityContext": {"privileged": True}}, "at '/securityContext/privileged': value must be false"),
+    ({"securityContext": {"allowPrivilegeEscalation": True}}, "at '/securityContext/allowPrivilegeEscalation'"),
+    ({"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}, "at '/securityContext/capabilities/add'"),
+    ({"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}, "at '/securityContext/capabilities/drop'"),
+    ({"securityContext": {"runAsUser": 0}}, "at '/securityContext/runAsUser'"),
+    ({"securityContext": {"seccompProfile": {"type": "Unconfined"}}}, "at '/securityContext/seccompProfile/type'"),
+    ({"securityContext": {"foo": "bar"}}, "at '/securityContext': additional properties 'foo' not allowed"),
+    ({"rocm": {"deviceGroups": [0]}}, "at '/rocm/deviceGroups/0': minimum: got 0, want 1"),
+    ({"allowUnrestrictedSecurityContext": "yes"}, "at '/allowUnrestrictedSecurityContext'"),
+    ({"tests": {"timeoutSeconds": 5}}, "at '/tests/timeoutSeconds'"),
     # checks across values, done by the templates
+    ({"monodecode": {"widths": [4, 2]}}, "monodecode.widths must be ascending, got [4,2]"),
+    ({"monodecode": {"widths": [1, 8, 4]}}, "monodecode.widths must be ascending, got [1,8,4]"),
+    (
+        {"vllm": {"tensorParallelSize": 2}},
+        "vllm.tensorParallelSize 2 with monodecode.on_refusal raise always crash-loops: mono decode refuses tensor "
+        "parallelism (tp_shards) until it lands; set monodecode.on_refusal=degrade",
+    ),
+    (
+        {"model": {"source": "hf", "pvc": {"claimName": "models"}}},
+        "model.pvc.claimName is set but model.source is hf, which ignores it",
+    ),
+    (
+        {"model": {"source": "pvc", "pvc": {"claimName": "m"}, "hostPath": {"path": "/data/m"}}},
+        "model.hostPath.path is set but model.source is pvc, which ignores it",
+    ),
+    (
+        {"prometheusRule": {"additionalRuleLabels": {"severity": "info"}}},
+        "prometheusRule.additionalRuleLabels.severity is set, but every alert keeps its own severity",
+    ),
+    (
+        {"vllm": {"extraArgs": ["--attention-backend", "ROCM_ATTN"]}},
+        "vllm.extraArgs sets --attention-backend, which the chart sets to",
+    ),
+    ({"vllm": {"extraArgs": ["--attention-backend=ROCM_ATTN"]}}, "vllm.extraArgs sets --attention-backend"),
+    (
+        {"env": [{"name": "VLLM_KV_CACHE_LAYOUT", "value": "NHD"}]},
+        "env sets VLLM_KV_CACHE_LAYOUT, which the chart sets",
+    ),
+    ({"podLabels": {"app.kubernetes.io/part-of": "shop"}}, "podLabels must not set app.kubernetes.io/part-of"),
     (
         {"resources": {"limits": {"amd.com/gpu": "2"}}},
         "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize",
@@ -554,6 +678,7 @@ def test_packaged_chart_carries_deploy_files_byte_for_byte(tmp_path):
     assert got == {
         "vllm-monodecode/files/monodecode-alerts.yaml": RULES_SRC.read_bytes(),
         "vllm-monodecode/files/monodecode-dashboard.json": DASHBOARD_SRC.read_bytes(),
+        **{f"vllm-monodecode/files/{f}": (CHART / "files" / f).read_bytes() for f in CHART_OWN_FILES},
     }
     assert "vllm-monodecode/values.schema.json" in names and "vllm-monodecode/templates/NOTES.txt" in names
     # the packaged chart renders on its own (no link back into the repository)
@@ -625,12 +750,15 @@ def test_notes_render_with_the_release(tmp_path):
         "vllm.tensorParallelSize=8",
         "--set",
         "arch=gfx950",
+        "--set",
+        "monodecode.on_refusal=degrade",
     )
     notes = proc.stdout.split("NOTES:", 1)[1]
     assert "8 x amd.com/gpu each, arch gfx950" in notes
-    assert "amd.com/gpu.device-id in (75a0, 75a3, 75a8)" in notes
+    assert "amd.com/gpu.device-id in (75a0, 75a3, 75b0, 75b3)" in notes
     assert "helm test rel -n llm --logs" in notes
     assert "up to 1800s" in notes
+    assert '"on_refusal":"degrade"' in notes and "--attention-backend" in notes
 
 
 # ---- the chart's arguments through the image's entrypoint ---------------------------------------
@@ -646,7 +774,7 @@ ENTRYPOINT = REPO / "images" / "build" / "entrypoint.py"
         {
             "model": {"source": "pvc", "pvc": {"claimName": "m", "path": "llama"}},
             "vllm": {"tensorParallelSize": 8},
-            "monodecode": {"onRefusal": "degrade", "artifactDir": "/mnt/kernels", "widths": [1, 8]},
+            "monodecode": {"on_refusal": "degrade", "artifact_dir": "/mnt/kernels", "widths": [1, 8]},
         },
     ],
     ids=["default", "mono-off", "pvc-degrade-artifacts"],
@@ -662,6 +790,8 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
         "PATH": os.environ.get("PATH", ""),
         "MONODECODE_ENTRYPOINT_PRINT": "1",
         "MONODECODE_ARTIFACT_DIR": "/opt/monodecode/artifacts",
+        # what the ROCm image's torch makes the entrypoint detect (this venv's torch is CPU-only)
+        "MONODECODE_SERVE_PLATFORM": "rocm",
     }
     env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
     proc = subprocess.run(
@@ -676,14 +806,17 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     planned = json.loads(proc.stdout)
     cmd = planned["argv"]
     assert cmd[:3] == ["vllm", "serve", c["args"][1]]
-    # with mono decode on, vLLM gets the token-major KV layout the kernels' strided views need
+    # with mono decode on, vLLM gets the KV layout of the one attention backend the kernels read
+    from monodecode.vllm_plugin.serving import serve_settings
+
     mono_on = values.get("monodecode", {}).get("enabled", True)
-    assert planned["env"].get("VLLM_KV_CACHE_LAYOUT") == ("LBNHC" if mono_on else None)
+    for name, value in serve_settings("rocm").env.items():
+        assert planned["env"].get(name) == (value if mono_on else None)
     mono = MonoConfig.from_additional_config(json.loads(arg_after(cmd, "--additional-config")))
     want = values.get("monodecode", {})
     assert mono.enabled is want.get("enabled", True)
-    assert mono.on_refusal == want.get("onRefusal", "raise")
-    assert mono.artifact_dir == want.get("artifactDir", "/opt/monodecode/artifacts")
+    assert mono.on_refusal == want.get("on_refusal", "raise")
+    assert mono.artifact_dir == want.get("artifact_dir", "/opt/monodecode/artifacts")
     assert mono.failstop_dir == "/var/lib/monodecode/failstop"
     assert arg_after(cmd, "--tensor-parallel-size") == str(values.get("vllm", {}).get("tensorParallelSize", 1))
     # every chart argument but the config reaches vllm unchanged

@@ -69,6 +69,14 @@ requiredDuringSchedulingIgnoredDuringExecution:
           operator: In
           values:
             {{- toYaml $ids | nindent 12 }}
+        {{- with .Values.nodeSelection.partition }}
+        {{- if .values }}
+        - key: {{ .label }}
+          operator: In
+          values:
+            {{- toYaml .values | nindent 12 }}
+        {{- end }}
+        {{- end }}
         {{- with .Values.nodeSelection.extraRequirements }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -80,14 +88,29 @@ preferredDuringSchedulingIgnoredDuringExecution:
 {{- end }}
 {{- end }}
 
-{{/* The monodecode options for vLLM's --additional-config (keys of monodecode.config.MonoConfig). */}}
+{{/*
+vLLM's --additional-config: the monodecode values block as is (its keys are MonoConfig's, checked
+by the generated values.schema.json), null values left out, failstop_dir set to the chart's volume.
+*/}}
 {{- define "vllm-monodecode.monoConfig" -}}
-{{- $m := .Values.monodecode }}
-{{- $c := dict "enabled" $m.enabled "backend" $m.backend "on_refusal" $m.onRefusal "widths" $m.widths "allow_jit" $m.allowJit "wait_timeout_s" $m.waitTimeoutSeconds "max_failstops" $m.failstop.maxFailstops "failstop_window_s" $m.failstop.windowSeconds "failstop_dir" "/var/lib/monodecode/failstop" "warmup_atol" $m.warmup.atol "warmup_rtol" $m.warmup.rtol }}
-{{- with $m.artifactDir }}
-{{- $_ := set $c "artifact_dir" . }}
+{{- $c := dict }}
+{{- range $key, $value := .Values.monodecode }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $c $key $value }}
 {{- end }}
+{{- end }}
+{{- $_ := set $c "failstop_dir" "/var/lib/monodecode/failstop" }}
 {{- dict "monodecode" $c | toJson }}
+{{- end }}
+
+{{/* The attention backend + KV layout pair mono decode supports on ROCm (files/serve-settings.json,
+generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
+{{- define "vllm-monodecode.serveSettings" -}}
+{{- $doc := .Files.Get "files/serve-settings.json" | fromJson }}
+{{- if or (hasKey $doc "Error") (not $doc.args) }}
+{{- fail "files/serve-settings.json is missing or invalid in the chart (generate it: python deploy/sync_chart.py)" }}
+{{- end }}
+{{- toJson $doc }}
 {{- end }}
 
 {{/* Seconds the startup probe allows: weight load + warm-up, rounded up to whole periods. */}}
@@ -122,6 +145,44 @@ preferredDuringSchedulingIgnoredDuringExecution:
 {{- if .Values.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution }}
 {{- fail "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution conflicts with nodeSelection, which renders the required arch term: add requirements to nodeSelection.extraRequirements, or set nodeSelection.enabled=false" }}
 {{- end }}
+{{- end }}
+{{- $m := .Values.monodecode }}
+{{- if $m.enabled }}
+{{- if and (gt (int .Values.vllm.tensorParallelSize) 1) (eq ($m.on_refusal | default "raise") "raise") }}
+{{- fail (printf "vllm.tensorParallelSize %d with monodecode.on_refusal raise always crash-loops: mono decode refuses tensor parallelism (tp_shards) until it lands; set monodecode.on_refusal=degrade (stock decode, reasons exported) or monodecode.enabled=false" (int .Values.vllm.tensorParallelSize)) }}
+{{- end }}
+{{- $serve := include "vllm-monodecode.serveSettings" . | fromJson }}
+{{- $flag := first $serve.args }}
+{{- range .Values.vllm.extraArgs }}
+{{- if or (eq . $flag) (hasPrefix (printf "%s=" $flag) .) }}
+{{- fail (printf "vllm.extraArgs sets %s, which the chart sets to %s for mono decode (the one backend it supports on ROCm): remove it, or set monodecode.enabled=false" $flag (index $serve.args 1)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.env }}
+{{- if hasKey $serve.env .name }}
+{{- fail (printf "env sets %s, which the chart sets to %s for mono decode: remove it, or set monodecode.enabled=false" .name (get $serve.env .name)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* the one MonoConfig rule JSON schema cannot say (null widths: the schema requires the key) */}}
+{{- $prev := 0 }}
+{{- range $m.widths }}
+{{- if le (int .) $prev }}
+{{- fail (printf "monodecode.widths must be ascending, got %s" (toJson $m.widths)) }}
+{{- end }}
+{{- $prev = int . }}
+{{- end }}
+{{- if hasKey (.Values.podLabels | default dict) "app.kubernetes.io/part-of" }}
+{{- fail "podLabels must not set app.kubernetes.io/part-of: the chart sets it to monodecode, and MonodecodeMetricsAbsent finds the pods by it" }}
+{{- end }}
+{{- if and (ne $src "pvc") .Values.model.pvc.claimName }}
+{{- fail (printf "model.pvc.claimName is set but model.source is %s, which ignores it: set model.source=pvc%s" $src (ternary ", or use model.hf.cache.claimName for a download cache" "" (eq $src "hf"))) }}
+{{- end }}
+{{- if and (ne $src "hostPath") .Values.model.hostPath.path }}
+{{- fail (printf "model.hostPath.path is set but model.source is %s, which ignores it: set model.source=hostPath, or clear model.hostPath.path" $src) }}
+{{- end }}
+{{- if hasKey (.Values.prometheusRule.additionalRuleLabels | default dict) "severity" }}
+{{- fail "prometheusRule.additionalRuleLabels.severity is set, but every alert keeps its own severity: change one alert's with prometheusRule.alerts.<AlertName>.severity" }}
 {{- end }}
 {{- if and .Values.monitoring.serviceMonitor.enabled .Values.monitoring.podMonitor.enabled }}
 {{- fail "monitoring.serviceMonitor.enabled and monitoring.podMonitor.enabled are both true: enable one, or every series is scraped twice" }}
