@@ -80,6 +80,7 @@ def test_dashboard_shows_what_the_issue_asks_for():
     assert panel_with("monodecode_step_duration_seconds", "path"), "step latency by path"
     assert panel_with("monodecode_warmup_duration_seconds") and panel_with("monodecode_warmup_max_abs_error"), "warm-up"
     assert panel_with("monodecode_failstop_total"), "fail-stops"
+    assert panel_with("monodecode_shadow_checks_total") and panel_with("monodecode_shadow_max_abs_error"), "shadow"
     assert panel_with("vllm:inter_token_latency_seconds"), "vLLM inter-token latency"
     assert panel_with("gpu_gfx_activity", "pod"), "AMD device metrics exporter GPU activity, per pod"
 
