@@ -6,11 +6,9 @@ FlyDSL cache entries into a private writable directory and bind every width's la
 refuses with ``no_artifact`` unless the config allows JIT, in which case the same compile as
 ``monodecode-ops precompile`` runs (in a subprocess) into that private directory first.
 
-Device side (ROCm only): weights are laid out once per layer (q|k|v and gate|up fused row-wise,
-FP8 scales as fp32 rows), the RoPE cos/sin tables are built with the reference's rounding, and one
-scratch buffer is laid out by the shared plan (``kernels/plan.py`` ``plan_model``: the sticky
-health word, then a disjoint segment of tagged mailbox regions and epoch counters per width).
-Nothing here imports FlyDSL or AITER until ``build`` runs on a ROCm device.
+The host side (packed weights, RoPE tables, the plan's scratch buffer, the launches on the
+current stream) is ``launch.FlyDSLKernels``. Nothing here imports FlyDSL or AITER until ``build``
+runs on a ROCm device.
 """
 
 from __future__ import annotations
@@ -118,7 +116,7 @@ class FlyDSLBackend(KernelBackend):
             except ArtifactError as e:
                 raise RefusalError(f"artifact_checksum: {e}") from None
         elif allow_jit:
-            from monodecode.kernels.flydsl.compile import compile_in_subprocess
+            from monodecode.kernels.flydsl.offline import compile_in_subprocess
 
             compile_in_subprocess(
                 req.platform.arch, req.dims, list(req.widths), req.weight_dtype, req.block_size, run_dir

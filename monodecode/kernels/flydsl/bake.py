@@ -21,8 +21,8 @@ from pathlib import Path
 from monodecode.errors import ArtifactError
 from monodecode.kernels import plan as plan_module
 from monodecode.kernels.flydsl.arch import arch_spec
-from monodecode.kernels.flydsl.compile import Specialisation, compile_in_subprocess
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
+from monodecode.kernels.flydsl.offline import Specialisation, compile_in_subprocess
 from monodecode.kernels.flydsl.toolchain import flydsl_version
 from monodecode.model.dims import ModelDims
 from monodecode.services.artifacts import ArtifactEntry, ArtifactStore
@@ -176,7 +176,7 @@ def _run_only_main() -> int:
     import flydsl.compiler as flyc
 
     from monodecode.kernels.flydsl.args import K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, pointer
-    from monodecode.kernels.flydsl.compile import _cache_entry, _dims_from_dict, launchers
+    from monodecode.kernels.flydsl.offline import _cache_entry, _dims_from_dict, launchers
     from monodecode.kernels.flydsl.toolchain import arch_env
 
     req = json.loads(sys.stdin.read())

@@ -1,27 +1,10 @@
-"""Device-side building blocks shared by K1 and K2 (FlyDSL 0.5, wave64, CDNA3/CDNA4).
+"""Device-side building blocks shared by the FlyDSL stages (FlyDSL 0.5, wave64, CDNA3/CDNA4):
+scalars and bf16 packing, math, plain global loads/stores, LDS, wave and block reductions.
 
 Imported only while tracing a kernel (it imports FlyDSL). Each helper emits IR when called
 inside a ``@flyc.kernel`` body; helpers with data-dependent control flow go through FlyDSL's AST
-rewriter (``device``) exactly like a kernel body does.
-
-The hand-off protocol is the plan's (``monodecode/kernels/plan.py``), the same the Triton
-backend implements (``kernels/triton/mailbox.py``):
-
-* a mailbox word is 8 bytes: the fp32 value's bits in the low half, the launch's 31-bit epoch
-  tag in the high half, written with ONE relaxed agent-scope 64-bit store
-  (``global_store_dwordx2 ... sc1``), so a reader that sees the tag sees the value;
-* readers load words with relaxed agent-scope 64-bit loads (``global_load_dwordx2 ... sc1``,
-  coherent across XCDs) and poll, ``s_sleep 1`` apart, until the tag matches; a word of an
-  earlier launch carries an older tag, so nothing is ever zeroed between steps;
-* the tag is derived on device from the width's int64 launch counter (the plan's ``epoch_k1`` /
-  ``epoch_k2`` regions): every workgroup adds 1 when it leaves, so during launch ``n`` the
-  counter reads in ``[n*G, n*G + G - 1]`` before this workgroup's own add and
-  ``counter // G + 1`` is the same in every workgroup (graph-safe, no host involvement);
-* waits are bounded (``max_polls`` polls); on expiry the sticky health word gets the site code
-  (compare-and-swap from 0: the first failure wins) and the kernel carries on with the stale
-  value, so the launch always terminates and the runner's check before logits stops the step.
-
-Weights stream through ``buffer_load_dwordx4 ... nt`` (read once per step, past the caches).
+rewriter (``device``) exactly like a kernel body does. The hand-off protocol lives in
+``mailbox.py``, the GEMV core (weight loads, dot products, MFMA tiles) in ``gemv.py``.
 """
 
 from __future__ import annotations
@@ -29,14 +12,8 @@ from __future__ import annotations
 import flydsl.expr as fx
 from flydsl.compiler.ast_rewriter import ASTRewriter
 from flydsl.expr import rocdl
-from flydsl.expr.primitive import range_constexpr
-from flydsl.expr.typing import Vector
-
-from monodecode.kernels.flydsl.geometry import health_word
 
 LOG2E = 1.4426950408889634
-TAG_MASK = 0x7FFFFFFF
-HEALTH_POLL_EVERY = 64  # a failing wait re-reads the health word this often (stops early after a failure)
 
 
 def device(f):
@@ -138,22 +115,6 @@ def lane_pick(lane, values):
     return out
 
 
-# ---------------------------------------------------------------- global memory
-def buffer_rsrc(ptr):
-    return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(ptr))
-
-
-CM_NT = 2  # streamed weights: nontemporal (flydsl_notes.md section 2: aux 2 -> nt)
-
-
-def load_weights16(rsrc, byte_off):
-    """16 bytes of weights (8 bf16 or 16 fp8) per lane, streamed (nt)."""
-    v = rocdl.raw_ptr_buffer_load(
-        Vector.make_type(4, fx.Int32), rsrc, fx.Int32(byte_off).ir_value(), fx.Int32(0).ir_value(), aux=CM_NT
-    )
-    return Vector(v, (4,), fx.Int32)
-
-
 def load_word(ptr, idx):
     return fx.generic_load(ptr + idx, dtype=fx.Int32)
 
@@ -173,111 +134,6 @@ def store_bf16(ptr16, idx, x):
 
 def store_word(ptr, idx, v):
     fx.generic_store(ptr + idx, fx.Int32(v))
-
-
-# ---------------------------------------------------------------- tagged mailbox words (8 bytes)
-_RELAXED = fx.AtomicOrdering.Monotonic
-
-
-def mb_load(mbox, idx, scope="agent"):
-    """One mailbox word (int64), relaxed: at agent scope coherent across XCDs; ``scope=None``
-    (system) for the TP peer buffers that other GPUs write."""
-    return fx.generic_load(mbox + idx, dtype=fx.Int64, memory_order=_RELAXED, syncscope=scope)
-
-
-def mb_tag(word):
-    return fx.Int32(word >> fx.Int64(32))
-
-
-def mb_value(word):
-    return fx.Int32(word).bitcast(fx.Float32)
-
-
-def mb_put(mbox, idx, tag, x, scope="agent"):
-    """Publish fp32 ``x`` with this launch's tag in one 8-byte store."""
-    bits = fx.Int64(fx.Float32(x).bitcast(fx.Int32)) & fx.Int64(0xFFFFFFFF)
-    word = (fx.Int64(tag) << fx.Int64(32)) | bits
-    fx.generic_store(mbox + idx, word, memory_order=_RELAXED, syncscope=scope)
-
-
-def peer_buffer(peers, rank):
-    """Rank ``rank``'s peer-buffer segment: ``peers`` holds one 64-bit device address per rank
-    (IPC-mapped into this process), in the same pointer type as ``peers``."""
-    return fx.inttoptr(peers.type, fx.generic_load(peers + rank, dtype=fx.Int64))
-
-
-def health_load(health):
-    return fx.generic_load(health, dtype=fx.Int32, memory_order=_RELAXED, syncscope="agent")
-
-
-def health_ok(health):
-    return health_load(health) == fx.Int32(0)
-
-
-def raise_health(health, code):
-    """Record the first failure only: the word keeps the code of the earliest site (sticky)."""
-    fx.atomic_cas(health, fx.Int32(0), fx.Int32(code), syncscope="agent")
-
-
-def health_code(site: int, kernel: int, layer):
-    """``geometry.health_word`` on the traced layer: bits 0-7 site, 8-9 kernel (1 = k1, 2 = k2),
-    10-29 layer + 1."""
-    return fx.Int32(health_word(site, kernel, fx.Int32(layer)))
-
-
-@device
-def mb_wait(mbox, idx, tag, polls, health, code, scope="agent"):
-    """Bounded wait for the word at ``idx`` to carry ``tag``; returns its fp32 value.
-
-    The fast path is one load. On a miss the word is re-read ``s_sleep 1`` apart, at most
-    ``polls`` times; every HEALTH_POLL_EVERY polls the health word is checked so that, once any
-    wait of the step has failed, the others give up quickly instead of each burning a timeout.
-    """
-    w = mb_load(mbox, idx, scope)
-    n = fx.Int32(0)
-    while (mb_tag(w) != tag) & (n < polls):
-        rocdl.s_sleep(1)
-        w = mb_load(mbox, idx, scope)
-        n = n + fx.Int32(1)
-        if (n & fx.Int32(HEALTH_POLL_EVERY - 1)) == fx.Int32(0):
-            if health_load(health) != fx.Int32(0):
-                n = polls
-    if mb_tag(w) != tag:
-        raise_health(health, code)
-    return mb_value(w)
-
-
-@device
-def mb_wait_all(mbox, idxs, valid, tag, polls, health, code, scope="agent"):
-    """fp32 values of several mailbox words (``valid[i]`` False: word i is padding, not waited
-    for, its value is garbage). All loads are issued back to back, so one round trip serves them
-    all; only when some word is not there yet are the words waited for one by one."""
-    words = [mb_load(mbox, i, scope) for i in idxs]
-    vals = [mb_value(w) for w in words]
-    miss = fx.Int32(0)
-    for w, ok in zip(words, valid):
-        miss = miss | (ok & (mb_tag(w) != tag)).select(fx.Int32(1), fx.Int32(0))
-    if miss != fx.Int32(0):
-        for i in range_constexpr(len(idxs)):
-            if valid[i]:
-                vals[i] = mb_wait(mbox, idxs[i], tag, polls, health, code, scope)
-    return vals
-
-
-# ---------------------------------------------------------------- launch epoch
-def launch_tag(epoch, grid: int):
-    """This launch's 31-bit tag from the width's launch counter (same in every workgroup)."""
-    count = fx.generic_load(epoch, dtype=fx.Int64, memory_order=_RELAXED, syncscope="agent")
-    tag = fx.Int32(((count // fx.Int64(grid)) + fx.Int64(1)) & fx.Int64(TAG_MASK))
-    return uniform(tag)
-
-
-@device
-def finish_launch(epoch, tid):
-    """Count this workgroup out of the launch (once, after every thread has read the tag)."""
-    fx.gpu.barrier()
-    if tid == fx.Int32(0):
-        fx.atomic_add(epoch, fx.Int64(1), syncscope="agent")
 
 
 # ---------------------------------------------------------------- LDS
@@ -327,83 +183,3 @@ def block_sum(v, lds, red: int, wave, lane, waves: int):
         tot = tot + lds_loadf(lds, red + w)
     fx.gpu.barrier()
     return tot
-
-
-# ---------------------------------------------------------------- GEMV core
-def dot_bf16(wv, xv, acc):
-    """acc += 8 bf16 weights (4 words) . 8 bf16 activations (4 words)."""
-    for j in range(4):
-        acc = fx.math.fma(bf16_lo(wv[j]), bf16_lo(xv[j]), acc)
-        acc = fx.math.fma(bf16_hi(wv[j]), bf16_hi(xv[j]), acc)
-    return acc
-
-
-def dot_fp8(wv, xa, xb, acc):
-    """acc += 16 fp8 weights (4 words, format decoded by the hardware: FNUZ on gfx942, OCP on
-    gfx950) . 16 bf16 activations (8 words)."""
-    v2 = Vector.make_type(2, fx.Float32)
-    for j in range(4):
-        lo = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), False), (2,), fx.Float32)
-        hi = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), True), (2,), fx.Float32)
-        # weight word j holds fp8 weights 4j..4j+3; their activations are words 2j, 2j+1
-        x0 = (xa if 2 * j < 4 else xb)[(2 * j) % 4]
-        x1 = (xa if 2 * j + 1 < 4 else xb)[(2 * j + 1) % 4]
-        acc = fx.math.fma(lo[0], bf16_lo(x0), acc)
-        acc = fx.math.fma(lo[1], bf16_hi(x0), acc)
-        acc = fx.math.fma(hi[0], bf16_lo(x1), acc)
-        acc = fx.math.fma(hi[1], bf16_hi(x1), acc)
-    return acc
-
-
-# ---------------------------------------------------------------- MFMA tiles (16 x 16, fp32 accumulators)
-
-
-def mfma_zero():
-    return Vector.filled((4,), 0.0, fx.Float32)
-
-
-def _bf16_exact(a, b):
-    """Two fp32 values that are exactly bf16 (widened fp8) packed as a bf16 pair, no rounding."""
-    return ((fx.Float32(a).bitcast(fx.Int32) >> 16) & fx.Int32(0xFFFF)) | (
-        fx.Float32(b).bitcast(fx.Int32) & fx.Int32(-65536)
-    )
-
-
-def fp8x16_as_bf16(wv):
-    """16 fp8 weights (4 words; FNUZ on gfx942, OCP on gfx950, decoded by the hardware) widened to
-    16 bf16 (exact: e4m3 fits bf16) as two 4-word vectors, elements 0-7 and 8-15."""
-    v2 = Vector.make_type(2, fx.Float32)
-    words = []
-    for j in range(4):
-        lo = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), False), (2,), fx.Float32)
-        hi = Vector(rocdl.cvt_pk_f32_fp8(v2, wv[j].ir_value(), True), (2,), fx.Float32)
-        words.append(_bf16_exact(lo[0], lo[1]))
-        words.append(_bf16_exact(hi[0], hi[1]))
-    return Vector.from_elements(words[:4], fx.Int32), Vector.from_elements(words[4:], fx.Int32)
-
-
-def _mfma8(arch: str, a_words, b_words, acc):
-    """acc += A . B over 8 K elements per lane (4 words of bf16 pairs each): one
-    ``v_mfma_f32_16x16x32_bf16`` on gfx950, two ``v_mfma_f32_16x16x16_bf16`` on gfx942."""
-    v4f = Vector.make_type(4, fx.Float32)
-    if arch == "gfx950":
-        out = rocdl.mfma_f32_16x16x32_bf16(
-            v4f, [a_words.bitcast(fx.BFloat16), b_words.bitcast(fx.BFloat16), acc, 0, 0, 0]
-        )
-        return Vector(out, (4,), fx.Float32)
-    a16, b16 = a_words.bitcast(fx.Int16), b_words.bitcast(fx.Int16)
-    for h in (0, 1):
-        half = [4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3]
-        out = rocdl.mfma_f32_16x16x16bf16_1k(v4f, [a16.shuffle(a16, half), b16.shuffle(b16, half), acc, 0, 0, 0])
-        acc = Vector(out, (4,), fx.Float32)
-    return acc
-
-
-def mfma_tile(arch: str, wv, xa, xb, acc, fp8: bool):
-    """One 16-byte weight load per lane into the tile: 8 bf16 (against ``xa``) or 16 fp8 widened
-    to bf16 (against ``xa`` then ``xb``). Weights and activations share the lane's K elements, so
-    the products pair up exactly as the dot product's terms."""
-    if not fp8:
-        return _mfma8(arch, wv, xa, acc)
-    w_lo, w_hi = fp8x16_as_bf16(wv)
-    return _mfma8(arch, w_hi, xb, _mfma8(arch, w_lo, xa, acc))

@@ -35,7 +35,7 @@ class FlyDSLKernels(TwoLaunchKernels):
     def __init__(self, req: BuildRequest, weights: Any):
         import torch
 
-        from monodecode.kernels.flydsl.geometry import HEALTH, model_plan
+        from monodecode.kernels.flydsl.config import HEALTH, model_plan
         from monodecode.model.reference import rope_cos_sin
 
         self.req, self.dims, self.widths = req, req.dims, req.widths
@@ -63,7 +63,7 @@ class FlyDSLKernels(TwoLaunchKernels):
 
     def bind(self, cache_dir: Path) -> None:
         """Load every width's launchers from the run-only FlyDSL cache in ``cache_dir``."""
-        from monodecode.kernels.flydsl.compile import Specialisation, launchers
+        from monodecode.kernels.flydsl.offline import Specialisation, launchers
         from monodecode.kernels.flydsl.toolchain import arch_env
 
         self.cache_dir = cache_dir

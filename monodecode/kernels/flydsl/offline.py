@@ -6,7 +6,7 @@ is what the runtime later loads with ``FLYDSL_RUNTIME_RUN_ONLY=1`` (trace, hit, 
 returns the raw code object (hsaco) for the ISA budget checks.
 
 Some compiler failures abort the interpreter, so callers compile through ``compile_in_subprocess``
-(``python -m monodecode.kernels.flydsl.compile``), which turns any crash into one error line.
+(``python -m monodecode.kernels.flydsl.offline``), which turns any crash into one error line.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from monodecode.errors import ArtifactError
 from monodecode.kernels.flydsl.arch import arch_spec
 from monodecode.kernels.flydsl.args import K1_ARGS, K1_SCALARS, K2_ARGS, K2_SCALARS, pointer
-from monodecode.kernels.flydsl.geometry import Geometry, plan_geometry
+from monodecode.kernels.flydsl.config import Geometry, plan_geometry
 from monodecode.kernels.flydsl.toolchain import arch_env
 from monodecode.model.dims import ModelDims, dims_from_hf_config
 
@@ -38,14 +38,17 @@ class Specialisation:
     tp_size: int = 1
 
     def geometry(self) -> Geometry:
-        """The shared plan of this width on the arch's grid (``geometry.plan_geometry``)."""
+        """The shared plan of this width on the arch's grid (``config.plan_geometry``)."""
         return plan_geometry(self.dims, self.width, arch_spec(self.arch), self.weight_dtype, self.tp_size)
 
 
 def launchers(spec: Specialisation):
-    from monodecode.kernels.flydsl.kernels import make_kernels
+    """``(launch_k1, launch_k2)`` of ``spec`` (imports FlyDSL)."""
+    from monodecode.kernels.flydsl.k1 import make_k1
+    from monodecode.kernels.flydsl.k2 import make_k2
 
-    return make_kernels(spec.dims, spec.geometry(), spec.block_size)
+    geom = spec.geometry()
+    return make_k1(spec.dims, geom, spec.block_size), make_k2(spec.dims, geom)
 
 
 def _cache_entry(launcher, cache_dir: Path) -> Path:
@@ -118,7 +121,7 @@ def compile_in_subprocess(
         "cache_dir": str(cache_dir),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "monodecode.kernels.flydsl.compile"],
+        [sys.executable, "-m", "monodecode.kernels.flydsl.offline"],
         input=json.dumps(req),
         capture_output=True,
         text=True,

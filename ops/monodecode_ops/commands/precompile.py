@@ -19,7 +19,7 @@ from pathlib import Path
 import typer
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.flydsl.geometry import MAX_TP, MAX_WIDTH
+from monodecode.kernels.flydsl.config import MAX_TP, MAX_WIDTH
 from monodecode_ops.options import (
     ArchOpt,
     BlockSizeOpt,

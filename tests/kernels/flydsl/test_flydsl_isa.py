@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("flydsl", reason="the flydsl extra is not installed")
 
 from monodecode.kernels.flydsl.arch import ARCHS
-from monodecode.kernels.flydsl.compile import compile_in_subprocess
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
+from monodecode.kernels.flydsl.offline import compile_in_subprocess
 from monodecode.model.profiles import profile_dims
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "flydsl_isa.json"

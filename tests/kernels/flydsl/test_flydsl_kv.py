@@ -19,7 +19,7 @@ from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS, kv_launch_args, kv_word
 from monodecode.kernels.flydsl.launch import FlyDSLKernels
 from monodecode.model.paged_kv import PagedKVCache
 from monodecode.model.profiles import profile_dims
-from monodecode.vllm_plugin.step import kv_reason_for_backend, kv_views
+from monodecode.vllm_plugin.step import kv_views
 
 DIMS = profile_dims("tiny")
 KVH, D, BS, BLOCKS = DIMS.num_kv_heads, DIMS.head_dim, 16, 6
@@ -155,12 +155,6 @@ def test_cache_past_8gib_is_addressed_in_64_bits():
     want = [kv_word(int(b), int(t), int(h), a.key_strides) for b, t, h in zip(blocks, tokens, heads)]
     assert got.tolist() == want
     assert want[-1] > 2**31 and want[-1] + D // 2 <= key.untyped_storage().nbytes() // 4
-
-
-def test_flydsl_kernels_declare_strided_kv():
-    # what the vLLM plugin checks before letting the backend run on vLLM's views
-    assert FlyDSLKernels.kv_strided is True
-    assert kv_reason_for_backend("flydsl", FlyDSLKernels) is None
 
 
 def flydsl_kernels_for_layout_check(block_size: int) -> FlyDSLKernels:

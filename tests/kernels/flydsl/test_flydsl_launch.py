@@ -22,8 +22,8 @@ pytest.importorskip("flydsl", reason="the flydsl extra is not installed")
 
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.flydsl import args as launch_args
-from monodecode.kernels.flydsl.compile import Specialisation, launchers
 from monodecode.kernels.flydsl.launch import FlyDSLKernels
+from monodecode.kernels.flydsl.offline import Specialisation, launchers
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_dims
 from monodecode.model.weights import random_weights

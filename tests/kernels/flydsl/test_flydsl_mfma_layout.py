@@ -1,7 +1,7 @@
 """The MFMA GEMV tiles' bookkeeping computes y = W x, checked by emulation on the CPU.
 
 The FlyDSL kernels (``kernels._gemv_mfma``) place every operand with the helpers in
-``geometry`` (``mfma_lane``, ``mfma_k_elem``, ``mfma_weight_row``, ``mfma_part``). This test walks
+``config`` (``mfma_lane``, ``mfma_k_elem``, ``mfma_weight_row``, ``mfma_part``). This test walks
 the same helpers for every wave, K block and lane of a task, applies the 16x16 MFMA's
 documented register layout (CDNA3 ``v_mfma_f32_16x16x16_bf16``: A[i][k] in lane i + 16*(k//4),
 element k%4; B[k][j] in lane j + 16*(k//4); D[i][j] in lane j + 16*(i//4), element i%4; CDNA4
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from monodecode.kernels.flydsl.arch import ARCHS, WAVES_PER_WORKGROUP
-from monodecode.kernels.flydsl.geometry import (
+from monodecode.kernels.flydsl.config import (
     MFMA_ROWS,
     mfma_k_elem,
     mfma_lane,

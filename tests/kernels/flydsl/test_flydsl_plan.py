@@ -1,6 +1,6 @@
 """The FlyDSL backend launches exactly the shared kernel plan (``monodecode/kernels/plan.py``).
 
-``geometry.launch_description`` is built from what the FlyDSL kernels bake (per-width
+``config.launch_description`` is built from what the FlyDSL kernels bake (per-width
 ``Geometry``: stage tables, the workgroup -> tasks rule of their loops, relative region offsets)
 and what the backend allocates (segment placement in the one scratch buffer, the health word).
 Here it is held against an independent ``plan_model`` call: a divergence in the grid, a stage,
@@ -13,7 +13,7 @@ import pytest
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import ARCHS, WAVE_SIZE
-from monodecode.kernels.flydsl.geometry import (
+from monodecode.kernels.flydsl.config import (
     HEALTH,
     MAX_WIDTH,
     first_task,

@@ -1,0 +1,399 @@
+"""K2: O proj -> (Gemma post-attn norm) -> residual -> pre-MLP norm -> gate/up -> act -> down ->
+(Gemma post-MLP norm) -> residual (one persistent launch; stages from ``kernels/plan.py``).
+
+Rounding follows the reference (``k2_reference``): every projection output, norm, activation,
+product and residual add is rounded to bf16 where Hugging Face rounds it; accumulation is fp32.
+Side by side with ``monodecode/model/reference.py``:
+
+K2 (``x``, ``attn_out`` -> ``x_out``)
+  o_proj   GEMV of attn_out -> ``o`` (fp32,      o = W_o attn
+           TP: pushed to every peer, ``o_peer``)
+  post     task = row: (TP: sum of the ranks'   Gemma: o = rms_norm(o, attn_post_norm);
+           partials in rank order, fp32) ->     h = x + o; hn = rms_norm(h, mlp_norm)
+           ``h``, ``hn``
+  gate_up  GEMV of hn, gate and up rows in one  a = bf16(act(bf16 gate)) * bf16(up)
+           pass -> ``act``
+  down     GEMV of act; without a final stage   d = W_down a; Llama/Qwen: x_out = h + d
+           adds h and writes x_out, else ``d``
+  final    task = row (Gemma or TP): sums the   Gemma: d = rms_norm(d, mlp_post_norm);
+           partials, norm, residual -> x_out    x_out = h + d
+
+An expired wait stores ``health_code(wait_timeout, k2, layer)``, a non-finite output
+``health_code(nonfinite, k2, layer)`` in the sticky health word.
+"""
+
+from __future__ import annotations
+
+import flydsl.compiler as flyc
+import flydsl.expr as fx
+from flydsl.expr import gpu
+
+from monodecode.kernels.flydsl import device as d
+from monodecode.kernels.flydsl import gemv as gv
+from monodecode.kernels.flydsl import mailbox as mb
+from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
+from monodecode.kernels.flydsl.config import Geometry, first_task
+from monodecode.kernels.plan import K2
+from monodecode.model.dims import ModelDims
+
+NW = WAVES_PER_WORKGROUP
+WG = WORKGROUP_SIZE
+BATCH = 4  # mailbox word pairs a thread stages per round trip (loads in flight)
+
+
+def make_k2(dims: ModelDims, geom: Geometry):
+    """The K2 launcher of one specialisation (closures bake the constants in)."""
+    W, G = geom.width, geom.grid
+    H, I, Q = geom.hidden, geom.intermediate, geom.q
+    EPS = float(dims.rms_norm_eps)
+    POST_NORMS, FP8 = geom.post_norms, geom.fp8
+    GELU = dims.activation == "gelu_tanh"
+    ROW_BATCH = max(1, 4 // geom.tp_size)  # post/final: columns per round trip (x TP partial words each)
+    FINAL = geom.final
+    RG = geom.regions  # word offsets in this width's scratch segment
+    L2 = geom.lds2
+    norm = d.norm_scale(dims.norm_one_plus)
+    st_o, st_post = geom.stage(K2, "o_proj"), geom.stage(K2, "post")
+    st_gu, st_dn = geom.stage(K2, "gate_up"), geom.stage(K2, "down")
+    st_fin = geom.stage(K2, "final") if FINAL else None
+    TP = geom.tp_size
+    PRG = geom.peer_regions  # TP: o_peer / d_peer word offsets in a rank's peer-buffer segment
+    gemv_task = gv.make_gemv(geom)
+
+    @d.device
+    def _push(peers, rank, tag, tok, region: int, row, v, enable):
+        """TP: token ``tok``'s partial of output ``row`` into slot ``rank`` of every rank's peer
+        buffer (system scope: other GPUs read it)."""
+        if enable & (row < d.i32(H)):
+            at = d.i32(region) + (rank * d.i32(W) + tok) * d.i32(H) + row
+            for q in fx.range_constexpr(TP):
+                mb.mb_put(mb.peer_buffer(peers, d.i32(q)), at, tag, v, None)
+
+    @flyc.kernel
+    def k2_kernel(
+        x: fx.Pointer,
+        attn: fx.Pointer,
+        w_o: fx.Pointer,
+        s_o: fx.Pointer,
+        post_attn_w: fx.Pointer,
+        mlp_norm_w: fx.Pointer,
+        w_gu: fx.Pointer,
+        s_gu: fx.Pointer,
+        w_down: fx.Pointer,
+        s_down: fx.Pointer,
+        post_mlp_w: fx.Pointer,
+        out: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        peers: fx.Pointer,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        nan_fault: fx.Int32,
+        rank: fx.Int32,
+    ):
+        tid = fx.Int32(gpu.thread_idx.x)
+        bid = fx.Int32(gpu.block_idx.x)
+        wave = d.uniform(tid // WAVE_SIZE)
+        lane = tid % WAVE_SIZE
+        epoch = mbox + RG["epoch_k2"]
+        tag = mb.launch_tag(epoch, G)
+        polls = mb.health_ok(health).select(max_polls, d.i32(0))
+        wait_code = mb.health_code(mb.SITE_WAIT, mb.KERNEL_K2, layer)
+        bad_code = mb.health_code(mb.SITE_NONFINITE, mb.KERNEL_K2, layer)
+        lds = d.lds_arena(fx.SharedAllocator(), L2["words"])
+        o_region = RG["o"] if TP == 1 else PRG["o_peer"]
+        d_region = (RG["d"] if TP == 1 else PRG["d_peer"]) if FINAL else 0
+        mine = mb.peer_buffer(peers, rank) if TP > 1 else mbox  # this rank's peer-buffer segment
+
+        # ---- o_proj: attn_out (K1's bf16 output) staged as is
+        t_o = geom.tiles["o_proj"]
+        o_rs = gv.buffer_rsrc(w_o)
+
+        def stage_attn(c0):
+            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q)
+
+        def publish_o(row, tok, vals, valid):
+            v = gv.scaled(FP8, s_o, fx.min(row, d.i32(H - 1)), vals[0])
+            if fx.const_expr(TP == 1):
+                mb.put_row(mbox, tag, tok, o_region, H, row, v, valid)
+            else:
+                _push(peers, rank, tag, tok, o_region, row, v, valid)
+
+        for t_ in range(first_task(bid, st_o.offset, G), d.i32(st_o.tasks), d.i32(G)):
+            gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_attn, publish_o)
+        gpu.barrier()
+
+        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
+        for r_ in range(first_task(bid, st_post.offset, G), d.i32(st_post.tasks), d.i32(G)):
+            _post_task(
+                d.i32(r_),
+                x,
+                post_attn_w,
+                mlp_norm_w,
+                mbox,
+                mine,
+                tag,
+                polls,
+                health,
+                wait_code,
+                lds,
+                tid,
+                wave,
+                lane,
+                o_region,
+            )
+
+        # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
+        t_gu = geom.tiles["gate_up"]
+        gu_rs = gv.buffer_rsrc(w_gu)
+
+        def stage_hn(c0):
+            _stage_words(
+                mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
+            )
+
+        def publish_act(row, tok, vals, valid):
+            srow = fx.min(row, d.i32(I - 1))
+            gt = d.round_bf16(gv.scaled(FP8, s_gu, srow, vals[0]))
+            up = d.round_bf16(gv.scaled(FP8, s_gu, srow + d.i32(I), vals[1]))
+            a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
+            mb.put_row(mbox, tag, tok, RG["act"], I, row, d.round_bf16(a * up), valid)
+
+        for t_ in range(first_task(bid, st_gu.offset, G), d.i32(st_gu.tasks), d.i32(G)):
+            gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_hn, publish_act)
+        gpu.barrier()
+
+        # ---- down: act (waited) staged in LDS; residual here, or a final stage
+        t_dn = geom.tiles["down"]
+        dn_rs = gv.buffer_rsrc(w_down)
+
+        def stage_act(c0):
+            _stage_words(
+                mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
+            )
+
+        def finish_down(row, tok, vals, valid):
+            v = gv.scaled(FP8, s_down, fx.min(row, d.i32(H - 1)), vals[0])
+            if fx.const_expr(TP > 1):
+                _push(peers, rank, tag, tok, d_region, row, v, valid)
+            elif fx.const_expr(FINAL):
+                mb.put_row(mbox, tag, tok, d_region, H, row, v, valid)
+            else:
+                _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, tok, row, v, nan_fault, valid)
+
+        for t_ in range(first_task(bid, st_dn.offset, G), d.i32(st_dn.tasks), d.i32(G)):
+            gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_act, finish_down)
+
+        # ---- final (Gemma post-MLP norm): x_out = h + norm(d)
+        if fx.const_expr(FINAL):
+            gpu.barrier()
+            for r_ in range(first_task(bid, st_fin.offset, G), d.i32(st_fin.tasks), d.i32(G)):
+                _final_task(
+                    d.i32(r_),
+                    post_mlp_w,
+                    out,
+                    mbox,
+                    mine,
+                    tag,
+                    polls,
+                    health,
+                    wait_code,
+                    bad_code,
+                    lds,
+                    tid,
+                    wave,
+                    lane,
+                    d_region,
+                    nan_fault,
+                )
+
+        mb.finish_launch(epoch, tid)
+
+    @d.device
+    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int):
+        """Rows of a bf16 launch input into LDS as they are (0 past k)."""
+        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
+            idx = d.i32(idx_)
+            tk = idx // d.i32(ckw)
+            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+            word = d.i32(0)
+            if kk < d.i32(k):
+                word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
+            d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
+
+    @d.device
+    def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, xs: int, k: int):
+        """Rows of a mailbox region (waited for, values already bf16) into LDS as bf16 pairs,
+        BATCH pairs per thread per round trip."""
+        for base_ in range(tid, d.i32(W * ckw), d.i32(WG * BATCH)):
+            base = d.i32(base_)
+            ats, oks = [], []
+            for u in fx.range_constexpr(BATCH):
+                idx = base + d.i32(u * WG)
+                tk = idx // d.i32(ckw)
+                kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
+                ok = (idx < d.i32(W * ckw)) & (kk < d.i32(k))
+                at = ok.select(d.i32(region) + tk * d.i32(k) + kk, d.i32(region))
+                ats += [at, at + d.i32(1)]
+                oks += [ok, ok]
+            vals = mb.mb_wait_all(mbox, ats, oks, tag, polls, health, code)
+            for u in fx.range_constexpr(BATCH):
+                idx = base + d.i32(u * WG)
+                tk = idx // d.i32(ckw)
+                if idx < d.i32(W * ckw):
+                    word = oks[2 * u].select(d.pack_bf16x2(vals[2 * u], vals[2 * u + 1]), d.i32(0))
+                    d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
+
+    @d.device
+    def _residual_out(mbox, tag, polls, health, code, bad_code, out, tok, row, v, nan_fault, enable):
+        """x_out = bf16(h + bf16(d)) for token ``tok``, checked for non-finite values."""
+        if enable & (row < d.i32(H)):
+            hv = mb.mb_wait(mbox, d.i32(RG["h"]) + tok * d.i32(H) + row, tag, polls, health, code)
+            res = d.round_bf16(hv + d.round_bf16(v))
+            if (nan_fault != d.i32(0)) & (tok == d.i32(0)) & (row == d.i32(0)):
+                res = d.f32(float("nan"))
+            if d.is_nonfinite(res):
+                mb.raise_health(health, bad_code)
+            d.store_bf16(out, tok * d.i32(H) + row, res)
+
+    def _cols(k0):
+        """The ROW_BATCH columns a thread takes per round trip in a per-row stage, and which exist."""
+        ks = [k0 + d.i32(u * WG) for u in range(ROW_BATCH)]
+        oks = [k < d.i32(H) for k in ks]
+        return [ok.select(k, d.i32(0)) for k, ok in zip(ks, oks)], oks
+
+    def _o_values(mbox, mine, region: int, r, ks, oks, tag, polls, health, code):
+        """o[r, k] for the columns ``ks`` as the reference has it: bf16 of the projection (TP: of
+        the ranks' partials summed in rank order, fp32, so every rank gets the same bits)."""
+        if TP == 1:
+            vals = mb.mb_wait_all(mbox, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            return [d.round_bf16(v) for v in vals]
+        ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(TP)]
+        vals = mb.mb_wait_all(mine, ats, [ok for ok in oks for _ in range(TP)], tag, polls, health, code, None)
+        out = []
+        for u in range(len(ks)):
+            tot = d.f32(0.0)
+            for q in range(TP):
+                tot = tot + vals[u * TP + q]
+            out.append(d.round_bf16(tot))
+        return out
+
+    def _weight(w_ptr, k):
+        return d.bf16_half(d.load_word(w_ptr, k // d.i32(2)), k % d.i32(2))
+
+    @d.device
+    def _post_task(r, x, post_w, mlp_w, mbox, mine, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
+        """Row r: h = x + (post-attn norm)(o) and hn = mlp_norm(h), both published."""
+        red = L2["red"]
+        rs_o = d.f32(1.0)
+        if fx.const_expr(POST_NORMS):
+            ss = d.f32(0.0)
+            for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+                ks, oks = _cols(d.i32(k_))
+                os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+                for u in fx.range_constexpr(ROW_BATCH):
+                    ov = oks[u].select(os_[u], d.f32(0.0))
+                    ss = fx.math.fma(ov, ov, ss)
+            rs_o = d.rsqrt_mean(d.block_sum(ss, lds, red, wave, lane, NW), H, EPS)
+        ss_h = d.f32(0.0)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+            for u in fx.range_constexpr(ROW_BATCH):
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
+                if oks[u]:
+                    mb.mb_put(mbox, d.i32(RG["h"]) + r * d.i32(H) + ks[u], tag, hv)
+                hv = oks[u].select(hv, d.f32(0.0))
+                ss_h = fx.math.fma(hv, hv, ss_h)
+        rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)  # h again, as above
+            for u in fx.range_constexpr(ROW_BATCH):
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
+                if oks[u]:
+                    mb.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
+
+    @d.device
+    def _final_task(
+        r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane, d_region: int, nan_fault
+    ):
+        """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d)."""
+        rs_d = d.f32(1.0)
+        if fx.const_expr(POST_NORMS):
+            ss = d.f32(0.0)
+            for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+                ks, oks = _cols(d.i32(k_))
+                dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
+                for u in fx.range_constexpr(ROW_BATCH):
+                    dv = oks[u].select(dvs[u], d.f32(0.0))
+                    ss = fx.math.fma(dv, dv, ss)
+            rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
+        for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
+            ks, oks = _cols(d.i32(k_))
+            dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
+            hvs = mb.mb_wait_all(mbox, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            for u in fx.range_constexpr(ROW_BATCH):
+                dv = dvs[u]
+                if fx.const_expr(POST_NORMS):
+                    dv = norm(dv, rs_d, _weight(post_w, ks[u]))
+                res = d.round_bf16(hvs[u] + dv)
+                if (nan_fault != d.i32(0)) & (r == d.i32(0)) & (ks[u] == d.i32(0)):
+                    res = d.f32(float("nan"))
+                if oks[u]:
+                    if d.is_nonfinite(res):
+                        mb.raise_health(health, bad_code)
+                    d.store_bf16(out, r * d.i32(H) + ks[u], res)
+
+    @flyc.jit
+    def launch_k2(
+        x: fx.Pointer,
+        attn: fx.Pointer,
+        w_o: fx.Pointer,
+        s_o: fx.Pointer,
+        post_attn_w: fx.Pointer,
+        mlp_norm_w: fx.Pointer,
+        w_gu: fx.Pointer,
+        s_gu: fx.Pointer,
+        w_down: fx.Pointer,
+        s_down: fx.Pointer,
+        post_mlp_w: fx.Pointer,
+        out: fx.Pointer,
+        mbox: fx.Pointer,
+        health: fx.Pointer,
+        peers: fx.Pointer,
+        max_polls: fx.Int32,
+        layer: fx.Int32,
+        nan_fault: fx.Int32,
+        rank: fx.Int32,
+        stream: fx.Stream = fx.Stream(None),
+    ):
+        k2_kernel(
+            x,
+            attn,
+            w_o,
+            s_o,
+            post_attn_w,
+            mlp_norm_w,
+            w_gu,
+            s_gu,
+            w_down,
+            s_down,
+            post_mlp_w,
+            out,
+            mbox,
+            health,
+            peers,
+            max_polls,
+            layer,
+            nan_fault,
+            rank,
+        ).launch(grid=(G,), block=(WG,), stream=stream)
+
+    return launch_k2
