@@ -18,6 +18,8 @@ from monodecode.errors import ConfigError
 
 BACKENDS = ("auto", "flydsl", "triton", "reference")
 ON_REFUSAL = ("raise", "degrade")
+WIDTH_POLICIES = ("auto", "force")
+SHADOW_ON_FAIL = ("degrade", "failstop")
 # vLLM 0.33's switch for specialized decode (``decode_backend``): accepted as an alias of enabled.
 DECODE_BACKEND_ALIAS = "latency_specialized"
 MAX_WIDTH = 256
@@ -53,6 +55,13 @@ class MonoConfig:
     warmup_rtol: float = 0.02
     # exit the process on a fail-stop (False only for in-process tests)
     exit_on_failstop: bool = True
+    # auto: at warm-up time each width's mono step against the stock step and serve mono only at
+    # the widths where it is faster; force: serve every built width untimed
+    width_policy: str = "auto"
+    # every Nth real mono step, compare one layer's kernel output with the stock layer off the hot
+    # path (0 = off); past the warm-up tolerance: degrade to stock decode or fail-stop
+    shadow_check_every: int = 0
+    shadow_on_fail: str = "degrade"
 
     def __post_init__(self) -> None:
         # Direct construction is validated too (from_dict adds where the values came from).
@@ -216,5 +225,8 @@ _VALIDATORS = {
     "warmup_atol": _nonneg_float,
     "warmup_rtol": _nonneg_float,
     "exit_on_failstop": _bool,
+    "width_policy": _choice(WIDTH_POLICIES),
+    "shadow_check_every": _int_range(0, 1_000_000),
+    "shadow_on_fail": _choice(SHADOW_ON_FAIL),
 }
 assert set(_VALIDATORS) == {f.name for f in fields(MonoConfig)}, "every option needs a validator"

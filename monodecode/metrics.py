@@ -27,6 +27,7 @@ PATHS = ("mono", "fallback")
 FALLBACK_REASONS = tuple(r.value for r in FallbackReason)
 REFUSAL_REASONS = tuple(r.value for r in RefusalReason)
 FAILSTOP_SITES = ("wait_timeout", "nonfinite", "kernel_error")
+SHADOW_RESULTS = ("pass", "fail")
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 # name -> (type, labels, help); the README table is generated from / tested against this.
@@ -69,6 +70,17 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Fail-stops recorded in this rank's marker (survives restarts), by site",
     ),
     "monodecode_last_failstop_timestamp_seconds": ("gauge", (), "Unix time of the last recorded fail-stop (0 if none)"),
+    "monodecode_width_speedup": (
+        "gauge",
+        ("width",),
+        "Stock step time / mono step time per built width, measured at warm-up (> 1: mono faster)",
+    ),
+    "monodecode_shadow_max_abs_error": (
+        "gauge",
+        (),
+        "Largest absolute difference of the last shadow check (one layer: kernels vs the stock layer)",
+    ),
+    "monodecode_shadow_checks_total": ("counter", ("result",), "Shadow checks while serving, by result"),
 }
 
 _MP_MODE = {
@@ -78,6 +90,8 @@ _MP_MODE = {
     "monodecode_warmup_duration_seconds": "max",
     "monodecode_warmup_max_abs_error": "max",
     "monodecode_last_failstop_timestamp_seconds": "max",
+    "monodecode_width_speedup": "min",
+    "monodecode_shadow_max_abs_error": "max",
 }
 
 
@@ -123,6 +137,11 @@ class MonoMetrics:
         self.warmup_max_abs_error = gauge("monodecode_warmup_max_abs_error")
         self.failstops = counter("monodecode_failstop_total")
         self.last_failstop = gauge("monodecode_last_failstop_timestamp_seconds")
+        self.width_speedup = gauge("monodecode_width_speedup")
+        self.shadow_max_abs_error = gauge("monodecode_shadow_max_abs_error")
+        self.shadow_checks = counter("monodecode_shadow_checks_total")
+        for result in SHADOW_RESULTS:
+            self.shadow_checks.labels(result=result)
         self._failstop_base: dict[str, float] = {}
         self._refusal_codes: set[str] = set()  # every reason label ever set (zeroed when cleared)
         self._build_labels: set[tuple[str, ...]] = set()
@@ -167,6 +186,11 @@ class MonoMetrics:
         self.warmup_duration.set(duration_s)
         self.warmup_max_abs_error.set(max_abs_error)
 
+    def set_width_speedups(self, speedups: dict[int, float]) -> None:
+        """Warm-up timing: stock / mono step time per built width."""
+        for width, ratio in speedups.items():
+            self.width_speedup.labels(width=str(width)).set(ratio)
+
     # ---- per step --------------------------------------------------------------------------
 
     def count_step(self, path: str, reason: str | None = None) -> None:
@@ -180,6 +204,10 @@ class MonoMetrics:
 
     def observe_step(self, path: str, seconds: float) -> None:
         self.step_duration.labels(path=path).observe(seconds)
+
+    def count_shadow_check(self, max_abs_error: float, passed: bool) -> None:
+        self.shadow_max_abs_error.set(max_abs_error)
+        self.shadow_checks.labels(result="pass" if passed else "fail").inc()
 
     # ---- fail-stop -------------------------------------------------------------------------
 

@@ -25,8 +25,10 @@ for FULL graphs, ``request_disable`` + ``revote`` / ``degrade`` / ``refuse`` aft
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,10 +41,13 @@ from monodecode.kernels.health import HealthFault, decode_health
 from monodecode.reasons import RefusalReason, reason_code
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.vote import RankVote, StepInfo
+from monodecode.runtime.width_policy import WidthTiming, choose_widths, time_step
 from monodecode.services.artifacts import ArtifactStore
 from monodecode.services.faults import Fault, faults_from_env
 from monodecode.services.platform import Platform
 from monodecode.spec import Deployment, refusal_reasons
+
+log = logging.getLogger("monodecode.runtime")
 
 OFF, MONO, DEGRADED = "off", "mono", "degraded"
 # startup vote levels (MIN over ranks): refuse < degrade-only (crash-loop guard) < ok
@@ -132,8 +137,13 @@ class Runner:
         weight_dtype: str | None = None,
         kv_dtype: str = "bf16",
         faults: tuple[Fault, ...] | None = None,
+        stock_layer: Callable[[int, Any, Any, Any], Any] | None = None,
     ):
+        """``stock_layer(layer, x, meta, kv)`` is the stock path of one decoder layer (the vLLM
+        plugin passes vLLM's own); default: the reference layer on ``weights``. The width policy
+        times it against the kernels, and the shadow check compares with it."""
         self._config = config
+        self._stock_layer_fn = stock_layer
         self._dims = dims
         self._weights = weights
         self._platform = platform
@@ -164,6 +174,10 @@ class Runner:
         self._t_start: Any = None
         self._last_decision: StepDecision | None = None
         self._guard: Any = None  # HealthGuard once mono decode runs
+        self._served_widths: tuple[int, ...] = tuple(config.widths)
+        self._dropped_widths: dict[int, str] = {}  # width -> why it is not served
+        self._width_timings: dict[int, WidthTiming] = {}
+        self._width_note: str | None = None  # why the widths were not timed
 
     # ---- read-only view --------------------------------------------------------------------
 
@@ -237,6 +251,32 @@ class Runner:
     @property
     def last_decision(self) -> StepDecision | None:
         return self._last_decision
+
+    @property
+    def served_widths(self) -> tuple[int, ...]:
+        """The built widths mono decode serves (the width policy may drop slower ones)."""
+        return self._served_widths
+
+    @property
+    def dropped_widths(self) -> dict[int, str]:
+        return dict(self._dropped_widths)
+
+    @property
+    def width_timings(self) -> dict[int, WidthTiming]:
+        return dict(self._width_timings)
+
+    def width_report(self) -> str:
+        """One line for the startup log and ``verify``: what is served and why."""
+        policy = self._config.width_policy
+        if self._width_note:
+            return f"width policy {policy}: serving widths {list(self._served_widths)} ({self._width_note})"
+        line = f"width policy {policy}: serving widths {list(self._served_widths)}"
+        if self._dropped_widths:
+            line += "; dropped " + "; ".join(f"{w} ({why})" for w, why in self._dropped_widths.items())
+        kept = [t.describe() for w, t in self._width_timings.items() if w in self._served_widths]
+        if kept:
+            line += "; measured " + "; ".join(kept)
+        return line
 
     @property
     def vote(self) -> RankVote:
@@ -388,6 +428,9 @@ class Runner:
                 self._metrics.set_build(
                     backend.name, self._platform.arch, self._build_key or "", monodecode.__version__
                 )
+            log.info("mono decode on rank %d (backend %s): %s", self._tp_rank, backend.name, self.width_report())
+        if self._metrics is not None and self._width_timings:
+            self._metrics.set_width_speedups({w: t.speedup for w, t in self._width_timings.items()})
         if self._warmup is not None:
             self._warmup.duration_s = time.perf_counter() - t0
             if self._metrics is not None:
@@ -426,37 +469,113 @@ class Runner:
             first = (str(e).splitlines() or [""])[0]
             return [f"warmup_failed: golden decode raised {type(e).__name__}: {first}"]
         failure = self._warmup.failure()
-        return [failure] if failure else []
+        if failure:
+            return [failure]
+        try:
+            return self._choose_served_widths()
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0]
+            return [f"warmup_failed: timing the widths raised {type(e).__name__}: {first}"]
+
+    def _warmup_inputs(self, width: int, gen: Any) -> tuple[Any, Any, Any, Any]:
+        """A decode step of ``width`` rows on random KV: metadata, two identical KV caches (one for
+        each path) and the embedded input. Contexts cross a KV block boundary and differ per row."""
+        import torch
+
+        from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+        from monodecode.model.reference import embed
+
+        device, bs = self.device, self._block_size
+        lens = [bs + 1 + (r % bs) for r in range(width)]
+        num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 1
+        alloc = BlockAllocator(num_blocks, bs)
+        for r, n in enumerate(lens):
+            alloc.append_slots(r, n)
+        meta = alloc.decode_metadata(list(range(width)), device=device)
+        kv_ref = PagedKVCache.allocate(self._dims, num_blocks, bs, device=device)
+        for t in kv_ref.key + kv_ref.value:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        kv_mono = PagedKVCache(
+            key=[t.clone() for t in kv_ref.key], value=[t.clone() for t in kv_ref.value], block_size=bs
+        )
+        ids = torch.randint(0, self._dims.vocab_size, (width,), generator=gen).to(device)
+        return meta, kv_ref, kv_mono, embed(self._weights, ids)
+
+    def stock_layer(self, layer: int, x: Any, meta: Any, kv: Any) -> Any:
+        """One decoder layer on the stock path (the plugin's callable, or the reference)."""
+        if self._stock_layer_fn is not None:
+            return self._stock_layer_fn(layer, x, meta, kv)
+        from monodecode.model.reference import decode_layer
+
+        return decode_layer(self._dims, layer, self._weights.layers[layer], x, meta, kv)
+
+    def _choose_served_widths(self) -> list[str]:
+        """Width policy after a passed golden check: time each width (auto), keep the faster
+        ones. Returns refusal reasons (none when at least one width is served)."""
+        widths = tuple(self._config.widths)
+        if self._config.width_policy == "force":
+            self._width_note = "forced: not timed"
+        elif self._backend.name == "reference":
+            self._width_note = "not timed: the reference backend runs the stock layers' own math"
+        else:
+            self._width_timings = self._time_widths()
+            health = self._kernels.health()
+            if health:
+                fault = decode_health(health)
+                return [
+                    f"warmup_failed: timing the widths set the health word ({fault.describe() if fault else health})"
+                ]
+        self._served_widths, self._dropped_widths = choose_widths(
+            widths, self._width_timings, self._config.width_policy
+        )
+        if not self._served_widths:
+            return [
+                "slower_than_stock: no built width beat the stock step at warm-up: "
+                + "; ".join(t.describe() for t in self._width_timings.values())
+            ]
+        return []
+
+    def _time_widths(self) -> dict[int, WidthTiming]:
+        """Each built width's mono step and stock step (every layer) on the same inputs."""
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(20261216)
+        n_layers = len(self._weights.layers)
+        dev = self.device.type
+        timings = {}
+        for width in self._config.widths:
+            meta, kv_stock, kv_mono, x = self._warmup_inputs(width, gen)
+
+            def mono(meta=meta, kv=kv_mono, x=x):
+                for layer in range(n_layers):
+                    x = self._kernels.forward_layer(layer, x, meta, kv)
+                return x
+
+            def stock(meta=meta, kv=kv_stock, x=x):
+                for layer in range(n_layers):
+                    x = self.stock_layer(layer, x, meta, kv)
+                return x
+
+            m_s, m_n, m_how = time_step(mono, dev)
+            s_s, s_n, s_how = time_step(stock, dev)
+            if m_how != s_how:  # one step could not be captured: both eager, like for like
+                m_s, m_n, m_how = time_step(mono, dev, graph=False)
+                s_s, s_n, s_how = time_step(stock, dev, graph=False)
+            timings[width] = WidthTiming(width, m_s, s_s, min(m_n, s_n), m_how)
+        return timings
 
     def _golden_check(self) -> WarmupReport:
         """One decode step per width on the real weights: every layer vs the reference."""
         import torch
 
-        from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
-        from monodecode.model.reference import decode_layer, embed
+        from monodecode.model.reference import decode_layer
 
         dims, weights, kernels = self._dims, self._weights, self._kernels
-        device = self.device
-        bs = self._block_size
         report = WarmupReport()
         gen = torch.Generator(device="cpu").manual_seed(20261101)
         for width in self._config.widths:
             t0 = time.perf_counter()
-            # contexts cross a KV block boundary and differ per row
-            lens = [bs + 1 + (r % bs) for r in range(width)]
-            num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 1
-            alloc = BlockAllocator(num_blocks, bs)
-            for r, n in enumerate(lens):
-                alloc.append_slots(r, n)
-            meta = alloc.decode_metadata(list(range(width)), device=device)
-            kv_ref = PagedKVCache.allocate(dims, num_blocks, bs, device=device)
-            for t in kv_ref.key + kv_ref.value:
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-            kv_mono = PagedKVCache(
-                key=[t.clone() for t in kv_ref.key], value=[t.clone() for t in kv_ref.value], block_size=bs
-            )
-            ids = torch.randint(0, dims.vocab_size, (width,), generator=gen).to(device)
-            x = embed(weights, ids)
+            meta, kv_ref, kv_mono, x = self._warmup_inputs(width, gen)
             max_err, worst_margin, worst_layer, tol_at_worst, ok = 0.0, float("-inf"), 0, 0.0, True
             for layer, lw in enumerate(weights.layers):
                 ref_out = decode_layer(dims, layer, lw, x, meta, kv_ref)
@@ -536,6 +655,8 @@ class Runner:
         width = smallest_width(self._config.widths, info.num_rows)
         if width is None or info.num_rows <= 0:
             return StepDecision("fallback", "rows_exceed_width", step=step)
+        if width not in self._served_widths:
+            return StepDecision("fallback", "width_dropped", step=step)
         return StepDecision("mono", None, width, step=step)
 
     def begin_step(self, info: StepInfo, *, real: bool = True) -> StepDecision:
@@ -669,6 +790,13 @@ class Runner:
             "build_key": self._build_key,
             "reasons": list(self._reasons),
             "notes": list(self._notes),
+            "widths": {
+                "policy": self._config.width_policy,
+                "served": list(self._served_widths),
+                "dropped": {str(w): why for w, why in self._dropped_widths.items()},
+                "speedup": {str(w): t.speedup for w, t in self._width_timings.items()},
+                "report": self.width_report(),
+            },
             "warmup": None
             if self._warmup is None
             else {

@@ -100,7 +100,10 @@ def run_scenario(runner: Any, seed: int = 7, logit_atol: float = 0.05, logit_rto
     def expect_decode(rows: int) -> tuple[str, str | None]:
         if not runner.enabled:
             return "fallback", ("disabled" if runner.state == "off" else "degraded")
-        return ("mono", None) if smallest_width(widths, rows) is not None else ("fallback", "rows_exceed_width")
+        width = smallest_width(widths, rows)
+        if width is None:
+            return "fallback", "rows_exceed_width"
+        return ("mono", None) if width in runner.served_widths else ("fallback", "width_dropped")
 
     def run(name: str, parts: list[tuple[str, int, int]], graph_mode: str = "none") -> bool:
         """parts: (kind 'prefill'|'decode', seq, n_tokens). Returns False after a fail-stop."""

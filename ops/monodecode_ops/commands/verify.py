@@ -246,6 +246,9 @@ def self_test(
         checks.append(
             Check.passed("refusal rules", f"backend {backend}: no refusal reasons (build key {runner.build_key[:16]})")
         )
+        checks.append(Check.passed("width policy", runner.width_report(), required=False))
+    elif runner.reasons and all(r.startswith("slower_than_stock:") for r in runner.reasons):
+        checks.append(Check.skipped("width policy", "stock decode serves: " + runner.reasons[0], required=False))
     else:
         checks.append(Check.failure("refusal rules", f"backend {backend} refused: " + "; ".join(runner.reasons)))
     w = runner.warmup
@@ -461,8 +464,10 @@ def register(app: typer.Typer) -> None:
             overrides["exit_on_failstop"] = False
             platform = detect_platform()
             not_interpreted = use_triton_interpreter(platform, backend) if self_test_on else "no self-test"
-            if not_interpreted is None and parsed_widths is None:
-                overrides["widths"] = INTERPRETER_WIDTHS
+            if not_interpreted is None:
+                if parsed_widths is None:
+                    overrides["widths"] = INTERPRETER_WIDTHS
+                overrides["width_policy"] = "force"  # interpreted kernels are for correctness, not speed
             checks = node_checks(platform, require_gpu)
             checks += backend_checks(platform)
             info: dict[str, Any] = {"platform": platform.to_dict()}
