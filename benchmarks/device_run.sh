@@ -39,7 +39,8 @@ CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.m
 EXP=""
 want experiments && EXP="--experiments"
 timeout "$(left "${WARM_TIMEOUT:-150}")" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CAP" $EXP \
-  --target '{"mailbox": "tagged"}' ${WARM_ARGS:-} > "$RUN/warm_cache.log" 2>&1
+  --target '{"mailbox":"tagged","narrow_mailbox":"","wide_task_bytes":4096,"attn_stages":1}' ${WARM_ARGS:-} \
+  > "$RUN/warm_cache.log" 2>&1
 echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$RUN/warm_cache.log")" | tee -a "$RUN/summary.log"
 if want tests; then
   timeout "$(left "${TESTS_TIMEOUT:-150}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py \

@@ -76,6 +76,7 @@ KV_DTYPES = ("bf16",)
 # flight across the grid); a wider step is computed with matrix instructions that want >= 16.
 _GEMV_ROWS_W1 = (16, 8, 4)
 _GEMV_ROWS_WIDE = (64, 32, 16)
+TASK_BYTES = 4096  # default fixed cost of one GEMV task in the rows chooser (bytes of traffic)
 
 K1, K2 = "k1", "k2"
 
@@ -307,16 +308,24 @@ def local_dims(dims: ModelDims, tp_size: int) -> LocalDims:
 
 
 def gemv_rows_per_task(
-    n: int, k: int, width: int, num_workgroups: int, *, matrices: int = 1, input_word_bytes: int = 2
+    n: int,
+    k: int,
+    width: int,
+    num_workgroups: int,
+    *,
+    matrices: int = 1,
+    input_word_bytes: int = 2,
+    task_bytes: int = TASK_BYTES,
 ) -> int:
     """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
     tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
-    input vector (``input_word_bytes`` per element) and paying a fixed cost (about 4 KiB of traffic)."""
+    input vector (``input_word_bytes`` per element) and paying a fixed cost (``task_bytes`` of
+    traffic: the pipeline's ramp and drain per task)."""
     best, best_cost = 0, None
     for rows in _GEMV_ROWS_W1 if width == 1 else _GEMV_ROWS_WIDE:
         tasks = -(-n // rows)
         waves = -(-tasks // num_workgroups)
-        cost = waves * (rows * k * 2 * matrices + width * k * input_word_bytes + 4096)
+        cost = waves * (rows * k * 2 * matrices + width * k * input_word_bytes + task_bytes)
         if best_cost is None or cost < best_cost:
             best, best_cost = rows, cost
     return best
@@ -533,7 +542,14 @@ def _peer_regions(L: LocalDims, W: int, tp: int, mailbox: str = "tagged") -> lis
 
 
 def _stages(
-    dims: ModelDims, L: LocalDims, W: int, G: int, S: int, tp: int, mailbox: str = "tagged"
+    dims: ModelDims,
+    L: LocalDims,
+    W: int,
+    G: int,
+    S: int,
+    tp: int,
+    mailbox: str = "tagged",
+    task_bytes: int = TASK_BYTES,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -541,7 +557,9 @@ def _stages(
 
     def gemv(kernel, name, index, n, k, reads, writes, offset):
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else mailbox_bytes(mailbox, reads[0])
-        rows = gemv_rows_per_task(n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes)
+        rows = gemv_rows_per_task(
+            n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes, task_bytes=task_bytes
+        )
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
     k1: list[Stage] = []
@@ -580,13 +598,37 @@ def _stages(
     return tuple(k1), tuple(k2)
 
 
-def plan_layer(dims: ModelDims, tp_size: int, width: int, num_workgroups: int, *, mailbox: str = "tagged") -> LayerPlan:
+def plan_layer(
+    dims: ModelDims,
+    tp_size: int,
+    width: int,
+    num_workgroups: int,
+    *,
+    mailbox: str = "tagged",
+    narrow_mailbox: str | None = None,
+    wide_task_bytes: int = TASK_BYTES,
+) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
-    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, _check_mailbox(mailbox))
+    mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
+    tb = TASK_BYTES if width == 1 else _check_task_bytes(wide_task_bytes)
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb)
+
+
+def _check_task_bytes(task_bytes: object) -> int:
+    if not isinstance(task_bytes, int) or isinstance(task_bytes, bool) or task_bytes < 0:
+        raise ConfigError(f"kernel plan: wide_task_bytes must be a non-negative integer, got {task_bytes!r}")
+    return task_bytes
 
 
 def _plan_width(
-    dims: ModelDims, tp: int, W: int, G: int, offset: int, peer_offset: int, mailbox: str = "tagged"
+    dims: ModelDims,
+    tp: int,
+    W: int,
+    G: int,
+    offset: int,
+    peer_offset: int,
+    mailbox: str = "tagged",
+    task_bytes: int = TASK_BYTES,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -594,7 +636,7 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes)
     final = dims.post_norms or tp > 1
     regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
@@ -652,18 +694,32 @@ def _check_widths(widths: object) -> tuple[int, ...]:
 
 
 def plan_model(
-    dims: ModelDims, tp_size: int, widths: Iterable[int], num_workgroups: int, *, mailbox: str = "tagged"
+    dims: ModelDims,
+    tp_size: int,
+    widths: Iterable[int],
+    num_workgroups: int,
+    *,
+    mailbox: str = "tagged",
+    narrow_mailbox: str | None = None,
+    wide_task_bytes: int = TASK_BYTES,
 ) -> ModelPlan:
-    """Plans for every width, placed in one scratch buffer: header, then width segments."""
+    """Plans for every width, placed in one scratch buffer: header, then width segments.
+
+    ``mailbox``: the mailbox format (``MAILBOX_FORMATS``); ``narrow_mailbox``: the format at
+    width 1 if different; ``wide_task_bytes``: the GEMV rows chooser's fixed cost per task at
+    widths > 1 (matrix-instruction tiles ramp up slower than the width-1 ones)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
+    narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
+    wide_task_bytes = _check_task_bytes(wide_task_bytes)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mailbox)
+        mb, tb = (narrow, TASK_BYTES) if w == 1 else (mailbox, wide_task_bytes)
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end
@@ -685,6 +741,8 @@ def key_inputs(
     block_size: int,
     num_workgroups: int,
     mailbox: str = "tagged",
+    narrow_mailbox: str | None = None,
+    wide_task_bytes: int = TASK_BYTES,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict (RT's
     ``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -698,7 +756,15 @@ def key_inputs(
         raise ConfigError(f"kernel plan: kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ConfigError(f"kernel plan: block_size must be a positive integer, got {block_size!r}")
-    mp = plan_model(dims, tp_size, list(widths), num_workgroups, mailbox=mailbox)
+    mp = plan_model(
+        dims,
+        tp_size,
+        list(widths),
+        num_workgroups,
+        mailbox=mailbox,
+        narrow_mailbox=narrow_mailbox,
+        wide_task_bytes=wide_task_bytes,
+    )
     return {
         "plan_version": PLAN_VERSION,
         "dims_digest": dims.digest(),
@@ -709,5 +775,7 @@ def key_inputs(
         "block_size": block_size,
         "num_workgroups": num_workgroups,
         "mailbox": mailbox,
+        "narrow_mailbox": narrow_mailbox or mailbox,
+        "wide_task_bytes": wide_task_bytes,
         "plan_digest": mp.digest(),
     }

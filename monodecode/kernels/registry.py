@@ -104,21 +104,16 @@ def backend_status(platform: Platform) -> list[BackendStatus]:
     preferred = _platform_order(platform)
     out = []
     for name in preferred + [n for n in _LAZY if n not in preferred]:
-        if name not in preferred:
-            if name == "flydsl":
-                why = f"flydsl targets gfx942/gfx950; this is {platform.label}"
-            else:
-                why = f"{name} needs a CUDA or ROCm GPU; this is {platform.kind}"
-            out.append(BackendStatus(name, False, why))
-            continue
         cls = _load(name)
         if cls is None:
             out.append(BackendStatus(name, False, _IMPORT_ERRORS[name]))
             continue
         try:
-            why = cls.unavailable_reason(platform)
+            why = cls.unavailable_reason(platform)  # each backend says why not in its own words
         except Exception as e:  # a probe that crashes means "not usable here"
             why = f"availability probe failed: {type(e).__name__}: {e}"
+        if why is None and name not in preferred:
+            why = f"{name} is not used on {platform.label}"
         out.append(BackendStatus(name, why is None, why))
     return out
 

@@ -35,6 +35,9 @@ class Target:
     # Mailbox format of the plan (``plan.MAILBOX_FORMATS``): bf16 activations + fp32 partials
     # synchronised by the completion counters alone, or the tagged 8-byte words.
     mailbox: str = "bf16"
+    narrow_mailbox: str = ""  # the format at width 1 ("" = ``mailbox``)
+    # The GEMV rows chooser's fixed cost per task at widths > 1 (``plan.gemv_rows_per_task``).
+    wide_task_bytes: int = 4096
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
@@ -72,6 +75,11 @@ CUDA = Target(
     flatten=True,
     fp8_split=2,
     fp8_narrow_stages=5,
+    # Measured on the H200 (benchmarks/README.md, runs 4-5): the bf16 mailbox halves batch 2-8
+    # steps but made width 1's K1 slower (8B 4.52 -> 5.82 ms), so width 1 keeps the tagged words.
+    narrow_mailbox="tagged",
+    wide_task_bytes=65536,
+    attn_stages=3,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -79,7 +87,15 @@ HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_
 
 def plan_for(dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1) -> ModelPlan:
     """The shared plan of these kernels for ``target`` (its mailbox format)."""
-    return plan_model(dims, tp_size, list(widths), num_programs, mailbox=target.mailbox)
+    return plan_model(
+        dims,
+        tp_size,
+        list(widths),
+        num_programs,
+        mailbox=target.mailbox,
+        narrow_mailbox=target.narrow_mailbox or None,
+        wide_task_bytes=target.wide_task_bytes,
+    )
 
 
 def target_for(kind: str) -> Target:

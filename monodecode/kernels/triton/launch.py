@@ -49,10 +49,6 @@ class TritonKernels(TwoLaunchKernels):
 
     kernel_label = "triton kernels"
 
-    # K/V are addressed through the caches' strides (vLLM's interleaved K|V views are accepted;
-    # ``vllm_plugin.step.kv_reason_for_backend`` reads this).
-    kv_strided = True
-
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device, share: Any = None):
         """``share``: another TritonKernels of the same weights whose packed layers this one reuses
         (the benchmark's launch-target variants; no second copy of the fused QKV weights)."""

@@ -65,7 +65,7 @@ CHILD = textwrap.dedent(
                            platform=Platform("cuda", "sm_90", "interpreter", 8), wait_timeout_s=0.01)
         # bk: a smaller width-1 K chunk, so tiny's K (256, 768) spans several split iterations
         target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
-        target = dataclasses.replace(target, mailbox=mailbox)
+        target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox)
         tk = TritonKernels(req, w, target, 8, "cpu")
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         if bk:
@@ -201,17 +201,6 @@ def test_kv_strides_refuse_layouts_the_kernels_cannot_address(case, needle):
     with pytest.raises(ConfigError) as e:
         kv_strides(kc, kc, dims, 16)
     assert needle in str(e.value) and "\n" not in str(e.value)
-
-
-def test_vllm_plugin_accepts_triton_kernels_for_its_strided_kv():
-    """vLLM 0.33's interleaved cache is refused (kv_layout) for backends whose kernels ignore
-    strides; the Triton kernels declare ``kv_strided`` and are accepted."""
-    from monodecode.kernels.triton.launch import TritonKernels
-    from monodecode.vllm_plugin.step import kv_reason_for_backend
-
-    assert TritonKernels.kv_strided is True
-    assert kv_reason_for_backend("triton", TritonKernels.__new__(TritonKernels)) is None
-    assert kv_reason_for_backend("triton", object()).startswith("kv_layout: ")
 
 
 def test_vllm_binding_runs_the_triton_layout_check():
