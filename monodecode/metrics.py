@@ -26,7 +26,7 @@ from monodecode.reasons import FallbackReason, RefusalReason
 PATHS = ("mono", "fallback")
 FALLBACK_REASONS = tuple(r.value for r in FallbackReason)
 REFUSAL_REASONS = tuple(r.value for r in RefusalReason)
-FAILSTOP_SITES = ("wait_timeout", "nonfinite", "kernel_error")
+FAILSTOP_SITES = ("wait_timeout", "nonfinite", "kernel_error", "shadow_mismatch")
 SHADOW_RESULTS = ("pass", "fail")
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 

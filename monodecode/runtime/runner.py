@@ -178,6 +178,8 @@ class Runner:
         self._dropped_widths: dict[int, str] = {}  # width -> why it is not served
         self._width_timings: dict[int, WidthTiming] = {}
         self._width_note: str | None = None  # why the widths were not timed
+        self._shadow: Any = None  # ShadowCheck once mono decode runs with shadow_check_every > 0
+        self._shadow_layer: int | None = None  # the layer this step's shadow check compares
 
     # ---- read-only view --------------------------------------------------------------------
 
@@ -422,6 +424,17 @@ class Runner:
 
             self._state = MONO
             self._guard = HealthGuard(self._kernels.health_word, self._fail_stop)
+            if cfg.shadow_check_every:
+                from monodecode.runtime.shadow import ShadowCheck
+
+                self._shadow = ShadowCheck(
+                    cfg.shadow_check_every,
+                    len(self._weights.layers),
+                    cfg.warmup_atol,
+                    cfg.warmup_rtol,
+                    self.stock_layer,
+                    self.device,
+                )
             if self._metrics is not None:
                 self._metrics.set_enabled(True)
                 self._metrics.set_refusals(())
@@ -665,12 +678,18 @@ class Runner:
         leave no trace: no count, no metric, no drill consumed."""
         if not real:
             return replace(self.decide(info), real=False)
+        if self._shadow is not None:
+            self._shadow.before_step()
+            self._shadow_verdicts()
         if self._local_disable is not None and self._tp_size == 1:
             self.revote()  # one rank: the vote is local, so a pending wish applies at once
         decision = self.decide(info)
         self._steps += 1
+        self._shadow_layer = None
         if decision:
             self._arm_faults()
+            if self._shadow is not None:
+                self._shadow_layer = self._shadow.layer_for(self._mono_steps)
             self._mono_steps += 1
         if self._metrics is not None:
             self._metrics.count_step(decision.path, decision.reason)
@@ -705,7 +724,32 @@ class Runner:
                     self._notes.append(f"fault drill {f} not run: backend {self._backend.name} cannot inject it")
 
     def forward_layer(self, layer: int, x: Any, meta: Any, kv: Any) -> Any:
-        return self._kernels.forward_layer(layer, x, meta, kv)
+        out = self._kernels.forward_layer(layer, x, meta, kv)
+        if layer == self._shadow_layer:
+            self._shadow.capture(layer, x, out, meta, kv)
+        return out
+
+    def _shadow_verdicts(self) -> None:
+        """Finished shadow checks -> metrics; past the tolerance: degrade or fail-stop."""
+        for result in self._shadow.results():
+            if self._metrics is not None:
+                self._metrics.count_shadow_check(result.max_abs_error, result.passed)
+            if result.passed or self._state != MONO:
+                continue
+            log.error("mono decode %s", result.reason())
+            if self._config.shadow_on_fail == "failstop":
+                event = FailStopEvent(
+                    rank=self._tp_rank,
+                    step=result.step,
+                    site="shadow_mismatch",
+                    layer=result.layer,
+                    kernel=None,
+                    time=time.time(),
+                    detail=result.reason(),
+                    pid=os.getpid(),
+                )
+                self._recorder.fail(event)
+            self.request_disable(result.reason())
 
     def check_health_before_logits(self, decision: StepDecision, x: Any = None) -> None:
         """Fail-stop when the kernels' health word is set or (on a mono step) the residual stream
@@ -735,6 +779,10 @@ class Runner:
     def end_step(self, decision: StepDecision) -> None:
         """Close a step ``begin_step`` opened: its time goes to the step-duration histogram."""
         self._last_decision = decision
+        if self._shadow is not None and decision.real:
+            self._shadow.launch(decision.step)
+            self._shadow_layer = None
+            self._shadow_verdicts()
         if self._metrics is None or not decision.real:
             return
         start, self._t_start = self._t_start, None

@@ -112,7 +112,7 @@ def test_stall_failstop_restart_and_crash_loop_guard(drive):
     # 2. restart without the fault: the marker is read and exported, decoding works
     p, head, tokens = drive(steps=2)
     assert p.returncode == 0 and head["state"] == "mono" and len(tokens) == 2
-    assert head["failstops"] == {"wait_timeout": 1.0, "nonfinite": 0.0, "kernel_error": 0.0}
+    assert head["failstops"] == {"wait_timeout": 1.0, "nonfinite": 0.0, "kernel_error": 0.0, "shadow_mismatch": 0.0}
     assert head["last"] == pytest.approx(ev["time"])
 
     # 3. a NaN in layer 3 at the first mono step: site nonfinite, no token at all
@@ -131,7 +131,7 @@ def test_stall_failstop_restart_and_crash_loop_guard(drive):
     assert head["reasons"][0].startswith(
         "failstop_loop: 3 fail-stops within 3600 s (limit 3); last: wait_timeout at rank 0 step 0"
     )
-    assert head["failstops"] == {"wait_timeout": 2.0, "nonfinite": 1.0, "kernel_error": 0.0}
+    assert head["failstops"] == {"wait_timeout": 2.0, "nonfinite": 1.0, "kernel_error": 0.0, "shadow_mismatch": 0.0}
     assert [t.split()[2] for t in tokens] == ["path=fallback", "path=fallback"]
 
     # 6. a larger limit lets it start with mono decode again

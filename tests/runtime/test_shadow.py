@@ -1,0 +1,135 @@
+"""Shadow check while serving: one layer's kernel output compared with the stock layer every Nth
+real mono step; metrics per result; past the warm-up tolerance the runner degrades or
+fail-stops, naming the layer, the step and the error."""
+
+from typing import ClassVar
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from monodecode.config import MonoConfig
+from monodecode.kernels import registry
+from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
+from monodecode.metrics import MonoMetrics
+from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+from monodecode.model.profiles import profile_dims
+from monodecode.model.weights import random_weights
+from monodecode.runtime.failstop import FailStop
+from monodecode.runtime.runner import Runner
+from monodecode.runtime.vote import StepInfo
+from monodecode.services.platform import Platform
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+DIMS = profile_dims("tiny")
+CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(DIMS, seed=0)
+
+
+class GoesWrongLater(ReferenceKernels):
+    """Right through the warm-up golden check, then layer 1's output drifts by 0.5 (a kernel bug
+    that shows only while serving, e.g. at longer contexts)."""
+
+    calls = 0
+
+    def forward_layer(self, layer, x, meta, kv):
+        out = super().forward_layer(layer, x, meta, kv)
+        GoesWrongLater.calls += 1
+        if layer == 1 and GoesWrongLater.calls > DIMS.num_layers * 2:  # after the golden check (widths 1, 2)
+            out = out + 0.5
+        return out
+
+
+class GoesWrongLaterBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_goes_wrong_later"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        GoesWrongLater.calls = 0
+        return GoesWrongLater(req, weights)
+
+
+@pytest.fixture
+def goes_wrong_later(monkeypatch):
+    import monodecode.config as config_mod
+
+    registry.register_backend(GoesWrongLaterBackend)
+    monkeypatch.setitem(
+        config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (GoesWrongLaterBackend.name,))
+    )
+    yield GoesWrongLaterBackend.name
+    registry._LAZY.pop(GoesWrongLaterBackend.name, None)
+    registry._LOADED.pop(GoesWrongLaterBackend.name, None)
+
+
+def start(tmp_path, weights, **cfg):
+    conf = MonoConfig(
+        enabled=True,
+        widths=(1, 2),
+        width_policy="force",
+        failstop_dir=str(tmp_path / "fs"),
+        termination_log=str(tmp_path / "term"),
+        exit_on_failstop=False,
+        **cfg,
+    )
+    reg = CollectorRegistry()
+    r = Runner(conf, DIMS, weights, CPU, metrics=MonoMetrics(reg), faults=()).start()
+    assert r.state == "mono", r.reasons
+    return r, reg
+
+
+def decode(r, steps):
+    """``steps`` single-row decode steps of one growing sequence on the runner's own loop."""
+    alloc = BlockAllocator(8, 16)
+    kv = PagedKVCache.allocate(DIMS, 8, 16)
+    alloc.append_slots(0, 9)
+    token = torch.tensor([5])
+    paths = []
+    for _ in range(steps):
+        meta = alloc.decode_metadata([0])
+        logits = r.decode_step(token, meta, kv, StepInfo(num_rows=1))
+        token = logits.argmax(-1)
+        paths.append((r.last_decision.path, r.last_decision.reason))
+    return paths
+
+
+def test_right_kernels_pass_every_check(weights, tmp_path):
+    r, reg = start(tmp_path, weights, shadow_check_every=2)
+    assert decode(r, 9) == [("mono", None)] * 9
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "pass"}) == 4
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "fail"}) == 0
+    assert reg.get_sample_value("monodecode_shadow_max_abs_error") == 0.0  # the reference path is exact
+
+
+def test_off_by_default(weights, tmp_path):
+    r, reg = start(tmp_path, weights)
+    decode(r, 3)
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "pass"}) == 0
+
+
+def test_a_kernel_that_goes_wrong_while_serving_degrades(weights, tmp_path, goes_wrong_later):
+    r, reg = start(tmp_path, weights, backend=goes_wrong_later, shadow_check_every=1)
+    paths = decode(r, 4)
+    # check 0 compares layer 0 (right), check 1 layer 1 (drifted): the next step runs stock decode
+    assert paths == [("mono", None), ("mono", None), ("fallback", "degraded"), ("fallback", "degraded")]
+    assert r.state == "degraded"
+    (reason,) = r.reasons
+    assert reason.startswith("shadow_mismatch: layer 1 at step 1: the kernels' output differs from the stock")
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "fail"}) == 1
+    assert reg.get_sample_value("monodecode_shadow_max_abs_error") >= 0.5
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": "shadow_mismatch"}) == 1
+
+
+def test_failstop_on_shadow_mismatch_records_the_cause(weights, tmp_path, goes_wrong_later):
+    r, reg = start(tmp_path, weights, backend=goes_wrong_later, shadow_check_every=1, shadow_on_fail="failstop")
+    with pytest.raises(FailStop) as e:
+        decode(r, 4)
+    ev = e.value.event
+    assert (ev.site, ev.layer, ev.step) == ("shadow_mismatch", 1, 1)
+    assert "differs from the stock layer's by" in ev.detail
+    assert reg.get_sample_value("monodecode_failstop_total", {"site": "shadow_mismatch"}) == 1
+    assert (tmp_path / "fs" / "failstop-rank0.json").exists()
