@@ -133,3 +133,49 @@ def test_failstop_on_shadow_mismatch_records_the_cause(weights, tmp_path, goes_w
     assert "differs from the stock layer's by" in ev.detail
     assert reg.get_sample_value("monodecode_failstop_total", {"site": "shadow_mismatch"}) == 1
     assert (tmp_path / "fs" / "failstop-rank0.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU torch can launch on")
+def test_gpu_shadow_checks_run_off_the_hot_path(tmp_path):
+    """The compiled Triton kernels on a GPU: checks queued on the side stream, read back without
+    waiting, all within the warm-up tolerance; none blocks the host (sync debug mode)."""
+    from monodecode.services.platform import detect_platform
+
+    dims = profile_dims("llama3-1b")
+    w = random_weights(dims, seed=0, device="cuda")
+    conf = MonoConfig(
+        enabled=True,
+        backend="triton",
+        widths=(1,),
+        allow_jit=True,
+        width_policy="force",
+        shadow_check_every=1,
+        failstop_dir=str(tmp_path / "fs"),
+        exit_on_failstop=False,
+    )
+    reg = CollectorRegistry()
+    r = Runner(conf, dims, w, detect_platform(0), metrics=MonoMetrics(reg), faults=()).start()
+    assert r.state == "mono", r.reasons
+    alloc = BlockAllocator(8, 16)
+    kv = PagedKVCache.allocate(dims, 8, 16, device="cuda")
+    alloc.append_slots(0, 40)
+    x = torch.randn(1, dims.hidden_size, device="cuda").to(torch.bfloat16)
+    meta = alloc.decode_metadata([0], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):
+            d = r.begin_step(StepInfo(num_rows=1))
+            y = x
+            for layer in range(dims.num_layers):
+                y = r.forward_layer(layer, y, meta, kv)
+            r.check_health_before_logits(d, y)
+            r.end_step(d)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    r.begin_step(StepInfo(num_rows=1, has_metadata=False))  # collects the finished checks
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "pass"}) == 6
+    assert reg.get_sample_value("monodecode_shadow_checks_total", {"result": "fail"}) == 0
+    assert r.state == "mono"
