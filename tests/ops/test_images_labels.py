@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from monodecode.services.artifacts import ArtifactStore
+from monodecode_ops.bases import parse_reference
+from monodecode_ops.commands.build import redact_url
 from monodecode_ops.engine import pull_ref
 from monodecode_ops.image_checks import baked_checks
 from monodecode_ops.labels import ImageError, ImageLabels
@@ -246,3 +250,47 @@ def test_runtime_stage_check_of_the_base_vllm(tmp_path, version, ok):
         assert (
             f"the base image has vLLM {version}; the monodecode plugin supports vllm{supported_vllm()}" in proc.stderr
         )
+
+
+# ---- any input: a value or one error line ------------------------------------------------------
+
+_label_values = st.one_of(st.text(max_size=80), st.sampled_from(list(GOOD.values())), st.just(""))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    changes=st.dictionaries(st.sampled_from(sorted(GOOD)), _label_values, max_size=4),
+    drop=st.sets(st.sampled_from(sorted(GOOD))),
+)
+def test_any_labels_give_labels_or_one_error_line(changes, drop):
+    labels = {k: v for k, v in {**GOOD, **changes}.items() if k not in drop}
+    try:
+        lab = ImageLabels.from_labels("img", labels)
+    except ImageError as e:
+        assert "\n" not in str(e) and str(e).startswith("img: ")
+        return
+    assert ImageLabels.from_labels("img", lab.to_labels()) == lab
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.one_of(st.text(max_size=40), st.from_regex(r"[a-z0-9./:@-]{1,40}", fullmatch=True)))
+def test_any_text_is_a_reference_or_one_error_line(text):
+    try:
+        ref = parse_reference(text)
+    except ImageError as e:
+        assert "\n" not in str(e) and len(str(e)) < 200
+        return
+    assert not any(c.isspace() for c in text) and ref.name and (ref.digest is None or ref.digest.startswith("sha256:"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    user=st.text(alphabet="abcXYZ09_-", min_size=1, max_size=8),
+    secret=st.text(alphabet="s3cr3tQ!$%", min_size=4, max_size=12),
+)
+def test_redacted_urls_never_carry_the_password(user, secret):
+    from urllib.parse import quote
+
+    url = f"https://{user}:{quote(secret, safe='')}@pypi.example:8443/simple"
+    shown = redact_url(url)
+    assert quote(secret, safe="") not in shown and shown == f"https://{user}:***@pypi.example:8443/simple"
