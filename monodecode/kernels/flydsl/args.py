@@ -20,7 +20,7 @@ from typing import Any
 from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS, KVLaunchArgs
 
 # Element type of every pointer argument, in launcher order. ``mbox`` is the width's segment of
-# the scratch buffer (8-byte mailbox words and epoch counters), ``health`` the plan's header word.
+# the scratch buffer (mailbox regions, epoch and completion counters), ``health`` the plan's header word.
 K1_ARGS = (
     ("x", "i32"),
     ("norm_w", "i32"),

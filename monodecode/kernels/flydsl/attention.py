@@ -48,7 +48,8 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
     @d.device
     def attn_task(
         t,
-        mbox,
+        seg,
+        ready,
         tag,
         polls,
         health,
@@ -73,6 +74,7 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
     ):
         """Task t = (row, KV head g, split s). K/V of (block, token, head g) sit at word
         ``kv_word(block, token, g, kst | vst)`` of the caches (strides are launch arguments)."""
+        mb.wait_ready(seg, ready, polls, health, code)  # the whole qkv stage (bf16 format)
         r = t // d.i32(KVH * S)
         g = (t // d.i32(S)) % d.i32(KVH)
         s = t % d.i32(S)
@@ -82,7 +84,7 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
         live = slot >= d.i32(0)
         vec = d.i32(L1["qkv_vec"])
 
-        # q of the group's heads, k and v of KV head g (tagged words of the qkv stage)
+        # q of the group's heads, k and v of KV head g (the qkv stage's outputs)
         base = d.i32(RG["qkv"]) + r * d.i32(NQKV)
         ats, oks = [], []
         for u in fx.range_constexpr((GQ + 2) * D // WG + ((GQ + 2) * D % WG > 0)):  # one round trip
@@ -96,7 +98,7 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
             ok = i < d.i32((GQ + 2) * D)
             ats.append(base + ok.select(src, d.i32(0)))
             oks.append(ok)
-        got = mb.mb_wait_all(mbox, ats, oks, tag, polls, health, code)
+        got = mb.fetch(seg, ats, oks, tag, polls, health, code)
         for u in fx.range_constexpr(len(oks)):
             if oks[u]:
                 d.lds_storef(lds, vec + tid + d.i32(u * WG), got[u])
@@ -256,14 +258,15 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
                         )
                 hrow = (r * d.i32(HEADS) + g * d.i32(GQ) + d.i32(h)) * d.i32(S) + s
                 for j in fx.range_constexpr(DPL):
-                    mb.mb_put(mbox, d.i32(RG["attn_acc"] + j) + hrow * d.i32(D) + lane * d.i32(DPL), tag, outs[j])
+                    mb.publish(seg, d.i32(RG["attn_acc"] + j) + hrow * d.i32(D) + lane * d.i32(DPL), tag, outs[j], True)
                 if lane == d.i32(0):
-                    mb.mb_put(mbox, d.i32(RG["attn_ml"]) + hrow * d.i32(2), tag, mx)
-                    mb.mb_put(mbox, d.i32(RG["attn_ml"] + 1) + hrow * d.i32(2), tag, den)
+                    mb.publish(seg, d.i32(RG["attn_ml"]) + hrow * d.i32(2), tag, mx, True)
+                    mb.publish(seg, d.i32(RG["attn_ml"] + 1) + hrow * d.i32(2), tag, den, True)
         gpu.barrier()  # the next task reuses the LDS
 
     @d.device
-    def combine_task(t, mbox, tag, polls, health, code, tid, out_attn):
+    def combine_task(t, seg, ready, tag, polls, health, code, tid, out_attn):
+        mb.wait_ready(seg, ready, polls, health, code)  # the whole attn stage (bf16 format)
         r = t // d.i32(HEADS)
         h = t % d.i32(HEADS)
         if tid < d.i32(D):
@@ -281,7 +284,7 @@ def make_attention(dims: ModelDims, geom: Geometry, block_size: int):
                         d.i32(RG["attn_ml"] + 1) + at,
                         d.i32(RG["attn_acc"]) + (hrow + s0 + d.i32(j)) * d.i32(D) + tid,
                     ]
-                got = mb.mb_wait_all(mbox, ats, [tid >= d.i32(0)] * len(ats), tag, polls, health, code)
+                got = mb.fetch(seg, ats, [tid >= d.i32(0)] * len(ats), tag, polls, health, code, True)
                 new_big = big
                 for j in fx.range_constexpr(SPLIT_BATCH):
                     new_big = fx.max(new_big, got[3 * j])

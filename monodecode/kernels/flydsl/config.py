@@ -2,8 +2,11 @@
 
 Everything the plan decides is taken from it, never recomputed here: the grid (one workgroup
 per CU), every stage of K1/K2 with its task count, rotation offset and GEMV rows per task, the
-attention context splits, and the mailbox regions of a width's scratch segment (8-byte words:
-fp32 value + 32-bit epoch tag) with the per-width epoch counters. ``launch_description`` states
+attention context splits, and the mailbox regions of a width's scratch segment with the
+per-width epoch and stage completion counters. The mailbox format (``plan.MAILBOX_FORMATS``) is
+``mailbox_format``'s: bf16 activations and fp32 attention partials synchronised by the stages'
+completion counters on one GPU; tagged 8-byte words (fp32 value + epoch tag, written and polled
+at system scope) across the ranks of a TP group, whose peer buffers carry no counters. ``launch_description`` states
 what the backend launches (grid, stage tables, absolute region offsets in the one scratch
 buffer, health word) so a test can hold it against ``plan_model`` and fail on any divergence.
 
@@ -28,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
-from monodecode.kernels.plan import K1, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
+from monodecode.kernels.plan import DONE_STAGES, K1, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
@@ -54,6 +57,13 @@ def first_task(workgroup, offset: int, grid: int):
     the plan's ``Stage.tasks_of`` evaluates, ``(b - offset) mod G``, kept non-negative.
     """
     return (workgroup + (grid - offset)) % grid
+
+
+def mailbox_format(tp_size: int) -> str:
+    """The plan's mailbox format the FlyDSL kernels use: ``bf16`` on one GPU; ``tagged`` with TP,
+    where the partials cross GPUs through peer buffers that have no completion counters (each
+    word's epoch tag is the cross-rank synchronisation)."""
+    return "bf16" if tp_size == 1 else "tagged"
 
 
 def health_word(site: int, kernel: int, layer):
@@ -175,7 +185,8 @@ class Geometry:
     post_norms: bool
     k1: tuple[StageConsts, ...]
     k2: tuple[StageConsts, ...]
-    regions: dict[str, int]  # word offset (8-byte words) relative to the width's scratch segment
+    mailbox: str  # plan.MAILBOX_FORMATS: "bf16" or "tagged"
+    regions: dict[str, int]  # offsets in the region's own elements relative to the width's scratch segment
     peer_regions: dict[str, int]  # TP: word offsets in the width's peer-buffer segment
     tiles: dict[str, GemvTile]
     lds1: dict[str, int]  # K1 LDS arena: word offsets, "words" = size
@@ -196,6 +207,14 @@ class Geometry:
             if s.name == name:
                 return s
         raise KeyError(f"{kernel}.{name}")
+
+    @property
+    def bf16_mailbox(self) -> bool:
+        return self.mailbox == "bf16"
+
+    def done(self, kernel: str, name: str) -> int:
+        """Offset (8-byte counters) of stage ``name``'s completion counter in the width's segment."""
+        return self.regions[f"done_{kernel}"] + DONE_STAGES[kernel].index(name)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -287,7 +306,7 @@ def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None
 def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1) -> Geometry:
     """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added."""
     _check(dims, width, weight_dtype, tp_size)
-    lp = plan_layer(dims, tp_size, width, spec.compute_units)
+    lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size))
     L = lp.local
     if L.group > 16:
         raise ConfigError(f"flydsl: at most 16 query heads per KV head, got {L.group}")
@@ -322,6 +341,7 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
         post_norms=dims.post_norms,
         k1=k1,
         k2=k2,
+        mailbox=lp.mailbox,
         regions=regions,
         peer_regions=peer,
         tiles=tiles,
@@ -333,7 +353,9 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
 
 def model_plan(dims: ModelDims, arch: str, widths, tp_size: int = 1) -> ModelPlan:
     """The plan the backend places its scratch (and peer) buffer by: every width, one buffer."""
-    return plan_model(dims, tp_size, sorted(set(widths)), arch_spec(arch).compute_units)
+    return plan_model(
+        dims, tp_size, sorted(set(widths)), arch_spec(arch).compute_units, mailbox=mailbox_format(tp_size)
+    )
 
 
 def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "bf16", tp_size: int = 1) -> dict:
@@ -356,12 +378,21 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
         entry = {
             "grid": g.grid,
             "attn_splits": g.attn_splits,
-            "regions": {n: seg + off * 8 for n, off in g.regions.items()},
+            "mailbox": g.mailbox,
+            # the stage completion counters the kernels signal and wait on (bf16 format)
+            "counters": {
+                f"{st.kernel}.{st.name}": seg + g.done(st.kernel, st.name) * 8
+                for st in g.k1 + g.k2
+                if st.name in DONE_STAGES[st.kernel]
+            },
+            "regions": {n: seg + off * g.layer_plan.region(n).word_bytes for n, off in g.regions.items()},
             "stages": {},
         }
         if g.peer_regions:
             pseg = placed.peer.widths[w].offset
-            entry["peer_regions"] = {n: pseg + off * 8 for n, off in g.peer_regions.items()}
+            entry["peer_regions"] = {
+                n: pseg + off * g.layer_plan.region(n).word_bytes for n, off in g.peer_regions.items()
+            }
         for st in g.k1 + g.k2:
             entry["stages"][f"{st.kernel}.{st.name}"] = {
                 "kind": st.kind,

@@ -3,21 +3,23 @@
 A persistent launch of ``G`` workgroups (one per CU, all resident). Stages, task counts,
 rotation offsets and mailbox regions come from ``kernels/plan.py`` through ``config.Geometry``:
 task ``t`` of a stage runs on workgroup ``(t + offset) % G``; a workgroup runs its tasks of stage
-0, then of stage 1, ...; a task only waits on words of earlier stages, so there is no grid
-barrier and no deadlock while all ``G`` workgroups are resident. Side by side with
+0, then of stage 1, ...; a task only waits on earlier stages, so there is no grid barrier and
+no deadlock while all ``G`` workgroups are resident. On one GPU the mailbox is the plan's bf16
+format (bf16 activations, fp32 attention partials; a consumer task waits once on its producing
+stage's completion counter), with TP the tagged one (``mailbox.py``). Side by side with
 ``monodecode/model/reference.py``:
 
 K1 (``x`` -> ``attn_out``)
   qkv      GEMV task = ``rows`` outputs of       h = rms_norm(x, attn_norm); q|k|v = W_qkv h
            W_qkv for every row of the step;      (bf16 each)
-           x normed into LDS, published as
-           tagged words -> region ``qkv``
+           x normed into LDS, published
+           (bf16) -> region ``qkv``
   attn     task = (row, KV head, context split): q/k = rms_norm(., q/k_norm) (qk_norm models);
-           waits for the group's q, k, v words;  RoPE (rotate-half, bf16 cos/sin); K,V written
+           waits for the qkv stage (q, k, v);    RoPE (rotate-half, bf16 cos/sin); K,V written
            q/k-norm, RoPE; the split holding the at the slot; softmax(q.K^T * scale) V over
            newest position writes K/V to the      positions j < seq_len (and j > pos - window on
            cache; online softmax over its slice   sliding layers); padded rows (slot -1): zeros
-           -> unnormalised (m, l, acc) words
+           -> unnormalised (m, l, acc), fp32
            -> regions ``attn_ml``, ``attn_acc``
   combine  task = (row, query head): merges the  out = sum_s e^(m_s-M) acc_s / sum_s e^(m_s-M) l_s
            splits -> ``attn_out`` (bf16)
@@ -48,6 +50,7 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
     """The K1 launcher of one specialisation (closures bake the constants in)."""
     W, G, H = geom.width, geom.grid, geom.hidden
     NQKV, FP8 = geom.qkv, geom.fp8
+    BF16 = geom.bf16_mailbox  # plan mailbox format: bf16 values + completion counters (else tagged words)
     EPS = float(dims.rms_norm_eps)
     RG = geom.regions  # word offsets in this width's scratch segment
     L1 = geom.lds1
@@ -91,7 +94,10 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
         wave = d.uniform(tid // WAVE_SIZE)
         lane = tid % WAVE_SIZE
         epoch = mbox + RG["epoch_k1"]
-        tag = mb.launch_tag(epoch, G)
+        e, tag = mb.launch_epoch(epoch, G)
+        seg = mb.segment(mbox, out_attn, cos_sin, x, BF16)
+        ctr_qkv, ctr_attn = mbox + geom.done(K1, "qkv"), mbox + geom.done(K1, "attn")
+        qkv_done, attn_done = e * fx.Int64(st_qkv.tasks), e * fx.Int64(st_attn.tasks)
         polls = mb.health_ok(health).select(max_polls, d.i32(0))  # a failed step waits no more
         wait_code = mb.health_code(mb.SITE_WAIT, mb.KERNEL_K1, layer)
         lds = d.lds_arena(fx.SharedAllocator(), L1["words"])
@@ -119,17 +125,22 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
 
         def publish_qkv(row, tok, vals, valid):
             v = d.round_bf16(gv.scaled(FP8, s_qkv, fx.min(row, d.i32(NQKV - 1)), vals[0]))
-            mb.put_row(mbox, tag, tok, RG["qkv"], NQKV, row, v, valid & (stall == d.i32(0)))
+            mb.put_row(seg, tag, tok, RG["qkv"], NQKV, row, v, valid & (stall == d.i32(0)))
 
         for t_ in range(first, d.i32(st_qkv.tasks), d.i32(G)):
             gemv_task(tile, d.i32(t_), w_rs, lds, L1["x"], L1["part"], tid, wave, lane, stage_x, publish_qkv)
-        gpu.barrier()
+        if fx.const_expr(BF16):  # a stalled stage never counts: the attention waits expire
+            mb.signal_tasks(ctr_qkv, first, st_qkv.tasks, G, tid, stall == d.i32(0))
+        else:
+            gpu.barrier()
 
         # ---- attn: (row, KV head, split) partials
-        for t_ in range(first_task(bid, st_attn.offset, G), d.i32(st_attn.tasks), d.i32(G)):
+        first_attn = first_task(bid, st_attn.offset, G)
+        for t_ in range(first_attn, d.i32(st_attn.tasks), d.i32(G)):
             attn_task(
                 d.i32(t_),
-                mbox,
+                seg,
+                (ctr_qkv, qkv_done),
                 tag,
                 polls,
                 health,
@@ -153,11 +164,17 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
                 (v_block_stride, v_token_stride, v_head_stride),
             )
 
+        if fx.const_expr(BF16):
+            mb.signal_tasks(ctr_attn, first_attn, st_attn.tasks, G, tid, tid >= d.i32(0))
+
         # ---- combine: merge each query head's splits -> attn_out (bf16)
         for t_ in range(first_task(bid, st_comb.offset, G), d.i32(st_comb.tasks), d.i32(G)):
-            combine_task(d.i32(t_), mbox, tag, polls, health, wait_code, tid, out_attn)
+            combine_task(d.i32(t_), seg, (ctr_attn, attn_done), tag, polls, health, wait_code, tid, out_attn)
 
-        mb.finish_launch(epoch, tid)
+        if fx.const_expr(BF16):
+            mb.finish_launch(epoch, tid, G, [(ctr_qkv, qkv_done), (ctr_attn, attn_done)])
+        else:
+            mb.finish_launch(epoch, tid)
 
     @d.device
     def _stage_normed(x, norm_w, lds, tid, c0, ckw: int, xs: int, k: int):

@@ -47,6 +47,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
     H, I, Q = geom.hidden, geom.intermediate, geom.q
     EPS = float(dims.rms_norm_eps)
     POST_NORMS, FP8 = geom.post_norms, geom.fp8
+    BF16 = geom.bf16_mailbox  # plan mailbox format: bf16 values + completion counters (else tagged words)
     GELU = dims.activation == "gelu_tanh"
     ROW_BATCH = max(1, 4 // geom.tp_size)  # post/final: columns per round trip (x TP partial words each)
     FINAL = geom.final
@@ -96,7 +97,12 @@ def make_k2(dims: ModelDims, geom: Geometry):
         wave = d.uniform(tid // WAVE_SIZE)
         lane = tid % WAVE_SIZE
         epoch = mbox + RG["epoch_k2"]
-        tag = mb.launch_tag(epoch, G)
+        e, tag = mb.launch_epoch(epoch, G)
+        seg = mb.segment(mbox, out, s_o, x, BF16)
+        ctr_o, ctr_post = mbox + geom.done(K2, "o_proj"), mbox + geom.done(K2, "post")
+        ctr_gu, ctr_dn = mbox + geom.done(K2, "gate_up"), mbox + geom.done(K2, "down")
+        o_done, post_done = e * fx.Int64(st_o.tasks), e * fx.Int64(st_post.tasks)
+        gu_done, dn_done = e * fx.Int64(st_gu.tasks), e * fx.Int64(st_dn.tasks)
         polls = mb.health_ok(health).select(max_polls, d.i32(0))
         wait_code = mb.health_code(mb.SITE_WAIT, mb.KERNEL_K2, layer)
         bad_code = mb.health_code(mb.SITE_NONFINITE, mb.KERNEL_K2, layer)
@@ -115,22 +121,28 @@ def make_k2(dims: ModelDims, geom: Geometry):
         def publish_o(row, tok, vals, valid):
             v = gv.scaled(FP8, s_o, fx.min(row, d.i32(H - 1)), vals[0])
             if fx.const_expr(TP == 1):
-                mb.put_row(mbox, tag, tok, o_region, H, row, v, valid)
+                mb.put_row(seg, tag, tok, o_region, H, row, v, valid)
             else:
                 _push(peers, rank, tag, tok, o_region, row, v, valid)
 
-        for t_ in range(first_task(bid, st_o.offset, G), d.i32(st_o.tasks), d.i32(G)):
+        first_o = first_task(bid, st_o.offset, G)
+        for t_ in range(first_o, d.i32(st_o.tasks), d.i32(G)):
             gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_attn, publish_o)
-        gpu.barrier()
+        if fx.const_expr(BF16):
+            mb.signal_tasks(ctr_o, first_o, st_o.tasks, G, tid, tid >= d.i32(0))
+        else:
+            gpu.barrier()
 
         # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
-        for r_ in range(first_task(bid, st_post.offset, G), d.i32(st_post.tasks), d.i32(G)):
+        first_post = first_task(bid, st_post.offset, G)
+        for r_ in range(first_post, d.i32(st_post.tasks), d.i32(G)):
             _post_task(
                 d.i32(r_),
                 x,
                 post_attn_w,
                 mlp_norm_w,
-                mbox,
+                seg,
+                (ctr_o, o_done),
                 mine,
                 tag,
                 polls,
@@ -142,47 +154,64 @@ def make_k2(dims: ModelDims, geom: Geometry):
                 lane,
                 o_region,
             )
+        if fx.const_expr(BF16):
+            mb.signal_tasks(ctr_post, first_post, st_post.tasks, G, tid, tid >= d.i32(0))
 
         # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
         t_gu = geom.tiles["gate_up"]
         gu_rs = gv.buffer_rsrc(w_gu)
 
         def stage_hn(c0):
-            _stage_words(
-                mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
-            )
+            if fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
+                mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
+                _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H)
+            else:
+                _stage_words(
+                    mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
+                )
 
         def publish_act(row, tok, vals, valid):
             srow = fx.min(row, d.i32(I - 1))
             gt = d.round_bf16(gv.scaled(FP8, s_gu, srow, vals[0]))
             up = d.round_bf16(gv.scaled(FP8, s_gu, srow + d.i32(I), vals[1]))
             a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
-            mb.put_row(mbox, tag, tok, RG["act"], I, row, d.round_bf16(a * up), valid)
+            mb.put_row(seg, tag, tok, RG["act"], I, row, d.round_bf16(a * up), valid)
 
-        for t_ in range(first_task(bid, st_gu.offset, G), d.i32(st_gu.tasks), d.i32(G)):
+        first_gu = first_task(bid, st_gu.offset, G)
+        for t_ in range(first_gu, d.i32(st_gu.tasks), d.i32(G)):
             gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_hn, publish_act)
-        gpu.barrier()
+        if fx.const_expr(BF16):
+            mb.signal_tasks(ctr_gu, first_gu, st_gu.tasks, G, tid, tid >= d.i32(0))
+        else:
+            gpu.barrier()
 
         # ---- down: act (waited) staged in LDS; residual here, or a final stage
         t_dn = geom.tiles["down"]
         dn_rs = gv.buffer_rsrc(w_down)
 
         def stage_act(c0):
-            _stage_words(
-                mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
-            )
+            if fx.const_expr(BF16):  # gate_up done implies post done: h is ready for the residual too
+                mb.wait_first(c0, ctr_gu, gu_done, polls, health, wait_code)
+                _stage_plain(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I)
+            else:
+                _stage_words(
+                    mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
+                )
 
         def finish_down(row, tok, vals, valid):
             v = gv.scaled(FP8, s_down, fx.min(row, d.i32(H - 1)), vals[0])
             if fx.const_expr(TP > 1):
                 _push(peers, rank, tag, tok, d_region, row, v, valid)
             elif fx.const_expr(FINAL):
-                mb.put_row(mbox, tag, tok, d_region, H, row, v, valid)
+                mb.put_row(seg, tag, tok, d_region, H, row, v, valid)
             else:
-                _residual_out(mbox, tag, polls, health, wait_code, bad_code, out, tok, row, v, nan_fault, valid)
+                _residual_out(seg, tag, polls, health, wait_code, bad_code, out, tok, row, v, nan_fault, valid)
 
-        for t_ in range(first_task(bid, st_dn.offset, G), d.i32(st_dn.tasks), d.i32(G)):
+        first_dn = first_task(bid, st_dn.offset, G)
+        for t_ in range(first_dn, d.i32(st_dn.tasks), d.i32(G)):
             gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_act, finish_down)
+        if fx.const_expr(BF16):
+            mb.signal_tasks(ctr_dn, first_dn, st_dn.tasks, G, tid, tid >= d.i32(0))
 
         # ---- final (Gemma post-MLP norm): x_out = h + norm(d)
         if fx.const_expr(FINAL):
@@ -192,7 +221,8 @@ def make_k2(dims: ModelDims, geom: Geometry):
                     d.i32(r_),
                     post_mlp_w,
                     out,
-                    mbox,
+                    seg,
+                    (ctr_dn, dn_done),
                     mine,
                     tag,
                     polls,
@@ -207,7 +237,11 @@ def make_k2(dims: ModelDims, geom: Geometry):
                     nan_fault,
                 )
 
-        mb.finish_launch(epoch, tid)
+        if fx.const_expr(BF16):
+            settle = [(ctr_o, o_done), (ctr_post, post_done), (ctr_gu, gu_done), (ctr_dn, dn_done)]
+            mb.finish_launch(epoch, tid, G, settle)
+        else:
+            mb.finish_launch(epoch, tid)
 
     @d.device
     def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int):
@@ -245,10 +279,11 @@ def make_k2(dims: ModelDims, geom: Geometry):
                     d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @d.device
-    def _residual_out(mbox, tag, polls, health, code, bad_code, out, tok, row, v, nan_fault, enable):
+    def _residual_out(seg, tag, polls, health, code, bad_code, out, tok, row, v, nan_fault, enable):
         """x_out = bf16(h + bf16(d)) for token ``tok``, checked for non-finite values."""
         if enable & (row < d.i32(H)):
-            hv = mb.mb_wait(mbox, d.i32(RG["h"]) + tok * d.i32(H) + row, tag, polls, health, code)
+            at = d.i32(RG["h"]) + tok * d.i32(H) + row
+            hv = mb.fetch(seg, [at], [enable], tag, polls, health, code)[0]
             res = d.round_bf16(hv + d.round_bf16(v))
             if (nan_fault != d.i32(0)) & (tok == d.i32(0)) & (row == d.i32(0)):
                 res = d.f32(float("nan"))
@@ -262,11 +297,11 @@ def make_k2(dims: ModelDims, geom: Geometry):
         oks = [k < d.i32(H) for k in ks]
         return [ok.select(k, d.i32(0)) for k, ok in zip(ks, oks)], oks
 
-    def _o_values(mbox, mine, region: int, r, ks, oks, tag, polls, health, code):
+    def _o_values(seg, mine, region: int, r, ks, oks, tag, polls, health, code):
         """o[r, k] for the columns ``ks`` as the reference has it: bf16 of the projection (TP: of
         the ranks' partials summed in rank order, fp32, so every rank gets the same bits)."""
         if TP == 1:
-            vals = mb.mb_wait_all(mbox, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            vals = mb.fetch(seg, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             return [d.round_bf16(v) for v in vals]
         ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(TP)]
         vals = mb.mb_wait_all(mine, ats, [ok for ok in oks for _ in range(TP)], tag, polls, health, code, None)
@@ -282,15 +317,18 @@ def make_k2(dims: ModelDims, geom: Geometry):
         return d.bf16_half(d.load_word(w_ptr, k // d.i32(2)), k % d.i32(2))
 
     @d.device
-    def _post_task(r, x, post_w, mlp_w, mbox, mine, tag, polls, health, code, lds, tid, wave, lane, o_region: int):
+    def _post_task(
+        r, x, post_w, mlp_w, seg, ready, mine, tag, polls, health, code, lds, tid, wave, lane, o_region: int
+    ):
         """Row r: h = x + (post-attn norm)(o) and hn = mlp_norm(h), both published."""
+        mb.wait_ready(seg, ready, polls, health, code)  # the whole o_proj stage (bf16 format)
         red = L2["red"]
         rs_o = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
                 ks, oks = _cols(d.i32(k_))
-                os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+                os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)
                 for u in fx.range_constexpr(ROW_BATCH):
                     ov = oks[u].select(os_[u], d.f32(0.0))
                     ss = fx.math.fma(ov, ov, ss)
@@ -298,47 +336,64 @@ def make_k2(dims: ModelDims, geom: Geometry):
         ss_h = d.f32(0.0)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)
+            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)
             for u in fx.range_constexpr(ROW_BATCH):
                 o = os_[u]
                 if fx.const_expr(POST_NORMS):
                     o = norm(o, rs_o, _weight(post_w, ks[u]))
                 hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
                 if oks[u]:
-                    mb.mb_put(mbox, d.i32(RG["h"]) + r * d.i32(H) + ks[u], tag, hv)
+                    mb.publish(seg, d.i32(RG["h"]) + r * d.i32(H) + ks[u], tag, hv)
                 hv = oks[u].select(hv, d.f32(0.0))
                 ss_h = fx.math.fma(hv, hv, ss_h)
         rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            os_ = _o_values(mbox, mine, o_region, r, ks, oks, tag, polls, health, code)  # h again, as above
+            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)  # h again, as above
             for u in fx.range_constexpr(ROW_BATCH):
                 o = os_[u]
                 if fx.const_expr(POST_NORMS):
                     o = norm(o, rs_o, _weight(post_w, ks[u]))
                 hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
                 if oks[u]:
-                    mb.mb_put(mbox, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
+                    mb.publish(seg, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
 
     @d.device
     def _final_task(
-        r, post_w, out, mbox, mine, tag, polls, health, code, bad_code, lds, tid, wave, lane, d_region: int, nan_fault
+        r,
+        post_w,
+        out,
+        seg,
+        ready,
+        mine,
+        tag,
+        polls,
+        health,
+        code,
+        bad_code,
+        lds,
+        tid,
+        wave,
+        lane,
+        d_region: int,
+        nan_fault,
     ):
         """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d)."""
+        mb.wait_ready(seg, ready, polls, health, code)  # the whole down stage (bf16 format)
         rs_d = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
                 ks, oks = _cols(d.i32(k_))
-                dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
+                dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code)
                 for u in fx.range_constexpr(ROW_BATCH):
                     dv = oks[u].select(dvs[u], d.f32(0.0))
                     ss = fx.math.fma(dv, dv, ss)
             rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            dvs = _o_values(mbox, mine, d_region, r, ks, oks, tag, polls, health, code)
-            hvs = mb.mb_wait_all(mbox, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code)
+            hvs = mb.fetch(seg, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             for u in fx.range_constexpr(ROW_BATCH):
                 dv = dvs[u]
                 if fx.const_expr(POST_NORMS):

@@ -11,12 +11,23 @@
   ``epoch_k2`` regions): every workgroup adds 1 when it leaves, so during launch ``n`` the
   counter reads in ``[n*G, n*G + G - 1]`` before this workgroup's own add and
   ``counter // G + 1`` is the same in every workgroup (graph-safe, no host involvement);
+* ``bf16`` format (one GPU): activations are plain bf16 values and attention partials plain fp32
+  (``view`` gives the segment as bf16 / fp32 / 32-bit arrays); no tags. A producing stage counts
+  its finished tasks in its int64 completion counter (``signal_tasks``: every thread's stores
+  drained, the workgroup met, then one release add at agent scope), a consumer waits once per
+  task (or GEMV tile) until the counter reaches ``epoch * tasks`` (``wait_done``: acquire at agent
+  scope, so the plain loads after it see the producers' stores on every XCD); counters are never
+  reset, and the last workgroup of a launch settles them at ``epoch * tasks`` (``finish_launch``),
+  so a launch in which a producer never signalled (a stall drill, an expired wait) leaves the next
+  one consistent;
 * waits are bounded (``max_polls`` polls); on expiry the sticky health word gets the site code
   (compare-and-swap from 0: the first failure wins) and the kernel carries on with the stale
   value, so the launch always terminates and the runner's check before logits stops the step.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import flydsl.expr as fx
 from flydsl.expr import rocdl
@@ -122,23 +133,149 @@ def mb_wait_all(mbox, idxs, valid, tag, polls, health, code, scope="agent"):
 
 
 # ---------------------------------------------------------------- launch epoch
-def launch_tag(epoch, grid: int):
-    """This launch's 31-bit tag from the width's launch counter (same in every workgroup)."""
+def launch_epoch(epoch, grid: int):
+    """This launch's epoch (int64: 1, 2, ...) and 31-bit tag from the width's launch counter
+    (the same in every workgroup)."""
     count = fx.generic_load(epoch, dtype=fx.Int64, memory_order=_RELAXED, syncscope="agent")
-    tag = fx.Int32(((count // fx.Int64(grid)) + fx.Int64(1)) & fx.Int64(TAG_MASK))
-    return uniform(tag)
+    e = (count // fx.Int64(grid)) + fx.Int64(1)
+    return e, uniform(fx.Int32(e & fx.Int64(TAG_MASK)))
+
+
+def launch_tag(epoch, grid: int):
+    """This launch's 31-bit tag (tagged format)."""
+    return launch_epoch(epoch, grid)[1]
 
 
 @device
-def finish_launch(epoch, tid):
-    """Count this workgroup out of the launch (once, after every thread has read the tag)."""
+def finish_launch(epoch, tid, grid: int = 0, settle=()):
+    """Count this workgroup out of the launch (once, after every thread has read the epoch). With
+    ``settle`` (``(counter, epoch * tasks)`` pairs, bf16 format) the last workgroup out raises each
+    stage completion counter to its target: after a healthy launch a no-op."""
     fx.gpu.barrier()
-    if tid == fx.Int32(0):
-        fx.atomic_add(epoch, fx.Int64(1), syncscope="agent")
+    if fx.const_expr(len(settle) == 0):
+        if tid == fx.Int32(0):
+            fx.atomic_add(epoch, fx.Int64(1), syncscope="agent")
+    else:
+        if tid == fx.Int32(0):
+            old = fx.atomic_add(epoch, fx.Int64(1), syncscope="agent", ordering=fx.AtomicOrdering.AcqRel)
+            if ((old + fx.Int64(1)) % fx.Int64(grid)) == fx.Int64(0):
+                for ctr, target in settle:
+                    fx.atomic_max(ctr, target, syncscope="agent", ordering=fx.AtomicOrdering.AcqRel)
+
+
+# ---------------------------------------------------------------- bf16 format: plain values, completion counters
+def view(like, base):
+    """The address of ``base`` as a pointer of ``like``'s element type (a typed view of a segment)."""
+    return fx.inttoptr(like.type, fx.ptrtoint(base))
+
+
+def load_bf16(mb16, idx):
+    """A bf16 value of a bf16 region as fp32 (exact)."""
+    return (fx.Int32(fx.generic_load(mb16 + idx, dtype=fx.Int16)) << fx.Int32(16)).bitcast(fx.Float32)
+
+
+def store_bf16(mb16, idx, x):
+    """fp32 ``x`` rounded to bf16 (round to nearest even) into a bf16 region."""
+    b = fx.Float32(x).bitcast(fx.Int32)
+    fx.generic_store(
+        mb16 + idx, fx.Int16(((b + fx.Int32(0x7FFF) + ((b >> 16) & fx.Int32(1))) >> 16) & fx.Int32(0xFFFF))
+    )
+
+
+def load_f32(mbf, idx):
+    return fx.generic_load(mbf + idx, dtype=fx.Float32)
+
+
+def store_f32(mbf, idx, x):
+    fx.generic_store(mbf + idx, fx.Float32(x))
+
+
+def _acquire(ctr):
+    return fx.generic_load(ctr, dtype=fx.Int64, memory_order=fx.AtomicOrdering.Acquire, syncscope="agent")
 
 
 @device
-def put_row(mbox, tag, tok, region, n, row, v, enable):
+def wait_done(ctr, target, polls, health, code):
+    """Bounded wait (acquire, agent scope) until a stage completion counter reaches ``target``
+    (``epoch * tasks``); on expiry the health word gets ``code``. Every thread waits, so every
+    wave's own acquire orders its later plain loads after the producers' stores."""
+    seen = _acquire(ctr)
+    n = fx.Int32(0)
+    while (seen < target) & (n < polls):
+        rocdl.s_sleep(1)
+        seen = _acquire(ctr)
+        n = n + fx.Int32(1)
+        if (n & fx.Int32(HEALTH_POLL_EVERY - 1)) == fx.Int32(0):
+            if health_load(health) != fx.Int32(0):
+                n = polls
+    if seen < target:
+        raise_health(health, code)
+
+
+@device
+def wait_first(c0, ctr, target, polls, health, code):
+    """``wait_done`` before a GEMV task's first chunk (once per tile): its first weights are
+    already loading, so they stream in during the wait."""
+    if c0 == fx.Int32(0):
+        wait_done(ctr, target, polls, health, code)
+
+
+@device
+def signal_tasks(ctr, first, tasks: int, grid: int, tid, enable):
+    """Count this workgroup's finished tasks of a stage (``first, first + grid, ...``) after its
+    stage loop: every thread's stores drained, the workgroup met, then one release add (agent
+    scope) by thread 0. ``enable`` false: nothing is counted (the consumers' waits expire)."""
+    rocdl.s_waitcnt(vmcnt=0)
+    fx.gpu.barrier()
+    if (tid == fx.Int32(0)) & (first < fx.Int32(tasks)) & enable:
+        mine = (fx.Int32(tasks - 1 + grid) - first) // fx.Int32(grid)
+        fx.atomic_add(ctr, fx.Int64(mine), syncscope="agent", ordering=fx.AtomicOrdering.Release)
+
+
+class Segment(NamedTuple):
+    """A width's scratch segment as the kernels address it: the 8-byte words (tagged words, epoch
+    and completion counters) and, for the bf16 format, typed views of the same address."""
+
+    words: Any  # int64 elements
+    bf16: Any  # 16-bit elements: bf16 activations
+    f32: Any  # fp32 elements: attention partials
+    i32: Any  # 32-bit elements: bf16 pairs, staged as they are
+    bf16_format: bool  # the plan's mailbox format: bf16 (else tagged)
+
+
+def segment(mbox, bf16_like, f32_like, i32_like, bf16_format: bool) -> Segment:
+    """``mbox`` (an int64 pointer) with its views, typed like the given pointer arguments."""
+    return Segment(mbox, view(bf16_like, mbox), view(f32_like, mbox), view(i32_like, mbox), bf16_format)
+
+
+def fetch(seg: Segment, idxs, valid, tag, polls, health, code, partial: bool = False):
+    """fp32 values at ``idxs`` of a region: bf16 values (fp32 for attention partials) read
+    after the producing stage's wait, or tagged words waited for one by one."""
+    if seg.bf16_format:
+        return [load_f32(seg.f32, i) if partial else load_bf16(seg.bf16, i) for i in idxs]
+    return mb_wait_all(seg.words, idxs, valid, tag, polls, health, code)
+
+
+def publish(seg: Segment, idx, tag, x, partial: bool = False):
+    """Publish fp32 ``x`` at ``idx`` of a region: bf16 (fp32 for a ``partial``) or a tagged word."""
+    if seg.bf16_format:
+        if partial:
+            store_f32(seg.f32, idx, x)
+        else:
+            store_bf16(seg.bf16, idx, x)
+    else:
+        mb_put(seg.words, idx, tag, x)
+
+
+def wait_ready(seg: Segment, ready, polls, health, code):
+    """bf16 format: wait once (per task) for the producing stage, ``ready = (counter, target)``;
+    tagged words are waited for as they are read."""
+    if seg.bf16_format:
+        wait_done(ready[0], ready[1], polls, health, code)
+
+
+@device
+def put_row(seg: Segment, tag, tok, region, n, row, x, enable):
     """Publish output ``row`` of token ``tok`` into a (W, n) region (rows past n are padding)."""
     if enable & (row < fx.Int32(n)):
-        mb_put(mbox, fx.Int32(region) + tok * fx.Int32(n) + row, tag, v)
+        publish(seg, fx.Int32(region) + tok * fx.Int32(n) + row, tag, x)

@@ -22,7 +22,7 @@ from monodecode.kernels.flydsl.config import (
     plan_geometry,
 )
 from monodecode.kernels.health import health_code
-from monodecode.kernels.plan import plan_model, wait_health_code
+from monodecode.kernels.plan import DONE_STAGES, plan_model, wait_health_code
 from monodecode.model.profiles import profile_dims
 
 WIDTH_SETS = [(1,), (1, 2, 4, 8), (3, 16)]
@@ -35,7 +35,7 @@ def test_launch_description_is_the_plan(profile, arch, widths):
     dims = profile_dims(profile)
     grid = ARCHS[arch].compute_units
     desc = launch_description(dims, arch, widths)
-    plan = plan_model(dims, 1, list(widths), grid)
+    plan = plan_model(dims, 1, list(widths), grid, mailbox="bf16")  # one GPU: bf16 activations, counters
     assert desc["grid"] == plan.num_workgroups == grid
     assert desc["scratch_bytes"] == plan.scratch.nbytes
     assert desc["health_offset"] == plan.scratch.header[HEALTH].offset
@@ -43,6 +43,13 @@ def test_launch_description_is_the_plan(profile, arch, widths):
     for w in widths:
         lp, got = plan.layers[w], desc["widths"][w]
         assert got["grid"] == grid and got["attn_splits"] == lp.attn_splits
+        assert got["mailbox"] == lp.mailbox == "bf16"
+        regions = plan.scratch.widths[w].regions
+        assert got["counters"] == {
+            f"{k}.{name}": regions[f"done_{k}"].offset + 8 * i
+            for k, names in DONE_STAGES.items()
+            for i, name in enumerate(names)
+        }, "every counted stage signals (and its consumers wait on) its own counter of the plan"
         assert got["regions"] == {n: r.offset for n, r in plan.scratch.widths[w].regions.items()}
         stages = {f"{s.kernel}.{s.name}": s for s in lp.stages()}
         assert list(got["stages"]) == list(stages), "same stages, same order"
@@ -70,11 +77,14 @@ def test_tensor_parallel_launch_is_the_plan(arch, tp):
     grid = ARCHS[arch].compute_units
     widths = (1, 4, 8)
     desc = launch_description(dims, arch, widths, tp_size=tp)
-    plan = plan_model(dims, tp, list(widths), grid)
+    plan = plan_model(dims, tp, list(widths), grid, mailbox="tagged")  # peer buffers: tagged words
+    assert desc["scratch_bytes"] == plan.scratch.nbytes
     assert desc["peer_bytes"] == plan.peer.nbytes > 0
     for w in widths:
         got, lp = desc["widths"][w], plan.layers[w]
         assert got["peer_regions"] == {n: r.offset for n, r in plan.peer.widths[w].regions.items()}
+        assert got["regions"] == {n: r.offset for n, r in plan.scratch.widths[w].regions.items()}
+        assert got["mailbox"] == "tagged"
         assert set(got["peer_regions"]) == {"o_peer", "d_peer"} and "o" not in got["regions"]
         assert list(got["stages"]) == [f"{s.kernel}.{s.name}" for s in lp.stages()]
         assert got["stages"]["k2.final"]["tasks"] == w  # the rank-order sum of the down partials
@@ -87,8 +97,20 @@ def test_width_segments_never_alias_and_hold_the_epochs():
     spans = []
     for w, e in desc["widths"].items():
         regions = e["regions"]
-        assert {"epoch_k1", "epoch_k2", "qkv", "attn_acc", "attn_ml", "h", "hn", "act", "o"} <= set(regions)
-        assert all(off % 8 == 0 for off in regions.values()), "8-byte mailbox words and counters"
+        assert {
+            "epoch_k1",
+            "epoch_k2",
+            "done_k1",
+            "done_k2",
+            "qkv",
+            "attn_acc",
+            "attn_ml",
+            "h",
+            "hn",
+            "act",
+            "o",
+        } <= set(regions)
+        assert all(off % 8 == 0 for off in regions.values()), "8-byte counters; bf16 pairs read as 32-bit words"
         spans.append((min(regions.values()), max(regions.values()), w))
     spans.sort()
     assert desc["health_offset"] < spans[0][0]
