@@ -59,11 +59,17 @@ def first_task(workgroup, offset: int, grid: int):
     return (workgroup + (grid - offset)) % grid
 
 
+def task_count(first, tasks: int, grid: int):
+    """How many tasks of a stage a workgroup runs from its ``first`` one (``first < tasks``): what
+    it adds to the stage's completion counter. Python ints (tests) or traced i32 (the kernels)."""
+    return (tasks - 1 + grid - first) // grid
+
+
 def mailbox_format(tp_size: int) -> str:
     """The plan's mailbox format the FlyDSL kernels use: ``bf16`` on one GPU; ``tagged`` with TP,
     where the partials cross GPUs through peer buffers that have no completion counters (each
     word's epoch tag is the cross-rank synchronisation)."""
-    return "bf16" if tp_size == 1 else "tagged"
+    return "bf16" if tp_size == 1 else "tagged"  # every width; the plan's default GEMV task cost
 
 
 def health_word(site: int, kernel: int, layer):

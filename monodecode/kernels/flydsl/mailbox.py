@@ -33,7 +33,7 @@ import flydsl.expr as fx
 from flydsl.expr import rocdl
 from flydsl.expr.primitive import range_constexpr
 
-from monodecode.kernels.flydsl.config import health_word
+from monodecode.kernels.flydsl.config import health_word, task_count
 from monodecode.kernels.flydsl.device import device, uniform
 
 TAG_MASK = 0x7FFFFFFF
@@ -228,8 +228,9 @@ def signal_tasks(ctr, first, tasks: int, grid: int, tid, enable):
     rocdl.s_waitcnt(vmcnt=0)
     fx.gpu.barrier()
     if (tid == fx.Int32(0)) & (first < fx.Int32(tasks)) & enable:
-        mine = (fx.Int32(tasks - 1 + grid) - first) // fx.Int32(grid)
-        fx.atomic_add(ctr, fx.Int64(mine), syncscope="agent", ordering=fx.AtomicOrdering.Release)
+        fx.atomic_add(
+            ctr, fx.Int64(task_count(first, tasks, grid)), syncscope="agent", ordering=fx.AtomicOrdering.Release
+        )
 
 
 class Segment(NamedTuple):

@@ -20,6 +20,7 @@ from monodecode.kernels.flydsl.config import (
     health_word,
     launch_description,
     plan_geometry,
+    task_count,
 )
 from monodecode.kernels.health import health_code
 from monodecode.kernels.plan import DONE_STAGES, plan_model, wait_health_code
@@ -68,6 +69,11 @@ def test_launch_description_is_the_plan(profile, arch, widths):
             runs = sorted(t for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
             assert runs == list(range(st.num_tasks)), key
             assert all(st.workgroup_of(t, grid) == b for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
+            # what each workgroup adds to the stage's completion counter: its own tasks, so the
+            # counter reaches exactly epoch * tasks when the stage is done (bf16 format)
+            for b, ts in enumerate(g["workgroup_tasks"]):
+                first = first_task(b, st.offset, grid)
+                assert (task_count(first, st.num_tasks, grid) if first < st.num_tasks else 0) == len(ts), (key, b)
 
 
 @pytest.mark.parametrize("tp", [2, 8])
