@@ -36,6 +36,9 @@ class Target:
     # synchronised by the completion counters alone, or the tagged 8-byte words.
     mailbox: str = "bf16"
     narrow_mailbox: str = ""  # the format at width 1 ("" = ``mailbox``)
+    fp8_narrow_mailbox: str = ""  # the format at width 1 with FP8 weights ("" = ``narrow_mailbox``)
+    # Launch with the driver's co-residency check (cooperative launch; CUDA only).
+    cooperative: bool = True
     # The GEMV rows chooser's fixed cost per task at widths > 1 (``plan.gemv_rows_per_task``).
     wide_task_bytes: int = 4096
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
@@ -75,9 +78,10 @@ CUDA = Target(
     flatten=True,
     fp8_split=2,
     fp8_narrow_stages=5,
-    # Measured on the H200 (benchmarks/README.md, runs 4-5): the bf16 mailbox halves batch 2-8
+    # Measured on the H200 (benchmarks/README.md, runs 5-6): the bf16 mailbox halves batch 2-8
     # steps but made width 1's K1 slower (8B 4.52 -> 5.82 ms), so width 1 keeps the tagged words.
     narrow_mailbox="tagged",
+    fp8_narrow_mailbox="bf16",  # FP8 width 1 measured faster with bf16 (3.61 -> 3.40 ms, run 6)
     wide_task_bytes=65536,
     attn_stages=3,
 )
@@ -85,15 +89,18 @@ CUDA = Target(
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
 
 
-def plan_for(dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1) -> ModelPlan:
-    """The shared plan of these kernels for ``target`` (its mailbox format)."""
+def plan_for(
+    dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1, fp8: bool = False
+) -> ModelPlan:
+    """The shared plan of these kernels for ``target`` (its mailbox formats and tile costs)."""
+    narrow = (target.fp8_narrow_mailbox if fp8 else "") or target.narrow_mailbox
     return plan_model(
         dims,
         tp_size,
         list(widths),
         num_programs,
         mailbox=target.mailbox,
-        narrow_mailbox=target.narrow_mailbox or None,
+        narrow_mailbox=narrow or None,
         wide_task_bytes=target.wide_task_bytes,
     )
 

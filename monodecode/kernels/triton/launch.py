@@ -25,7 +25,7 @@ _POLL_SECONDS = 0.5e-6
 
 def compile_options(target: Target, width: int = 1) -> dict:
     opts = {"num_warps": target.warps(width)}
-    if target.kind == "cuda":
+    if target.kind == "cuda" and target.cooperative:
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
     return opts
 
@@ -64,8 +64,8 @@ class TritonKernels(TwoLaunchKernels):
         self.grid = 1 if self.interpret else num_programs
         vp = num_programs if self.interpret else 1
         self.num_programs = num_programs
-        self.plan = plan_for(dims, req.widths, num_programs, target, req.tp_size)
         self.fp8 = req.weight_dtype in ("fp8", "fp8_fnuz")
+        self.plan = plan_for(dims, req.widths, num_programs, target, req.tp_size, self.fp8)
         have = weights.layers[0].q_proj.kind if weights.layers else req.weight_dtype
         if have != req.weight_dtype:
             raise ConfigError(f"triton kernels: built for {req.weight_dtype} weights but the model has {have}")

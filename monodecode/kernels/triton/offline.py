@@ -110,7 +110,7 @@ def compile_width(
     else:
         gpu = GPUTarget("cuda", 90, 32)
     out = []
-    mplan = plan_for(dims, [width], num_programs, target)
+    mplan = plan_for(dims, [width], num_programs, target, fp8=weight_dtype != "bf16")
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
         warps = target.warps(width)
         compiled = triton.compile(src, target=gpu, options={"num_warps": warps})
