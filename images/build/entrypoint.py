@@ -56,7 +56,6 @@ ATTENTION_BACKEND = ("--attention-backend", "--attention_backend")
 PLATFORMS = ("rocm", "cuda", "cpu")
 METRICS_DIR_PREFIX = "monodecode-metrics-"
 METRICS_DIR_MARKER = ".monodecode-entrypoint"  # in every metrics directory this script made
-MAX_JSON_CHARS = 1 << 20
 
 
 class EntrypointError(ValueError):
@@ -98,17 +97,17 @@ def _widths(name: str, value: str) -> list[int]:
 
 
 def load_json(name: str, text: str) -> object:
-    """``json.loads`` with every failure as one line (bad syntax, nesting, huge numbers)."""
-    if len(text) > MAX_JSON_CHARS:
-        raise EntrypointError(f"{name} is longer than {MAX_JSON_CHARS} characters")
+    """The runtime's reader of outside JSON (``monodecode.jsonio``): bad syntax, nesting, huge or
+    non-finite numbers are one line."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise EntrypointError(f"{name} is not valid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise EntrypointError(f"{name} is nested too deeply") from None
-    except ValueError:  # an integer past Python's digit limit
-        raise EntrypointError(f"{name} has a number with too many digits") from None
+        from monodecode.errors import MonodecodeError
+        from monodecode.jsonio import parse_json
+    except ImportError as e:  # the image always has monodecode; this guards a broken install
+        raise EntrypointError(f"monodecode is not importable in this image: {e}") from None
+    try:
+        return parse_json(text, name)
+    except MonodecodeError as e:
+        raise EntrypointError(str(e)) from None
 
 
 def _json_object(name: str, text: str) -> dict:

@@ -12,13 +12,13 @@ range) is a failed check.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from monodecode.errors import ArtifactError
+from monodecode.errors import ArtifactError, MonodecodeError
+from monodecode.jsonio import read_json_file
 from monodecode.services.artifacts import MANIFEST, ArtifactStore, parse_manifest
 from monodecode.services.platform import Platform
 from monodecode_ops.base_vllm import supported_vllm, vllm_problem
@@ -105,9 +105,9 @@ def read_image(image: str, client: docker.DockerClient | None = None) -> ImageCo
         info = tmp / PurePosixPath(IMAGE_INFO_PATH).name
         if info.is_file():
             try:
-                contents.image_info = json.loads(info.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                contents.image_info = {"error": f"{IMAGE_INFO_PATH} is not valid JSON"}
+                contents.image_info = read_json_file(info, IMAGE_INFO_PATH)
+            except MonodecodeError as e:
+                contents.image_info = {"error": str(e)}
         store = ArtifactStore(tmp / art_name)
         if store.manifest_path.is_file():
             try:
@@ -319,10 +319,13 @@ def baked_checks(info_path: str | Path | None = None) -> list[Check]:
     Returns [] outside a monodecode image (no ``$MONODECODE_IMAGE_INFO`` / ``image.json``).
     """
     path = Path(info_path or os.environ.get("MONODECODE_IMAGE_INFO") or IMAGE_INFO_PATH)
-    if not path.is_file():
-        return []
     try:
-        info = json.loads(path.read_text())
+        info = read_json_file(path, str(path))
+    except FileNotFoundError:
+        return []
+    except MonodecodeError as e:
+        return [Check.failure("baked manifest", f"image facts unreadable: {e}")]
+    try:
         art_dir = os.environ.get("MONODECODE_ARTIFACT_DIR") or DEFAULT_ARTIFACT_DIR
         labels = ImageLabels(
             arch=info["arch"],

@@ -195,10 +195,32 @@ def test_manifest_entry_for_another_arch(baked):
     assert "compiled for gfx950, the image is labelled gfx942" in detail
 
 
-def test_unreadable_image_info_is_a_failed_check(baked):
-    Path(os.environ["MONODECODE_IMAGE_INFO"]).write_text("{not json")
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
+        (b'{"arch": ' + b"1" * 5000 + b"}", "too many digits"),
+        (b'{"arch": 1e999}', "not a finite number"),
+        (b"\xff\xfe{", "not UTF-8"),
+        (b"[1, 2]", "unreadable or incomplete"),
+        (b'{"arch": "gfx950"}', "unreadable or incomplete"),
+        ("directory", "not a regular file"),
+        ("fifo", "not a regular file"),
+    ],
+)
+def test_unreadable_image_info_is_a_failed_check(baked, content, fragment):
+    path = Path(os.environ["MONODECODE_IMAGE_INFO"])
+    path.unlink()
+    if content == "directory":
+        path.mkdir()
+    elif content == "fifo":
+        os.mkfifo(path)  # a read would block forever
+    else:
+        path.write_bytes(content)
     (check,) = baked_checks()
-    assert check.status == "fail" and "unreadable or incomplete" in check.detail
+    assert check.status == "fail" and fragment in check.detail, check.detail
+    assert "\n" not in check.detail
 
 
 # ---- the image's vLLM against the plugin's range -----------------------------------------------

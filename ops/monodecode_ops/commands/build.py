@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import json
 import re
 import shlex
 import subprocess
@@ -31,6 +30,7 @@ from rich.text import Text
 
 from monodecode import __version__
 from monodecode.errors import ArtifactError
+from monodecode.jsonio import read_json_file
 from monodecode.services.artifacts import parse_manifest
 from monodecode_ops.bases import BASE_IMAGES, PinnedBase, parse_reference, pin_base
 from monodecode_ops.engine import connect, image_files, pull_ref, reason
@@ -410,11 +410,13 @@ def read_build_outputs(client, artifacts_image: str) -> dict[str, Any]:
         info_path, manifest = tmp / "image.json", tmp / "artifacts" / "manifest.json"
         if not info_path.is_file() or not manifest.is_file():
             raise ImageError("the precompile stage produced no /out/image.json or /out/artifacts/manifest.json")
+        info = read_json_file(info_path, "the precompile stage's image.json", ImageError)
         try:
-            info = json.loads(info_path.read_text())
             text = manifest.read_bytes().decode()  # bytes as written: the digest is over them
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ImageError(f"the precompile stage wrote an unreadable image.json or manifest.json: {e}") from None
+        except UnicodeDecodeError:
+            raise ImageError("the precompile stage wrote a manifest.json that is not UTF-8") from None
+    if not isinstance(info, dict):
+        raise ImageError("the precompile stage's image.json is not a JSON object")
     missing = [k for k in ("backends", "build_keys", "manifest_digest") if k not in info]
     if missing:
         raise ImageError(f"the precompile stage's image.json lacks {', '.join(missing)}")
