@@ -27,9 +27,30 @@ OVERRIDES: dict[str, str] = {
 }
 
 
+def attach_log_handler() -> None:
+    """Send ``monodecode`` log records through vLLM's own handlers (vLLM configures only its
+    ``vllm`` logger, so without this our lines never reach ``vllm serve``'s log). Re-entrant."""
+    import logging
+
+    import vllm.logger  # noqa: F401  (configures the ``vllm`` logger on import)
+
+    ours, theirs = logging.getLogger("monodecode"), logging.getLogger("vllm")
+    if not theirs.handlers:
+        return  # vLLM's logging configuration is off (VLLM_CONFIGURE_LOGGING=0): leave ours alone
+    for handler in theirs.handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False  # the handlers are vLLM's; propagating would print twice under a root handler
+
+
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: register the overrides (re-entrant)."""
+    """Entry point of ``vllm.general_plugins``: register the overrides (re-entrant) and route
+    monodecode's log lines into vLLM's log."""
     from vllm.model_executor.models.registry import ModelRegistry
+
+    attach_log_handler()
 
     for arch, target in OVERRIDES.items():
         current = ModelRegistry.models.get(arch)

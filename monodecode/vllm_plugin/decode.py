@@ -2,15 +2,24 @@
 
 The model override calls, in this order (the Kimi-K3 in-tree hook shape):
 
-1. ``MonoDecode(vllm_config, config)`` in ``__init__``, before any weight is allocated;
+1. ``MonoDecode(vllm_config, config)`` and ``attach(model)`` in ``__init__``, before any weight
+   is allocated: the decoder's attention layers get a hook on ``bind_kv_cache`` (the method
+   vLLM's model runner calls on every layer when it initializes the KV cache); on vLLM's CPU
+   platform the linear layers keep the weight vLLM loaded (``_cpu_skip_gemm_dispatch``);
 2. ``build(model)`` from ``process_weights_after_loading`` (vLLM calls it after every quant
-   method finished, before memory profiling, KV-cache allocation and graph capture): platform,
-   ``Deployment`` from the real config, weight views, then ``Runner.start()`` (refusal vote,
-   build, warm-up golden check per width, second vote): raise with every reason, or degrade;
-3. ``plan(...)`` once per forward: the step decision from forward-context metadata (identical
-   on all ranks). Eager and PIECEWISE steps run it every time; under a FULL graph it runs at
-   capture only and the decision is baked into the graph (one per padded size);
-4. ``before_logits(hidden)`` from ``compute_logits`` (eager every step, also after a graph
+   method finished, before memory profiling, KV-cache allocation and graph capture): the vLLM
+   version, platform, ``Deployment`` from the real config, the attention backend, weight views,
+   then ``Runner.start()`` (refusal vote, build, warm-up golden check per width, second vote):
+   raise with every reason, or degrade;
+3. ``on_kv_bound()`` when vLLM has bound every layer's KV cache (profiling cache, then the real
+   one), before any forward that could reach the kernels: backend, resolved layout, cache spec
+   and tensor strides are checked from vLLM's objects (``binding.bind``) and the views built;
+   a refusal here is raised (or degraded, voted) at start-up, never inside a forward;
+4. ``plan(...)`` once per forward: the step decision from forward-context metadata (identical
+   on all ranks; metadata of a class the bound backend does not build is no metadata). Eager
+   and PIECEWISE steps run it every time; under a FULL graph it runs at capture only and the
+   decision is baked into the graph (one per padded size);
+5. ``before_logits(hidden)`` from ``compute_logits`` (eager every step, also after a graph
    replay): accounts the step, then the fail-stop check; a failed step returns no logits.
 
 Accounting: steps are counted once per step, on TP rank 0 only (every rank takes the same
@@ -34,8 +43,11 @@ from monodecode.runtime.runner import MONO, Runner, StepDecision
 from monodecode.runtime.vote import StepInfo
 from monodecode.services.platform import Platform, detect_platform
 from monodecode.spec import reason_code
+from monodecode.vllm_plugin.binding import BindError, Binding, backend_reason, bind, layer_backend, metadata_allowed
+from monodecode.vllm_plugin.cpu_kv import StagedKV
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
-from monodecode.vllm_plugin.step import KVLayoutError, decode_metadata, kv_reason_for_backend, kv_views, step_info
+from monodecode.vllm_plugin.step import decode_metadata, step_info
+from monodecode.vllm_plugin.versions import version_reason
 from monodecode.vllm_plugin.weights import WeightLayoutError, model_weights_from_vllm
 
 log = logging.getLogger("monodecode.vllm")
@@ -59,17 +71,30 @@ class _StepCountsOff:
 
 @dataclass
 class Plan:
-    """A mono step: per-layer metadata and the KV views the kernels read and write."""
+    """A mono step: per-layer metadata and the KV the kernels read and write (vLLM's cache
+    through strided views, or on the CPU platform staged per layer)."""
 
     decision: StepDecision
     metas: list[DecodeMetadata]
-    kv: PagedKVCache
+    kv: PagedKVCache | None
+    staged: StagedKV | None = None
 
 
-@dataclass
-class _Binding:
-    key: tuple = ()  # (data_ptr, numel) of every layer's cache: changes when vLLM re-binds
-    kv: PagedKVCache | None = None
+# the decoder's linear layers (vLLM's fused projections) the kernels read
+_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+class _BindHook:
+    """Stands in for one attention layer's ``bind_kv_cache``: vLLM's binding, then ours."""
+
+    def __init__(self, attn: Any, mono: MonoDecode):
+        self._vllm_bind = attn.bind_kv_cache
+        self._attn = attn
+        self._mono = mono
+
+    def __call__(self, kv_cache: Any) -> None:
+        self._vllm_bind(kv_cache)
+        self._mono.layer_bound(self._attn)
 
 
 def _tp_group() -> tuple[int, int, Any]:
@@ -96,29 +121,57 @@ class MonoDecode:
         self.state = "off"
         self.reasons: list[str] = []
         self.metrics: Any = None
-        self._binding = _Binding()
+        self._binding: Binding | None = None
         self._attn_layers: list[Any] = []
+        self._unbound: set[int] = set()
+        self._backend_name: str | None = None
         self._forward_ran = False
         self._last: StepDecision | None = None
         self._eager_counted = False
 
     # ---- startup ---------------------------------------------------------------------------
 
+    def attach(self, model: Any) -> None:
+        """At model construction: hook the attention layers' KV binding; on vLLM's CPU platform
+        keep the loaded weights (no second copy). Nothing when the vLLM version is unsupported:
+        ``build`` refuses before anything of vLLM's is touched."""
+        if version_reason() is not None:
+            return
+        from vllm.platforms import current_platform
+
+        backbone = model.model
+        layers = list(backbone.layers)[backbone.start_layer : backbone.end_layer]
+        self._attn_layers = [layer.self_attn.attn for layer in layers]
+        self._backend_name = layer_backend(self._attn_layers[0]) if self._attn_layers else None
+        for attn in self._attn_layers:
+            attn.bind_kv_cache = _BindHook(attn, self)
+        self._unbound = {id(a) for a in self._attn_layers}
+        if current_platform.is_cpu():
+            # vLLM's CPU linear method would pack each weight for oneDNN / AMX and free the loaded
+            # matrix; its own switch (used for MLA's kv_b_proj) keeps the matrix and computes
+            # vLLM's stock GEMMs with torch.nn.functional.linear on it: one copy, read by both paths
+            for layer in layers:
+                for parent, name in _LINEARS:
+                    setattr(getattr(getattr(layer, parent), name), "_cpu_skip_gemm_dispatch", True)
+
     def build(self, model: Any) -> None:
         """After weights load, before profiling and graph capture (every rank, same point)."""
         from monodecode.metrics import get_metrics
 
+        tp_rank, tp_size, group = _tp_group()
+        metrics = get_metrics()
+        self.metrics = metrics if tp_rank == 0 else _StepCountsOff(metrics)
+        why = version_reason()
+        if why:
+            self._refuse_without_runner([why])
+            return
         device = next(model.parameters()).device
         if self.platform is None:
             self.platform = detect_platform(device.index if device.type == "cuda" else None)
-        tp_rank, tp_size, group = _tp_group()
         deployment = deployment_from_vllm_config(self.vllm_config, self.platform, self.dims)
-        metrics = get_metrics()
-        self.metrics = metrics if tp_rank == 0 else _StepCountsOff(metrics)
-        backbone = model.model
-        self._attn_layers = [
-            layer.self_attn.attn for layer in backbone.layers[backbone.start_layer : backbone.end_layer]
-        ]
+        why = backend_reason(self.platform.kind, self._attn_layers)
+        if why:
+            deployment = replace(deployment, extra_reasons=deployment.extra_reasons + (why,))
 
         weights = None
         if self.dims is not None:
@@ -145,19 +198,15 @@ class MonoDecode:
             kv_dtype="bf16",
         )
         self.runner.start()  # RefusalError (on_refusal=raise) propagates: vLLM refuses to start
-        if self.runner.state == MONO:
-            # the same backend on every rank, so every rank reaches the same verdict
-            why = kv_reason_for_backend(self.runner.backend.name, self.runner.kernels)
-            if why:
-                self._disable(why)
         self.state = self.runner.state
         self.reasons = list(self.runner.reasons)
         if self.state == MONO:
             w = self.runner.warmup
             log.info(
-                "mono decode active on rank %d: backend %s, widths %s, warm-up %.2f s, max |err| %.3g",
+                "mono decode active on rank %d: backend %s, vLLM attention %s, widths %s, warm-up %.2f s, max |err| %.3g",
                 tp_rank,
                 self.runner.backend.name,
+                self._backend_name,
                 list(self.config.widths),
                 w.duration_s if w else 0.0,
                 w.max_abs_error if w else 0.0,
@@ -183,34 +232,45 @@ class MonoDecode:
 
     # ---- per step --------------------------------------------------------------------------
 
+    # ---- KV binding (vLLM's initialize_kv_cache) -------------------------------------------
+
+    def layer_bound(self, attn: Any) -> None:
+        """vLLM bound ``attn``'s cache; once every layer is bound, check and bind them all."""
+        self._unbound.discard(id(attn))
+        if not self._unbound:
+            self._unbound = {id(a) for a in self._attn_layers}
+            self.on_kv_bound()
+
+    def on_kv_bound(self) -> None:
+        """Check vLLM's KV cache against the kernels and build the views (every rank at the same
+        point of start-up: a refusal raises out of vLLM's KV initialization, or degrades, voted)."""
+        runner = self.runner
+        if runner is None or runner.state != MONO:
+            return
+        try:
+            self._binding = bind(self.platform.kind, self._attn_layers, self.vllm_config, runner.kernels)
+        except BindError as e:
+            self._binding = None
+            self._disable(str(e))
+            return
+        log.info(
+            "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
+            self._backend_name,
+            self.vllm_config.cache_config.kv_cache_layout,
+            "staged per step (CPU attention packing)" if self._binding.cpu_layers else "read in place",
+        )
+
+    # ---- per step --------------------------------------------------------------------------
+
     def _info(self, positions: torch.Tensor, intermediate_tensors: Any, inputs_embeds: Any) -> StepInfo:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         rows = int(positions.shape[-1])
-        if intermediate_tensors is not None or inputs_embeds is not None:
-            return StepInfo(num_rows=rows, has_metadata=False)  # PP stage input / prompt embeddings
+        if intermediate_tensors is not None or inputs_embeds is not None or self._binding is None:
+            # PP stage input / prompt embeddings / no KV cache bound yet (profile runs)
+            return StepInfo(num_rows=rows, has_metadata=False)
         ctx = get_forward_context() if is_forward_context_available() else None
-        return step_info(ctx, rows)
-
-    def _kv(self) -> PagedKVCache:
-        """Views of the bound KV caches, rebuilt when vLLM re-binds (profiling cache, then the
-        real one); under graph capture the binding made by the eager warm-up pass is reused."""
-        caches = [a.kv_cache for a in self._attn_layers]
-        key = tuple((c.data_ptr(), c.numel()) for c in caches)
-        if key != self._binding.key or self._binding.kv is None:
-            a0 = self._attn_layers[0]
-            kv = kv_views(caches, int(a0.num_kv_heads), int(a0.head_size), self.runner.kernels)
-            self._binding = _Binding(key, kv)
-        return self._binding.kv
-
-    def _bound_kv(self) -> PagedKVCache | None:
-        """``_kv()``, or None after degrading on a KV layout the kernels cannot read (the layout
-        is the same on every rank, so every rank degrades at the same step)."""
-        try:
-            return self._kv()
-        except KVLayoutError as e:
-            self._disable(str(e))
-            return None
+        return step_info(ctx, rows, lambda md: metadata_allowed(self._backend_name, md))
 
     def plan(self, positions: torch.Tensor, intermediate_tensors: Any = None, inputs_embeds: Any = None) -> Plan | None:
         """This step's decision; a ``Plan`` for a mono step, None for the stock layers."""
@@ -218,9 +278,6 @@ class MonoDecode:
         if runner is None:
             return None
         info = self._info(positions, intermediate_tensors, inputs_embeds)
-        kv = None
-        if runner.decide(info):
-            kv = self._bound_kv()  # may degrade (KV layout), which turns this step into a fallback
         capturing = _is_capturing()
         if capturing:
             decision = runner.capture_step(info)  # baked into the graph; counted at each replay
@@ -242,12 +299,22 @@ class MonoDecode:
             if id(md) not in built:  # one per KV-cache group (Gemma: sliding vs full)
                 built[id(md)] = decode_metadata(md, positions, slot_maps.get(attn.layer_name))
             metas.append(built[id(md)])
-        return Plan(decision, metas, kv)
+        binding = self._binding
+        if binding.cpu_layers is not None:
+            return Plan(decision, metas, None, StagedKV(binding.cpu_layers, metas))
+        return Plan(decision, metas, binding.kv)
 
     def run_layers(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
         """The residual stream through every decoder layer on the kernels."""
-        for layer, meta in enumerate(plan.metas):
-            x = self.runner.forward_layer(layer, x, meta, plan.kv)
+        staged = plan.staged
+        if staged is None:
+            for layer, meta in enumerate(plan.metas):
+                x = self.runner.forward_layer(layer, x, meta, plan.kv)
+            return x
+        for layer, meta in enumerate(staged.metas):
+            kv = staged.stage(layer, len(staged.metas))
+            x = self.runner.forward_layer(layer, x, meta, kv)
+            staged.commit(layer, kv)
         return x
 
     def before_logits(self, hidden_states: torch.Tensor) -> None:

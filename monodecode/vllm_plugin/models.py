@@ -1,10 +1,11 @@
 """Model-class overrides: subclasses of vLLM's own Llama, Qwen3 and Gemma 3 classes.
 
-Mono decode off (not requested): ``__new__`` hands construction back to vLLM's class, so the
+Mono decode off (not requested, or a speculative-decoding draft model): ``__new__`` hands construction back to vLLM's class, so the
 object vLLM serves *is* a ``LlamaForCausalLM`` (etc.): same modules, same forward, nothing of
 ours on the path. Mono decode on: the subclass adds four hooks and nothing else:
 
-- ``__init__``: validate the options, create ``MonoDecode`` (no weights touched);
+- ``__init__``: validate the options, create ``MonoDecode`` and attach it to the decoder layers
+  (no weights touched; on vLLM's CPU platform the linear layers keep their loaded weight);
 - ``process_weights_after_loading``: build + warm up the runner (after load, before capture);
 - ``forward``: one decision per step; a mono step runs the embedding, every decoder layer on the
   kernels and the final norm; any other step calls vLLM's own ``forward`` unchanged;
@@ -22,7 +23,12 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
 from monodecode.vllm_plugin.decode import MonoDecode
-from monodecode.vllm_plugin.request import mono_config_for
+from monodecode.vllm_plugin.request import is_served_target, mono_config_for
+
+
+def _mono_requested(vllm_config: Any, prefix: str) -> bool:
+    """Mono decode was asked for and this model is the served target (never a draft model)."""
+    return mono_config_for(vllm_config).enabled and is_served_target(vllm_config, prefix)
 
 
 class MonoDecodeMixin:
@@ -32,7 +38,7 @@ class MonoDecodeMixin:
     mono: MonoDecode | None
 
     def __new__(cls, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
-        if "_stock_class" in cls.__dict__ and not mono_config_for(vllm_config).enabled:
+        if "_stock_class" in cls.__dict__ and not _mono_requested(vllm_config, prefix):
             # not an instance of cls, so Python skips cls.__init__: the result is purely stock.
             # (Subclasses vLLM derives from ours, e.g. the pooling adapters, construct normally
             # and stay stock through ``mono = None``.)
@@ -41,8 +47,10 @@ class MonoDecodeMixin:
 
     def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        config = mono_config_for(vllm_config)
-        self.mono = MonoDecode(vllm_config, config) if config.enabled else None
+        self.mono = None
+        if _mono_requested(vllm_config, prefix):
+            self.mono = MonoDecode(vllm_config, mono_config_for(vllm_config))
+            self.mono.attach(self)
 
     def process_weights_after_loading(self) -> None:
         parent = getattr(super(), "process_weights_after_loading", None)

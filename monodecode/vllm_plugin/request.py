@@ -25,3 +25,15 @@ def mono_config_for(vllm_config: Any) -> MonoConfig:
     kernel_config = getattr(vllm_config, "kernel_config", None)
     monokernel = bool(getattr(kernel_config, "monokernel", False))
     return MonoConfig.from_additional_config(additional, monokernel=monokernel)
+
+
+def is_served_target(vllm_config: Any, prefix: str = "") -> bool:
+    """True for the model ``vllm serve`` serves; False for a speculative-decoding draft model
+    built in the same process (vLLM builds it from a copy of the config whose ``model_config``
+    is the draft's, under the ``draft_model`` prefix). Mono decode applies to the target only."""
+    if prefix.startswith("draft_model"):
+        return False
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "draft_model":
+        return True  # n-gram, EAGLE, MTP, ...: no second model of a class this plugin overrides
+    return vllm_config.model_config is not getattr(spec, "draft_model_config", None)

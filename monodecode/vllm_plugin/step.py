@@ -9,6 +9,7 @@ copying the cache: the views alias vLLM's tensors, so both paths read and write 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,14 +49,16 @@ def prefill_rows(md: Any, num_tokens: int) -> int:
     return num_tokens if num_reqs <= 1 else num_tokens - 1
 
 
-def step_info(forward_context: Any, num_tokens: int) -> StepInfo:
-    """``StepInfo`` of the step in ``forward_context`` (None = no context: a dummy pass)."""
+def step_info(forward_context: Any, num_tokens: int, allowed: Callable[[Any], bool] | None = None) -> StepInfo:
+    """``StepInfo`` of the step in ``forward_context`` (None = no context: a dummy pass).
+    Metadata ``allowed`` rejects (a class the bound backend's builder does not return) is read
+    as no metadata: such a step is never classified as decode."""
     if forward_context is None:
         return StepInfo(num_rows=num_tokens, has_metadata=False)
     mode = getattr(forward_context, "cudagraph_runtime_mode", None)
     graph_mode = getattr(mode, "name", "NONE").lower()
     md = _first_metadata(getattr(forward_context, "attn_metadata", None))
-    if md is None:
+    if md is None or (allowed is not None and not allowed(md)):
         return StepInfo(num_rows=num_tokens, graph_mode=graph_mode, has_metadata=False)
     return StepInfo(num_rows=num_tokens, num_prefill_rows=prefill_rows(md, num_tokens), graph_mode=graph_mode)
 
@@ -83,30 +86,23 @@ def decode_metadata(md: Any, positions: torch.Tensor, slot_mapping: torch.Tensor
 
 
 def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int, kernels: Any = None) -> PagedKVCache:
-    """Per-layer key/value views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM 0.33's
+    """Per-layer key/value views ``[num_blocks, block_size, kv_heads, head_dim]`` of vLLM's
     per-layer caches, logically ``[num_blocks, kv_heads, block_size, 2 * head_dim]`` with K then
-    V along the last axis (the split vLLM's own backends use). The views alias vLLM's memory and
-    are strided: K and V of one head are interleaved, so a kernel must address them through the
-    tensors' strides. Token-major physical layouts (vLLM's LBNHC / NHD) give views whose
-    (block, slot) axes merge into one slot axis; head-major ones (LBHNC / HND) do not and are
-    refused, since slot-indexed KV writes need a flat slot axis. With ``kernels`` the views also
-    pass the backend's own layout check (``DecodeKernels.check_kv``: alignment, strides, block
-    size), so a layout its kernels cannot address is refused here, at binding, not at a launch."""
+    V along the last axis (the split vLLM's strided GPU backends use). The views alias vLLM's
+    memory and are strided, so a kernel addresses them through the tensors' strides. Whether the
+    cache really is that layout is decided from vLLM's objects (backend, resolved layout, cache
+    spec) by ``binding.bind``; this builds the views and, with ``kernels``, runs the backend's own
+    capability check (``DecodeKernels.check_kv``: alignment, strides, block size), so a layout
+    its kernels cannot address is refused at binding, never at a launch."""
     keys, values = [], []
     block_size = None
     for layer, kv in enumerate(kv_caches):
         if kv.dim() != 4 or kv.shape[1] != num_kv_heads or kv.shape[-1] != 2 * head_dim:
             raise KVLayoutError(
                 f"kv_layout: layer {layer}'s KV cache has shape {tuple(kv.shape)}; expected "
-                f"[blocks, {num_kv_heads} KV heads, block size, {2 * head_dim}] (vLLM's K|V layout); "
-                "shuffled or packed KV layouts are not supported"
+                f"[blocks, {num_kv_heads} KV heads, block size, {2 * head_dim}] (vLLM's K|V layout)"
             )
         k, v = kv.transpose(1, 2).split(head_dim, dim=-1)
-        if k.stride(-1) != 1 or k.stride(0) != k.shape[1] * k.stride(1):
-            raise KVLayoutError(
-                f"kv_layout: layer {layer}'s KV cache is head-major (strides {tuple(kv.stride())}); "
-                "mono decode needs a token-major layout: set VLLM_KV_CACHE_LAYOUT=LBNHC"
-            )
         keys.append(k)
         values.append(v)
         block_size = k.shape[1]
@@ -120,20 +116,3 @@ def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int, ke
             why = str(e)
             raise KVLayoutError(why if why.startswith("kv_layout: ") else f"kv_layout: {why}") from None
     return kv
-
-
-def kv_reason_for_backend(backend_name: str, backend: Any = None) -> str | None:
-    """None when ``backend``'s kernels address K/V through tensor strides (what vLLM 0.33's
-    interleaved cache needs), else the refusal reason. The reference backend indexes with torch
-    (strides honoured); compiled backends opt in with a ``kv_strided = True`` attribute."""
-    if backend_name in STRIDED_KV_BACKENDS or getattr(backend, "kv_strided", False):
-        return None
-    return (
-        f"kv_layout: vLLM 0.33 stores K and V interleaved per head ([blocks, heads, block size, "
-        f"2 x head_dim]); the {backend_name} kernels address contiguous [blocks, block size, heads, "
-        "head_dim] planes and would read the wrong bytes"
-    )
-
-
-# backends whose kernels read and write K/V through the tensors' strides
-STRIDED_KV_BACKENDS = ("reference",)

@@ -24,7 +24,38 @@ class WeightLayoutError(MonodecodeError):
     """vLLM holds a weight in a form the kernels cannot read."""
 
 
+# Linear methods whose ``layer.weight`` is the checkpoint's matrix (row-major or its transpose)
+_PLAIN_METHODS = ("UnquantizedLinearMethod", "Fp8LinearMethod")
+
+
+def repack_reason(module: Any, name: str) -> str | None:
+    """Why ``module.weight`` is not the plain matrix the kernels read (None when it is): vLLM's
+    CPU backend packs it for oneDNN / AMX and leaves an empty ``weight``; AITER's FP8 kernels
+    replace it with a (16, 16)-shuffled tensor of the same shape (``aiter_bpreshuffled``, or an
+    ``Aiter*`` scaled-mm kernel); a quantization method other than unquantized / FP8 keeps its
+    own packing."""
+    method = getattr(module, "quant_method", None)
+    method_name = type(method).__name__ if method is not None else "none"
+    if method is not None and method_name not in _PLAIN_METHODS:
+        return f"{name}: quantization method {method_name} keeps its own weight packing"
+    kernel = getattr(method, "fp8_linear", None)
+    kernel_name = type(kernel).__name__ if kernel is not None else ""
+    if getattr(module, "aiter_bpreshuffled", False) or kernel_name.startswith("Aiter") or "huffle" in kernel_name:
+        return (
+            f"{name}: vLLM's {kernel_name or 'AITER'} FP8 kernel preshuffled the weight (VLLM_ROCM_USE_AITER=1); "
+            "the kernels read row-major weights: unset VLLM_ROCM_USE_AITER (or VLLM_ROCM_USE_AITER_LINEAR=0)"
+        )
+    w = getattr(module, "weight", None)
+    if w is None or w.dim() != 2 or w.numel() == 0 or w.is_meta:
+        shape = None if w is None else tuple(w.shape)
+        return f"{name}: weight {shape} was repacked by vLLM's linear backend (the kernels read the loaded matrix)"
+    return None
+
+
 def _linear(module: Any, name: str, out_features: int, in_features: int) -> Linear:
+    why = repack_reason(module, name)
+    if why:
+        raise WeightLayoutError(why)
     w = module.weight
     if w.dtype in _FP8:
         if tuple(w.shape) == (in_features, out_features):

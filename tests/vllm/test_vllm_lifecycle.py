@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from vllm_testlib import bind_token_major_kv, engine_config, load_model, mono_options
+from vllm_testlib import bind_vllm_kv, engine_config, load_model, mono_options
 
 from monodecode.errors import RefusalError
 
@@ -78,7 +78,7 @@ def mono_llama(model_dirs, vllm_distributed, tmp_path_factory):
     cfg = engine_config(model_dirs["llama"], additional_config={"monodecode": mono_options(tmp, widths=[1, 2, 4])})
     model = load_model(cfg)
     assert model.mono.state == "mono"
-    bind_token_major_kv(model)
+    bind_vllm_kv(model, cfg)
     return cfg, model
 
 
@@ -142,7 +142,8 @@ def test_graph_replay_steps_are_counted_from_compute_logits(mono_llama):
 
     _, model = mono_llama
     mono = model.mono
-    mono._captured = {s: mono.runner.decide(StepInfo(num_rows=s, graph_mode="full")) for s in (1, 2, 4, 8)}
+    for size in (1, 2, 4, 8):  # what capturing the FULL graphs of these sizes records
+        mono.runner.capture_step(StepInfo(num_rows=size, graph_mode="full"))
     mono._forward_ran = False
     hidden = torch.zeros(3, model.config.hidden_size, dtype=torch.bfloat16)
     mono_before = _sample("monodecode_steps_total", path="mono")
@@ -169,7 +170,7 @@ def test_failstop_before_logits_and_restart(model_dirs, vllm_distributed, tmp_pa
     model = load_model(cfg)
     assert model.mono.state == "mono"
     names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
-    bind_token_major_kv(model)
+    bind_vllm_kv(model, cfg)
     with set_current_vllm_config(cfg), set_forward_context({n: _md(1, 1, 1) for n in names}, cfg, num_tokens=1):
         hidden = model(torch.tensor([5]), torch.tensor([7]))
     with pytest.raises(FailStop) as err:

@@ -29,14 +29,14 @@ OPS_CLI = REPO / os.environ.get("MONODECODE_MAIN_VENV", ".venv") / "bin" / "mono
 SERVER = """
 import sys
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.common.cli_args import make_arg_parser
 from vllm.entrypoints.launchers.app import build_app
-from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 import uvicorn
 
 model_dir, port = sys.argv[1], int(sys.argv[2])
-args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+sys.path.insert(0, %(testdir)r)
+from vllm_testlib import make_serve_arg_parser
+args = make_serve_arg_parser().parse_args(
     ["--model", model_dir, "--skip-tokenizer-init", "--max-model-len", "256", "--enforce-eager"])
 cfg = AsyncEngineArgs.from_cli_args(args).create_engine_config()
 PrometheusStatLogger(cfg, engine_indexes=[0])  # vLLM's own series, as the API server registers them
@@ -47,7 +47,7 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off
 WORKER = """
 import sys, torch
 sys.path.insert(0, %(testdir)r)
-from vllm_testlib import bind_token_major_kv, engine_config, free_port, load_model
+from vllm_testlib import bind_vllm_kv, engine_config, free_port, load_model
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.forward_context import set_forward_context
@@ -61,7 +61,7 @@ with set_current_vllm_config(cfg):
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     initialize_model_parallel(1, 1)
 model = load_model(cfg)
-bind_token_major_kv(model)
+bind_vllm_kv(model, cfg)
 names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
 md = CPUAttentionMetadata(num_actual_tokens=1, max_query_len=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
                           max_seq_len=3, seq_lens=torch.tensor([3], dtype=torch.int32),
@@ -107,7 +107,7 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
     port = free_port()
     model = str(model_dirs["gemma3"])
     server = subprocess.Popen(
-        [PYTHON, "-c", SERVER, model, str(port)],
+        [PYTHON, "-c", SERVER % {"testdir": str(REPO / "tests" / "vllm")}, model, str(port)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -82,10 +82,24 @@ def test_stock_instance_unless_requested(family, model_dirs, vllm_distributed, t
     on = load_model(engine_config(model_dirs[family], additional_config={"monodecode": mono_options(tmp_path)}))
     assert isinstance(on, MonoDecodeMixin) and isinstance(on, stock_cls)
     assert on.mono.state == "mono"
-    # nothing of vLLM's replaced or wrapped: same modules, same parameters (names, shapes, dtypes)
-    assert _tree(on) == _tree(off)
+    # nothing of vLLM's replaced or wrapped: same modules, same parameters (names, shapes, dtypes),
+    # except where vLLM's CPU kernels pack linear weights: there mono decode keeps the loaded matrix
+    # (vLLM's _cpu_skip_gemm_dispatch) where stock leaves an empty tensor beside its packed copy
+    modules_on, tensors_on = _tree(on)
+    modules_off, tensors_off = _tree(off)
+    assert modules_on == modules_off
+    packed = {n for n, (shape, _) in tensors_off.items() if shape == (0,)}
+    if packed:
+        print(f"vLLM's CPU backend packed {len(packed)} stock linear weights; mono decode keeps them loaded")
+        assert all(
+            n.endswith(("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")) for n in packed
+        )
+    assert {n: t for n, t in tensors_on.items() if n not in packed} == {
+        n: t for n, t in tensors_off.items() if n not in packed
+    }
     for name, p in off.state_dict().items():
-        assert bool((on.state_dict()[name] == p).all()), name
+        if name not in packed:
+            assert bool((on.state_dict()[name] == p).all()), name
 
 
 def test_pooling_adapter_of_our_class_stays_stock(model_dirs, vllm_distributed, tmp_path):

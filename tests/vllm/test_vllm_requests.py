@@ -11,10 +11,9 @@ from monodecode.errors import ConfigError
 
 def _serve_config(model_dir, *argv: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.common.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm_testlib import make_serve_arg_parser
 
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = make_serve_arg_parser()
     args = parser.parse_args(
         ["--model", str(model_dir), "--max-model-len", "256", "--enforce-eager", "--skip-tokenizer-init", *argv]
     )
@@ -38,7 +37,12 @@ def _serve_config(model_dir, *argv: str):
     ],
 )
 def test_switches(model_dirs, argv, enabled, widths):
+    from vllm_testlib import vllm_minor
+
     from monodecode.vllm_plugin.request import mono_config_for
+
+    if "--monokernel" in argv and vllm_minor() < (0, 33):
+        pytest.skip("vLLM 0.32 has no --monokernel flag (KernelConfig.monokernel arrived in 0.33)")
 
     cfg = _serve_config(model_dirs["llama"], *argv)
     mono = mono_config_for(cfg)

