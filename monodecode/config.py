@@ -8,13 +8,13 @@ in a deployment fails at startup instead of silently running with defaults.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from monodecode.errors import ConfigError
+from monodecode.jsonio import parse_json
 
 BACKENDS = ("auto", "flydsl", "triton", "reference")
 ON_REFUSAL = ("raise", "degrade")
@@ -99,11 +99,7 @@ class MonoConfig:
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "monodecode config") -> MonoConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-        return cls.from_dict(raw, where=where)
+        return cls.from_dict(parse_json(text, where, ConfigError), where=where)
 
     @classmethod
     def from_additional_config(

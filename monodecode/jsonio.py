@@ -40,23 +40,23 @@ def parse_json(text: str | bytes, where: str, error: type[MonodecodeError] = Mon
     """The value of JSON ``text`` (bytes must be UTF-8); ``error`` naming ``where`` otherwise."""
     if isinstance(text, (bytes, bytearray)):
         if len(text) > MAX_JSON_BYTES:
-            raise error(f"{where}: larger than {MAX_JSON_BYTES} bytes")
+            raise error(f"{where} is larger than {MAX_JSON_BYTES} bytes")
         try:
             text = bytes(text).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise error(f"{where}: not UTF-8 text (byte {e.start})") from None
+            raise error(f"{where} is not UTF-8 text (byte {e.start})") from None
     elif len(text) > MAX_JSON_BYTES:
-        raise error(f"{where}: larger than {MAX_JSON_BYTES} characters")
+        raise error(f"{where} is larger than {MAX_JSON_BYTES} characters")
     try:
         return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise error(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise error(f"{where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:
-        raise error(f"{where}: nested too deeply") from None
+        raise error(f"{where} is nested too deeply") from None
     except _NotFinite as e:
-        raise error(f"{where}: {e} is not a finite number") from None
+        raise error(f"{where} holds {e}, not a finite number") from None
     except ValueError:  # an integer literal past Python's digit limit
-        raise error(f"{where}: a number has too many digits") from None
+        raise error(f"{where} has a number with too many digits") from None
 
 
 def open_regular(path: str | Path, where: str, error: type[MonodecodeError] = MonodecodeError) -> int:

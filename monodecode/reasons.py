@@ -92,6 +92,7 @@ class RefusalReason(_Code):
     failstop_loop = "failstop_loop"  # N fail-stops within the window: start with stock decode
     disabled = "disabled"  # a rank-local wish to stop, agreed by vote
     shadow_mismatch = "shadow_mismatch"  # the shadow check exceeded the warm-up tolerance
+    fault_drill = "fault_drill"  # MONODECODE_FAULT names a layer or rank that does not exist
 
 
 def reason_code(reason: str) -> str:

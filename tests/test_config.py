@@ -65,7 +65,7 @@ def test_direct_construction_is_validated_too():
 
 
 def test_from_json_reports_position():
-    with pytest.raises(ConfigError, match=r"MONODECODE_CONFIG: not valid JSON .*line 1 column"):
+    with pytest.raises(ConfigError, match=r"MONODECODE_CONFIG is not valid JSON .*line 1 column"):
         MonoConfig.from_env({"MONODECODE_CONFIG": "{enabled: true}"})
     assert MonoConfig.from_env({"MONODECODE_CONFIG": '{"enabled": true}'}).enabled
     assert MonoConfig.from_env({}) == MonoConfig()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from monodecode.errors import ModelConfigError
+from monodecode.jsonio import parse_json, read_regular_file
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 
@@ -132,6 +133,9 @@ class ModelDims:
         return params * bytes_per_weight
 
 
+_INT_LIMIT = 1 << 31  # sizes index int32 device arrays
+
+
 def _req(cfg: Mapping[str, Any], name: str, kind: type, *, positive: bool = True, where: str = "") -> Any:
     """Field ``name`` of ``cfg``; ``where`` prefixes the name in errors for nested objects."""
     value = cfg.get(name)
@@ -144,6 +148,10 @@ def _req(cfg: Mapping[str, Any], name: str, kind: type, *, positive: bool = True
         raise ModelConfigError(
             f"model config: field '{name}' must be {kind.__name__}, got {type(value).__name__} {value!r}"
         )
+    if kind is float and not math.isfinite(value):  # NaN <= 0 is False: check finiteness first
+        raise ModelConfigError(f"model config: field '{name}' must be a finite number, got {value!r}")
+    if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
+        raise ModelConfigError(f"model config: field '{name}' is out of range, got {value!r}")
     if positive and value <= 0:
         raise ModelConfigError(f"model config: field '{name}' must be > 0, got {value!r}")
     return value
@@ -256,7 +264,17 @@ def _unwrap(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
-    """Derive ``ModelDims`` from a parsed ``config.json``; raise ``ModelConfigError`` on any problem."""
+    """Derive ``ModelDims`` from a parsed ``config.json``; raise ``ModelConfigError`` on any problem
+    (and nothing else, whatever the input)."""
+    try:
+        return _dims_from_hf_config(raw)
+    except ModelConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RecursionError) as e:
+        raise ModelConfigError(f"model config: unusable values ({type(e).__name__}: {e})") from None
+
+
+def _dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
     if not isinstance(raw, Mapping):
         raise ModelConfigError("model config: config.json must hold a JSON object")
     cfg = _unwrap(raw)
@@ -360,14 +378,9 @@ def dims_from_hf_config(raw: Mapping[str, Any]) -> ModelDims:
 def load_dims(model_dir: str | Path) -> ModelDims:
     """Read ``<model_dir>/config.json`` and derive its dims."""
     path = Path(model_dir) / "config.json"
+    where = f"model config: {path}"
     try:
-        text = path.read_text()
+        text = read_regular_file(path, where, ModelConfigError)
     except FileNotFoundError:
         raise ModelConfigError(f"model config: {path} not found") from None
-    except OSError as e:
-        raise ModelConfigError(f"model config: cannot read {path}: {e.strerror}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ModelConfigError(f"model config: {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    return dims_from_hf_config(raw)
+    return dims_from_hf_config(parse_json(text, where, ModelConfigError))

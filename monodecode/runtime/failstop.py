@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from monodecode.errors import MonodecodeError
+from monodecode.jsonio import read_json_file
+from monodecode.metrics import FAILSTOP_SITES
 from monodecode.services.artifacts import atomic_write_bytes
 
 EXIT_CODE = 70  # EX_SOFTWARE
@@ -83,18 +85,36 @@ class MarkerHistory:
         return [e for e in self.events if now - e.time <= window_s]
 
 
+FUTURE_SLACK_S = 300.0  # clock skew tolerated before a marker's time counts as "in the future"
+_LIMIT = 1 << 62
+
+
+def _int(raw: Any, key: str, default: Any = ...) -> int:
+    value = raw.get(key, default) if default is not ... else raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not -_LIMIT < value < _LIMIT:
+        raise ValueError(f"{key} {str(value)[:40]!r} is not an integer")
+    return value
+
+
 def _event_from(raw: Any) -> FailStopEvent:
     if not isinstance(raw, dict):
         raise ValueError("event is not an object")
+    site = raw["site"]
+    if site not in FAILSTOP_SITES:
+        raise ValueError(f"site {str(site)[:40]!r} is not one of {', '.join(FAILSTOP_SITES)}")
+    when = raw["time"]
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when < 1e12:
+        raise ValueError(f"time {str(when)[:40]!r} is not a Unix time")
+    kernel = raw.get("kernel")
     return FailStopEvent(
-        rank=int(raw["rank"]),
-        step=int(raw["step"]),
-        site=str(raw["site"]),
-        layer=None if raw.get("layer") is None else int(raw["layer"]),
-        kernel=None if raw.get("kernel") is None else str(raw["kernel"]),
-        time=float(raw["time"]),
-        detail=str(raw.get("detail", "")),
-        pid=int(raw.get("pid", 0)),
+        rank=_int(raw, "rank"),
+        step=_int(raw, "step"),
+        site=site,
+        layer=None if raw.get("layer") is None else _int(raw, "layer"),
+        kernel=None if kernel is None else str(kernel)[:16],
+        time=float(when),
+        detail=str(raw.get("detail", ""))[:1000],
+        pid=_int(raw, "pid", 0),
     )
 
 
@@ -133,19 +153,35 @@ class FailStopRecorder:
         """This rank's recorded fail-stops (an unreadable marker is reported, not fatal)."""
         path = self.marker_path
         try:
-            data = json.loads(path.read_text())
+            data = read_json_file(path, f"fail-stop marker {path}")
         except FileNotFoundError:
             return MarkerHistory([], {}, [])
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            return MarkerHistory([], {}, [f"fail-stop marker {path} is unreadable ({type(e).__name__}); ignored"])
+        except MonodecodeError as e:
+            return MarkerHistory([], {}, [f"{e}; ignored"])
         try:
             if not isinstance(data, dict) or data.get("schema") != MARKER_SCHEMA:
-                raise ValueError(f"schema {data.get('schema') if isinstance(data, dict) else None!r}")
-            events = [_event_from(e) for e in data.get("events", [])]
-            totals = {str(k): int(v) for k, v in dict(data.get("totals", {})).items()}
+                raise ValueError(f"schema {str(data.get('schema') if isinstance(data, dict) else None)[:40]!r}")
+            raw_events, raw_totals = data.get("events", []), data.get("totals", {})
+            if not isinstance(raw_events, list) or not isinstance(raw_totals, dict):
+                raise ValueError("'events' must be a list and 'totals' an object")
+            events = [_event_from(e) for e in raw_events[-MAX_EVENTS_KEPT:]]
+            totals = {site: _int(raw_totals, site) for site in FAILSTOP_SITES if site in raw_totals}
+            if any(v < 0 for v in totals.values()):
+                raise ValueError("negative totals")
         except (KeyError, TypeError, ValueError) as e:
             return MarkerHistory([], {}, [f"fail-stop marker {path} is malformed ({e}); ignored"])
-        return MarkerHistory(events, totals, [])
+        problems = []
+        unknown = [str(k)[:40] for k in raw_totals if k not in FAILSTOP_SITES]
+        if unknown:
+            problems.append(f"fail-stop marker {path}: unknown sites {', '.join(map(repr, unknown[:5]))} ignored")
+        horizon = time.time() + FUTURE_SLACK_S
+        future = [e for e in events if e.time > horizon]
+        if future:
+            # a clock that ran ahead, or a forged marker: such events would count as "recent"
+            # forever (a permanent crash-loop guard); they keep their totals but not their times
+            problems.append(f"fail-stop marker {path}: {len(future)} event(s) dated in the future ignored")
+            events = [e for e in events if e.time <= horizon]
+        return MarkerHistory(events, totals, problems)
 
     def export(self, history: MarkerHistory) -> None:
         """Publish the recorded history in the metrics (called at start)."""

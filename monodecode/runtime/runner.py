@@ -42,8 +42,8 @@ from monodecode.reasons import RefusalReason, reason_code
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.vote import RankVote, StepInfo
 from monodecode.runtime.width_policy import WidthTiming, choose_widths, time_step
-from monodecode.services.artifacts import ArtifactStore
-from monodecode.services.faults import Fault, faults_from_env
+from monodecode.services.artifacts import ArtifactStore, baked_manifest_digest
+from monodecode.services.faults import Fault, faults_from_env, unreachable_drills
 from monodecode.services.platform import Platform
 from monodecode.spec import Deployment, refusal_reasons
 
@@ -339,7 +339,15 @@ class Runner:
         )
 
     def _artifact_problem(self, backend: KernelBackend, key: str) -> tuple[ArtifactStore | None, str | None]:
-        store = ArtifactStore(self._config.artifact_dir) if self._config.artifact_dir else None
+        if not self._config.artifact_dir:
+            store = None
+        else:
+            try:
+                store = ArtifactStore(
+                    self._config.artifact_dir, manifest_digest=baked_manifest_digest(self._config.artifact_dir)
+                )
+            except ArtifactError as e:
+                return None, f"artifact_invalid: {e}"
         if not backend.needs_artifacts:
             return store, None
         where = f"in {store.root}" if store else "(no artifact_dir configured)"
@@ -348,11 +356,8 @@ class Runner:
                 if store.lookup(key) is not None:
                     return store, None
             except ArtifactError as e:
-                code = (
-                    "artifact_checksum"
-                    if "checksum mismatch" in str(e) or "is missing" in str(e)
-                    else "artifact_invalid"
-                )
+                checksum = ("checksum mismatch", "is missing", "larger than")
+                code = "artifact_checksum" if any(s in str(e) for s in checksum) else "artifact_invalid"
                 return store, f"{code}: {e}"
         if self._config.allow_jit:
             return store, None
@@ -379,6 +384,8 @@ class Runner:
         loop = self._recorder.crash_loop_reason(history, cfg.max_failstops, cfg.failstop_window_s)
         if loop:
             reasons.append(loop)
+        n_layers = len(getattr(self._weights, "layers", ())) or self._dims.num_layers
+        reasons.extend(f"fault_drill: {why}" for why in unreachable_drills(self._faults, n_layers, self._tp_size))
         backend, why = self._choose_backend()
         store = None
         req = None

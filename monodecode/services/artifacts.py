@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from monodecode.errors import ArtifactError
+from monodecode.jsonio import open_regular, parse_json, read_regular_file
 from monodecode.services.faults import faults_from_env, find_fault
 
 MANIFEST = "manifest.json"
@@ -162,12 +163,10 @@ def _parse_entry(raw: Any, where: str) -> ArtifactEntry:
     )
 
 
-def parse_manifest(text: str, source: str = MANIFEST) -> list[ArtifactEntry]:
-    """Parse and validate manifest text; ``ArtifactError`` naming the first problem."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ArtifactError(f"{source}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+def parse_manifest(text: str | bytes, source: str = MANIFEST) -> list[ArtifactEntry]:
+    """Parse and validate manifest text; ``ArtifactError`` naming the first problem (never
+    another exception, whatever the bytes)."""
+    data = parse_json(text, source, ArtifactError)
     if not isinstance(data, Mapping):
         raise ArtifactError(f"{source}: must hold a JSON object")
     if data.get("schema") != SCHEMA:
@@ -200,11 +199,44 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-class ArtifactStore:
-    """A directory of artifacts and its ``manifest.json``."""
+def manifest_digest(data: bytes) -> str:
+    """The digest an image records for its baked manifest (``image.json``'s ``manifest_digest``)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
-    def __init__(self, root: str | Path):
+
+IMAGE_INFO_ENV = "MONODECODE_IMAGE_INFO"
+BAKED_ARTIFACT_DIR = "/opt/monodecode/artifacts"
+
+
+def baked_manifest_digest(root: str | Path, environ: Mapping[str, str] | None = None) -> str | None:
+    """Inside a monodecode image, the digest its build recorded for the manifest of ``root``
+    when ``root`` is the image's baked artifact directory; None elsewhere (nothing to compare
+    with). An unreadable ``image.json`` is an ``ArtifactError``."""
+    env = os.environ if environ is None else environ
+    info_path = env.get(IMAGE_INFO_ENV)
+    if not info_path:
+        return None
+    baked = env.get("MONODECODE_ARTIFACT_DIR") or BAKED_ARTIFACT_DIR
+    if os.path.realpath(Path(root).expanduser()) != os.path.realpath(baked):
+        return None
+    try:
+        info = parse_json(read_regular_file(info_path, IMAGE_INFO_ENV, ArtifactError), info_path, ArtifactError)
+    except FileNotFoundError:
+        return None
+    digest = info.get("manifest_digest") if isinstance(info, Mapping) else None
+    if not isinstance(digest, str) or not digest.startswith("sha256:"):
+        raise ArtifactError(f"{info_path}: no 'manifest_digest' to check the baked manifest against")
+    return digest
+
+
+class ArtifactStore:
+    """A directory of artifacts and its ``manifest.json``. With ``manifest_digest`` (an image's
+    record of its baked manifest) the manifest's own bytes must match it before any entry is
+    trusted: rewriting both the manifest and the files is then caught too."""
+
+    def __init__(self, root: str | Path, manifest_digest: str | None = None):
         self.root = Path(root).expanduser()
+        self.manifest_digest = manifest_digest
 
     @property
     def manifest_path(self) -> Path:
@@ -213,13 +245,16 @@ class ArtifactStore:
     def entries(self) -> list[ArtifactEntry]:
         """All entries (manifest validated, files not checked); [] when there is no manifest."""
         try:
-            text = self.manifest_path.read_text()
+            text = read_regular_file(self.manifest_path, str(self.manifest_path), ArtifactError)
         except FileNotFoundError:
+            if self.manifest_digest is not None:
+                raise ArtifactError(f"{self.manifest_path} is missing; the image recorded one") from None
             return []
-        except OSError as e:
-            raise ArtifactError(f"cannot read {self.manifest_path}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise ArtifactError(f"{self.manifest_path}: not UTF-8 text") from None
+        if self.manifest_digest is not None and manifest_digest(text) != self.manifest_digest:
+            raise ArtifactError(
+                f"checksum mismatch for {self.manifest_path}: digest {manifest_digest(text)[:19]}..., "
+                f"the image recorded {self.manifest_digest[:19]}..."
+            )
         return [
             ArtifactEntry(**{**e.__dict__, "root": self.root}) for e in parse_manifest(text, str(self.manifest_path))
         ]
@@ -229,18 +264,26 @@ class ArtifactStore:
         corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
         for f in entry.files:
             path = self.root / f.path
+            where = f"artifact {entry.build_key[:12]}: {f.path}"
             try:
-                size = path.stat().st_size
+                fd = open_regular(path, where, ArtifactError)
             except FileNotFoundError:
                 raise ArtifactError(f"artifact {entry.build_key[:12]}: file {f.path} is missing") from None
+            try:
+                size = os.fstat(fd).st_size
+                if size != f.bytes:
+                    raise ArtifactError(
+                        f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
+                        f"(size {size} bytes, manifest says {f.bytes})"
+                    )
+                h = hashlib.sha256()
+                while block := os.read(fd, 1 << 20):
+                    h.update(block)
             except OSError as e:
-                raise ArtifactError(f"artifact {entry.build_key[:12]}: cannot read {f.path}: {e.strerror}") from None
-            if size != f.bytes:
-                raise ArtifactError(
-                    f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
-                    f"(size {size} bytes, manifest says {f.bytes})"
-                )
-            digest = _corrupted_digest(path) if corrupt else sha256_file(path)
+                raise ArtifactError(f"{where}: cannot read: {e.strerror or e}") from None
+            finally:
+                os.close(fd)
+            digest = _corrupted_digest(path) if corrupt else h.hexdigest()
             if digest != f.sha256:
                 raise ArtifactError(
                     f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
@@ -253,11 +296,13 @@ class ArtifactStore:
         f = next((f for f in entry.files if f.path == relpath), None)
         if f is None:
             raise ArtifactError(f"artifact {entry.build_key[:12]}: {relpath} is not in its manifest entry")
+        where = f"artifact {entry.build_key[:12]}: {relpath}"
         try:
-            data = (self.root / relpath).read_bytes()
-        except OSError as e:
-            raise ArtifactError(f"artifact {entry.build_key[:12]}: cannot read {relpath}: {e.strerror or e}") from None
-        digest = hashlib.sha256(data).hexdigest()
+            data = read_regular_file(self.root / relpath, where, ArtifactError, limit=f.bytes + 1)
+        except FileNotFoundError:
+            raise ArtifactError(f"artifact {entry.build_key[:12]}: file {relpath} is missing") from None
+        corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
+        digest = _corrupted_digest_of(data) if corrupt else hashlib.sha256(data).hexdigest()
         if len(data) != f.bytes or digest != f.sha256:
             raise ArtifactError(
                 f"artifact {entry.build_key[:12]}: checksum mismatch for {relpath} "
@@ -349,7 +394,11 @@ class ArtifactStore:
 
 def _corrupted_digest(path: Path) -> str:
     """sha256 of the file as if its last byte had flipped (the corrupt_artifact drill)."""
-    data = bytearray(path.read_bytes())
+    return _corrupted_digest_of(path.read_bytes())
+
+
+def _corrupted_digest_of(raw: bytes) -> str:
+    data = bytearray(raw)
     if data:
         data[-1] ^= 0xFF
     else:

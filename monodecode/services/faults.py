@@ -51,8 +51,10 @@ def parse_faults(text: str | None) -> tuple[Fault, ...]:
     if text is None or not text.strip():
         return ()
     faults = []
-    for part in text.split(";"):
-        part = part.strip()
+    parts = [p.strip() for p in text.split(";")]
+    if not any(parts):
+        raise ConfigError(f"{ENV_VAR}: {text.strip()!r} names no fault (unset the variable for none)")
+    for part in parts:
         if not part:
             continue
         kind, _, params = part.partition(":")
@@ -66,10 +68,13 @@ def parse_faults(text: str | None) -> tuple[Fault, ...]:
             if key not in _KEYS[kind]:
                 allowed = ", ".join(_KEYS[kind]) or "no parameters"
                 raise ConfigError(f"{ENV_VAR}: fault {kind!r} has no parameter {key!r} (takes {allowed})")
-            if not eq or not raw.strip().isdigit():
+            raw = raw.strip()
+            if not eq or not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
                 raise ConfigError(
-                    f"{ENV_VAR}: {kind} parameter {key!r} needs a non-negative integer, got {raw.strip()!r}"
+                    f"{ENV_VAR}: {kind} parameter {key!r} needs a non-negative integer below 10^9, got {raw[:40]!r}"
                 )
+            if key in values:
+                raise ConfigError(f"{ENV_VAR}: {kind} parameter {key!r} is given twice")
             values[key] = int(raw)
         faults.append(Fault(kind=kind, **values))
     return tuple(faults)
@@ -85,3 +90,17 @@ def find_fault(faults: tuple[Fault, ...], kind: str) -> Fault | None:
         if f.kind == kind:
             return f
     return None
+
+
+def unreachable_drills(faults: tuple[Fault, ...], num_layers: int, tp_size: int) -> list[str]:
+    """Why each drill in ``faults`` can never fire on a model of ``num_layers`` layers served on
+    ``tp_size`` ranks (a layer or rank that does not exist): never a silently ignored drill."""
+    out = []
+    for f in faults:
+        if f.kind == "corrupt_artifact":
+            continue
+        if f.layer >= num_layers:
+            out.append(f"{ENV_VAR} drill {f} names layer {f.layer}; the model has layers 0..{num_layers - 1}")
+        if f.rank is not None and f.rank >= tp_size:
+            out.append(f"{ENV_VAR} drill {f} names rank {f.rank}; there are ranks 0..{tp_size - 1}")
+    return out

@@ -334,7 +334,7 @@ def test_load_dims_file_errors(tmp_path):
     with pytest.raises(ModelConfigError, match="config.json not found"):
         load_dims(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ModelConfigError, match=r"not valid JSON \(line 1"):
+    with pytest.raises(ModelConfigError, match=r"config.json is not valid JSON \(.* at line 1"):
         load_dims(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelConfigError, match="JSON object"):

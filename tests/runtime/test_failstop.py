@@ -139,9 +139,17 @@ def test_stall_failstop_restart_and_crash_loop_guard(drive):
     assert head["state"] == "mono"
 
 
-def test_fault_for_another_rank_does_nothing(drive):
-    p, head, tokens = drive("stall:layer=0,step=0,rank=1", steps=2)
-    assert p.returncode == 0 and len(tokens) == 2
+def test_a_drill_that_can_never_fire_is_refused(drive):
+    """A drill naming a rank (or layer) this deployment does not have is a refusal reason, never a
+    silently ignored drill: degraded here, the steps run the stock path and finish."""
+    p, head, tokens = drive("stall:layer=0,step=0,rank=1", steps=2, on_refusal="degrade")
+    assert p.returncode == 0 and len(tokens) == 2, p.stderr
+    assert head["state"] == "degraded"
+    assert head["reasons"] == [
+        "fault_drill: MONODECODE_FAULT drill stall:layer=0,step=0,rank=1 names rank 1; there are ranks 0..0"
+    ]
+    p, head, _ = drive("nonfinite:layer=4", steps=1, on_refusal="degrade")
+    assert head["reasons"][0].endswith("names layer 4; the model has layers 0..3")
 
 
 def test_unwritable_termination_log_still_writes_marker_and_exits(drive, tmp_path):

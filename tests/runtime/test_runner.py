@@ -386,6 +386,32 @@ def test_artifact_lifecycle(weights, tmp_path, backend, monkeypatch):
     assert r.reasons[0].startswith("artifact_invalid:") and "missing field 'build_key'" in r.reasons[0]
 
 
+@pytest.mark.parametrize(
+    "manifest, code",
+    [
+        ("[" * 100_000 + "]" * 100_000, "artifact_invalid"),
+        ('{"schema": 1, "artifacts": [{"bytes": ' + "9" * 5000 + "}]}", "artifact_invalid"),
+        (b"\xff\xfe{", "artifact_invalid"),
+        (None, "artifact_invalid"),  # manifest.json is a directory
+    ],
+    ids=["deep", "digits", "not-utf8", "directory"],
+)
+def test_malformed_artifacts_refuse_never_crash(weights, tmp_path, backend, manifest, code):
+    """Runner.start with on_refusal=degrade turns any manifest into a refusal reason, never an
+    exception (model load would otherwise fail even with degrade)."""
+    art = tmp_path / "art"
+    art.mkdir()
+    if manifest is None:
+        (art / "manifest.json").mkdir()
+    else:
+        data = manifest if isinstance(manifest, bytes) else manifest.encode()
+        (art / "manifest.json").write_bytes(data)
+    r, reg = make(weights, tmp_path, backend=backend(ArtifactReference), artifact_dir=str(art), on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith(f"{code}: ") and "\n" not in r.reasons[0]
+    assert reg.get_sample_value("monodecode_refusal_info", {"reason": code}) == 1
+
+
 def test_reference_key_changes_with_widths_and_dtype(weights, tmp_path):
     keys = set()
     for cfg in ({"widths": [1]}, {"widths": [1, 2]}):
