@@ -134,6 +134,25 @@ class MonoConfig:
         return cls.from_json(text, where="MONODECODE_CONFIG")
 
 
+# ---- command-line forms (verify, precompile): one rule with MonoConfig ------------------------
+
+MAX_BLOCK_SIZE = 1024
+
+
+def parse_widths(text: str, where: str = "--widths") -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)`` by the rule ``MonoConfig.widths`` applies (integers
+    1..MAX_WIDTH, strictly ascending, no duplicates); ``ConfigError`` naming ``where`` otherwise."""
+    items = [w.strip() for w in str(text).split(",")]
+    if not all(w.isascii() and w.isdigit() and len(w) <= 4 for w in items):
+        raise ConfigError(f"{where} must be a comma-separated list of integers, got {str(text)[:80]!r}")
+    return _widths(where, [int(w) for w in items])
+
+
+def check_block_size(value: int, where: str = "--block-size") -> int:
+    """A paged-KV block size: an integer 1..MAX_BLOCK_SIZE; ``ConfigError`` naming ``where``."""
+    return _int_range(1, MAX_BLOCK_SIZE)(where, value)
+
+
 # ---- validators: (label, value) -> normalized value, or ConfigError --------------------------
 
 

@@ -87,3 +87,24 @@ def test_additional_config_and_aliases():
         MonoConfig.from_additional_config({"monodecode": {"widht": [1]}})
     with pytest.raises(ConfigError, match="additional_config.monodecode: must be an object"):
         MonoConfig.from_additional_config({"monodecode": "on"})
+
+
+def test_one_widths_and_block_size_rule_for_the_command_line():
+    """``parse_widths`` / ``check_block_size`` (verify and precompile) apply MonoConfig's rule."""
+    from monodecode.config import check_block_size, parse_widths
+
+    assert parse_widths("1, 2,4,8") == (1, 2, 4, 8) == MonoConfig(widths=(1, 2, 4, 8)).widths
+    for bad, fragment in [
+        ("1,1", "strictly ascending without duplicates"),
+        ("4,2", "strictly ascending"),
+        ("0", "between 1 and 256"),
+        ("1,\u0663", "comma-separated list of integers"),
+        ("", "comma-separated list of integers"),
+        ("1e3", "comma-separated list of integers"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            parse_widths(bad)
+    assert check_block_size(16) == 16
+    for bad in (0, 1025, 99999999, True, 16.0):
+        with pytest.raises(ConfigError, match="--block-size must be"):
+            check_block_size(bad)

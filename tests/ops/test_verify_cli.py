@@ -177,8 +177,11 @@ def _busy_port():
     "args, fragment",
     [
         (["--widths", "a,b"], "--widths must be a comma-separated list of integers"),
-        (["--widths", "4,2"], "'widths' must be strictly ascending"),
-        (["--widths", "0"], "'widths' entries must be integers between 1 and 256"),
+        (["--widths", "4,2"], "--widths must be strictly ascending"),
+        (["--widths", "0"], "--widths entries must be integers between 1 and 256"),
+        (["--widths", "1,1"], "--widths must be strictly ascending without duplicates"),
+        (["--widths", "1,\u0663"], "--widths must be a comma-separated list of integers"),
+        (["--block-size", "99999999"], "--block-size must be between 1 and 1024"),
         (["--backend", "cuda"], "'backend' must be one of auto, flydsl, triton, reference"),
         (["--metrics-port", "70000"], "metrics port must be an integer between 0 and 65535"),
         (["--endpoint", "ftp://host/metrics"], "--endpoint must be an http(s) URL"),

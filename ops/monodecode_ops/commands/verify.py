@@ -122,10 +122,9 @@ def backend_checks(platform: Any) -> list[Check]:
 def _parse_widths(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    try:
-        return [int(w) for w in text.split(",") if w.strip()]
-    except ValueError:
-        raise MonodecodeError(f"--widths must be a comma-separated list of integers, got {text!r}") from None
+    from monodecode.config import parse_widths
+
+    return list(parse_widths(text))
 
 
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
@@ -437,8 +436,9 @@ def register(app: typer.Typer) -> None:
 
         if weight_dtype not in WEIGHT_DTYPES:
             raise MonodecodeError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-        if not 1 <= block_size <= 1024:
-            raise MonodecodeError(f"--block-size must be between 1 and 1024, got {block_size}")
+        from monodecode.config import check_block_size
+
+        check_block_size(block_size)
         if serve_seconds < 0:
             raise MonodecodeError(f"--serve-seconds must be >= 0, got {serve_seconds}")
         if endpoint is not None:
