@@ -269,3 +269,11 @@ def test_unwritable_cache_and_failstop_dirs_are_one_line(tmp_path):
     r = invoke("--widths", "1", "--failstop-dir", str(blocker / "sub"))
     assert r.exit_code == 2 and "fail-stop directory" in r.stderr and "not writable" in r.stderr
     assert blocker.read_text() == "x"
+
+
+def test_a_drill_that_can_never_fire_fails_verify():
+    r = invoke("--json", "--widths", "1", env={"MONODECODE_FAULT": "stall:layer=99"})
+    assert r.exit_code == 1, r.output
+    _, c = checks_of(r)
+    assert c["refusal rules"]["status"] == "fail"
+    assert "fault_drill: MONODECODE_FAULT drill stall:layer=99,step=0 names layer 99" in c["refusal rules"]["detail"]
