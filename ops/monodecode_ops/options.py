@@ -2,8 +2,9 @@
 
 Choices are Enums derived from the runtime's own lists (the AMD archs monodecode builds for, the
 kernel plan's weight dtypes, the model profiles), so a new arch or profile reaches every command
-at once. ``--widths`` goes through the runtime's widths rule, the one ``MonoConfig`` applies.
-A bad value is one ``error:`` line (the CLI group prints usage errors that way).
+at once. ``--widths`` and ``--block-size`` go through the runtime's rules (``config.parse_widths``,
+``config.check_block_size``: what ``MonoConfig`` and ``verify`` apply). A bad value is one
+``error:`` line (the CLI group prints usage and user errors that way).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from monodecode import config
 from monodecode.errors import MonodecodeError
 from monodecode.kernels.plan import WEIGHT_DTYPES
 from monodecode.model.profiles import PROFILES
@@ -43,17 +45,15 @@ class Widths(tuple):
 
 
 def parse_widths(text: str) -> Widths:
-    """``--widths`` text -> ``Widths`` by the runtime's rule; one-line ``BadParameter`` otherwise."""
-    from monodecode.config import MonoConfig
-
-    items = [w.strip() for w in str(text).split(",")]
-    if not all(w.isascii() and w.isdigit() and len(w) <= 6 for w in items):
-        raise typer.BadParameter(f"must be comma-separated positive integers such as 1,2,4,8, got {text!r}")
+    """``--widths`` text -> ``Widths`` by the runtime's rule (``config.parse_widths``)."""
     try:
-        cfg = MonoConfig.from_dict({"widths": [int(w) for w in items]}, where="--widths")
-    except MonodecodeError as e:
-        raise typer.BadParameter(str(e).removeprefix("--widths: ")) from None
-    return Widths(cfg.widths)
+        return Widths(config.parse_widths(text, "--widths"))
+    except MonodecodeError as e:  # click names the option itself
+        raise typer.BadParameter(str(e).removeprefix("--widths").lstrip(": ")) from None
+
+
+def _block_size(value: int) -> int:
+    return config.check_block_size(value, "--block-size")
 
 
 ArchOpt = Annotated[
@@ -69,7 +69,10 @@ WidthsOpt = Annotated[
     Optional[Widths],
     typer.Option("--widths", parser=parse_widths, metavar="W[,W...]", help="Step widths, ascending, e.g. 1,2,4,8."),
 ]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size", min=1, max=1024, help="Paged-KV block size (1..1024).")]
+BlockSizeOpt = Annotated[
+    int,
+    typer.Option("--block-size", callback=_block_size, help=f"Paged-KV block size (1..{config.MAX_BLOCK_SIZE})."),
+]
 ModelDirOpt = Annotated[
     Optional[Path], typer.Option("--model", help="Model directory with a Hugging Face config.json.")
 ]
