@@ -164,6 +164,29 @@ def test_mailbox_words_are_8_bytes_and_regions_sized_from_dims():
     assert lp.region("attn_acc").shape == (4, dims.num_heads, lp.attn_splits, dims.head_dim)
 
 
+def test_bf16_mailbox_regions_and_per_width_choices():
+    """``mailbox="bf16"``: activations in 2-byte elements, attention partials in 4, counters stay
+    8-byte words; ``narrow_mailbox`` changes width 1 only; ``wide_task_bytes`` changes the rows
+    chooser at widths > 1 only (8B gate/up at width 2: 16-row tiles at 4 KiB per task, 64 at 64 KiB)."""
+    dims = profile_dims("llama3-8b")
+    mp = P.plan_model(dims, 1, [1, 2], 132, mailbox="bf16", narrow_mailbox="tagged", wide_task_bytes=65536)
+    w1, w2 = mp.layers[1], mp.layers[2]
+    assert (w1.mailbox, w2.mailbox) == ("tagged", "bf16")
+    assert w1.region("qkv").word_bytes == 8 and w1.region("attn_acc").word_bytes == 8
+    for name, size in (("qkv", 2), ("o", 2), ("h", 2), ("hn", 2), ("act", 2), ("attn_acc", 4), ("attn_ml", 4)):
+        assert w2.region(name).word_bytes == size, name
+    assert w2.region("epoch_k1").word_bytes == 8 and w2.region("done_k2").word_bytes == 8
+    act = w2.region("act")
+    assert act.nbytes == 2 * 2 * dims.intermediate_size and act.word_offset * 2 == act.offset
+    assert P.plan_model(dims, 1, [2], 132, mailbox="bf16").layers[2].stage(P.K2, "gate_up").rows_per_task == 16
+    assert w2.stage(P.K2, "gate_up").rows_per_task == 64
+    plain = P.plan_model(dims, 1, [1, 2], 132)
+    assert plain.layers[1].stage(P.K2, "gate_up") == w1.stage(P.K2, "gate_up")  # width 1 untouched
+    assert plain.digest() != mp.digest()
+    tp = P.plan_layer(dims, 2, 2, 132, mailbox="bf16")
+    assert tp.region("o_peer").word_bytes == 2 and tp.region("d_peer").word_bytes == 2
+
+
 def test_family_variants_and_tp_stages():
     llama = P.plan_layer(profile_dims("llama3-8b"), 1, 1, 132)
     gemma = P.plan_layer(profile_dims("gemma3-27b"), 1, 1, 132)
@@ -190,7 +213,16 @@ def test_key_inputs_deterministic_and_sensitive():
     base = dict(weight_dtype="bf16", kv_dtype="bf16", tp_size=1, widths=(1, 2, 4, 8), block_size=16, num_workgroups=132)
     a = P.key_inputs(dims, **base)
     assert a == P.key_inputs(dims, **{**base, "widths": [8, 4, 2, 1]})
-    for change in ({"num_workgroups": 304}, {"widths": (1, 2)}, {"weight_dtype": "fp8"}, {"block_size": 32}):
+    changes = (
+        {"num_workgroups": 304},
+        {"widths": (1, 2)},
+        {"weight_dtype": "fp8"},
+        {"block_size": 32},
+        {"mailbox": "bf16"},
+        {"narrow_mailbox": "bf16"},
+        {"wide_task_bytes": 65536},
+    )
+    for change in changes:
         assert P.key_inputs(dims, **{**base, **change}) != a, change
     assert P.key_inputs(profile_dims("llama3-8b"), **base)["dims_digest"] != a["dims_digest"]
 
@@ -208,6 +240,9 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer(d, 1, 1, 2.5), "num_workgroups must be a positive integer"),
         (lambda d: P.plan_layer({"hidden_size": 1}, 1, 1, 8), "dims must be a ModelDims"),
         (lambda d: P.plan_model(d, 1, [], 132), "widths must be a non-empty list"),
+        (lambda d: P.plan_model(d, 1, [1], 132, mailbox="fp16"), "mailbox must be one of tagged, bf16, got 'fp16'"),
+        (lambda d: P.plan_model(d, 1, [1], 132, narrow_mailbox="x"), "mailbox must be one of tagged, bf16"),
+        (lambda d: P.plan_layer(d, 1, 2, 132, wide_task_bytes=-1), "wide_task_bytes must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(
