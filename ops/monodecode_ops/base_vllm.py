@@ -1,11 +1,10 @@
 """Is a base image's vLLM one the monodecode plugin supports?
 
-The supported range is what the monodecode distribution declares for vLLM (its ``vllm`` extra,
-e.g. ``vllm==0.33.0``), read from the installed package's metadata: the same requirement pip
-resolves, so the image build, ``verify --image`` and packaging cannot disagree. The image's runtime
-stage runs ``python3 -m monodecode_ops.base_vllm``: a base whose vLLM is outside the range fails
-the build, naming both versions; a base without vLLM passes with a note (the image then runs
-``verify`` and the kernels, not ``serve``).
+The plugin declares the vLLM releases it supports (``monodecode.vllm_plugin.versions``); this
+applies that declaration to an image: the image's runtime stage runs
+``python3 -m monodecode_ops.base_vllm``, so a base whose vLLM is outside the range fails the
+build, naming both versions; ``verify --image`` applies it to the image's vLLM label. A base
+without vLLM passes with a note (the image then runs ``verify`` and the kernels, not ``serve``).
 """
 
 from __future__ import annotations
@@ -13,42 +12,22 @@ from __future__ import annotations
 import importlib.metadata as md
 import sys
 
-try:  # pip vendors packaging; a base image may have only pip's copy
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-except ImportError:  # pragma: no cover - depends on the base image
-    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
-    from pip._vendor.packaging.specifiers import SpecifierSet
-    from pip._vendor.packaging.version import InvalidVersion, Version
+from monodecode.vllm_plugin.versions import supported_range, version_reason
 
 
 def supported_vllm() -> str:
-    """The version specifier of vLLM the installed monodecode declares (its ``vllm`` extra)."""
-    for text in md.requires("monodecode") or []:
-        try:
-            req = Requirement(text)
-        except InvalidRequirement:
-            continue
-        if req.name.lower() == "vllm" and req.marker is not None and req.marker.evaluate({"extra": "vllm"}):
-            return str(req.specifier)
-    raise RuntimeError("the installed monodecode declares no vllm extra (a broken install)")
+    """The supported vLLM releases, for messages (e.g. ``0.32, 0.33``)."""
+    return supported_range()
 
 
 def vllm_problem(version: str | None) -> str | None:
-    """None when ``version`` (a base image's vLLM; None = none) is supported, else one line naming
-    both the base's version and the supported range."""
+    """None when ``version`` (a base image's vLLM; None or empty = none) is supported, else one
+    line naming the base's version and the supported releases."""
     if not version:
         return None
-    spec = supported_vllm()
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return f"the base image's vLLM version {version!r} is not a version; monodecode supports vllm{spec}"
-    # local builds (0.33.0+rocm7.1) are the release they are built from
-    if not SpecifierSet(spec).contains(Version(parsed.public), prereleases=True):
-        return f"the base image has vLLM {version}; the monodecode plugin supports vllm{spec}"
-    return None
+    if version_reason(version) is None:
+        return None
+    return f"the base image has vLLM {version}; the monodecode plugin supports vLLM {supported_range()}"
 
 
 def main() -> int:
@@ -63,7 +42,7 @@ def main() -> int:
     if version is None:
         print("base_vllm: the base has no vLLM: the image runs verify and the kernels, not serve")
     else:
-        print(f"base_vllm: vLLM {version} is in the supported range vllm{supported_vllm()}")
+        print(f"base_vllm: vLLM {version} is one the plugin supports ({supported_range()})")
     return 0
 
 

@@ -46,8 +46,8 @@ def parse_reference(text: str, what: str = "--base-image") -> Reference:
     """``ImageError`` (one line) unless ``text`` is an image reference Docker accepts."""
     m = _REFERENCE.fullmatch(text) if isinstance(text, str) and len(text) <= 512 else None
     if m is None:
-        shown = text if isinstance(text, str) and len(text) <= 80 else f"{str(text)[:77]}..."
-        raise ImageError(f"{what} {shown!r} is not an image reference ([registry/]name[:tag][@sha256:<digest>])")
+        shown = repr(text) if len(repr(text)) <= 80 else repr(text)[:77] + "..."
+        raise ImageError(f"{what} {shown} is not an image reference ([registry/]name[:tag][@sha256:<digest>])")
     name = f"{m['host']}/{m['path']}" if m["host"] else m["path"]
     return Reference(text=text, name=name, tag=m["tag"], digest=m["digest"])
 

@@ -161,7 +161,7 @@ def vllm_check(labels: ImageLabels) -> Check:
     problem = vllm_problem(labels.vllm_version)
     if problem:
         return Check.failure(name, problem.replace("the base image has", "the image has"), data=data)
-    return Check.passed(name, f"vLLM {labels.vllm_version}, in the plugin's range vllm{data['supported']}", data=data)
+    return Check.passed(name, f"vLLM {labels.vllm_version}, one the plugin supports ({data['supported']})", data=data)
 
 
 def _manifest_checks(c: ImageContents, prefix: str = "image", facts: str = "labels") -> list[Check]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from monodecode_ops.base_vllm import vllm_problem
 from monodecode_ops.bases import BASE_IMAGES, RECORDED_DIGESTS
 from monodecode_ops.cli import app
 
@@ -169,6 +170,9 @@ def test_default_bases_are_real_references():
         assert base.arch == arch and base.ref.startswith("vllm/vllm-openai-rocm:v")
         # never an invented digest: pinned only where a public record has one
         assert base.digest is None or RECORDED_DIGESTS.get(base.ref.split("@")[0]) == base.digest
+        # the default's vLLM is one the plugin supports; the recorded v0.31.0 is not
+        assert base.ref.endswith(f":v{base.vllm_version}") and vllm_problem(base.vllm_version) is None
+    assert vllm_problem("0.31.0") is not None
 
 
 def test_engine_unreachable_is_one_line():

@@ -231,7 +231,9 @@ def test_unreadable_image_info_is_a_failed_check(baked, content, fragment):
     [
         ("0.33.0", "pass"),
         ("0.33.0+rocm7.1", "pass"),
+        ("0.32.0", "pass"),
         ("0.31.0", "fail"),
+        ("0.34.0", "fail"),
         ("0.16.0", "fail"),
         ("not-a-version", "fail"),
         ("", "skip"),
@@ -266,11 +268,11 @@ def test_runtime_stage_check_of_the_base_vllm(tmp_path, version, ok):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_fake_vllm_site(tmp_path, version)), *sys.path])}
     proc = subprocess.run([sys.executable, "-m", "monodecode_ops.base_vllm"], capture_output=True, text=True, env=env)
     if ok:
-        assert proc.returncode == 0 and f"vLLM {version} is in the supported range" in proc.stdout, proc.stderr
+        assert proc.returncode == 0 and f"vLLM {version} is one the plugin supports" in proc.stdout, proc.stderr
     else:
         assert proc.returncode == 1, proc.stdout
         assert (
-            f"the base image has vLLM {version}; the monodecode plugin supports vllm{supported_vllm()}" in proc.stderr
+            f"the base image has vLLM {version}; the monodecode plugin supports vLLM {supported_vllm()}" in proc.stderr
         )
 
 
