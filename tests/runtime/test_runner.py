@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from monodecode.config import MonoConfig
 from monodecode.errors import RefusalError
-from monodecode.kernels import registry
 from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
 from monodecode.metrics import MonoMetrics
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
@@ -31,11 +30,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 DIMS = profile_dims("tiny")
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return random_weights(DIMS, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -103,22 +97,6 @@ class CrashingBackend(ReferenceBackend):
 
     def build(self, req, weights, artifacts, allow_jit):
         raise RuntimeError("compiler exploded\nsecond line")
-
-
-@pytest.fixture
-def backend(monkeypatch):
-    """Select a test backend by name through the real registry and MonoConfig (backend=...)."""
-    import monodecode.config as config_mod
-
-    def use(cls):
-        registry.register_backend(cls)
-        monkeypatch.setitem(config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (cls.name,)))
-        return cls.name
-
-    yield use
-    for n in ("test_artifact_reference", "test_wrong", "test_crash"):
-        registry._LAZY.pop(n, None)
-        registry._LOADED.pop(n, None)
 
 
 # ---- lifecycle -------------------------------------------------------------------------------

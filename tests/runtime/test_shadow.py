@@ -9,7 +9,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from monodecode.config import MonoConfig
-from monodecode.kernels import registry
 from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
 from monodecode.metrics import MonoMetrics
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
@@ -24,11 +23,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 DIMS = profile_dims("tiny")
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return random_weights(DIMS, seed=0)
 
 
 class GoesWrongLater(ReferenceKernels):
@@ -54,16 +48,8 @@ class GoesWrongLaterBackend(ReferenceBackend):
 
 
 @pytest.fixture
-def goes_wrong_later(monkeypatch):
-    import monodecode.config as config_mod
-
-    registry.register_backend(GoesWrongLaterBackend)
-    monkeypatch.setitem(
-        config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (GoesWrongLaterBackend.name,))
-    )
-    yield GoesWrongLaterBackend.name
-    registry._LAZY.pop(GoesWrongLaterBackend.name, None)
-    registry._LOADED.pop(GoesWrongLaterBackend.name, None)
+def goes_wrong_later(backend):
+    return backend(GoesWrongLaterBackend)
 
 
 def start(tmp_path, weights, **cfg):

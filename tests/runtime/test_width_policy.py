@@ -14,7 +14,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from monodecode.config import MonoConfig
-from monodecode.kernels import registry
 from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
 from monodecode.metrics import MonoMetrics
 from monodecode.model.profiles import profile_dims
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 DIMS = profile_dims("tiny")
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return random_weights(DIMS, seed=0)
 
 
 def timing(width, mono_ms, stock_ms):
@@ -66,17 +60,8 @@ class SlowAtTwoBackend(ReferenceBackend):
 
 
 @pytest.fixture
-def slow_at_two(monkeypatch):
-    """The test backend, selectable by name through the real registry and MonoConfig."""
-    import monodecode.config as config_mod
-
-    registry.register_backend(SlowAtTwoBackend)
-    monkeypatch.setitem(
-        config_mod._VALIDATORS, "backend", config_mod._choice(config_mod.BACKENDS + (SlowAtTwoBackend.name,))
-    )
-    yield SlowAtTwoBackend.name
-    registry._LAZY.pop(SlowAtTwoBackend.name, None)
-    registry._LOADED.pop(SlowAtTwoBackend.name, None)
+def slow_at_two(backend):
+    return backend(SlowAtTwoBackend)
 
 
 def runner(tmp_path, weights, stock_layer=None, **cfg):
