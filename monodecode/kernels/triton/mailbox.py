@@ -1,6 +1,11 @@
-"""Tagged-mailbox words and bounded waits (the hand-off protocol of ``kernels/plan.py``).
+"""Mailbox hand-offs and bounded waits (the protocol of ``kernels/plan.py``).
 
-A word is an int64: the fp32 value's bits in the low half, the launch's epoch tag (31 bits) in
+Two formats (``plan.MAILBOX_FORMATS``, one per built width; kernels pick with ``BF16MB``):
+``bf16`` regions hold plain bf16 activations (fp32 attention partials) and rely on the stage
+completion counters alone (``region``, ``publish``, ``fetch``); ``tagged`` regions hold the words
+described below and every read also checks the tags.
+
+A tagged word is an int64: the fp32 value's bits in the low half, the launch's epoch tag (31 bits) in
 the high half, written with ONE plain store, so a reader that sees the tag sees the value (no
 fence needed). Readers poll with volatile loads (they bypass the incoherent L1); a word from an
 earlier launch carries an older tag, so nothing is ever zeroed between launches.

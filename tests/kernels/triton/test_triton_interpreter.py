@@ -1,10 +1,10 @@
 """The Triton K1/K2 logic on a CPU: Triton's interpreter runs the real kernels against the reference.
 
 The interpreter executes programs one after another, so the launcher gives it one instance that
-plays all planned programs stage by stage (``VP``); task tables, mailbox words and tags, the
-completion counters, the split-context attention and its merge, the paged-KV insert (into
-contiguous K/V planes and into vLLM 0.33's interleaved K|V views, addressed through strides) and
-every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
+plays all planned programs stage by stage (``VP``); task tables, both mailbox formats (bf16
+values; tagged words and their tags), the completion counters, the split-context attention and
+its merge, the paged-KV insert (into contiguous K/V planes and into vLLM 0.33's interleaved K|V
+views, addressed through strides) and every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
 subprocess because the interpreter is chosen when the kernel modules are imported.
 Same tolerances as the GPU tests (``test_triton_numerics.py``).
 """
