@@ -19,6 +19,8 @@ This module imports nothing heavy at import time: vLLM imports it in every proce
 
 from __future__ import annotations
 
+import logging
+
 # HF architecture -> our override (a subclass of vLLM's class for that architecture).
 OVERRIDES: dict[str, str] = {
     "LlamaForCausalLM": "monodecode.vllm_plugin.models:MonoLlamaForCausalLM",
@@ -27,22 +29,28 @@ OVERRIDES: dict[str, str] = {
 }
 
 
+class _ToVllmLog(logging.Handler):
+    """Hands each ``monodecode`` record to the handlers vLLM's ``vllm`` logger has *when the record
+    is logged*: vLLM (re)configures its logging in every process it starts, sometimes after the
+    plugins loaded, and replaces its handlers when it does. Without vLLM handlers (its logging
+    configuration off) the root logger's handlers get the record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        handlers = logging.getLogger("vllm").handlers or logging.getLogger().handlers
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def attach_log_handler() -> None:
-    """Send ``monodecode`` log records through vLLM's own handlers (vLLM configures only its
-    ``vllm`` logger, so without this our lines never reach ``vllm serve``'s log). Re-entrant."""
-    import logging
-
-    import vllm.logger  # noqa: F401  (configures the ``vllm`` logger on import)
-
-    ours, theirs = logging.getLogger("monodecode"), logging.getLogger("vllm")
-    if not theirs.handlers:
-        return  # vLLM's logging configuration is off (VLLM_CONFIGURE_LOGGING=0): leave ours alone
-    for handler in theirs.handlers:
-        if handler not in ours.handlers:
-            ours.addHandler(handler)
+    """Send ``monodecode`` log lines into vLLM's log (vLLM configures only its ``vllm`` logger,
+    so without this they never reach ``vllm serve``'s output). Re-entrant."""
+    ours = logging.getLogger("monodecode")
+    if not any(isinstance(h, _ToVllmLog) for h in ours.handlers):
+        ours.addHandler(_ToVllmLog())
     if ours.level == logging.NOTSET:
-        ours.setLevel(theirs.getEffectiveLevel())
-    ours.propagate = False  # the handlers are vLLM's; propagating would print twice under a root handler
+        ours.setLevel(logging.DEBUG)  # vLLM's handlers filter by VLLM_LOGGING_LEVEL
+    ours.propagate = False
 
 
 def register() -> None:
