@@ -425,7 +425,7 @@ def _ms(d: dict[str, float]) -> str:
 
 def server_name(server: dict[str, Any]) -> str:
     state = server["monodecode_enabled"]
-    mono = "no monodecode series" if state is None else ("mono on" if state >= 1 else "mono off")
+    mono = "no monodecode metrics" if state is None else ("mono on" if state >= 1 else "mono degraded/off")
     return f"{server['label']} ({mono})"
 
 

@@ -139,6 +139,8 @@ def serving(
         emit_json(doc)
         return
     con = console()
+    if not con.is_terminal:  # piped: room for the percentile columns instead of 80 columns
+        con.width = max(con.width, 150)
     con.print(
         table(
             f"serving A/B of {doc['model']}: {requests} requests per level, {max_tokens} output tokens each",
