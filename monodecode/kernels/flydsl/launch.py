@@ -29,7 +29,6 @@ class FlyDSLKernels(TwoLaunchKernels):
     each launch gets its width's segment and the health word. Nothing is zeroed between steps
     (tags come from the on-device launch counters), so the launches are graph-capturable."""
 
-    kv_strided = True  # read by vllm_plugin.step.kv_reason_for_backend
     kernel_label = "flydsl kernels"
 
     def __init__(self, req: BuildRequest, weights: Any):
