@@ -26,10 +26,11 @@ SERVE_ARGS ?=
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# What `make run` installs, and nothing else: the runtime, the CLI, and triton (on a machine
-# without a GPU, verify runs the Triton kernels in Triton's interpreter). .ci/run runs `make run`
-# in a venv of its own first, so a runtime import that only the test extras satisfy fails CI.
-RUN_EXTRAS := ops,triton
+# What `make run` installs, and nothing else: the runtime, the CLI, triton (on a machine without
+# a GPU, verify runs the Triton kernels in Triton's interpreter) and matplotlib for the plots of
+# `monodecode-ops bench`. .ci/run runs `make run` in a venv of its own first, so a runtime import
+# that only the test extras satisfy fails CI.
+RUN_EXTRAS := ops,triton,bench
 
 venv: $(BIN)/python
 	$(PIP) install '$(TORCH_SPEC)'
