@@ -38,9 +38,13 @@ SM=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_p
 CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
 EXP=""
 want experiments && EXP="--experiments"
+if want bench || want experiments; then  # the benchmark's builds, its "before" variant included
+  WARM=(--target '{"mailbox":"tagged","narrow_mailbox":"","wide_task_bytes":4096,"attn_stages":1}')
+else  # tests only
+  WARM=(--tests-only)
+fi
 timeout "$(left "${WARM_TIMEOUT:-150}")" python3 benchmarks/warm_cache.py --sm "$SM" --cc "$CAP" $EXP \
-  --target '{"mailbox":"tagged","narrow_mailbox":"","wide_task_bytes":4096,"attn_stages":1}' ${WARM_ARGS:-} \
-  > "$RUN/warm_cache.log" 2>&1
+  "${WARM[@]}" ${WARM_ARGS:-} > "$RUN/warm_cache.log" 2>&1
 echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$RUN/warm_cache.log")" | tee -a "$RUN/summary.log"
 if want tests; then
   timeout "$(left "${TESTS_TIMEOUT:-150}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py \
@@ -56,8 +60,8 @@ if want bench; then
   grep -vE "^\| [a-z0-9-]+ \| (bf16|fp8) \| [0-9]+ \| [a-z-]+ \| " "$RUN/bench.log" | tail -60 | tee -a "$RUN/summary.log"
 fi
 if want gpu_all; then
-  timeout "$(left "${GPU_ALL_TIMEOUT:-240}")" python3 -m pytest -m gpu tests --ignore=tests/vllm -q -p no:cacheprovider -rA \
-    > "$RUN/gpu_all_tests.log" 2>&1
+  timeout -s INT "$(left "${GPU_ALL_TIMEOUT:-240}")" python3 -m pytest -m gpu tests --ignore=tests/vllm -v \
+    -p no:cacheprovider -rA > "$RUN/gpu_all_tests.log" 2>&1
   echo "[${SECONDS}s] every GPU-marked test rc=$?" | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)|passed|failed" "$RUN/gpu_all_tests.log" | tail -25 | tee -a "$RUN/summary.log"
 fi

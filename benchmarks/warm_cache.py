@@ -20,15 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def builds() -> list[tuple[str, str, tuple[int, ...]]]:
-    """(profile, weight dtype, widths) of the numerics tests and the default benchmark."""
+def builds(tests_only: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(profile, weight dtype, widths) of the numerics tests and (unless ``tests_only``) the
+    default benchmark."""
     spec = importlib.util.spec_from_file_location(
         "tnum", ROOT / "tests" / "kernels" / "triton" / "test_triton_numerics.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = [(p, d, tuple(ws)) for p, d, ws, _ in mod.GPU_BUILDS]
-    return list(dict.fromkeys(out + bench_builds()))
+    return list(dict.fromkeys(out + ([] if tests_only else bench_builds())))
 
 
 def bench_builds() -> list[tuple[str, str, tuple[int, ...]]]:
@@ -70,13 +71,14 @@ def main() -> int:
         help="also compile the benchmark's builds with this CUDA target change (JSON), e.g. '{\"flatten\": false}'",
     )
     ap.add_argument("--experiments", action="store_true", help="also compile experiments.py's variants")
+    ap.add_argument("--tests-only", action="store_true", help="only the GPU tests' builds (no benchmark builds)")
     a = ap.parse_args()
     changes = [{}] + [json.loads(t) for t in a.target]
-    jobs = [(p, d, ws, w, k, a.sm, a.cc, {}) for p, d, ws in builds() for w in ws for k in ("k1", "k2")]
+    jobs = [(p, d, ws, w, k, a.sm, a.cc, {}) for p, d, ws in builds(a.tests_only) for w in ws for k in ("k1", "k2")]
     jobs += [
         (p, d, ws, w, k, a.sm, a.cc, ch)
         for ch in changes[1:]
-        for p, d, ws in bench_builds()
+        for p, d, ws in ([] if a.tests_only else bench_builds())
         for w in ws
         for k in ("k1", "k2")
     ]
