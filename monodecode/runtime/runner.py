@@ -718,6 +718,10 @@ class Runner:
         decision = replace(baked, step=self._steps, real=True)
         self._steps += 1
         if decision:
+            for f in self._faults:
+                if f.kind in ("stall", "nonfinite") and f.step == self._mono_steps and f.applies_to(self._tp_rank):
+                    log.warning("fault drill %s not run: mono step %d was a FULL-graph replay", f, f.step)
+                    self._notes.append(f"fault drill {f} not run: mono step {f.step} was a FULL-graph replay")
             self._mono_steps += 1
         if self._metrics is not None:
             self._metrics.count_step(decision.path, decision.reason)

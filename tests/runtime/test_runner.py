@@ -226,7 +226,7 @@ def test_warmup_forwards_are_not_counted_and_keep_the_drill(weights, tmp_path):
 
 
 def test_captured_decisions_are_counted_at_each_replay(weights, tmp_path):
-    r, reg = make(weights, tmp_path, widths=[1, 2, 4])
+    r, reg = make(weights, tmp_path, widths=[1, 2, 4], faults=(Fault("stall", layer=0, step=0),))
     r.start()
     for rows in (1, 2, 4):
         assert r.capture_step(StepInfo(num_rows=rows, graph_mode="full_decode_only")).width == rows
@@ -238,6 +238,8 @@ def test_captured_decisions_are_counted_at_each_replay(weights, tmp_path):
     assert (r.steps, r.mono_steps) == (2, 1)
     assert reg.get_sample_value("monodecode_steps_total", {"path": "mono"}) == 1
     assert reg.get_sample_value("monodecode_fallback_steps_total", {"reason": "rows_exceed_width"}) == 1
+    # a drill cannot reach into a replayed graph: said, never silently dropped
+    assert r.notes == ["fault drill stall:layer=0,step=0 not run: mono step 0 was a FULL-graph replay"]
 
 
 def test_degrade_after_start_is_voted_and_exported(weights, tmp_path):
