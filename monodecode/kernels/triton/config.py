@@ -46,6 +46,11 @@ class Target:
     wide_stages: int = 0
     # Software-pipelining depth of the attention context loop (1: a plain loop).
     attn_stages: int = 1
+    # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
+    # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
+    # reads conflict); the 1-D store keeps the tagged build's layout. Compile-checked, not yet
+    # timed on a GPU: benchmarks/README.md.
+    narrow_store_1d: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -205,6 +210,7 @@ def k1_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         ATTN_STAGES=target.attn_stages,
+        STORE_1D=target.narrow_store_1d,
     )
 
 

@@ -96,6 +96,7 @@ def k1_kernel(
     BF16MB: tl.constexpr = False,
     PROF: tl.constexpr = False,
     ATTN_STAGES: tl.constexpr = 1,
+    STORE_1D: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -152,13 +153,16 @@ def k1_kernel(
             )
             n = n0 + tl.arange(0, BN)
             # fault injection (stall != 0): never publish, so the waits below expire
-            publish(
-                qkv_mb + rows[None, :] * NQKV + n[:, None],
-                y,
-                (n < NQKV)[:, None] & rmask[None, :] & (stall == 0),
-                tag,
-                BF16MB,
-            )
+            if STORE_1D and WP == 1:  # a 1-D store: its layout cannot leak back into the FMA tile
+                publish(qkv_mb + n, tl.sum(y, axis=1), (n < NQKV) & (stall == 0), tag, BF16MB)
+            else:
+                publish(
+                    qkv_mb + rows[None, :] * NQKV + n[:, None],
+                    y,
+                    (n < NQKV)[:, None] & rmask[None, :] & (stall == 0),
+                    tag,
+                    BF16MB,
+                )
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, NPROG, PROF)

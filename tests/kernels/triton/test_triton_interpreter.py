@@ -65,7 +65,8 @@ CHILD = textwrap.dedent(
                            platform=Platform("cuda", "sm_90", "interpreter", 8), wait_timeout_s=0.01)
         # bk: a smaller width-1 K chunk, so tiny's K (256, 768) spans several split iterations
         target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
-        target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox)
+        store_1d = name.endswith("_store1d")
+        target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
         tk = TritonKernels(req, w, target, 8, "cpu")
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         if bk:
@@ -112,7 +113,8 @@ CHILD = textwrap.dedent(
 # on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
 # buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
 # "llama_*" run a Llama-style layer (no post norms, SiLU); mailbox format (``plan.MAILBOX_FORMATS``):
-# the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits.
+# the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits;
+# "*_store1d" repeats one with ``narrow_store_1d``.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -123,6 +125,7 @@ RUNS = [
     ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w3_fp8_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
     ("llama_w2_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
+    ("llama_w1_store1d", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
 ]
 
 
@@ -136,11 +139,12 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith("_tagged")])
+@pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith(("_tagged", "_store1d"))])
 def test_mailbox_formats_give_identical_bits(results, name):
     """bf16 activations in the mailbox change bytes, not numbers: every consumer rounds its
-    inputs to bf16 anyway, so each layer's output equals the tagged-word run's bit for bit."""
-    twin = results[name.removesuffix("_tagged")]
+    inputs to bf16 anyway, so each layer's output equals the tagged-word run's bit for bit (and
+    the 1-D store of width 1's QKV rows, ``narrow_store_1d``, changes layouts, not values)."""
+    twin = results[name.removesuffix("_tagged").removesuffix("_store1d")]
     assert results[name]["health"] == 0
     for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
         assert a == b, f"{name}: layer {layer} differs from the bf16-mailbox run"
