@@ -43,6 +43,7 @@ from monodecode.runtime.runner import MONO, Runner, StepDecision
 from monodecode.runtime.vote import StepInfo
 from monodecode.services.platform import Platform, detect_platform
 from monodecode.spec import reason_code
+from monodecode.vllm_plugin import stock
 from monodecode.vllm_plugin.binding import BindError, Binding, backend_reason, bind, layer_backend, metadata_allowed
 from monodecode.vllm_plugin.cpu_kv import StagedKV
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
@@ -124,6 +125,7 @@ class MonoDecode:
         self._binding: Binding | None = None
         self._attn_layers: list[Any] = []
         self._unbound: set[int] = set()
+        self._stock: stock.VllmStockLayer | None = None
         self._backend_name: str | None = None
         self._forward_ran = False
         self._last: StepDecision | None = None
@@ -183,6 +185,20 @@ class MonoDecode:
             # nothing to build a runner for: refuse (or degrade) with the reasons we have
             self._refuse_without_runner(list(deployment.extra_reasons))
             return
+        stock_layer = None
+        if self.platform.kind == "cpu" and weights is not None and stock.available():
+            # vLLM's own decoder layers are the stock side of the shadow check once vLLM bound
+            # its cache (the layer's instruction set is known then); the reference before that
+            from monodecode.model.reference import decode_layer
+
+            dims, layer_weights = self.dims, weights.layers
+            self._stock = stock.VllmStockLayer(
+                model,
+                self.vllm_config,
+                self._attn_layers,
+                lambda i, x, meta, kv: decode_layer(dims, i, layer_weights[i], x, meta, kv),
+            )
+            stock_layer = self._stock
         self.runner = Runner(
             self.config,
             self.dims,
@@ -196,6 +212,7 @@ class MonoDecode:
             block_size=deployment.block_size,
             weight_dtype=deployment.weight_dtype,
             kv_dtype="bf16",
+            stock_layer=stock_layer,
         )
         self.runner.start()  # RefusalError (on_refusal=raise) propagates: vLLM refuses to start
         self.state = self.runner.state
@@ -253,6 +270,18 @@ class MonoDecode:
             self._binding = None
             self._disable(str(e))
             return
+        if self._stock is not None:
+            self._stock.bound = True
+            cfg = self.config
+            why = stock.stock_check(
+                runner, self._stock, self.dims.num_layers, self.dims.hidden_size, cfg.warmup_atol, cfg.warmup_rtol
+            )
+            if why:
+                self._stock.bound = False
+                self._binding = None
+                self._disable(why)
+                return
+            log.info("mono decode matches vLLM's own decoder layers on its KV layout (layer 0 and one decode step)")
         log.info(
             "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
             self._backend_name,

@@ -175,11 +175,30 @@ def bind_vllm_kv(model, vllm_config, num_blocks: int = 4, layout: str | None = N
     return names, caches
 
 
-def cpu_metadata(meta, num_reqs: int, max_query_len: int):
-    """vLLM's CPU attention metadata for the rows of ``meta`` (a ``DecodeMetadata``)."""
+def cpu_metadata(meta, num_reqs: int, max_query_len: int, attn=None):
+    """vLLM's CPU attention metadata for the rows of ``meta`` (a ``DecodeMetadata``); with
+    ``attn`` (an attention layer vLLM's builder has set up) also the scheduler metadata vLLM's
+    own CPU attention kernel needs, so the stock forward can run on it."""
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
+    sched = None
+    if attn is not None:
+        from vllm import _custom_ops as ops
+
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=num_reqs,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_size,
+            seq_lens=meta.seq_lens,
+            dtype=torch.bfloat16,
+            query_start_loc=torch.arange(num_reqs + 1, dtype=torch.int32),
+            causal=True,
+            sliding_window_size=-1,
+            isa=attn.isa,
+            enable_kv_split=False,
+        )
     return CPUAttentionMetadata(
         num_actual_tokens=int(meta.positions.shape[0]),
         max_query_len=max_query_len,
@@ -188,5 +207,5 @@ def cpu_metadata(meta, num_reqs: int, max_query_len: int):
         seq_lens=meta.seq_lens,
         block_table=meta.block_tables,
         slot_mapping=meta.slot_mapping,
-        scheduler_metadata=None,
+        scheduler_metadata=sched,
     )
