@@ -205,6 +205,7 @@ def bench_config(
     out_dir: Path | None = None,
     stem: str = "",
     timelines: list | None = None,
+    baselines: bool = True,
 ) -> list[dict]:
     """Result rows of one model profile and weight dtype, every batch; timeline summaries are
     appended to ``timelines``."""
@@ -228,12 +229,15 @@ def bench_config(
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
-    stock = StockDecode(dims, weights, context + BLOCK, device)
-    contig = ContiguousStockDecode(dims, weights, context, device, share=stock)
-    compiled = ContiguousStockDecode(dims, weights, context, device, compiled=True, share=stock)
+    stock = contig = compiled = None
+    if baselines:
+        stock = StockDecode(dims, weights, context + BLOCK, device)
+        contig = ContiguousStockDecode(dims, weights, context, device, share=stock)
+        compiled = ContiguousStockDecode(dims, weights, context, device, compiled=True, share=stock)
+    stock_path = stock.fp8_path if stock else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
-        f"stock GEMMs: {stock.fp8_path}; triton variants: {variants}"
+        f"stock GEMMs: {stock_path}; triton variants: {variants}"
     )
     wbytes = weight_bytes(weights)
     results = []
@@ -246,8 +250,9 @@ def bench_config(
         kv = PagedKVCache.allocate(dims, blocks, BLOCK, device=device, num_layers=n_layers)
         for t in kv.key + kv.value:
             t.normal_()
-        contig.load_cache(kv, meta)
-        compiled.key, compiled.value = contig.key, contig.value  # one contiguous cache for (a) and (b)
+        if baselines:
+            contig.load_cache(kv, meta)
+            compiled.key, compiled.value = contig.key, contig.value  # one contiguous cache for (a) and (b)
         x = torch.randn(rows, dims.hidden_size, device=device).to(torch.bfloat16)
         m = _Meta(meta, device)
         x_q = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
@@ -260,24 +265,24 @@ def bench_config(
 
             return step
 
-        steps = {
-            "reference-graph": lambda: R.run_layers(weights, x, meta, kv),
-            "stock-graph": stock_step(stock),
-            "stock-contig-graph": stock_step(contig),
-            "stock-compiled-graph": stock_step(compiled),
-            "stock-gemm-floor": lambda: [stock.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1],
-        }
+        steps = {"reference-graph": lambda: R.run_layers(weights, x, meta, kv)}
+        if baselines:
+            steps["stock-graph"] = stock_step(stock)
+            steps["stock-contig-graph"] = stock_step(contig)
+            steps["stock-compiled-graph"] = stock_step(compiled)
+            steps["stock-gemm-floor"] = lambda: [stock.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1]
         for name, tk in kernels.items():
             steps[name] = lambda tk=tk: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer)
         times: dict[str, list[float] | None] = {}
         errors: dict[str, str] = {}
         outs: dict[str, torch.Tensor] = {}
-        t, why = _measure(
-            "reference-eager", lambda: _time_eager(steps["reference-graph"], max(3, replays // 8), warmup=1), log
-        )
-        times["reference-eager"] = t
-        if why:
-            errors["reference-eager"] = why
+        if baselines:
+            t, why = _measure(
+                "reference-eager", lambda: _time_eager(steps["reference-graph"], max(3, replays // 8), warmup=1), log
+            )
+            times["reference-eager"] = t
+            if why:
+                errors["reference-eager"] = why
         for name, fn in steps.items():
 
             def one(fn=fn):
@@ -303,7 +308,7 @@ def bench_config(
         health = {name: tk.health() for name, tk in kernels.items()}
         kbytes = kv_bytes(dims, n_layers, context, rows)
         roof = (wbytes + kbytes) / bandwidth
-        names = ["reference-eager", *steps]
+        names = (["reference-eager"] if baselines else []) + list(steps)
         for backend in names:
             ts = times.get(backend)
             med = statistics.median(ts) if ts else None
@@ -326,7 +331,7 @@ def bench_config(
                     "roofline_ms": roof * 1e3,
                     "fraction_of_roofline": roof / med if med else None,
                     "rel_error_vs_reference": rel(backend) if backend.startswith(("stock-", "triton")) else None,
-                    "stock_gemm_path": stock.fp8_path,
+                    "stock_gemm_path": stock_path,
                     "triton_health": (decode_health(h).describe() if h else "ok") if h is not None else None,
                     "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
                     if backend.startswith("triton")
@@ -621,12 +626,14 @@ def run(
     log=print,
     variants: dict | None = None,
     timeline_batches=(),
+    baselines: bool = True,
 ) -> dict:
     """Run the benchmark; returns the result document (also written as JSON + PNG under ``out_dir``).
 
     ``variants``: name -> change of the CUDA launch target, each timed as ``triton-<name>`` next to
     the current target (default ``DEFAULT_VARIANTS``; ``{}`` for none). ``timeline_batches``: batches
-    whose triton step is also drawn as a per-stage timeline (kernels rebuilt with timestamps)."""
+    whose triton step is also drawn as a per-stage timeline (kernels rebuilt with timestamps).
+    ``baselines=False``: only the oracle graph (for the error) and the triton builds (quick A/B)."""
     for p in list(profiles) + list(fp8_profiles):
         if p not in PROFILES:
             raise MonodecodeError(f"unknown model profile {p!r}; known: {', '.join(PROFILES)}")
@@ -681,6 +688,7 @@ def run(
             out_dir=out_dir,
             stem=stem,
             timelines=doc["timelines"],
+            baselines=baselines,
         )
         doc["summary"] = summary(doc)
         tmp = jpath.with_suffix(".json.tmp")  # saved after every model: a cut-short run keeps what it measured
@@ -716,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         "--variants", default=None, help="JSON: name -> launch-target change (default: the previous target as 'before')"
     )
     ap.add_argument("--timeline-batches", default="", help="batches drawn as per-stage timelines, e.g. 1,8")
+    ap.add_argument("--no-baselines", action="store_true", help="triton builds and the oracle only (quick A/B)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
     try:
@@ -735,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(a.out),
             variants=variants,
             timeline_batches=_csv(a.timeline_batches, int),
+            baselines=not a.no_baselines,
         )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)
