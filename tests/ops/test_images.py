@@ -77,6 +77,13 @@ def run_container(client, image: str, command: list[str], env: dict | None = Non
         c.remove(force=True)
 
 
+def build_on(base: str, tag: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``monodecode-ops build`` of the tiny profile on a local base image (this engine's)."""
+    ca = ["--ca-bundle", CA] if CA else []
+    common = ["--base-image", base, "--local-base", "-p", "tiny", "--repository", REPO, "--tag", tag, *ca]
+    return cli("build", *common, *args, timeout=timeout)
+
+
 def derived_image(client, tag: str, dockerfile: str) -> str:
     client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, network_mode="none", rm=True, forcerm=True)
     return tag
@@ -127,26 +134,7 @@ def local_base(docker_client) -> str:
 @pytest.fixture(scope="module")
 def built(docker_client, local_base, tmp_path_factory):
     """Both arch images, built by the real CLI."""
-    args = [
-        "build",
-        "-a",
-        "gfx942",
-        "-a",
-        "gfx950",
-        "--base-image",
-        local_base,
-        "--local-base",
-        "-p",
-        "tiny",
-        "--repository",
-        REPO,
-        "--tag",
-        TAG,
-        "--json",
-    ]
-    if CA:
-        args += ["--ca-bundle", CA]
-    proc = cli(*args, timeout=2400)
+    proc = build_on(local_base, TAG, "-a", "gfx942", "-a", "gfx950", "--json", timeout=2400)
     log = tmp_path_factory.mktemp("build") / "build.log"
     log.write_text(proc.stderr)
     assert proc.returncode == 0, f"build failed (log {log}): {proc.stderr[-3000:]}"
@@ -450,22 +438,8 @@ def test_digest_pinned_base_is_pulled_and_used(docker_client, registry):
 
 def test_failing_build_step_is_one_line_with_its_output(local_base):
     # an unreachable package index (loopback, refused): the wheels stage fails inside pip
-    proc = cli(
-        "build",
-        "-a",
-        "gfx942",
-        "--base-image",
-        local_base,
-        "--local-base",
-        "-p",
-        "tiny",
-        "--repository",
-        REPO,
-        "--tag",
-        f"{TAG}-broken",
-        "--pip-index-url",
-        "http://127.0.0.1:9/simple",
-        timeout=900,
+    proc = build_on(
+        local_base, f"{TAG}-broken", "-a", "gfx942", "--pip-index-url", "http://127.0.0.1:9/simple", timeout=900
     )
     line = one_error_line(proc)
     assert line.startswith("error: build for gfx942 failed at step "), line
@@ -489,7 +463,7 @@ def test_verify_image_fails_on_a_vllm_outside_the_plugins_range(docker_client, b
     assert ok["image vLLM"].status == "skip"
 
 
-def test_build_fails_on_a_base_with_an_unsupported_vllm(docker_client, built, local_base):
+def test_build_fails_on_a_base_with_an_unsupported_vllm(docker_client, local_base):
     """The runtime stage refuses a base whose vLLM (here a metadata-only 0.31.0 distribution,
     what importlib.metadata reads) is outside the plugin's range, naming both versions."""
     from monodecode_ops.base_vllm import supported_vllm
@@ -502,25 +476,10 @@ RUN d=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/
 mkdir -p "$d" && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.31.0\\n' > "$d/METADATA"
 """,
     )
-    proc = cli(
-        "build",
-        "-a",
-        "gfx942",
-        "--base-image",
-        old_base,
-        "--local-base",
-        "-p",
-        "tiny",
-        "--repository",
-        REPO,
-        "--tag",
-        f"{TAG}-vllm031",
-        *(["--ca-bundle", CA] if CA else []),
-        timeout=1500,
-    )
+    proc = build_on(old_base, f"{TAG}-vllm031", "-a", "gfx942", timeout=1500)
     line = one_error_line(proc)
     assert "install-runtime.sh" in line, line
-    assert f"the base image has vLLM 0.31.0; the monodecode plugin supports vllm{supported_vllm()}" in line, line
+    assert f"the base image has vLLM 0.31.0; the monodecode plugin supports vLLM {supported_vllm()}" in line, line
 
 
 def test_unpinned_base_is_pinned_through_its_registry(docker_client, registry):
