@@ -144,3 +144,30 @@ def test_fault_grammar():
     ]:
         with pytest.raises(ConfigError, match=frag):
             parse_faults(bad)
+
+
+def test_reasons_come_from_each_backend(tmp_path, monkeypatch):
+    """``backend_status`` reports each backend's own ``unavailable_reason``, also for backends the
+    platform does not prefer (flydsl and triton on a CPU): the registry has no name-specific
+    sentence of its own."""
+    (tmp_path / "monodecode_test_backends.py").write_text(
+        "from monodecode.kernels.reference_backend import ReferenceBackend\n"
+        "class Picky(ReferenceBackend):\n"
+        "    name = 'picky'\n"
+        "    @classmethod\n"
+        "    def unavailable_reason(cls, platform):\n"
+        "        return f'picky wants a unicorn; this is {platform.kind}'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register_lazy("picky", "monodecode_test_backends:Picky")
+    try:
+        cpu = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
+        st = {s.name: s for s in registry.backend_status(cpu)}
+        assert st["picky"] == registry.BackendStatus("picky", False, "picky wants a unicorn; this is cpu")
+        for name in ("flydsl", "triton"):
+            cls = registry._load(name)
+            want = cls.unavailable_reason(cpu) if cls else registry._IMPORT_ERRORS[name]
+            assert st[name] == registry.BackendStatus(name, False, want)
+    finally:
+        registry._LAZY.pop("picky", None)
+        registry._IMPORT_ERRORS.pop("picky", None)
