@@ -8,7 +8,11 @@ Servers (started side by side once per module, eager unless said otherwise):
   the noise floor of the re-scoring check;
 - ``mono``: mono decode on (``on_refusal: raise``, widths 1, 2, 4) with the plugin's CPU attention
   backend / KV layout pair;
-- fail-stop drill servers, started by their test.
+- ``wrong_kv``: as ``mono``, with a test-only fault that reads K in the wrong layout (kv_fault/);
+- ``drill``: mono decode on (``on_refusal: degrade``, one fail-stop allowed) with
+  ``MONODECODE_FAULT=stall``; its test then restarts it, which must serve degraded.
+
+All go through scripts/serve_cpu.py, the launcher of the README's ``make serve``.
 
 What each test guards is in its docstring; measured numbers go to ``MEASURED`` (printed at the
 end of the run by tests/conftest.py).
