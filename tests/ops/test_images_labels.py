@@ -318,3 +318,5 @@ def test_redacted_urls_never_carry_the_password(user, secret):
     url = f"https://{user}:{quote(secret, safe='')}@pypi.example:8443/simple"
     shown = redact_url(url)
     assert quote(secret, safe="") not in shown and shown == f"https://{user}:***@pypi.example:8443/simple"
+    token_only = redact_url(f"https://{quote(secret, safe='')}@pypi.example/simple")
+    assert token_only == "https://***@pypi.example/simple"

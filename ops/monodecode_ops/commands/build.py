@@ -107,14 +107,15 @@ class BuildPlan:
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its password (``https://user:***@host/...``), for anything printed."""
+    """``url`` without its credentials, for anything printed: ``https://user:***@host/...``, and
+    ``https://***@host/...`` when the user part alone is the secret (a token)."""
     try:
         parts = urlsplit(url)
-        if parts.password is None and "@" not in parts.netloc:
+        if "@" not in parts.netloc:
             return url
-        user = parts.username or ""
         host = parts.netloc.rsplit("@", 1)[-1]
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}" if user else f"***@{host}"))
+        shown = f"{parts.username}:***" if parts.password is not None and parts.username else "***"
+        return urlunsplit(parts._replace(netloc=f"{shown}@{host}"))
     except ValueError:  # unparseable: show nothing of it
         return "<unparseable URL>"
 
