@@ -179,3 +179,16 @@ def test_gpu_widths_timed_as_graphs(tmp_path):
     for w, x in t.items():
         assert reg.get_sample_value("monodecode_width_speedup", {"width": str(w)}) == pytest.approx(x.speedup)
     assert (r.state == "mono") == bool(r.served_widths)
+
+
+def test_a_stock_layer_that_cannot_run_at_warmup_is_replaced_by_the_reference(weights, tmp_path, slow_at_two):
+    def engine_bound_layer(layer, x, meta, kv):
+        raise RuntimeError("Forward context is not set.\nsecond line")
+
+    r, _ = runner(tmp_path, weights, engine_bound_layer, backend=slow_at_two, widths=(2,), on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith("slower_than_stock: ")  # timed against the reference
+    assert r.notes == [
+        "width timing: the stock layer cannot run at warm-up (RuntimeError: Forward context is not set.); "
+        "the reference layers stand in for the stock step"
+    ]
