@@ -810,6 +810,10 @@ class Runner:
             self._shadow.launch(decision.step)
             self._shadow_layer = None
             self._shadow_verdicts()
+            if self._shadow.broken:
+                log.warning("mono decode %s", self._shadow.broken)
+                self._notes.append(self._shadow.broken)
+                self._shadow = None
         if self._metrics is None or not decision.real:
             return
         start, self._t_start = self._t_start, None

@@ -65,6 +65,7 @@ class ShadowCheck:
         self._captured: tuple[int, Any, Any, Any, Any] | None = None  # layer, x, out, meta, kv
         self._pending: list[tuple[int, int, torch.Tensor, Any]] = []  # step, layer, pinned [err, tol], event
         self._side_busy = False
+        self.broken: str | None = None  # why the checks stopped (the stock layer failed)
 
     def layer_for(self, mono_step: int) -> int | None:
         """The layer to check at the ``mono_step``-th real mono step (0-based), or None."""
@@ -84,18 +85,24 @@ class ShadowCheck:
             return
         layer, x, out, meta, kv = self._captured
         self._captured = None
-        if not self._async:
-            err, tol = self._compare(layer, x, out, meta, kv)
-            self._pending.append((step, layer, torch.stack([err, tol]), None))
+        try:
+            if not self._async:
+                err, tol = self._compare(layer, x, out, meta, kv)
+                self._pending.append((step, layer, torch.stack([err, tol]), None))
+                return
+            main = torch.cuda.current_stream()
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                err, tol = self._compare(layer, x, out, meta, kv)
+                host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+                host.copy_(torch.stack([err, tol]), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+        except Exception as e:  # the check must never take serving down: it stops, and says why
+            first = (str(e).splitlines() or [""])[0][:200]
+            self.broken = f"shadow check stopped: the stock layer raised {type(e).__name__}: {first}"
+            self._every = 0
             return
-        main = torch.cuda.current_stream()
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            err, tol = self._compare(layer, x, out, meta, kv)
-            host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-            host.copy_(torch.stack([err, tol]), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
         for t in (x, out):
             t.record_stream(self._side)
         self._side_busy = True

@@ -91,6 +91,24 @@ def test_right_kernels_pass_every_check(weights, tmp_path):
     assert reg.get_sample_value("monodecode_shadow_max_abs_error") == 0.0  # the reference path is exact
 
 
+def test_a_stock_layer_that_raises_stops_the_checks_not_serving(weights, tmp_path):
+    conf = MonoConfig(
+        enabled=True,
+        widths=(1,),
+        width_policy="force",
+        shadow_check_every=1,
+        failstop_dir=str(tmp_path / "fs"),
+        exit_on_failstop=False,
+    )
+
+    def broken(layer, x, meta, kv):
+        raise RuntimeError("no forward context")
+
+    r = Runner(conf, DIMS, weights, CPU, faults=(), stock_layer=broken).start()
+    assert decode(r, 3) == [("mono", None)] * 3 and r.state == "mono"
+    assert r.notes == ["shadow check stopped: the stock layer raised RuntimeError: no forward context"]
+
+
 def test_off_by_default(weights, tmp_path):
     r, reg = start(tmp_path, weights)
     decode(r, 3)
