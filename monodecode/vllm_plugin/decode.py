@@ -108,6 +108,18 @@ def _tp_group() -> tuple[int, int, Any]:
         return 0, 1, None
 
 
+def _serves_requests() -> bool:
+    """False for vLLM's profile, dummy and warm-up forwards that carry no attention metadata (no
+    scheduled request): they are not steps, are not counted and never fire a fault drill. Every
+    step vLLM's scheduler runs carries metadata (a dict per layer, or a list of them when
+    micro-batched), whatever its backend."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return False
+    return bool(getattr(get_forward_context(), "attn_metadata", None))
+
+
 def _is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -307,11 +319,13 @@ class MonoDecode:
         if runner is None:
             return None
         info = self._info(positions, intermediate_tensors, inputs_embeds)
+        real = _serves_requests()
         capturing = _is_capturing()
         if capturing:
             decision = runner.capture_step(info)  # baked into the graph; counted at each replay
         else:
-            decision = runner.begin_step(info)  # the same decision; counts (rank 0), times, arms drills
+            # the same decision; a real step counts (rank 0), is timed and may fire a fault drill
+            decision = runner.begin_step(info, real=real)
         self._forward_ran = True
         self._eager_counted = not capturing
         self._last = decision

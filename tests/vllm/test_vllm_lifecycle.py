@@ -117,7 +117,8 @@ def test_step_decisions_from_real_metadata(mono_llama, rows, reqs, max_q, mode, 
 
 def test_no_metadata_runs_vllms_forward(model_dirs, vllm_distributed, tmp_path):
     """A profile / dummy pass (no attention metadata) takes vLLM's own forward (with vLLM's
-    native op implementations: the published wheel lacks the compiled CPU ops)."""
+    native op implementations: the published wheel lacks the compiled CPU ops) and is not a step:
+    not counted (issue 13 item 7: warm-up forwards never move the step series)."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -131,8 +132,8 @@ def test_no_metadata_runs_vllms_forward(model_dirs, vllm_distributed, tmp_path):
     with set_current_vllm_config(cfg), set_forward_context(None, cfg, num_tokens=2):
         out = model(torch.tensor([3, 4]), torch.tensor([0, 1]))
     assert out.shape == (2, model.config.hidden_size)
-    assert model.mono._last.reason == "no_metadata"
-    assert _sample("monodecode_fallback_steps_total", reason="no_metadata") - before == 1
+    assert model.mono._last.reason == "no_metadata" and not model.mono._last.real
+    assert _sample("monodecode_fallback_steps_total", reason="no_metadata") - before == 0
 
 
 def test_graph_replay_steps_are_counted_from_compute_logits(mono_llama):
@@ -171,6 +172,11 @@ def test_failstop_before_logits_and_restart(model_dirs, vllm_distributed, tmp_pa
     assert model.mono.state == "mono"
     names = [layer.self_attn.attn.layer_name for layer in model.model.layers]
     bind_vllm_kv(model, cfg)
+    steps = _sample("monodecode_steps_total", path="fallback") + _sample("monodecode_steps_total", path="mono")
+    with set_current_vllm_config(cfg), set_forward_context(None, cfg, num_tokens=1):
+        assert model.mono.plan(torch.tensor([7])) is None  # vLLM's warm-up pass: no step, the drill stays armed
+    model.compute_logits(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16))
+    assert _sample("monodecode_steps_total", path="fallback") + _sample("monodecode_steps_total", path="mono") == steps
     with set_current_vllm_config(cfg), set_forward_context({n: _md(1, 1, 1) for n in names}, cfg, num_tokens=1):
         hidden = model(torch.tensor([5]), torch.tensor([7]))
     with pytest.raises(FailStop) as err:
