@@ -1,9 +1,8 @@
 #!/bin/sh
-# Runtime stage: installs the wheels resolved by the wheels stage next to the base image's
-# packages (offline, --no-deps, each checked against the wheels stage's sha256 lock), proves
-# nothing of the base changed and that the base's vLLM is one the plugin supports, removes the
-# wheel files (wheels.lock stays as the record of what was added), and adds the non-root user
-# the image runs as.
+# Runtime stage, after the wheels stage's installed root was copied onto the base: proves nothing
+# of the base changed (its distributions, snapshot in the wheels stage from the same base, against
+# now) and that the base's vLLM is one the plugin supports, and adds the non-root user the image
+# runs as.
 set -eu
 PY=python3
 UID_=${MONODECODE_UID:-10001}
@@ -11,14 +10,11 @@ HOME_=/home/monodecode
 B=/opt/monodecode/build
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore PIP_PROGRESS_BAR=off
 
-"$PY" "$B/pyenv.py" snapshot /tmp/before.json
-"$PY" -m pip install --quiet --no-index --no-deps --require-hashes -r /opt/monodecode/wheels.lock
 "$PY" "$B/pyenv.py" snapshot /tmp/after.json
-"$PY" "$B/pyenv.py" undisturbed /tmp/before.json /tmp/after.json
-rm -f /tmp/before.json /tmp/after.json
+"$PY" "$B/pyenv.py" undisturbed /opt/monodecode/base-packages.json /tmp/after.json
+rm -f /tmp/after.json
 "$PY" -c "import monodecode, monodecode_ops.cli"  # the runtime and the CLI import
 "$PY" -m monodecode_ops.base_vllm  # the base's vLLM is in the plugin's supported range (or absent)
-rm -rf /opt/monodecode/wheels
 
 # Non-root user (numeric uid so USER works even where useradd is missing). ROCm devices are
 # group-owned (video, render): join those groups when the base defines them.

@@ -1,8 +1,10 @@
 #!/bin/sh
 # Wheels stage (not shipped): the only step that needs the network. Builds the monodecode wheel
-# from the source in /src and downloads exactly the distributions the base image lacks, into
-# /stage/wheels; /stage/build gets these build scripts. The runtime stage installs from there
-# offline, so no certificate, index URL or download tool reaches the final image.
+# from the source in /src, downloads exactly the distributions the base image lacks (each checked
+# against the sha256 the index published) into /stage/wheels, and installs them, checked against
+# the lock of their sha256, into the separate root /stage/root (with these build scripts under
+# /stage/root/opt/monodecode/build). The runtime stage copies that root onto the base: only the
+# installed files reach the image, never a wheel, certificate, index URL or download tool.
 set -eu
 PY=python3
 STAGE=/stage
@@ -37,7 +39,14 @@ echo "wheels: built $(basename "$whl")"
 if [ -s /tmp/missing.txt ]; then
   "$PY" -m pip wheel --quiet --no-deps --require-hashes --wheel-dir "$STAGE/wheels" -r /tmp/missing.txt
 fi
-# The runtime stage installs exactly these files, each checked against this lock.
-"$PY" "$STAGE/build/pyenv.py" lock "$STAGE/wheels" /opt/monodecode/wheels "$STAGE/wheels.lock"
+# Exactly these files, each checked against this lock, installed into the separate root.
+"$PY" "$STAGE/build/pyenv.py" lock "$STAGE/wheels" "$STAGE/wheels" "$STAGE/wheels.lock"
+ROOT=$STAGE/root
+mkdir -p "$ROOT/opt/monodecode"
+"$PY" "$STAGE/build/pyenv.py" snapshot "$ROOT/opt/monodecode/base-packages.json"
+"$PY" -m pip install --quiet --no-index --no-deps --require-hashes --root "$ROOT" -r "$STAGE/wheels.lock"
+cp -r "$STAGE/build" "$ROOT/opt/monodecode/build"
+# the record of what was added: wheel file names and sha256
+sed "s|^$STAGE/||" "$STAGE/wheels.lock" > "$ROOT/opt/monodecode/wheels.lock"
 rm -f /tmp/installed.txt /tmp/report.json /tmp/missing.txt
-cat "$STAGE/wheels.lock"
+cat "$ROOT/opt/monodecode/wheels.lock"

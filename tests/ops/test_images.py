@@ -201,6 +201,18 @@ def test_image_runs_as_non_root_with_the_entrypoint(docker_client, built):
     assert "MONODECODE_ARTIFACT_DIR=/opt/monodecode/artifacts" in cfg["Env"]
 
 
+def test_no_wheel_reaches_the_image(docker_client, built):
+    """The runtime stage copies the wheels stage's installed root: no wheel file is in the image,
+    and wheels.lock records what was added (name and sha256 of each wheel)."""
+    script = "find / -xdev -name '*.whl' 2>/dev/null; echo ---; cat /opt/monodecode/wheels.lock"
+    rc, out, err = run_container(docker_client, tag_of("gfx942"), ["sh", "-c", script])
+    found, lock = out.split("---\n")
+    assert rc == 0 and found.strip() == "", (found, err)
+    lines = lock.splitlines()
+    assert any(line.startswith("wheels/monodecode-") for line in lines), lock
+    assert all(" --hash=sha256:" in line for line in lines), lock
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_inspect_json_manifest_matches_labels(built, arch):
     proc = cli("inspect", tag_of(arch), "--json")
