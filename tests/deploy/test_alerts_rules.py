@@ -149,7 +149,13 @@ def test_promtool_unit_tests_pass():
 RULE_BREAKS = [
     ("threshold 70%", ") > 0.5\n", ") > 0.7\n", "fallback ratio 2/3 from rows_exceed_width"),
     ("no traffic guard", ") >= 0.1\n", ") >= 0\n", "fallback ratio stays quiet"),
-    ("degraded steps counted", '|disabled|degraded"}', '|disabled"}', "fallback ratio stays quiet"),
+    (
+        "degraded steps counted",
+        '|disabled|degraded|width_dropped"}',
+        '|disabled|width_dropped"}',
+        "fallback ratio stays quiet",
+    ),
+    ("dropped widths counted", '|degraded|width_dropped"}', '|degraded"}', "widths dropped at warm-up"),
     (
         "ratio over all steps",
         "+\n              sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total",
