@@ -41,6 +41,7 @@ class VllmStockLayer:
         self._fallback = fallback  # the stock layer before vLLM bound its cache (no ISA yet)
         self.bound = False
 
+    @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, kv: PagedKVCache) -> torch.Tensor:
         if not self.bound:
             return self._fallback(layer, x, meta, kv)
@@ -60,6 +61,7 @@ class VllmStockLayer:
             dst[slots // bs, slots % bs] = plain[slots // bs, slots % bs]
         return out
 
+    @torch.no_grad()
     def run(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, cache: torch.Tensor) -> torch.Tensor:
         """vLLM's decoder layer ``layer`` on ``x`` with ``cache`` (vLLM's own layout and packing)
         as the layer's KV cache for the call; returns the residual stream after the layer."""
@@ -119,6 +121,7 @@ class VllmStockLayer:
         )
 
 
+@torch.no_grad()
 def stock_check(
     runner: Any, stock: VllmStockLayer, num_layers: int, hidden_size: int, atol: float, rtol: float
 ) -> str | None:
