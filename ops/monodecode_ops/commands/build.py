@@ -13,6 +13,7 @@ the terminal or the JSON plan.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import re
@@ -465,6 +466,24 @@ def push_image(client, ref: str) -> None:
         raise ImageError(f"push of {ref} failed: {reason(e)}") from None
 
 
+def check_final_manifest(client, p: ArchPlan, image_id: str, info: dict[str, Any]) -> None:
+    """The labels were computed from the first pass's manifest; the final image must carry that
+    same manifest. If the kernels were rebuilt in between (the layer cache pruned meanwhile), the
+    labelled image would describe other files: it is removed and the build fails."""
+    where = f"{DEFAULT_ARTIFACT_DIR}/manifest.json"
+    with image_files(client, image_id, [where]) as tmp:
+        path = tmp / "manifest.json"
+        digest = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "none"
+    if digest != info["manifest_digest"]:
+        with contextlib.suppress(Exception):
+            client.images.remove(p.tag, force=True)
+        raise ImageError(
+            f"build for {p.arch}: the final image's {where} ({digest[:19]}...) is not the one its labels were "
+            f"computed from ({info['manifest_digest'][:19]}...): the kernels were rebuilt between the two passes "
+            "(was the build cache pruned meanwhile?); build again"
+        )
+
+
 def execute(plan: BuildPlan, client=None) -> list[dict[str, Any]]:
     client = client or connect(timeout=BUILD_TIMEOUT_S)
     for use in dict.fromkeys(p.base.use for p in plan.archs):
@@ -511,6 +530,7 @@ def execute(plan: BuildPlan, client=None) -> list[dict[str, Any]]:
                     task=task,
                     offset=n1,
                 )
+                check_final_manifest(client, p, image_id, info)
                 progress.update(task, description=f"built {p.tag}")
                 pushed = False
                 if plan.push:
