@@ -8,9 +8,11 @@
 
 ``serve`` builds vLLM's ``--additional-config '{"monodecode": {...}}'``, validates the whole
 additional config with the runtime's own ``MonoConfig.from_additional_config`` (a bad value is
-one ``error:`` line and exit code 2, before vLLM starts), and replaces this process with
-``vllm serve`` so signals and the exit status are vLLM's own. The monodecode options come from,
-later ones winning:
+one ``error:`` line and exit code 2, before vLLM starts), and runs ``vllm serve``: with mono decode
+enabled under ``monodecode.runtime.supervise`` (signals forwarded; the exit status is vLLM's, or 70
+when a worker fail-stopped during the run, which vLLM's API server reports as a clean exit 0, so the
+container's last exit code tells), otherwise by replacing this process. The monodecode options come
+from, later ones winning:
 
     the image's defaults       enabled = true (this image exists to run mono decode), and
                                MONODECODE_ARTIFACT_DIR (the baked artifacts, set by the image)
@@ -384,8 +386,23 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(_error_line(str(e)), file=sys.stderr)
         return EXIT_USER_ERROR
     sys.stdout.flush()
+    failstop_dir = _supervised_failstop_dir(cmd)
+    if failstop_dir is not None:
+        from monodecode.runtime.supervise import run_supervised
+
+        return run_supervised([exe, *cmd[1:]], {**environ, **env_add}, failstop_dir)
     os.execve(exe, cmd, {**environ, **env_add})
     return 127  # not reached
+
+
+def _supervised_failstop_dir(cmd: Sequence[str]) -> str | None:
+    """The fail-stop directory of a ``vllm serve`` with mono decode enabled (None: nothing to watch)."""
+    if cmd[:2] != ["vllm", "serve"] or "--additional-config" not in cmd:
+        return None
+    from monodecode.config import MonoConfig
+
+    cfg = MonoConfig.from_additional_config(json.loads(cmd[cmd.index("--additional-config") + 1]))
+    return cfg.failstop_dir if cfg.enabled else None
 
 
 if __name__ == "__main__":

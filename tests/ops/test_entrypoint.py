@@ -336,3 +336,46 @@ def test_main_prints_json_or_one_error_line(argv, env):
         assert code == 2 and out.getvalue() == ""
         lines = err.getvalue().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def _fake_vllm(bindir: Path, body: str) -> None:
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\n{body}\n")
+    fake.chmod(0o755)
+
+
+def test_serve_exits_70_when_a_worker_fail_stopped_although_vllm_exits_0(tmp_path):
+    """vLLM's API server exits 0 when its engine dies; the container must still end with 70."""
+    failstop_dir = tmp_path / "failstop"
+    _fake_vllm(
+        tmp_path / "bin",
+        "import time\nfrom monodecode.runtime.failstop import FailStopEvent, FailStopRecorder\n"
+        "e = FailStopEvent(rank=0, step=5, site='wait_timeout', layer=1, kernel='k2', time=time.time(), pid=9)\n"
+        f"FailStopRecorder({str(failstop_dir)!r}, termination_log={str(tmp_path / 'tl')!r}, "
+        "exit_on_failstop=False)._write_marker(e)",
+    )
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "MONODECODE_MODEL": "/models/m",
+        "MONODECODE_SERVE_PLATFORM": "rocm",
+        "MONODECODE_FAILSTOP_DIR": str(failstop_dir),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run([sys.executable, str(ENTRYPOINT)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 70, proc.stderr
+    assert "fail-stop(s) recorded" in proc.stderr
+
+
+def test_serve_with_mono_decode_off_keeps_vllms_exit_status(tmp_path):
+    _fake_vllm(tmp_path / "bin", "import sys; sys.exit(5)")
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "MONODECODE_MODEL": "/models/m",
+        "MONODECODE_ENABLED": "false",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+    }
+    proc = subprocess.run([sys.executable, str(ENTRYPOINT)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 5, proc.stderr
