@@ -251,7 +251,7 @@ class Stage:
 
 def wait_health_code(kernel: str, layer: int) -> int:
     """Health word a backend stores when a bounded wait of ``kernel`` in ``layer`` expires
-    (RT's packing, ``monodecode.kernels.health.health_code``); kernels compute it on device as
+    (the runtime's packing, ``monodecode.kernels.health.health_code``); kernels compute it on device as
     ``site | kernel_id << 8 | (layer + 1) << 10``."""
     return health_code("wait_timeout", layer, kernel)
 
@@ -744,7 +744,7 @@ def key_inputs(
     narrow_mailbox: str | None = None,
     wide_task_bytes: int = TASK_BYTES,
 ) -> dict:
-    """Everything the plan contributes to a build key, as a canonical dict (RT's
+    """Everything the plan contributes to a build key, as a canonical dict (
     ``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
 
     ``plan_digest`` covers the task tables and the scratch layout, so any change to the plan

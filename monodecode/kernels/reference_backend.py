@@ -1,4 +1,4 @@
-"""The ``reference`` backend: REF's PyTorch K1/K2 behind the kernel interface. Runs everywhere.
+"""The ``reference`` backend: the reference decode's PyTorch K1/K2 behind the kernel interface. Runs everywhere.
 
 It is the numerics oracle made dispatchable: rows are padded to the smallest built width with
 inert rows (slot -1) exactly like a real kernel, K1 hands its output to K2 through an
@@ -30,7 +30,7 @@ class ReferenceKernels(PaddedKernels):
     kernel_label = "reference kernels"
 
     def __init__(self, req: BuildRequest, weights: Any):
-        from monodecode.model import reference  # REF's module; imported at build, not at registry load
+        from monodecode.model import reference  # the oracle's module; imported at build, not at registry load
 
         self._ref = reference
         self.req = req

@@ -73,7 +73,7 @@ def mailbox_format(tp_size: int) -> str:
 
 
 def health_word(site: int, kernel: int, layer):
-    """The health word a kernel stores: ``site | kernel << 8 | (layer + 1) << 10`` (RT's packing,
+    """The health word a kernel stores: ``site | kernel << 8 | (layer + 1) << 10`` (the runtime's packing,
     ``monodecode.kernels.base.health_code``; the plan's ``wait_health_code`` for site 1). Works
     on Python ints (tests) and on the traced i32 layer argument (the kernels)."""
     return (site | (kernel << 8)) | ((layer + 1) << 10)

@@ -1,4 +1,4 @@
-"""GPU numerics of the Triton K1/K2 against the reference decode (REF's ``reference.py``).
+"""GPU numerics of the Triton K1/K2 against the reference decode (``monodecode/model/reference.py``).
 
 Marked ``gpu``: skipped with a printed reason where torch sees no CUDA/ROCm GPU (CI). On the
 H200 machine they run with ``PYTHONPATH=. python -m pytest tests/kernels/triton/test_triton_numerics.py``.
