@@ -744,8 +744,8 @@ def key_inputs(
     narrow_mailbox: str | None = None,
     wide_task_bytes: int = TASK_BYTES,
 ) -> dict:
-    """Everything the plan contributes to a build key, as a canonical dict (
-    ``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
+    """Everything the plan contributes to a build key, as a canonical dict
+    (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
 
     ``plan_digest`` covers the task tables and the scratch layout, so any change to the plan
     (or to the workgroup count, e.g. a partitioned GPU) yields a different key.
