@@ -18,6 +18,8 @@
 set -euo pipefail
 MAIN_VENV=${1:-.venv}
 cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/lib/vllm-venv.sh
+. scripts/lib/vllm-venv.sh
 VENV="$(dirname "$MAIN_VENV")/.venv-vllm"
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC="torch==2.14.1"
@@ -27,7 +29,7 @@ nvidia-cudnn-frontend nvtx fastsafetensors instanttensor nvidia-cutlass-dsl quac
 humming-kernels"
 
 stamp_file="$VENV/.monodecode-vllm-stamp"
-want_stamp=$(cat "$0" pyproject.toml | sha256sum | cut -d' ' -f1)
+want_stamp=$(cat "$0" scripts/lib/vllm-venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 check() {
   "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
@@ -44,30 +46,8 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want_stamp" ] && check >
 fi
 
 t0=$(date +%s)
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+install_vllm_venv "$VENV" "$PYTHON" "$TORCH_SPEC" "$VLLM_SPEC" vllm "$GPU_ONLY"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install "$TORCH_SPEC" packaging
-"${PIP[@]}" install --no-deps "$VLLM_SPEC"
-
-reqs=$(mktemp)
-cons=$(mktemp)
-trap 'rm -f "$reqs" "$cons"' EXIT
-echo "$TORCH_SPEC" >"$cons"
-GPU_ONLY="$GPU_ONLY" "$VENV/bin/python" - >"$reqs" <<'EOF'
-import importlib.metadata as md
-import os
-from packaging.requirements import Requirement
-
-skip = set(os.environ["GPU_ONLY"].split())
-for line in md.requires("vllm") or []:
-    req = Requirement(line)
-    if req.name.lower() in skip:
-        continue
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    print(str(req).split(";")[0])
-EOF
-"${PIP[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3'
 "${PIP[@]}" install --no-deps -e .
 check
 echo "$want_stamp" >"$stamp_file"
