@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path[:0] = [__file__.rsplit("/", 2)[0] or ".", (__file__.rsplit("/", 2)[0] or ".") + "/ops"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,6 @@ def main(selectors: list[str]) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    import decode_latency as D
-
     from monodecode.kernels.base import BuildRequest
     from monodecode.kernels.triton import config as C
     from monodecode.kernels.triton.backend import TritonBackend
@@ -82,6 +80,7 @@ def main(selectors: list[str]) -> None:
     from monodecode.model.profiles import profile_dims
     from monodecode.model.weights import random_weights
     from monodecode.services.platform import detect_platform
+    from monodecode_ops.decode_bench import harness as D
 
     chosen = [
         v

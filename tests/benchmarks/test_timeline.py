@@ -1,15 +1,11 @@
-"""The benchmark's timeline summary and plot (``benchmarks/timeline.py``) from synthetic stamps
+"""The benchmark's timeline summary and plot (``monodecode_ops.decode_bench.timeline``) from synthetic stamps
 with known stage times: the figures it reports are the ones put in."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import timeline as TL  # noqa: E402
+from monodecode_ops.decode_bench import timeline as TL
 
 
 def _stamps(layers=2, programs=4):

@@ -1,4 +1,4 @@
-"""The benchmark's stock per-op baseline (``benchmarks/stock_decode.py``) computes the same decode
+"""The benchmark's stock per-op baseline (``monodecode_ops.decode_bench.stock``) computes the same decode
 layer as the reference oracle, on a CPU: a baseline that computed something else faster would
 make the comparison meaningless.
 
@@ -10,9 +10,6 @@ entries it writes must match the reference's (per-layer bound) and nothing else 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,9 +17,7 @@ from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_dims
 from monodecode.model.weights import random_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from stock_decode import StockDecode, scaled_mm_works  # noqa: E402
+from monodecode_ops.decode_bench.stock import StockDecode, scaled_mm_works
 
 BLOCK = 16
 
@@ -112,7 +107,7 @@ def test_contiguous_stock_layers_match_the_reference(profile, weight_dtype, comp
     """Paths (a) and (b) of the benchmark: the contiguous-KV stock step (per-op, or each layer's
     halves torch.compile'd) computes the reference layer; every row has the same context (the
     benchmark's setting), longer than tiny's sliding window (24)."""
-    from stock_decode import ContiguousStockDecode
+    from monodecode_ops.decode_bench.stock import ContiguousStockDecode
 
     ctx = 40
     dims, w, meta, kv_ref, kv = _setup(profile, weight_dtype, 2 if profile == "tiny" else 1, [ctx] * 3)

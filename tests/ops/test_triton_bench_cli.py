@@ -1,4 +1,4 @@
-"""``monodecode-ops bench`` (wrapping benchmarks/decode_latency.py): argument errors are one line,
+"""``monodecode-ops bench`` (wrapping monodecode_ops.decode_bench.harness): argument errors are one line,
 a machine without a GPU gets one line saying so, and the report table is computed from results."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``monodecode-ops bench``: decode-step latency of the kernel backends against the roofline.
 
-Wraps ``benchmarks/decode_latency.py`` of a source checkout (the harness is not installed with
+Wraps the decode-latency harness ``monodecode_ops.decode_bench.harness`` (installed with
 the package): the reference oracle (eager and replayed in a CUDA graph), a realistic stock
 per-op decode replayed in a CUDA graph (the baseline), its GEMMs alone, and triton, per model
 profile and batch, with the read bandwidth measured in the same run.
@@ -12,7 +12,6 @@ With ``--endpoint URL`` (once or twice) it benchmarks live OpenAI-compatible ser
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -22,16 +21,12 @@ import typer
 from monodecode.errors import MonodecodeError
 from monodecode_ops.output import console, emit_json, json_output, table
 
-HARNESS = Path(__file__).resolve().parents[3] / "benchmarks" / "decode_latency.py"
 
+def load_harness() -> ModuleType:
+    """The decode-latency harness (installed with the CLI; it imports torch, so only on use)."""
+    from monodecode_ops.decode_bench import harness
 
-def load_harness(path: Path = HARNESS) -> ModuleType:
-    if not path.is_file():
-        raise MonodecodeError(f"benchmark harness {path} not found: run bench from a monodecode source checkout")
-    spec = importlib.util.spec_from_file_location("monodecode_decode_latency", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return harness
 
 
 def _ints(text: str, what: str) -> list[int]:
