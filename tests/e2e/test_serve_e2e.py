@@ -407,7 +407,9 @@ def test_bench_ab_against_mono_and_stock(fleet, tmp_path):
         assert r["output_tokens"] == 8 * 24 and r["tokens_per_s"] > 0
         assert 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p90"] <= r["tpot_ms"]["p99"]
         assert 0 < r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
-    assert by[("A", 1)]["mono_fraction"] == 1.0 and by[("A", 4)]["mono_fraction"] > 0.9, by
+    # one stream: every decode step mono. Four streams: each of the 8 requests' prefill may share one
+    # step with running decodes (mixed_batch), out of at least 8 * 24 / 4 = 48 decode steps
+    assert by[("A", 1)]["mono_fraction"] == 1.0 and by[("A", 4)]["mono_fraction"] >= 1 - 8 / 48, by
     assert by[("B", 1)]["mono_fraction"] is None
     for p in doc["paths"]:
         assert Path(p).stat().st_size > 0
