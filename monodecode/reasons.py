@@ -98,12 +98,3 @@ class RefusalReason(_Code):
 def reason_code(reason: str) -> str:
     """The code of a ``"<code>: <sentence>"`` reason (the part before the first colon)."""
     return reason.split(":", 1)[0].strip()
-
-
-def refusal_code(reason: str) -> RefusalReason:
-    """The ``RefusalReason`` of a ``"<code>: <sentence>"`` reason; ValueError for an unknown code."""
-    code = reason_code(reason)
-    try:
-        return RefusalReason(code)
-    except ValueError:
-        raise ValueError(f"unknown refusal reason code {code!r} in {reason[:120]!r}") from None

@@ -48,12 +48,7 @@ def run_supervised(cmd: Sequence[str], env: Mapping[str, str], failstop_dir: str
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
-        while True:
-            try:
-                rc = child.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-                continue
+        rc = child.wait()  # a forwarded signal interrupts nothing: the wait is retried (PEP 475)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

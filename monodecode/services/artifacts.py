@@ -84,14 +84,6 @@ class ArtifactEntry:
         return d
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _is_sha256(s: Any) -> bool:
     return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX
 
@@ -276,14 +268,15 @@ class ArtifactStore:
                         f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
                         f"(size {size} bytes, manifest says {f.bytes})"
                     )
-                h = hashlib.sha256()
+                h, last = hashlib.sha256(), b""
                 while block := os.read(fd, 1 << 20):
-                    h.update(block)
+                    h.update(last)
+                    last = block
             except OSError as e:
                 raise ArtifactError(f"{where}: cannot read: {e.strerror or e}") from None
             finally:
                 os.close(fd)
-            digest = _corrupted_digest(path) if corrupt else h.hexdigest()
+            digest = _final_digest(h, last, corrupt)
             if digest != f.sha256:
                 raise ArtifactError(
                     f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
@@ -302,7 +295,7 @@ class ArtifactStore:
         except FileNotFoundError:
             raise ArtifactError(f"artifact {entry.build_key[:12]}: file {relpath} is missing") from None
         corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
-        digest = _corrupted_digest_of(data) if corrupt else hashlib.sha256(data).hexdigest()
+        digest = _final_digest(hashlib.sha256(), data, corrupt)
         if len(data) != f.bytes or digest != f.sha256:
             raise ArtifactError(
                 f"artifact {entry.build_key[:12]}: checksum mismatch for {relpath} "
@@ -392,15 +385,10 @@ class ArtifactStore:
         return ArtifactEntry(**{**entry.__dict__, "root": self.root})
 
 
-def _corrupted_digest(path: Path) -> str:
-    """sha256 of the file as if its last byte had flipped (the corrupt_artifact drill)."""
-    return _corrupted_digest_of(path.read_bytes())
-
-
-def _corrupted_digest_of(raw: bytes) -> str:
-    data = bytearray(raw)
-    if data:
-        data[-1] ^= 0xFF
-    else:
-        data = bytearray(b"\xff")
-    return hashlib.sha256(bytes(data)).hexdigest()
+def _final_digest(h: Any, last: bytes, corrupt: bool) -> str:
+    """sha256 once ``last`` (the file's final bytes) is fed; the corrupt_artifact drill hashes the
+    file as if its last byte had flipped (an empty file as one 0xFF byte), without re-reading it."""
+    if corrupt:
+        last = last[:-1] + bytes([last[-1] ^ 0xFF]) if last else b"\xff"
+    h.update(last)
+    return h.hexdigest()

@@ -141,11 +141,6 @@ def launch_epoch(epoch, grid: int):
     return e, uniform(fx.Int32(e & fx.Int64(TAG_MASK)))
 
 
-def launch_tag(epoch, grid: int):
-    """This launch's 31-bit tag (tagged format)."""
-    return launch_epoch(epoch, grid)[1]
-
-
 @device
 def finish_launch(epoch, tid, grid: int = 0, settle=()):
     """Count this workgroup out of the launch (once, after every thread has read the epoch). With
