@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from monodecode.services.buildkey import build_key
 from monodecode.services.platform import Platform
 
 if TYPE_CHECKING:  # heavy or optional imports only for annotations
@@ -131,9 +132,26 @@ class KernelBackend(ABC):
     def unavailable_reason(cls, platform: Platform) -> str | None:
         """None when this backend can run on ``platform``; else one sentence why not."""
 
-    @abstractmethod
     def build_key(self, req: BuildRequest) -> str:
-        """Deterministic key over everything the compiled kernels depend on (services.buildkey)."""
+        """Deterministic key over everything the compiled kernels depend on (services.buildkey):
+        the request's build fields, ``source_digest()`` and ``compiler_version()``."""
+        return build_key(
+            self.name,
+            req.platform.arch,
+            req.dims,
+            req.weight_dtype,
+            req.kv_dtype,
+            req.tp_size,
+            req.widths,
+            req.block_size,
+            self.source_digest(),
+            self.compiler_version(),
+        )
+
+    def source_digest(self) -> str:
+        """Digest of the sources the kernels are generated from (``services.buildkey.source_digest``).
+        A backend that keys its builds through the default ``build_key`` overrides this."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither source_digest() nor build_key()")
 
     @abstractmethod
     def build(

@@ -18,7 +18,7 @@ import torch
 from monodecode.kernels.base import BuildRequest, KernelBackend
 from monodecode.kernels.health import health_code
 from monodecode.kernels.padded import PaddedKernels
-from monodecode.services.buildkey import build_key, source_digest
+from monodecode.services.buildkey import source_digest
 from monodecode.services.platform import Platform
 from monodecode.services.waits import bounded_wait
 from monodecode.spec import KernelSpec
@@ -101,20 +101,8 @@ class ReferenceBackend(KernelBackend):
     def compiler_version(self) -> str:
         return f"torch {torch.__version__}"
 
-    def build_key(self, req: BuildRequest) -> str:
-        digest = source_digest(_MODEL_DIR / "reference.py", extra_files=[Path(__file__)])
-        return build_key(
-            self.name,
-            req.platform.arch,
-            req.dims,
-            req.weight_dtype,
-            req.kv_dtype,
-            req.tp_size,
-            req.widths,
-            req.block_size,
-            digest,
-            self.compiler_version(),
-        )
+    def source_digest(self) -> str:
+        return source_digest(_MODEL_DIR / "reference.py", extra_files=[Path(__file__)])
 
     def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> ReferenceKernels:
         return ReferenceKernels(req, weights)

@@ -18,7 +18,7 @@ from monodecode.kernels import plan as plan_mod
 from monodecode.kernels.base import BuildRequest, KernelBackend
 from monodecode.kernels.triton.config import MAX_WIDTH, check_dims, target_for
 from monodecode.kernels.triton.launch import TritonKernels, interpreting
-from monodecode.services.buildkey import build_key, source_digest
+from monodecode.services.buildkey import source_digest
 from monodecode.services.platform import Platform
 from monodecode.spec import KernelSpec
 
@@ -61,20 +61,8 @@ class TritonBackend(KernelBackend):
     def compiler_version(self) -> str:
         return f"triton {triton.__version__}"
 
-    def build_key(self, req: BuildRequest) -> str:
-        digest = source_digest(_SOURCE_DIR, extra_files=[Path(plan_mod.__file__)])
-        return build_key(
-            self.name,
-            req.platform.arch,
-            req.dims,
-            req.weight_dtype,
-            req.kv_dtype,
-            req.tp_size,
-            req.widths,
-            req.block_size,
-            digest,
-            self.compiler_version(),
-        )
+    def source_digest(self) -> str:
+        return source_digest(_SOURCE_DIR, extra_files=[Path(plan_mod.__file__)])
 
     def refusals(self, req: BuildRequest) -> list[str]:
         reasons = []
