@@ -12,19 +12,15 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_helpers import cli, process_error_line
 from typer.testing import CliRunner
 
 from monodecode_ops.base_vllm import vllm_problem
 from monodecode_ops.bases import BASE_IMAGES, RECORDED_DIGESTS
 from monodecode_ops.cli import app
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = str(Path(sys.executable).with_name("monodecode-ops"))
 runner = CliRunner()
 
 
@@ -39,26 +35,6 @@ def error_line(result) -> str:
     lines = text.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), text
     return lines[0]
-
-
-def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [CLI, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def process_error_line(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-1500:], proc.stderr[-1500:])
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines[-1].startswith("error: "), proc.stderr[-1500:]
-    return lines[-1]
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,10 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import ROOT, cli, process_error_line
 
 import monodecode
 from monodecode.model.profiles import profile_dims
@@ -26,8 +26,6 @@ from monodecode.services.platform import Platform
 # The first test's setup makes the base (debootstrap, ~2.5 min) and builds both images (~2-3 min).
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = str(Path(sys.executable).with_name("monodecode-ops"))
 ARCHS = ("gfx942", "gfx950")
 REPO = "monodecode-test/img"
 TAG = f"t{os.getpid()}"  # per run: parallel runs on one engine never touch each other's images
@@ -43,27 +41,6 @@ CA = next(
 )
 CPU = Platform(kind="cpu", arch="cpu", name="cpu", compute_units=2)
 MI300X = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, source="kfd")
-
-
-def cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [CLI, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """The CLI's contract for user errors: exit 2, one ``error:`` line on stderr, no traceback."""
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    return lines[-1]
 
 
 def run_container(client, image: str, command: list[str], env: dict | None = None) -> tuple[int, str, str]:
@@ -324,12 +301,12 @@ def test_bad_image_labels_are_one_error_line(docker_client, built, label, value,
         docker_client, f"{REPO}:{TAG}-bad-{label.split('.')[-1]}", f'FROM {tag_of("gfx942")}\nLABEL {label}="{value}"\n'
     )
     for args in (("inspect", bad), ("verify", "--image", bad, "--no-self-test")):
-        line = one_error_line(cli(*args))
+        line = process_error_line(cli(*args))
         assert label in line and expected in line, line
 
 
 def test_inspect_of_a_non_monodecode_image(local_base):
-    assert "not a monodecode image" in one_error_line(cli("inspect", local_base))
+    assert "not a monodecode image" in process_error_line(cli("inspect", local_base))
 
 
 def test_serve_entrypoint_in_the_image(docker_client, built):
@@ -453,7 +430,7 @@ def test_failing_build_step_is_one_line_with_its_output(local_base):
     proc = build_on(
         local_base, f"{TAG}-broken", "-a", "gfx942", "--pip-index-url", "http://127.0.0.1:9/simple", timeout=900
     )
-    line = one_error_line(proc)
+    line = process_error_line(proc)
     assert line.startswith("error: build for gfx942 failed at step "), line
     assert "resolve-wheels.sh" in line and "returned a non-zero code" in line and "last output:" in line, line
 
@@ -489,7 +466,7 @@ mkdir -p "$d" && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.31.0\\n
 """,
     )
     proc = build_on(old_base, f"{TAG}-vllm031", "-a", "gfx942", timeout=1500)
-    line = one_error_line(proc)
+    line = process_error_line(proc)
     assert "install-runtime.sh" in line, line
     assert f"the base image has vLLM 0.31.0; the monodecode plugin supports vLLM {supported_vllm()}" in line, line
 
@@ -507,7 +484,9 @@ def test_unpinned_base_is_pinned_through_its_registry(docker_client, registry):
         (arch,) = json.loads(proc.stdout)["plan"]["archs"]
         assert arch["base"] == {"ref": f"{name}:v2", "use": f"{name}:v2@{digest}", "digest": digest, "how": "registry"}
         assert arch["build_args"]["BASE_IMAGE"] == f"{name}:v2@{digest}"
-        line = one_error_line(cli("build", "--dry-run", "-a", "gfx950", "-p", "tiny", "--base-image", f"{name}:nope"))
+        line = process_error_line(
+            cli("build", "--dry-run", "-a", "gfx950", "-p", "tiny", "--base-image", f"{name}:nope")
+        )
         assert f"base image {name}:nope has no digest and cannot be pinned" in line, line
     finally:
         docker_client.images.remove(f"{name}:v2", force=True)
