@@ -43,7 +43,7 @@ from monodecode.runtime.runner import MONO, Runner, StepDecision
 from monodecode.runtime.vote import StepInfo
 from monodecode.services.platform import Platform, detect_platform
 from monodecode.spec import reason_code
-from monodecode.vllm_plugin import stock
+from monodecode.vllm_plugin import startup_scopes, stock
 from monodecode.vllm_plugin.binding import BindError, Binding, backend_reason, bind, layer_backend, metadata_allowed
 from monodecode.vllm_plugin.cpu_kv import StagedKV
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
@@ -109,13 +109,14 @@ def _tp_group() -> tuple[int, int, Any]:
 
 
 def _serves_requests() -> bool:
-    """False for vLLM's profile, dummy and warm-up forwards that carry no attention metadata (no
-    scheduled request): they are not steps, are not counted and never fire a fault drill. Every
-    step vLLM's scheduler runs carries metadata (a dict per layer, or a list of them when
-    micro-batched), whatever its backend."""
+    """False for vLLM's profile, dummy, warm-up and capture forwards: they are not steps, are not
+    counted and never fire a fault drill. Every step vLLM's scheduler runs carries metadata (a
+    dict per layer, or a list of them when micro-batched), whatever its backend; start-up passes
+    may carry it too (a FULL-graph warm-up builds it), so they are told apart by the vLLM method
+    running them (``startup_scopes``)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    if not is_forward_context_available():
+    if not is_forward_context_available() or startup_scopes.in_startup_scope():
         return False
     return bool(getattr(get_forward_context(), "attn_metadata", None))
 
@@ -152,6 +153,8 @@ class MonoDecode:
         if version_reason() is not None:
             return
         from vllm.platforms import current_platform
+
+        startup_scopes.install()
 
         backbone = model.model
         layers = list(backbone.layers)[backbone.start_layer : backbone.end_layer]
@@ -367,6 +370,8 @@ class MonoDecode:
             return
         if self._forward_ran:
             decision = self._last or StepDecision("fallback", "no_metadata")
+        elif startup_scopes.in_startup_scope():
+            return  # a start-up pass computing logits of a graph it replayed: not a step
         else:
             # our forward did not run: vLLM replayed a FULL graph captured with our decision
             decision = runner.account_replay(int(hidden_states.shape[0]))
