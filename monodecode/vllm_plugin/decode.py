@@ -130,7 +130,7 @@ class MonoDecode:
         self.vllm_config = vllm_config
         self.config = config
         self.platform = platform
-        self.dims, self.dims_problem = model_dims(vllm_config)
+        self.dims, _ = model_dims(vllm_config)  # the problem, if any, is a refusal reason of the deployment
         self.runner: Runner | None = None
         self.state = "off"
         self.reasons: list[str] = []
