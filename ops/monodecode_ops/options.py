@@ -2,7 +2,8 @@
 
 Choices are Enums derived from the runtime's own lists (the AMD archs monodecode builds for, the
 kernel plan's weight dtypes, the model profiles), so a new arch or profile reaches every command
-at once. ``--widths`` and ``--block-size`` go through the runtime's rules (``config.parse_widths``,
+at once; comma-separated profile lists are checked against the same profiles. ``--widths`` and
+``--block-size`` go through the runtime's rules (``config.parse_widths``,
 ``config.check_block_size``: what ``MonoConfig`` and ``verify`` apply). A bad value is one
 ``error:`` line (the CLI group prints usage and user errors that way).
 """
@@ -18,7 +19,7 @@ import typer
 from monodecode import config
 from monodecode.errors import MonodecodeError
 from monodecode.kernels.plan import WEIGHT_DTYPES
-from monodecode.model.profiles import PROFILES
+from monodecode.model.profiles import PROFILES, profile_config
 from monodecode_ops.labels import ARCHS
 
 Arch = Enum("Arch", {a: a for a in ARCHS}, type=str, module=__name__)
@@ -52,6 +53,21 @@ def parse_widths(text: str) -> Widths:
         raise typer.BadParameter(str(e).removeprefix("--widths").lstrip(": ")) from None
 
 
+class ProfileNames(tuple):
+    """Model profile names, known to ``monodecode.model.profiles`` (what ``--profile a,b`` parses to)."""
+
+
+def parse_profile_names(text: str) -> ProfileNames:
+    """Comma-separated profile names -> ``ProfileNames``; empty text is none."""
+    names = ProfileNames(x.strip() for x in text.split(",") if x.strip())
+    try:
+        for name in names:
+            profile_config(name)  # the runtime's check: names the unknown profile and the known ones
+    except MonodecodeError as e:
+        raise typer.BadParameter(str(e)) from None
+    return names
+
+
 def _block_size(value: int) -> int:
     return config.check_block_size(value, "--block-size")
 
@@ -63,6 +79,10 @@ BuildArchsOpt = Annotated[list[BuildArch], typer.Option("--arch", "-a", help="gf
 ProfileOpt = Annotated[Optional[Profile], typer.Option("--profile", "-p", help="Named model profile.")]
 ProfilesOpt = Annotated[
     list[Profile], typer.Option("--profile", "-p", help="Model profile to precompile kernels for (repeatable).")
+]
+ProfileNamesOpt = Annotated[
+    ProfileNames,
+    typer.Option("--profile", parser=parse_profile_names, metavar="P[,P...]", help="Model profiles (comma-separated)."),
 ]
 WeightDtypeOpt = Annotated[WeightDtype, typer.Option("--weight-dtype", help="bf16, or fp8 / fp8_fnuz (FP8 weights).")]
 WidthsOpt = Annotated[

@@ -20,7 +20,8 @@ def _run(*args):
     [
         (["--batch", "x"], "error: --batch must be comma-separated integers, got 'x'"),
         (["--batch", ","], "error: --batch must list at least one value"),
-        (["--profile", "nope", "--batch", "1"], "error: unknown model profile 'nope'"),
+        (["--profile", "nope", "--batch", "1"], "error: Invalid value for '--profile': unknown model profile 'nope'"),
+        (["--fp8-profile", "tiny,nope"], "error: Invalid value for '--fp8-profile': unknown model profile 'nope'"),
         (["--batch", "1,32", "--profile", "tiny"], "error: batches must be in 1..16, got [1, 32]"),
         (["--replays", "0"], "error: --layers must be >= 0 and --replays >= 1"),
     ],

@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 
 from monodecode.errors import MonodecodeError
+from monodecode_ops.options import ProfileNames, ProfileNamesOpt, parse_profile_names
 from monodecode_ops.output import console, emit_json, json_output, table
 
 
@@ -39,16 +40,14 @@ def _ints(text: str, what: str) -> list[int]:
     return out
 
 
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def bench(
-    profile: str = typer.Option(
-        "llama3-1b,llama3-8b,gemma3-27b", "--profile", help="Model profiles (comma-separated)."
-    ),
-    fp8_profile: str = typer.Option(
-        "llama3-8b", "--fp8-profile", help="Profiles also timed with FP8 weights ('' for none)."
+    profile: ProfileNamesOpt = "llama3-1b,llama3-8b,gemma3-27b",  # text: the option's parser makes it ProfileNames
+    fp8_profile: ProfileNames = typer.Option(
+        "llama3-8b",
+        "--fp8-profile",
+        parser=parse_profile_names,
+        metavar="P[,P...]",
+        help="Profiles also timed with FP8 weights ('' for none).",
     ),
     batch: str = typer.Option("1,8", "--batch", help="Rows per decode step (comma-separated, 1..16)."),
     context: int = typer.Option(1024, "--context", help="Context length of every row."),
@@ -78,7 +77,7 @@ def bench(
         raise MonodecodeError("--layers must be >= 0 and --replays >= 1")
     harness = load_harness()
     log = (lambda *_: None) if as_json else (lambda msg: console(stderr=True).print(msg, markup=False))
-    doc = harness.run(_names(profile), batches, context, layers or None, _names(fp8_profile), replays, out, log=log)
+    doc = harness.run(list(profile), batches, context, layers or None, list(fp8_profile), replays, out, log=log)
     if as_json:
         emit_json(doc)
         return

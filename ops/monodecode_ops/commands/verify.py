@@ -32,6 +32,7 @@ from typing import Any, Optional
 import typer
 
 from monodecode.errors import MonodecodeError
+from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt
 from monodecode_ops.output import Check, console, json_output, report_checks
 
 REQUIRED_SERIES = (
@@ -117,14 +118,6 @@ def backend_checks(platform: Any) -> list[Check]:
 
 
 # ---- self-test -------------------------------------------------------------------------------
-
-
-def _parse_widths(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    from monodecode.config import parse_widths
-
-    return list(parse_widths(text))
 
 
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
@@ -415,9 +408,9 @@ def register(app: typer.Typer) -> None:
             True, "--self-test/--no-self-test", help="Run the runner lifecycle and decode self-test."
         ),
         backend: str = typer.Option("auto", "--backend", help="Kernel backend: auto, flydsl, triton or reference."),
-        widths: Optional[str] = typer.Option(None, "--widths", help="Step widths to build, e.g. 1,2,4,8."),
-        weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16, fp8 or fp8_fnuz."),
-        block_size: int = typer.Option(16, "--block-size", help="KV cache block size."),
+        widths: WidthsOpt = None,
+        weight_dtype: WeightDtypeOpt = WeightDtype("bf16"),
+        block_size: BlockSizeOpt = 16,
         artifact_dir: Optional[Path] = typer.Option(
             None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."
         ),
@@ -434,22 +427,15 @@ def register(app: typer.Typer) -> None:
         """Check this node (GPU, arch, CUs, partition, driver), run the mono-decode self-test, and optionally check an image and a live server's metrics."""
         as_json = json_output()
         from monodecode.metrics import start_exporter
-        from monodecode.model.weights import WEIGHT_DTYPES
         from monodecode.services.platform import detect_platform
 
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise MonodecodeError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-        from monodecode.config import check_block_size
-
-        check_block_size(block_size)
         if serve_seconds < 0:
             raise MonodecodeError(f"--serve-seconds must be >= 0, got {serve_seconds}")
         if endpoint is not None:
             _metrics_url(endpoint)  # bad URL: usage error before any work
         overrides: dict[str, Any] = {"backend": backend, "wait_timeout_s": wait_timeout_s}
-        parsed_widths = _parse_widths(widths)
-        if parsed_widths is not None:
-            overrides["widths"] = parsed_widths
+        if widths is not None:
+            overrides["widths"] = list(widths)
         if artifact_dir is not None:
             overrides["artifact_dir"] = str(artifact_dir)
         from monodecode.config import MonoConfig
@@ -468,7 +454,7 @@ def register(app: typer.Typer) -> None:
             platform = detect_platform()
             not_interpreted = use_triton_interpreter(platform, backend) if self_test_on else "no self-test"
             if not_interpreted is None:
-                if parsed_widths is None:
+                if widths is None:
                     overrides["widths"] = INTERPRETER_WIDTHS
                 overrides["width_policy"] = "force"  # interpreted kernels are for correctness, not speed
             checks = node_checks(platform, require_gpu)
@@ -478,7 +464,7 @@ def register(app: typer.Typer) -> None:
                 info["metrics_url"] = exporter.url
                 if not as_json:
                     console().print(f"metrics served at {exporter.url} during the run")
-                st_checks, st_info = self_test(platform, model, overrides, weight_dtype, block_size, exporter)
+                st_checks, st_info = self_test(platform, model, overrides, weight_dtype.value, block_size, exporter)
                 checks += st_checks
                 info.update(st_info)
                 checks.append(Check.passed("metrics", f"served at {exporter.url} (127.0.0.1 only)"))
