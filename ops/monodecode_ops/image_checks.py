@@ -312,6 +312,26 @@ def verify_image(
 # verify inside an image
 
 
+def artifact_dir_checks(art_dir: str | Path) -> list[Check]:
+    """An artifact directory given to ``verify --artifact-dir``: it exists, its manifest parses
+    and every entry's size and sha256 match. Checked on every node: a node whose backend reads
+    no artifacts (no AMD GPU) would otherwise pass with a directory that is missing or broken."""
+    store = ArtifactStore(art_dir)
+    name = "artifact dir"
+    if not store.root.is_dir():
+        return [Check.failure(name, f"{store.root} is not a directory")]
+    if not store.manifest_path.is_file():
+        return [Check.failure(name, f"{store.root} has no {MANIFEST}")]
+    try:
+        results = store.verify_all()
+    except ArtifactError as e:
+        return [Check.failure(name, str(e))]
+    bad = [f"{entry.build_key[:16]}: {problem}" for entry, problem in results if problem]
+    if bad:
+        return [Check.failure(name, f"{len(bad)} of {len(results)} entries fail: " + "; ".join(bad))]
+    return [Check.passed(name, f"{store.root}: {len(results)} entries, every file's size and sha256 match")]
+
+
 def baked_checks(info_path: str | Path | None = None) -> list[Check]:
     """Checks of the image ``verify`` runs in: its baked manifest against ``image.json`` (written
     at build time, the same facts as the labels) and every artifact's size and sha256.

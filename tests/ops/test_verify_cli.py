@@ -188,7 +188,9 @@ def _busy_port():
         (["--endpoint", "not a url"], "--endpoint must be an http(s) URL"),
         (["--weight-dtype", "int4"], "'int4' is not one of 'bf16', 'fp8', 'fp8_fnuz'"),
         (["--block-size", "0"], "--block-size must be between 1 and 1024"),
-        (["--serve-seconds", "-1"], "--serve-seconds must be >= 0"),
+        (["--serve-seconds", "-1"], "--serve-seconds must be between 0 and 604800, got -1.0"),
+        (["--serve-seconds", "inf"], "--serve-seconds must be between 0 and 604800, got inf"),
+        (["--serve-seconds", "nan"], "--serve-seconds must be between 0 and 604800, got nan"),
         (["--wait-timeout-s", "0"], "'wait_timeout_s' must be a positive finite number"),
         (["--model", "/nonexistent/model"], "--model /nonexistent/model: not a directory"),
     ],
@@ -277,3 +279,52 @@ def test_a_drill_that_can_never_fire_fails_verify():
     _, c = checks_of(r)
     assert c["refusal rules"]["status"] == "fail"
     assert "fault_drill: MONODECODE_FAULT drill stall:layer=99,step=0 names layer 99" in c["refusal rules"]["detail"]
+
+
+def _store(root: Path) -> Path:
+    from monodecode.services.artifacts import ArtifactStore
+
+    ArtifactStore(root).add(
+        build_key="ab" * 32,
+        backend="flydsl",
+        arch="gfx942",
+        dims_digest="cd" * 32,
+        widths=(1, 2),
+        files={"k1.hsaco": b"\x7fELF k1", "k2.hsaco": b"\x7fELF k2"},
+        compiler={"name": "flydsl", "version": "0.5.0"},
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda d: d / "missing", "is not a directory"),
+        (lambda d: d, "has no manifest.json"),
+        (lambda d: (d / "manifest.json").write_text("{") and d, "manifest.json"),
+        (lambda d: _flip(_store(d)), "1 of 1 entries fail"),
+    ],
+    ids=["missing", "no-manifest", "bad-manifest", "flipped-byte"],
+)
+def test_an_artifact_dir_given_is_checked_on_any_node(tmp_path, make, fragment):
+    """On a node whose backend reads no artifacts the directory must still be checked, not
+    silently passed over."""
+    r = invoke("--no-self-test", "--json", "--artifact-dir", str(make(tmp_path)))
+    assert r.exit_code == 1, r.output
+    _, checks = checks_of(r)
+    assert checks["artifact dir"]["status"] == "fail" and fragment in checks["artifact dir"]["detail"]
+
+
+def _flip(root: Path) -> Path:
+    target = next(p for p in root.rglob("k1.hsaco"))
+    data = bytearray(target.read_bytes())
+    data[0] ^= 1
+    target.write_bytes(bytes(data))
+    return root
+
+
+def test_a_sound_artifact_dir_passes(tmp_path):
+    r = invoke("--no-self-test", "--json", "--artifact-dir", str(_store(tmp_path)))
+    assert r.exit_code == 0, r.output
+    _, checks = checks_of(r)
+    assert checks["artifact dir"]["status"] == "pass" and "1 entries" in checks["artifact dir"]["detail"]

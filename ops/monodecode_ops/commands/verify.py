@@ -21,6 +21,7 @@ Exit 0 when every required check passed, 1 when one failed, 2 for bad arguments.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 import urllib.error
@@ -120,6 +121,7 @@ def backend_checks(platform: Any) -> list[Check]:
 # ---- self-test -------------------------------------------------------------------------------
 
 
+MAX_SERVE_SECONDS = 7 * 24 * 3600  # a week: longer belongs to a server, not a check
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
 
 
@@ -429,8 +431,8 @@ def register(app: typer.Typer) -> None:
         from monodecode.metrics import start_exporter
         from monodecode.services.platform import detect_platform
 
-        if serve_seconds < 0:
-            raise MonodecodeError(f"--serve-seconds must be >= 0, got {serve_seconds}")
+        if not (math.isfinite(serve_seconds) and 0 <= serve_seconds <= MAX_SERVE_SECONDS):
+            raise MonodecodeError(f"--serve-seconds must be between 0 and {MAX_SERVE_SECONDS}, got {serve_seconds}")
         if endpoint is not None:
             _metrics_url(endpoint)  # bad URL: usage error before any work
         overrides: dict[str, Any] = {"backend": backend, "wait_timeout_s": wait_timeout_s}
@@ -486,8 +488,10 @@ def register(app: typer.Typer) -> None:
                     image_dims = load_dims(model)
                 checks += verify_image(image, platform, dims=image_dims)
             # Inside a monodecode image: its baked manifest and every artifact's sha256 (IMG).
-            from monodecode_ops.image_checks import baked_checks
+            from monodecode_ops.image_checks import artifact_dir_checks, baked_checks
 
+            if artifact_dir is not None:
+                checks += artifact_dir_checks(artifact_dir)
             checks += baked_checks()
             code = report_checks(checks, as_json=as_json, title="monodecode verify", extra=info)
             if exporter is not None and serve_seconds > 0:
