@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from monodecode.model.weights import WEIGHT_DTYPES
 from monodecode.services.buildkey import build_key
 from monodecode.services.platform import Platform
 
@@ -26,7 +27,6 @@ if TYPE_CHECKING:  # heavy or optional imports only for annotations
     from monodecode.services.artifacts import ArtifactStore
     from monodecode.spec import KernelSpec
 
-WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 KV_DTYPES = ("bf16",)
 
 # ---- build request -------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from monodecode.errors import ConfigError
 from monodecode.kernels.health import health_code
 from monodecode.model.dims import ModelDims
+from monodecode.model.weights import WEIGHT_DTYPES
 
 PLAN_VERSION = 1
 WORD_BYTES = 8  # tagged mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
@@ -69,7 +70,6 @@ def mailbox_bytes(mailbox: str, region: str) -> int:
 ALIGN = 256  # every region and width segment starts on a 256-byte boundary (cache-line multiple)
 MAX_WIDTH = 256
 MAX_ATTN_SPLITS = 16
-WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 KV_DTYPES = ("bf16",)
 
 # Output rows per GEMV task. A batch-1 GEMV streams best with few rows per task (more bytes in

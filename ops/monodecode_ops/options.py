@@ -18,8 +18,8 @@ import typer
 
 from monodecode import config
 from monodecode.errors import MonodecodeError
-from monodecode.kernels.plan import WEIGHT_DTYPES
 from monodecode.model.profiles import PROFILES, profile_config
+from monodecode.model.weights import WEIGHT_DTYPES
 from monodecode_ops.labels import ARCHS
 
 Arch = Enum("Arch", {a: a for a in ARCHS}, type=str, module=__name__)

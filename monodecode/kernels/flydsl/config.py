@@ -33,8 +33,8 @@ from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
 from monodecode.kernels.plan import DONE_STAGES, K1, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
+from monodecode.model.weights import WEIGHT_DTYPES
 
-WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 MAX_WIDTH = 16  # rows per step: accumulators of a GEMV row group and LDS staging scale with it
 MAX_TP = 8
 MFMA_MIN_WIDTH = 2  # FMA would unpack every token's activations per weight (VALU-bound); idle MFMA columns cost less
