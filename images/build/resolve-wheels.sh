@@ -26,7 +26,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_BREAK_SYSTEM_PACKA
 
 mkdir -p "$STAGE/wheels" "$STAGE/build"
 cp /src/images/build/* "$STAGE/build/"
-"$PY" -m pip wheel --quiet --no-deps --wheel-dir "$STAGE/wheels" /src
+# The wheel's build backend is pinned by sha256 (build-system.lock), not fetched unchecked by an
+# isolated build; it lives under $STAGE only while the wheel is built.
+"$PY" -m pip install --quiet --no-deps --require-hashes --target "$STAGE/backend" -r "$CONF/build-system.lock"
+PYTHONPATH="$STAGE/backend" "$PY" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$STAGE/wheels" /src
+rm -rf "$STAGE/backend"
 whl=$(ls "$STAGE"/wheels/monodecode-*.whl)
 echo "wheels: built $(basename "$whl")"
 
