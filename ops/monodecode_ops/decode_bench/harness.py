@@ -53,7 +53,7 @@ from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.health import decode_health
 from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
-from monodecode.model.profiles import PROFILES, profile_dims
+from monodecode.model.profiles import PROFILES, profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode_ops.decode_bench.stock import ContiguousStockDecode, StockDecode
 
@@ -633,8 +633,7 @@ def run(
     whose triton step is also drawn as a per-stage timeline (kernels rebuilt with timestamps).
     ``baselines=False``: only the oracle graph (for the error) and the triton builds (quick A/B)."""
     for p in list(profiles) + list(fp8_profiles):
-        if p not in PROFILES:
-            raise MonodecodeError(f"unknown model profile {p!r}; known: {', '.join(PROFILES)}")
+        profile_config(p)  # the runtime's check: one line naming the unknown profile and the known ones
     if not batches or any(b < 1 or b > 16 for b in batches):
         raise MonodecodeError(f"batches must be in 1..16, got {batches}")
     if context < 1:
