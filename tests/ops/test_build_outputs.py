@@ -23,19 +23,22 @@ KEY = "ab" * 32
 TAG = f"monodecode-test/outputs:t{os.getpid()}"
 
 
-def manifest_text(build_key: str = KEY) -> str:
-    entry = {
-        "build_key": build_key,
-        "backend": "flydsl",
-        "arch": "gfx942",
-        "profile": "tiny",
-        "dims_digest": "cd" * 32,
-        "widths": [1, 2],
-        "files": [{"path": "k1.hsaco", "sha256": "01" * 32, "bytes": 8}],
-        "compiler": {"name": "flydsl", "version": "0.5.0"},
-        "created": "2026-12-01T00:00:00Z",
-    }
-    return json.dumps({"schema": 1, "artifacts": [entry]}, indent=2)
+def manifest_text(root, build_key: str = KEY) -> str:
+    """The manifest ``ArtifactStore`` writes for one artifact under ``build_key``."""
+    from monodecode.services.artifacts import ArtifactStore
+
+    store = ArtifactStore(root)
+    store.add(
+        build_key=build_key,
+        backend="flydsl",
+        arch="gfx942",
+        dims_digest="cd" * 32,
+        widths=(1, 2),
+        files={"k1.hsaco": b"\x7fELF k1"},
+        compiler={"name": "flydsl", "version": "0.5.0"},
+        profile="tiny",
+    )
+    return store.manifest_path.read_text()
 
 
 def digest(text: str) -> str:
@@ -85,10 +88,10 @@ def _outputs(client, suffix: str, info: dict, manifest: str | None) -> str:
     return scratch_image(client, f"{TAG}-{suffix}", files)
 
 
-def test_image_json_matching_its_manifest_is_read(client):
+def test_image_json_matching_its_manifest_is_read(client, tmp_path):
     from monodecode_ops.commands.build import read_build_outputs
 
-    text = manifest_text()
+    text = manifest_text(tmp_path)
     info = {"backends": ["flydsl"], "build_keys": [KEY], "manifest_digest": digest(text)}
     assert read_build_outputs(client, _outputs(client, "ok", info, text)) == info
 
@@ -102,11 +105,11 @@ def test_image_json_matching_its_manifest_is_read(client):
         ("incomplete", "lacks manifest_digest"),
     ],
 )
-def test_image_json_that_does_not_describe_its_manifest_fails_the_build(client, case, fragment):
+def test_image_json_that_does_not_describe_its_manifest_fails_the_build(client, tmp_path, case, fragment):
     from monodecode_ops.commands.build import read_build_outputs
     from monodecode_ops.labels import ImageError
 
-    text = manifest_text()
+    text = manifest_text(tmp_path)
     info = {"backends": ["flydsl"], "build_keys": [KEY], "manifest_digest": digest(text)}
     manifest: str | None = text
     if case == "digest":
@@ -122,14 +125,14 @@ def test_image_json_that_does_not_describe_its_manifest_fails_the_build(client, 
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
-def test_final_image_with_another_manifest_is_removed_and_fails(client):
+def test_final_image_with_another_manifest_is_removed_and_fails(client, tmp_path):
     import docker
 
     from monodecode_ops.commands.build import ArchPlan, check_final_manifest
     from monodecode_ops.labels import DEFAULT_ARTIFACT_DIR, ImageError
 
-    labelled = manifest_text()
-    rebuilt = manifest_text("ef" * 32)  # what a second kernel build would have written
+    labelled = manifest_text(tmp_path / "labelled")
+    rebuilt = manifest_text(tmp_path / "rebuilt", "ef" * 32)  # what a second kernel build would have written
 
     good = scratch_image(client, f"{TAG}-final-ok", {f"{DEFAULT_ARTIFACT_DIR}/manifest.json": labelled})
     plan = ArchPlan(arch="gfx942", base_image="scratch", tag=good, profiles=["tiny"])
