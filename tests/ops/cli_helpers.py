@@ -1,4 +1,5 @@
-"""Running the installed ``monodecode-ops`` console script as a process, and its error contract.
+"""Running the installed ``monodecode-ops`` console script (and the image build's ``pyenv.py``) as
+a process, and the CLI's error contract.
 
 Imported by sibling test modules as ``cli_helpers`` (pytest puts this directory on sys.path, as
 tests/e2e does for its ``servers`` module).
@@ -35,3 +36,10 @@ def process_error_line(proc: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines and lines[-1].startswith("error: "), proc.stderr[-2000:]
     return lines[-1]
+
+
+def pyenv(*args: str) -> subprocess.CompletedProcess:
+    """Run ``images/build/pyenv.py *args`` (the image build's helper) with this interpreter."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "images" / "build" / "pyenv.py"), *args], capture_output=True, text=True
+    )

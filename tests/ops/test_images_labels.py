@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import pyenv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -123,24 +124,18 @@ def baked(tmp_path, monkeypatch):
         profile="tiny",
     )
     info = tmp_path / "image.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve().parents[2] / "images/build/pyenv.py"),
-            "image-info",
-            "--arch",
-            "gfx950",
-            "--profiles",
-            "tiny",
-            "--artifacts",
-            str(store.root),
-            "--precompile",
-            "test",
-            "--out",
-            str(info),
-        ],
-        capture_output=True,
-        text=True,
+    proc = pyenv(
+        "image-info",
+        "--arch",
+        "gfx950",
+        "--profiles",
+        "tiny",
+        "--artifacts",
+        str(store.root),
+        "--precompile",
+        "test",
+        "--out",
+        str(info),
     )
     assert proc.returncode == 0, proc.stderr
     monkeypatch.setenv("MONODECODE_IMAGE_INFO", str(info))

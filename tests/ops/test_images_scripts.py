@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_helpers import pyenv
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "images" / "build"
 
@@ -24,10 +26,6 @@ def _load(name: str):
 
 
 # ---- pyenv -------------------------------------------------------------------------------------
-
-
-def pyenv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BUILD / "pyenv.py"), *args], capture_output=True, text=True)
 
 
 def test_undisturbed_names_every_changed_base_package(tmp_path):
