@@ -243,14 +243,12 @@ def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
     d = moved(b, steps(mono))
     assert d.get("mixed_batch", 0) >= 1, d
 
-    # more rows than the widest width (4)
+    # more rows than the widest width (4), sent as one batched request so that they reach the
+    # engine together and decode side by side: separate streams started from threads could finish
+    # one by one on a loaded machine and never make more than 4 rows at once
     b = steps(mono)
-    rows = WIDTHS[-1] + 2
-    threads = [threading.Thread(target=_stream, args=(client, model, PROMPTS[i % 4], 24)) for i in range(rows)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    rows = [PROMPTS[i % len(PROMPTS)] for i in range(WIDTHS[-1] + 2)]
+    assert [len(c.token_ids) for c in generate(client, model, rows, NEW_TOKENS)] == [NEW_TOKENS] * len(rows)
     d = moved(b, steps(mono))
     assert d.get("rows_exceed_width", 0) >= 1, d
     print(f"fallback accounting on the live server: {d}")
