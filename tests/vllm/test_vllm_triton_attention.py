@@ -1,0 +1,65 @@
+"""The start-up comparison with vLLM's own decoder layers on the ROCm serve pair (``TRITON_ATTN``
+with ``LBNHC``), run on this CPU machine with vLLM's real Triton attention under Triton's
+interpreter (``triton_attention_on_cpu.py`` says what stands in for the GPU).
+
+The plugin binds the cache in place (the GPU path: strided views of vLLM's cache), writes a
+context with the backend's own writer, builds the metadata with the backend's own builder and
+compares layer 0 and one whole decode step with vLLM's layers. A kernel that reads the weights
+or the KV cache otherwise than vLLM does is refused before any request; before this check ran on
+GPUs, both faults below served mono with nothing noticing (the golden check compares the kernels
+with the reference on the same views).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("triton_attention_on_cpu.py")
+
+
+def _bind(model_dir: Path, tmp: Path, fault: str = "") -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model_dir), str(tmp), fault],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs, tmp_path):
+    from monodecode.vllm_plugin.serving import SERVE_SETTINGS
+
+    rocm = SERVE_SETTINGS["rocm"]
+    out = _bind(model_dirs["gemma3"], tmp_path)
+    assert (out["platform"], out["backend"], out["layout"]) == (
+        "rocm gfx942",
+        rocm.attention_backend,
+        rocm.kv_cache_layout,
+    ), out
+    assert out["state"] == "mono" and out["reasons"] == [], out
+    assert out["compared_with_vllm"] and out["in_place"], out
+
+
+@pytest.mark.parametrize(
+    "fault, stage",
+    [
+        ("o_proj_tiles", "one decode step through every layer"),  # layer 1's o_proj: seen only in the whole step
+        ("kv_swapped", "layer 0"),
+    ],
+)
+def test_a_kernel_reading_otherwise_than_vllm_is_refused_at_binding(fault, stage, model_dirs, tmp_path):
+    out = _bind(model_dirs["gemma3"], tmp_path, fault)
+    assert out["built"]["state"] == "mono", out  # the reference golden check passed at build
+    assert out["state"] == "degraded", out
+    why = out["reasons"][0]
+    assert why.startswith(f"warmup_failed: {stage}: the kernels differ from vLLM's own decoder layers"), out
+    assert not out["compared_with_vllm"] and not out["in_place"], out

@@ -1,0 +1,151 @@
+"""Run vLLM's ``TRITON_ATTN`` backend (the ROCm serve pair's attention) on this CPU machine, under
+Triton's interpreter, and bind a mono model to it as on an AMD node: prints one JSON line.
+
+    python triton_attention_on_cpu.py MODEL_DIR TMP_DIR [FAULT]
+
+What stands in for the GPU, and nothing else:
+
+- Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors; vLLM, which
+  disables Triton when no GPU driver is active, is handed the real ``triton`` modules;
+- the interpreter's ``tl.dot`` multiplies bf16 operands as the raw 16-bit integers it stores them
+  in (Triton 3.6 to 3.9); they are widened to fp32 first, as the GPU's dot does;
+- ``torch.cuda.get_device_capability`` answers (9, 4), what torch reports for gfx942, where vLLM's
+  cache writer asks;
+- vLLM's CPU platform selects ``TRITON_ATTN``, as ROCm's selection does for ``--attention-backend
+  TRITON_ATTN`` (the image's setting);
+- the plugin detects an MI300X whose GPU torch cannot launch on, so its runner decodes with the
+  reference backend on the bound cache (what it does on a node with a CPU build of torch).
+
+vLLM's attention class, metadata builder, cache writer and Triton kernels, its layout resolution,
+model classes and loader are its own. ``FAULT``: ``o_proj_tiles`` (the kernels read o_proj's
+16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
+kernels read V where K is). Run as a subprocess: the interpreter must be on before vLLM's Triton
+modules are first imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _interpreter_dot_widens_bf16() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    plain = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widened(t):
+            if t.dtype.scalar != tl.bfloat16:
+                return t
+            wide = (t.data.astype(np.uint32) << 16).view(np.float32)  # bf16 is fp32's upper half
+            return interpreter.TensorHandle(wide, tl.float32)
+
+        return plain(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
+def enable() -> None:
+    import torch
+    import triton
+    import triton.language as tl
+
+    _interpreter_dot_widens_bf16()
+    import vllm.triton_utils as triton_utils
+
+    triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
+    torch.cuda.get_device_capability = lambda device=None: (9, 4)
+
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum.TRITON_ATTN.get_path())
+
+    from monodecode.services.platform import Platform
+    from monodecode.vllm_plugin import decode
+
+    mi300x = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, source="kfd")
+    decode.detect_platform = lambda device=None: mi300x
+
+
+def _fault(model, name: str) -> None:
+    from monodecode.model.paged_kv import PagedKVCache
+    from monodecode.model.weights import Linear
+    from monodecode.vllm_plugin import stock
+
+    if name == "o_proj_tiles":
+        lw = model.mono.runner._weights.layers[1]
+        w = lw.o_proj.weight
+        out, inp = w.shape
+        tiles = w.reshape(out // 16, 16, inp // 16, 16).transpose(1, 3).reshape(out, inp).contiguous()
+        lw.o_proj = Linear(tiles, lw.o_proj.scale)
+    elif name == "kv_swapped":
+        views = stock.kv_views
+
+        def swapped(*args, **kwargs):
+            kv = views(*args, **kwargs)
+            return PagedKVCache(key=kv.value, value=kv.key, block_size=kv.block_size)
+
+        stock.kv_views = swapped
+    elif name:
+        raise SystemExit(f"unknown fault {name!r}")
+
+
+def main(model_dir: str, tmp: str, fault: str = "") -> None:
+    enable()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm_testlib import bind_vllm_kv, engine_config, free_port, load_model, mono_options
+
+    from monodecode.vllm_plugin.binding import layer_backend
+
+    torch.set_num_threads(1)
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
+        initialize_model_parallel(1, 1)
+    import vllm._custom_ops  # noqa: F401  (loads vllm._C where the wheel has it)
+
+    extra = {}
+    if not hasattr(torch.ops._C, "rotary_embedding"):
+        # the CUDA wheel on CPU has no compiled rotary / norm kernels: vLLM's own native forms
+        extra["compilation_config"] = {"custom_ops": ["none"]}
+    cfg = engine_config(
+        Path(model_dir), additional_config={"monodecode": mono_options(Path(tmp), on_refusal="degrade")}, **extra
+    )
+    model = load_model(cfg)
+    mono = model.mono
+    built = {"state": mono.state, "reasons": list(mono.reasons)}
+    _fault(model, fault)
+    bind_vllm_kv(model, cfg)
+    print(
+        json.dumps(
+            {
+                "backend": layer_backend(model.model.layers[0].self_attn.attn),
+                "layout": cfg.cache_config.kv_cache_layout,
+                "platform": mono.platform.label,
+                "built": built,
+                "state": mono.state,
+                "reasons": list(mono.reasons),
+                "compared_with_vllm": bool(mono._stock is not None and mono._stock.bound),
+                "in_place": bool(mono._binding is not None and mono._binding.kv is not None),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
