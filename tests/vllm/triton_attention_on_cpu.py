@@ -19,7 +19,8 @@ What stands in for the GPU, and nothing else:
 vLLM's attention class, metadata builder, cache writer and Triton kernels, its layout resolution,
 model classes and loader are its own. ``FAULT``: ``o_proj_tiles`` (the kernels read o_proj's
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
-kernels read V where K is). Run as a subprocess: the interpreter must be on before vLLM's Triton
+kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
+skipped with a warning, the kernels keep serving on their golden check). Run as a subprocess: the interpreter must be on before vLLM's Triton
 modules are first imported.
 """
 
@@ -97,6 +98,12 @@ def _fault(model, name: str) -> None:
             return PagedKVCache(key=kv.value, value=kv.key, block_size=kv.block_size)
 
         stock.kv_views = swapped
+    elif name == "vllm_layer_raises":
+
+        def raises(*args, **kwargs):
+            raise RuntimeError("HIP error: invalid device function\n(the rest of a ROCm error)")
+
+        stock.VllmStockLayer.run = raises
     elif name:
         raise SystemExit(f"unknown fault {name!r}")
 
