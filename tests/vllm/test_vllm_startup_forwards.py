@@ -12,15 +12,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from vllm_testlib import run_child
 
 # the worker and model-runner classes vLLM picks on GPU (V1 and V2 runner), ROCm and CPU
 _CLASSES = {
@@ -97,18 +92,7 @@ print("COUNTS " + json.dumps(counts))
 )
 def test_dummy_runs_with_attention_metadata_are_not_counted_in_a_real_engine(model_dirs, tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MONODECODE_FAULT": ""}
-    proc = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model_dirs["gemma3"]), str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("COUNTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    counts = json.loads(lines[-1][len("COUNTS ") :])
+    counts, _ = run_child(["-c", ENGINE, str(model_dirs["gemma3"]), str(tmp_path)], "COUNTS ", env)
     assert counts["after_start"] == [0, 0]
     assert counts["after_dummy_runs"] == [0, 0]
     # one prefill step (a fallback), then a mono step per further token

@@ -12,28 +12,17 @@ with the reference on the same views).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from vllm_testlib import run_child
 
 SCRIPT = Path(__file__).with_name("triton_attention_on_cpu.py")
 
 
 def _bind(model_dir: Path, tmp: Path, fault: str = "", with_log: bool = False):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model_dir), str(tmp), fault],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    return (out, proc.stdout + proc.stderr) if with_log else out  # vLLM's log handler writes to stdout
+    out, logged = run_child([str(SCRIPT), str(model_dir), str(tmp), fault], "RESULT ")
+    return (out, logged) if with_log else out
 
 
 def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs, tmp_path):

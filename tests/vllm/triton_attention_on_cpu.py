@@ -1,5 +1,5 @@
 """Run vLLM's ``TRITON_ATTN`` backend (the ROCm serve pair's attention) on this CPU machine, under
-Triton's interpreter, and bind a mono model to it as on an AMD node: prints one JSON line.
+Triton's interpreter, and bind a mono model to it as on an AMD node: prints one ``RESULT {json}`` line.
 
     python triton_attention_on_cpu.py MODEL_DIR TMP_DIR [FAULT]
 
@@ -139,7 +139,8 @@ def main(model_dir: str, tmp: str, fault: str = "") -> None:
     _fault(model, fault)
     bind_vllm_kv(model, cfg)
     print(
-        json.dumps(
+        "RESULT "
+        + json.dumps(
             {
                 "backend": layer_backend(model.model.layers[0].self_attn.attn),
                 "layout": cfg.cache_config.kv_cache_layout,

@@ -209,3 +209,18 @@ def cpu_metadata(meta, num_reqs: int, max_query_len: int, attn=None):
         slot_mapping=meta.slot_mapping,
         scheduler_metadata=sched,
     )
+
+
+def run_child(argv: list[str], tag: str, env: dict | None = None) -> tuple[dict, str]:
+    """Run ``python argv...`` from the repository root, no stdin: the JSON of its last stdout line
+    starting with ``tag``, and its whole output (vLLM's log handler writes to stdout). A child
+    that fails or prints no such line fails the calling test with the tail of its output."""
+    import json
+    import subprocess
+
+    proc = subprocess.run(
+        [PYTHON, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(tag)]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len(tag) :]), proc.stdout + proc.stderr
