@@ -141,6 +141,7 @@ class VllmStockLayer:
         device = meta.positions.device
         starts = torch.arange(rows + 1, dtype=torch.int32)
         seq_lens = meta.seq_lens.to(torch.int32)
+        seq_lens_cpu = seq_lens.cpu()  # a start-up / CPU-only path: the copy waits on nothing served
         common = CommonAttentionMetadata(
             query_start_loc=starts.to(device),
             query_start_loc_cpu=starts,
@@ -148,10 +149,11 @@ class VllmStockLayer:
             num_reqs=rows,
             num_actual_tokens=rows,
             max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(seq_lens_cpu.max()),
             block_table_tensor=meta.block_tables.to(torch.int32),
             slot_mapping=meta.slot_mapping,
             positions=meta.positions,
+            seq_lens_cpu_upper_bound=seq_lens_cpu,  # FLASH_ATTN's builder schedules from it
         )
         return self._builder.build(0, common)
 
