@@ -95,6 +95,12 @@ def deployment_from_vllm_config(vllm_config: Any, platform: Platform, dims: Mode
     )
 
 
+def _breakable_graphs() -> bool:
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    return is_breakable_cudagraph_enabled()
+
+
 def plugin_reasons(vllm_config: Any) -> list[str]:
     """Reasons only the vLLM integration can see (each ``"<code>: <sentence>"``)."""
     reasons = []
@@ -108,6 +114,14 @@ def plugin_reasons(vllm_config: Any) -> list[str]:
         reasons.append(
             "graph_mode: cudagraph mode FULL replays one graph for decode-only and mixed batches; "
             "use FULL_DECODE_ONLY or FULL_AND_PIECEWISE (separate decode graphs), or eager"
+        )
+    if graph_mode_of(vllm_config) != "none" and _breakable_graphs():
+        # a breakable capture records the whole forward in PIECEWISE mode too, so its replays skip
+        # the plugin's Python like FULL replays; at logits time the two cannot be told apart
+        reasons.append(
+            "graph_mode: VLLM_USE_BREAKABLE_CUDAGRAPH=1 replays whole PIECEWISE forwards without the plugin, "
+            "like FULL ones, so their steps cannot be counted or checked; set VLLM_USE_BREAKABLE_CUDAGRAPH=0 "
+            "(vLLM turns it on for some architectures and with VLLM_BATCH_INVARIANT=1)"
         )
     runner_type = getattr(vllm_config.model_config, "runner_type", "generate")
     if runner_type != "generate":

@@ -97,6 +97,25 @@ def test_refusal_matrix(name, model_dirs):
         assert "\n" not in r and len(r.split(": ", 1)[1]) > 20
 
 
+@pytest.mark.parametrize("mode, refused", [("FULL_AND_PIECEWISE", True), ("FULL_DECODE_ONLY", True), ("NONE", False)])
+def test_breakable_cuda_graphs_are_refused_when_graphs_are_captured(mode, refused, model_dirs, monkeypatch):
+    """With vLLM's breakable CUDA graphs a PIECEWISE replay skips the plugin like a FULL one, so
+    the replay accounting cannot tell them apart: graph capture with them on is refused; eager
+    (no capture) is not affected."""
+    from monodecode.kernels import registry
+    from monodecode.vllm_plugin.deployment import deployment_from_vllm_config
+
+    cfg = engine_config(model_dirs["llama"])
+    _graphs(mode, [1, 2, 4, 8] if mode != "NONE" else [])(cfg)
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    spec = registry.get_backend("flydsl")().kernel_spec(MI300X, (1, 2, 4, 8))
+    reasons = refusal_reasons(deployment_from_vllm_config(cfg, MI300X), spec)
+    breakable = [r for r in reasons if "VLLM_USE_BREAKABLE_CUDAGRAPH=1" in r]
+    assert [reason_code(r) for r in breakable] == (["graph_mode"] if refused else []), reasons
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    assert not [r for r in refusal_reasons(deployment_from_vllm_config(cfg, MI300X), spec) if "BREAKABLE" in r]
+
+
 def test_deployment_fields_from_real_config(model_dirs):
     from monodecode.vllm_plugin.deployment import deployment_from_vllm_config
 
