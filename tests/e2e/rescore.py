@@ -57,12 +57,30 @@ def generate(client, model: str, prompts: list[str], max_tokens: int) -> list[Co
     return out
 
 
-def rescore(client, model: str, conts: list[Continuation]) -> Agreement:
-    """Re-score every continuation with the reference server's prompt logprobs."""
+def agreement(conts: list[Continuation], prompt_logprobs: list[list[dict]]) -> Agreement:
+    """Drift and regret of ``conts`` against the reference's prompt logprobs of each prompt +
+    continuation (per position, ``{token id (int or str): logprob}`` holding at least the token
+    and the reference's best)."""
     drift = regret = 0.0
     worst = ""
     tokens = 0
-    for i, c in enumerate(conts):
+    for i, (c, plp) in enumerate(zip(conts, prompt_logprobs, strict=True)):
+        base = len(c.prompt_ids)
+        for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            entry = {int(k): v for k, v in plp[base + t].items()}
+            ref = entry[tok]
+            d = abs(lp - ref)
+            if d > drift:
+                drift, worst = d, f"prompt {i}, token {t}"
+            regret = max(regret, max(entry.values()) - ref)
+            tokens += 1
+    return Agreement(drift, regret, tokens, worst)
+
+
+def rescore(client, model: str, conts: list[Continuation]) -> Agreement:
+    """Re-score every continuation with the reference server's prompt logprobs."""
+    scored = []
+    for c in conts:
         resp = client.completions.create(
             model=model,
             prompt=c.prompt_ids + c.token_ids,
@@ -71,14 +89,5 @@ def rescore(client, model: str, conts: list[Continuation]) -> Agreement:
             extra_body={"prompt_logprobs": 1},
         )
         plp = resp.model_dump()["choices"][0]["prompt_logprobs"]
-        base = len(c.prompt_ids)
-        for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
-            entry = plp[base + t]
-            ref = entry[str(tok)]["logprob"]
-            best = max(v["logprob"] for v in entry.values())
-            d = abs(lp - ref)
-            if d > drift:
-                drift, worst = d, f"prompt {i}, token {t}"
-            regret = max(regret, best - ref)
-            tokens += 1
-    return Agreement(drift, regret, tokens, worst)
+        scored.append([{k: v["logprob"] for k, v in (entry or {}).items()} for entry in plp])
+    return agreement(conts, scored)

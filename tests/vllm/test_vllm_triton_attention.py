@@ -8,20 +8,26 @@ compares layer 0 and one whole decode step with vLLM's layers. A kernel that rea
 or the KV cache otherwise than vLLM does is refused before any request; before this check ran on
 GPUs, both faults below served mono with nothing noticing (the golden check compares the kernels
 with the reference on the same views).
+
+Then a real vLLM engine serves on that pair: mono decode on vLLM's cache in place, its
+continuations re-scored by a stock engine on the same backend (tests/e2e/rescore.py's measure).
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
-from vllm_testlib import run_child
+from vllm_testlib import needs_engine, run_child
 
 SCRIPT = Path(__file__).with_name("triton_attention_on_cpu.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _bind(model_dir: Path, tmp: Path, fault: str = "", with_log: bool = False):
-    out, logged = run_child([str(SCRIPT), str(model_dir), str(tmp), fault], "RESULT ")
+    out, logged = run_child([str(SCRIPT), "bind", str(model_dir), str(tmp), fault], "RESULT ")
     return (out, logged) if with_log else out
 
 
@@ -62,3 +68,49 @@ def test_when_vllms_layer_cannot_run_the_comparison_is_skipped_with_a_warning(mo
     assert out["state"] == "mono" and out["in_place"] and not out["compared_with_vllm"], out
     warned = [line for line in logged.splitlines() if "could not run vLLM's own decoder layers" in line]
     assert len(warned) == 1 and "RuntimeError: HIP error: invalid device function" in warned[0], logged[-2000:]
+
+
+# ---- a real engine serving on the ROCm pair ----------------------------------------------------
+
+# Re-scoring bound (nats), as in tests/e2e: two correct decoders differ by bf16 rounding, hundredths
+LOGPROB_BOUND = 0.5
+
+
+def _generate(model_dir: Path, tmp: Path, which: str, fault: str = "") -> dict:
+    out, _ = run_child([str(SCRIPT), "generate", str(model_dir), str(tmp), which, fault], "RESULT ")
+    return out
+
+
+def _rescore(model_dir: Path, tmp: Path, *generated: dict) -> list:
+    """Each run's continuations re-scored by one stock engine (tests/e2e/rescore.py's measure)."""
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from rescore import Continuation, agreement
+
+    runs = [[Continuation(**c) for c in g["continuations"]] for g in generated]
+    tmp.mkdir(parents=True, exist_ok=True)
+    sequences = tmp / "sequences.json"
+    sequences.write_text(json.dumps([c.prompt_ids + c.token_ids for conts in runs for c in conts]))
+    scored, _ = run_child([str(SCRIPT), "score", str(model_dir), str(tmp), str(sequences)], "RESULT ")
+    logprobs = iter(scored["prompt_logprobs"])
+    return [agreement(conts, [next(logprobs) for _ in conts]) for conts in runs]
+
+
+@needs_engine
+def test_a_real_engine_serves_mono_on_the_rocm_pair_and_agrees_with_stock(model_dirs, tmp_path):
+    """vLLM's engine (scheduler, CPU model runner, worker) with ``TRITON_ATTN`` layers: a batch of
+    4 rows decodes mono on vLLM's cache in place (the GPU binding), every decode step mono; the
+    continuations, re-scored by a stock engine on the same attention backend, stay within the
+    bound. The same kernels going wrong after warm-up (o_proj tiles misread) are far outside it,
+    so the check can fail."""
+    model = model_dirs["gemma3"]
+    mono = _generate(model, tmp_path / "mono", "mono")
+    assert mono["backend"] == "TRITON_ATTN" and mono["state"] == "mono" and mono["in_place"], mono
+    new = len(mono["continuations"][0]["token_ids"])
+    assert mono["mono_steps"] == new - 1 and mono["steps"] == new, mono  # one prefill, then all mono
+    broken = _generate(model, tmp_path / "broken", "mono", "o_proj_tiles")
+    assert broken["mono_steps"] == new - 1, broken
+    good, bad = _rescore(model, tmp_path / "score", mono, broken)
+    print(f"re-scored by a stock TRITON_ATTN engine: mono {good.as_dict()} (worst at {good.worst})")
+    print(f"re-scored: o_proj misread after warm-up {bad.as_dict()}")
+    assert good.max_drift <= LOGPROB_BOUND and good.max_regret <= LOGPROB_BOUND, good
+    assert max(bad.max_drift, bad.max_regret) > LOGPROB_BOUND, bad

