@@ -139,6 +139,7 @@ class MonoDecode:
         self._attn_layers: list[Any] = []
         self._unbound: set[int] = set()
         self._stock: stock.VllmStockLayer | None = None
+        self.vllm_agreement: str | None = None  # what the start-up comparison with vLLM's layers measured
         self._backend_name: str | None = None
         self._forward_ran = False
         self._last: StepDecision | None = None
@@ -288,6 +289,7 @@ class MonoDecode:
             return
         if self._stock is not None:
             cfg = self.config
+            self.vllm_agreement = None
             try:
                 self._stock.bind()
                 why, measured = stock.stock_check(
@@ -310,11 +312,14 @@ class MonoDecode:
                 self._disable(why)
                 return
             if measured:
+                self.vllm_agreement = measured
                 log.info(
                     "mono decode matches vLLM's own decoder layers (attention %s) on its KV layout: %s",
                     self._backend_name,
                     measured,
                 )
+            if not self._stock.staged_cpu:
+                self._stock.unbind()  # on GPUs only this check runs vLLM's layers: free the builder's buffers
         log.info(
             "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
             self._backend_name,

@@ -49,6 +49,7 @@ def test_the_kernels_match_vllms_layers_when_the_cache_is_bound(family, model_di
     bind_vllm_kv(model, cfg)
     assert model.mono.state == "mono", model.mono.reasons
     assert model.mono._stock.bound  # the shadow check's stock side is vLLM's layer from here on
+    assert model.mono.vllm_agreement.startswith("layer 0: max |err| "), model.mono.vllm_agreement
 
 
 def test_a_kv_packing_read_wrong_is_refused_at_binding(model_dirs, vllm_distributed, tmp_path, monkeypatch):

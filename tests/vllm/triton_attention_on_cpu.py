@@ -152,7 +152,7 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "built": built,
         "state": mono.state,
         "reasons": list(mono.reasons),
-        "compared_with_vllm": bool(mono._stock is not None and mono._stock.bound),
+        "compared_with_vllm": mono.vllm_agreement is not None,
         "in_place": bool(mono._binding is not None and mono._binding.kv is not None),
     }
 
