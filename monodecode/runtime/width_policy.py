@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 REPLAYS = 3  # timed replays per step and width (the fastest counts)
 BUDGET_S = 2.0  # at most this long timing one width (at least one replay of each step)
@@ -91,18 +92,27 @@ def _sync(device_type: str) -> Callable[[], None]:
     return lambda: None
 
 
+def capture_graph(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """``run`` once, untimed, on a side stream (as vLLM warms up before capture), then captured
+    into a CUDA graph: (the graph, the output tensors its replays write)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 def _time_graph(run: Callable[[], object], budget_s: float) -> tuple[float, int, str] | None:
     import torch
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()  # untimed, on the capture stream (as vLLM warms up before capture)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph, _ = capture_graph(run)
     except Exception:  # a step that cannot be captured: time both eagerly instead
         torch.cuda.synchronize()
         return None

@@ -55,6 +55,7 @@ from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import PROFILES, profile_config, profile_dims
 from monodecode.model.weights import random_weights
+from monodecode.runtime.width_policy import capture_graph
 from monodecode_ops.decode_bench.stock import ContiguousStockDecode, StockDecode
 
 DEFAULT_PROFILES = ("llama3-1b", "llama3-8b", "gemma3-27b")
@@ -144,18 +145,6 @@ def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
 
 def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
     return _time_eager(graph.replay, replays, warmup=3)
-
-
-def _capture(fn) -> tuple[torch.cuda.CUDAGraph, Any]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def _median_ms(times: list[float]) -> float:
@@ -284,7 +273,7 @@ def bench_config(
         for name, fn in steps.items():
 
             def one(fn=fn):
-                g, out = _capture(fn)
+                g, out = capture_graph(fn)
                 ts = _time_graph(g, replays)
                 g.replay()  # leave this backend's output of the same KV state for the error check
                 torch.cuda.synchronize()
@@ -368,7 +357,7 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
     from monodecode_ops.decode_bench import timeline as TL
 
     tk.enable_timeline(n_layers)
-    g, _ = _capture(step)
+    g, _ = capture_graph(step)
     g.replay()
     g.replay()
     torch.cuda.synchronize()

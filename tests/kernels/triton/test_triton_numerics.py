@@ -26,6 +26,7 @@ from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_dims
 from monodecode.model.weights import random_weights
+from monodecode.runtime.width_policy import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -273,14 +274,7 @@ def test_graph_replays_bit_identical():
             y = tk.forward_layer(l, y, m, kv_tri)
         return y
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     lp = tk.plan.layers[4]
     counter = tk.scratch[lp.region("epoch_k1").word_offset]
     graph.replay()
