@@ -43,3 +43,22 @@ def pyenv(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "images" / "build" / "pyenv.py"), *args], capture_output=True, text=True
     )
+
+
+def image_info(artifacts: Path, out: Path) -> None:
+    """``pyenv.py image-info`` of a gfx950 image of profile tiny over the store ``artifacts``,
+    written to ``out`` (what the image build bakes as /opt/monodecode/image.json)."""
+    proc = pyenv(
+        "image-info",
+        "--arch",
+        "gfx950",
+        "--profiles",
+        "tiny",
+        "--artifacts",
+        str(artifacts),
+        "--precompile",
+        "test",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import pyenv
+from cli_helpers import image_info
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -124,20 +124,7 @@ def baked(tmp_path, monkeypatch):
         profile="tiny",
     )
     info = tmp_path / "image.json"
-    proc = pyenv(
-        "image-info",
-        "--arch",
-        "gfx950",
-        "--profiles",
-        "tiny",
-        "--artifacts",
-        str(store.root),
-        "--precompile",
-        "test",
-        "--out",
-        str(info),
-    )
-    assert proc.returncode == 0, proc.stderr
+    image_info(store.root, info)
     monkeypatch.setenv("MONODECODE_IMAGE_INFO", str(info))
     monkeypatch.setenv("MONODECODE_ARTIFACT_DIR", str(store.root))
     monkeypatch.delenv("MONODECODE_FAULT", raising=False)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli_helpers import pyenv
+from cli_helpers import image_info, pyenv
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "images" / "build"
@@ -147,20 +147,7 @@ def test_image_info_summarises_the_manifest(tmp_path):
         compiler={"name": "flydsl", "version": "0.5.0"},
         profile="tiny",
     )
-    proc = pyenv(
-        "image-info",
-        "--arch",
-        "gfx950",
-        "--profiles",
-        "tiny",
-        "--artifacts",
-        str(store.root),
-        "--precompile",
-        "test",
-        "--out",
-        str(tmp_path / "image.json"),
-    )
-    assert proc.returncode == 0, proc.stderr
+    image_info(store.root, tmp_path / "image.json")
     info = json.loads((tmp_path / "image.json").read_text())
 
     assert info["manifest_digest"] == "sha256:" + hashlib.sha256(store.manifest_path.read_bytes()).hexdigest()
