@@ -230,29 +230,32 @@ def test_multiprocess_dir_must_be_absolute(capsys, monkeypatch):
         ep.fresh_multiprocess_dir({"PROMETHEUS_MULTIPROC_DIR": "relative/dir"})
 
 
+def _fake_vllm(bindir: Path, body: str) -> None:
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "vllm"
+    fake.write_text(f"#!{sys.executable}\n{body}\n")
+    fake.chmod(0o755)
+
+
+def _serve(bindir: Path, **env: str) -> subprocess.CompletedProcess:
+    """The image entrypoint run as the container runs it, the fake ``vllm`` in ``bindir`` on PATH."""
+    base = {"PATH": f"{bindir}:/usr/bin:/bin", "MONODECODE_MODEL": "/models/m", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ENTRYPOINT)], env={**base, **env}, capture_output=True, text=True)
+
+
 def test_serve_execs_vllm_with_its_environment(tmp_path):
     """The exec itself, with a recording stand-in for the `vllm` executable on PATH."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
     record = tmp_path / "record.json"
-    fake = bindir / "vllm"
-    fake.write_text(
-        f"#!{sys.executable}\nimport json, os, sys\njson.dump({{'argv': sys.argv[1:], "
-        f"'mp': os.environ.get('PROMETHEUS_MULTIPROC_DIR'), 'layout': os.environ.get('VLLM_KV_CACHE_LAYOUT')}}, "
-        f"open({str(record)!r}, 'w'))\n"
+    _fake_vllm(
+        tmp_path / "bin",
+        "import json, os, sys\njson.dump({'argv': sys.argv[1:], "
+        "'mp': os.environ.get('PROMETHEUS_MULTIPROC_DIR'), 'layout': os.environ.get('VLLM_KV_CACHE_LAYOUT')}, "
+        f"open({str(record)!r}, 'w'))",
     )
-    fake.chmod(0o755)
     mp = tmp_path / "prom"
     mp.mkdir()
     (mp / "app.db").write_text("precious")
-    env = {
-        "PATH": f"{bindir}:/usr/bin:/bin",
-        "MONODECODE_MODEL": "/models/m",
-        "MONODECODE_SERVE_PLATFORM": "rocm",
-        "PROMETHEUS_MULTIPROC_DIR": str(mp),
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run([sys.executable, str(ENTRYPOINT)], env=env, capture_output=True, text=True)
+    proc = _serve(tmp_path / "bin", MONODECODE_SERVE_PLATFORM="rocm", PROMETHEUS_MULTIPROC_DIR=str(mp))
     assert proc.returncode == 0, proc.stderr
     got = json.loads(record.read_text())
     want = serve_settings("rocm")
@@ -338,13 +341,6 @@ def test_main_prints_json_or_one_error_line(argv, env):
         assert len(lines) == 1 and lines[0].startswith("error: ")
 
 
-def _fake_vllm(bindir: Path, body: str) -> None:
-    bindir.mkdir(exist_ok=True)
-    fake = bindir / "vllm"
-    fake.write_text(f"#!{sys.executable}\n{body}\n")
-    fake.chmod(0o755)
-
-
 def test_serve_exits_70_when_a_worker_fail_stopped_although_vllm_exits_0(tmp_path):
     """vLLM's API server exits 0 when its engine dies; the container must still end with 70."""
     failstop_dir = tmp_path / "failstop"
@@ -355,27 +351,17 @@ def test_serve_exits_70_when_a_worker_fail_stopped_although_vllm_exits_0(tmp_pat
         f"FailStopRecorder({str(failstop_dir)!r}, termination_log={str(tmp_path / 'tl')!r}, "
         "exit_on_failstop=False)._write_marker(e)",
     )
-    env = {
-        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
-        "MONODECODE_MODEL": "/models/m",
-        "MONODECODE_SERVE_PLATFORM": "rocm",
-        "MONODECODE_FAILSTOP_DIR": str(failstop_dir),
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run([sys.executable, str(ENTRYPOINT)], env=env, capture_output=True, text=True)
+    proc = _serve(
+        tmp_path / "bin",
+        MONODECODE_SERVE_PLATFORM="rocm",
+        MONODECODE_FAILSTOP_DIR=str(failstop_dir),
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path),
+    )
     assert proc.returncode == 70, proc.stderr
     assert "fail-stop(s) recorded" in proc.stderr
 
 
 def test_serve_with_mono_decode_off_keeps_vllms_exit_status(tmp_path):
     _fake_vllm(tmp_path / "bin", "import sys; sys.exit(5)")
-    env = {
-        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
-        "MONODECODE_MODEL": "/models/m",
-        "MONODECODE_ENABLED": "false",
-        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run([sys.executable, str(ENTRYPOINT)], env=env, capture_output=True, text=True)
+    proc = _serve(tmp_path / "bin", MONODECODE_ENABLED="false", PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     assert proc.returncode == 5, proc.stderr
