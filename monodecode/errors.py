@@ -36,3 +36,10 @@ class RefusalError(MonodecodeError):
     @property
     def codes(self) -> list[str]:
         return [r.split(":", 1)[0].strip() for r in self.reasons]
+
+
+def exception_line(e: BaseException, limit: int | None = None) -> str:
+    """``"TypeName: first line of the message"`` (the first line cut to ``limit`` characters): how
+    an unexpected exception is named in a one-line reason, note or log line."""
+    first = (str(e).splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:limit]}"

@@ -14,6 +14,7 @@ import importlib
 import os
 from dataclasses import dataclass
 
+from monodecode.errors import exception_line
 from monodecode.kernels.base import KernelBackend
 from monodecode.services.platform import Platform
 
@@ -64,8 +65,7 @@ def _load(name: str) -> type[KernelBackend] | None:
         module = importlib.import_module(module_name)
         cls = getattr(module, attr)
     except Exception as e:  # ImportError, or a toolchain that fails at import time
-        first = (str(e).splitlines() or [""])[0]
-        _IMPORT_ERRORS[name] = f"cannot import {module_name}: {type(e).__name__}: {first}"
+        _IMPORT_ERRORS[name] = f"cannot import {module_name}: {exception_line(e)}"
         return None
     _LOADED[name] = cls
     return cls

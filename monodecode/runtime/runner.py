@@ -34,7 +34,7 @@ from typing import Any
 
 import monodecode
 from monodecode.config import MonoConfig
-from monodecode.errors import ArtifactError, RefusalError
+from monodecode.errors import ArtifactError, RefusalError, exception_line
 from monodecode.kernels import registry
 from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, smallest_width
 from monodecode.kernels.health import HealthFault, decode_health
@@ -481,21 +481,18 @@ class Runner:
         except ArtifactError as e:
             return [f"artifact_invalid: {e}"]
         except Exception as e:  # a compiler or loader failure is a refusal, with its cause
-            first = (str(e).splitlines() or [""])[0]
-            return [f"build_failed: {backend.name} build raised {type(e).__name__}: {first}"]
+            return [f"build_failed: {backend.name} build raised {exception_line(e)}"]
         try:
             self._warmup = self._golden_check()
         except Exception as e:
-            first = (str(e).splitlines() or [""])[0]
-            return [f"warmup_failed: golden decode raised {type(e).__name__}: {first}"]
+            return [f"warmup_failed: golden decode raised {exception_line(e)}"]
         failure = self._warmup.failure()
         if failure:
             return [failure]
         try:
             return self._choose_served_widths()
         except Exception as e:
-            first = (str(e).splitlines() or [""])[0]
-            return [f"warmup_failed: timing the widths raised {type(e).__name__}: {first}"]
+            return [f"warmup_failed: timing the widths raised {exception_line(e)}"]
 
     def _warmup_inputs(self, width: int, gen: Any) -> tuple[Any, Any, Any, Any]:
         """A decode step of ``width`` rows on random KV: metadata, two identical KV caches (one for
@@ -575,9 +572,8 @@ class Runner:
                 try:  # a stock layer bound to the serving engine may need state warm-up lacks
                     stock_layer(0, x, meta, kv_stock)
                 except Exception as e:
-                    first = (str(e).splitlines() or [""])[0][:200]
                     self._notes.append(
-                        f"width timing: the stock layer cannot run at warm-up ({type(e).__name__}: {first}); "
+                        f"width timing: the stock layer cannot run at warm-up ({exception_line(e, 200)}); "
                         "the reference layers stand in for the stock step"
                     )
                     stock_layer = self._reference_layer

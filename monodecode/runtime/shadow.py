@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from monodecode.errors import exception_line
+
 
 @dataclass(frozen=True)
 class ShadowResult:
@@ -99,8 +101,7 @@ class ShadowCheck:
                 done = torch.cuda.Event()
                 done.record()
         except Exception as e:  # the check must never take serving down: it stops, and says why
-            first = (str(e).splitlines() or [""])[0][:200]
-            self.broken = f"shadow check stopped: the stock layer raised {type(e).__name__}: {first}"
+            self.broken = f"shadow check stopped: the stock layer raised {exception_line(e, 200)}"
             self._every = 0
             return
         for t in (x, out):
