@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from monodecode.config import MonoConfig
-from monodecode.errors import RefusalError
+from monodecode.errors import RefusalError, exception_line
 from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
 from monodecode.runtime.runner import MONO, Runner, StepDecision
 from monodecode.runtime.vote import StepInfo
@@ -296,18 +296,18 @@ class MonoDecode:
                     runner, self._stock, self.dims.num_layers, self.dims.hidden_size, cfg.warmup_atol, cfg.warmup_rtol
                 )
             except Exception as e:  # vLLM's side could not run here; the kernels passed the golden check
-                self._stock.unbind()
-                first = (str(e).splitlines() or [""])[0][:200]
                 log.warning(
                     "mono decode could not run vLLM's own decoder layers (attention %s) to compare with at start-up "
-                    "(%s: %s); the golden check against the reference stands alone",
+                    "(%s); the golden check against the reference stands alone",
                     self._backend_name,
-                    type(e).__name__,
-                    first,
+                    exception_line(e, 200),
                 )
                 why = measured = None
-            if why:
+            if why or measured is None or not self._stock.staged_cpu:
+                # only the CPU shadow check keeps running vLLM's layers: on GPUs, on a refusal or when
+                # they could not run, their builder's buffers are freed here
                 self._stock.unbind()
+            if why:
                 self._binding = None
                 self._disable(why)
                 return
@@ -318,8 +318,6 @@ class MonoDecode:
                     self._backend_name,
                     measured,
                 )
-            if not self._stock.staged_cpu:
-                self._stock.unbind()  # on GPUs only this check runs vLLM's layers: free the builder's buffers
         log.info(
             "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
             self._backend_name,
