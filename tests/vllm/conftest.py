@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_testlib import free_port, write_hf_model
+from vllm_testlib import init_one_rank, write_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +26,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 def vllm_distributed():
     """vLLM's distributed state for one CPU rank (gloo), needed to construct models."""
     import torch
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     torch.set_num_threads(1)  # 2 shared CI cores: small-tensor ops are faster on one thread
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
-        )
-        initialize_model_parallel(1, 1)
+    init_one_rank()
     yield

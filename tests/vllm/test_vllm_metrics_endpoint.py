@@ -47,19 +47,15 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off
 WORKER = """
 import sys, torch
 sys.path.insert(0, %(testdir)r)
-from vllm_testlib import bind_vllm_kv, engine_config, free_port, load_model
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_testlib import bind_vllm_kv, engine_config, init_one_rank, load_model
+from vllm.config import set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
 opts = {"enabled": True, "backend": "reference", "widths": [1, 2], "failstop_dir": %(tmp)r + "/fs",
         "termination_log": %(tmp)r + "/term", "exit_on_failstop": False}
 cfg = engine_config(%(model)r, compilation_config={"custom_ops": ["none"]}, additional_config={"monodecode": opts})
-with set_current_vllm_config(cfg):
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    initialize_model_parallel(1, 1)
+init_one_rank(cfg)
 model = load_model(cfg)
 bind_vllm_kv(model, cfg)
 names = [layer.self_attn.attn.layer_name for layer in model.model.layers]

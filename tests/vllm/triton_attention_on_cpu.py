@@ -119,18 +119,12 @@ def _fault(model, name: str) -> None:
 
 def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     import torch
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm_testlib import bind_vllm_kv, engine_config, free_port, load_model, mono_options
+    from vllm_testlib import bind_vllm_kv, engine_config, init_one_rank, load_model, mono_options
 
     from monodecode.vllm_plugin.binding import layer_backend
 
     torch.set_num_threads(1)
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
-        )
-        initialize_model_parallel(1, 1)
+    init_one_rank()
     import vllm._custom_ops  # noqa: F401  (loads vllm._C where the wheel has it)
 
     extra = {}

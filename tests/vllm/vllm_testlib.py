@@ -90,6 +90,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_one_rank(vllm_config=None) -> None:
+    """vLLM's distributed state for one CPU rank (gloo), needed to construct models."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(vllm_config or VllmConfig()):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{free_port()}"
+        )
+        initialize_model_parallel(1, 1)
+
+
 def engine_config(model_dir: Path, **kwargs):
     """A real ``VllmConfig`` from vLLM's ``EngineArgs`` (loads the general plugins, ours included)."""
     from vllm.engine.arg_utils import EngineArgs
