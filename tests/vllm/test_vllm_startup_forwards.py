@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 from vllm_testlib import needs_engine, run_child
@@ -63,16 +64,14 @@ def test_the_scope_nests_and_ends_with_the_method_even_when_it_raises():
 
 
 ENGINE = r"""
-import json, os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and worker in this process
-from vllm import LLM, SamplingParams
+import json, sys
+from pathlib import Path
+sys.path.insert(0, %(testdir)r)
+from vllm import SamplingParams
+from vllm_testlib import in_process_engine, mono_options
 
 model, tmp = sys.argv[1], sys.argv[2]
-llm = LLM(model=model, max_model_len=256, enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True,
-          additional_config={"monodecode": {"enabled": True, "backend": "reference", "exit_on_failstop": False,
-                                            "failstop_dir": tmp + "/failstop", "termination_log": tmp + "/tl"}})
-core = llm.llm_engine.engine_core.engine_core
-model_runner = core.model_executor.driver_worker.worker.model_runner
+llm, model_runner = in_process_engine(model, mono_options(Path(tmp)))
 runner = model_runner.model.mono.runner
 counts = {"after_start": [runner.steps, runner.mono_steps]}
 for n in (1, 2, 4):  # what vLLM's FULL-graph warm-up runs before each capture
@@ -82,7 +81,7 @@ out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(max_t
 counts["after_request"] = [runner.steps, runner.mono_steps]
 counts["tokens"] = len(out[0].outputs[0].token_ids)
 print("COUNTS " + json.dumps(counts))
-"""
+""" % {"testdir": str(Path(__file__).parent)}
 
 
 @needs_engine

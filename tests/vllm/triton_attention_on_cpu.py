@@ -147,8 +147,13 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "state": mono.state,
         "reasons": list(mono.reasons),
         "compared_with_vllm": mono.vllm_agreement is not None,
-        "in_place": bool(mono._binding is not None and mono._binding.kv is not None),
+        "in_place": _in_place(mono),
     }
+
+
+def _in_place(mono) -> bool:
+    """The kernels read vLLM's cache in place (the GPU binding), not staged per step."""
+    return mono._binding is not None and mono._binding.kv is not None
 
 
 PROMPTS = [[2, 17, 301, 45, 9], [2, 88, 7, 410, 12, 5, 61], [2, 250], [2, 33, 33, 90, 128, 7]]
@@ -156,20 +161,11 @@ NEW_TOKENS = 12
 
 
 def _engine(model_dir: str, tmp: str, mono: bool):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-    from vllm_testlib import mono_options
+    from vllm_testlib import in_process_engine, mono_options
 
-    extra = {}
-    if mono:
-        options = mono_options(Path(tmp), on_refusal="raise", widths=[1, 2, 4])
-        extra["additional_config"] = {"monodecode": options}
-    llm = LLM(
-        model=model_dir, max_model_len=256, enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, **extra
-    )
-    core = llm.llm_engine.engine_core.engine_core
-    return llm, core.model_executor.driver_worker.worker.model_runner.model
+    options = mono_options(Path(tmp), on_refusal="raise", widths=[1, 2, 4]) if mono else None
+    llm, model_runner = in_process_engine(model_dir, options)
+    return llm, model_runner.model
 
 
 def generate(model_dir: str, tmp: str, which: str, fault: str = "") -> dict:
@@ -198,7 +194,7 @@ def generate(model_dir: str, tmp: str, which: str, fault: str = "") -> dict:
         result.update(
             state=mono.state,
             reasons=list(mono.reasons),
-            in_place=mono._binding is not None and mono._binding.kv is not None,
+            in_place=_in_place(mono),
             steps=mono.runner.steps - before[0],
             mono_steps=mono.runner.mono_steps - before[1],
         )

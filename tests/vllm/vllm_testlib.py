@@ -148,6 +148,21 @@ def mono_options(tmp_path: Path, **extra) -> dict:
     return opts
 
 
+def in_process_engine(model_dir, monodecode: dict | None = None):
+    """A real vLLM engine (``LLM``: scheduler, engine core, worker and model runner) in this
+    process, eager, on the model in ``model_dir``, with ``monodecode`` as its plugin section (None:
+    stock). Returns (the ``LLM``, its model runner)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    extra = {} if monodecode is None else {"additional_config": {"monodecode": monodecode}}
+    llm = LLM(
+        model=str(model_dir), max_model_len=256, enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True, **extra
+    )
+    return llm, llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def bind_vllm_kv(model, vllm_config, num_blocks: int = 4, layout: str | None = None):
     """What vLLM's model runner does in ``initialize_kv_cache``, with vLLM's own functions:
     resolve the KV layout from the layers' backends (``resolve_kv_cache_layout``; ``layout``
