@@ -51,6 +51,17 @@ class Target:
     # reads conflict); the 1-D store keeps the tagged build's layout. Compile-checked, not yet
     # timed on a GPU: benchmarks/README.md.
     narrow_store_1d: bool = False
+    # FP8 weights at widths > 1: ``widen`` them to bf16 in front of the bf16 matrix instructions,
+    # or ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
+    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only).
+    fp8_wide: str = "widen"
+    # Widths > 1: the K chunk of each GEMV stage grows (powers of two, up to 512) until one
+    # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
+    # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
+    wide_inflight_bytes: int = 0
+    # Bytes of its first task's weights a program asks L2 for before K2's gate/up and down waits
+    # (split over the stage's matrices; 0: none). CUDA only (``prefetch.global.L2``).
+    prefetch_bytes: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -89,6 +100,9 @@ CUDA = Target(
     fp8_narrow_mailbox="bf16",  # FP8 width 1 measured faster with bf16 (3.61 -> 3.40 ms, run 6)
     wide_task_bytes=65536,
     attn_stages=3,
+    fp8_wide="pair",
+    wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
+    prefetch_bytes=131072,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -116,6 +130,21 @@ def target_for(kind: str) -> Target:
     if kind in ("hip", "rocm"):
         return HIP
     raise ConfigError(f"triton kernels: no target for platform kind {kind!r}")
+
+
+def gemv_chunk(target: Target, width: int, k: int, rows: int, fp8: bool) -> int:
+    """The K chunk of one GEMV stage: ``bk_narrow`` at width 1; at widths > 1 ``bk_wide``, grown
+    until ``rows`` x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes``."""
+    if width == 1:
+        return k_chunk(k, target.bk_narrow)
+    preferred = target.bk_wide
+    per_chunk = rows * (1 if fp8 else 2) * target.stages(width, fp8)
+    # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
+    # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
+    most = 256 if _fp8_pair(target, width, fp8) else 512
+    while preferred < most and per_chunk * preferred < target.wide_inflight_bytes:
+        preferred *= 2
+    return k_chunk(k, preferred)
 
 
 def _pow2(n: int) -> int:
@@ -147,6 +176,12 @@ def check_dims(dims: ModelDims, widths: tuple[int, ...]) -> None:
         raise ConfigError(f"triton kernels: widths must be in 1..{MAX_WIDTH}, got {bad}")
 
 
+def _fp8_pair(target: Target, width: int, fp8: bool) -> bool:
+    if target.fp8_wide not in ("widen", "pair"):
+        raise ConfigError(f"triton kernels: fp8_wide must be 'widen' or 'pair', got {target.fp8_wide!r}")
+    return fp8 and width > 1 and target.fp8_wide == "pair"
+
+
 def _stage(plan: LayerPlan, kernel: str, name: str):
     return plan.stage(kernel, name)
 
@@ -170,7 +205,7 @@ def k1_constexprs(
     attn = _stage(plan, K1, "attn")
     comb = _stage(plan, K1, "combine")
     wide = W > 1
-    bk = k_chunk(L.hidden, target.bk_wide if wide else target.bk_narrow)
+    bk = gemv_chunk(target, W, L.hidden, qkv.rows_per_task, fp8)
     return dict(
         HIDDEN=L.hidden,
         NQKV=L.qkv,
@@ -211,6 +246,8 @@ def k1_constexprs(
         PROF=prof,
         ATTN_STAGES=target.attn_stages,
         STORE_1D=target.narrow_store_1d,
+        FP8_PAIR=_fp8_pair(target, W, fp8),
+        **_next_stage(target, _stage(plan, K2, "o_proj"), L.hidden, L.q, fp8),
     )
 
 
@@ -220,7 +257,6 @@ def k2_constexprs(
     L = plan.local
     W = plan.width
     wide = W > 1
-    bk = target.bk_wide if wide else target.bk_narrow
     o = _stage(plan, K2, "o_proj")
     post = _stage(plan, K2, "post")
     gu = _stage(plan, K2, "gate_up")
@@ -228,7 +264,9 @@ def k2_constexprs(
     final = [s for s in plan.k2 if s.name == "final"]
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
-    o_bk, gu_bk, d_bk = k_chunk(L.q, bk), k_chunk(L.hidden, bk), k_chunk(L.intermediate, bk)
+    o_bk = gemv_chunk(target, W, L.q, o.rows_per_task, fp8)
+    gu_bk = gemv_chunk(target, W, L.hidden, gu.rows_per_task, fp8)
+    d_bk = gemv_chunk(target, W, L.intermediate, dn.rows_per_task, fp8)
     return dict(
         HIDDEN=L.hidden,
         HP=_pow2(L.hidden),
@@ -270,7 +308,26 @@ def k2_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
+        FP8_PAIR=_fp8_pair(target, W, fp8),
+        GU_PF=_prefetch_lines(target, 2, gu.rows_per_task * L.hidden * (1 if fp8 else 2)),
+        D_PF=_prefetch_lines(target, 1, dn.rows_per_task * L.intermediate * (1 if fp8 else 2)),
+        **_next_stage(target, _stage(plan, K1, "qkv"), L.qkv, L.hidden, fp8),
     )
+
+
+def _next_stage(target: Target, stage, n: int, k: int, fp8: bool) -> dict:
+    """Constexprs of the next launch's first GEMV stage, whose first task a program prefetches
+    at the end of this launch (``gemv.prefetch_first_task``)."""
+    lines = _prefetch_lines(target, 1, stage.rows_per_task * k * (1 if fp8 else 2))
+    return dict(NX_PF=lines, NX_OFF=stage.offset, NX_BN=stage.rows_per_task, NX_TASKS=stage.num_tasks, NX_N=n, NX_K=k)
+
+
+def _prefetch_lines(target: Target, matrices: int, task_bytes: int) -> int:
+    """128-byte lines per matrix to prefetch (a power of two: ``tl.arange``), at most one task."""
+    lines = min(target.prefetch_bytes // matrices, task_bytes) // 128
+    if target.kind != "cuda" or lines < 1:
+        return 0
+    return 1 << (lines.bit_length() - 1)
 
 
 def constexprs(

@@ -15,7 +15,9 @@ The input vector comes from one of three places (``SRC``):
      tiles, a quarter of the tagged words' bytes and no unpacking.
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
-applied to the fp32 result, as ``Linear.__call__`` does.
+applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
+not widened at all: each input chunk is split into two FP8 tiles that represent it exactly
+(``fp8_pair``) and both go through FP8 matrix instructions with the weights as they are.
 """
 
 import os
@@ -37,6 +39,83 @@ def mma(a, b, acc):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def fp8_pair(xb):
+    """bf16 ``xb[WP, BK]`` as ``(hi + lo / 16) * inv[:, None]``, with hi and lo exact in e4m3.
+
+    Each row is scaled by a power of two that puts its largest magnitude in [128, 256) (exact),
+    hi keeps the top 4 significant bits (a mask: truncation, so |hi| <= 240 < 448) and lo the
+    rest, times 16 (a bf16 value has 8 significant bits, so the rest has at most 4 and
+    ``|lo| < 256``). Only elements below e4m3's smallest normal (2^-6 after scaling, about
+    6e-5 of the row's largest) lose bits. Rows of zeros keep scale 1."""
+    xf = xb.to(tl.float32)
+    ebits = (tl.max(tl.abs(xf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    ok = ebits >= 8
+    scale = tl.where(ok, ((261 - ebits) << 23).to(tl.float32, bitcast=True), 1.0)  # 2^(7 - e)
+    inv = tl.where(ok, ((ebits - 7) << 23).to(tl.float32, bitcast=True), 1.0)
+    v = xf * scale[:, None]
+    hi = (v.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # sign, exponent, 3 bits
+    lo = (v - hi) * 16.0
+    return hi, lo, inv
+
+
+@triton.jit
+def mma_fp8_pair(w, xb):
+    """``w[BN, BK] @ xb[WP, BK]^T`` in fp32 for e4m3 ``w`` without widening it: two FP8 matrix
+    products over ``fp8_pair(xb)``, each chunk's products summed from zero (Hopper's FP8
+    accumulator keeps fewer bits than fp32, so it never carries the running total)."""
+    hi, lo, inv = fp8_pair(xb)
+    if INTERPRET:
+        wf = w.to(tl.float32)
+        part = tl.dot(wf, tl.trans(hi)) + tl.dot(wf, tl.trans(lo)) * 0.0625
+    else:
+        part = tl.dot(w, tl.trans(hi.to(tl.float8e4nv))) + tl.dot(w, tl.trans(lo.to(tl.float8e4nv))) * 0.0625
+    return part * inv[None, :]
+
+
+@triton.jit
+def prefetch_rows(w_ptr, n0, N, K: tl.constexpr, WBYTES: tl.constexpr, LINES: tl.constexpr):
+    """Ask L2 for the first ``LINES`` 128-byte lines of weight rows ``[n0, N)`` (row-major, so a
+    task's rows are one contiguous block) and go on: issued before a stage's wait, the weights
+    of the program's first task stream in while it waits (CUDA ``prefetch.global.L2``; no
+    register is written, nothing waits for it, and it never faults). ``LINES == 0``: nothing."""
+    if LINES > 0:
+        if not INTERPRET:
+            last = (N - n0).to(tl.int64) * (K * WBYTES) - 1  # stay inside the matrix
+            offs = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, last)
+            base = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n0.to(tl.int64) * (K * WBYTES)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
+                "=r,l",
+                [base + offs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+
+
+@triton.jit
+def prefetch_first_task(
+    w_ptr,
+    OFF: tl.constexpr,
+    BN: tl.constexpr,
+    TASKS: tl.constexpr,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    WBYTES: tl.constexpr,
+    LINES: tl.constexpr,
+    NPROG: tl.constexpr,
+    VP: tl.constexpr,
+):
+    """``prefetch_rows`` of the first task this program will run of the next launch's first GEMV
+    stage (that stage's task table: offset ``OFF``, ``BN`` rows of ``N`` per task)."""
+    if LINES > 0:
+        for v in tl.static_range(VP):
+            first = (tl.program_id(0) * VP + v - OFF + NPROG) % NPROG
+            if first < TASKS:
+                prefetch_rows(w_ptr, first * BN, N, K, WBYTES, LINES)
 
 
 @triton.jit
@@ -85,8 +164,10 @@ def _input_chunk(
 
 
 @triton.jit
-def _mac(acc, w, xb, DOT: tl.constexpr):
-    if DOT:
+def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr):
+    if DOT and FP8_PAIR:
+        acc += mma_fp8_pair(w, xb)
+    elif DOT:
         acc = mma(w, tl.trans(xb), acc)
     else:
         acc += w.to(tl.float32) * xb.to(tl.float32)
@@ -133,10 +214,12 @@ def gemv_task(
     ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT: tl.constexpr = 1,
+    FP8_PAIR: tl.constexpr = False,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
-    weights, with the accumulator still one chunk wide)."""
+    weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
+    > 1 go through ``mma_fp8_pair``."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = K // (BK * SPLIT)
     n = n0 + tl.arange(0, BN)
@@ -160,9 +243,9 @@ def gemv_task(
             if TWO:
                 w2 = tl.load(wp2 + kc * BK, mask=nmask[:, None], other=0.0)
             xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
-            acc1 = _mac(acc1, w1, xb, DOT)
+            acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
-                acc2 = _mac(acc2, w2, xb, DOT)
+                acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)

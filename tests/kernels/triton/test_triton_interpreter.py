@@ -49,6 +49,10 @@ CHILD = textwrap.dedent(
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama)}
     out = {}
+    def tk_pair(target, width, wd):
+        from monodecode.kernels.triton.config import k2_constexprs, plan_for
+        plan = plan_for(DIMS["tiny"], [width], 8, target, fp8=wd == "fp8").layers[width]
+        return k2_constexprs(DIMS["tiny"], plan, target, fp8=wd == "fp8")["FP8_PAIR"]
     def interleaved(ref_k, ref_v):
         # vLLM 0.33's per-layer cache, token-major: K|V side by side per head; K and V are views
         buf = torch.cat([ref_k, ref_v], dim=-1).contiguous()
@@ -67,6 +71,9 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
         store_1d = name.endswith("_store1d")
         target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
+        if name.endswith("_widen"):
+            target = dataclasses.replace(target, fp8_wide="widen")
+        assert tk_pair(target, widths[0], wd) == (wd == "fp8" and widths[0] > 1 and not name.endswith("_widen"))
         tk = TritonKernels(req, w, target, 8, "cpu")
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         if bk:
@@ -114,10 +121,12 @@ CHILD = textwrap.dedent(
 # buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
 # "llama_*" run a Llama-style layer (no post norms, SiLU); mailbox format (``plan.MAILBOX_FORMATS``):
 # the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits;
-# "*_store1d" repeats one with ``narrow_store_1d``.
+# "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
+# to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("w3_fp8_widen", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny", "bf16"),
     ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny", "bf16"),
     ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny", "bf16"),
@@ -247,3 +256,82 @@ def test_vllm_binding_runs_the_triton_layout_check():
         kv_views([padded], h, d, kernels(16))
     assert str(e.value).startswith("kv_layout: ") and "must be multiples of 16" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_fp8_pair_is_exact_against_widened_weights(results):
+    """The FP8 pair changes how FP8 weights reach the matrix instructions, not the products: each
+    layer's output stays within rounding (a few bf16 ulps of summation order) of the same build
+    with the weights widened to bf16. A pair that lost bits (e.g. lo scaled by 8, not 16) moves
+    the outputs by about 2 %."""
+    import torch
+
+    for layer, (a, b) in enumerate(zip(results["w3_fp8"]["bits"], results["w3_fp8_widen"]["bits"], strict=True)):
+        pair = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
+        widened = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
+        rel = float((pair - widened).norm() / widened.norm())
+        assert rel <= 2e-3, f"layer {layer}: pair vs widened {rel:.2e}"
+
+
+PAIR_CHILD = textwrap.dedent(
+    """
+    import json, os
+    import torch, triton, triton.language as tl
+    from monodecode.kernels.triton.gemv import fp8_pair
+
+    @triton.jit
+    def split(x_ptr, hi_ptr, lo_ptr, inv_ptr, R: tl.constexpr, C: tl.constexpr):
+        r = tl.arange(0, R)
+        c = tl.arange(0, C)
+        hi, lo, inv = fp8_pair(tl.load(x_ptr + r[:, None] * C + c[None, :]))
+        tl.store(hi_ptr + r[:, None] * C + c[None, :], hi)
+        tl.store(lo_ptr + r[:, None] * C + c[None, :], lo)
+        tl.store(inv_ptr + r, inv)
+
+    torch.manual_seed(0)
+    R, C = 8, 128
+    # rows: ordinary, huge (a "massive activation"), tiny, zeros, one spike among small values,
+    # negative powers of two, the largest bf16 below 2^16, random exponents over 30 octaves
+    x = torch.randn(R, C)
+    x[1] *= 3e4
+    x[2] *= 1e-12
+    x[3] = 0
+    x[4] *= 1e-3
+    x[4, 7] = 900.0
+    x[5] = -(2.0 ** torch.randint(-20, 20, (C,)).float())
+    x[6] = 65280.0
+    x[7] = torch.randn(C) * 2.0 ** torch.randint(-15, 15, (C,)).float()
+    x = x.to(torch.bfloat16)
+    hi, lo, inv = torch.empty(R, C), torch.empty(R, C), torch.empty(R)
+    split[(1,)](x, hi, lo, inv, R, C)
+    e4m3 = lambda t: t.to(torch.float8_e4m3fn).float()
+    back = (e4m3(hi) + e4m3(lo) / 16) * inv[:, None]  # what the GPU's FP8 casts leave
+    scaled = x.float() / inv[:, None]
+    small = scaled.abs() < 2.0 ** -6  # below e4m3's smallest normal after scaling
+    err = (back - x.float()).abs() / x.float().abs().amax(1, keepdim=True).clamp_min(1e-30)
+    print(json.dumps({
+        "hi_e4m3": bool(torch.equal(e4m3(hi)[~small], hi[~small])),
+        "lo_e4m3": bool(torch.equal(e4m3(lo)[~small], lo[~small])),
+        "exact": bool(torch.equal(back[~small], x.float()[~small])),
+        "small": int(small.sum()),
+        "small_abs_err": float(err[small].max()) if small.any() else 0.0,
+        "amax_range": [float(scaled.abs().amax(1)[r]) for r in range(R)],
+        "inv_pow2": bool(torch.equal(torch.frexp(inv).mantissa, torch.full((R,), 0.5))),
+    }))
+    """
+)
+
+
+def test_fp8_pair_represents_bf16_inputs_exactly():
+    """``gemv.fp8_pair`` (interpreted): hi and lo are e4m3 values (no rounding when the GPU casts
+    them) and, after those casts, (hi + lo/16) * inv gives every bf16 input back bit for bit,
+    except inputs below 2^-6 of the scaled row (about 6e-5 of the row's largest), whose error
+    stays under 2^-12 of the row's largest; each row's largest lands in [128, 256), zero rows
+    keep scale 1."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", PAIR_CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hi_e4m3"] and out["lo_e4m3"] and out["exact"] and out["inv_pow2"], out
+    assert out["small"] > 0 and out["small_abs_err"] <= 2.0**-12, out
+    for r, amax in enumerate(out["amax_range"]):
+        assert amax == 0.0 if r == 3 else 128 <= amax < 256, (r, amax)
