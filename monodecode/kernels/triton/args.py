@@ -154,15 +154,11 @@ def k1_args(
         stall,
         float(dims.rms_norm_eps),
         float(dims.attn_scale),
-        L.wo,  # K2's first stage, prefetched at the end (``NX_PF``)
     ]
 
 
-def k2_args(
-    L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_limit: int, nan_fault: int, dims, next_wqkv
-) -> list:
-    """Runtime arguments of ``k2_kernel`` in signature order (``next_wqkv``: the QKV weights of
-    the layer that runs next, prefetched at the end)."""
+def k2_args(L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
+    """Runtime arguments of ``k2_kernel`` in signature order."""
     return [
         x,
         attn,
@@ -185,5 +181,4 @@ def k2_args(
         spin_limit,
         nan_fault,
         float(dims.rms_norm_eps),
-        next_wqkv,
     ]

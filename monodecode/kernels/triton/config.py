@@ -59,9 +59,6 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
-    # Bytes of its first task's weights a program asks L2 for before K2's gate/up and down waits
-    # (split over the stage's matrices; 0: none). CUDA only (``prefetch.global.L2``).
-    prefetch_bytes: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -102,7 +99,6 @@ CUDA = Target(
     attn_stages=3,
     fp8_wide="pair",
     wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
-    prefetch_bytes=131072,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -247,7 +243,6 @@ def k1_constexprs(
         ATTN_STAGES=target.attn_stages,
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=_fp8_pair(target, W, fp8),
-        **_next_stage(target, _stage(plan, K2, "o_proj"), L.hidden, L.q, fp8),
     )
 
 
@@ -309,25 +304,7 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=_fp8_pair(target, W, fp8),
-        GU_PF=_prefetch_lines(target, 2, gu.rows_per_task * L.hidden * (1 if fp8 else 2)),
-        D_PF=_prefetch_lines(target, 1, dn.rows_per_task * L.intermediate * (1 if fp8 else 2)),
-        **_next_stage(target, _stage(plan, K1, "qkv"), L.qkv, L.hidden, fp8),
     )
-
-
-def _next_stage(target: Target, stage, n: int, k: int, fp8: bool) -> dict:
-    """Constexprs of the next launch's first GEMV stage, whose first task a program prefetches
-    at the end of this launch (``gemv.prefetch_first_task``)."""
-    lines = _prefetch_lines(target, 1, stage.rows_per_task * k * (1 if fp8 else 2))
-    return dict(NX_PF=lines, NX_OFF=stage.offset, NX_BN=stage.rows_per_task, NX_TASKS=stage.num_tasks, NX_N=n, NX_K=k)
-
-
-def _prefetch_lines(target: Target, matrices: int, task_bytes: int) -> int:
-    """128-byte lines per matrix to prefetch (a power of two: ``tl.arange``), at most one task."""
-    lines = min(target.prefetch_bytes // matrices, task_bytes) // 128
-    if target.kind != "cuda" or lines < 1:
-        return 0
-    return 1 << (lines.bit_length() - 1)
 
 
 def constexprs(

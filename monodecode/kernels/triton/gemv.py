@@ -76,49 +76,6 @@ def mma_fp8_pair(w, xb):
 
 
 @triton.jit
-def prefetch_rows(w_ptr, n0, N, K: tl.constexpr, WBYTES: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for the first ``LINES`` 128-byte lines of weight rows ``[n0, N)`` (row-major, so a
-    task's rows are one contiguous block) and go on: issued before a stage's wait, the weights
-    of the program's first task stream in while it waits (CUDA ``prefetch.global.L2``; no
-    register is written, nothing waits for it, and it never faults). ``LINES == 0``: nothing."""
-    if LINES > 0:
-        if not INTERPRET:
-            last = (N - n0).to(tl.int64) * (K * WBYTES) - 1  # stay inside the matrix
-            offs = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, last)
-            base = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + n0.to(tl.int64) * (K * WBYTES)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
-                "=r,l",
-                [base + offs],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
-
-@triton.jit
-def prefetch_first_task(
-    w_ptr,
-    OFF: tl.constexpr,
-    BN: tl.constexpr,
-    TASKS: tl.constexpr,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    WBYTES: tl.constexpr,
-    LINES: tl.constexpr,
-    NPROG: tl.constexpr,
-    VP: tl.constexpr,
-):
-    """``prefetch_rows`` of the first task this program will run of the next launch's first GEMV
-    stage (that stage's task table: offset ``OFF``, ``BN`` rows of ``N`` per task)."""
-    if LINES > 0:
-        for v in tl.static_range(VP):
-            first = (tl.program_id(0) * VP + v - OFF + NPROG) % NPROG
-            if first < TASKS:
-                prefetch_rows(w_ptr, first * BN, N, K, WBYTES, LINES)
-
-
-@triton.jit
 def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
     """RMSNorm of fp32 ``xf`` given its rstd and the raw weight ``g`` (fp32), rounded like HF:
     Gemma ``bf16(x_hat * (1 + g))``; Llama/Qwen3 ``bf16(g * bf16(x_hat))``."""

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
-from monodecode.kernels.triton.gemv import gemv_task, prefetch_first_task, row_rstd
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
     launch_epoch,
@@ -58,7 +58,6 @@ def k1_kernel(
     stall,
     eps,
     scale,
-    next_w_ptr,
     HIDDEN: tl.constexpr,
     NQKV: tl.constexpr,
     Q: tl.constexpr,
@@ -99,12 +98,6 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
-    NX_PF: tl.constexpr = 0,
-    NX_OFF: tl.constexpr = 0,
-    NX_BN: tl.constexpr = 1,
-    NX_TASKS: tl.constexpr = 0,
-    NX_N: tl.constexpr = 1,
-    NX_K: tl.constexpr = 1,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -230,9 +223,6 @@ def k1_kernel(
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)
-
-    # K2's O-proj weights stream into L2 during combine and the launch boundary
-    prefetch_first_task(next_w_ptr, NX_OFF, NX_BN, NX_TASKS, NX_N, NX_K, 1 if FP8 else 2, NX_PF, NPROG, VP)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 0, NPROG, PROF)

@@ -9,7 +9,7 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, prefetch_first_task, prefetch_rows, rms_apply
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply
 from monodecode.kernels.triton.mailbox import (
     fetch,
     finish_launch,
@@ -132,7 +132,6 @@ def k2_kernel(
     spin_limit,
     nan_fault,
     eps,
-    next_w_ptr,
     HIDDEN: tl.constexpr,
     HP: tl.constexpr,
     Q: tl.constexpr,
@@ -174,14 +173,6 @@ def k2_kernel(
     BF16MB: tl.constexpr = False,
     PROF: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
-    GU_PF: tl.constexpr = 0,
-    D_PF: tl.constexpr = 0,
-    NX_PF: tl.constexpr = 0,
-    NX_OFF: tl.constexpr = 0,
-    NX_BN: tl.constexpr = 1,
-    NX_TASKS: tl.constexpr = 0,
-    NX_N: tl.constexpr = 1,
-    NX_K: tl.constexpr = 1,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -206,7 +197,6 @@ def k2_kernel(
         act_mb = mbox_ptr + ACT_W
         d_mb = mbox_ptr + D_W
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
-    WBYTES: tl.constexpr = 1 if FP8 else 2
     me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
@@ -288,8 +278,6 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - GU_OFF + NPROG) % NPROG
         if first < GU_TASKS:
-            prefetch_rows(wg_ptr, first * GU_BN, I, HIDDEN, WBYTES, GU_PF)
-            prefetch_rows(wu_ptr, first * GU_BN, I, HIDDEN, WBYTES, GU_PF)
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
@@ -337,7 +325,6 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
         if first < D_TASKS:
-            prefetch_rows(wd_ptr, first * D_BN, HIDDEN, I, WBYTES, D_PF)
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
@@ -383,8 +370,6 @@ def k2_kernel(
         if POST_NORMS:
             signal_tasks(done_down, first, D_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
-    # the next layer's QKV weights stream into L2 during down's tail and the launch boundary
-    prefetch_first_task(next_w_ptr, NX_OFF, NX_BN, NX_TASKS, NX_N, NX_K, WBYTES, NX_PF, NPROG, VP)
 
     if POST_NORMS:
         stamp(prof_ptr, layer, me, 1, 4, 0, NPROG, PROF)

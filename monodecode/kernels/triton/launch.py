@@ -194,7 +194,6 @@ class TritonKernels(TwoLaunchKernels):
             self.spin_limit,
             nan_fault,
             self.dims,
-            self.layers[(layer + 1) % len(self.layers)].wqkv,
         )
         self._run(1, width, args)
         return out

@@ -133,7 +133,6 @@ def kernel_sources(
         1000,
         0,
         dims,
-        L.wqkv,
     )
     out = []
     for name, fn, args, consts in (("k1", k1_kernel, a1, c1), ("k2", k2_kernel, a2, c2)):
