@@ -316,13 +316,17 @@ def gemv_rows_per_task(
     matrices: int = 1,
     input_word_bytes: int = 2,
     task_bytes: int = TASK_BYTES,
+    min_rows: int = 0,
 ) -> int:
     """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
     tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
     input vector (``input_word_bytes`` per element) and paying a fixed cost (``task_bytes`` of
-    traffic: the pipeline's ramp and drain per task)."""
+    traffic: the pipeline's ramp and drain per task). Candidates below ``min_rows`` are skipped
+    (e.g. matrix instructions that need 64-row tiles)."""
     best, best_cost = 0, None
     for rows in _GEMV_ROWS_W1 if width == 1 else _GEMV_ROWS_WIDE:
+        if rows < min_rows:
+            continue
         tasks = -(-n // rows)
         waves = -(-tasks // num_workgroups)
         cost = waves * (rows * k * 2 * matrices + width * k * input_word_bytes + task_bytes)
@@ -550,6 +554,7 @@ def _stages(
     tp: int,
     mailbox: str = "tagged",
     task_bytes: int = TASK_BYTES,
+    min_rows: int = 0,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -558,7 +563,14 @@ def _stages(
     def gemv(kernel, name, index, n, k, reads, writes, offset):
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else mailbox_bytes(mailbox, reads[0])
         rows = gemv_rows_per_task(
-            n, k, W, G, matrices=2 if name == "gate_up" else 1, input_word_bytes=in_bytes, task_bytes=task_bytes
+            n,
+            k,
+            W,
+            G,
+            matrices=2 if name == "gate_up" else 1,
+            input_word_bytes=in_bytes,
+            task_bytes=task_bytes,
+            min_rows=min_rows,
         )
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
@@ -607,16 +619,22 @@ def plan_layer(
     mailbox: str = "tagged",
     narrow_mailbox: str | None = None,
     wide_task_bytes: int = TASK_BYTES,
+    narrow_task_bytes: int = TASK_BYTES,
+    wide_min_rows: int = 0,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
-    tb = TASK_BYTES if width == 1 else _check_task_bytes(wide_task_bytes)
-    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb)
+    if width == 1:
+        tb = _check_task_bytes(narrow_task_bytes, "narrow_task_bytes")
+    else:
+        tb = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
+    rows = 0 if width == 1 else _check_task_bytes(wide_min_rows, "wide_min_rows")
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb, rows)
 
 
-def _check_task_bytes(task_bytes: object) -> int:
+def _check_task_bytes(task_bytes: object, name: str) -> int:  # any non-negative plan knob
     if not isinstance(task_bytes, int) or isinstance(task_bytes, bool) or task_bytes < 0:
-        raise ConfigError(f"kernel plan: wide_task_bytes must be a non-negative integer, got {task_bytes!r}")
+        raise ConfigError(f"kernel plan: {name} must be a non-negative integer, got {task_bytes!r}")
     return task_bytes
 
 
@@ -629,6 +647,7 @@ def _plan_width(
     peer_offset: int,
     mailbox: str = "tagged",
     task_bytes: int = TASK_BYTES,
+    min_rows: int = 0,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -636,7 +655,7 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows)
     final = dims.post_norms or tp > 1
     regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
@@ -702,24 +721,30 @@ def plan_model(
     mailbox: str = "tagged",
     narrow_mailbox: str | None = None,
     wide_task_bytes: int = TASK_BYTES,
+    narrow_task_bytes: int = TASK_BYTES,
+    wide_min_rows: int = 0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
     ``mailbox``: the mailbox format (``MAILBOX_FORMATS``); ``narrow_mailbox``: the format at
-    width 1 if different; ``wide_task_bytes``: the GEMV rows chooser's fixed cost per task at
-    widths > 1 (matrix-instruction tiles ramp up slower than the width-1 ones)."""
+    width 1 if different; ``wide_task_bytes`` / ``narrow_task_bytes``: the GEMV rows chooser's
+    fixed cost per task at widths > 1 (matrix-instruction tiles ramp up slower than the width-1
+    ones) and at width 1 (a larger one keeps wide row tiles: more bytes in flight per task);
+    ``wide_min_rows``: the narrowest GEMV row tile at widths > 1."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    wide_task_bytes = _check_task_bytes(wide_task_bytes)
+    wide_task_bytes = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
+    narrow_task_bytes = _check_task_bytes(narrow_task_bytes, "narrow_task_bytes")
+    wide_min_rows = _check_task_bytes(wide_min_rows, "wide_min_rows")
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        mb, tb = (narrow, TASK_BYTES) if w == 1 else (mailbox, wide_task_bytes)
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb)
+        mb, tb, rows = (narrow, narrow_task_bytes, 0) if w == 1 else (mailbox, wide_task_bytes, wide_min_rows)
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb, rows)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end
@@ -743,6 +768,8 @@ def key_inputs(
     mailbox: str = "tagged",
     narrow_mailbox: str | None = None,
     wide_task_bytes: int = TASK_BYTES,
+    narrow_task_bytes: int = TASK_BYTES,
+    wide_min_rows: int = 0,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict
     (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -764,6 +791,8 @@ def key_inputs(
         mailbox=mailbox,
         narrow_mailbox=narrow_mailbox,
         wide_task_bytes=wide_task_bytes,
+        narrow_task_bytes=narrow_task_bytes,
+        wide_min_rows=wide_min_rows,
     )
     return {
         "plan_version": PLAN_VERSION,
@@ -777,5 +806,7 @@ def key_inputs(
         "mailbox": mailbox,
         "narrow_mailbox": narrow_mailbox or mailbox,
         "wide_task_bytes": wide_task_bytes,
+        "narrow_task_bytes": narrow_task_bytes,
+        "wide_min_rows": wide_min_rows,
         "plan_digest": mp.digest(),
     }

@@ -187,6 +187,25 @@ def test_bf16_mailbox_regions_and_per_width_choices():
     assert tp.region("o_peer").word_bytes == 2 and tp.region("d_peer").word_bytes == 2
 
 
+def test_row_tile_knobs_keep_tiles_wide_enough():
+    """``narrow_task_bytes``: at width 1 the bf16 mailbox's cheaper input made 27B gate/up pick
+    8-row tiles (too few bytes in flight: 27B batch 1 21.4 ms against 16.8, H200 run 9); a fixed
+    cost of 16 KiB per task keeps the tagged plan's 16 rows. ``wide_min_rows``: widths > 1 skip
+    narrower tiles (FP8 matrix instructions take 64 rows); width 1 ignores it."""
+    gemma = profile_dims("gemma3-27b")
+    cheap = P.plan_model(gemma, 1, [1], 132, mailbox="bf16")
+    assert cheap.layers[1].stage(P.K2, "gate_up").rows_per_task == 8
+    kept = P.plan_model(gemma, 1, [1], 132, mailbox="bf16", narrow_task_bytes=16384)
+    tagged = P.plan_model(gemma, 1, [1], 132, mailbox="tagged")
+    assert [s.rows_per_task for s in kept.layers[1].k2] == [s.rows_per_task for s in tagged.layers[1].k2]
+    dims = profile_dims("llama3-8b")
+    free = P.plan_model(dims, 1, [1, 8], 132, mailbox="bf16", wide_task_bytes=65536)
+    wide = P.plan_model(dims, 1, [1, 8], 132, mailbox="bf16", wide_task_bytes=65536, wide_min_rows=64)
+    assert free.layers[8].stage(P.K2, "down").rows_per_task == 32
+    assert {s.rows_per_task for s in wide.layers[8].k1 + wide.layers[8].k2 if s.kind == "gemv"} == {64}
+    assert wide.layers[1].k2 == free.layers[1].k2
+
+
 def test_family_variants_and_tp_stages():
     llama = P.plan_layer(profile_dims("llama3-8b"), 1, 1, 132)
     gemma = P.plan_layer(profile_dims("gemma3-27b"), 1, 1, 132)
@@ -221,6 +240,8 @@ def test_key_inputs_deterministic_and_sensitive():
         {"mailbox": "bf16"},
         {"narrow_mailbox": "bf16"},
         {"wide_task_bytes": 65536},
+        {"narrow_task_bytes": 16384},
+        {"wide_min_rows": 64},
     )
     for change in changes:
         assert P.key_inputs(dims, **{**base, **change}) != a, change
@@ -243,6 +264,8 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_model(d, 1, [1], 132, mailbox="fp16"), "mailbox must be one of tagged, bf16, got 'fp16'"),
         (lambda d: P.plan_model(d, 1, [1], 132, narrow_mailbox="x"), "mailbox must be one of tagged, bf16"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_task_bytes=-1), "wide_task_bytes must be a non-negative integer"),
+        (lambda d: P.plan_layer(d, 1, 1, 132, narrow_task_bytes=1.5), "narrow_task_bytes must be a non-negative"),
+        (lambda d: P.plan_model(d, 1, [1], 132, wide_min_rows=True), "wide_min_rows must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(

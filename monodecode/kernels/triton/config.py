@@ -41,6 +41,8 @@ class Target:
     cooperative: bool = True
     # The GEMV rows chooser's fixed cost per task at widths > 1 (``plan.gemv_rows_per_task``).
     wide_task_bytes: int = 4096
+    # The same at width 1 (``plan.gemv_rows_per_task``).
+    narrow_task_bytes: int = 4096
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
@@ -59,6 +61,9 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
+    # FP8 pair (``fp8_wide``): the narrowest GEMV row tile at widths > 1. FP8 matrix instructions
+    # of the Hopper warp group take 64 rows; narrower tiles fall back to widening in registers.
+    fp8_pair_min_rows: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -91,13 +96,16 @@ CUDA = Target(
     flatten=True,
     fp8_split=2,
     fp8_narrow_stages=5,
-    # Measured on the H200 (benchmarks/README.md, runs 5-6): the bf16 mailbox halves batch 2-8
-    # steps but made width 1's K1 slower (8B 4.52 -> 5.82 ms), so width 1 keeps the tagged words.
-    narrow_mailbox="tagged",
-    fp8_narrow_mailbox="bf16",  # FP8 width 1 measured faster with bf16 (3.61 -> 3.40 ms, run 6)
+    # Width 1 with the bf16 mailbox (benchmarks/README.md, runs 5-10): K1's QKV rows go out
+    # through a 1-D store (a [rows, 1] store pulled a conflicting layout into the FMA tile), and
+    # a larger fixed cost per task keeps 16-row tiles (27B gate/up otherwise drops to 8 rows).
+    narrow_mailbox="bf16",
+    narrow_store_1d=True,
+    narrow_task_bytes=16384,
     wide_task_bytes=65536,
     attn_stages=3,
     fp8_wide="pair",
+    fp8_pair_min_rows=64,
     wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
@@ -117,6 +125,8 @@ def plan_for(
         mailbox=target.mailbox,
         narrow_mailbox=narrow or None,
         wide_task_bytes=target.wide_task_bytes,
+        narrow_task_bytes=target.narrow_task_bytes,
+        wide_min_rows=target.fp8_pair_min_rows if fp8 and target.fp8_wide == "pair" else 0,
     )
 
 
