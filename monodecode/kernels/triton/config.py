@@ -64,6 +64,10 @@ class Target:
     # FP8 pair (``fp8_wide``): the narrowest GEMV row tile at widths > 1. FP8 matrix instructions
     # of the Hopper warp group take 64 rows; narrower tiles fall back to widening in registers.
     fp8_pair_min_rows: int = 0
+    # Width 1: keep ``bk_narrow`` when it does not divide K (the last chunk is masked) instead of
+    # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
+    # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
+    narrow_tail: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -102,6 +106,7 @@ CUDA = Target(
     narrow_mailbox="bf16",
     narrow_store_1d=True,
     narrow_task_bytes=16384,
+    narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
     fp8_wide="pair",
@@ -142,6 +147,8 @@ def gemv_chunk(target: Target, width: int, k: int, rows: int, fp8: bool) -> int:
     """The K chunk of one GEMV stage: ``bk_narrow`` at width 1; at widths > 1 ``bk_wide``, grown
     until ``rows`` x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes``."""
     if width == 1:
+        if target.narrow_tail and k >= target.bk_narrow and k % 16 == 0:
+            return target.bk_narrow
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
     per_chunk = rows * (1 if fp8 else 2) * target.stages(width, fp8)

@@ -101,10 +101,14 @@ def _input_chunk(
     BK: tl.constexpr,
     SRC: tl.constexpr,
     ONE_PLUS: tl.constexpr,
+    K: tl.constexpr,
 ):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
-    m2 = rmask[:, None] & (k[None, :] >= 0)
+    if K % BK == 0:
+        m2 = rmask[:, None] & (k[None, :] >= 0)
+    else:  # the last chunk runs past K (``Target.narrow_tail``)
+        m2 = rmask[:, None] & (k[None, :] < K)
     if SRC == 2:
         words = tl.load(ptrs, mask=m2, other=0, cache_modifier=".cg")
         bad += (m2 & ((words >> 32) != tag)).to(tl.int32)
@@ -113,7 +117,7 @@ def _input_chunk(
         xb = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.bfloat16)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        g = tl.load(norm_ptr + k).to(tl.float32)
+        g = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
         xb = rms_apply(xf, rstd[:, None], g[None, :], ONE_PLUS)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
@@ -138,9 +142,10 @@ def row_rstd(
     """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input (loads pipelined, so the
     chunks do not cost one memory round trip each)."""
     ss = tl.zeros([WP], dtype=tl.float32)
-    for kk in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    for kk in tl.range(0, (K + BK - 1) // BK, num_stages=NUM_STAGES):
         k = kk * BK + tl.arange(0, BK)
-        xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        m = rmask[:, None] & (k[None, :] < K)
+        xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=m, other=0.0).to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
     return 1.0 / tl.sqrt_rn(ss / K + eps)
 
@@ -178,7 +183,7 @@ def gemv_task(
     weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
     > 1 go through ``mma_fp8_pair``."""
     DOT: tl.constexpr = WP > 1
-    NK: tl.constexpr = K // (BK * SPLIT)
+    NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
     n = n0 + tl.arange(0, BN)
     nmask = n < N
     rows = tl.arange(0, WP)
@@ -196,10 +201,14 @@ def gemv_task(
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
-            w1 = tl.load(wp1 + kc * BK, mask=nmask[:, None], other=0.0)
+            if K % BK == 0:
+                wmask = nmask[:, None]
+            else:
+                wmask = nmask[:, None] & (kc * BK + kcol < K)[None, :]
+            w1 = tl.load(wp1 + kc * BK, mask=wmask, other=0.0)
             if TWO:
-                w2 = tl.load(wp2 + kc * BK, mask=nmask[:, None], other=0.0)
-            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS)
+                w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
+            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS, K)
             acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
                 acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
