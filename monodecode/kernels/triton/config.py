@@ -61,8 +61,10 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
-    # FP8 pair (``fp8_wide``): the narrowest GEMV row tile at widths > 1. FP8 matrix instructions
-    # of the Hopper warp group take 64 rows; narrower tiles fall back to widening in registers.
+    # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
+    # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
+    # narrower tiles fall back to widening in registers.
+    wide_min_rows: int = 0
     fp8_pair_min_rows: int = 0
     # Width 1: keep ``bk_narrow`` when it does not divide K (the last chunk is masked) instead of
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
@@ -131,7 +133,7 @@ def plan_for(
         narrow_mailbox=narrow or None,
         wide_task_bytes=target.wide_task_bytes,
         narrow_task_bytes=target.narrow_task_bytes,
-        wide_min_rows=target.fp8_pair_min_rows if fp8 and target.fp8_wide == "pair" else 0,
+        wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if fp8 and target.fp8_wide == "pair" else 0),
     )
 
 
