@@ -317,19 +317,29 @@ def gemv_rows_per_task(
     input_word_bytes: int = 2,
     task_bytes: int = TASK_BYTES,
     min_rows: int = 0,
+    burst: float = 0.0,
 ) -> int:
     """Rows per GEMV task: the candidate with the least estimated time, counting whole waves of
     tasks over the grid, each task streaming its weight tile (bf16 estimate), re-reading the
     input vector (``input_word_bytes`` per element) and paying a fixed cost (``task_bytes`` of
     traffic: the pipeline's ramp and drain per task). Candidates below ``min_rows`` are skipped
-    (e.g. matrix instructions that need 64-row tiles)."""
+    (e.g. matrix instructions that need 64-row tiles).
+
+    ``burst`` > 0: the memory system, not each program, is the limit. A stage then costs the
+    larger of its bytes spread over the whole grid and its busiest program's bytes at ``burst``
+    times the average program's rate (a program streams faster while fewer others do), plus
+    the fixed costs: a partial last wave of large tiles no longer counts as a whole wave."""
     best, best_cost = 0, None
     for rows in _GEMV_ROWS_W1 if width == 1 else _GEMV_ROWS_WIDE:
         if rows < min_rows:
             continue
         tasks = -(-n // rows)
         waves = -(-tasks // num_workgroups)
-        cost = waves * (rows * k * 2 * matrices + width * k * input_word_bytes + task_bytes)
+        per_task = rows * k * 2 * matrices + width * k * input_word_bytes
+        if burst > 0:
+            cost = max(waves * per_task / burst, tasks * per_task / num_workgroups) + waves * task_bytes
+        else:
+            cost = waves * (per_task + task_bytes)
         if best_cost is None or cost < best_cost:
             best, best_cost = rows, cost
     return best
@@ -555,6 +565,7 @@ def _stages(
     mailbox: str = "tagged",
     task_bytes: int = TASK_BYTES,
     min_rows: int = 0,
+    burst: float = 0.0,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -571,6 +582,7 @@ def _stages(
             input_word_bytes=in_bytes,
             task_bytes=task_bytes,
             min_rows=min_rows,
+            burst=burst,
         )
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
@@ -621,6 +633,7 @@ def plan_layer(
     wide_task_bytes: int = TASK_BYTES,
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
+    wide_burst: float = 0.0,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
@@ -629,7 +642,14 @@ def plan_layer(
     else:
         tb = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
     rows = 0 if width == 1 else _check_task_bytes(wide_min_rows, "wide_min_rows")
-    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb, rows)
+    burst = 0.0 if width == 1 else _check_burst(wide_burst)
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb, rows, burst)
+
+
+def _check_burst(burst: object) -> float:
+    if not isinstance(burst, (int, float)) or isinstance(burst, bool) or not 0 <= burst <= 64:
+        raise ConfigError(f"kernel plan: wide_burst must be a number in [0, 64], got {burst!r}")
+    return float(burst)
 
 
 def _check_task_bytes(task_bytes: object, name: str) -> int:  # any non-negative plan knob
@@ -648,6 +668,7 @@ def _plan_width(
     mailbox: str = "tagged",
     task_bytes: int = TASK_BYTES,
     min_rows: int = 0,
+    burst: float = 0.0,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -655,7 +676,7 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst)
     final = dims.post_norms or tp > 1
     regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
@@ -723,6 +744,7 @@ def plan_model(
     wide_task_bytes: int = TASK_BYTES,
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
+    wide_burst: float = 0.0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -730,21 +752,26 @@ def plan_model(
     width 1 if different; ``wide_task_bytes`` / ``narrow_task_bytes``: the GEMV rows chooser's
     fixed cost per task at widths > 1 (matrix-instruction tiles ramp up slower than the width-1
     ones) and at width 1 (a larger one keeps wide row tiles: more bytes in flight per task);
-    ``wide_min_rows``: the narrowest GEMV row tile at widths > 1."""
+    ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
+    chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
     wide_task_bytes = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
     narrow_task_bytes = _check_task_bytes(narrow_task_bytes, "narrow_task_bytes")
     wide_min_rows = _check_task_bytes(wide_min_rows, "wide_min_rows")
+    wide_burst = _check_burst(wide_burst)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        mb, tb, rows = (narrow, narrow_task_bytes, 0) if w == 1 else (mailbox, wide_task_bytes, wide_min_rows)
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb, rows)
+        if w == 1:
+            mb, tb, rows, burst = narrow, narrow_task_bytes, 0, 0.0
+        else:
+            mb, tb, rows, burst = mailbox, wide_task_bytes, wide_min_rows, wide_burst
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb, rows, burst)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end
@@ -770,6 +797,7 @@ def key_inputs(
     wide_task_bytes: int = TASK_BYTES,
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
+    wide_burst: float = 0.0,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict
     (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -793,6 +821,7 @@ def key_inputs(
         wide_task_bytes=wide_task_bytes,
         narrow_task_bytes=narrow_task_bytes,
         wide_min_rows=wide_min_rows,
+        wide_burst=wide_burst,
     )
     return {
         "plan_version": PLAN_VERSION,
@@ -808,5 +837,6 @@ def key_inputs(
         "wide_task_bytes": wide_task_bytes,
         "narrow_task_bytes": narrow_task_bytes,
         "wide_min_rows": wide_min_rows,
+        "wide_burst": wide_burst,
         "plan_digest": mp.digest(),
     }

@@ -65,6 +65,9 @@ class Target:
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
     wide_min_rows: int = 0
+    # The rows chooser's bandwidth model at widths > 1 (``plan.gemv_rows_per_task``'s burst: how
+    # much faster one program streams when fewer run; 0: whole waves at the average rate).
+    wide_burst: float = 0.0
     fp8_pair_min_rows: int = 0
     # Width 1: keep ``bk_narrow`` when it does not divide K (the last chunk is masked) instead of
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
@@ -113,6 +116,10 @@ CUDA = Target(
     attn_stages=3,
     fp8_wide="pair",
     fp8_pair_min_rows=64,
+    # 27B batch 2/4: down's 336 16-row tasks -> 84 64-row ones, 21.1 -> 17.4 ms (runs 12-13);
+    # 1B and 8B keep their tiles (forcing 32 or 64 rows made them 4-15 % slower); 1.5 changes
+    # nothing else measured (qwen3-8b gate/up 32 -> 64 rows, like 8B's).
+    wide_burst=1.5,
     wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
@@ -133,6 +140,7 @@ def plan_for(
         narrow_mailbox=narrow or None,
         wide_task_bytes=target.wide_task_bytes,
         narrow_task_bytes=target.narrow_task_bytes,
+        wide_burst=target.wide_burst,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if fp8 and target.fp8_wide == "pair" else 0),
     )
 
