@@ -39,7 +39,7 @@ CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.m
 EXP=""
 want experiments && EXP="--experiments"
 if want bench || want experiments; then  # the benchmark's builds, its "before" variant included
-  WARM=(--target '{"mailbox":"tagged","narrow_mailbox":"","wide_task_bytes":4096,"attn_stages":1}')
+  WARM=(--target "$(PYTHONPATH="$PWD/ops:$PYTHONPATH" python3 -c 'import json; from monodecode_ops.decode_bench.harness import DEFAULT_VARIANTS as V; print(json.dumps(V["before"]))')")
 else  # tests only
   WARM=(--tests-only)
 fi

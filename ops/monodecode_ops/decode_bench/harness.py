@@ -73,9 +73,21 @@ LABELS = {
     "triton": "triton K1/K2",
 }
 # Launch-target changes measured next to the current target in the same run: "before" is the
-# launch target of the runs before the bf16 mailbox (tagged words at every width, the rows
-# chooser's 4 KiB per task, a plain attention loop).
-DEFAULT_VARIANTS = {"before": {"mailbox": "tagged", "narrow_mailbox": "", "wide_task_bytes": 4096, "attn_stages": 1}}
+# launch target of runs 6-8 (tagged words at width 1, FP8 weights widened to bf16 at widths > 1,
+# K chunks that divide K, the rows chooser's whole-wave model).
+DEFAULT_VARIANTS = {
+    "before": {
+        "narrow_mailbox": "tagged",
+        "narrow_store_1d": False,
+        "narrow_task_bytes": 4096,
+        "narrow_tail": False,
+        "fp8_narrow_mailbox": "bf16",
+        "fp8_wide": "widen",
+        "fp8_pair_min_rows": 0,
+        "wide_inflight_bytes": 0,
+        "wide_burst": 0.0,
+    }
+}
 # Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).
 TARGETS = {
     ("llama3-8b", "bf16"): 0.85,
