@@ -638,10 +638,10 @@ def plan_layer(
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
     if width == 1:
-        tb = _check_task_bytes(narrow_task_bytes, "narrow_task_bytes")
+        tb = _check_count(narrow_task_bytes, "narrow_task_bytes")
     else:
-        tb = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
-    rows = 0 if width == 1 else _check_task_bytes(wide_min_rows, "wide_min_rows")
+        tb = _check_count(wide_task_bytes, "wide_task_bytes")
+    rows = 0 if width == 1 else _check_count(wide_min_rows, "wide_min_rows")
     burst = 0.0 if width == 1 else _check_burst(wide_burst)
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb, rows, burst)
 
@@ -652,10 +652,11 @@ def _check_burst(burst: object) -> float:
     return float(burst)
 
 
-def _check_task_bytes(task_bytes: object, name: str) -> int:  # any non-negative plan knob
-    if not isinstance(task_bytes, int) or isinstance(task_bytes, bool) or task_bytes < 0:
-        raise ConfigError(f"kernel plan: {name} must be a non-negative integer, got {task_bytes!r}")
-    return task_bytes
+def _check_count(value: object, name: str) -> int:
+    """A non-negative integer plan knob (bytes per task, rows)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"kernel plan: {name} must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _plan_width(
@@ -757,9 +758,9 @@ def plan_model(
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    wide_task_bytes = _check_task_bytes(wide_task_bytes, "wide_task_bytes")
-    narrow_task_bytes = _check_task_bytes(narrow_task_bytes, "narrow_task_bytes")
-    wide_min_rows = _check_task_bytes(wide_min_rows, "wide_min_rows")
+    wide_task_bytes = _check_count(wide_task_bytes, "wide_task_bytes")
+    narrow_task_bytes = _check_count(narrow_task_bytes, "narrow_task_bytes")
+    wide_min_rows = _check_count(wide_min_rows, "wide_min_rows")
     wide_burst = _check_burst(wide_burst)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
