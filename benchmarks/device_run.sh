@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One GPU session: warm Triton's cache in parallel, run the GPU tests, run the decode benchmark
 # (every backend side by side, the previous launch target as a variant, per-stage timelines).
-# Logs and results go to $RUN (default /tmp/monodecode-run); at the end everything is packed into
+# Logs and results go to a new folder under $RUN (default /tmp/monodecode-run); at the end everything is packed into
 # $OUT/run.tgz and the main log + JSON are copied to $OUT (the device tool returns at most 8 files).
 # Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]]
 #   phases: tests (Triton GPU tests), bench (decode benchmark), gpu_all (every GPU-marked test in the
 #   tree but tests/vllm), experiments (experiments.py)
 # BUDGET_S (default 540) bounds the whole run: each phase gets at most what is left of it.
 # BENCH_ARGS: extra decode_latency.py arguments (e.g. --profiles llama3-1b --batches 1,8).
+# TIMELINE_BATCHES: batches drawn as per-stage timelines (default 1,8; set but empty: none).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/benchmarks/results/run}"
-RUN="${RUN:-/tmp/monodecode-run}"
+# one folder per run: a warm machine keeps the last run's files, and each pack must hold one run
+RUN="${RUN:-/tmp/monodecode-run}/$(date -u +%Y%m%dT%H%M%S)"
 mkdir -p "$OUT" "$RUN"
 what="${1:-all}"
 BUDGET_S="${BUDGET_S:-540}"
@@ -55,7 +57,7 @@ if want tests; then
 fi
 if want bench; then
   timeout "$(left "${BENCH_TIMEOUT:-420}")" python3 benchmarks/decode_latency.py --out "$RUN" \
-    --timeline-batches "${TIMELINE_BATCHES:-1,8}" ${BENCH_ARGS:-} > "$RUN/bench.log" 2>&1
+    --timeline-batches "${TIMELINE_BATCHES-1,8}" ${BENCH_ARGS:-} > "$RUN/bench.log" 2>&1
   echo "[${SECONDS}s] bench rc=$?" | tee -a "$RUN/summary.log"
   grep -vE "^\| [a-z0-9-]+ \| (bf16|fp8) \| [0-9]+ \| [a-z-]+ \| " "$RUN/bench.log" | tail -60 | tee -a "$RUN/summary.log"
 fi
