@@ -637,13 +637,21 @@ def plan_layer(
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
+    knobs = _rows_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
+    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
+
+
+def _rows_knobs(
+    width: int, wide_task_bytes: object, narrow_task_bytes: object, wide_min_rows: object, wide_burst: object
+) -> tuple[int, int, float]:
+    """The rows chooser's (fixed cost per task, narrowest tile, burst) at ``width``, checked."""
     if width == 1:
-        tb = _check_count(narrow_task_bytes, "narrow_task_bytes")
-    else:
-        tb = _check_count(wide_task_bytes, "wide_task_bytes")
-    rows = 0 if width == 1 else _check_count(wide_min_rows, "wide_min_rows")
-    burst = 0.0 if width == 1 else _check_burst(wide_burst)
-    return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, tb, rows, burst)
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0
+    return (
+        _check_count(wide_task_bytes, "wide_task_bytes"),
+        _check_count(wide_min_rows, "wide_min_rows"),
+        _check_burst(wide_burst),
+    )
 
 
 def _check_burst(burst: object) -> float:
@@ -758,21 +766,16 @@ def plan_model(
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    wide_task_bytes = _check_count(wide_task_bytes, "wide_task_bytes")
-    narrow_task_bytes = _check_count(narrow_task_bytes, "narrow_task_bytes")
-    wide_min_rows = _check_count(wide_min_rows, "wide_min_rows")
-    wide_burst = _check_burst(wide_burst)
+    for w in (1, 2):  # every knob is checked, whichever widths are planned
+        _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        if w == 1:
-            mb, tb, rows, burst = narrow, narrow_task_bytes, 0, 0.0
-        else:
-            mb, tb, rows, burst = mailbox, wide_task_bytes, wide_min_rows, wide_burst
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, mb, tb, rows, burst)
+        knobs = _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
+        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end

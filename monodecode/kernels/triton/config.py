@@ -141,7 +141,7 @@ def plan_for(
         wide_task_bytes=target.wide_task_bytes,
         narrow_task_bytes=target.narrow_task_bytes,
         wide_burst=target.wide_burst,
-        wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if fp8 and target.fp8_wide == "pair" else 0),
+        wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
 
@@ -164,7 +164,7 @@ def gemv_chunk(target: Target, width: int, k: int, rows: int, fp8: bool) -> int:
     per_chunk = rows * (1 if fp8 else 2) * target.stages(width, fp8)
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
-    most = 256 if _fp8_pair(target, width, fp8) else 512
+    most = 256 if _fp8_pair(target, fp8) else 512
     while preferred < most and per_chunk * preferred < target.wide_inflight_bytes:
         preferred *= 2
     return k_chunk(k, preferred)
@@ -199,10 +199,11 @@ def check_dims(dims: ModelDims, widths: tuple[int, ...]) -> None:
         raise ConfigError(f"triton kernels: widths must be in 1..{MAX_WIDTH}, got {bad}")
 
 
-def _fp8_pair(target: Target, width: int, fp8: bool) -> bool:
+def _fp8_pair(target: Target, fp8: bool) -> bool:
+    """Whether FP8 weights take the FP8 pair at widths > 1 (``Target.fp8_wide``)."""
     if target.fp8_wide not in ("widen", "pair"):
         raise ConfigError(f"triton kernels: fp8_wide must be 'widen' or 'pair', got {target.fp8_wide!r}")
-    return fp8 and width > 1 and target.fp8_wide == "pair"
+    return fp8 and target.fp8_wide == "pair"
 
 
 def _stage(plan: LayerPlan, kernel: str, name: str):
@@ -269,7 +270,7 @@ def k1_constexprs(
         PROF=prof,
         ATTN_STAGES=target.attn_stages,
         STORE_1D=target.narrow_store_1d,
-        FP8_PAIR=_fp8_pair(target, W, fp8),
+        FP8_PAIR=wide and _fp8_pair(target, fp8),
     )
 
 
@@ -330,7 +331,7 @@ def k2_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
-        FP8_PAIR=_fp8_pair(target, W, fp8),
+        FP8_PAIR=wide and _fp8_pair(target, fp8),
     )
 
 
