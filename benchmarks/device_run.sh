@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session: warm Triton's cache in parallel, run the GPU tests, run the decode benchmark
 # (every backend side by side, the previous launch target as a variant, per-stage timelines).
-# Logs and results go to a new folder under $RUN (default /tmp/monodecode-run); at the end everything is packed into
-# $OUT/run.tgz and the main log + JSON are copied to $OUT (the device tool returns at most 8 files).
+# Logs and results go to a new folder under $RUN (default /tmp/monodecode-run); at the end
+# everything is packed into $OUT/run.tgz and the main log + JSON are copied to $OUT (the device
+# tool returns at most 8 files).
 # Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]]
 #   phases: tests (Triton GPU tests), bench (decode benchmark), gpu_all (every GPU-marked test in the
 #   tree but tests/vllm), experiments (experiments.py)
