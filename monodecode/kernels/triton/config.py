@@ -50,8 +50,8 @@ class Target:
     attn_stages: int = 1
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
-    # reads conflict); the 1-D store keeps the tagged build's layout. Compile-checked, not yet
-    # timed on a GPU: benchmarks/README.md.
+    # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
+    # runs 9-11).
     narrow_store_1d: bool = False
     # FP8 weights at widths > 1: ``widen`` them to bf16 in front of the bf16 matrix instructions,
     # or ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
