@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import mma, rms_apply
-from monodecode.kernels.triton.mailbox import fetch, publish
+from monodecode.kernels.triton.mailbox import fetch, publish, wait_done
 
 
 @triton.jit
@@ -46,6 +46,66 @@ def _rope(a, b, cos, sin):
     af = a.to(tl.float32)
     bf = b.to(tl.float32)
     return (af * cos - bf * sin).to(tl.bfloat16), (bf * cos + af * sin).to(tl.bfloat16)
+
+
+@triton.jit
+def _block_ids(bt_ptr, r, bt_stride, j0, hi, BS: tl.constexpr, BT: tl.constexpr):
+    """The cache block of each position ``j0 + [0, BT)`` of row ``r`` (0 past ``hi``: never read)."""
+    j = j0 + tl.arange(0, BT)
+    return tl.load(bt_ptr + r * bt_stride + j // BS, mask=j < hi, other=0)
+
+
+@triton.jit
+def _kv_tile(
+    kc_ptr,
+    vc_ptr,
+    blk,
+    j0,
+    hi,
+    g,
+    k_sb,
+    k_st,
+    k_sh,
+    v_sb,
+    v_st,
+    v_sh,
+    BS: tl.constexpr,
+    BT: tl.constexpr,
+    D: tl.constexpr,
+):
+    """K (as its two halves) and V of KV head ``g`` at positions ``j0 + [0, BT)`` below ``hi``."""
+    HALF: tl.constexpr = D // 2
+    j = j0 + tl.arange(0, BT)
+    jm = (j < hi)[:, None]
+    dh = tl.arange(0, HALF)
+    blk64 = blk.to(tl.int64)
+    off64 = (j % BS).to(tl.int64)
+    krow = blk64 * k_sb + off64 * k_st + g * k_sh
+    vrow = blk64 * v_sb + off64 * v_st + g * v_sh
+    ka = tl.load(kc_ptr + krow[:, None] + dh[None, :], mask=jm, other=0.0)
+    kb = tl.load(kc_ptr + krow[:, None] + HALF + dh[None, :], mask=jm, other=0.0)
+    vv = tl.load(vc_ptr + vrow[:, None] + tl.arange(0, D)[None, :], mask=jm, other=0.0)
+    return ka, kb, vv
+
+
+@triton.jit
+def _newest(ka, kb, vv, k1, k2, v, is_new):
+    """The tile with the newest position's k/v from registers (bit for bit what was cached)."""
+    new = is_new[:, None]
+    return tl.where(new, k1, ka), tl.where(new, k2, kb), tl.where(new, v[None, :], vv)
+
+
+@triton.jit
+def _softmax_tile(q1, q2, ka, kb, vv, jm, scale, m_i, l_i, acc, GP: tl.constexpr, BT: tl.constexpr):
+    """One online-softmax step of the query group over a K/V tile (``jm``: live positions)."""
+    sc = mma(q2, tl.trans(kb), mma(q1, tl.trans(ka), tl.zeros([GP, BT], dtype=tl.float32)))
+    sc = tl.where(jm[None, :], sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = mma(p.to(tl.bfloat16), vv, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -91,9 +151,23 @@ def attn_task(
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
+    done_ptr,
+    done_target,
+    budget,
+    wait_code,
+    first_task,
+    PREFETCH: tl.constexpr,
 ):
-    """One (row, KV head, split) task; the caller has waited for the qkv stage. ``ATTN_STAGES``:
-    software-pipelining depth of the context loop (block-table, K and V loads in flight)."""
+    """One (row, KV head, split) task; returns the spin budget. The caller has waited for the qkv
+    stage, except with ``PREFETCH``: then the program's first task waits (``done_ptr`` reaching
+    ``done_target``) once its first tile's loads are issued. ``ATTN_STAGES``:
+    software-pipelining depth of the context loop (block-table, K and V loads in flight).
+
+    ``PREFETCH``: the context loop is pipelined by hand instead, in registers: the first K/V tile
+    (and the next tile's block ids) are loaded before the wait, since the cached context does
+    not depend on this launch; each iteration then loads the next tile and the block ids of the
+    one after it before computing on the current one. The newest position, which this launch
+    writes, is taken from registers (``_newest``), never read back from the cache."""
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
     g = (t // S) % KVH
@@ -104,6 +178,19 @@ def attn_task(
     live = slot >= 0
     dh = tl.arange(0, HALF)
     d = tl.arange(0, D)
+    # this split's slice of the visible context
+    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0).to(tl.int32)
+    end = tl.where(live, seq, start).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
+    lo = start + s * per
+    hi = tl.minimum(lo + per, end)
+    newest = end - 1
+    if PREFETCH:
+        blk = _block_ids(bt_ptr, r, bt_stride, lo, hi, BS, BT)
+        ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, lo, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+        blk = _block_ids(bt_ptr, r, bt_stride, lo + BT, hi, BS, BT)
+        if first_task:
+            budget = wait_done(done_ptr, done_target, budget, health_ptr, wait_code)
     jq = tl.arange(0, GP)
     qrow = jq < G
     base = qkv_mb + r * NQKV
@@ -125,13 +212,6 @@ def attn_task(
     q1, q2 = _rope(q1, q2, cos, sin)
     k1, k2 = _rope(k1, k2, cos, sin)
 
-    # this split's slice of the visible context
-    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0).to(tl.int32)
-    end = tl.where(live, seq, start).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
-    lo = start + s * per
-    hi = tl.minimum(lo + per, end)
-    newest = end - 1
     if live & (lo <= newest) & (newest < hi):
         sblk = (slot // BS).to(tl.int64)
         soff = (slot % BS).to(tl.int64)
@@ -140,36 +220,33 @@ def attn_task(
         tl.store(kc_ptr + kdst + dh[None, :], k1)
         tl.store(kc_ptr + kdst + HALF + dh[None, :], k2)
         tl.store(vc_ptr + vdst + d, v)
-        tl.debug_barrier()
+        if not PREFETCH:  # this program's own tile loads below read them back
+            tl.debug_barrier()
 
     m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     jt = tl.arange(0, BT)
-    for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
-        j = t0 + jt
-        jm = j < hi
-        blk = tl.load(bt_ptr + r * bt_stride + j // BS, mask=jm, other=0)
-        blk64 = blk.to(tl.int64)
-        off64 = (j % BS).to(tl.int64)
-        krow = blk64 * k_sb + off64 * k_st + g * k_sh
-        vrow = blk64 * v_sb + off64 * v_st + g * v_sh
-        ka = tl.load(kc_ptr + krow[:, None] + dh[None, :], mask=jm[:, None], other=0.0)
-        kb = tl.load(kc_ptr + krow[:, None] + HALF + dh[None, :], mask=jm[:, None], other=0.0)
-        vv = tl.load(vc_ptr + vrow[:, None] + d[None, :], mask=jm[:, None], other=0.0)
-        sc = mma(q2, tl.trans(kb), mma(q1, tl.trans(ka), tl.zeros([GP, BT], dtype=tl.float32)))
-        sc = tl.where(jm[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(tl.bfloat16), vv, acc * alpha[:, None])
-        m_i = m_new
+    if PREFETCH:
+        for t0 in tl.range(lo, hi, BT, num_stages=1):
+            nka, nkb, nvv = _kv_tile(kc_ptr, vc_ptr, blk, t0 + BT, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+            blk = _block_ids(bt_ptr, r, bt_stride, t0 + 2 * BT, hi, BS, BT)
+            j = t0 + jt
+            ka, kb, vv = _newest(ka, kb, vv, k1, k2, v, j == newest)
+            m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, j < hi, scale, m_i, l_i, acc, GP, BT)
+            ka, kb, vv = nka, nkb, nvv
+    else:
+        for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
+            j = t0 + jt
+            blk = _block_ids(bt_ptr, r, bt_stride, t0, hi, BS, BT)
+            ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+            m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, j < hi, scale, m_i, l_i, acc, GP, BT)
 
     hrow = (r * H + g * G + jq) * S + s
     publish(acc_mb + hrow[:, None] * D + d[None, :], acc, qrow[:, None] & (d[None, :] >= 0), tag, BF16MB, True)
     publish(ml_mb + hrow * 2, m_i, qrow, tag, BF16MB, True)
     publish(ml_mb + hrow * 2 + 1, l_i, qrow, tag, BF16MB, True)
+    return budget
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from monodecode.errors import ConfigError
-from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, plan_model
+from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, Stage, plan_model
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
@@ -48,6 +48,10 @@ class Target:
     wide_stages: int = 0
     # Software-pipelining depth of the attention context loop (1: a plain loop).
     attn_stages: int = 1
+    # Pipeline the attention context loop by hand, in registers, with the first K/V tile loaded
+    # before the wait for the QKV stage (``attention.attn_task``'s ``PREFETCH``); ``attn_stages``
+    # is then unused.
+    attn_prefetch: bool = False
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -61,6 +65,10 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
+    # Stages whose tasks leave at least a quarter of the grid idle (27B's 84 o_proj/down tasks
+    # at widths > 1) hold twice ``wide_inflight_bytes``: only the busy programs stream, and a
+    # program streams at its bytes in flight over the memory latency.
+    wide_inflight_fill: bool = False
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
@@ -153,19 +161,24 @@ def target_for(kind: str) -> Target:
     raise ConfigError(f"triton kernels: no target for platform kind {kind!r}")
 
 
-def gemv_chunk(target: Target, width: int, k: int, rows: int, fp8: bool) -> int:
+def gemv_chunk(target: Target, width: int, stage: Stage, num_programs: int, fp8: bool) -> int:
     """The K chunk of one GEMV stage: ``bk_narrow`` at width 1; at widths > 1 ``bk_wide``, grown
-    until ``rows`` x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes``."""
+    until rows x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes`` (twice
+    that with ``wide_inflight_fill`` for a stage whose tasks leave a quarter of the grid idle)."""
+    k = stage.k
     if width == 1:
         if target.narrow_tail and k >= target.bk_narrow and k % 16 == 0:
             return target.bk_narrow
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
-    per_chunk = rows * (1 if fp8 else 2) * target.stages(width, fp8)
+    per_chunk = stage.rows_per_task * (1 if fp8 else 2) * target.stages(width, fp8)
+    inflight = target.wide_inflight_bytes
+    if target.wide_inflight_fill and 4 * stage.num_tasks <= 3 * num_programs:
+        inflight *= 2
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
-    while preferred < most and per_chunk * preferred < target.wide_inflight_bytes:
+    while preferred < most and per_chunk * preferred < inflight:
         preferred *= 2
     return k_chunk(k, preferred)
 
@@ -229,7 +242,7 @@ def k1_constexprs(
     attn = _stage(plan, K1, "attn")
     comb = _stage(plan, K1, "combine")
     wide = W > 1
-    bk = gemv_chunk(target, W, L.hidden, qkv.rows_per_task, fp8)
+    bk = gemv_chunk(target, W, qkv, plan.num_workgroups, fp8)
     return dict(
         HIDDEN=L.hidden,
         NQKV=L.qkv,
@@ -269,6 +282,7 @@ def k1_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         ATTN_STAGES=target.attn_stages,
+        ATTN_PREFETCH=target.attn_prefetch,
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
     )
@@ -287,9 +301,9 @@ def k2_constexprs(
     final = [s for s in plan.k2 if s.name == "final"]
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
-    o_bk = gemv_chunk(target, W, L.q, o.rows_per_task, fp8)
-    gu_bk = gemv_chunk(target, W, L.hidden, gu.rows_per_task, fp8)
-    d_bk = gemv_chunk(target, W, L.intermediate, dn.rows_per_task, fp8)
+    o_bk = gemv_chunk(target, W, o, plan.num_workgroups, fp8)
+    gu_bk = gemv_chunk(target, W, gu, plan.num_workgroups, fp8)
+    d_bk = gemv_chunk(target, W, dn, plan.num_workgroups, fp8)
     return dict(
         HIDDEN=L.hidden,
         HP=_pow2(L.hidden),

@@ -98,6 +98,7 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
+    ATTN_PREFETCH: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -174,11 +175,11 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
-        if first < ATTN_TASKS:
+        if first < ATTN_TASKS and not ATTN_PREFETCH:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)  # with ATTN_PREFETCH: before the wait
         for t in range(first, ATTN_TASKS, NPROG):
-            attn_task(
+            budget = attn_task(
                 t,
                 qkv_mb,
                 acc_mb,
@@ -220,6 +221,12 @@ def k1_kernel(
                 ONE_PLUS,
                 BF16MB,
                 ATTN_STAGES,
+                done_qkv,
+                epoch * QKV_TASKS,
+                budget,
+                code,
+                t == first,
+                ATTN_PREFETCH,
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)
