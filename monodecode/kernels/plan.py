@@ -46,7 +46,7 @@ import bisect
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.health import health_code
@@ -57,7 +57,7 @@ PLAN_VERSION = 1
 WORD_BYTES = 8  # tagged mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
 MAILBOX_FORMATS = ("tagged", "bf16")
 # Element bytes of each mailbox region per format; regions not named are activations.
-_PARTIAL_REGIONS = ("attn_acc", "attn_ml")
+_PARTIAL_REGIONS = ("attn_acc", "attn_ml", "o_part", "d_part")
 
 
 def mailbox_bytes(mailbox: str, region: str) -> int:
@@ -222,6 +222,20 @@ class Stage:
     rows_per_task: int = 0  # gemv: output rows (N) per task
     n: int = 0  # gemv: output rows in total
     k: int = 0  # gemv: reduction length
+    # gemv: the reduction split into this many slices, one task each (task t: row tile
+    # t % tiles, slice t // tiles); each writes an fp32 partial, summed in slice order by the
+    # stage that reads them (``split_k_slices``)
+    k_splits: int = 1
+
+    @property
+    def tiles(self) -> int:
+        """gemv: row tiles (tasks per K slice)."""
+        return self.num_tasks // self.k_splits
+
+    @property
+    def k_per_task(self) -> int:
+        """gemv: reduction length of one task."""
+        return self.k // self.k_splits
 
     def workgroup_of(self, task: int, num_workgroups: int) -> int:
         if not 0 <= task < self.num_tasks:
@@ -246,6 +260,8 @@ class Stage:
             "rows_per_task": self.rows_per_task,
             "n": self.n,
             "k": self.k,
+            # only when split, so plans without split-K keep their digests (FlyDSL goldens)
+            **({"k_splits": self.k_splits} if self.k_splits != 1 else {}),
         }
 
 
@@ -345,6 +361,24 @@ def gemv_rows_per_task(
     return best
 
 
+SPLIT_K_GRAIN = 64  # every K slice of a split GEMV is a multiple of this (the narrowest K chunk)
+
+
+def split_k_slices(tiles: int, k: int, num_workgroups: int, most: int) -> int:
+    """K slices (at most ``most``) for a GEMV stage of ``tiles`` row tiles: the count with the
+    least time, waves of tasks times each task's share of K (fewer on a tie). A stage whose tiles
+    leave programs idle (27B's 84 tiles on 132 programs, FP8 8B's 64) then spreads its bytes
+    over the whole grid; one that fills its waves stays whole."""
+    best, best_cost = 1, -(-tiles // num_workgroups)
+    for s in range(2, most + 1):
+        if k % (s * SPLIT_K_GRAIN):
+            continue
+        cost = -(-tiles * s // num_workgroups) / s
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def attention_splits(width: int, kv_heads: int, num_workgroups: int) -> int:
     """Context splits per (row, KV head): enough tasks to cover the grid once, a power of two."""
     per = max(1, num_workgroups // (width * kv_heads))
@@ -423,12 +457,14 @@ class LayerPlan:
         reads: list[Span] = []
         writes: list[Span] = []
         if st.kind == "gemv":
-            n0, n1 = t * st.rows_per_task, min(st.n, (t + 1) * st.rows_per_task)
-            src = st.reads[0]
+            tile, part = t % st.tiles, t // st.tiles
+            n0, n1 = tile * st.rows_per_task, min(st.n, (tile + 1) * st.rows_per_task)
+            src, kt = st.reads[0], st.k_per_task
             for r in range(W):
-                reads.append(Span(src, r * st.k, (r + 1) * st.k))
-                for dst in st.writes:
-                    writes.append(Span(dst, r * st.n + n0, r * st.n + n1))
+                reads.append(Span(src, r * st.k + part * kt, r * st.k + (part + 1) * kt))
+                for dst in st.writes:  # a split stage writes slice ``part`` of its partials
+                    base = (part * W + r) * st.n
+                    writes.append(Span(dst, base + n0, base + n1))
             if st.name == "down" and "h" in st.reads:
                 for r in range(W):
                     reads.append(Span("h", r * hid + n0, r * hid + n1))
@@ -451,8 +487,9 @@ class LayerPlan:
         elif st.kind == "rownorm":
             r = t
             src = st.reads[0]
-            if tp > 1:  # one slot per source rank
-                for q in range(tp):
+            slots = tp if tp > 1 else (self.region(src).shape[0] if src in ("o_part", "d_part") else 1)
+            if slots > 1:  # one slot per source rank or K slice
+                for q in range(slots):
                     reads.append(Span(src, (q * W + r) * H, (q * W + r + 1) * H))
             else:
                 reads.append(Span(src, r * H, (r + 1) * H))
@@ -525,7 +562,7 @@ def _check_mailbox(mailbox: object) -> str:
 
 
 def _width_regions(
-    L: LocalDims, W: int, S: int, tp: int, final: bool, mailbox: str = "tagged"
+    L: LocalDims, W: int, S: int, tp: int, final: bool, mailbox: str = "tagged", o_ks: int = 1, d_ks: int = 1
 ) -> list[tuple[str, tuple[int, ...], int]]:
     mb = mailbox_bytes
     specs = [
@@ -544,8 +581,13 @@ def _width_regions(
         ("act", (W, L.intermediate), mb(mailbox, "act")),
     ]
     if tp == 1:
-        specs.append(("o", (W, L.hidden), mb(mailbox, "o")))
-        if final:
+        if o_ks > 1:
+            specs.append(("o_part", (o_ks, W, L.hidden), mb(mailbox, "o_part")))
+        else:
+            specs.append(("o", (W, L.hidden), mb(mailbox, "o")))
+        if d_ks > 1:
+            specs.append(("d_part", (d_ks, W, L.hidden), mb(mailbox, "d_part")))
+        elif final:
             specs.append(("d", (W, L.hidden), mb(mailbox, "d")))
     return specs
 
@@ -566,10 +608,18 @@ def _stages(
     task_bytes: int = TASK_BYTES,
     min_rows: int = 0,
     burst: float = 0.0,
+    split_k: int = 0,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
     d_dst = ("d_peer" if tp > 1 else "d") if final else "x_out"
+
+    def split(st: Stage, partials: str, reads: tuple[str, ...] | None = None) -> Stage:
+        """``st`` split along K (``split_k_slices``; widths > 1, one rank) into fp32 partials."""
+        ks = split_k_slices(st.num_tasks, st.k, G, split_k) if split_k and W > 1 and tp == 1 else 1
+        if ks == 1:
+            return st
+        return replace(st, num_tasks=st.num_tasks * ks, k_splits=ks, writes=(partials,), reads=reads or st.reads)
 
     def gemv(kernel, name, index, n, k, reads, writes, offset):
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else mailbox_bytes(mailbox, reads[0])
@@ -608,17 +658,20 @@ def _stages(
     )
 
     k2: list[Stage] = []
-    o = gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0)
+    o = split(gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0), "o_part")
     k2.append(o)
-    post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o_dst, "x"), ("h", "hn"))
+    post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o.writes[0], "x"), ("h", "hn"))
     k2.append(post)
     gu = gemv(K2, "gate_up", 2, L.intermediate, L.hidden, ["hn"], ["act"], post.offset + post.num_tasks)
     k2.append(gu)
     down_reads = ["act"] if final else ["act", "h"]
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
+    down = split(down, "d_part", ("act",))  # a split down's residual add moves to a final stage
     k2.append(down)
-    if final:
-        k2.append(Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (d_dst, "h"), ("x_out",)))
+    if final or down.k_splits > 1:
+        k2.append(
+            Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (down.writes[0], "h"), ("x_out",))
+        )
     return tuple(k1), tuple(k2)
 
 
@@ -634,23 +687,32 @@ def plan_layer(
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
+    wide_split_k: int = 0,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
-    knobs = _rows_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
+    knobs = _rows_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
 
 def _rows_knobs(
-    width: int, wide_task_bytes: object, narrow_task_bytes: object, wide_min_rows: object, wide_burst: object
-) -> tuple[int, int, float]:
-    """The rows chooser's (fixed cost per task, narrowest tile, burst) at ``width``, checked."""
+    width: int,
+    wide_task_bytes: object,
+    narrow_task_bytes: object,
+    wide_min_rows: object,
+    wide_burst: object,
+    wide_split_k: object = 0,
+) -> tuple[int, int, float, int]:
+    """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
+    narrowest tile, burst) and the most K slices (``split_k_slices``; widths > 1 only)."""
     if width == 1:
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0
+        _check_count(wide_split_k, "wide_split_k")
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
         _check_burst(wide_burst),
+        _check_count(wide_split_k, "wide_split_k"),
     )
 
 
@@ -678,6 +740,7 @@ def _plan_width(
     task_bytes: int = TASK_BYTES,
     min_rows: int = 0,
     burst: float = 0.0,
+    split_k: int = 0,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -685,9 +748,10 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst)
-    final = dims.post_norms or tp > 1
-    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox), offset)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k)
+    final = k2[-1].name == "final"
+    o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
+    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
     peer = None
     if tp > 1:
@@ -754,6 +818,7 @@ def plan_model(
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
+    wide_split_k: int = 0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -762,19 +827,20 @@ def plan_model(
     fixed cost per task at widths > 1 (matrix-instruction tiles ramp up slower than the width-1
     ones) and at width 1 (a larger one keeps wide row tiles: more bytes in flight per task);
     ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
-    chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``)."""
+    chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
+    ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
     for w in (1, 2):  # every knob is checked, whichever widths are planned
-        _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
+        _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        knobs = _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst)
+        knobs = _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
         lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
         layers[w] = lp
         segs[w] = lp.layout
@@ -802,6 +868,7 @@ def key_inputs(
     narrow_task_bytes: int = TASK_BYTES,
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
+    wide_split_k: int = 0,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict
     (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -826,6 +893,7 @@ def key_inputs(
         narrow_task_bytes=narrow_task_bytes,
         wide_min_rows=wide_min_rows,
         wide_burst=wide_burst,
+        wide_split_k=wide_split_k,
     )
     return {
         "plan_version": PLAN_VERSION,
@@ -842,5 +910,6 @@ def key_inputs(
         "narrow_task_bytes": narrow_task_bytes,
         "wide_min_rows": wide_min_rows,
         "wide_burst": wide_burst,
+        **({"wide_split_k": wide_split_k} if wide_split_k else {}),  # keys without it unchanged
         "plan_digest": mp.digest(),
     }

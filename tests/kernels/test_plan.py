@@ -222,6 +222,55 @@ def test_burst_model_drops_partial_waves_of_narrow_tiles():
     assert P.plan_model(gemma, 1, [1], 132, wide_burst=1.5).layers[1] == P.plan_model(gemma, 1, [1], 132).layers[1]
 
 
+def test_split_k_fills_the_grid_where_row_tiles_leave_it_idle():
+    """``wide_split_k``: 27B's 84 o_proj / down tiles on 132 programs become 336 / 252 tasks (4 and
+    3 K slices: 3 waves of quarter-K tasks, 2 of third-K ones), FP8 8B's 64 become 128; 8B bf16's
+    128 fill the grid already and stay whole, and so does width 1. A split down of a model
+    without post norms gets a final stage for the residual add; the partials' slices cover K
+    exactly once and every post / final row reads all of them."""
+    gemma, llama8 = profile_dims("gemma3-27b"), profile_dims("llama3-8b")
+
+    def k2(dims, width, split, **kw):
+        return P.plan_model(dims, 1, [width], 132, mailbox="bf16", wide_split_k=split, **kw).layers[width]
+
+    g = k2(gemma, 8, 4, wide_task_bytes=65536, wide_burst=1.5)
+    assert [(s.name, s.tiles, s.k_splits) for s in g.k2 if s.kind == "gemv"] == [
+        ("o_proj", 84, 4),
+        ("gate_up", 336, 1),
+        ("down", 84, 3),
+    ]
+    assert g.region("o_part").shape == (4, 8, 5376) and g.region("d_part").word_bytes == 4
+    f = k2(llama8, 8, 4, wide_task_bytes=65536, wide_burst=1.5, wide_min_rows=64)
+    assert [(s.name, s.num_tasks, s.k_splits) for s in f.k2 if s.kind == "gemv"][::2] == [
+        ("o_proj", 128, 2),
+        ("down", 128, 2),
+    ]
+    assert [s.name for s in f.k2][-1] == "final" and f.stage(P.K2, "final").reads == ("d_part", "h")
+    assert f.stage(P.K2, "down").reads == ("act",)  # the residual moved to final
+    whole = k2(llama8, 8, 4, wide_task_bytes=65536, wide_burst=1.5)
+    assert whole.k2 == k2(llama8, 8, 0, wide_task_bytes=65536, wide_burst=1.5).k2
+    assert k2(gemma, 1, 4) == k2(gemma, 1, 0)
+    for plan in (g, f):
+        deps = plan.dependency_graph(P.K2)
+        o, post = plan.stage(P.K2, "o_proj"), plan.stage(P.K2, "post")
+        assert all(len(deps[("post", r)]) == o.num_tasks for r in range(post.num_tasks))
+        d = plan.stage(P.K2, "down")
+        covered = sorted((sp.start, sp.stop) for t in plan.tasks(P.K2, "down") for sp in t.reads if sp.region == "act")
+        slices = [
+            (r * d.k + q * d.k_per_task, r * d.k + (q + 1) * d.k_per_task) for r in range(8) for q in range(d.k_splits)
+        ]
+        assert covered == sorted(slices * d.tiles)  # each row's K slices, once per row tile
+
+
+def test_split_k_slices_choice():
+    assert P.split_k_slices(84, 21504, 132, 4) == 3
+    assert P.split_k_slices(84, 4096, 132, 4) == 4
+    assert P.split_k_slices(64, 14336, 132, 4) == 2  # 4 slices tie with 2: fewer wins
+    assert P.split_k_slices(128, 14336, 132, 4) == 1
+    assert P.split_k_slices(84, 21504, 132, 2) == 1  # 2 slices: 2 waves of half tasks, no gain
+    assert P.split_k_slices(64, 4096 + 64, 132, 4) == 1  # K not a multiple of 2 x 64
+
+
 def test_family_variants_and_tp_stages():
     llama = P.plan_layer(profile_dims("llama3-8b"), 1, 1, 132)
     gemma = P.plan_layer(profile_dims("gemma3-27b"), 1, 1, 132)
@@ -259,6 +308,7 @@ def test_key_inputs_deterministic_and_sensitive():
         {"narrow_task_bytes": 16384},
         {"wide_min_rows": 64},
         {"wide_burst": 1.5},
+        {"wide_split_k": 4},
     )
     for change in changes:
         assert P.key_inputs(dims, **{**base, **change}) != a, change
@@ -285,6 +335,8 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_model(d, 1, [1], 132, wide_min_rows=True), "wide_min_rows must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [1], 132, wide_burst=-1), "wide_burst must be a number in [0, 64], got -1"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_burst="2"), "wide_burst must be a number in [0, 64]"),
+        (lambda d: P.plan_model(d, 1, [1], 132, wide_split_k=-2), "wide_split_k must be a non-negative integer"),
+        (lambda d: P.plan_layer(d, 1, 2, 132, wide_split_k=2.0), "wide_split_k must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(

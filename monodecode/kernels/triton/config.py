@@ -69,6 +69,10 @@ class Target:
     # at widths > 1) hold twice ``wide_inflight_bytes``: only the busy programs stream, and a
     # program streams at its bytes in flight over the memory latency.
     wide_inflight_fill: bool = False
+    # Widths > 1: split o_proj and down along K into at most this many slices where their row
+    # tiles leave programs idle (``plan.split_k_slices``; 0: never). The fp32 partials are summed
+    # in slice order by the stage that reads them (post, final), so results stay deterministic.
+    wide_split_k: int = 0
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
@@ -129,6 +133,7 @@ CUDA = Target(
     # nothing else measured (qwen3-8b gate/up 32 -> 64 rows, like 8B's).
     wide_burst=1.5,
     wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
+    wide_split_k=4,  # 27B o_proj/down at widths > 1 (84 tiles on 132 SMs), FP8 8B's (64 tiles)
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -149,6 +154,7 @@ def plan_for(
         wide_task_bytes=target.wide_task_bytes,
         narrow_task_bytes=target.narrow_task_bytes,
         wide_burst=target.wide_burst,
+        wide_split_k=target.wide_split_k,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -165,7 +171,7 @@ def gemv_chunk(target: Target, width: int, stage: Stage, num_programs: int, fp8:
     """The K chunk of one GEMV stage: ``bk_narrow`` at width 1; at widths > 1 ``bk_wide``, grown
     until rows x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes`` (twice
     that with ``wide_inflight_fill`` for a stage whose tasks leave a quarter of the grid idle)."""
-    k = stage.k
+    k = stage.k_per_task
     if width == 1:
         if target.narrow_tail and k >= target.bk_narrow and k % 16 == 0:
             return target.bk_narrow
@@ -299,6 +305,8 @@ def k2_constexprs(
     gu = _stage(plan, K2, "gate_up")
     dn = _stage(plan, K2, "down")
     final = [s for s in plan.k2 if s.name == "final"]
+    o_part, d_part = o.k_splits > 1, dn.k_splits > 1
+    o_word = _word(plan, "o_part" if o_part else "o")
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     o_bk = gemv_chunk(target, W, o, plan.num_workgroups, fp8)
@@ -322,23 +330,28 @@ def k2_constexprs(
         GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
         D_SPLIT=target.split(W, fp8, L.intermediate, d_bk),
         O_TASKS=o.num_tasks,
+        O_TILES=o.tiles,
+        O_KS=o.k_splits,
         O_OFF=o.offset,
         POST_OFF=post.offset,
         GU_TASKS=gu.num_tasks,
         GU_OFF=gu.offset,
         D_TASKS=dn.num_tasks,
+        D_TILES=dn.tiles,
+        D_KS=dn.k_splits,
         D_OFF=dn.offset,
         FIN_OFF=final[0].offset if final else 0,
         EPOCH_W=_word(plan, "epoch_k2"),
         DONE_W=_word(plan, "done_k2"),
-        O_W=_word(plan, "o"),
+        O_W=o_word,
         H_W=_word(plan, "h"),
         HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"),
-        D_W=_word(plan, "d") if final else _word(plan, "o"),
+        D_W=_word(plan, "d_part" if d_part else "d") if final else o_word,  # unused without final
         NPROG=plan.num_workgroups,
         VP=vp,
         POST_NORMS=dims.post_norms,
+        FINAL=bool(final),
         ONE_PLUS=dims.norm_one_plus,
         FP8=fp8,
         GELU=dims.activation == "gelu_tanh",

@@ -42,6 +42,39 @@ def _check_finite(val, mask, health_ptr, code):
 
 
 @triton.jit
+def _tile_slice(t, rows, TILES: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
+    """GEMV task ``t``'s first output row, first K column and output rows in its mailbox region:
+    row tile ``t % TILES`` of K slice ``t // TILES`` (partials of slice s at rows s*W..), or,
+    unsplit, tile ``t`` over all of K (the same code as before split-K existed)."""
+    if KS > 1:
+        return (t % TILES) * BN, (t // TILES) * KT, (t // TILES) * W + rows
+    else:
+        return t * BN, 0, rows
+
+
+@triton.jit
+def _row_sum(
+    mb,
+    r,
+    k,
+    km,
+    tag,
+    health_ptr,
+    bad_code,
+    HIDDEN: tl.constexpr,
+    W: tl.constexpr,
+    KS: tl.constexpr,
+    BF16MB: tl.constexpr,
+):
+    """Row ``r`` of a GEMV stage's output: its values, or the sum of its ``KS`` fp32 K-slice
+    partials in slice order (split-K; deterministic)."""
+    v = fetch(mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
+    for s in tl.static_range(1, KS):
+        v += fetch(mb + (s * W + r) * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
+    return v
+
+
+@triton.jit
 def _post_task(
     r,
     x_ptr,
@@ -59,12 +92,14 @@ def _post_task(
     POST_NORMS: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
+    W: tl.constexpr,
+    KS: tl.constexpr,
 ):
     """Row r, whole row in registers: h = bf16(x + o'), o' = bf16(o) or Gemma's bf16(norm(o) * (1 + w));
-    hn = norm(h). Both published."""
+    hn = norm(h). Both published. ``KS`` > 1: o arrives as that many K-slice partials."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
-    o = tl.where(km, fetch(o_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB), 0.0)
+    o = tl.where(km, _row_sum(o_mb, r, k, km, tag, health_ptr, bad_code, HIDDEN, W, KS, BF16MB), 0.0)
     o = o.to(tl.bfloat16).to(tl.float32)
     if POST_NORMS:
         rstd_o = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / HIDDEN + eps)
@@ -94,16 +129,21 @@ def _final_task(
     HP: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
+    W: tl.constexpr,
+    KS: tl.constexpr,
+    POST_NORMS: tl.constexpr,
 ):
-    """Row r (Gemma): out = bf16(h + bf16(norm(d) * (1 + w)))."""
+    """Row r: out = bf16(h + d'), d' = Gemma's bf16(norm(d) * (1 + w)) or, after a split down
+    (``KS`` > 1 K-slice partials of d), bf16(d)."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
-    dv = tl.where(km, fetch(d_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB), 0.0)
+    dv = tl.where(km, _row_sum(d_mb, r, k, km, tag, health_ptr, bad_code, HIDDEN, W, KS, BF16MB), 0.0)
     dv = dv.to(tl.bfloat16).to(tl.float32)
     hv = fetch(h_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(dv * dv, axis=0) / HIDDEN + eps)
-    dn = rms_apply(dv, rstd, tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
-    out = (hv + dn.to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+    if POST_NORMS:
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(dv * dv, axis=0) / HIDDEN + eps)
+        dv = rms_apply(dv, rstd, tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
+    out = (hv + dv).to(tl.bfloat16).to(tl.float32)
     out = tl.where((nan_fault != 0) & (r == 0) & (k == 0), float("nan"), out)
     _check_finite(out, km, health_ptr, nf_code)
     tl.store(out_ptr + r * HIDDEN + k, out.to(tl.bfloat16), mask=km)
@@ -173,7 +213,15 @@ def k2_kernel(
     BF16MB: tl.constexpr = False,
     PROF: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
+    FINAL: tl.constexpr = False,
+    O_TILES: tl.constexpr = 0,
+    O_KS: tl.constexpr = 1,
+    D_TILES: tl.constexpr = 0,
+    D_KS: tl.constexpr = 1,
 ):
+    # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
+    # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
+    # t // *_TILES), publishing fp32 partials that post / final sum in slice order.
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
@@ -185,11 +233,11 @@ def k2_kernel(
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
     if BF16MB:
-        o_mb = region(mbox_ptr, O_W, tl.bfloat16)
+        o_mb = region(mbox_ptr, O_W, tl.float32 if O_KS > 1 else tl.bfloat16)
         h_mb = region(mbox_ptr, H_W, tl.bfloat16)
         hn_mb = region(mbox_ptr, HN_W, tl.bfloat16)
         act_mb = region(mbox_ptr, ACT_W, tl.bfloat16)
-        d_mb = region(mbox_ptr, D_W, tl.bfloat16)
+        d_mb = region(mbox_ptr, D_W, tl.float32 if D_KS > 1 else tl.bfloat16)
     else:
         o_mb = mbox_ptr + O_W
         h_mb = mbox_ptr + H_W
@@ -197,6 +245,8 @@ def k2_kernel(
         act_mb = mbox_ptr + ACT_W
         d_mb = mbox_ptr + D_W
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
+    O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
+    D_K: tl.constexpr = I // D_KS
     me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
@@ -209,22 +259,22 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
         for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
-            n0 = t * O_BN
+            n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_BN, O_K, O_KS, W)
             y, _y = gemv_task(
-                wo_ptr,
+                wo_ptr + k0,
                 so_ptr,
-                wo_ptr,
+                wo_ptr + k0,
                 so_ptr,
                 n0,
                 HIDDEN,
-                attn_ptr,
+                attn_ptr + k0,
                 Q,
                 post_w_ptr,
                 zero,
                 tag,
                 health_ptr,
                 bad_code,
-                Q,
+                O_K,
                 W,
                 WP,
                 O_BN,
@@ -236,9 +286,11 @@ def k2_kernel(
                 NUM_STAGES,
                 O_SPLIT,
                 FP8_PAIR,
+                Q if O_KS > 1 else 0,
             )
             n = n0 + tl.arange(0, O_BN)
-            publish(o_mb + rows[None, :] * HIDDEN + n[:, None], y, (n < HIDDEN)[:, None] & rmask[None, :], tag, BF16MB)
+            om = (n < HIDDEN)[:, None] & rmask[None, :]
+            publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
 
@@ -268,6 +320,8 @@ def k2_kernel(
                 POST_NORMS,
                 ONE_PLUS,
                 BF16MB,
+                W,
+                O_KS,
             )
             signal_done(done_post)
     stamp(prof_ptr, layer, me, 1, 1, 2, NPROG, PROF)
@@ -329,22 +383,22 @@ def k2_kernel(
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
-            n0 = t * D_BN
+            n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_BN, D_K, D_KS, W)
             y, _y = gemv_task(
-                wd_ptr,
+                wd_ptr + k0,
                 sd_ptr,
-                wd_ptr,
+                wd_ptr + k0,
                 sd_ptr,
                 n0,
                 HIDDEN,
-                act_mb,
+                act_mb + k0,
                 I,
                 post_w_ptr,
                 zero,
                 tag,
                 health_ptr,
                 bad_code,
-                I,
+                D_K,
                 W,
                 WP,
                 D_BN,
@@ -356,22 +410,23 @@ def k2_kernel(
                 NUM_STAGES,
                 D_SPLIT,
                 FP8_PAIR,
+                I if D_KS > 1 else 0,
             )
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
-            if POST_NORMS:
-                publish(d_mb + rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB)
+            if FINAL:
+                publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
             else:
                 hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
                 out = (hv + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
                 out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                 _check_finite(out, om, health_ptr, nf_code)
                 tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
-        if POST_NORMS:
+        if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
 
-    if POST_NORMS:
+    if FINAL:
         stamp(prof_ptr, layer, me, 1, 4, 0, NPROG, PROF)
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
@@ -397,6 +452,9 @@ def k2_kernel(
                     HP,
                     ONE_PLUS,
                     BF16MB,
+                    W,
+                    D_KS,
+                    POST_NORMS,
                 )
         stamp(prof_ptr, layer, me, 1, 4, 2, NPROG, PROF)
 

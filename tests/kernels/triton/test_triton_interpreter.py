@@ -73,10 +73,16 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_tile=16)
         if name.endswith("_prefetch"):
             target = dataclasses.replace(target, attn_prefetch=True)
-        tk = TritonKernels(req, w, target, 8, "cpu")
+        # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
+        # keep them whole
+        split_k = "_splitk" in name
+        target = dataclasses.replace(target, wide_split_k=4 if split_k else 0)
+        tk = TritonKernels(req, w, target, 32 if split_k else 8, "cpu")
         pair = wd == "fp8" and widths[0] > 1 and not name.endswith("_widen")
         assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
+        k2c = tk.consts[widths[0]][1]
+        assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
         if bk:
             assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
         alloc = BlockAllocator(64, 16, shuffle_seed=2)
@@ -125,7 +131,8 @@ CHILD = textwrap.dedent(
 # "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
 # to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
 # 16-position attention tiles (several per split) and "*_prefetch" repeats one with the attention
-# loop pipelined by hand (``Target.attn_prefetch``): the same bits.
+# loop pipelined by hand (``Target.attn_prefetch``): the same bits; "*_splitk" split o_proj and down
+# along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -143,6 +150,9 @@ RUNS = [
     ("llama_w1_bt16_prefetch", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
     ("llama_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_bt16_prefetch", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
+    ("llama_w2_splitk", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
+    ("w3_fp8_splitk", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
 ]
 
 
