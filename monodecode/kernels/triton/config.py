@@ -46,8 +46,12 @@ class Target:
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
-    # Software-pipelining depth of the attention context loop (1: a plain loop).
+    # Software-pipelining depth of the attention context loop (1: a plain loop), and the same at
+    # widths > 1 (0: ``attn_stages``). The K/V loads hang off the block-table loads, so the
+    # compiler keeps K/V tiles (depth - 1) // 2 iterations ahead: 3 waits for every tile as it
+    # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
+    wide_attn_stages: int = 0
     # Pipeline the attention context loop by hand, in registers, with the first K/V tile loaded
     # before the wait for the QKV stage (``attention.attn_task``'s ``PREFETCH``); ``attn_stages``
     # is then unused.
@@ -92,6 +96,9 @@ class Target:
         if width > 1 and self.wide_stages:
             return self.wide_stages
         return self.narrow_stages if width == 1 and self.narrow_stages else self.gemv_stages
+
+    def attention_stages(self, width: int) -> int:
+        return self.wide_attn_stages if width > 1 and self.wide_attn_stages else self.attn_stages
 
     def warps(self, width: int) -> int:
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
@@ -287,7 +294,7 @@ def k1_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
-        ATTN_STAGES=target.attn_stages,
+        ATTN_STAGES=target.attention_stages(W),
         ATTN_PREFETCH=target.attn_prefetch,
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
