@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.gemv import mma, rms_apply
-from monodecode.kernels.triton.mailbox import fetch, publish, wait_done
+from monodecode.kernels.triton.mailbox import fetch, publish
 
 
 @triton.jit
@@ -89,13 +89,6 @@ def _kv_tile(
 
 
 @triton.jit
-def _newest(ka, kb, vv, k1, k2, v, is_new):
-    """The tile with the newest position's k/v from registers (bit for bit what was cached)."""
-    new = is_new[:, None]
-    return tl.where(new, k1, ka), tl.where(new, k2, kb), tl.where(new, v[None, :], vv)
-
-
-@triton.jit
 def _softmax_tile(q1, q2, ka, kb, vv, jm, scale, m_i, l_i, acc, GP: tl.constexpr, BT: tl.constexpr):
     """One online-softmax step of the query group over a K/V tile (``jm``: live positions)."""
     sc = mma(q2, tl.trans(kb), mma(q1, tl.trans(ka), tl.zeros([GP, BT], dtype=tl.float32)))
@@ -151,23 +144,9 @@ def attn_task(
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
-    done_ptr,
-    done_target,
-    budget,
-    wait_code,
-    first_task,
-    PREFETCH: tl.constexpr,
 ):
-    """One (row, KV head, split) task; returns the spin budget. The caller has waited for the qkv
-    stage, except with ``PREFETCH``: then the program's first task waits (``done_ptr`` reaching
-    ``done_target``) once its first tile's loads are issued. ``ATTN_STAGES``:
-    software-pipelining depth of the context loop (block-table, K and V loads in flight).
-
-    ``PREFETCH``: the context loop is pipelined by hand instead, in registers: the first K/V tile
-    (and the next tile's block ids) are loaded before the wait, since the cached context does
-    not depend on this launch; each iteration then loads the next tile and the block ids of the
-    one after it before computing on the current one. The newest position, which this launch
-    writes, is taken from registers (``_newest``), never read back from the cache."""
+    """One (row, KV head, split) task; the caller has waited for the qkv stage. ``ATTN_STAGES``:
+    software-pipelining depth of the context loop (block-table, K and V loads in flight)."""
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
     g = (t // S) % KVH
@@ -185,12 +164,6 @@ def attn_task(
     lo = start + s * per
     hi = tl.minimum(lo + per, end)
     newest = end - 1
-    if PREFETCH:
-        blk = _block_ids(bt_ptr, r, bt_stride, lo, hi, BS, BT)
-        ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, lo, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
-        blk = _block_ids(bt_ptr, r, bt_stride, lo + BT, hi, BS, BT)
-        if first_task:
-            budget = wait_done(done_ptr, done_target, budget, health_ptr, wait_code)
     jq = tl.arange(0, GP)
     qrow = jq < G
     base = qkv_mb + r * NQKV
@@ -220,33 +193,21 @@ def attn_task(
         tl.store(kc_ptr + kdst + dh[None, :], k1)
         tl.store(kc_ptr + kdst + HALF + dh[None, :], k2)
         tl.store(vc_ptr + vdst + d, v)
-        if not PREFETCH:  # this program's own tile loads below read them back
-            tl.debug_barrier()
+        tl.debug_barrier()  # this program's own tile loads below read them back
 
     m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     jt = tl.arange(0, BT)
-    if PREFETCH:
-        for t0 in tl.range(lo, hi, BT, num_stages=1):
-            nka, nkb, nvv = _kv_tile(kc_ptr, vc_ptr, blk, t0 + BT, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
-            blk = _block_ids(bt_ptr, r, bt_stride, t0 + 2 * BT, hi, BS, BT)
-            j = t0 + jt
-            ka, kb, vv = _newest(ka, kb, vv, k1, k2, v, j == newest)
-            m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, j < hi, scale, m_i, l_i, acc, GP, BT)
-            ka, kb, vv = nka, nkb, nvv
-    else:
-        for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
-            j = t0 + jt
-            blk = _block_ids(bt_ptr, r, bt_stride, t0, hi, BS, BT)
-            ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
-            m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, j < hi, scale, m_i, l_i, acc, GP, BT)
+    for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
+        blk = _block_ids(bt_ptr, r, bt_stride, t0, hi, BS, BT)
+        ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+        m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, t0 + jt < hi, scale, m_i, l_i, acc, GP, BT)
 
     hrow = (r * H + g * G + jq) * S + s
     publish(acc_mb + hrow[:, None] * D + d[None, :], acc, qrow[:, None] & (d[None, :] >= 0), tag, BF16MB, True)
     publish(ml_mb + hrow * 2, m_i, qrow, tag, BF16MB, True)
     publish(ml_mb + hrow * 2 + 1, l_i, qrow, tag, BF16MB, True)
-    return budget
 
 
 @triton.jit

@@ -52,10 +52,6 @@ class Target:
     # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
     wide_attn_stages: int = 0
-    # Pipeline the attention context loop by hand, in registers, with the first K/V tile loaded
-    # before the wait for the QKV stage (``attention.attn_task``'s ``PREFETCH``); ``attn_stages``
-    # is then unused.
-    attn_prefetch: bool = False
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -69,10 +65,6 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
-    # Stages whose tasks leave at least a quarter of the grid idle (27B's 84 o_proj/down tasks
-    # at widths > 1) hold twice ``wide_inflight_bytes``: only the busy programs stream, and a
-    # program streams at its bytes in flight over the memory latency.
-    wide_inflight_fill: bool = False
     # Widths > 1: split o_proj and down along K into at most this many slices where their row
     # tiles leave programs idle (``plan.split_k_slices``; 0: never). The fp32 partials are summed
     # in slice order by the stage that reads them (post, final), so results stay deterministic.
@@ -133,6 +125,7 @@ CUDA = Target(
     narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
+    wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
     fp8_pair_min_rows=64,
     # 27B batch 2/4: down's 336 16-row tasks -> 84 64-row ones, 21.1 -> 17.4 ms (runs 12-13);
@@ -174,10 +167,9 @@ def target_for(kind: str) -> Target:
     raise ConfigError(f"triton kernels: no target for platform kind {kind!r}")
 
 
-def gemv_chunk(target: Target, width: int, stage: Stage, num_programs: int, fp8: bool) -> int:
+def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     """The K chunk of one GEMV stage: ``bk_narrow`` at width 1; at widths > 1 ``bk_wide``, grown
-    until rows x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes`` (twice
-    that with ``wide_inflight_fill`` for a stage whose tasks leave a quarter of the grid idle)."""
+    until rows x chunk x weight bytes x pipeline depth reaches ``wide_inflight_bytes``."""
     k = stage.k_per_task
     if width == 1:
         if target.narrow_tail and k >= target.bk_narrow and k % 16 == 0:
@@ -185,13 +177,10 @@ def gemv_chunk(target: Target, width: int, stage: Stage, num_programs: int, fp8:
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
     per_chunk = stage.rows_per_task * (1 if fp8 else 2) * target.stages(width, fp8)
-    inflight = target.wide_inflight_bytes
-    if target.wide_inflight_fill and 4 * stage.num_tasks <= 3 * num_programs:
-        inflight *= 2
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
-    while preferred < most and per_chunk * preferred < inflight:
+    while preferred < most and per_chunk * preferred < target.wide_inflight_bytes:
         preferred *= 2
     return k_chunk(k, preferred)
 
@@ -255,7 +244,7 @@ def k1_constexprs(
     attn = _stage(plan, K1, "attn")
     comb = _stage(plan, K1, "combine")
     wide = W > 1
-    bk = gemv_chunk(target, W, qkv, plan.num_workgroups, fp8)
+    bk = gemv_chunk(target, W, qkv, fp8)
     return dict(
         HIDDEN=L.hidden,
         NQKV=L.qkv,
@@ -295,7 +284,6 @@ def k1_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         ATTN_STAGES=target.attention_stages(W),
-        ATTN_PREFETCH=target.attn_prefetch,
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
     )
@@ -316,9 +304,9 @@ def k2_constexprs(
     o_word = _word(plan, "o_part" if o_part else "o")
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
-    o_bk = gemv_chunk(target, W, o, plan.num_workgroups, fp8)
-    gu_bk = gemv_chunk(target, W, gu, plan.num_workgroups, fp8)
-    d_bk = gemv_chunk(target, W, dn, plan.num_workgroups, fp8)
+    o_bk = gemv_chunk(target, W, o, fp8)
+    gu_bk = gemv_chunk(target, W, gu, fp8)
+    d_bk = gemv_chunk(target, W, dn, fp8)
     return dict(
         HIDDEN=L.hidden,
         HP=_pow2(L.hidden),

@@ -98,7 +98,6 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
-    ATTN_PREFETCH: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -175,11 +174,11 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
-        if first < ATTN_TASKS and not ATTN_PREFETCH:
+        if first < ATTN_TASKS:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)  # with ATTN_PREFETCH: before the wait
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)
         for t in range(first, ATTN_TASKS, NPROG):
-            budget = attn_task(
+            attn_task(
                 t,
                 qkv_mb,
                 acc_mb,
@@ -221,12 +220,6 @@ def k1_kernel(
                 ONE_PLUS,
                 BF16MB,
                 ATTN_STAGES,
-                done_qkv,
-                epoch * QKV_TASKS,
-                budget,
-                code,
-                t == first,
-                ATTN_PREFETCH,
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)

@@ -71,8 +71,6 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, fp8_wide="widen")
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16)
-        if name.endswith("_prefetch"):
-            target = dataclasses.replace(target, attn_prefetch=True)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole
         split_k = "_splitk" in name
@@ -130,8 +128,8 @@ CHILD = textwrap.dedent(
 # the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits;
 # "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
 # to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
-# 16-position attention tiles (several per split) and "*_prefetch" repeats one with the attention
-# loop pipelined by hand (``Target.attn_prefetch``): the same bits; "*_splitk" split o_proj and down
+# 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
+# tiny's layers are all sliding, two tiles at most); "*_splitk" split o_proj and down
 # along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
@@ -145,11 +143,8 @@ RUNS = [
     ("w3_fp8_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
     ("llama_w2_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
     ("llama_w1_store1d", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
-    ("w2_bt16", "bf16", [2], 2, 2, [70, 130], "interleaved", 0, "tiny", "bf16"),
-    ("w2_bt16_prefetch", "bf16", [2], 2, 2, [70, 130], "interleaved", 0, "tiny", "bf16"),
-    ("llama_w1_bt16_prefetch", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
+    ("llama_w1_bt16", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
     ("llama_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("llama_w2_bt16_prefetch", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_splitk", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
     ("w3_fp8_splitk", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -175,17 +170,6 @@ def test_mailbox_formats_give_identical_bits(results, name):
     assert results[name]["health"] == 0
     for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
         assert a == b, f"{name}: layer {layer} differs from the bf16-mailbox run"
-
-
-@pytest.mark.parametrize("name", ["w2_bt16_prefetch", "llama_w2_bt16_prefetch"])
-def test_hand_pipelined_attention_gives_identical_bits(results, name):
-    """``attn_prefetch`` moves loads (the first tile before the wait, each next tile before the
-    current one's math) and takes the newest position from registers: schedule, not numbers.
-    tiny's layers are all sliding (two tiles at most); the Llama-style layer sees 5 per split."""
-    assert results[name]["health"] == 0
-    twin = results[name.removesuffix("_prefetch")]
-    for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
-        assert a == b, f"{name}: layer {layer} differs from the compiler-pipelined attention"
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
