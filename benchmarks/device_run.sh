@@ -41,8 +41,10 @@ SM=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_p
 CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
 EXP=""
 want experiments && EXP="--experiments"
-if want bench || want experiments; then  # the benchmark's builds, its "before" variant included
-  WARM=(--target "$(PYTHONPATH="$PWD/ops:$PYTHONPATH" python3 -c 'import json; from monodecode_ops.decode_bench.harness import DEFAULT_VARIANTS as V; print(json.dumps(V["before"]))')")
+if want bench || want experiments; then  # the benchmark's builds, its default variants included
+  WARM=()
+  while read -r v; do WARM+=(--target "$v"); done < <(PYTHONPATH="$PWD/ops:$PYTHONPATH" python3 -c \
+    'import json; from monodecode_ops.decode_bench.harness import DEFAULT_VARIANTS as V; [print(json.dumps(v)) for v in V.values()]')
 else  # tests only
   WARM=(--tests-only)
 fi

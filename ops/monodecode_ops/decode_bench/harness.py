@@ -73,10 +73,12 @@ LABELS = {
     "triton": "triton K1/K2",
 }
 # Launch-target changes measured next to the current target in the same run: "before" is the
-# launch target of runs 6-8 (tagged words at width 1, FP8 weights widened to bf16 at widths > 1,
-# K chunks that divide K, the rows chooser's whole-wave model).
+# launch target of runs 11-13 (o_proj and down never split along K, the attention loop pipelined
+# 3 deep at every width); "runs6-8" the one before that (tagged words at width 1, FP8 weights
+# widened to bf16 at widths > 1, K chunks that divide K, the rows chooser's whole-wave model).
 DEFAULT_VARIANTS = {
-    "before": {
+    "before": {"wide_split_k": 0, "wide_attn_stages": 0},
+    "runs6-8": {
         "narrow_mailbox": "tagged",
         "narrow_store_1d": False,
         "narrow_task_bytes": 4096,
@@ -86,7 +88,9 @@ DEFAULT_VARIANTS = {
         "fp8_pair_min_rows": 0,
         "wide_inflight_bytes": 0,
         "wide_burst": 0.0,
-    }
+        "wide_split_k": 0,
+        "wide_attn_stages": 0,
+    },
 }
 # Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).
 TARGETS = {
