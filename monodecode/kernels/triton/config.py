@@ -52,7 +52,6 @@ class Target:
     # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
     wide_attn_stages: int = 0
-    wide_attn_tile: int = 0  # context positions per attention tile at widths > 1 (0: ``attn_tile``)
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -127,7 +126,6 @@ CUDA = Target(
     wide_task_bytes=65536,
     attn_stages=3,
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
-    wide_attn_tile=128,
     fp8_wide="pair",
     fp8_pair_min_rows=64,
     # 27B batch 2/4: down's 336 16-row tasks -> 84 64-row ones, 21.1 -> 17.4 ms (runs 12-13);
@@ -259,7 +257,7 @@ def k1_constexprs(
         H=L.heads,
         S=plan.attn_splits,
         BS=block_size,
-        BT=target.wide_attn_tile if W > 1 and target.wide_attn_tile else target.attn_tile,
+        BT=target.attn_tile,
         W=W,
         WP=max(16, _pow2(W)) if wide else 1,
         BN=qkv.rows_per_task,
