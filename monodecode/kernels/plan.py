@@ -11,7 +11,10 @@ workgroup count (one per CU/SM), the plan fixes:
   - K2: ``o_proj`` (GEMV; with TP the partial goes to every peer) -> ``post`` (one task per
     row: TP sum, Gemma post-attention norm, residual add, pre-MLP norm) -> ``gate_up`` (fused
     gate/up GEMV + activation) -> ``down`` (GEMV; adds the residual when nothing follows) ->
-    ``final`` (only with Gemma post-MLP norms or TP: TP sum, norm, residual add).
+    ``final`` (only with Gemma post-MLP norms, TP or a split ``down``: TP sum, norm, residual add).
+  - Split-K (``wide_split_k``, widths > 1, one rank): ``o_proj`` / ``down`` tasks may each cover
+    one K slice of a row tile (``split_k_slices``), writing fp32 partials (``o_part`` /
+    ``d_part``) that ``post`` / ``final`` sum in slice order.
 
 * the **task tables**: task ``t`` of a stage runs on workgroup ``(t + stage.offset) % G``, so
   workgroup ``b`` runs tasks ``b', b'+G, ...`` (``b' = (b - offset) mod G``); the offsets rotate
@@ -27,9 +30,9 @@ workgroup count (one per CU/SM), the plan fixes:
   - ``tagged``: 8-byte words (fp32 value in the low half, the launch's 31-bit epoch tag in the
     high half, written with one store); consumers also check every word's tag.
   - ``bf16``: activations (qkv, o, h, hn, act, d and their TP peer slots) as plain bf16 values,
-    attention partials (attn_acc, attn_ml) as plain fp32; the completion counters are the only
-    synchronisation. Every consumer rounds its inputs to bf16 anyway, so both formats give the
-    same numbers; bf16 moves a quarter of the bytes.
+    attention and split-K partials (attn_acc, attn_ml, o_part, d_part) as plain fp32; the
+    completion counters are the only synchronisation. Every consumer rounds its inputs to bf16
+    anyway, so both formats give the same numbers; bf16 moves a quarter of the bytes.
  Each width owns a disjoint segment with its own epoch
   and completion counters, so layouts of different widths never alias. A one-word health header (sticky site code) leads
   the buffer. With TP, a second symmetric *peer* buffer (one per rank, IPC-mapped) has the same
