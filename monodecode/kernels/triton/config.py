@@ -300,10 +300,10 @@ def k2_constexprs(
     gu = _stage(plan, K2, "gate_up")
     dn = _stage(plan, K2, "down")
     final = [s for s in plan.k2 if s.name == "final"]
-    o_part, d_part = o.k_splits > 1, dn.k_splits > 1
-    o_word = _word(plan, "o_part" if o_part else "o")
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
+    o_part, d_part = o.k_splits > 1, dn.k_splits > 1
+    o_word = _word(plan, "o_part" if o_part else "o")
     o_bk = gemv_chunk(target, W, o, fp8)
     gu_bk = gemv_chunk(target, W, gu, fp8)
     d_bk = gemv_chunk(target, W, dn, fp8)
