@@ -456,7 +456,6 @@ class LayerPlan:
         L, W, S = self.local, self.width, self.attn_splits
         H, D = L.hidden, L.head_dim
         hid = H
-        tp = self.tp_size
         reads: list[Span] = []
         writes: list[Span] = []
         if st.kind == "gemv":
@@ -490,8 +489,9 @@ class LayerPlan:
         elif st.kind == "rownorm":
             r = t
             src = st.reads[0]
-            slots = tp if tp > 1 else (self.region(src).shape[0] if src in ("o_part", "d_part") else 1)
-            if slots > 1:  # one slot per source rank or K slice
+            shape = self.region(src).shape
+            slots = shape[0] if len(shape) == 3 else 1  # [slot, row, hidden]: source ranks or K slices
+            if slots > 1:
                 for q in range(slots):
                     reads.append(Span(src, (q * W + r) * H, (q * W + r + 1) * H))
             else:

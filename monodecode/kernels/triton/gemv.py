@@ -183,7 +183,7 @@ def gemv_task(
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
     weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
     > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
-    over one K slice of the rows (split-K; the pointers then start at the slice), else ``K``."""
+    over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
     n = n0 + tl.arange(0, BN)
@@ -191,12 +191,9 @@ def gemv_task(
     rows = tl.arange(0, WP)
     rmask = rows < W
     kcol = tl.arange(0, BK)
-    if W_STRIDE:
-        wp1 = w1_ptr + n[:, None].to(tl.int64) * W_STRIDE + kcol[None, :]
-        wp2 = w2_ptr + n[:, None].to(tl.int64) * W_STRIDE + kcol[None, :]
-    else:
-        wp1 = w1_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
-        wp2 = w2_ptr + n[:, None].to(tl.int64) * K + kcol[None, :]
+    ROW: tl.constexpr = W_STRIDE if W_STRIDE else K
+    wp1 = w1_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
+    wp2 = w2_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
     if DOT:
         acc1 = tl.zeros([BN, WP], dtype=tl.float32)
         acc2 = tl.zeros([BN, WP], dtype=tl.float32)

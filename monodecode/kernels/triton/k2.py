@@ -214,14 +214,14 @@ def k2_kernel(
     PROF: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
     FINAL: tl.constexpr = False,
-    O_TILES: tl.constexpr = 0,
     O_KS: tl.constexpr = 1,
-    D_TILES: tl.constexpr = 0,
     D_KS: tl.constexpr = 1,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
     # t // *_TILES), publishing fp32 partials that post / final sum in slice order.
+    O_TILES: tl.constexpr = O_TASKS // O_KS
+    D_TILES: tl.constexpr = D_TASKS // D_KS
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
@@ -286,7 +286,7 @@ def k2_kernel(
                 NUM_STAGES,
                 O_SPLIT,
                 FP8_PAIR,
-                Q if O_KS > 1 else 0,
+                Q,
             )
             n = n0 + tl.arange(0, O_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
@@ -410,7 +410,7 @@ def k2_kernel(
                 NUM_STAGES,
                 D_SPLIT,
                 FP8_PAIR,
-                I if D_KS > 1 else 0,
+                I,
             )
             n = n0 + tl.arange(0, D_BN)
             om = (n < HIDDEN)[:, None] & rmask[None, :]
