@@ -694,11 +694,11 @@ def plan_layer(
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
-    knobs = _rows_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+    knobs = _tiling_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
 
-def _rows_knobs(
+def _tiling_knobs(
     width: int,
     wide_task_bytes: object,
     narrow_task_bytes: object,
@@ -836,14 +836,14 @@ def plan_model(
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
     for w in (1, 2):  # every knob is checked, whichever widths are planned
-        _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+        _tiling_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        knobs = _rows_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+        knobs = _tiling_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
         lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
         layers[w] = lp
         segs[w] = lp.layout
