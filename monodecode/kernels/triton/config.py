@@ -52,6 +52,10 @@ class Target:
     # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
     wide_attn_stages: int = 0
+    # Context positions per attention tile where each task covers a row's whole context (widths
+    # > 1 whose plan has one split per row; 0: ``attn_tile``): such a task streams every tile of
+    # the row, so bytes in flight per program matter more than the masked tail of the last tile.
+    whole_attn_tile: int = 0
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -65,6 +69,7 @@ class Target:
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
+    qkv_inflight_bytes: int = 0  # the same for K1's QKV stage (0: ``wide_inflight_bytes``)
     # Widths > 1: split o_proj and down along K into at most this many slices where their row
     # tiles leave programs idle (``plan.split_k_slices``; 0: never). The fp32 partials are summed
     # in slice order by the stage that reads them (post, final), so results stay deterministic.
@@ -81,6 +86,8 @@ class Target:
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
     # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
     narrow_tail: bool = False
+    # Memory order of the launch-exit atomics (``mailbox.finish_launch``): relaxed or acq_rel.
+    exit_sem: str = "relaxed"
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -177,10 +184,13 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
     per_chunk = stage.rows_per_task * (1 if fp8 else 2) * target.stages(width, fp8)
+    inflight = target.wide_inflight_bytes
+    if stage.name == "qkv" and target.qkv_inflight_bytes:
+        inflight = target.qkv_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
-    while preferred < most and per_chunk * preferred < target.wide_inflight_bytes:
+    while preferred < most and per_chunk * preferred < inflight:
         preferred *= 2
     return k_chunk(k, preferred)
 
@@ -221,6 +231,12 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
     return fp8 and target.fp8_wide == "pair"
 
 
+def _exit_sem(target: Target) -> str:
+    if target.exit_sem not in ("relaxed", "acq_rel"):
+        raise ConfigError(f"triton kernels: exit_sem must be 'relaxed' or 'acq_rel', got {target.exit_sem!r}")
+    return target.exit_sem
+
+
 def _stage(plan: LayerPlan, kernel: str, name: str):
     return plan.stage(kernel, name)
 
@@ -257,7 +273,7 @@ def k1_constexprs(
         H=L.heads,
         S=plan.attn_splits,
         BS=block_size,
-        BT=target.attn_tile,
+        BT=target.whole_attn_tile if wide and plan.attn_splits == 1 and target.whole_attn_tile else target.attn_tile,
         W=W,
         WP=max(16, _pow2(W)) if wide else 1,
         BN=qkv.rows_per_task,
@@ -286,6 +302,7 @@ def k1_constexprs(
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
+        EXIT_SEM=_exit_sem(target),
     )
 
 
@@ -352,6 +369,7 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
+        EXIT_SEM=_exit_sem(target),
     )
 
 

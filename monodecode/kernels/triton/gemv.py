@@ -117,8 +117,11 @@ def _input_chunk(
         xb = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.bfloat16)
     elif SRC == 0:
         xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        g = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        xb = rms_apply(xf, rstd[:, None], g[None, :], ONE_PLUS)
+        # The norm weight is loaded once per live row, in the input's [WP, BK] shape: as a 1-D
+        # [256] vector over 8 warps it got 2 bytes per thread, below cp.async's 4, so Triton
+        # did not pipeline it and each K chunk waited one L2 round trip for it.
+        g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        xb = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
     return xb, bad

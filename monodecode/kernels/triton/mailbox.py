@@ -80,18 +80,23 @@ def check_tags(words, mask, tag, health_ptr, code):
 
 
 @triton.jit
-def finish_launch(epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1, c2, t2, c3, t3, c4, t4):
+def finish_launch(
+    epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1, c2, t2, c3, t3, c4, t4, SEM: tl.constexpr = "relaxed"
+):
     """Advance the launch counter by the programs this instance stands for (once, at exit).
 
     The program that finishes last settles the stage completion counters at ``epoch * tasks``
     (``atomic_max``: a no-op after a healthy launch). After a launch in which a producer never
-    signalled (an injected stall, a wait that expired) the next launch starts consistent."""
-    old = tl.atomic_add(epoch_ptr, programs, sem="acq_rel")
+    signalled (an injected stall, a wait that expired) the next launch starts consistent.
+    Nothing in this launch reads these words after they change, and the kernel boundary orders
+    them before the next launch, so ``relaxed`` suffices; ``acq_rel`` fences each atomic, and
+    the last program then pays five memory round trips in a row before the launch can end."""
+    old = tl.atomic_add(epoch_ptr, programs, sem=SEM)
     if (old + programs) % NPROG == 0:
-        tl.atomic_max(c1, t1, sem="acq_rel")
-        tl.atomic_max(c2, t2, sem="acq_rel")
-        tl.atomic_max(c3, t3, sem="acq_rel")
-        tl.atomic_max(c4, t4, sem="acq_rel")
+        tl.atomic_max(c1, t1, sem=SEM)
+        tl.atomic_max(c2, t2, sem=SEM)
+        tl.atomic_max(c3, t3, sem=SEM)
+        tl.atomic_max(c4, t4, sem=SEM)
 
 
 @triton.jit
