@@ -86,8 +86,6 @@ class Target:
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
     # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
     narrow_tail: bool = False
-    # Memory order of the launch-exit atomics (``mailbox.finish_launch``): relaxed or acq_rel.
-    exit_sem: str = "relaxed"
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -141,6 +139,12 @@ CUDA = Target(
     wide_burst=1.5,
     wide_inflight_bytes=65536,  # what the 64-row bf16 gate/up tiles held when they streamed at bandwidth
     wide_split_k=4,  # 27B o_proj/down at widths > 1 (84 tiles on 132 SMs), FP8 8B's (64 tiles)
+    # Run 19, batches 2-8: QKV 256-wide chunks (27B 16.93 -> 16.81 ms at b8, 8B 4.85 -> 4.78 at
+    # b2) and 128-position tiles where one task covers a row's whole context (27B b8 -> 16.83);
+    # both together 27B b8 16.67 ms. 8B QKV had lost 4 % with 256-wide chunks in run 14, before
+    # the fused norm's weight was pipelined at that width.
+    qkv_inflight_bytes=131072,
+    whole_attn_tile=128,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -231,12 +235,6 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
     return fp8 and target.fp8_wide == "pair"
 
 
-def _exit_sem(target: Target) -> str:
-    if target.exit_sem not in ("relaxed", "acq_rel"):
-        raise ConfigError(f"triton kernels: exit_sem must be 'relaxed' or 'acq_rel', got {target.exit_sem!r}")
-    return target.exit_sem
-
-
 def _stage(plan: LayerPlan, kernel: str, name: str):
     return plan.stage(kernel, name)
 
@@ -302,7 +300,6 @@ def k1_constexprs(
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        EXIT_SEM=_exit_sem(target),
     )
 
 
@@ -369,7 +366,6 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        EXIT_SEM=_exit_sem(target),
     )
 
 

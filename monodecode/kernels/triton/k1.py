@@ -98,7 +98,6 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
-    EXIT_SEM: tl.constexpr = "relaxed",
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -249,5 +248,4 @@ def k1_kernel(
         epoch * ATTN_TASKS,
         done_attn,
         epoch * ATTN_TASKS,
-        EXIT_SEM,
     )

@@ -216,7 +216,6 @@ def k2_kernel(
     FINAL: tl.constexpr = False,
     O_KS: tl.constexpr = 1,
     D_KS: tl.constexpr = 1,
-    EXIT_SEM: tl.constexpr = "relaxed",
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -471,5 +470,4 @@ def k2_kernel(
         epoch * GU_TASKS,
         done_down,
         epoch * D_TASKS,
-        EXIT_SEM,
     )

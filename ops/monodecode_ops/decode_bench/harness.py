@@ -73,11 +73,13 @@ LABELS = {
     "triton": "triton K1/K2",
 }
 # Launch-target changes measured next to the current target in the same run: "before" is the
-# launch target of runs 11-13 (o_proj and down never split along K, the attention loop pipelined
-# 3 deep at every width); "runs6-8" the one before that (tagged words at width 1, FP8 weights
-# widened to bf16 at widths > 1, K chunks that divide K, the rows chooser's whole-wave model).
+# launch target of runs 17-18 (QKV chunks sized like every other stage's, 64-position attention
+# tiles everywhere); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
+# at widths > 1, K chunks that divide K, the rows chooser's whole-wave model, no split-K, the
+# attention loop pipelined 3 deep). Kernel code changes (run 19: relaxed exit atomics, the fused
+# norm's weight pipelined) apply to every variant.
 DEFAULT_VARIANTS = {
-    "before": {"wide_split_k": 0, "wide_attn_stages": 0},
+    "before": {"qkv_inflight_bytes": 0, "whole_attn_tile": 0},
     "runs6-8": {
         "narrow_mailbox": "tagged",
         "narrow_store_1d": False,
@@ -87,9 +89,11 @@ DEFAULT_VARIANTS = {
         "fp8_wide": "widen",
         "fp8_pair_min_rows": 0,
         "wide_inflight_bytes": 0,
+        "qkv_inflight_bytes": 0,
         "wide_burst": 0.0,
         "wide_split_k": 0,
         "wide_attn_stages": 0,
+        "whole_attn_tile": 0,
     },
 }
 # Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).

@@ -1,5 +1,7 @@
-"""The Triton launch configuration's refusals (``kernels/triton/config.py``, pure Python): each is
-one ``ConfigError`` line naming the problem, raised before any region of the plan is looked up."""
+"""The Triton launch configuration (``kernels/triton/config.py``): its refusals, each one
+``ConfigError`` line naming the problem and raised before any region of the plan is looked up;
+the per-stage choices timed on the H200 (benchmarks/README.md, run 19); and the launch exit as
+compiled for sm_90 on the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.plan import plan_model
-from monodecode.kernels.triton.config import CUDA, k2_constexprs, plan_for, target_for
+from monodecode.kernels.triton.config import CUDA, gemv_chunk, k1_constexprs, k2_constexprs, plan_for, target_for
 from monodecode.model.profiles import profile_dims
 
 
@@ -28,3 +30,55 @@ def test_bad_target_fields_are_refused_in_one_line():
         plan_for(profile_dims("llama3-8b"), [2], 132, dataclasses.replace(CUDA, fp8_wide="fp16"), fp8=True)
     with pytest.raises(ConfigError, match="^triton kernels: no target for platform kind 'tpu'$"):
         target_for("tpu")
+
+
+def _k1(profile: str, width: int, target=CUDA) -> dict:
+    dims = profile_dims(profile)
+    plan = plan_for(dims, [width], 132, target).layers[width]
+    return k1_constexprs(dims, plan, target, 16)
+
+
+def test_qkv_chunks_hold_their_own_bytes_in_flight():
+    """QKV at widths > 1 takes 256-wide chunks (128 KiB of weights in flight per program) where
+    the other stages' 64 KiB gives 128; width 1 keeps its own chunk."""
+    assert _k1("gemma3-27b", 8)["BK"] == 256
+    assert _k1("llama3-8b", 2)["BK"] == 256
+    assert _k1("gemma3-27b", 8, dataclasses.replace(CUDA, qkv_inflight_bytes=0))["BK"] == 128
+    assert _k1("llama3-8b", 1)["BK"] == CUDA.bk_narrow
+    dims = profile_dims("llama3-8b")
+    plan = plan_for(dims, [8], 132, CUDA).layers[8]
+    gate_up = plan.stage("k2", "gate_up")
+    assert gemv_chunk(CUDA, 8, gate_up, False) == 128  # not the QKV figure
+
+
+def test_whole_context_tasks_take_the_larger_attention_tile():
+    """128-position tiles only where one task covers a row's whole context (one split per row)."""
+    wide = _k1("gemma3-27b", 8)
+    assert wide["S"] == 1 and wide["BT"] == 128
+    split = _k1("llama3-8b", 8)
+    assert split["S"] > 1 and split["BT"] == CUDA.attn_tile
+    assert _k1("gemma3-27b", 1)["BT"] == CUDA.attn_tile
+    assert _k1("gemma3-27b", 8, dataclasses.replace(CUDA, whole_attn_tile=0))["BT"] == CUDA.attn_tile
+
+
+def test_launch_exit_atomics_are_relaxed_in_the_compiled_kernels():
+    """The last program's exit atomics must not be fenced (``mailbox.finish_launch``): acq_rel
+    made it wait five round trips in a row before the launch could end (run 19: 3.5 -> 1.8 µs
+    between launches). Compiled for sm_90 on the CPU; the stage hand-offs keep their order."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from monodecode.kernels.triton.sources import kernel_sources
+
+    dims = profile_dims("tiny")
+    mplan = plan_for(dims, [2], 8, CUDA)
+    for name, src in kernel_sources(dims, "bf16", 2, 16, mplan, CUDA):
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+        body = ptx[: ptx.rindex("ret;")]
+        atoms = re.findall(r"atom\.global\.\S+", body)
+        exit_atoms = atoms[-5:]  # the epoch add, then the four counter settles
+        assert [a.split(".")[-2] for a in exit_atoms] == ["add"] + ["max"] * 4, (name, exit_atoms)
+        assert all(".relaxed." in a for a in exit_atoms), (name, exit_atoms)
+        assert any(".release." in a or ".acq_rel." in a for a in atoms[:-5]), name  # hand-offs stay ordered
