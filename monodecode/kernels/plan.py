@@ -15,6 +15,9 @@ workgroup count (one per CU/SM), the plan fixes:
   - Split-K (``wide_split_k``, widths > 1, one rank): ``o_proj`` / ``down`` tasks may each cover
     one K slice of a row tile (``split_k_slices``), writing fp32 partials (``o_part`` /
     ``d_part``) that ``post`` / ``final`` sum in slice order.
+  - Even waves (``wide_even_waves``, widths > 1, one rank, unsplit GEMVs): where a stage's row
+    tiles leave the last wave of the grid partly idle, each task covers fewer rows of its tile
+    (``even_wave_rows``, ``Stage.tile_rows``) so the same number of waves is full.
 
 * the **task tables**: task ``t`` of a stage runs on workgroup ``(t + stage.offset) % G``, so
   workgroup ``b`` runs tasks ``b', b'+G, ...`` (``b' = (b - offset) mod G``); the offsets rotate
@@ -229,6 +232,15 @@ class Stage:
     # t % tiles, slice t // tiles); each writes an fp32 partial, summed in slice order by the
     # stage that reads them (``split_k_slices``)
     k_splits: int = 1
+    # gemv: the row tile each task computes when it is wider than the task's rows (``even_wave_rows``:
+    # rows cut so the tasks fill whole waves; the rows past ``rows_per_task`` are masked, never
+    # read or written); 0: the tile is ``rows_per_task``
+    tile_rows: int = 0
+
+    @property
+    def tile(self) -> int:
+        """gemv: rows of the tile each task computes (a power of two, >= ``rows_per_task``)."""
+        return self.tile_rows or self.rows_per_task
 
     @property
     def tiles(self) -> int:
@@ -265,6 +277,7 @@ class Stage:
             "k": self.k,
             # only when split, so plans without split-K keep their digests (FlyDSL goldens)
             **({"k_splits": self.k_splits} if self.k_splits != 1 else {}),
+            **({"tile_rows": self.tile_rows} if self.tile_rows else {}),
         }
 
 
@@ -380,6 +393,15 @@ def split_k_slices(tiles: int, k: int, num_workgroups: int, most: int) -> int:
         if cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+def even_wave_rows(n: int, tile: int, num_workgroups: int) -> int:
+    """Rows per task for a GEMV of ``n`` rows in ``tile``-row tiles that leave the last wave of
+    the grid partly idle: the same number of waves, each full, every task a little narrower
+    (27B gate/up at widths > 1: 336 64-row tasks are 2.5 waves of 132; 391 55-row ones are 3
+    full waves). ``tile`` when the tasks already fill their waves."""
+    waves = -(-(-(-n // tile)) // num_workgroups)
+    return min(tile, -(-n // (waves * num_workgroups)))
 
 
 def attention_splits(width: int, kv_heads: int, num_workgroups: int) -> int:
@@ -612,6 +634,7 @@ def _stages(
     min_rows: int = 0,
     burst: float = 0.0,
     split_k: int = 0,
+    even_waves: bool = False,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -623,6 +646,15 @@ def _stages(
         if ks == 1:
             return st
         return replace(st, num_tasks=st.num_tasks * ks, k_splits=ks, writes=(partials,), reads=reads or st.reads)
+
+    def even(st: Stage) -> Stage:
+        """``st``'s tasks cut to fill whole waves (``even_wave_rows``; widths > 1, one rank, unsplit)."""
+        if not even_waves or W == 1 or tp != 1 or st.k_splits != 1:
+            return st
+        rows = even_wave_rows(st.n, st.rows_per_task, G)
+        if rows == st.rows_per_task:
+            return st
+        return replace(st, num_tasks=-(-st.n // rows), rows_per_task=rows, tile_rows=st.rows_per_task)
 
     def gemv(kernel, name, index, n, k, reads, writes, offset):
         in_bytes = 2 if reads[0] in LAUNCH_INPUTS[kernel] else mailbox_bytes(mailbox, reads[0])
@@ -640,7 +672,7 @@ def _stages(
         return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
 
     k1: list[Stage] = []
-    qkv = gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0)
+    qkv = even(gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0))
     k1.append(qkv)
     attn_tasks = W * L.kv_heads * S
     attn = Stage(
@@ -661,15 +693,15 @@ def _stages(
     )
 
     k2: list[Stage] = []
-    o = split(gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0), "o_part")
+    o = even(split(gemv(K2, "o_proj", 0, L.hidden, L.q, ["attn_out"], [o_dst], 0), "o_part"))
     k2.append(o)
     post = Stage(K2, "post", 1, "rownorm", W, (o.offset + o.num_tasks) % G, (o.writes[0], "x"), ("h", "hn"))
     k2.append(post)
-    gu = gemv(K2, "gate_up", 2, L.intermediate, L.hidden, ["hn"], ["act"], post.offset + post.num_tasks)
+    gu = even(gemv(K2, "gate_up", 2, L.intermediate, L.hidden, ["hn"], ["act"], post.offset + post.num_tasks))
     k2.append(gu)
     down_reads = ["act"] if final else ["act", "h"]
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
-    down = split(down, "d_part", ("act",))  # a split down's residual add moves to a final stage
+    down = even(split(down, "d_part", ("act",)))  # a split down's residual add moves to a final stage
     k2.append(down)
     if final or down.k_splits > 1:
         k2.append(
@@ -691,10 +723,13 @@ def plan_layer(
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
+    wide_even_waves: bool = False,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
-    knobs = _tiling_knobs(width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+    knobs = _tiling_knobs(
+        width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves
+    )
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
 
@@ -705,17 +740,22 @@ def _tiling_knobs(
     wide_min_rows: object,
     wide_burst: object,
     wide_split_k: object = 0,
-) -> tuple[int, int, float, int]:
+    wide_even_waves: object = False,
+) -> tuple[int, int, float, int, bool]:
     """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
-    narrowest tile, burst) and the most K slices (``split_k_slices``; widths > 1 only)."""
+    narrowest tile, burst), the most K slices (``split_k_slices``) and whether tasks are cut to
+    fill whole waves (``even_wave_rows``); the last two at widths > 1 only."""
+    if not isinstance(wide_even_waves, bool):
+        raise ConfigError(f"kernel plan: wide_even_waves must be true or false, got {wide_even_waves!r}")
     if width == 1:
         _check_count(wide_split_k, "wide_split_k")
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
         _check_burst(wide_burst),
         _check_count(wide_split_k, "wide_split_k"),
+        wide_even_waves,
     )
 
 
@@ -744,6 +784,7 @@ def _plan_width(
     min_rows: int = 0,
     burst: float = 0.0,
     split_k: int = 0,
+    even_waves: bool = False,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -751,7 +792,7 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
     regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks), offset)
@@ -822,6 +863,7 @@ def plan_model(
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
+    wide_even_waves: bool = False,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -831,19 +873,21 @@ def plan_model(
     ones) and at width 1 (a larger one keeps wide row tiles: more bytes in flight per task);
     ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
-    ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split)."""
+    ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
+    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
+    tiling = (wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves)
     for w in (1, 2):  # every knob is checked, whichever widths are planned
-        _tiling_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+        _tiling_knobs(w, *tiling)
     header, cur = _pack([("health", (1,), 4)], 0)
     peer_cur = 0
     layers: dict[int, LayerPlan] = {}
     segs: dict[int, WidthLayout] = {}
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
-        knobs = _tiling_knobs(w, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k)
+        knobs = _tiling_knobs(w, *tiling)
         lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
         layers[w] = lp
         segs[w] = lp.layout
@@ -872,6 +916,7 @@ def key_inputs(
     wide_min_rows: int = 0,
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
+    wide_even_waves: bool = False,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict
     (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -897,6 +942,7 @@ def key_inputs(
         wide_min_rows=wide_min_rows,
         wide_burst=wide_burst,
         wide_split_k=wide_split_k,
+        wide_even_waves=wide_even_waves,
     )
     return {
         "plan_version": PLAN_VERSION,
@@ -913,6 +959,7 @@ def key_inputs(
         "narrow_task_bytes": narrow_task_bytes,
         "wide_min_rows": wide_min_rows,
         "wide_burst": wide_burst,
-        **({"wide_split_k": wide_split_k} if wide_split_k else {}),  # keys without it unchanged
+        **({"wide_split_k": wide_split_k} if wide_split_k else {}),  # keys without them unchanged
+        **({"wide_even_waves": True} if wide_even_waves else {}),
         "plan_digest": mp.digest(),
     }

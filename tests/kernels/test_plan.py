@@ -271,6 +271,47 @@ def test_split_k_slices_choice():
     assert P.split_k_slices(64, 4096 + 64, 132, 4) == 1  # K not a multiple of 2 x 64
 
 
+def test_even_waves_fill_the_last_wave_with_narrower_tasks():
+    """``wide_even_waves``: GEMV tasks whose tiles leave the grid's last wave partly idle own fewer
+    rows of the same tile, the same waves all full: 27B gate/up's 336 64-row tasks (2.5 waves of
+    132) become 391 of 55 rows, 8B QKV's 96 (one wave, 36 programs idle) 131 of 47. Split stages,
+    stages that fill their waves, width 1 and TP keep their tasks; each row is written once."""
+    gemma, llama8 = profile_dims("gemma3-27b"), profile_dims("llama3-8b")
+    tiling = dict(mailbox="bf16", wide_task_bytes=65536, wide_burst=1.5, wide_split_k=4)
+
+    def plan(dims, width, even, tp=1):
+        return P.plan_model(dims, tp, [width], 132, wide_even_waves=even, **tiling).layers[width]
+
+    g = plan(gemma, 8, True)
+    cut = {s.name: (s.num_tasks, s.rows_per_task, s.tile) for s in g.k1 + g.k2 if s.tile_rows}
+    assert cut == {"qkv": (131, 63, 64), "gate_up": (391, 55, 64)}  # o_proj / down are split
+    l8 = plan(llama8, 8, True)
+    assert {s.name: (s.num_tasks, s.rows_per_task) for s in l8.k1 + l8.k2 if s.tile_rows} == {
+        "qkv": (131, 47),
+        "gate_up": (261, 55),
+    }
+    assert l8.stage(P.K2, "o_proj") == plan(llama8, 8, False).stage(P.K2, "o_proj")  # 128 tasks: full
+    assert plan(gemma, 1, True) == plan(gemma, 1, False)
+    assert not any(s.tile_rows for s in plan(llama8, 2, True, tp=2).k1)
+    for p in (g, l8):
+        for name in ("qkv", "gate_up"):
+            st = p.stage(P.K1 if name == "qkv" else P.K2, name)
+            dst = st.writes[0]
+            spans = sorted((sp.start, sp.stop) for t in p.tasks(st.kernel, name) for sp in t.writes if sp.region == dst)
+            rows = [i for a, b in spans for i in range(a, b)]
+            assert rows == list(range(p.width * st.n)), name  # every row once, no overlap
+        waves = -(-max(s.num_tasks for s in p.k1 + p.k2 if s.tile_rows) // 132)
+        assert waves == (3 if p is g else 2)  # as many waves as the 64-row tiles took
+
+
+def test_even_wave_rows_choice():
+    assert P.even_wave_rows(21504, 64, 132) == 55  # 336 tiles, 3 waves -> 391 tasks
+    assert P.even_wave_rows(6144, 64, 132) == 47  # 96 tiles, one wave -> 131 tasks
+    assert P.even_wave_rows(4096, 32, 132) == 32  # 128 tiles already one wave of 32-row tasks
+    assert P.even_wave_rows(8448, 64, 132) == 64  # exactly one full wave
+    assert P.even_wave_rows(100, 64, 132) == 1  # fewer rows than programs: one row each
+
+
 def test_family_variants_and_tp_stages():
     llama = P.plan_layer(profile_dims("llama3-8b"), 1, 1, 132)
     gemma = P.plan_layer(profile_dims("gemma3-27b"), 1, 1, 132)
@@ -309,6 +350,7 @@ def test_key_inputs_deterministic_and_sensitive():
         {"wide_min_rows": 64},
         {"wide_burst": 1.5},
         {"wide_split_k": 4},
+        {"wide_even_waves": True},
     )
     for change in changes:
         assert P.key_inputs(dims, **{**base, **change}) != a, change
@@ -337,6 +379,8 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_burst="2"), "wide_burst must be a number in [0, 64]"),
         (lambda d: P.plan_model(d, 1, [1], 132, wide_split_k=-2), "wide_split_k must be a non-negative integer"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_split_k=2.0), "wide_split_k must be a non-negative integer"),
+        (lambda d: P.plan_model(d, 1, [1], 132, wide_even_waves=1), "wide_even_waves must be true or false, got 1"),
+        (lambda d: P.plan_layer(d, 1, 2, 132, wide_even_waves="yes"), "wide_even_waves must be true or false"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(

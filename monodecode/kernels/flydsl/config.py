@@ -120,6 +120,8 @@ class StageConsts:
 
     @classmethod
     def of(cls, st: Stage) -> StageConsts:
+        if st.k_splits != 1 or st.tile_rows:  # the plan knobs these kernels do not implement
+            raise ConfigError(f"flydsl kernels: stage {st.name} is split along K or cut to even waves (Triton only)")
         return cls(st.kernel, st.name, st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k)
 
 

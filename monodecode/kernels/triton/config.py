@@ -74,6 +74,10 @@ class Target:
     # tiles leave programs idle (``plan.split_k_slices``; 0: never). The fp32 partials are summed
     # in slice order by the stage that reads them (post, final), so results stay deterministic.
     wide_split_k: int = 0
+    # Widths > 1: GEMV tasks whose tiles leave the grid's last wave partly idle are cut to fewer
+    # rows, the same waves all full (``plan.even_wave_rows``; the tile keeps its size, the rows
+    # past a task's share are masked).
+    wide_even_waves: bool = False
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
@@ -145,6 +149,7 @@ CUDA = Target(
     # the fused norm's weight was pipelined at that width.
     qkv_inflight_bytes=131072,
     whole_attn_tile=128,
+    wide_even_waves=True,  # to be timed in run 20
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -166,6 +171,7 @@ def plan_for(
         narrow_task_bytes=target.narrow_task_bytes,
         wide_burst=target.wide_burst,
         wide_split_k=target.wide_split_k,
+        wide_even_waves=target.wide_even_waves,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -187,7 +193,7 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
             return target.bk_narrow
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
-    per_chunk = stage.rows_per_task * (1 if fp8 else 2) * target.stages(width, fp8)
+    per_chunk = stage.tile * (1 if fp8 else 2) * target.stages(width, fp8)
     inflight = target.wide_inflight_bytes
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
@@ -274,7 +280,8 @@ def k1_constexprs(
         BT=target.whole_attn_tile if wide and plan.attn_splits == 1 and target.whole_attn_tile else target.attn_tile,
         W=W,
         WP=max(16, _pow2(W)) if wide else 1,
-        BN=qkv.rows_per_task,
+        BN=qkv.tile,
+        QKV_ROWS=qkv.rows_per_task,
         BK=bk,
         NUM_STAGES=target.stages(W, fp8),
         SPLIT=target.split(W, fp8, L.hidden, bk),
@@ -328,11 +335,14 @@ def k2_constexprs(
         I=L.intermediate,
         W=W,
         WP=max(16, _pow2(W)) if wide else 1,
-        O_BN=o.rows_per_task,
+        O_BN=o.tile,
+        O_ROWS=o.rows_per_task,
         O_BK=o_bk,
-        GU_BN=gu.rows_per_task,
+        GU_BN=gu.tile,
+        GU_ROWS=gu.rows_per_task,
         GU_BK=gu_bk,
-        D_BN=dn.rows_per_task,
+        D_BN=dn.tile,
+        D_ROWS=dn.rows_per_task,
         D_BK=d_bk,
         NUM_STAGES=target.stages(W, fp8),
         O_SPLIT=target.split(W, fp8, L.q, o_bk),

@@ -139,6 +139,18 @@ def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr):
 
 
 @triton.jit
+def task_rows(n0, N, BN: tl.constexpr, ROWS: tl.constexpr):
+    """Output rows of a task's ``BN``-row tile and the ones it owns: below ``N`` and, when the
+    plan cut the task narrower than its tile (``plan.even_wave_rows``), among its first ``ROWS``
+    (the rest belong to the next task: never loaded, never stored)."""
+    n = n0 + tl.arange(0, BN)
+    own = n < N
+    if 0 < ROWS and ROWS < BN:
+        own = own & (tl.arange(0, BN) < ROWS)
+    return n, own
+
+
+@triton.jit
 def row_rstd(
     x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, NUM_STAGES: tl.constexpr
 ):
@@ -181,16 +193,17 @@ def gemv_task(
     SPLIT: tl.constexpr = 1,
     FP8_PAIR: tl.constexpr = False,
     W_STRIDE: tl.constexpr = 0,
+    ROWS: tl.constexpr = 0,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
     weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
     > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
-    over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``."""
+    over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``.
+    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
-    n = n0 + tl.arange(0, BN)
-    nmask = n < N
+    n, nmask = task_rows(n0, N, BN, ROWS)
     rows = tl.arange(0, WP)
     rmask = rows < W
     kcol = tl.arange(0, BK)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
-from monodecode.kernels.triton.gemv import gemv_task, row_rstd
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
     launch_epoch,
@@ -98,6 +98,7 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
+    QKV_ROWS: tl.constexpr = 0,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -125,7 +126,7 @@ def k1_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - QKV_OFF + NPROG) % NPROG
         for t in tl.range(first, QKV_TASKS, NPROG, flatten=FLAT):
-            n0 = t * BN
+            n0 = t * QKV_ROWS
             y, _y = gemv_task(
                 w_ptr,
                 s_ptr,
@@ -152,16 +153,18 @@ def k1_kernel(
                 NUM_STAGES,
                 SPLIT,
                 FP8_PAIR,
+                0,
+                QKV_ROWS,
             )
-            n = n0 + tl.arange(0, BN)
+            n, own = task_rows(n0, NQKV, BN, QKV_ROWS)
             # fault injection (stall != 0): never publish, so the waits below expire
             if STORE_1D and WP == 1:  # a 1-D store: its layout cannot leak back into the FMA tile
-                publish(qkv_mb + n, tl.sum(y, axis=1), (n < NQKV) & (stall == 0), tag, BF16MB)
+                publish(qkv_mb + n, tl.sum(y, axis=1), own & (stall == 0), tag, BF16MB)
             else:
                 publish(
                     qkv_mb + rows[None, :] * NQKV + n[:, None],
                     y,
-                    (n < NQKV)[:, None] & rmask[None, :] & (stall == 0),
+                    own[:, None] & rmask[None, :] & (stall == 0),
                     tag,
                     BF16MB,
                 )

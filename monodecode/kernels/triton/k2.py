@@ -9,7 +9,7 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, rms_apply
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply, task_rows
 from monodecode.kernels.triton.mailbox import (
     fetch,
     finish_launch,
@@ -42,14 +42,14 @@ def _check_finite(val, mask, health_ptr, code):
 
 
 @triton.jit
-def _tile_slice(t, rows, TILES: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
+def _tile_slice(t, rows, TILES: tl.constexpr, ROWS: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
     """GEMV task ``t``'s first output row, first K column and output rows in its mailbox region:
     row tile ``t % TILES`` of K slice ``t // TILES`` (partials of slice s at rows s*W..), or,
     unsplit, tile ``t`` over all of K (the same code as before split-K existed)."""
     if KS > 1:
-        return (t % TILES) * BN, (t // TILES) * KT, (t // TILES) * W + rows
+        return (t % TILES) * ROWS, (t // TILES) * KT, (t // TILES) * W + rows
     else:
-        return t * BN, 0, rows
+        return t * ROWS, 0, rows
 
 
 @triton.jit
@@ -216,6 +216,9 @@ def k2_kernel(
     FINAL: tl.constexpr = False,
     O_KS: tl.constexpr = 1,
     D_KS: tl.constexpr = 1,
+    O_ROWS: tl.constexpr = 0,
+    GU_ROWS: tl.constexpr = 0,
+    D_ROWS: tl.constexpr = 0,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -259,7 +262,7 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
         for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
-            n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_BN, O_K, O_KS, W)
+            n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
             y, _y = gemv_task(
                 wo_ptr + k0,
                 so_ptr,
@@ -287,9 +290,10 @@ def k2_kernel(
                 O_SPLIT,
                 FP8_PAIR,
                 Q,
+                O_ROWS,
             )
-            n = n0 + tl.arange(0, O_BN)
-            om = (n < HIDDEN)[:, None] & rmask[None, :]
+            n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
+            om = own[:, None] & rmask[None, :]
             publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
@@ -335,7 +339,7 @@ def k2_kernel(
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
-            n0 = t * GU_BN
+            n0 = t * GU_ROWS
             g, u = gemv_task(
                 wg_ptr,
                 sg_ptr,
@@ -362,13 +366,15 @@ def k2_kernel(
                 NUM_STAGES,
                 GU_SPLIT,
                 FP8_PAIR,
+                0,
+                GU_ROWS,
             )
             gb = g.to(tl.bfloat16).to(tl.float32)
             ub = u.to(tl.bfloat16).to(tl.float32)
             a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
             m = (a * ub).to(tl.bfloat16).to(tl.float32)
-            n = n0 + tl.arange(0, GU_BN)
-            publish(act_mb + rows[None, :] * I + n[:, None], m, (n < I)[:, None] & rmask[None, :], tag, BF16MB)
+            n, own = task_rows(n0, I, GU_BN, GU_ROWS)
+            publish(act_mb + rows[None, :] * I + n[:, None], m, own[:, None] & rmask[None, :], tag, BF16MB)
         signal_tasks(done_gu, first, GU_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
 
@@ -383,7 +389,7 @@ def k2_kernel(
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
-            n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_BN, D_K, D_KS, W)
+            n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
             y, _y = gemv_task(
                 wd_ptr + k0,
                 sd_ptr,
@@ -411,9 +417,10 @@ def k2_kernel(
                 D_SPLIT,
                 FP8_PAIR,
                 I,
+                D_ROWS,
             )
-            n = n0 + tl.arange(0, D_BN)
-            om = (n < HIDDEN)[:, None] & rmask[None, :]
+            n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
+            om = own[:, None] & rmask[None, :]
             if FINAL:
                 publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
             else:

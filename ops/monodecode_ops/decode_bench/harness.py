@@ -79,7 +79,7 @@ LABELS = {
 # attention loop pipelined 3 deep). Kernel code changes (run 19: relaxed exit atomics, the fused
 # norm's weight pipelined) apply to every variant.
 DEFAULT_VARIANTS = {
-    "before": {"qkv_inflight_bytes": 0, "whole_attn_tile": 0},
+    "before": {"qkv_inflight_bytes": 0, "whole_attn_tile": 0, "wide_even_waves": False},
     "runs6-8": {
         "narrow_mailbox": "tagged",
         "narrow_store_1d": False,
@@ -94,6 +94,7 @@ DEFAULT_VARIANTS = {
         "wide_split_k": 0,
         "wide_attn_stages": 0,
         "whole_attn_tile": 0,
+        "wide_even_waves": False,
     },
 }
 # Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).

@@ -72,10 +72,14 @@ CHILD = textwrap.dedent(
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
-        # keep them whole
+        # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
+        # rows of 64- / 32-row tiles (masked rows: the next task's)
         split_k = "_splitk" in name
-        target = dataclasses.replace(target, wide_split_k=4 if split_k else 0)
-        tk = TritonKernels(req, w, target, 32 if split_k else 8, "cpu")
+        even = "_even" in name
+        target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even)
+        tk = TritonKernels(req, w, target, 12 if even else 32 if split_k else 8, "cpu")
+        cut = [st for st in tk.plan.layers[widths[0]].k1 + tk.plan.layers[widths[0]].k2 if st.tile_rows]
+        assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
         pair = wd == "fp8" and widths[0] > 1 and not name.endswith("_widen")
         assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
@@ -130,7 +134,10 @@ CHILD = textwrap.dedent(
 # to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
 # tiny's layers are all sliding, two tiles at most); "*_splitk" split o_proj and down
-# along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage).
+# along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage); "*_even"
+# cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``): every GEMV of
+# llama_w2_even, QKV / o_proj / down under the FP8 pair and a final stage in w3_fp8_even, QKV and
+# gate/up next to split o_proj / down in llama_w3_fp8_even_splitk.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -148,6 +155,9 @@ RUNS = [
     ("llama_w2_splitk", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
     ("w3_fp8_splitk", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("llama_w2_even", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
+    ("w3_fp8_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("llama_w3_fp8_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
 ]
 
 
