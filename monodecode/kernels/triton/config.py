@@ -76,7 +76,8 @@ class Target:
     wide_split_k: int = 0
     # Widths > 1: GEMV tasks whose tiles leave the grid's last wave partly idle are cut to fewer
     # rows, the same waves all full (``plan.even_wave_rows``; the tile keeps its size, the rows
-    # past a task's share are masked).
+    # past a task's share are masked). Never with the FP8 pair, whose tiles are bound by matrix
+    # instructions, not bytes: a narrower task costs the same (run 20: FP8 b2-8 2 % slower).
     wide_even_waves: bool = False
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
@@ -149,7 +150,9 @@ CUDA = Target(
     # the fused norm's weight was pipelined at that width.
     qkv_inflight_bytes=131072,
     whole_attn_tile=128,
-    wide_even_waves=True,  # to be timed in run 20
+    # Run 20: 27B b2-8 15.38-16.78 -> 14.74-16.08 ms (gate/up 336 -> 391 tasks, 3 full waves),
+    # 8B b2-8 1-2 % faster. Not under the FP8 pair (``plan_for``).
+    wide_even_waves=True,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -171,7 +174,7 @@ def plan_for(
         narrow_task_bytes=target.narrow_task_bytes,
         wide_burst=target.wide_burst,
         wide_split_k=target.wide_split_k,
-        wide_even_waves=target.wide_even_waves,
+        wide_even_waves=target.wide_even_waves and not _fp8_pair(target, fp8),
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 

@@ -67,7 +67,7 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(CUDA, bk_narrow=bk) if bk else CUDA
         store_1d = name.endswith("_store1d")
         target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
-        if name.endswith("_widen"):
+        if "_widen" in name:
             target = dataclasses.replace(target, fp8_wide="widen")
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16)
@@ -80,7 +80,7 @@ CHILD = textwrap.dedent(
         tk = TritonKernels(req, w, target, 12 if even else 32 if split_k else 8, "cpu")
         cut = [st for st in tk.plan.layers[widths[0]].k1 + tk.plan.layers[widths[0]].k2 if st.tile_rows]
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
-        pair = wd == "fp8" and widths[0] > 1 and not name.endswith("_widen")
+        pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
         assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         k2c = tk.consts[widths[0]][1]
@@ -135,9 +135,10 @@ CHILD = textwrap.dedent(
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
 # tiny's layers are all sliding, two tiles at most); "*_splitk" split o_proj and down
 # along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage); "*_even"
-# cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``): every GEMV of
-# llama_w2_even, QKV / o_proj / down under the FP8 pair and a final stage in w3_fp8_even, QKV and
-# gate/up next to split o_proj / down in llama_w3_fp8_even_splitk.
+# cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``; never under the FP8
+# pair, so the FP8 runs widen): every GEMV of llama_w2_even, QKV / o_proj / down with widened
+# FP8 weights and a final stage in w3_fp8_widen_even, QKV and gate/up next to split o_proj / down
+# in llama_w3_fp8_widen_even_splitk.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -156,8 +157,8 @@ RUNS = [
     ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
     ("w3_fp8_splitk", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_even", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
-    ("w3_fp8_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("llama_w3_fp8_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
+    ("w3_fp8_widen_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
 ]
 
 
