@@ -84,3 +84,27 @@ def test_no_worse_than_golden(isa_rows):
         if fig["waves_per_simd"] < old["waves_per_simd"]:
             worse.append(f"{key} waves_per_simd: {old['waves_per_simd']} -> {fig['waves_per_simd']}")
     assert not worse, "ISA figures got worse than tests/kernels/golden/flydsl_isa.json: " + "; ".join(worse)
+
+
+def test_launch_exit_atomics_are_not_fenced(tmp_path):
+    """The last workgroup out settles the stage counters with relaxed atomics
+    (``mailbox.finish_launch``): no L2 writeback or invalidate between the launch counter's add
+    and the end of the program. With acq_rel each settle was fenced (gfx942 K2: five
+    ``buffer_wbl2``, five ``buffer_inv``, ten ``s_waitcnt vmcnt(0)``), and the launch could not end
+    before they drained. Disassembled with Debian's llvm-objdump-19 (``scripts/apt-packages.txt``)."""
+    import subprocess
+
+    out = compile_in_subprocess("gfx942", profile_dims("tiny"), [2], "bf16", 16, tmp_path)
+    for name, rec in out[2].items():
+        asm = subprocess.run(
+            ["/usr/lib/llvm-19/bin/llvm-objdump", "-d", "--mcpu=gfx942", str(tmp_path / rec["hsaco"])],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        lines = [ln.split("//")[0].strip() for ln in asm.splitlines()]
+        start = max(i for i, ln in enumerate(lines) if ln.startswith("global_atomic_add_x2"))
+        tail = lines[start : next(i for i in range(start, len(lines)) if lines[i].startswith("s_endpgm"))]
+        assert sum(ln.startswith("global_atomic_smax_x2") for ln in tail) >= 2, (name, tail)  # the settles
+        fences = [ln for ln in tail if ln.startswith(("buffer_wbl2", "buffer_inv"))]
+        assert not fences, (name, fences)
