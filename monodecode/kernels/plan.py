@@ -587,15 +587,7 @@ def _check_mailbox(mailbox: object) -> str:
 
 
 def _width_regions(
-    L: LocalDims,
-    W: int,
-    S: int,
-    tp: int,
-    final: bool,
-    mailbox: str = "tagged",
-    o_ks: int = 1,
-    d_ks: int = 1,
-    prenorm: bool = False,
+    L: LocalDims, W: int, S: int, tp: int, final: bool, mailbox: str = "tagged", o_ks: int = 1, d_ks: int = 1
 ) -> list[tuple[str, tuple[int, ...], int]]:
     mb = mailbox_bytes
     specs = [
@@ -613,10 +605,6 @@ def _width_regions(
         ("hn", (W, L.hidden), mb(mailbox, "hn")),
         ("act", (W, L.intermediate), mb(mailbox, "act")),
     ]
-    if prenorm:
-        # K1's input after its pre-norm, bf16, written by every program with QKV tasks before
-        # them (the same values from each) and read back by its own tasks (``wide_prenorm``)
-        specs.append(("xn", (W, L.hidden), 2))
     if tp == 1:
         if o_ks > 1:
             specs.append(("o_part", (o_ks, W, L.hidden), mb(mailbox, "o_part")))
@@ -736,19 +724,11 @@ def plan_layer(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
-    wide_prenorm: bool = False,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
     knobs = _tiling_knobs(
-        width,
-        wide_task_bytes,
-        narrow_task_bytes,
-        wide_min_rows,
-        wide_burst,
-        wide_split_k,
-        wide_even_waves,
-        wide_prenorm,
+        width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves
     )
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
@@ -761,25 +741,21 @@ def _tiling_knobs(
     wide_burst: object,
     wide_split_k: object = 0,
     wide_even_waves: object = False,
-    wide_prenorm: object = False,
-) -> tuple[int, int, float, int, bool, bool]:
+) -> tuple[int, int, float, int, bool]:
     """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
-    narrowest tile, burst), the most K slices (``split_k_slices``), whether tasks are cut to
-    fill whole waves (``even_wave_rows``) and whether K1's normalised input gets a region
-    (``xn``); the last three at widths > 1 only."""
-    for name, flag in (("wide_even_waves", wide_even_waves), ("wide_prenorm", wide_prenorm)):
-        if not isinstance(flag, bool):
-            raise ConfigError(f"kernel plan: {name} must be true or false, got {flag!r}")
+    narrowest tile, burst), the most K slices (``split_k_slices``) and whether tasks are cut to
+    fill whole waves (``even_wave_rows``); the last two at widths > 1 only."""
+    if not isinstance(wide_even_waves, bool):
+        raise ConfigError(f"kernel plan: wide_even_waves must be true or false, got {wide_even_waves!r}")
     if width == 1:
         _check_count(wide_split_k, "wide_split_k")
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False, False
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
         _check_burst(wide_burst),
         _check_count(wide_split_k, "wide_split_k"),
         wide_even_waves,
-        wide_prenorm,
     )
 
 
@@ -809,7 +785,6 @@ def _plan_width(
     burst: float = 0.0,
     split_k: int = 0,
     even_waves: bool = False,
-    prenorm: bool = False,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -820,7 +795,7 @@ def _plan_width(
     k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
-    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks, prenorm), offset)
+    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
     peer = None
     if tp > 1:
@@ -889,7 +864,6 @@ def plan_model(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
-    wide_prenorm: bool = False,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -900,20 +874,11 @@ def plan_model(
     ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
     ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
-    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``);
-    ``wide_prenorm``: a region for K1's normalised input at widths > 1 (``xn``)."""
+    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    tiling = (
-        wide_task_bytes,
-        narrow_task_bytes,
-        wide_min_rows,
-        wide_burst,
-        wide_split_k,
-        wide_even_waves,
-        wide_prenorm,
-    )
+    tiling = (wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves)
     for w in (1, 2):  # every knob is checked, whichever widths are planned
         _tiling_knobs(w, *tiling)
     header, cur = _pack([("health", (1,), 4)], 0)
@@ -952,7 +917,6 @@ def key_inputs(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
-    wide_prenorm: bool = False,
 ) -> dict:
     """Everything the plan contributes to a build key, as a canonical dict
     (``services.buildkey.build_key`` hashes it together with backend, arch, source and compiler).
@@ -979,7 +943,6 @@ def key_inputs(
         wide_burst=wide_burst,
         wide_split_k=wide_split_k,
         wide_even_waves=wide_even_waves,
-        wide_prenorm=wide_prenorm,
     )
     return {
         "plan_version": PLAN_VERSION,
@@ -998,6 +961,5 @@ def key_inputs(
         "wide_burst": wide_burst,
         **({"wide_split_k": wide_split_k} if wide_split_k else {}),  # keys without them unchanged
         **({"wide_even_waves": True} if wide_even_waves else {}),
-        **({"wide_prenorm": True} if wide_prenorm else {}),
         "plan_digest": mp.digest(),
     }

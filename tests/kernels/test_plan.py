@@ -304,18 +304,6 @@ def test_even_waves_fill_the_last_wave_with_narrower_tasks():
         assert waves == (3 if p is g else 2)  # as many waves as the 64-row tiles took
 
 
-def test_prenorm_region_only_where_asked():
-    """``wide_prenorm``: widths > 1 get a bf16 ``xn`` region of the rows' hidden size (K1's
-    normalised input); width 1 and plans without the knob keep their layout and digest."""
-    dims = profile_dims("llama3-8b")
-    on = P.plan_model(dims, 1, [1, 8], 132, mailbox="bf16", wide_prenorm=True)
-    off = P.plan_model(dims, 1, [1, 8], 132, mailbox="bf16")
-    assert on.layers[8].region("xn").shape == (8, 4096) and on.layers[8].region("xn").word_bytes == 2
-    assert "xn" not in on.layers[1].layout.regions
-    assert on.layers[1].to_dict() == off.layers[1].to_dict()
-    assert on.layers[8].k1 == off.layers[8].k1 and on.digest() != off.digest()
-
-
 def test_even_wave_rows_choice():
     assert P.even_wave_rows(21504, 64, 132) == 55  # 336 tiles, 3 waves -> 391 tasks
     assert P.even_wave_rows(6144, 64, 132) == 47  # 96 tiles, one wave -> 131 tasks
@@ -363,7 +351,6 @@ def test_key_inputs_deterministic_and_sensitive():
         {"wide_burst": 1.5},
         {"wide_split_k": 4},
         {"wide_even_waves": True},
-        {"wide_prenorm": True},
     )
     for change in changes:
         assert P.key_inputs(dims, **{**base, **change}) != a, change
@@ -394,7 +381,6 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_split_k=2.0), "wide_split_k must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [1], 132, wide_even_waves=1), "wide_even_waves must be true or false, got 1"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_even_waves="yes"), "wide_even_waves must be true or false"),
-        (lambda d: P.plan_model(d, 1, [2], 132, wide_prenorm=0), "wide_prenorm must be true or false, got 0"),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(

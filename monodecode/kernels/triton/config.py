@@ -70,12 +70,6 @@ class Target:
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
     wide_inflight_bytes: int = 0
     qkv_inflight_bytes: int = 0  # the same for K1's QKV stage (0: ``wide_inflight_bytes``)
-    qkv_input_a: bool = False  # experiment: QKV's normalised input as the A operand (registers)
-    # Widths > 1: each program writes K1's normalised input once (``plan`` region ``xn``) and
-    # its QKV tasks stream it like any mailbox input; otherwise every K chunk is normalised in
-    # registers inside the loop, which goes through shared memory before the matrix instruction
-    # and waits for it (TTGIR on CPU: ``warp_group_dot_wait pendings = 0``).
-    wide_prenorm: bool = False
     # Widths > 1: split o_proj and down along K into at most this many slices where their row
     # tiles leave programs idle (``plan.split_k_slices``; 0: never). The fp32 partials are summed
     # in slice order by the stage that reads them (post, final), so results stay deterministic.
@@ -159,7 +153,6 @@ CUDA = Target(
     # Run 20: 27B b2-8 15.38-16.78 -> 14.74-16.08 ms (gate/up 336 -> 391 tasks, 3 full waves),
     # 8B b2-8 1-2 % faster. Not under the FP8 pair (``plan_for``).
     wide_even_waves=True,
-    wide_prenorm=True,  # to be timed in run 22
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -182,7 +175,6 @@ def plan_for(
         wide_burst=target.wide_burst,
         wide_split_k=target.wide_split_k,
         wide_even_waves=target.wide_even_waves and not _fp8_pair(target, fp8),
-        wide_prenorm=target.wide_prenorm,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -293,9 +285,6 @@ def k1_constexprs(
         WP=max(16, _pow2(W)) if wide else 1,
         BN=qkv.tile,
         QKV_ROWS=qkv.rows_per_task,
-        QKV_XA=wide and target.qkv_input_a and not _fp8_pair(target, fp8),
-        PRENORM="xn" in plan.layout.regions,
-        XN_W=_word(plan, "xn") if "xn" in plan.layout.regions else 0,
         BK=bk,
         NUM_STAGES=target.stages(W, fp8),
         SPLIT=target.split(W, fp8, L.hidden, bk),

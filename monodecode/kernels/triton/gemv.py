@@ -128,11 +128,9 @@ def _input_chunk(
 
 
 @triton.jit
-def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr, XA: tl.constexpr = False):
+def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr):
     if DOT and FP8_PAIR:
         acc += mma_fp8_pair(w, xb)
-    elif DOT and XA:
-        acc = mma(xb, tl.trans(w), acc)
     elif DOT:
         acc = mma(w, tl.trans(xb), acc)
     else:
@@ -168,19 +166,6 @@ def row_rstd(
 
 
 @triton.jit
-def normed_rows(x_ptr, out_ptr, norm_ptr, rstd, rows, rmask, K: tl.constexpr, BK: tl.constexpr, ONE_PLUS: tl.constexpr):
-    """Write the bf16 launch input's pre-norm (``rms_apply`` with each row's rstd) to ``out_ptr``
-    ([rows, K], stored to L2, where the ``.cg`` loads of the GEMV read it back)."""
-    for kk in tl.range(0, (K + BK - 1) // BK):
-        k = kk * BK + tl.arange(0, BK)
-        m = rmask[:, None] & (k[None, :] < K)
-        xf = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m, other=0.0).to(tl.float32)
-        y = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
-        tl.store(out_ptr + rows[:, None] * K + k[None, :], y, mask=m, cache_modifier=".cg")
-
-
-@triton.jit
 def gemv_task(
     w1_ptr,
     s1_ptr,
@@ -209,7 +194,6 @@ def gemv_task(
     FP8_PAIR: tl.constexpr = False,
     W_STRIDE: tl.constexpr = 0,
     ROWS: tl.constexpr = 0,
-    XA: tl.constexpr = False,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
@@ -226,10 +210,7 @@ def gemv_task(
     ROW: tl.constexpr = W_STRIDE if W_STRIDE else K
     wp1 = w1_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
     wp2 = w2_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
-    if DOT and XA:
-        acc1 = tl.zeros([WP, BN], dtype=tl.float32)
-        acc2 = tl.zeros([WP, BN], dtype=tl.float32)
-    elif DOT:
+    if DOT:
         acc1 = tl.zeros([BN, WP], dtype=tl.float32)
         acc2 = tl.zeros([BN, WP], dtype=tl.float32)
     else:
@@ -247,16 +228,13 @@ def gemv_task(
             if TWO:
                 w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
             xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS, K)
-            acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR, XA)
+            acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
-                acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR, XA)
+                acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)
-    if DOT and XA:
-        y1 = tl.trans(acc1)
-        y2 = tl.trans(acc2)
-    elif DOT:
+    if DOT:
         y1 = acc1
         y2 = acc2
     else:

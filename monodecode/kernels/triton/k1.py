@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
-from monodecode.kernels.triton.gemv import gemv_task, normed_rows, row_rstd, task_rows
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
     launch_epoch,
@@ -99,9 +99,6 @@ def k1_kernel(
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
     QKV_ROWS: tl.constexpr = 0,
-    QKV_XA: tl.constexpr = False,
-    PRENORM: tl.constexpr = False,
-    XN_W: tl.constexpr = 0,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -125,18 +122,9 @@ def k1_kernel(
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, NPROG, PROF)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, NPROG, PROF)
     rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
-    if PRENORM:  # the normalised input once per program (the same values from each), then streamed
-        xn_mb = region(mbox_ptr, XN_W, tl.bfloat16)
-        qkv_in = xn_mb
-    else:
-        qkv_in = x_ptr
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - QKV_OFF + NPROG) % NPROG
-        if PRENORM:
-            if first < QKV_TASKS:
-                normed_rows(x_ptr, xn_mb, norm_ptr, rstd, rows, rmask, HIDDEN, BK, ONE_PLUS)
-                tl.debug_barrier()  # this program's tasks read it back
         for t in tl.range(first, QKV_TASKS, NPROG, flatten=FLAT):
             n0 = t * QKV_ROWS
             y, _y = gemv_task(
@@ -146,7 +134,7 @@ def k1_kernel(
                 s_ptr,
                 n0,
                 NQKV,
-                qkv_in,
+                x_ptr,
                 HIDDEN,
                 norm_ptr,
                 rstd,
@@ -158,7 +146,7 @@ def k1_kernel(
                 WP,
                 BN,
                 BK,
-                3 if PRENORM else 0,
+                0,
                 False,
                 FP8,
                 ONE_PLUS,
@@ -167,7 +155,6 @@ def k1_kernel(
                 FP8_PAIR,
                 0,
                 QKV_ROWS,
-                QKV_XA,
             )
             n, own = task_rows(n0, NQKV, BN, QKV_ROWS)
             # fault injection (stall != 0): never publish, so the waits below expire

@@ -77,11 +77,7 @@ CHILD = textwrap.dedent(
         split_k = "_splitk" in name
         even = "_even" in name
         target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even)
-        if name.endswith("_noprenorm"):  # QKV normalises each K chunk in its loop instead
-            target = dataclasses.replace(target, wide_prenorm=False)
         tk = TritonKernels(req, w, target, 12 if even else 32 if split_k else 8, "cpu")
-        prenorm = "xn" in tk.plan.layers[widths[0]].layout.regions
-        assert prenorm == (widths[0] > 1 and not name.endswith("_noprenorm")), name
         cut = [st for st in tk.plan.layers[widths[0]].k1 + tk.plan.layers[widths[0]].k2 if st.tile_rows]
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
         pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
@@ -161,8 +157,6 @@ RUNS = [
     ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
     ("w3_fp8_splitk", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_even", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
-    ("llama_w2_noprenorm", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
-    ("w3_fp8_noprenorm", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("w3_fp8_widen_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
 ]
@@ -187,16 +181,6 @@ def test_mailbox_formats_give_identical_bits(results, name):
     assert results[name]["health"] == 0
     for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
         assert a == b, f"{name}: layer {layer} differs from the bf16-mailbox run"
-
-
-@pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith("_noprenorm")])
-def test_prenorm_gives_identical_bits(results, name):
-    """K1's input normalised once per program (``Target.wide_prenorm``, the default at widths > 1)
-    and read back from the ``xn`` region gives the same bits as normalising each K chunk inside
-    the QKV loop: the same rounding, the same matrix products (bf16 and the FP8 pair)."""
-    twin = results[name.removesuffix("_noprenorm")]
-    for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
-        assert a == b, f"{name}: layer {layer} differs from the prenorm run"
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
