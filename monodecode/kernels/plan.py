@@ -400,7 +400,8 @@ def even_wave_rows(n: int, tile: int, num_workgroups: int) -> int:
     the grid partly idle: the same number of waves, each full, every task a little narrower
     (27B gate/up at widths > 1: 336 64-row tasks are 2.5 waves of 132; 391 55-row ones are 3
     full waves). ``tile`` when the tasks already fill their waves."""
-    waves = -(-(-(-n // tile)) // num_workgroups)
+    tiles = -(-n // tile)
+    waves = -(-tiles // num_workgroups)
     return min(tile, -(-n // (waves * num_workgroups)))
 
 
