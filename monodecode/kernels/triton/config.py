@@ -102,6 +102,10 @@ class Target:
     def attention_stages(self, width: int) -> int:
         return self.wide_attn_stages if width > 1 and self.wide_attn_stages else self.attn_stages
 
+    def attention_tile(self, width: int, splits: int) -> int:
+        """Context positions per attention tile for a plan with ``splits`` splits per row."""
+        return self.whole_attn_tile if width > 1 and splits == 1 and self.whole_attn_tile else self.attn_tile
+
     def warps(self, width: int) -> int:
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
@@ -280,7 +284,7 @@ def k1_constexprs(
         H=L.heads,
         S=plan.attn_splits,
         BS=block_size,
-        BT=target.whole_attn_tile if wide and plan.attn_splits == 1 and target.whole_attn_tile else target.attn_tile,
+        BT=target.attention_tile(W, plan.attn_splits),
         W=W,
         WP=max(16, _pow2(W)) if wide else 1,
         BN=qkv.tile,
