@@ -154,7 +154,6 @@ def k1_args(
         stall,
         float(dims.rms_norm_eps),
         float(dims.attn_scale),
-        L.wo,  # K2's o_proj weights, prefetched into L2 during attention (``O_PF``)
     ]
 
 

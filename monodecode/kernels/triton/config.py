@@ -91,15 +91,6 @@ class Target:
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
     # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
     narrow_tail: bool = False
-    # K1 asks L2 for the weights of the K2 o_proj tasks each program will run once its QKV tasks
-    # are done: they stream in while attention and combine leave HBM nearly idle, and o_proj then
-    # reads L2 (``gemv.prefetch_task``; CUDA ``prefetch.global.L2``).
-    o_prefetch: bool = False
-    # K2 asks L2 for its first gate/up task's weights once its o_proj tasks are done, before the
-    # wait for the post-attention norm (the wait and the post stage leave HBM idle).
-    gu_prefetch: bool = False
-    # K1 asks L2 for its first QKV task's weights at the start, before the rows' rstd pass.
-    qkv_prefetch: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -323,29 +314,7 @@ def k1_constexprs(
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        **_o_prefetch(target, plan, fp8),
-        QKV_PF=target.qkv_prefetch and target.kind == "cuda",
-        QKV_LP=_row_lines(L.hidden, fp8),
     )
-
-
-def _o_prefetch(target: Target, plan: LayerPlan, fp8: bool) -> dict:
-    """K1's constexprs for ``Target.o_prefetch``: K2's o_proj task table (``gemv.prefetch_task``)."""
-    o = _stage(plan, K2, "o_proj")
-    return dict(
-        O_PF=target.o_prefetch and target.kind == "cuda",
-        O_TASKS=o.num_tasks,
-        O_OFF=o.offset,
-        O_BN=o.tile,
-        O_ROWS=o.rows_per_task,
-        O_KS=o.k_splits,
-        O_LP=_row_lines(plan.local.q // o.k_splits, fp8),
-    )
-
-
-def _row_lines(k: int, fp8: bool) -> int:
-    """A power of two at least the 128-byte lines of ``k`` weights (``gemv.prefetch_task``'s ``LP``)."""
-    return _pow2(-(-k * (1 if fp8 else 2) // 128))
 
 
 def k2_constexprs(
@@ -414,8 +383,6 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        GU_PF=target.gu_prefetch and target.kind == "cuda",
-        GU_LP=_row_lines(L.hidden, fp8),
     )
 
 

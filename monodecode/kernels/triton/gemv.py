@@ -151,54 +151,6 @@ def task_rows(n0, N, BN: tl.constexpr, ROWS: tl.constexpr):
 
 
 @triton.jit
-def tile_slice(t, rows, TILES: tl.constexpr, ROWS: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
-    """GEMV task ``t``'s first output row, first K column and output rows in its mailbox region:
-    row tile ``t % TILES`` of K slice ``t // TILES`` (partials of slice s at rows s*W..), or,
-    unsplit, tile ``t`` over all of K (the same code as before split-K existed)."""
-    if KS > 1:
-        return (t % TILES) * ROWS, (t // TILES) * KT, (t // TILES) * W + rows
-    else:
-        return t * ROWS, 0, rows
-
-
-@triton.jit
-def prefetch_task(
-    w_ptr,
-    n0,
-    k0,
-    N,
-    K: tl.constexpr,
-    KT: tl.constexpr,
-    BN: tl.constexpr,
-    ROWS: tl.constexpr,
-    WBYTES: tl.constexpr,
-    LP: tl.constexpr,
-):
-    """Ask L2 for one GEMV task's weights (its rows of ``task_rows`` x columns ``[k0, k0+KT)`` of a
-    row-major ``[N, K]`` matrix) and go on: CUDA ``prefetch.global.L2`` per 128-byte line, which
-    writes no register, is never waited on and never faults (the lines stay inside the task's
-    rows). ``LP``: a power of two at least the lines of a row (the rest repeat its last line).
-    Issued where HBM would otherwise idle, so the task later streams from L2."""
-    if not INTERPRET:
-        LPR: tl.constexpr = (KT * WBYTES + 127) // 128
-        line = tl.arange(0, BN * LP)
-        last = N - n0 - 1
-        if 0 < ROWS and ROWS < BN:
-            last = tl.minimum(last, ROWS - 1)
-        r = tl.minimum(line // LP, last).to(tl.int64)
-        col = tl.minimum(line % LP, LPR - 1)
-        base = w_ptr.to(tl.pointer_type(tl.int8), bitcast=True) + k0 * WBYTES
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
-            "=r,l",
-            [base + (n0 + r) * (K * WBYTES) + col * 128],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-@triton.jit
 def row_rstd(
     x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, NUM_STAGES: tl.constexpr
 ):

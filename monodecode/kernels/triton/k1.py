@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
-from monodecode.kernels.triton.gemv import gemv_task, prefetch_task, row_rstd, task_rows, tile_slice
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
     launch_epoch,
@@ -58,7 +58,6 @@ def k1_kernel(
     stall,
     eps,
     scale,
-    wo_ptr,
     HIDDEN: tl.constexpr,
     NQKV: tl.constexpr,
     Q: tl.constexpr,
@@ -100,15 +99,6 @@ def k1_kernel(
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
     QKV_ROWS: tl.constexpr = 0,
-    O_PF: tl.constexpr = False,
-    O_TASKS: tl.constexpr = 0,
-    O_OFF: tl.constexpr = 0,
-    O_BN: tl.constexpr = 16,
-    O_ROWS: tl.constexpr = 0,
-    O_KS: tl.constexpr = 1,
-    O_LP: tl.constexpr = 1,
-    QKV_PF: tl.constexpr = False,
-    QKV_LP: tl.constexpr = 1,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -131,11 +121,6 @@ def k1_kernel(
     # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, NPROG, PROF)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, NPROG, PROF)
-    if QKV_PF:  # the first task's weights stream into L2 while the rows' rstd is computed
-        for v in tl.static_range(VP):
-            t = (tl.program_id(0) * VP + v - QKV_OFF + NPROG) % NPROG
-            if t < QKV_TASKS:
-                prefetch_task(w_ptr, t * QKV_ROWS, 0, NQKV, HIDDEN, HIDDEN, BN, QKV_ROWS, 1 if FP8 else 2, QKV_LP)
     rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
@@ -186,15 +171,6 @@ def k1_kernel(
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, NPROG, PROF)
-
-    # K2's o_proj weights stream into L2 while attention and combine leave HBM nearly idle: each
-    # program asks for the tasks it will run there (the same task table), then goes on
-    if O_PF:
-        for v in tl.static_range(VP):
-            pid = tl.program_id(0) * VP + v
-            for t in range((pid - O_OFF + NPROG) % NPROG, O_TASKS, NPROG):
-                n0, k0, _r = tile_slice(t, rows, O_TASKS // O_KS, O_ROWS, Q // O_KS, O_KS, W)
-                prefetch_task(wo_ptr, n0, k0, HIDDEN, Q, Q // O_KS, O_BN, O_ROWS, 1 if FP8 else 2, O_LP)
 
     # stage attn: (row, KV head, context split) partials
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 0, NPROG, PROF)

@@ -9,7 +9,7 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, prefetch_task, rms_apply, task_rows, tile_slice
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply, task_rows
 from monodecode.kernels.triton.mailbox import (
     fetch,
     finish_launch,
@@ -39,6 +39,17 @@ def _check_finite(val, mask, health_ptr, code):
     bad = tl.sum(tl.ravel((mask & ((val != val) | (tl.abs(val) == float("inf")))).to(tl.int32)), axis=0)
     if bad > 0:
         tl.atomic_cas(health_ptr, 0, code)
+
+
+@triton.jit
+def _tile_slice(t, rows, TILES: tl.constexpr, ROWS: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
+    """GEMV task ``t``'s first output row, first K column and output rows in its mailbox region:
+    row tile ``t % TILES`` of K slice ``t // TILES`` (partials of slice s at rows s*W..), or,
+    unsplit, tile ``t`` over all of K (the same code as before split-K existed)."""
+    if KS > 1:
+        return (t % TILES) * ROWS, (t // TILES) * KT, (t // TILES) * W + rows
+    else:
+        return t * ROWS, 0, rows
 
 
 @triton.jit
@@ -208,8 +219,6 @@ def k2_kernel(
     O_ROWS: tl.constexpr = 0,
     GU_ROWS: tl.constexpr = 0,
     D_ROWS: tl.constexpr = 0,
-    GU_PF: tl.constexpr = False,
-    GU_LP: tl.constexpr = 1,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -253,7 +262,7 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
         for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
-            n0, k0, o_rows = tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
+            n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
             y, _y = gemv_task(
                 wo_ptr + k0,
                 so_ptr,
@@ -288,14 +297,6 @@ def k2_kernel(
             publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
-
-    # the first gate/up task's weights stream into L2 through the post wait and stage
-    if GU_PF:
-        for v in tl.static_range(VP):
-            t = (tl.program_id(0) * VP + v - GU_OFF + NPROG) % NPROG
-            if t < GU_TASKS:
-                prefetch_task(wg_ptr, t * GU_ROWS, 0, I, HIDDEN, HIDDEN, GU_BN, GU_ROWS, 1 if FP8 else 2, GU_LP)
-                prefetch_task(wu_ptr, t * GU_ROWS, 0, I, HIDDEN, HIDDEN, GU_BN, GU_ROWS, 1 if FP8 else 2, GU_LP)
 
     # post: one task per row
     stamp(prof_ptr, layer, me, 1, 1, 0, NPROG, PROF)
@@ -388,7 +389,7 @@ def k2_kernel(
             budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
-            n0, k0, d_rows = tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
+            n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
             y, _y = gemv_task(
                 wd_ptr + k0,
                 sd_ptr,
