@@ -44,6 +44,13 @@ ATTN_CHUNK = WAVE_SIZE  # context positions one wave scores at a time (one per l
 NEG_BIG = -1.0e30  # an empty split's running max, as the Triton kernels publish it
 
 _MAX_I32_BYTES = 2**31 - 1  # buffer-load byte offsets are i32
+# The plan's tiling knobs these kernels take at widths > 1: a GEMV stage whose row tiles leave
+# CUs idle is split along K into fp32 partials (``plan.split_k_slices``, at most 4 slices,
+# summed in slice order by the stage that reads them), and tasks are cut to fewer rows of the
+# same tile so that the same number of waves is full (``plan.even_wave_rows``). The rule is wave
+# arithmetic on the grid, not a measurement on these GPUs; the Triton kernels timed it on the
+# H200 (benchmarks/README.md, runs 15 and 20).
+PLAN_KNOBS = {"wide_split_k": 4, "wide_even_waves": True}
 
 
 def _ceil(a: int, b: int) -> int:
@@ -114,15 +121,37 @@ class StageConsts:
     kind: str
     tasks: int
     offset: int
-    rows: int  # gemv: output rows per task
+    rows: int  # gemv: output rows each task owns
     n: int  # gemv: output rows in total
-    k: int  # gemv: reduction length
+    k: int  # gemv: reduction length (a weight row)
+    tile: int = 0  # gemv: rows each task computes (``Stage.tile``: more than ``rows`` when cut to even waves)
+    k_splits: int = 1  # gemv: K slices (``Stage.k_splits``), each task one slice of one row tile
 
     @classmethod
     def of(cls, st: Stage) -> StageConsts:
-        if st.k_splits != 1 or st.tile_rows:  # the plan knobs these kernels do not implement
-            raise ConfigError(f"flydsl kernels: stage {st.name} is split along K or cut to even waves (Triton only)")
-        return cls(st.kernel, st.name, st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k)
+        return cls(
+            st.kernel, st.name, st.kind, st.num_tasks, st.offset, st.rows_per_task, st.n, st.k, st.tile, st.k_splits
+        )
+
+    @property
+    def row_tiles(self) -> int:
+        """gemv: tasks per K slice."""
+        return self.tasks // self.k_splits
+
+    @property
+    def k_task(self) -> int:
+        """gemv: the reduction length of one task (its K slice)."""
+        return self.k // self.k_splits
+
+
+def task_origin(t, st: StageConsts):
+    """(first output row, first K column, K slice) of GEMV task ``t``: row tile ``t % row_tiles``
+    of K slice ``t // row_tiles`` (``plan.Stage``'s rule), ``rows`` output rows apart. Python ints
+    (tests) or traced i32 (the kernels; an unsplit stage's K origin and slice are the int 0)."""
+    if st.k_splits == 1:
+        return t * st.rows, 0, 0
+    s = t // st.row_tiles
+    return (t - s * st.row_tiles) * st.rows, s * st.k_task, s
 
 
 @dataclass(frozen=True)
@@ -158,7 +187,7 @@ class GemvTile:
     @property
     def tiles(self) -> int:
         """MFMA tiles of a task (gate and up rows are separate tiles)."""
-        return self.stage.rows // MFMA_ROWS * self.pair
+        return self.stage.tile // MFMA_ROWS * self.pair
 
     @property
     def kblock(self) -> int:
@@ -234,26 +263,28 @@ def _gemv_tile(st: StageConsts, width: int, spec: ArchSpec, fp8: bool) -> GemvTi
     vec = 16 if fp8 else 8
     step = WAVE_SIZE * vec
     pair = 2 if st.name == "gate_up" else 1
-    if st.rows % WAVES_PER_WORKGROUP:
+    if st.tile % WAVES_PER_WORKGROUP:
         raise ConfigError(
-            f"flydsl: stage {st.name} has {st.rows} rows per task, not a multiple of {WAVES_PER_WORKGROUP} waves"
+            f"flydsl: stage {st.name} has {st.tile} rows per task, not a multiple of {WAVES_PER_WORKGROUP} waves"
         )
-    if st.k % vec:
+    if st.k_task % vec:
         raise ConfigError(
-            f"flydsl: stage {st.name} reduces over {st.k}, not a multiple of {vec} "
+            f"flydsl: stage {st.name} reduces over {st.k_task}, not a multiple of {vec} "
             f"({'fp8' if fp8 else 'bf16'} 16-byte loads)"
         )
     if st.n * pair * st.k * (1 if fp8 else 2) > _MAX_I32_BYTES:
         raise ConfigError(f"flydsl: stage {st.name} weight is over 2 GiB (i32 buffer offsets)")
-    rpw = st.rows // WAVES_PER_WORKGROUP
+    rpw = st.tile // WAVES_PER_WORKGROUP
     group = max(1, 4 // (width * pair))
     while rpw % group:
         group //= 2
-    k_pad = _ceil(st.k, step) * step
+    k_pad = _ceil(st.k_task, step) * step
     per_row = max(step, (spec.x_stage_bytes // (2 * width)) // step * step)
     chunk = min(k_pad, per_row)
-    mfma = width >= MFMA_MIN_WIDTH and st.rows % MFMA_ROWS == 0
-    tiles = st.rows // MFMA_ROWS * pair
+    mfma = width >= MFMA_MIN_WIDTH and st.tile % MFMA_ROWS == 0
+    if not mfma and (st.tile != st.rows or st.k_splits != 1):  # the plan cuts and splits wide stages only
+        raise ConfigError(f"flydsl: stage {st.name} is cut to even waves or split along K at width {width} (MFMA only)")
+    tiles = st.tile // MFMA_ROWS * pair
     k_split = max(1, WAVES_PER_WORKGROUP // tiles) if mfma else 1
     if mfma and (tiles * k_split) % WAVES_PER_WORKGROUP:
         raise ConfigError(f"flydsl: stage {st.name}: {tiles} MFMA tiles do not spread over {WAVES_PER_WORKGROUP} waves")
@@ -314,7 +345,7 @@ def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None
 def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1) -> Geometry:
     """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added."""
     _check(dims, width, weight_dtype, tp_size)
-    lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size))
+    lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size), **PLAN_KNOBS)
     L = lp.local
     if L.group > 16:
         raise ConfigError(f"flydsl: at most 16 query heads per KV head, got {L.group}")
@@ -362,7 +393,7 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
 def model_plan(dims: ModelDims, arch: str, widths, tp_size: int = 1) -> ModelPlan:
     """The plan the backend places its scratch (and peer) buffer by: every width, one buffer."""
     return plan_model(
-        dims, tp_size, sorted(set(widths)), arch_spec(arch).compute_units, mailbox=mailbox_format(tp_size)
+        dims, tp_size, sorted(set(widths)), arch_spec(arch).compute_units, mailbox=mailbox_format(tp_size), **PLAN_KNOBS
     )
 
 
@@ -407,6 +438,8 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
                 "tasks": st.tasks,
                 "offset": st.offset,
                 "rows": st.rows,
+                "tile": st.tile,
+                "k_splits": st.k_splits,
                 "n": st.n,
                 "k": st.k,
                 "workgroup_tasks": [

@@ -28,6 +28,7 @@ from monodecode.kernels.flydsl.config import (
     mfma_lane,
     mfma_part,
     mfma_weight_row,
+    task_origin,
 )
 
 NW = WAVES_PER_WORKGROUP
@@ -142,14 +143,24 @@ def make_gemv(geom: Geometry):
     W, FP8, ARCH = geom.width, geom.fp8, geom.arch
 
     def gemv_task(tl: GemvTile, t, w_rs, lds, x_off: int, part_off: int, tid, wave, lane, stage_chunk, finish):
-        """Task ``t`` of a GEMV stage: rows [t*rows, t*rows + rows) of y[W, N] = x[W, K] . Wt[N, K]^T
-        (gate|up: the same rows of both matrices). ``stage_chunk(c0)`` stages the input rows'
-        elements [c0, c0 + chunk) in LDS as bf16; ``finish(row, token, values, valid)`` gets each
-        output (``values``: one per matrix) on some thread, ``valid`` false for padding."""
+        """Task ``t`` of a GEMV stage: its rows (``config.task_origin``) of y[W, N] = x[W, K] . Wt[N, K]^T
+        over its K slice (gate|up: the same rows of both matrices). ``stage_chunk(c0, kend)`` stages
+        the input rows' elements [c0, c0 + chunk) in LDS as bf16, zero from ``kend`` on;
+        ``finish(row, token, values, valid, k_slice)`` gets each output (``values``: one per matrix)
+        on some thread, ``valid`` false for padding, ``k_slice`` the task's K slice (0 unsplit)."""
         st = tl.stage
         if tl.mfma:
+            n0, k0, k_slice = task_origin(t, st)
+            last = None  # the task's last own row, where its tile has rows past it
+            if st.rows != st.tile or st.n % st.tile:
+                last = fx.min(n0 + d.i32(st.rows - 1), d.i32(st.n - 1))
+            kend = st.k if st.k_splits == 1 else k0 + d.i32(st.k_task)  # the LDS holds zeros from here
             return _gemv_mfma(
-                t,
+                n0,
+                k0,
+                k_slice,
+                last,
+                kend,
                 w_rs,
                 lds,
                 tid,
@@ -159,6 +170,7 @@ def make_gemv(geom: Geometry):
                 finish,
                 st.n,
                 st.k,
+                st.k_task,
                 st.rows,
                 tl.pair,
                 tl.vec,
@@ -262,7 +274,7 @@ def make_gemv(geom: Geometry):
             c = d.i32(c_)
             c0 = c * d.i32(CK)
             gpu.barrier()  # the previous chunk (or task, or stage) is done with the LDS
-            stage_chunk(c0)
+            stage_chunk(c0, K)
             gpu.barrier()
             nsteps = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(STEP)
             for grp_ in range(RPW // GR):
@@ -290,21 +302,23 @@ def make_gemv(geom: Geometry):
                 if c == d.i32(NCH - 1):
                     for i in fx.range_constexpr(GR):  # lane t < W takes token t's sums (wave-uniform)
                         vals = [d.lane_pick(lane, [sums[(i * PR + p) * W + tk] for tk in range(W)]) for p in range(PR)]
-                        finish(row0 + d.i32(i), lane, vals, lane < d.i32(W))
+                        finish(row0 + d.i32(i), lane, vals, lane < d.i32(W), d.i32(0))
 
-    def _mfma_weights(w_rs, n0, tg, rin, kq, b, c0, N, K, R, PR, VEC, KPAD, TW):
-        """This lane's 16 weight bytes of K block ``b`` of chunk ``c0`` for each of the wave's tiles."""
+    def _mfma_weights(w_rs, n0, last, k0, tg, rin, kq, b, c0, N, K, KT, PR, VEC, KPAD, TW):
+        """This lane's 16 weight bytes of K block ``b`` of chunk ``c0`` of the task's K slice (from
+        ``k0``) for each of the wave's tiles. ``last``: the task's last own row, where the tile
+        has rows past it (they load that row again: addresses the wave already reads)."""
         kg = c0 + mfma_k_elem(b, kq, VEC)
-        if KPAD != K:
-            kg = fx.min(kg, d.i32(K - VEC))
+        if KPAD != KT:  # lanes past the slice read a valid weight; their LDS input is 0
+            kg = fx.min(kg, d.i32(K - VEC) - k0)
         wv = []
         for j in range(TW):
             tile = tg * d.i32(TW) + d.i32(j)
             rin_ = rin
-            if N % R != 0:  # the last task's rows past N read row N-1
-                rin_ = fx.min(rin, d.i32(N - 1) - n0 - (tile // d.i32(PR)) * d.i32(MFMA_ROWS))
+            if last is not None:
+                rin_ = fx.min(rin, last - n0 - (tile // d.i32(PR)) * d.i32(MFMA_ROWS))
             row = mfma_weight_row(n0, tile, rin_, PR, N)
-            wv.append(load_weights16(w_rs, (row * d.i32(K) + kg) * d.i32(1 if FP8 else 2)))
+            wv.append(load_weights16(w_rs, (row * d.i32(K) + k0 + kg) * d.i32(1 if FP8 else 2)))
         return wv
 
     def _mfma_block(lds, wv, b, kq, tok, accs, VEC, XS, TW, x_off):
@@ -318,7 +332,11 @@ def make_gemv(geom: Geometry):
 
     @d.device
     def _gemv_mfma(
-        t,
+        n0,
+        k0,
+        k_slice,
+        last,
+        kend,
         w_rs,
         lds,
         tid,
@@ -328,7 +346,8 @@ def make_gemv(geom: Geometry):
         finish,
         N,
         K,
-        R,
+        KT,
+        OWN,
         PR,
         VEC,
         CK,
@@ -348,20 +367,24 @@ def make_gemv(geom: Geometry):
         the tile directly. The waves split the tiles (``TW`` each) and, with fewer than 4 tiles,
         K blocks (``KS`` ways); the tiles meet in LDS, where the epilogue adds the K splits in a
         fixed order (same bits every run). The wave's first weights are loaded before its inputs
-        are staged, so they stream in while ``stage_chunk`` waits for the producers' words."""
-        n0 = t * d.i32(R)
+        are staged, so they stream in while ``stage_chunk`` waits for the producers' words.
+
+        The task's tiles own its first ``OWN`` rows (fewer than the tiles hold when the plan cut
+        the stage to even waves: the rest are the next task's, never stored; ``last`` is the last
+        own row, which the rows past it load again) over the ``KT`` elements of its K slice from
+        ``k0``; a split stage's partials are summed by the stage that reads them."""
         ks = wave % d.i32(KS)
         tg = wave // d.i32(KS)
         rin, kq = mfma_lane(lane)
         tok = fx.min(rin, d.i32(W - 1))
         accs = [mfma_zero() for _ in range(TW)]
         # this wave's first K block of chunk 0, loaded before the inputs are staged (waited for)
-        first = _mfma_weights(w_rs, n0, tg, rin, kq, ks, d.i32(0), N, K, R, PR, VEC, KPAD, TW)
+        first = _mfma_weights(w_rs, n0, last, k0, tg, rin, kq, ks, d.i32(0), N, K, KT, PR, VEC, KPAD, TW)
         for c_ in range(NCH):
             c = d.i32(c_)
             c0 = c * d.i32(CK)
             gpu.barrier()
-            stage_chunk(c0)
+            stage_chunk(k0 + c0, kend)
             gpu.barrier()
             nblk = fx.min(d.i32(CK), d.i32(KPAD) - c0) // d.i32(KB)
             b_start = ks
@@ -370,7 +393,7 @@ def make_gemv(geom: Geometry):
                 b_start = ks + d.i32(KS)
             for b_ in range(b_start, nblk, d.i32(KS)):
                 b = d.i32(b_)
-                wv = _mfma_weights(w_rs, n0, tg, rin, kq, b, c0, N, K, R, PR, VEC, KPAD, TW)
+                wv = _mfma_weights(w_rs, n0, last, k0, tg, rin, kq, b, c0, N, K, KT, PR, VEC, KPAD, TW)
                 accs = _mfma_block(lds, wv, b, kq, tok, accs, VEC, XS, TW, x_off)
         for j in fx.range_constexpr(TW):  # lane l holds rows 4*(l // 16) + e of token l % 16
             tile = tg * d.i32(TW) + d.i32(j)
@@ -379,7 +402,7 @@ def make_gemv(geom: Geometry):
                     at = mfma_part(ks, tile, kq * d.i32(4) + d.i32(e), rin, NT, W)
                     d.lds_storef(lds, d.i32(part_off) + at, accs[j][e])
         gpu.barrier()
-        for idx_ in range(tid, d.i32(R * W), d.i32(WG)):
+        for idx_ in range(tid, d.i32(OWN * W), d.i32(WG)):
             idx = d.i32(idx_)
             rr = idx // d.i32(W)
             tk = idx - rr * d.i32(W)
@@ -392,6 +415,6 @@ def make_gemv(geom: Geometry):
                         lds, d.i32(part_off) + mfma_part(d.i32(kk), tile, rr % d.i32(MFMA_ROWS), tk, NT, W)
                     )
                 vals.append(v)
-            finish(n0 + rr, tk, vals, tk >= d.i32(0))
+            finish(n0 + rr, tk, vals, tk >= d.i32(0), k_slice)
 
     return gemv_task

@@ -120,10 +120,10 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
         tile = geom.tiles["qkv"]
         w_rs = gv.buffer_rsrc(w_qkv)
 
-        def stage_x(c0):
+        def stage_x(c0, kend):  # qkv is never split along K: kend is H
             _stage_normed(x, norm_w, lds, tid, c0, tile.chunk_words, tile.x_stride, H)
 
-        def publish_qkv(row, tok, vals, valid):
+        def publish_qkv(row, tok, vals, valid, k_slice):
             v = d.round_bf16(gv.scaled(FP8, s_qkv, fx.min(row, d.i32(NQKV - 1)), vals[0]))
             mb.put_row(seg, tag, tok, RG["qkv"], NQKV, row, v, valid & (stall == d.i32(0)))
 

@@ -58,6 +58,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
     st_gu, st_dn = geom.stage(K2, "gate_up"), geom.stage(K2, "down")
     st_fin = geom.stage(K2, "final") if FINAL else None
     TP = geom.tp_size
+    O_SPLITS, D_SPLITS = st_o.k_splits, st_dn.k_splits  # K slices (fp32 partials, widths > 1, one GPU)
     PRG = geom.peer_regions  # TP: o_peer / d_peer word offsets in a rank's peer-buffer segment
     gemv_task = gv.make_gemv(geom)
 
@@ -107,20 +108,22 @@ def make_k2(dims: ModelDims, geom: Geometry):
         wait_code = mb.health_code(mb.SITE_WAIT, mb.KERNEL_K2, layer)
         bad_code = mb.health_code(mb.SITE_NONFINITE, mb.KERNEL_K2, layer)
         lds = d.lds_arena(fx.SharedAllocator(), L2["words"])
-        o_region = RG["o"] if TP == 1 else PRG["o_peer"]
-        d_region = (RG["d"] if TP == 1 else PRG["d_peer"]) if FINAL else 0
+        o_region = RG["o_part"] if O_SPLITS > 1 else RG["o"] if TP == 1 else PRG["o_peer"]
+        d_region = RG["d_part"] if D_SPLITS > 1 else (RG["d"] if TP == 1 else PRG["d_peer"]) if FINAL else 0
         mine = mb.peer_buffer(peers, rank) if TP > 1 else mbox  # this rank's peer-buffer segment
 
         # ---- o_proj: attn_out (K1's bf16 output) staged as is
         t_o = geom.tiles["o_proj"]
         o_rs = gv.buffer_rsrc(w_o)
 
-        def stage_attn(c0):
-            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q)
+        def stage_attn(c0, kend):
+            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q, kend)
 
-        def publish_o(row, tok, vals, valid):
+        def publish_o(row, tok, vals, valid, k_slice):
             v = gv.scaled(FP8, s_o, fx.min(row, d.i32(H - 1)), vals[0])
-            if fx.const_expr(TP == 1):
+            if fx.const_expr(O_SPLITS > 1):  # fp32 partial of the task's K slice (slice-major rows)
+                mb.put_row(seg, tag, k_slice * d.i32(W) + tok, o_region, H, row, v, valid, partial=True)
+            elif fx.const_expr(TP == 1):
                 mb.put_row(seg, tag, tok, o_region, H, row, v, valid)
             else:
                 _push(peers, rank, tag, tok, o_region, row, v, valid)
@@ -161,16 +164,16 @@ def make_k2(dims: ModelDims, geom: Geometry):
         t_gu = geom.tiles["gate_up"]
         gu_rs = gv.buffer_rsrc(w_gu)
 
-        def stage_hn(c0):
+        def stage_hn(c0, kend):  # gate_up is never split along K: kend is H
             if fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
                 mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
-                _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H)
+                _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
             else:
                 _stage_words(
                     mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
                 )
 
-        def publish_act(row, tok, vals, valid):
+        def publish_act(row, tok, vals, valid, k_slice):
             srow = fx.min(row, d.i32(I - 1))
             gt = d.round_bf16(gv.scaled(FP8, s_gu, srow, vals[0]))
             up = d.round_bf16(gv.scaled(FP8, s_gu, srow + d.i32(I), vals[1]))
@@ -189,18 +192,20 @@ def make_k2(dims: ModelDims, geom: Geometry):
         t_dn = geom.tiles["down"]
         dn_rs = gv.buffer_rsrc(w_down)
 
-        def stage_act(c0):
+        def stage_act(c0, kend):
             if fx.const_expr(BF16):  # gate_up done implies post done: h is ready for the residual too
                 mb.wait_first(c0, ctr_gu, gu_done, polls, health, wait_code)
-                _stage_plain(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I)
+                _stage_plain(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I, kend)
             else:
                 _stage_words(
                     mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
                 )
 
-        def finish_down(row, tok, vals, valid):
+        def finish_down(row, tok, vals, valid, k_slice):
             v = gv.scaled(FP8, s_down, fx.min(row, d.i32(H - 1)), vals[0])
-            if fx.const_expr(TP > 1):
+            if fx.const_expr(D_SPLITS > 1):  # fp32 partial of the task's K slice, summed by final
+                mb.put_row(seg, tag, k_slice * d.i32(W) + tok, d_region, H, row, v, valid, partial=True)
+            elif fx.const_expr(TP > 1):
                 _push(peers, rank, tag, tok, d_region, row, v, valid)
             elif fx.const_expr(FINAL):
                 mb.put_row(seg, tag, tok, d_region, H, row, v, valid)
@@ -244,14 +249,15 @@ def make_k2(dims: ModelDims, geom: Geometry):
             mb.finish_launch(epoch, tid)
 
     @d.device
-    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int):
-        """Rows of a bf16 launch input into LDS as they are (0 past k)."""
+    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int, kend):
+        """Rows of a bf16 launch input (``k`` elements each) into LDS as they are, 0 from ``kend`` on
+        (``k``, or the end of the task's K slice)."""
         for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
             idx = d.i32(idx_)
             tk = idx // d.i32(ckw)
             kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
             word = d.i32(0)
-            if kk < d.i32(k):
+            if kk < d.i32(kend):
                 word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
             d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
 
@@ -297,21 +303,27 @@ def make_k2(dims: ModelDims, geom: Geometry):
         oks = [k < d.i32(H) for k in ks]
         return [ok.select(k, d.i32(0)) for k, ok in zip(ks, oks)], oks
 
-    def _o_values(seg, mine, region: int, r, ks, oks, tag, polls, health, code):
+    def _o_values(seg, mine, region: int, r, ks, oks, tag, polls, health, code, slices: int = 1):
         """o[r, k] for the columns ``ks`` as the reference has it: bf16 of the projection (TP: of
-        the ranks' partials summed in rank order, fp32, so every rank gets the same bits)."""
-        if TP == 1:
+        the ranks' partials summed in rank order, fp32, so every rank gets the same bits; split
+        along K: of the ``slices`` fp32 partials summed in slice order, as the Triton kernels do)."""
+        if TP == 1 and slices == 1:
             vals = mb.fetch(seg, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             return [d.round_bf16(v) for v in vals]
+        if TP == 1:
+            ats = [d.i32(region) + (d.i32(q * W) + r) * d.i32(H) + k for k in ks for q in range(slices)]
+            vals = mb.fetch(seg, ats, [ok for ok in oks for _ in range(slices)], tag, polls, health, code, partial=True)
+            return [d.round_bf16(_in_order(vals[u * slices : (u + 1) * slices])) for u in range(len(ks))]
         ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(TP)]
         vals = mb.mb_wait_all(mine, ats, [ok for ok in oks for _ in range(TP)], tag, polls, health, code, None)
-        out = []
-        for u in range(len(ks)):
-            tot = d.f32(0.0)
-            for q in range(TP):
-                tot = tot + vals[u * TP + q]
-            out.append(d.round_bf16(tot))
-        return out
+        return [d.round_bf16(_in_order(vals[u * TP : (u + 1) * TP])) for u in range(len(ks))]
+
+    def _in_order(parts):
+        """fp32 partials summed first to last (the same bits on every rank and every run)."""
+        tot = d.f32(0.0)
+        for v in parts:
+            tot = tot + v
+        return tot
 
     def _weight(w_ptr, k):
         return d.bf16_half(d.load_word(w_ptr, k // d.i32(2)), k % d.i32(2))
@@ -328,7 +340,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
                 ks, oks = _cols(d.i32(k_))
-                os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)
+                os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code, O_SPLITS)
                 for u in fx.range_constexpr(ROW_BATCH):
                     ov = oks[u].select(os_[u], d.f32(0.0))
                     ss = fx.math.fma(ov, ov, ss)
@@ -336,7 +348,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         ss_h = d.f32(0.0)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)
+            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code, O_SPLITS)
             for u in fx.range_constexpr(ROW_BATCH):
                 o = os_[u]
                 if fx.const_expr(POST_NORMS):
@@ -349,7 +361,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         rs_h = d.rsqrt_mean(d.block_sum(ss_h, lds, red, wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code)  # h again, as above
+            os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code, O_SPLITS)  # h again, as above
             for u in fx.range_constexpr(ROW_BATCH):
                 o = os_[u]
                 if fx.const_expr(POST_NORMS):
@@ -385,14 +397,14 @@ def make_k2(dims: ModelDims, geom: Geometry):
             ss = d.f32(0.0)
             for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
                 ks, oks = _cols(d.i32(k_))
-                dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code)
+                dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code, D_SPLITS)
                 for u in fx.range_constexpr(ROW_BATCH):
                     dv = oks[u].select(dvs[u], d.f32(0.0))
                     ss = fx.math.fma(dv, dv, ss)
             rs_d = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
-            dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code)
+            dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code, D_SPLITS)
             hvs = mb.fetch(seg, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             for u in fx.range_constexpr(ROW_BATCH):
                 dv = dvs[u]

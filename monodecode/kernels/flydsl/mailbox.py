@@ -274,7 +274,8 @@ def wait_ready(seg: Segment, ready, polls, health, code):
 
 
 @device
-def put_row(seg: Segment, tag, tok, region, n, row, x, enable):
-    """Publish output ``row`` of token ``tok`` into a (W, n) region (rows past n are padding)."""
+def put_row(seg: Segment, tag, tok, region, n, row, x, enable, partial: bool = False):
+    """Publish output ``row`` of token ``tok`` into a (W, n) region (rows past n are padding);
+    ``partial``: an fp32 split-K partial (``tok`` counts rows of every slice before its own)."""
     if enable & (row < fx.Int32(n)):
-        publish(seg, fx.Int32(region) + tok * fx.Int32(n) + row, tag, x)
+        publish(seg, fx.Int32(region) + tok * fx.Int32(n) + row, tag, x, partial)

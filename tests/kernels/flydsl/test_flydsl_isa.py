@@ -1,7 +1,8 @@
 """ISA budgets of the FlyDSL K1/K2 code objects, compiled for gfx942 and gfx950 on this CPU machine.
 
 For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 weights (plus
-the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8): zero spills, zero scratch, static LDS within
+the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8),
+and gemma3-27b at width 8 (split-K stages): zero spills, zero scratch, static LDS within
 the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
 printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (more VGPR/AGPR
 /SGPR or LDS, fewer waves) fails so it is visible in review. After an intended change, rewrite the
@@ -30,6 +31,7 @@ CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor
     ("llama3-8b", "fp8", [8], 1),
     ("llama3-8b", "bf16", [8], 2),  # K2 pushes its partials to every peer and sums them in rank order
     ("llama3-8b", "bf16", [8], 8),
+    ("gemma3-27b", "bf16", [8], 1),  # o_proj and down split along K, tasks cut to even waves, a final stage
 ]
 WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
 

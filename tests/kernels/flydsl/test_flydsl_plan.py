@@ -21,6 +21,7 @@ from monodecode.kernels.flydsl.config import (
     launch_description,
     plan_geometry,
     task_count,
+    task_origin,
 )
 from monodecode.kernels.health import health_code
 from monodecode.kernels.plan import DONE_STAGES, plan_model, wait_health_code
@@ -36,7 +37,8 @@ def test_launch_description_is_the_plan(profile, arch, widths):
     dims = profile_dims(profile)
     grid = ARCHS[arch].compute_units
     desc = launch_description(dims, arch, widths)
-    plan = plan_model(dims, 1, list(widths), grid, mailbox="bf16")  # one GPU: bf16 activations, counters
+    # one GPU: bf16 activations and counters; wide stages split along K and cut to even waves
+    plan = plan_model(dims, 1, list(widths), grid, mailbox="bf16", wide_split_k=4, wide_even_waves=True)
     assert desc["grid"] == plan.num_workgroups == grid
     assert desc["scratch_bytes"] == plan.scratch.nbytes
     assert desc["health_offset"] == plan.scratch.header[HEALTH].offset
@@ -64,6 +66,7 @@ def test_launch_description_is_the_plan(profile, arch, widths):
                 st.n,
                 st.k,
             ), key
+            assert (g["tile"], g["k_splits"]) == ((st.tile, st.k_splits) if st.kind == "gemv" else (0, 1)), key
             assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
             # every task exactly once, on the workgroup the plan's table names
             runs = sorted(t for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
@@ -74,6 +77,9 @@ def test_launch_description_is_the_plan(profile, arch, widths):
             for b, ts in enumerate(g["workgroup_tasks"]):
                 first = first_task(b, st.offset, grid)
                 assert (task_count(first, st.num_tasks, grid) if first < st.num_tasks else 0) == len(ts), (key, b)
+    if profile == "gemma3-27b" and 8 in widths:  # the knobs are live: 168 o_proj tiles leave CUs idle
+        wide = plan.layers[8].stages()
+        assert any(s.k_splits > 1 for s in wide) and any(s.tile_rows for s in wide)
 
 
 @pytest.mark.parametrize("tp", [2, 8])
@@ -146,8 +152,9 @@ def test_gemv_tiles_cover_k_and_fit_lds(arch, profile, weight_dtype):
         g = plan_geometry(profile_dims(profile), w, spec, weight_dtype)
         for name, tile in g.tiles.items():
             st = tile.stage
-            assert tile.rows_per_wave * 4 == st.rows and tile.rows_per_wave % tile.row_group == 0, name
-            assert tile.k_pad % tile.step == 0 and st.k <= tile.k_pad < st.k + tile.step, name
+            assert tile.rows_per_wave * 4 == st.tile >= st.rows and tile.rows_per_wave % tile.row_group == 0, name
+            assert tile.k_pad % tile.step == 0 and st.k_task <= tile.k_pad < st.k_task + tile.step, name
+            assert st.k_task * st.k_splits == st.k and st.row_tiles * st.rows >= st.n, name
             assert tile.chunk % tile.step == 0 and tile.chunks * tile.chunk >= tile.k_pad, name
             assert w * tile.chunk * 2 <= spec.x_stage_bytes or tile.chunk == tile.step, name
             assert tile.mfma == (w >= 2), name  # the plan's wide tasks are whole 16-row tiles
@@ -155,6 +162,25 @@ def test_gemv_tiles_cover_k_and_fit_lds(arch, profile, weight_dtype):
                 assert tile.tiles * tile.k_split % 4 == 0 and tile.chunk % tile.kblock == 0, name
         assert max(g.lds1["words"], g.lds2["words"]) * 4 <= spec.lds_bytes
         assert g.head_dim % WAVE_SIZE == 0
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("profile", ["tiny", "llama3-8b", "gemma3-27b"])
+def test_gemv_tasks_cover_every_output_and_k_slice_once(arch, profile):
+    """``task_origin`` (what the kernels compute per task) against the plan's stage: the tasks'
+    own rows of every K slice cover each output row exactly once."""
+    for w in (2, 8):
+        g = plan_geometry(profile_dims(profile), w, ARCHS[arch], "bf16")
+        for name, tile in g.tiles.items():
+            st = tile.stage
+            seen = {}
+            for t in range(st.tasks):
+                n0, k0, s = task_origin(t, st)
+                assert k0 == s * st.k_task and 0 <= s < st.k_splits, (name, t)
+                for row in range(n0, min(n0 + st.rows, st.n)):
+                    seen[(row, k0)] = seen.get((row, k0), 0) + 1
+            want = {(row, s * st.k_task) for row in range(st.n) for s in range(st.k_splits)}
+            assert set(seen) == want and set(seen.values()) == {1}, (name, w)
 
 
 @pytest.mark.parametrize(
