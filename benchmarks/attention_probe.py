@@ -1,0 +1,235 @@
+"""K1's attention stage alone, under launch settings K1 cannot vary per stage (one GPU).
+
+K1 runs its attention tasks (``attention.attn_task``) inside a persistent launch whose warp
+count the GEMV stages choose. This probe launches the same task function as a plain grid (one
+program per task) for one profile and batch, over a paged cache of ``--context`` positions, and
+times it per setting: warps, context positions per tile, pipelining depth, and the cache layout
+(the reference's planes ``[blocks, block, kv_heads, head_dim]``, vLLM 0.33's interleaved K|V views,
+or one head's positions contiguous). It prints µs per stage and the KV bytes' bandwidth, and
+writes the table as JSON. Inputs are random; the published partials are not checked here (the
+GPU numerics tests cover the stage inside K1).
+
+Usage (GPU machine, repository root): ``python benchmarks/attention_probe.py --profile gemma3-27b
+--batch 8 [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+from monodecode.kernels.plan import attention_splits  # noqa: E402
+from monodecode.kernels.triton.attention import attn_task  # noqa: E402
+from monodecode.model.profiles import profile_dims  # noqa: E402
+
+
+@triton.jit
+def _attn_grid(
+    qkv,
+    acc,
+    ml,
+    qn,
+    kn,
+    inv,
+    kc,
+    vc,
+    k_sb,
+    k_st,
+    k_sh,
+    v_sb,
+    v_st,
+    v_sh,
+    pos,
+    slot,
+    bt,
+    bt_stride,
+    seq,
+    window,
+    tag,
+    health,
+    bad_code,
+    scale,
+    NQKV: tl.constexpr,
+    Q: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    KVH: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    BS: tl.constexpr,
+    BT: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    attn_task(
+        tl.program_id(0),
+        qkv,
+        acc,
+        ml,
+        qn,
+        kn,
+        inv,
+        kc,
+        vc,
+        k_sb,
+        k_st,
+        k_sh,
+        v_sb,
+        v_st,
+        v_sh,
+        pos,
+        slot,
+        bt,
+        bt_stride,
+        seq,
+        window,
+        1e-6,
+        scale,
+        tag,
+        health,
+        bad_code,
+        NQKV,
+        Q,
+        KV,
+        D,
+        G,
+        GP,
+        KVH,
+        H,
+        S,
+        BS,
+        BT,
+        QK_NORM,
+        False,
+        True,
+        STAGES,
+    )
+
+
+def _caches(layout: str, blocks: int, bs: int, kvh: int, d: int):
+    """K and V views of shape [blocks, bs, kvh, d] in one of three memory layouts."""
+    dev, dt = "cuda", torch.bfloat16
+    if layout == "planes":  # the reference's cache
+        return torch.randn(blocks, bs, kvh, d, device=dev, dtype=dt), torch.randn(
+            blocks, bs, kvh, d, device=dev, dtype=dt
+        )
+    if layout == "vllm":  # K|V interleaved per head (token stride kvh*2*d)
+        kv = torch.randn(blocks, bs, kvh, 2, d, device=dev, dtype=dt)
+        return kv[:, :, :, 0, :], kv[:, :, :, 1, :]
+    # one head's positions of a block contiguous: [blocks, kvh, bs, d] seen as [blocks, bs, kvh, d]
+    k = torch.randn(blocks, kvh, bs, d, device=dev, dtype=dt).transpose(1, 2)
+    v = torch.randn(blocks, kvh, bs, d, device=dev, dtype=dt).transpose(1, 2)
+    return k, v
+
+
+def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> list[dict]:
+    dims = profile_dims(profile)
+    d, kvh, heads = dims.head_dim, dims.num_kv_heads, dims.num_heads
+    g = heads // kvh
+    q, kv = heads * d, kvh * d
+    bs = 16
+    splits = attention_splits(batch, kvh, grid_sms)
+    per_row = -(-context // bs)
+    blocks = per_row * batch + 1
+    qkv = torch.randn(batch, q + 2 * kv, device="cuda").to(torch.bfloat16)
+    acc = torch.zeros(batch * heads * splits * d, device="cuda")
+    ml = torch.zeros(batch * heads * splits * 2, device="cuda")
+    norm = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+    inv = torch.rand(d // 2, device="cuda")
+    pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.int64)
+    seq = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    perm = torch.randperm(blocks - 1, device="cuda").to(torch.int32)  # scattered blocks, as in a real pool
+    bt = perm[: batch * per_row].view(batch, per_row).contiguous()
+    slot = (bt[:, -1].to(torch.int64) * bs + (context - 1) % bs).contiguous()
+    health = torch.zeros(1, device="cuda", dtype=torch.int32)
+    kv_bytes = batch * context * kv * 2 * 2
+    rows = []
+    for layout, warps, bt_tile, stages in itertools.product(
+        ("planes", "vllm", "head_major"), (4, 8), (64, 128), (3, 5)
+    ):
+        kc, vc = _caches(layout, blocks, bs, kvh, d)
+        strides = [kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2)]
+        args = (
+            qkv,
+            acc,
+            ml,
+            norm,
+            norm,
+            inv,
+            kc,
+            vc,
+            *strides,
+            pos,
+            slot,
+            bt,
+            bt.stride(0),
+            seq,
+            0,
+            1,
+            health,
+            0,
+            0.08,
+        )
+        consts = dict(
+            NQKV=q + 2 * kv, Q=q, KV=kv, D=d, G=g, GP=max(16, triton.next_power_of_2(g)), KVH=kvh, H=heads, S=splits,
+            BS=bs, BT=bt_tile, QK_NORM=dims.qk_norm, STAGES=stages,
+        )  # fmt: skip
+        grid = (batch * kvh * splits,)
+        try:
+            _attn_grid[grid](*args, **consts, num_warps=warps)
+            torch.cuda.synchronize()
+        except Exception as e:  # a setting that does not compile or fit: one line, go on
+            rows.append({"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "error": str(e)[:160]})
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                _attn_grid[grid](*args, **consts, num_warps=warps)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / 20)
+        us = sorted(times)[len(times) // 2] * 1e6
+        rows.append(
+            {"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "us": round(us, 2),
+             "kv_gbs": round(kv_bytes / us / 1e3, 1), "tasks": grid[0], "splits": splits}
+        )  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="gemma3-27b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = probe(a.profile, a.batch, a.context, sms, a.reps)
+    if a.out:
+        out = Path(a.out) / f"attention_probe_{a.profile}_b{a.batch}.json"
+        out.write_text(
+            json.dumps({"profile": a.profile, "batch": a.batch, "context": a.context, "rows": rows}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
