@@ -10,7 +10,7 @@ writes the table as JSON. Inputs are random; the published partials are not chec
 GPU numerics tests cover the stage inside K1).
 
 Usage (GPU machine, repository root): ``python benchmarks/attention_probe.py --profile gemma3-27b
---batch 8 [--out DIR]``.
+--batch 2,8 [--layouts vllm] [--warps 4,8] [--tiles 64,128] [--stages 3,5] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _caches(layout: str, blocks: int, bs: int, kvh: int, d: int):
     return k, v
 
 
-def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> list[dict]:
+def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid: dict) -> list[dict]:
     dims = profile_dims(profile)
     d, kvh, heads = dims.head_dim, dims.num_kv_heads, dims.num_heads
     g = heads // kvh
@@ -157,7 +157,7 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> l
     kv_bytes = batch * context * kv * 2 * 2
     rows = []
     for layout, warps, bt_tile, stages in itertools.product(
-        ("planes", "vllm", "head_major"), (4, 8), (64, 128), (3, 5)
+        grid["layouts"], grid["warps"], grid["tiles"], grid["stages"]
     ):
         kc, vc = _caches(layout, blocks, bs, kvh, d)
         strides = [kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2)]
@@ -186,9 +186,9 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> l
             NQKV=q + 2 * kv, Q=q, KV=kv, D=d, G=g, GP=max(16, triton.next_power_of_2(g)), KVH=kvh, H=heads, S=splits,
             BS=bs, BT=bt_tile, QK_NORM=dims.qk_norm, STAGES=stages,
         )  # fmt: skip
-        grid = (batch * kvh * splits,)
+        tasks = (batch * kvh * splits,)
         try:
-            _attn_grid[grid](*args, **consts, num_warps=warps)
+            _attn_grid[tasks](*args, **consts, num_warps=warps)
             torch.cuda.synchronize()
         except Exception as e:  # a setting that does not compile or fit: one line, go on
             rows.append({"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "error": str(e)[:160]})
@@ -196,7 +196,7 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> l
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(20):
-                _attn_grid[grid](*args, **consts, num_warps=warps)
+                _attn_grid[tasks](*args, **consts, num_warps=warps)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -208,7 +208,7 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> l
         us = sorted(times)[len(times) // 2] * 1e6
         rows.append(
             {"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "us": round(us, 2),
-             "kv_gbs": round(kv_bytes / us / 1e3, 1), "tasks": grid[0], "splits": splits}
+             "kv_gbs": round(kv_bytes / us / 1e3, 1), "tasks": tasks[0], "splits": splits}
         )  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -217,18 +217,28 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int) -> l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="gemma3-27b")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="8", help="batches, comma separated")
+    ap.add_argument("--layouts", default="planes,vllm,head_major")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--tiles", default="64,128")
+    ap.add_argument("--stages", default="3,5")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = probe(a.profile, a.batch, a.context, sms, a.reps)
-    if a.out:
-        out = Path(a.out) / f"attention_probe_{a.profile}_b{a.batch}.json"
-        out.write_text(
-            json.dumps({"profile": a.profile, "batch": a.batch, "context": a.context, "rows": rows}, indent=1)
-        )
+    grid = {
+        "layouts": a.layouts.split(","),
+        "warps": [int(v) for v in a.warps.split(",")],
+        "tiles": [int(v) for v in a.tiles.split(",")],
+        "stages": [int(v) for v in a.stages.split(",")],
+    }
+    for batch in [int(v) for v in a.batch.split(",")]:
+        rows = probe(a.profile, batch, a.context, sms, a.reps, grid)
+        if a.out:
+            out = Path(a.out) / f"attention_probe_{a.profile}_b{batch}.json"
+            meta = {"profile": a.profile, "batch": batch, "context": a.context}
+            out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

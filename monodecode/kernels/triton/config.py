@@ -46,6 +46,9 @@ class Target:
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
+    # K1's warps at widths > 1 (0: ``wide_warps``). Its attention stage streams the KV cache
+    # faster with fewer warps per tile (``benchmarks/attention_probe.py``).
+    k1_wide_warps: int = 0
     # Software-pipelining depth of the attention context loop (1: a plain loop), and the same at
     # widths > 1 (0: ``attn_stages``). The K/V loads hang off the block-table loads, so the
     # compiler keeps K/V tiles (depth - 1) // 2 iterations ahead: 3 waits for every tile as it
@@ -56,6 +59,7 @@ class Target:
     # > 1 whose plan has one split per row; 0: ``attn_tile``): such a task streams every tile of
     # the row, so bytes in flight per program matter more than the masked tail of the last tile.
     whole_attn_tile: int = 0
+    wide_attn_tile: int = 0  # context positions per attention tile at widths > 1 otherwise (0: ``attn_tile``)
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -104,9 +108,14 @@ class Target:
 
     def attention_tile(self, width: int, splits: int) -> int:
         """Context positions per attention tile for a plan with ``splits`` splits per row."""
-        return self.whole_attn_tile if width > 1 and splits == 1 and self.whole_attn_tile else self.attn_tile
+        if width > 1 and splits == 1 and self.whole_attn_tile:
+            return self.whole_attn_tile
+        return self.wide_attn_tile if width > 1 and self.wide_attn_tile else self.attn_tile
 
-    def warps(self, width: int) -> int:
+    def warps(self, width: int, kernel: str) -> int:
+        """Warps per program of ``kernel`` (``plan.K1`` or ``plan.K2``) at ``width``."""
+        if width > 1 and kernel == K1 and self.k1_wide_warps:
+            return self.k1_wide_warps
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
