@@ -55,7 +55,7 @@ def _one(job) -> tuple[str, float]:
     target = dataclasses.replace(CUDA, **change)
     mplan = plan_for(dims, widths, sm, target, fp8=dtype != "bf16")
     src = dict(kernel_sources(dims, dtype, width, 16, mplan, target))[which]
-    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target, width, which))
+    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target, width))
     return f"{profile}/{dtype}/{widths} w={width} {which} {change or ''}", time.monotonic() - t0
 
 

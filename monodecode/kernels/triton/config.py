@@ -46,9 +46,6 @@ class Target:
     # Warps per program and pipelining depth at widths > 1 (dot tiles); 0 = as at width 1.
     wide_warps: int = 0
     wide_stages: int = 0
-    # K1's warps at widths > 1 (0: ``wide_warps``). Its attention stage streams the KV cache
-    # faster with fewer warps per tile (``benchmarks/attention_probe.py``).
-    k1_wide_warps: int = 0
     # Software-pipelining depth of the attention context loop (1: a plain loop), and the same at
     # widths > 1 (0: ``attn_stages``). The K/V loads hang off the block-table loads, so the
     # compiler keeps K/V tiles (depth - 1) // 2 iterations ahead: 3 waits for every tile as it
@@ -112,10 +109,7 @@ class Target:
             return self.whole_attn_tile
         return self.wide_attn_tile if width > 1 and self.wide_attn_tile else self.attn_tile
 
-    def warps(self, width: int, kernel: str) -> int:
-        """Warps per program of ``kernel`` (``plan.K1`` or ``plan.K2``) at ``width``."""
-        if width > 1 and kernel == K1 and self.k1_wide_warps:
-            return self.k1_wide_warps
+    def warps(self, width: int) -> int:
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
@@ -148,7 +142,11 @@ CUDA = Target(
     narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
-    wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
+    # Widths > 1: 256-position attention tiles pipelined 3 deep. Attention alone at 8 warps
+    # (benchmarks/attention_probe.py, run 25): 27B b4 19.5 -> 14.8 µs, b2 13.1 -> 10.5, 1B b8
+    # 12.8 -> 9.1 against 64-position tiles 5 deep (run 16's choice inside K1).
+    wide_attn_stages=3,
+    wide_attn_tile=256,
     fp8_wide="pair",
     fp8_pair_min_rows=64,
     # 27B batch 2/4: down's 336 16-row tasks -> 84 64-row ones, 21.1 -> 17.4 ms (runs 12-13);
@@ -162,7 +160,7 @@ CUDA = Target(
     # both together 27B b8 16.67 ms. 8B QKV had lost 4 % with 256-wide chunks in run 14, before
     # the fused norm's weight was pipelined at that width.
     qkv_inflight_bytes=131072,
-    whole_attn_tile=128,
+    whole_attn_tile=256,
     # Run 20: 27B b2-8 15.38-16.78 -> 14.74-16.08 ms (gate/up 336 -> 391 tasks, 3 full waves),
     # 8B b2-8 1-2 % faster. Not under the FP8 pair (``plan_for``).
     wide_even_waves=True,

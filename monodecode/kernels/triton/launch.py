@@ -23,8 +23,8 @@ from monodecode.kernels.triton.config import Target, check_dims, constexprs, pla
 _POLL_SECONDS = 0.5e-6
 
 
-def compile_options(target: Target, width: int, kernel: str) -> dict:
-    opts = {"num_warps": target.warps(width, kernel)}
+def compile_options(target: Target, width: int = 1) -> dict:
+    opts = {"num_warps": target.warps(width)}
     if target.kind == "cuda" and target.cooperative:
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
     return opts
@@ -116,9 +116,11 @@ class TritonKernels(TwoLaunchKernels):
         gpu = triton.runtime.driver.active.get_current_target()
         out = {}
         for w in req.widths:
+            opts = compile_options(self.target, w)
             srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target, prof))
-            out[w] = tuple(
-                triton.compile(srcs[k], target=gpu, options=compile_options(self.target, w, k)) for k in ("k1", "k2")
+            out[w] = (
+                triton.compile(srcs["k1"], target=gpu, options=opts),
+                triton.compile(srcs["k2"], target=gpu, options=opts),
             )
         return out
 
