@@ -56,7 +56,6 @@ class Target:
     # > 1 whose plan has one split per row; 0: ``attn_tile``): such a task streams every tile of
     # the row, so bytes in flight per program matter more than the masked tail of the last tile.
     whole_attn_tile: int = 0
-    wide_attn_tile: int = 0  # context positions per attention tile at widths > 1 otherwise (0: ``attn_tile``)
     # Width 1: publish K1's QKV rows through a 1-D store. With the bf16 mailbox, the [rows, 1]
     # store's layout propagated back into the FMA tile (threads along rows: its shared-memory
     # reads conflict); the 1-D store keeps the tagged build's layout (timed: benchmarks/README.md,
@@ -105,9 +104,7 @@ class Target:
 
     def attention_tile(self, width: int, splits: int) -> int:
         """Context positions per attention tile for a plan with ``splits`` splits per row."""
-        if width > 1 and splits == 1 and self.whole_attn_tile:
-            return self.whole_attn_tile
-        return self.wide_attn_tile if width > 1 and self.wide_attn_tile else self.attn_tile
+        return self.whole_attn_tile if width > 1 and splits == 1 and self.whole_attn_tile else self.attn_tile
 
     def warps(self, width: int) -> int:
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
@@ -142,11 +139,7 @@ CUDA = Target(
     narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
-    # Widths > 1: 256-position attention tiles pipelined 3 deep. Attention alone at 8 warps
-    # (benchmarks/attention_probe.py, run 25): 27B b4 19.5 -> 14.8 µs, b2 13.1 -> 10.5, 1B b8
-    # 12.8 -> 9.1 against 64-position tiles 5 deep (run 16's choice inside K1).
-    wide_attn_stages=3,
-    wide_attn_tile=256,
+    wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
     fp8_pair_min_rows=64,
     # 27B batch 2/4: down's 336 16-row tasks -> 84 64-row ones, 21.1 -> 17.4 ms (runs 12-13);
@@ -160,7 +153,7 @@ CUDA = Target(
     # both together 27B b8 16.67 ms. 8B QKV had lost 4 % with 256-wide chunks in run 14, before
     # the fused norm's weight was pipelined at that width.
     qkv_inflight_bytes=131072,
-    whole_attn_tile=256,
+    whole_attn_tile=128,
     # Run 20: 27B b2-8 15.38-16.78 -> 14.74-16.08 ms (gate/up 336 -> 391 tasks, 3 full waves),
     # 8B b2-8 1-2 % faster. Not under the FP8 pair (``plan_for``).
     wide_even_waves=True,

@@ -51,17 +51,14 @@ def test_qkv_chunks_hold_their_own_bytes_in_flight():
     assert gemv_chunk(CUDA, 8, gate_up, False) == 128  # not the QKV figure
 
 
-def test_attention_tiles_per_width_and_split():
-    """Widths > 1 take ``wide_attn_tile``, and ``whole_attn_tile`` where one task covers a row's
-    whole context (one split per row); width 1 keeps ``attn_tile``."""
-    t = dataclasses.replace(CUDA, attn_tile=64, wide_attn_tile=128, whole_attn_tile=256)
-    wide = _k1("gemma3-27b", 8, t)
-    assert wide["S"] == 1 and wide["BT"] == 256
-    split = _k1("llama3-8b", 8, t)
-    assert split["S"] > 1 and split["BT"] == 128
-    assert _k1("gemma3-27b", 1, t)["BT"] == 64
-    assert _k1("gemma3-27b", 8, dataclasses.replace(t, whole_attn_tile=0))["BT"] == 128
-    assert _k1("llama3-8b", 8, dataclasses.replace(t, wide_attn_tile=0))["BT"] == 64
+def test_whole_context_tasks_take_the_larger_attention_tile():
+    """128-position tiles only where one task covers a row's whole context (one split per row)."""
+    wide = _k1("gemma3-27b", 8)
+    assert wide["S"] == 1 and wide["BT"] == 128
+    split = _k1("llama3-8b", 8)
+    assert split["S"] > 1 and split["BT"] == CUDA.attn_tile
+    assert _k1("gemma3-27b", 1)["BT"] == CUDA.attn_tile
+    assert _k1("gemma3-27b", 8, dataclasses.replace(CUDA, whole_attn_tile=0))["BT"] == CUDA.attn_tile
 
 
 def test_launch_exit_atomics_are_relaxed_in_the_compiled_kernels():

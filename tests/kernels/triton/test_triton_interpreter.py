@@ -70,7 +70,7 @@ CHILD = textwrap.dedent(
         if "_widen" in name:
             target = dataclasses.replace(target, fp8_wide="widen")
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
-            target = dataclasses.replace(target, attn_tile=16, wide_attn_tile=16, whole_attn_tile=16)
+            target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
         # rows of 64- / 32-row tiles (masked rows: the next task's)
