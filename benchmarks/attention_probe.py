@@ -21,6 +21,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -122,61 +123,85 @@ def _attn_grid(
 L2_FLUSH_BYTES = 256 << 20  # KV bytes the timed launches cycle through: several times an H200's L2
 
 
-def _caches(layout: str, blocks: int, bs: int, kvh: int, d: int):
+def _caches(layout: str, blocks: int, bs: int, kvh: int, d: int, device: str):
     """K and V views of shape [blocks, bs, kvh, d] in one of three memory layouts."""
-    dev, dt = "cuda", torch.bfloat16
+    dt = torch.bfloat16
     if layout == "planes":  # the reference's cache
-        return torch.randn(blocks, bs, kvh, d, device=dev, dtype=dt), torch.randn(
-            blocks, bs, kvh, d, device=dev, dtype=dt
-        )
+        return tuple(torch.randn(blocks, bs, kvh, d, device=device, dtype=dt) for _ in range(2))
     if layout == "vllm":  # K|V interleaved per head (token stride kvh*2*d)
-        kv = torch.randn(blocks, bs, kvh, 2, d, device=dev, dtype=dt)
+        kv = torch.randn(blocks, bs, kvh, 2, d, device=device, dtype=dt)
         return kv[:, :, :, 0, :], kv[:, :, :, 1, :]
     # one head's positions of a block contiguous: [blocks, kvh, bs, d] seen as [blocks, bs, kvh, d]
-    k = torch.randn(blocks, kvh, bs, d, device=dev, dtype=dt).transpose(1, 2)
-    v = torch.randn(blocks, kvh, bs, d, device=dev, dtype=dt).transpose(1, 2)
-    return k, v
+    return tuple(torch.randn(blocks, kvh, bs, d, device=device, dtype=dt).transpose(1, 2) for _ in range(2))
 
 
-def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid: dict) -> list[dict]:
+@dataclass
+class Setup:
+    """One profile and batch: the launches' arguments (one per cache), the shape constexprs, the
+    grid and the KV bytes one launch reads."""
+
+    launches: list[tuple]
+    consts: dict
+    tasks: int
+    kv_bytes: int
+
+
+def setup(profile: str, batch: int, context: int, grid_sms: int, layout: str, device: str = "cuda") -> Setup:
+    """Random inputs for ``batch`` rows of ``context`` positions over scattered cache blocks, and
+    as many layers' caches as keep the KV out of L2 when the launches cycle through them (one
+    cache replayed sits in L2 up to its size: run 26 measured that as a false gain)."""
     dims = profile_dims(profile)
     d, kvh, heads = dims.head_dim, dims.num_kv_heads, dims.num_heads
-    g = heads // kvh
-    q, kv = heads * d, kvh * d
-    bs = 16
+    q, kv, bs = heads * d, kvh * d, 16
     splits = attention_splits(batch, kvh, grid_sms)
     per_row = -(-context // bs)
     blocks = per_row * batch + 1
-    qkv = torch.randn(batch, q + 2 * kv, device="cuda").to(torch.bfloat16)
-    acc = torch.zeros(batch * heads * splits * d, device="cuda")
-    ml = torch.zeros(batch * heads * splits * 2, device="cuda")
-    norm = torch.ones(d, device="cuda", dtype=torch.bfloat16)
-    inv = torch.rand(d // 2, device="cuda")
-    pos = torch.full((batch,), context - 1, device="cuda", dtype=torch.int64)
-    seq = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    perm = torch.randperm(blocks - 1, device="cuda").to(torch.int32)  # scattered blocks, as in a real pool
-    bt = perm[: batch * per_row].view(batch, per_row).contiguous()
-    slot = (bt[:, -1].to(torch.int64) * bs + (context - 1) % bs).contiguous()
-    health = torch.zeros(1, device="cuda", dtype=torch.int32)
     kv_bytes = batch * context * kv * 2 * 2
+    f32, i32, i64 = torch.float32, torch.int32, torch.int64
+    perm = torch.randperm(blocks - 1, device=device).to(i32)  # scattered blocks, as in a real pool
+    bt = perm[: batch * per_row].view(batch, per_row).contiguous()
+    inputs = (
+        torch.randn(batch, q + 2 * kv, device=device).to(torch.bfloat16),  # q|k|v rows
+        torch.zeros(batch * heads * splits * d, device=device, dtype=f32),  # partials
+        torch.zeros(batch * heads * splits * 2, device=device, dtype=f32),
+        torch.ones(d, device=device, dtype=torch.bfloat16),  # q-norm
+        torch.ones(d, device=device, dtype=torch.bfloat16),  # k-norm
+        torch.rand(d // 2, device=device, dtype=f32),  # inv_freq
+    )
+    common = (
+        torch.full((batch,), context - 1, device=device, dtype=i64),  # positions
+        (bt[:, -1].to(i64) * bs + (context - 1) % bs).contiguous(),  # slots
+        bt,
+        bt.stride(0),
+        torch.full((batch,), context, device=device, dtype=i32),  # seq lens
+        0,  # window
+        1,  # tag
+        torch.zeros(1, device=device, dtype=i32),  # health
+        0,  # bad code
+        0.08,  # scale
+    )
+    caches = [_caches(layout, blocks, bs, kvh, d, device) for _ in range(max(1, -(-L2_FLUSH_BYTES // kv_bytes)))]
+    launches = [
+        (*inputs, kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), *common)
+        for kc, vc in caches
+    ]
+    consts = dict(
+        NQKV=q + 2 * kv, Q=q, KV=kv, D=d, G=heads // kvh, GP=max(16, triton.next_power_of_2(heads // kvh)),
+        KVH=kvh, H=heads, S=splits, BS=bs, QK_NORM=dims.qk_norm,
+    )  # fmt: skip
+    return Setup(launches, consts, batch * kvh * splits, kv_bytes)
+
+
+def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid: dict) -> list[dict]:
     rows = []
     for layout, warps, bt_tile, stages in itertools.product(
         grid["layouts"], grid["warps"], grid["tiles"], grid["stages"]
     ):
-        # as many layers' caches as keep the KV out of L2 when the launches cycle through them
-        # (one cache replayed sits in L2 up to its size: run 26 measured that as a false gain)
-        caches = [_caches(layout, blocks, bs, kvh, d) for _ in range(max(1, -(-L2_FLUSH_BYTES // kv_bytes)))]
-        strides = [caches[0][0].stride(i) for i in range(3)] + [caches[0][1].stride(i) for i in range(3)]
-        common = (pos, slot, bt, bt.stride(0), seq, 0, 1, health, 0, 0.08)
-        launches = [(qkv, acc, ml, norm, norm, inv, kc, vc, *strides, *common) for kc, vc in caches]
-        args = launches[0]
-        consts = dict(
-            NQKV=q + 2 * kv, Q=q, KV=kv, D=d, G=g, GP=max(16, triton.next_power_of_2(g)), KVH=kvh, H=heads, S=splits,
-            BS=bs, BT=bt_tile, QK_NORM=dims.qk_norm, STAGES=stages,
-        )  # fmt: skip
-        tasks = (batch * kvh * splits,)
+        su = setup(profile, batch, context, grid_sms, layout)
+        consts = {**su.consts, "BT": bt_tile, "STAGES": stages}
+        tasks = (su.tasks,)
         try:
-            _attn_grid[tasks](*args, **consts, num_warps=warps)
+            _attn_grid[tasks](*su.launches[0], **consts, num_warps=warps)
             torch.cuda.synchronize()
         except Exception as e:  # a setting that does not compile or fit: one line, go on
             rows.append({"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "error": str(e)[:160]})
@@ -184,7 +209,7 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for i in range(20):
-                _attn_grid[tasks](*launches[i % len(launches)], **consts, num_warps=warps)
+                _attn_grid[tasks](*su.launches[i % len(su.launches)], **consts, num_warps=warps)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -196,9 +221,11 @@ def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid
         us = sorted(times)[len(times) // 2] * 1e6
         rows.append(
             {"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "us": round(us, 2),
-             "kv_gbs": round(kv_bytes / us / 1e3, 1), "tasks": tasks[0], "splits": splits, "caches": len(caches)}
+             "kv_gbs": round(su.kv_bytes / us / 1e3, 1), "tasks": su.tasks, "splits": su.consts["S"],
+             "caches": len(su.launches)}
         )  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        del su, graph
     return rows
 
 
