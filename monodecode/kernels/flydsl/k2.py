@@ -7,16 +7,20 @@ Side by side with ``monodecode/model/reference.py``:
 
 K2 (``x``, ``attn_out`` -> ``x_out``)
   o_proj   GEMV of attn_out -> ``o`` (fp32,      o = W_o attn
-           TP: pushed to every peer, ``o_peer``)
+           TP: pushed to every peer, ``o_peer``;
+           split along K: ``o_part``, fp32)
   post     task = row: (TP: sum of the ranks'   Gemma: o = rms_norm(o, attn_post_norm);
-           partials in rank order, fp32) ->     h = x + o; hn = rms_norm(h, mlp_norm)
-           ``h``, ``hn``
+           partials in rank order, split-K:     h = x + o; hn = rms_norm(h, mlp_norm)
+           of the slices in slice order, fp32)
+           -> ``h``, ``hn``
   gate_up  GEMV of hn, gate and up rows in one  a = bf16(act(bf16 gate)) * bf16(up)
            pass -> ``act``
   down     GEMV of act; without a final stage   d = W_down a; Llama/Qwen: x_out = h + d
            adds h and writes x_out, else ``d``
-  final    task = row (Gemma or TP): sums the   Gemma: d = rms_norm(d, mlp_post_norm);
-           partials, norm, residual -> x_out    x_out = h + d
+           (split along K: ``d_part``, fp32)
+  final    task = row (Gemma, TP or a split     Gemma: d = rms_norm(d, mlp_post_norm);
+           down): sums the partials, norm,      x_out = h + d
+           residual -> x_out
 
 An expired wait stores ``health_code(wait_timeout, k2, layer)``, a non-finite output
 ``health_code(nonfinite, k2, layer)`` in the sticky health word.
