@@ -4,8 +4,9 @@ For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 
 the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8),
 and gemma3-27b at width 8 (split-K stages): zero spills, zero scratch, static LDS within
 the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
-printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (more VGPR/AGPR
-/SGPR or LDS, fewer waves) fails so it is visible in review. After an intended change, rewrite the
+printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (VGPRs or
+SGPRs beyond two registers of codegen noise, more AGPRs or LDS, fewer waves) fails so it is visible
+in review. After an intended change, rewrite the
 golden file with MONODECODE_UPDATE_GOLDEN=1 and commit it with the change.
 """
 
@@ -34,6 +35,10 @@ CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor
     ("gemma3-27b", "bf16", [8], 1),  # o_proj and down split along K, tasks cut to even waves, a final stage
 ]
 WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
+# Registers the same sources may take above their golden figure: one CI run compiled gfx942's
+# llama3-8b width-1 K1 to 148 VGPRs where every other compile of that commit (20+, locally and
+# in the same clone) gave 146. Two registers of codegen noise are not a regression; a lost wave is.
+SLACK = {"vgprs": 2, "sgprs": 2}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,7 @@ def test_no_worse_than_golden(isa_rows):
     worse = []
     for key, fig in current.items():
         old = golden[key]
-        worse += [f"{key} {f}: {old[f]} -> {fig[f]}" for f in WORSE_IF_HIGHER if fig[f] > old[f]]
+        worse += [f"{key} {f}: {old[f]} -> {fig[f]}" for f in WORSE_IF_HIGHER if fig[f] > old[f] + SLACK.get(f, 0)]
         if fig["waves_per_simd"] < old["waves_per_simd"]:
             worse.append(f"{key} waves_per_simd: {old['waves_per_simd']} -> {fig['waves_per_simd']}")
     assert not worse, "ISA figures got worse than tests/kernels/golden/flydsl_isa.json: " + "; ".join(worse)
