@@ -194,39 +194,40 @@ def setup(profile: str, batch: int, context: int, grid_sms: int, layout: str, de
 
 def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid: dict) -> list[dict]:
     rows = []
-    for layout, warps, bt_tile, stages in itertools.product(
-        grid["layouts"], grid["warps"], grid["tiles"], grid["stages"]
-    ):
-        su = setup(profile, batch, context, grid_sms, layout)
-        consts = {**su.consts, "BT": bt_tile, "STAGES": stages}
-        tasks = (su.tasks,)
-        try:
-            _attn_grid[tasks](*su.launches[0], **consts, num_warps=warps)
-            torch.cuda.synchronize()
-        except Exception as e:  # a setting that does not compile or fit: one line, go on
-            rows.append({"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "error": str(e)[:160]})
-            continue
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(20):
-                _attn_grid[tasks](*su.launches[i % len(su.launches)], **consts, num_warps=warps)
+    for layout in grid["layouts"]:
+        su = setup(profile, batch, context, grid_sms, layout)  # one set of caches per layout
+        for warps, bt_tile, stages in itertools.product(grid["warps"], grid["tiles"], grid["stages"]):
+            rows.append(_time(su, layout, warps, bt_tile, stages, reps))
+            print(json.dumps(rows[-1]), flush=True)
+        del su
+    return rows
+
+
+def _time(su: Setup, layout: str, warps: int, bt_tile: int, stages: int, reps: int) -> dict:
+    """One setting: the median µs of a launch over ``reps`` replays of 20 launches in a graph."""
+    row = {"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages}
+    consts = {**su.consts, "BT": bt_tile, "STAGES": stages}
+    tasks = (su.tasks,)
+    try:
+        _attn_grid[tasks](*su.launches[0], **consts, num_warps=warps)
+        torch.cuda.synchronize()
+    except Exception as e:  # a setting that does not compile or fit: one line, go on
+        return {**row, "error": str(e)[:160]}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(20):
+            _attn_grid[tasks](*su.launches[i % len(su.launches)], **consts, num_warps=warps)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
         graph.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / 20)
-        us = sorted(times)[len(times) // 2] * 1e6
-        rows.append(
-            {"layout": layout, "warps": warps, "tile": bt_tile, "stages": stages, "us": round(us, 2),
-             "kv_gbs": round(su.kv_bytes / us / 1e3, 1), "tasks": su.tasks, "splits": su.consts["S"],
-             "caches": len(su.launches)}
-        )  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        del su, graph
-    return rows
+        times.append((time.perf_counter() - t0) / 20)
+    us = sorted(times)[len(times) // 2] * 1e6
+    return {**row, "us": round(us, 2), "kv_gbs": round(su.kv_bytes / us / 1e3, 1), "tasks": su.tasks,
+            "splits": su.consts["S"], "caches": len(su.launches)}  # fmt: skip
 
 
 def main() -> None:

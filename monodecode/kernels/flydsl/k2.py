@@ -113,7 +113,11 @@ def make_k2(dims: ModelDims, geom: Geometry):
         bad_code = mb.health_code(mb.SITE_NONFINITE, mb.KERNEL_K2, layer)
         lds = d.lds_arena(fx.SharedAllocator(), L2["words"])
         o_region = RG["o_part"] if O_SPLITS > 1 else RG["o"] if TP == 1 else PRG["o_peer"]
-        d_region = RG["d_part"] if D_SPLITS > 1 else (RG["d"] if TP == 1 else PRG["d_peer"]) if FINAL else 0
+        d_region = 0  # down's output region when a final stage reads it
+        if D_SPLITS > 1:
+            d_region = RG["d_part"]
+        elif FINAL:
+            d_region = RG["d"] if TP == 1 else PRG["d_peer"]
         mine = mb.peer_buffer(peers, rank) if TP > 1 else mbox  # this rank's peer-buffer segment
 
         # ---- o_proj: attn_out (K1's bf16 output) staged as is
@@ -314,20 +318,21 @@ def make_k2(dims: ModelDims, geom: Geometry):
         if TP == 1 and slices == 1:
             vals = mb.fetch(seg, [d.i32(region) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             return [d.round_bf16(v) for v in vals]
-        if TP == 1:
-            ats = [d.i32(region) + (d.i32(q * W) + r) * d.i32(H) + k for k in ks for q in range(slices)]
-            vals = mb.fetch(seg, ats, [ok for ok in oks for _ in range(slices)], tag, polls, health, code, partial=True)
-            return [d.round_bf16(_in_order(vals[u * slices : (u + 1) * slices])) for u in range(len(ks))]
-        ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(TP)]
-        vals = mb.mb_wait_all(mine, ats, [ok for ok in oks for _ in range(TP)], tag, polls, health, code, None)
-        return [d.round_bf16(_in_order(vals[u * TP : (u + 1) * TP])) for u in range(len(ks))]
-
-    def _in_order(parts):
-        """fp32 partials summed first to last (the same bits on every rank and every run)."""
-        tot = d.f32(0.0)
-        for v in parts:
-            tot = tot + v
-        return tot
+        # partial q of row r at (q * W + r) * H: the ranks' (tagged peer words) or the K slices' (fp32)
+        parts = TP if TP > 1 else slices
+        ats = [d.i32(region + q * W * H) + r * d.i32(H) + k for k in ks for q in range(parts)]
+        valid = [ok for ok in oks for _ in range(parts)]
+        if TP > 1:
+            vals = mb.mb_wait_all(mine, ats, valid, tag, polls, health, code, None)
+        else:
+            vals = mb.fetch(seg, ats, valid, tag, polls, health, code, partial=True)
+        out = []
+        for u in range(len(ks)):  # summed first to last: the same bits on every rank and every run
+            tot = d.f32(0.0)
+            for v in vals[u * parts : (u + 1) * parts]:
+                tot = tot + v
+            out.append(d.round_bf16(tot))
+        return out
 
     def _weight(w_ptr, k):
         return d.bf16_half(d.load_word(w_ptr, k // d.i32(2)), k % d.i32(2))
