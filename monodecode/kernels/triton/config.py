@@ -37,6 +37,11 @@ class Target:
     mailbox: str = "bf16"
     narrow_mailbox: str = ""  # the format at width 1 ("" = ``mailbox``)
     fp8_narrow_mailbox: str = ""  # the format at width 1 with FP8 weights ("" = ``narrow_mailbox``)
+    # K1's QKV applies the pre-norm's rstd to its result, summing the squares as the input streams,
+    # instead of a pass over the row before the weights start (``gemv`` SRC 4); at widths > 1 only
+    # on QKV tiles of at least ``deferred_rstd_min_rows`` rows (``qkv_src``).
+    deferred_rstd: bool = False
+    deferred_rstd_min_rows: int = 0
     # Launch with the driver's co-residency check (cooperative launch; CUDA only).
     cooperative: bool = True
     # The GEMV rows chooser's fixed cost per task at widths > 1 (``plan.gemv_rows_per_task``).
@@ -157,6 +162,12 @@ CUDA = Target(
     # Run 20: 27B b2-8 15.38-16.78 -> 14.74-16.08 ms (gate/up 336 -> 391 tasks, 3 full waves),
     # 8B b2-8 1-2 % faster. Not under the FP8 pair (``plan_for``).
     wide_even_waves=True,
+    # Run 29: 8B b1 4.27 -> 4.23 ms, 27B b2 14.81 -> 14.52, FP8 b2 4.51 -> 4.39, but 1B b2-8 7-8 %
+    # slower: its 32-row QKV tiles run on mma.sync, where the squares' accumulator made the input
+    # reach the instruction through a register layout conversion instead of a shared-memory copy
+    # (TTGIR on CPU). 64 rows: one Hopper warp-group instruction.
+    deferred_rstd=True,
+    deferred_rstd_min_rows=64,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -241,6 +252,14 @@ def check_dims(dims: ModelDims, widths: tuple[int, ...]) -> None:
         raise ConfigError(f"triton kernels: widths must be in 1..{MAX_WIDTH}, got {bad}")
 
 
+def qkv_src(target: Target, width: int, tile: int) -> int:
+    """K1's QKV input (``gemv.gemv_task`` SRC): 4 with ``Target.deferred_rstd`` at width 1 and on
+    tiles of at least ``deferred_rstd_min_rows``, else 0 (rstd from a pass over the row first)."""
+    if target.deferred_rstd and (width == 1 or tile >= target.deferred_rstd_min_rows):
+        return 4
+    return 0
+
+
 def _fp8_pair(target: Target, fp8: bool) -> bool:
     """Whether FP8 weights take the FP8 pair at widths > 1 (``Target.fp8_wide``)."""
     if target.fp8_wide not in ("widen", "pair"):
@@ -313,6 +332,7 @@ def k1_constexprs(
         PROF=prof,
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
+        QKV_SRC=qkv_src(target, W, qkv.tile),
         FP8_PAIR=wide and _fp8_pair(target, fp8),
     )
 

@@ -13,6 +13,11 @@ The input vector comes from one of three places (``SRC``):
      mismatch is recorded in the health word; it is never waited on).
   3  a bf16 mailbox region (after the same wait), streamed with ``.cg`` loads: plain bf16
      tiles, a quarter of the tagged words' bytes and no unpacking.
+  4  the launch input (bf16) times the pre-norm's weight, with the row's rstd applied to the
+     result instead (``Target.deferred_rstd``): rstd is one number per row, so the weights stream
+     from the task's first instruction instead of after a pass over the row; its sum of squares
+     accumulates from the same chunks. The normalised input is then rounded to bf16 once
+     (``bf16(g * x)``), not twice as HF does (``rms_apply``).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
@@ -98,6 +103,7 @@ def _input_chunk(
     rstd,
     tag,
     bad,
+    ss,
     BK: tl.constexpr,
     SRC: tl.constexpr,
     ONE_PLUS: tl.constexpr,
@@ -122,9 +128,17 @@ def _input_chunk(
         # did not pipeline it and each K chunk waited one L2 round trip for it.
         g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
         xb = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
+    elif SRC == 4:
+        xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
+        ss += xf * xf
+        if ONE_PLUS:
+            xb = (xf * (1.0 + g)).to(tl.bfloat16)
+        else:
+            xb = (xf * g).to(tl.bfloat16)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
-    return xb, bad
+    return xb, bad, ss
 
 
 @triton.jit
@@ -177,6 +191,7 @@ def gemv_task(
     x_stride,
     norm_ptr,
     rstd,
+    eps,
     tag,
     health_ptr,
     bad_code,
@@ -217,6 +232,7 @@ def gemv_task(
         acc1 = tl.zeros([BN, BK], dtype=tl.float32)
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
+    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4: the input's squares, reduced after the loop
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
@@ -227,7 +243,9 @@ def gemv_task(
             w1 = tl.load(wp1 + kc * BK, mask=wmask, other=0.0)
             if TWO:
                 w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
-            xb, bad = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, BK, SRC, ONE_PLUS, K)
+            xb, bad, ss = _input_chunk(
+                x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K
+            )
             acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
                 acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
@@ -240,6 +258,10 @@ def gemv_task(
     else:
         y1 = tl.sum(acc1, axis=1)[:, None]
         y2 = tl.sum(acc2, axis=1)[:, None]
+    if SRC == 4:  # the pre-norm's rstd, as ``row_rstd`` computes it
+        r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
+        y1 = y1 * r[None, :]
+        y2 = y2 * r[None, :]
     if FP8:
         y1 = y1 * tl.load(s1_ptr + n, mask=nmask, other=0.0)[:, None]
         if TWO:

@@ -98,6 +98,7 @@ def k1_kernel(
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
+    QKV_SRC: tl.constexpr = 0,
     QKV_ROWS: tl.constexpr = 0,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
@@ -121,7 +122,10 @@ def k1_kernel(
     # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, NPROG, PROF)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, NPROG, PROF)
-    rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
+    if QKV_SRC == 0:
+        rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
+    else:  # applied to the QKV rows by gemv_task (``Target.deferred_rstd``)
+        rstd = tl.zeros([WP], dtype=tl.float32)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - QKV_OFF + NPROG) % NPROG
@@ -138,6 +142,7 @@ def k1_kernel(
                 HIDDEN,
                 norm_ptr,
                 rstd,
+                eps,
                 tag,
                 health_ptr,
                 bad_code,
@@ -146,7 +151,7 @@ def k1_kernel(
                 WP,
                 BN,
                 BK,
-                0,
+                QKV_SRC,
                 False,
                 FP8,
                 ONE_PLUS,

@@ -97,3 +97,17 @@ def test_even_waves_skip_the_fp8_pair():
     assert not cut(CUDA, fp8=True)
     assert cut(dataclasses.replace(CUDA, fp8_wide="widen"), fp8=True)
     assert not cut(dataclasses.replace(CUDA, wide_even_waves=False), fp8=False)
+
+
+def test_deferred_rstd_only_at_width_1_and_on_warp_group_tiles():
+    """``qkv_src``: the pre-norm's rstd goes to the QKV result at width 1 and on tiles of at least
+    ``deferred_rstd_min_rows`` (8B's 64-row tiles), not on 1B's 32-row ones (run 29: 7-8 % slower
+    there), and nowhere with ``deferred_rstd`` off."""
+
+    def src(profile, width, target=CUDA):
+        return _k1(profile, width, target)["QKV_SRC"]
+
+    assert [src("llama3-8b", w) for w in (1, 2, 8)] == [4, 4, 4]
+    assert [src("llama3-1b", w) for w in (1, 2, 8)] == [4, 0, 0]
+    off = dataclasses.replace(CUDA, deferred_rstd=False)
+    assert [src("llama3-8b", w, off) for w in (1, 8)] == [0, 0]

@@ -69,6 +69,10 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
         if "_widen" in name:
             target = dataclasses.replace(target, fp8_wide="widen")
+        if "_deferred" in name:  # rstd applied to the QKV result on these narrow wide tiles too
+            target = dataclasses.replace(target, deferred_rstd_min_rows=0)
+        if "_rowpass" in name:
+            target = dataclasses.replace(target, deferred_rstd=False)
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
@@ -82,6 +86,11 @@ CHILD = textwrap.dedent(
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
         pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
         assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]])
+        # the pre-norm: rstd deferred to the QKV result at width 1, on wide tiles of 64 rows and
+        # where forced, else a pass over the row first
+        c1 = tk.consts[widths[0]][0]
+        deferred = widths[0] == 1 or c1["BN"] >= 64 or "_deferred" in name
+        assert c1["QKV_SRC"] == (4 if deferred and "_rowpass" not in name else 0), (name, c1["BN"])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         k2c = tk.consts[widths[0]][1]
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
@@ -133,7 +142,9 @@ CHILD = textwrap.dedent(
 # "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
 # to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
-# tiny's layers are all sliding, two tiles at most); "*_splitk" split o_proj and down
+# tiny's layers are all sliding, two tiles at most); the pre-norm's rstd goes to the QKV result
+# (``Target.deferred_rstd``) at width 1 and on 64-row tiles, "*_deferred" also on narrower ones
+# (llama_w2_splitk's 16 rows), "*_rowpass" never (a pass over the row first); "*_splitk" split o_proj and down
 # along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage); "*_even"
 # cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``; never under the FP8
 # pair, so the FP8 runs widen): every GEMV of llama_w2_even, QKV / o_proj / down with widened
@@ -159,6 +170,8 @@ RUNS = [
     ("llama_w2_even", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("w3_fp8_widen_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
+    ("llama_w2_splitk_deferred", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
 ]
 
 
