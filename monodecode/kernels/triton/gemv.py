@@ -18,6 +18,8 @@ The input vector comes from one of three places (``SRC``):
      from the task's first instruction instead of after a pass over the row; its sum of squares
      accumulates from the same chunks. The normalised input is then rounded to bf16 once
      (``bf16(g * x)``), not twice as HF does (``rms_apply``).
+  5  a bf16 mailbox region (as 3) with the pre-norm deferred as in 4 (K2's gate/up reading h when
+     no post stage normalises it: ``Target.fused_post``).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
@@ -128,8 +130,11 @@ def _input_chunk(
         # did not pipeline it and each K chunk waited one L2 round trip for it.
         g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
         xb = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
-    elif SRC == 4:
-        xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+    elif SRC == 4 or SRC == 5:
+        if SRC == 5:
+            xf = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
         ss += xf * xf
         if ONE_PLUS:
@@ -232,7 +237,7 @@ def gemv_task(
         acc1 = tl.zeros([BN, BK], dtype=tl.float32)
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
-    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4: the input's squares, reduced after the loop
+    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
@@ -258,7 +263,7 @@ def gemv_task(
     else:
         y1 = tl.sum(acc1, axis=1)[:, None]
         y2 = tl.sum(acc2, axis=1)[:, None]
-    if SRC == 4:  # the pre-norm's rstd, as ``row_rstd`` computes it
+    if SRC == 4 or SRC == 5:  # the pre-norm's rstd, as ``row_rstd`` computes it
         r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
         y1 = y1 * r[None, :]
         y2 = y2 * r[None, :]

@@ -213,6 +213,7 @@ def k2_kernel(
     BF16MB: tl.constexpr = False,
     PROF: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
+    NO_POST: tl.constexpr = False,
     FINAL: tl.constexpr = False,
     O_KS: tl.constexpr = 1,
     D_KS: tl.constexpr = 1,
@@ -295,49 +296,63 @@ def k2_kernel(
             )
             n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
             om = own[:, None] & rmask[None, :]
-            publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
+            if NO_POST:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
+                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
+                h = (xr + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], h, om, tag, BF16MB)
+            else:
+                publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
 
-    # post: one task per row
-    stamp(prof_ptr, layer, me, 1, 1, 0, NPROG, PROF)
-    for v in tl.static_range(VP):
-        pid = tl.program_id(0) * VP + v
-        first = (pid - POST_OFF + NPROG) % NPROG
-        if first < W:
-            budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, me, 1, 1, 1, NPROG, PROF)
-        for r in range(first, W, NPROG):
-            _post_task(
-                r,
-                x_ptr,
-                o_mb,
-                h_mb,
-                hn_mb,
-                post_w_ptr,
-                mlp_w_ptr,
-                eps,
-                tag,
-                health_ptr,
-                bad_code,
-                HIDDEN,
-                HP,
-                POST_NORMS,
-                ONE_PLUS,
-                BF16MB,
-                W,
-                O_KS,
-            )
-            signal_done(done_post)
-    stamp(prof_ptr, layer, me, 1, 1, 2, NPROG, PROF)
+    # post: one task per row (none with NO_POST: o_proj adds the residual, gate/up normalises)
+    if not NO_POST:  # (no stamps either: the timeline reads a stage never stamped as absent)
+        stamp(prof_ptr, layer, me, 1, 1, 0, NPROG, PROF)
+        for v in tl.static_range(VP):
+            pid = tl.program_id(0) * VP + v
+            first = (pid - POST_OFF + NPROG) % NPROG
+            if first < W:
+                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+            stamp(prof_ptr, layer, me, 1, 1, 1, NPROG, PROF)
+            for r in range(first, W, NPROG):
+                _post_task(
+                    r,
+                    x_ptr,
+                    o_mb,
+                    h_mb,
+                    hn_mb,
+                    post_w_ptr,
+                    mlp_w_ptr,
+                    eps,
+                    tag,
+                    health_ptr,
+                    bad_code,
+                    HIDDEN,
+                    HP,
+                    POST_NORMS,
+                    ONE_PLUS,
+                    BF16MB,
+                    W,
+                    O_KS,
+                )
+                signal_done(done_post)
+        stamp(prof_ptr, layer, me, 1, 1, 2, NPROG, PROF)
 
-    # gate/up + activation
+    # gate/up + activation; with NO_POST its input is h, normalised on the way (``gemv`` SRC 5)
+    if NO_POST:
+        gu_in = h_mb
+    else:
+        gu_in = hn_mb
+    GU_SRC: tl.constexpr = 5 if NO_POST else MB_SRC
     stamp(prof_ptr, layer, me, 1, 2, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - GU_OFF + NPROG) % NPROG
         if first < GU_TASKS:
-            budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+            if NO_POST:
+                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+            else:
+                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_ROWS
@@ -348,11 +363,11 @@ def k2_kernel(
                 su_ptr,
                 n0,
                 I,
-                hn_mb,
+                gu_in,
                 HIDDEN,
-                post_w_ptr,
+                mlp_w_ptr,
                 zero,
-                0.0,
+                eps,
                 tag,
                 health_ptr,
                 bad_code,
@@ -361,7 +376,7 @@ def k2_kernel(
                 WP,
                 GU_BN,
                 GU_BK,
-                MB_SRC,
+                GU_SRC,
                 True,
                 FP8,
                 ONE_PLUS,
@@ -381,14 +396,18 @@ def k2_kernel(
     stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
-    # every gate/up task acquired the post stage before releasing its own count.
+    # every gate/up task acquired h's producers (post, or o_proj with NO_POST) before releasing
+    # its own count; programs without gate/up tasks acquire them here.
     stamp(prof_ptr, layer, me, 1, 3, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
         if first < D_TASKS:
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
-            budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+            if NO_POST:
+                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+            else:
+                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
@@ -443,7 +462,10 @@ def k2_kernel(
             first = (pid - FIN_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
-                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+                if NO_POST:
+                    budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
+                else:
+                    budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
             stamp(prof_ptr, layer, me, 1, 4, 1, NPROG, PROF)
             for r in range(first, W, NPROG):
                 _final_task(

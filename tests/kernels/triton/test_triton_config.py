@@ -111,3 +111,20 @@ def test_deferred_rstd_only_at_width_1_and_on_warp_group_tiles():
     assert [src("llama3-1b", w) for w in (1, 2, 8)] == [4, 0, 0]
     off = dataclasses.replace(CUDA, deferred_rstd=False)
     assert [src("llama3-8b", w, off) for w in (1, 8)] == [0, 0]
+
+
+def test_no_post_stage_where_it_would_only_add_and_normalise():
+    """``fused_post``: Llama-style layers drop the one-program post stage (o_proj adds the
+    residual, gate/up normalises h), except where o_proj is split along K (its partials need
+    summing: FP8 8B at widths > 1), with Gemma's post norms, or on the tagged mailbox."""
+
+    def no_post(profile, width, target=CUDA, fp8=False):
+        dims = profile_dims(profile)
+        plan = plan_for(dims, [width], 132, target, fp8=fp8).layers[width]
+        return k2_constexprs(dims, plan, target, fp8=fp8)["NO_POST"]
+
+    assert no_post("llama3-8b", 1) and no_post("llama3-8b", 8) and no_post("llama3-1b", 2)
+    assert no_post("llama3-8b", 1, fp8=True) and not no_post("llama3-8b", 2, fp8=True)
+    assert not no_post("gemma3-27b", 1)
+    assert not no_post("llama3-8b", 1, dataclasses.replace(CUDA, fused_post=False))
+    assert not no_post("llama3-8b", 8, dataclasses.replace(CUDA, mailbox="tagged"))

@@ -73,6 +73,8 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, deferred_rstd_min_rows=0)
         if "_rowpass" in name:
             target = dataclasses.replace(target, deferred_rstd=False)
+        if "_post" in name:
+            target = dataclasses.replace(target, fused_post=False)
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
@@ -93,6 +95,9 @@ CHILD = textwrap.dedent(
         assert c1["QKV_SRC"] == (4 if deferred and "_rowpass" not in name else 0), (name, c1["BN"])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         k2c = tk.consts[widths[0]][1]
+        # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
+        no_post = arch == "llama" and k2c["O_KS"] == 1 and mailbox == "bf16" and "_post" not in name
+        assert k2c["NO_POST"] == no_post, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
         if bk:
             assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
@@ -144,7 +149,9 @@ CHILD = textwrap.dedent(
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
 # tiny's layers are all sliding, two tiles at most); the pre-norm's rstd goes to the QKV result
 # (``Target.deferred_rstd``) at width 1 and on 64-row tiles, "*_deferred" also on narrower ones
-# (llama_w2_splitk's 16 rows), "*_rowpass" never (a pass over the row first); "*_splitk" split o_proj and down
+# (llama_w2_splitk's 16 rows), "*_rowpass" never (a pass over the row first); Llama-style runs
+# with an unsplit o_proj and the bf16 mailbox have no post stage (``Target.fused_post``: o_proj
+# adds the residual, gate/up normalises h on the way), "*_post" keep it (so does the tagged mailbox); "*_splitk" split o_proj and down
 # along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage); "*_even"
 # cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``; never under the FP8
 # pair, so the FP8 runs widen): every GEMV of llama_w2_even, QKV / o_proj / down with widened
@@ -160,7 +167,8 @@ RUNS = [
     ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w3_fp8_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
-    ("llama_w2_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
+    ("llama_w2_post", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w2_post_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
     ("llama_w1_store1d", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_bt16", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
     ("llama_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
