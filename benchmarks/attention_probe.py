@@ -253,6 +253,7 @@ def main() -> None:
         rows = probe(a.profile, batch, a.context, sms, a.reps, grid)
         if a.out:
             out = Path(a.out) / f"attention_probe_{a.profile}_b{batch}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
             meta = {"profile": a.profile, "batch": batch, "context": a.context}
             out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
