@@ -236,6 +236,12 @@ def k2_kernel(
     done_post = mbox_ptr + DONE_W + 1
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
+    # h's producers: the post stage, or with NO_POST o_proj's tasks (they add the residual)
+    if NO_POST:
+        h_done = done_o
+    else:
+        h_done = done_post
+    H_TASKS: tl.constexpr = O_TASKS if NO_POST else W
     if BF16MB:
         o_mb = region(mbox_ptr, O_W, tl.float32 if O_KS > 1 else tl.bfloat16)
         h_mb = region(mbox_ptr, H_W, tl.bfloat16)
@@ -349,10 +355,7 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first = (pid - GU_OFF + NPROG) % NPROG
         if first < GU_TASKS:
-            if NO_POST:
-                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-            else:
-                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+            budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
         for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
             n0 = t * GU_ROWS
@@ -404,10 +407,7 @@ def k2_kernel(
         first = (pid - D_OFF + NPROG) % NPROG
         if first < D_TASKS:
             budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
-            if NO_POST:
-                budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-            else:
-                budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+            budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
         for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
             n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
@@ -462,10 +462,7 @@ def k2_kernel(
             first = (pid - FIN_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
-                if NO_POST:
-                    budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-                else:
-                    budget = wait_done(done_post, epoch * W, budget, health_ptr, code)
+                budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
             stamp(prof_ptr, layer, me, 1, 4, 1, NPROG, PROF)
             for r in range(first, W, NPROG):
                 _final_task(
