@@ -35,3 +35,15 @@ def test_summary_reports_the_stage_times_put_in(tmp_path):
     png = tmp_path / "t.png"
     TL.plot_layer(_stamps(), 1, "synthetic", png)
     assert png.stat().st_size > 5000
+
+
+def test_a_stage_never_stamped_is_left_out():
+    """K2 without its post stage (``Target.fused_post``: no stamps at all for it) reports the other
+    stages only; the stages around it keep their own times."""
+    st = _stamps()
+    st[:, 1, :, 1, :] = 0
+    summ = TL.summarize(st)
+    k2 = summ["kernels"]["k2"]
+    assert set(k2["stages"]) == {"o_proj", "gate_up", "down"}
+    assert k2["stages"]["gate_up"] == {"ready_us": 7.0, "end_us": 9.0, "wait_us": 1.0, "busy_us": 2.0}
+    assert not any("post" in line for line in TL.describe(summ))
