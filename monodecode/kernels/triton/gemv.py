@@ -123,24 +123,23 @@ def _input_chunk(
         xb = unpack(words).to(tl.bfloat16)
     elif SRC == 3:
         xb = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.bfloat16)
-    elif SRC == 0:
-        xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        # The norm weight is loaded once per live row, in the input's [WP, BK] shape: as a 1-D
-        # [256] vector over 8 warps it got 2 bytes per thread, below cp.async's 4, so Triton
-        # did not pipeline it and each K chunk waited one L2 round trip for it.
-        g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
-        xb = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
-    elif SRC == 4 or SRC == 5:
+    elif SRC == 0 or SRC == 4 or SRC == 5:  # the pre-norm fused in
         if SRC == 5:
             xf = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
             xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+        # The norm weight is loaded once per live row, in the input's [WP, BK] shape: as a 1-D
+        # [256] vector over 8 warps it got 2 bytes per thread, below cp.async's 4, so Triton
+        # did not pipeline it and each K chunk waited one L2 round trip for it.
         g = tl.load(norm_ptr + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
-        ss += xf * xf
-        if ONE_PLUS:
-            xb = (xf * (1.0 + g)).to(tl.bfloat16)
-        else:
-            xb = (xf * g).to(tl.bfloat16)
+        if SRC == 0:
+            xb = rms_apply(xf, rstd[:, None], g, ONE_PLUS)
+        else:  # rstd comes after the loop, from these squares
+            ss += xf * xf
+            if ONE_PLUS:
+                xb = (xf * (1.0 + g)).to(tl.bfloat16)
+            else:
+                xb = (xf * g).to(tl.bfloat16)
     else:
         xb = tl.load(ptrs, mask=m2, other=0.0).to(tl.bfloat16)
     return xb, bad, ss

@@ -35,6 +35,13 @@ def _activation(g, GELU: tl.constexpr):
 
 
 @triton.jit
+def _residual(base, y):
+    """bf16(base + bf16(y)) as fp32: a GEMV's output rounded to bf16, added to the residual,
+    rounded again (HF's bf16 residual add)."""
+    return (base + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _check_finite(val, mask, health_ptr, code):
     bad = tl.sum(tl.ravel((mask & ((val != val) | (tl.abs(val) == float("inf")))).to(tl.int32)), axis=0)
     if bad > 0:
@@ -304,8 +311,7 @@ def k2_kernel(
             om = own[:, None] & rmask[None, :]
             if NO_POST:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
                 xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
-                h = (xr + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], h, om, tag, BF16MB)
+                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
             else:
                 publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         signal_tasks(done_o, first, O_TASKS, NPROG)
@@ -447,7 +453,7 @@ def k2_kernel(
                 publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
             else:
                 hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
-                out = (hv + y.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
+                out = _residual(hv, y)
                 out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                 _check_finite(out, om, health_ptr, nf_code)
                 tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)

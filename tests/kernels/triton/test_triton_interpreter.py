@@ -151,12 +151,12 @@ CHILD = textwrap.dedent(
 # (``Target.deferred_rstd``) at width 1 and on 64-row tiles, "*_deferred" also on narrower ones
 # (llama_w2_splitk's 16 rows), "*_rowpass" never (a pass over the row first); Llama-style runs
 # with an unsplit o_proj and the bf16 mailbox have no post stage (``Target.fused_post``: o_proj
-# adds the residual, gate/up normalises h on the way), "*_post" keep it (so does the tagged mailbox); "*_splitk" split o_proj and down
-# along K (``Target.wide_split_k``: fp32 partials summed by post and by a final stage); "*_even"
-# cut GEMV tasks to fewer rows than their tiles (``Target.wide_even_waves``; never under the FP8
-# pair, so the FP8 runs widen): every GEMV of llama_w2_even, QKV / o_proj / down with widened
-# FP8 weights and a final stage in w3_fp8_widen_even, QKV and gate/up next to split o_proj / down
-# in llama_w3_fp8_widen_even_splitk.
+# adds the residual, gate/up normalises h on the way), "*_post" keep it (so does the tagged
+# mailbox); "*_splitk" split o_proj and down along K (``Target.wide_split_k``: fp32 partials
+# summed by post and by a final stage); "*_even" cut GEMV tasks to fewer rows than their tiles
+# (``Target.wide_even_waves``; never under the FP8 pair, so the FP8 runs widen): every GEMV of
+# llama_w2_even, QKV / o_proj / down with widened FP8 weights and a final stage in
+# w3_fp8_widen_even, QKV and gate/up next to split o_proj / down in llama_w3_fp8_widen_even_splitk.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
