@@ -15,6 +15,12 @@ workgroup count (one per CU/SM), the plan fixes:
   - Split-K (``wide_split_k``, widths > 1, one rank): ``o_proj`` / ``down`` tasks may each cover
     one K slice of a row tile (``split_k_slices``), writing fp32 partials (``o_part`` /
     ``d_part``) that ``post`` / ``final`` sum in slice order.
+  - Early down (``early_down``, width 1, one rank, unsplit ``down``): ``gate_up`` runs as two
+    stages, ``gate_up_lo`` (the first half of its row tiles, counted on its own) then
+    ``gate_up``; ``down`` as ``down_lo`` (the first half of K, an fp32 partial ``d_lo``) then
+    ``down`` (the rest of K, plus ``d_lo``). A program that finishes its gate/up tasks streams
+    its ``down_lo`` tiles instead of waiting for the last gate/up task of the grid; both halves
+    of a row tile run on the same workgroup, which sums them in K order.
   - Even waves (``wide_even_waves``, widths > 1, one rank, unsplit GEMVs): where a stage's row
     tiles leave the last wave of the grid partly idle, each task covers fewer rows of its tile
     (``even_wave_rows``, ``Stage.tile_rows``) so the same number of waves is full.
@@ -33,7 +39,7 @@ workgroup count (one per CU/SM), the plan fixes:
   - ``tagged``: 8-byte words (fp32 value in the low half, the launch's 31-bit epoch tag in the
     high half, written with one store); consumers also check every word's tag.
   - ``bf16``: activations (qkv, o, h, hn, act, d and their TP peer slots) as plain bf16 values,
-    attention and split-K partials (attn_acc, attn_ml, o_part, d_part) as plain fp32; the
+    attention and split-K partials (attn_acc, attn_ml, o_part, d_part, d_lo) as plain fp32; the
     completion counters are the only synchronisation. Every consumer rounds its inputs to bf16
     anyway, so both formats give the same numbers; bf16 moves a quarter of the bytes.
  Each width owns a disjoint segment with its own epoch
@@ -63,7 +69,7 @@ PLAN_VERSION = 1
 WORD_BYTES = 8  # tagged mailbox word: low 32 bits fp32 value, high 32 bits epoch tag (one aligned store)
 MAILBOX_FORMATS = ("tagged", "bf16")
 # Element bytes of each mailbox region per format; regions not named are activations.
-_PARTIAL_REGIONS = ("attn_acc", "attn_ml", "o_part", "d_part")
+_PARTIAL_REGIONS = ("attn_acc", "attn_ml", "o_part", "d_part", "d_lo")
 
 
 def mailbox_bytes(mailbox: str, region: str) -> int:
@@ -88,6 +94,8 @@ K1, K2 = "k1", "k2"
 
 # Stages whose completion is counted (index = position in the launch's done_* region).
 DONE_STAGES = {K1: ("qkv", "attn"), K2: ("o_proj", "post", "gate_up", "down")}
+# Counted after those in the plans that have them (``early_down``); other plans keep their layout.
+OPTIONAL_DONE_STAGES = {K1: (), K2: ("gate_up_lo",)}
 
 # Launch inputs/outputs that are not mailbox regions (for dependency and coverage bookkeeping).
 LAUNCH_INPUTS = {K1: ("x",), K2: ("x", "attn_out")}
@@ -236,6 +244,10 @@ class Stage:
     # rows cut so the tasks fill whole waves; the rows past ``rows_per_task`` are masked, never
     # read or written); 0: the tile is ``rows_per_task``
     tile_rows: int = 0
+    # gemv: the first output row and the first reduction column of a stage that covers part of
+    # its GEMV (``early_down``'s halves: rows ``[row0, row0 + n)``, columns ``[k0, k0 + k)``)
+    row0: int = 0
+    k0: int = 0
 
     @property
     def tile(self) -> int:
@@ -278,7 +290,16 @@ class Stage:
             # only when split, so plans without split-K keep their digests (FlyDSL goldens)
             **({"k_splits": self.k_splits} if self.k_splits != 1 else {}),
             **({"tile_rows": self.tile_rows} if self.tile_rows else {}),
+            **({"row0": self.row0} if self.row0 else {}),
+            **({"k0": self.k0} if self.k0 else {}),
         }
+
+
+def counted_stages(kernel: str, names: Iterable[str]) -> tuple[str, ...]:
+    """Stages of ``kernel`` with a completion counter, in the order of its done_* region: the
+    ones every plan counts, then the optional ones the plan has (``names``: its stage names)."""
+    present = set(names)
+    return DONE_STAGES[kernel] + tuple(n for n in OPTIONAL_DONE_STAGES[kernel] if n in present)
 
 
 def wait_health_code(kernel: str, layer: int) -> int:
@@ -450,6 +471,14 @@ class LayerPlan:
                 return s
         raise KeyError(f"{kernel}.{name}")
 
+    def counted_stages(self, kernel: str) -> tuple[str, ...]:
+        """Stages of ``kernel`` with a completion counter, in the order of its done_* region."""
+        return counted_stages(kernel, {st.name for st in self.stages(kernel)})
+
+    def _row_length(self, name: str, default: int) -> int:
+        """Elements per row of a mailbox region (``default`` for a launch input or output)."""
+        return self.region(name).shape[-1] if name in self.layout.regions else default
+
     def region(self, name: str) -> Region:
         if name in self.layout.regions:
             return self.layout.regions[name]
@@ -485,14 +514,16 @@ class LayerPlan:
             tile, part = t % st.tiles, t // st.tiles
             n0, n1 = tile * st.rows_per_task, min(st.n, (tile + 1) * st.rows_per_task)
             src, kt = st.reads[0], st.k_per_task
+            k_row = self._row_length(src, st.k)
             for r in range(W):
-                reads.append(Span(src, r * st.k + part * kt, r * st.k + (part + 1) * kt))
+                k_lo = r * k_row + st.k0 + part * kt
+                reads.append(Span(src, k_lo, k_lo + kt))
                 for dst in st.writes:  # a split stage writes slice ``part`` of its partials
-                    base = (part * W + r) * st.n
+                    base = (part * W + r) * self._row_length(dst, st.n) + st.row0
                     writes.append(Span(dst, base + n0, base + n1))
-            if st.name == "down" and "h" in st.reads:
+            for other in st.reads[1:]:  # down's residual h and its first half's partial d_lo
                 for r in range(W):
-                    reads.append(Span("h", r * hid + n0, r * hid + n1))
+                    reads.append(Span(other, r * hid + n0, r * hid + n1))
         elif st.kind == "attention":
             r, rest = divmod(t, L.kv_heads * S)
             g, s = divmod(rest, S)
@@ -588,8 +619,18 @@ def _check_mailbox(mailbox: object) -> str:
 
 
 def _width_regions(
-    L: LocalDims, W: int, S: int, tp: int, final: bool, mailbox: str = "tagged", o_ks: int = 1, d_ks: int = 1
+    L: LocalDims,
+    W: int,
+    S: int,
+    tp: int,
+    final: bool,
+    mailbox: str = "tagged",
+    o_ks: int = 1,
+    d_ks: int = 1,
+    counted: dict[str, int] | None = None,
+    d_lo: bool = False,
 ) -> list[tuple[str, tuple[int, ...], int]]:
+    counted = counted or {k: len(v) for k, v in DONE_STAGES.items()}
     mb = mailbox_bytes
     specs = [
         ("epoch_k1", (1,), 8),  # int64 launch counters: epoch = counter // G + 1 (advanced on device)
@@ -597,8 +638,8 @@ def _width_regions(
         # int64 completion counters, one per producing stage (never reset): every launch adds
         # exactly the stage's task count, so "done in launch e" is counter >= e * tasks. Consumers
         # wait on them (one word to poll), then read the tagged words and check the tags.
-        ("done_k1", (len(DONE_STAGES[K1]),), 8),
-        ("done_k2", (len(DONE_STAGES[K2]),), 8),
+        ("done_k1", (counted[K1],), 8),
+        ("done_k2", (counted[K2],), 8),
         ("qkv", (W, L.qkv), mb(mailbox, "qkv")),
         ("attn_acc", (W, L.heads, S, L.head_dim), mb(mailbox, "attn_acc")),
         ("attn_ml", (W, L.heads, S, 2), mb(mailbox, "attn_ml")),
@@ -615,6 +656,8 @@ def _width_regions(
             specs.append(("d_part", (d_ks, W, L.hidden), mb(mailbox, "d_part")))
         elif final:
             specs.append(("d", (W, L.hidden), mb(mailbox, "d")))
+        if d_lo:
+            specs.append(("d_lo", (W, L.hidden), mb(mailbox, "d_lo")))
     return specs
 
 
@@ -636,6 +679,7 @@ def _stages(
     burst: float = 0.0,
     split_k: int = 0,
     even_waves: bool = False,
+    early_down: bool = False,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -703,12 +747,31 @@ def _stages(
     down_reads = ["act"] if final else ["act", "h"]
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
     down = even(split(down, "d_part", ("act",)))  # a split down's residual add moves to a final stage
-    k2.append(down)
+    # two equal halves (one copy of each task loop in the kernels), down whole otherwise
+    halves = gu.num_tasks % 2 == 0 and gu.n == gu.num_tasks * gu.rows_per_task
+    if early_down and W == 1 and tp == 1 and down.k_splits == 1 and halves:
+        k2[-1:] = _early_halves(gu, down, G)
+    else:
+        k2.append(down)
     if final or down.k_splits > 1:
         k2.append(
-            Stage(K2, "final", 4, "rownorm", W, (down.offset + down.num_tasks) % G, (down.writes[0], "h"), ("x_out",))
+            Stage(K2, "final", 0, "rownorm", W, (down.offset + down.num_tasks) % G, (down.writes[0], "h"), ("x_out",))
         )
-    return tuple(k1), tuple(k2)
+    return tuple(k1), tuple(replace(st, index=i) for i, st in enumerate(k2))
+
+
+def _early_halves(gu: Stage, down: Stage, G: int) -> list[Stage]:
+    """``early_down``: gate/up as its first half of row tiles then the rest, down as the first
+    half of K (those rows' columns; an fp32 partial) then the rest plus that partial. Both down
+    halves of a row tile run on the same workgroup (same offset), which adds its own partial."""
+    half = gu.num_tasks // 2
+    lo = half * gu.rows_per_task  # gate/up rows of the first half = down's first K columns
+    return [
+        replace(gu, name="gate_up_lo", num_tasks=half, n=lo),
+        replace(gu, num_tasks=gu.num_tasks - half, offset=(gu.offset + half) % G, n=gu.n - lo, row0=lo),
+        replace(down, name="down_lo", k=lo, reads=("act",), writes=("d_lo",)),
+        replace(down, k=down.k - lo, k0=lo, reads=("act", "d_lo", *down.reads[1:])),
+    ]
 
 
 def plan_layer(
@@ -725,11 +788,12 @@ def plan_layer(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
+    early_down: bool = False,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
     knobs = _tiling_knobs(
-        width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves
+        width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves, early_down
     )
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
@@ -742,21 +806,25 @@ def _tiling_knobs(
     wide_burst: object,
     wide_split_k: object = 0,
     wide_even_waves: object = False,
-) -> tuple[int, int, float, int, bool]:
+    early_down: object = False,
+) -> tuple[int, int, float, int, bool, bool]:
     """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
-    narrowest tile, burst), the most K slices (``split_k_slices``) and whether tasks are cut to
-    fill whole waves (``even_wave_rows``); the last two at widths > 1 only."""
-    if not isinstance(wide_even_waves, bool):
-        raise ConfigError(f"kernel plan: wide_even_waves must be true or false, got {wide_even_waves!r}")
+    narrowest tile, burst), the most K slices (``split_k_slices``), whether tasks are cut to
+    fill whole waves (``even_wave_rows``), both at widths > 1 only, and whether down starts
+    early (``early_down``, width 1 only)."""
+    for name, value in (("wide_even_waves", wide_even_waves), ("early_down", early_down)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"kernel plan: {name} must be true or false, got {value!r}")
     if width == 1:
         _check_count(wide_split_k, "wide_split_k")
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False, early_down
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
         _check_burst(wide_burst),
         _check_count(wide_split_k, "wide_split_k"),
         wide_even_waves,
+        False,
     )
 
 
@@ -786,6 +854,7 @@ def _plan_width(
     burst: float = 0.0,
     split_k: int = 0,
     even_waves: bool = False,
+    early_down: bool = False,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -793,10 +862,13 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
-    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks), offset)
+    names = {st.name for st in k1 + k2}
+    counted = {kernel: len(counted_stages(kernel, names)) for kernel in (K1, K2)}
+    specs = _width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks, counted, "down_lo" in names)
+    regions, end = _pack(specs, offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
     peer = None
     if tp > 1:
@@ -865,6 +937,7 @@ def plan_model(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
+    early_down: bool = False,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -875,11 +948,12 @@ def plan_model(
     ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
     ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
-    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``)."""
+    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``);
+    ``early_down``: width 1's down in two K halves, the first started early (module docstring)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    tiling = (wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves)
+    tiling = (wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves, early_down)
     for w in (1, 2):  # every knob is checked, whichever widths are planned
         _tiling_knobs(w, *tiling)
     header, cur = _pack([("health", (1,), 4)], 0)

@@ -100,6 +100,10 @@ class Target:
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
     # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
     narrow_tail: bool = False
+    # Width 1: down in two K halves (``plan.early_down``): a program that finishes its gate/up
+    # tasks streams the first half of its down tiles (gate/up's first half of rows is done by
+    # then) instead of waiting for the grid's last gate/up task.
+    early_down: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -174,6 +178,7 @@ CUDA = Target(
     deferred_rstd_min_rows=64,
     # Run 30: 1B b1-8 1.5-2.6 % faster, 8B b2-8 0.4-1.6 % (b1 4.14 -> 4.16 ms, within noise).
     fused_post=True,
+    early_down=True,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -196,6 +201,7 @@ def plan_for(
         wide_burst=target.wide_burst,
         wide_split_k=target.wide_split_k,
         wide_even_waves=target.wide_even_waves and not _fp8_pair(target, fp8),
+        early_down=target.early_down,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -354,6 +360,7 @@ def k2_constexprs(
     gu = _stage(plan, K2, "gate_up")
     dn = _stage(plan, K2, "down")
     final = [s for s in plan.k2 if s.name == "final"]
+    gu_lo = [s for s in plan.k2 if s.name == "gate_up_lo"]
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     o_part, d_part = o.k_splits > 1, dn.k_splits > 1
@@ -380,7 +387,7 @@ def k2_constexprs(
         NUM_STAGES=target.stages(W, fp8),
         O_SPLIT=target.split(W, fp8, L.q, o_bk),
         GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
-        D_SPLIT=target.split(W, fp8, L.intermediate, d_bk),
+        D_SPLIT=min(target.split(W, fp8, k, d_bk) for k in (dn.k_per_task, dn.k0 or dn.k_per_task)),
         O_TASKS=o.num_tasks,
         O_KS=o.k_splits,
         O_OFF=o.offset,
@@ -410,6 +417,11 @@ def k2_constexprs(
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         NO_POST=target.fused_post and not dims.post_norms and o.k_splits == 1 and plan.mailbox == "bf16",
+        GU_LO_TASKS=gu_lo[0].num_tasks if gu_lo else 0,
+        GU_LO_OFF=gu_lo[0].offset if gu_lo else 0,
+        GU_ROW0=gu.row0,
+        D_K0=dn.k0,
+        D_LO_W=_word(plan, "d_lo") if gu_lo else 0,
     )
 
 

@@ -256,4 +256,6 @@ def k1_kernel(
         epoch * ATTN_TASKS,
         done_attn,
         epoch * ATTN_TASKS,
+        done_attn,
+        epoch * ATTN_TASKS,
     )

@@ -157,6 +157,85 @@ def _final_task(
 
 
 @triton.jit
+def _gate_up_tasks(
+    first,
+    tasks,
+    row0,
+    wg_ptr,
+    sg_ptr,
+    wu_ptr,
+    su_ptr,
+    gu_in,
+    mlp_w_ptr,
+    act_mb,
+    zero,
+    eps,
+    tag,
+    health_ptr,
+    bad_code,
+    HIDDEN: tl.constexpr,
+    I: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    GU_BN: tl.constexpr,
+    GU_BK: tl.constexpr,
+    GU_ROWS: tl.constexpr,
+    GU_SRC: tl.constexpr,
+    GU_SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    NPROG: tl.constexpr,
+    FLAT: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_PAIR: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+    GELU: tl.constexpr,
+    BF16MB: tl.constexpr,
+):
+    """This program's gate/up tasks ``first, first + NPROG, ...`` below ``tasks``, task t on
+    rows ``row0 + t * GU_ROWS``: act = bf16(act(bf16(g)) * bf16(u)) published to ``act_mb``."""
+    rows = tl.arange(0, WP)
+    rmask = rows < W
+    for t in tl.range(first, tasks, NPROG, flatten=FLAT):
+        n0 = row0 + t * GU_ROWS
+        g, u = gemv_task(
+            wg_ptr,
+            sg_ptr,
+            wu_ptr,
+            su_ptr,
+            n0,
+            I,
+            gu_in,
+            HIDDEN,
+            mlp_w_ptr,
+            zero,
+            eps,
+            tag,
+            health_ptr,
+            bad_code,
+            HIDDEN,
+            W,
+            WP,
+            GU_BN,
+            GU_BK,
+            GU_SRC,
+            True,
+            FP8,
+            ONE_PLUS,
+            NUM_STAGES,
+            GU_SPLIT,
+            FP8_PAIR,
+            0,
+            GU_ROWS,
+        )
+        gb = g.to(tl.bfloat16).to(tl.float32)
+        ub = u.to(tl.bfloat16).to(tl.float32)
+        a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
+        m = (a * ub).to(tl.bfloat16).to(tl.float32)
+        n, own = task_rows(n0, I, GU_BN, GU_ROWS)
+        publish(act_mb + rows[None, :] * I + n[:, None], m, own[:, None] & rmask[None, :], tag, BF16MB)
+
+
+@triton.jit
 def k2_kernel(
     x_ptr,
     attn_ptr,
@@ -227,10 +306,19 @@ def k2_kernel(
     O_ROWS: tl.constexpr = 0,
     GU_ROWS: tl.constexpr = 0,
     D_ROWS: tl.constexpr = 0,
+    GU_LO_TASKS: tl.constexpr = 0,
+    GU_LO_OFF: tl.constexpr = 0,
+    GU_ROW0: tl.constexpr = 0,
+    D_K0: tl.constexpr = 0,
+    D_LO_W: tl.constexpr = 0,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
     # t // *_TILES), publishing fp32 partials that post / final sum in slice order.
+    # GU_LO_TASKS > 0 (``plan.early_down``): gate/up runs its first GU_LO_TASKS tasks as a stage
+    # of their own (counted on its own), then GU_TASKS more from row GU_ROW0; down runs columns
+    # [0, D_K0) of each of this program's row tiles into d_lo once that first half is done, then
+    # columns [D_K0, I) once all of gate/up is, adding its own d_lo partial.
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
     epoch_ptr = mbox_ptr + EPOCH_W
@@ -243,6 +331,13 @@ def k2_kernel(
     done_post = mbox_ptr + DONE_W + 1
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
+    # gate/up's first half (plan.OPTIONAL_DONE_STAGES); without it, down's counter stands in
+    # where the launch's exit settles the counters
+    if GU_LO_TASKS > 0:
+        gu_lo_ctr = mbox_ptr + DONE_W + 4
+    else:
+        gu_lo_ctr = done_down
+    GU_LO_COUNT: tl.constexpr = GU_LO_TASKS if GU_LO_TASKS > 0 else D_TASKS
     # h's producers: the post stage, or with NO_POST o_proj's tasks (they add the residual)
     if NO_POST:
         h_done = done_o
@@ -255,15 +350,18 @@ def k2_kernel(
         hn_mb = region(mbox_ptr, HN_W, tl.bfloat16)
         act_mb = region(mbox_ptr, ACT_W, tl.bfloat16)
         d_mb = region(mbox_ptr, D_W, tl.float32 if D_KS > 1 else tl.bfloat16)
+        dlo_mb = region(mbox_ptr, D_LO_W, tl.float32)
     else:
         o_mb = mbox_ptr + O_W
         h_mb = mbox_ptr + H_W
         hn_mb = mbox_ptr + HN_W
         act_mb = mbox_ptr + ACT_W
         d_mb = mbox_ptr + D_W
+        dlo_mb = mbox_ptr + D_LO_W
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
     O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
-    D_K: tl.constexpr = I // D_KS
+    D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
+    HALVES: tl.constexpr = 2 if D_K0 > 0 else 1
     me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
@@ -359,104 +457,122 @@ def k2_kernel(
     stamp(prof_ptr, layer, me, 1, 2, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
-        first = (pid - GU_OFF + NPROG) % NPROG
-        if first < GU_TASKS:
+        first_lo = (pid - GU_LO_OFF + NPROG) % NPROG
+        first_hi = (pid - GU_OFF + NPROG) % NPROG
+        if (first_lo < GU_LO_TASKS) | (first_hi < GU_TASKS):
             budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
-        for t in tl.range(first, GU_TASKS, NPROG, flatten=FLAT):
-            n0 = t * GU_ROWS
-            g, u = gemv_task(
+        for part in range(HALVES):  # a loop, not unrolled: one copy of the task loop's code
+            lo = (HALVES == 2) & (part == 0)
+            first = tl.where(lo, first_lo, first_hi)
+            tasks = tl.where(lo, GU_LO_TASKS, GU_TASKS)
+            _gate_up_tasks(
+                first,
+                tasks,
+                tl.where(lo, 0, GU_ROW0),
                 wg_ptr,
                 sg_ptr,
                 wu_ptr,
                 su_ptr,
-                n0,
-                I,
                 gu_in,
-                HIDDEN,
                 mlp_w_ptr,
+                act_mb,
                 zero,
                 eps,
                 tag,
                 health_ptr,
                 bad_code,
                 HIDDEN,
+                I,
                 W,
                 WP,
                 GU_BN,
                 GU_BK,
-                GU_SRC,
-                True,
-                FP8,
-                ONE_PLUS,
-                NUM_STAGES,
-                GU_SPLIT,
-                FP8_PAIR,
-                0,
                 GU_ROWS,
+                GU_SRC,
+                GU_SPLIT,
+                NUM_STAGES,
+                NPROG,
+                FLAT,
+                FP8,
+                FP8_PAIR,
+                ONE_PLUS,
+                GELU,
+                BF16MB,
             )
-            gb = g.to(tl.bfloat16).to(tl.float32)
-            ub = u.to(tl.bfloat16).to(tl.float32)
-            a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
-            m = (a * ub).to(tl.bfloat16).to(tl.float32)
-            n, own = task_rows(n0, I, GU_BN, GU_ROWS)
-            publish(act_mb + rows[None, :] * I + n[:, None], m, own[:, None] & rmask[None, :], tag, BF16MB)
-        signal_tasks(done_gu, first, GU_TASKS, NPROG)
+            signal_tasks(mbox_ptr + DONE_W + tl.where(lo, 4, 2), first, tasks, NPROG)  # gate_up_lo or gate_up
     stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
     # every gate/up task acquired h's producers (post, or o_proj with NO_POST) before releasing
-    # its own count; programs without gate/up tasks acquire them here.
+    # its own count; programs without gate/up tasks acquire them here. With HALVES, the first
+    # pass covers columns [0, D_K0) of this program's row tiles (an fp32 partial in d_lo, after
+    # gate/up's first half), the second the rest, adding that partial first (K order).
     stamp(prof_ptr, layer, me, 1, 3, 0, NPROG, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
-        if first < D_TASKS:
-            budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
-            budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
-        for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
-            n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
-            y, _y = gemv_task(
-                wd_ptr + k0,
-                sd_ptr,
-                wd_ptr + k0,
-                sd_ptr,
-                n0,
-                HIDDEN,
-                act_mb + k0,
-                I,
-                post_w_ptr,
-                zero,
-                0.0,
-                tag,
-                health_ptr,
-                bad_code,
-                D_K,
-                W,
-                WP,
-                D_BN,
-                D_BK,
-                MB_SRC,
-                False,
-                FP8,
-                ONE_PLUS,
-                NUM_STAGES,
-                D_SPLIT,
-                FP8_PAIR,
-                I,
-                D_ROWS,
-            )
-            n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
-            om = own[:, None] & rmask[None, :]
-            if FINAL:
-                publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
+        for part in range(HALVES):
+            lo = (HALVES == 2) & (part == 0)
+            if first < D_TASKS:
+                if lo:
+                    budget = wait_done(gu_lo_ctr, epoch * GU_LO_TASKS, budget, health_ptr, code)
+                else:
+                    budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
+                    budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
+            if part == 0:
+                stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
             else:
-                hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
-                out = _residual(hv, y)
-                out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
-                _check_finite(out, om, health_ptr, nf_code)
-                tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+                tl.debug_barrier()  # d_lo is read back by this program's threads, whichever wrote it
+            for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
+                n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
+                k0 += part * D_K0
+                y, _y = gemv_task(
+                    wd_ptr + k0,
+                    sd_ptr,
+                    wd_ptr + k0,
+                    sd_ptr,
+                    n0,
+                    HIDDEN,
+                    act_mb + k0,
+                    I,
+                    post_w_ptr,
+                    zero,
+                    0.0,
+                    tag,
+                    health_ptr,
+                    bad_code,
+                    D_K,
+                    W,
+                    WP,
+                    D_BN,
+                    D_BK,
+                    MB_SRC,
+                    False,
+                    FP8,
+                    ONE_PLUS,
+                    NUM_STAGES,
+                    D_SPLIT,
+                    FP8_PAIR,
+                    I,
+                    D_ROWS,
+                )
+                n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
+                om = own[:, None] & rmask[None, :]
+                lo_rows = dlo_mb + rows[None, :] * HIDDEN + n[:, None]
+                if lo:
+                    publish(lo_rows, y, om, tag, BF16MB, True)
+                else:
+                    if HALVES == 2:
+                        y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
+                    if FINAL:
+                        publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
+                    else:
+                        hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
+                        out = _residual(hv, y)
+                        out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
+                        _check_finite(out, om, health_ptr, nf_code)
+                        tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
         if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
@@ -505,4 +621,6 @@ def k2_kernel(
         epoch * GU_TASKS,
         done_down,
         epoch * D_TASKS,
+        gu_lo_ctr,
+        epoch * GU_LO_COUNT,
     )

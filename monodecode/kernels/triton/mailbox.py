@@ -48,7 +48,7 @@ def signal_done(ctr_ptr):
 
 
 @triton.jit
-def signal_tasks(ctr_ptr, first, TASKS: tl.constexpr, NPROG: tl.constexpr):
+def signal_tasks(ctr_ptr, first, TASKS, NPROG: tl.constexpr):
     """Count all of this program's finished tasks of a stage (``first, first + NPROG, ...``) at
     once, after the stage's loop: consumers wait for the whole stage anyway, and a barrier or a
     release inside a GEMV task loop would stop Triton from pipelining the loop across tasks."""
@@ -80,7 +80,7 @@ def check_tags(words, mask, tag, health_ptr, code):
 
 
 @triton.jit
-def finish_launch(epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1, c2, t2, c3, t3, c4, t4):
+def finish_launch(epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1, c2, t2, c3, t3, c4, t4, c5, t5):
     """Advance the launch counter by the programs this instance stands for (once, at exit).
 
     The program that finishes last settles the stage completion counters at ``epoch * tasks``
@@ -96,6 +96,7 @@ def finish_launch(epoch_ptr, programs: tl.constexpr, NPROG: tl.constexpr, c1, t1
         tl.atomic_max(c2, t2, sem="relaxed")
         tl.atomic_max(c3, t3, sem="relaxed")
         tl.atomic_max(c4, t4, sem="relaxed")
+        tl.atomic_max(c5, t5, sem="relaxed")
 
 
 @triton.jit
