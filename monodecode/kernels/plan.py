@@ -15,7 +15,8 @@ workgroup count (one per CU/SM), the plan fixes:
   - Split-K (``wide_split_k``, widths > 1, one rank): ``o_proj`` / ``down`` tasks may each cover
     one K slice of a row tile (``split_k_slices``), writing fp32 partials (``o_part`` /
     ``d_part``) that ``post`` / ``final`` sum in slice order.
-  - Early down (``early_down``, width 1, one rank, unsplit ``down``): ``gate_up`` runs as two
+  - Early down (``early_down_waves``, width 1, one rank, unsplit ``down``, where gate/up spans at
+    least that many waves of the grid and halves evenly): ``gate_up`` runs as two
     stages, ``gate_up_lo`` (the first half of its row tiles, counted on its own) then
     ``gate_up``; ``down`` as ``down_lo`` (the first half of K, an fp32 partial ``d_lo``) then
     ``down`` (the rest of K, plus ``d_lo``). A program that finishes its gate/up tasks streams
@@ -94,7 +95,7 @@ K1, K2 = "k1", "k2"
 
 # Stages whose completion is counted (index = position in the launch's done_* region).
 DONE_STAGES = {K1: ("qkv", "attn"), K2: ("o_proj", "post", "gate_up", "down")}
-# Counted after those in the plans that have them (``early_down``); other plans keep their layout.
+# Counted after those in the plans that have them (``early_down_waves``); other plans keep their layout.
 OPTIONAL_DONE_STAGES = {K1: (), K2: ("gate_up_lo",)}
 
 # Launch inputs/outputs that are not mailbox regions (for dependency and coverage bookkeeping).
@@ -245,7 +246,7 @@ class Stage:
     # read or written); 0: the tile is ``rows_per_task``
     tile_rows: int = 0
     # gemv: the first output row and the first reduction column of a stage that covers part of
-    # its GEMV (``early_down``'s halves: rows ``[row0, row0 + n)``, columns ``[k0, k0 + k)``)
+    # its GEMV (``early_down_waves``' halves: rows ``[row0, row0 + n)``, columns ``[k0, k0 + k)``)
     row0: int = 0
     k0: int = 0
 
@@ -679,7 +680,7 @@ def _stages(
     burst: float = 0.0,
     split_k: int = 0,
     even_waves: bool = False,
-    early_down: bool = False,
+    early_down_waves: int = 0,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
@@ -747,9 +748,11 @@ def _stages(
     down_reads = ["act"] if final else ["act", "h"]
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
     down = even(split(down, "d_part", ("act",)))  # a split down's residual add moves to a final stage
-    # two equal halves (one copy of each task loop in the kernels), down whole otherwise
+    # two equal halves (one copy of each task loop in the kernels) of a gate/up long enough that
+    # the wait they fill outweighs a second pipeline ramp per stage; down whole otherwise
     halves = gu.num_tasks % 2 == 0 and gu.n == gu.num_tasks * gu.rows_per_task
-    if early_down and W == 1 and tp == 1 and down.k_splits == 1 and halves:
+    long = early_down_waves and gu.num_tasks >= early_down_waves * G
+    if long and W == 1 and tp == 1 and down.k_splits == 1 and halves:
         k2[-1:] = _early_halves(gu, down, G)
     else:
         k2.append(down)
@@ -761,7 +764,7 @@ def _stages(
 
 
 def _early_halves(gu: Stage, down: Stage, G: int) -> list[Stage]:
-    """``early_down``: gate/up as its first half of row tiles then the rest, down as the first
+    """``early_down_waves``: gate/up as its first half of row tiles then the rest, down as the first
     half of K (those rows' columns; an fp32 partial) then the rest plus that partial. Both down
     halves of a row tile run on the same workgroup (same offset), which adds its own partial."""
     half = gu.num_tasks // 2
@@ -788,12 +791,19 @@ def plan_layer(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
-    early_down: bool = False,
+    early_down_waves: int = 0,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
     knobs = _tiling_knobs(
-        width, wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves, early_down
+        width,
+        wide_task_bytes,
+        narrow_task_bytes,
+        wide_min_rows,
+        wide_burst,
+        wide_split_k,
+        wide_even_waves,
+        early_down_waves,
     )
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
@@ -806,25 +816,25 @@ def _tiling_knobs(
     wide_burst: object,
     wide_split_k: object = 0,
     wide_even_waves: object = False,
-    early_down: object = False,
-) -> tuple[int, int, float, int, bool, bool]:
+    early_down_waves: object = 0,
+) -> tuple[int, int, float, int, bool, int]:
     """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
     narrowest tile, burst), the most K slices (``split_k_slices``), whether tasks are cut to
-    fill whole waves (``even_wave_rows``), both at widths > 1 only, and whether down starts
-    early (``early_down``, width 1 only)."""
-    for name, value in (("wide_even_waves", wide_even_waves), ("early_down", early_down)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"kernel plan: {name} must be true or false, got {value!r}")
+    fill whole waves (``even_wave_rows``), both at widths > 1 only, and the least gate/up waves
+    for down in halves (``early_down_waves``, width 1 only)."""
+    if not isinstance(wide_even_waves, bool):
+        raise ConfigError(f"kernel plan: wide_even_waves must be true or false, got {wide_even_waves!r}")
+    early = _check_count(early_down_waves, "early_down_waves")
     if width == 1:
         _check_count(wide_split_k, "wide_split_k")
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False, early_down
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False, early
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
         _check_burst(wide_burst),
         _check_count(wide_split_k, "wide_split_k"),
         wide_even_waves,
-        False,
+        0,
     )
 
 
@@ -854,7 +864,7 @@ def _plan_width(
     burst: float = 0.0,
     split_k: int = 0,
     even_waves: bool = False,
-    early_down: bool = False,
+    early_down_waves: int = 0,
 ) -> LayerPlan:
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
@@ -862,7 +872,7 @@ def _plan_width(
     G = _check_workgroups(G)
     L = local_dims(dims, tp)
     S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down)
+    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down_waves)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
     names = {st.name for st in k1 + k2}
@@ -937,7 +947,7 @@ def plan_model(
     wide_burst: float = 0.0,
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
-    early_down: bool = False,
+    early_down_waves: int = 0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -949,11 +959,20 @@ def plan_model(
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
     ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
     ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``);
-    ``early_down``: width 1's down in two K halves, the first started early (module docstring)."""
+    ``early_down_waves``: width 1's down in two K halves, the first started early, where gate/up
+    spans at least this many waves of the grid (module docstring; 0: never)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
-    tiling = (wide_task_bytes, narrow_task_bytes, wide_min_rows, wide_burst, wide_split_k, wide_even_waves, early_down)
+    tiling = (
+        wide_task_bytes,
+        narrow_task_bytes,
+        wide_min_rows,
+        wide_burst,
+        wide_split_k,
+        wide_even_waves,
+        early_down_waves,
+    )
     for w in (1, 2):  # every knob is checked, whichever widths are planned
         _tiling_knobs(w, *tiling)
     header, cur = _pack([("health", (1,), 4)], 0)

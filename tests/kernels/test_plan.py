@@ -304,6 +304,47 @@ def test_even_waves_fill_the_last_wave_with_narrower_tasks():
         assert waves == (3 if p is g else 2)  # as many waves as the 64-row tiles took
 
 
+def test_early_down_halves_gate_up_and_down_where_gate_up_is_long():
+    """``early_down_waves``: at width 1, where gate/up spans that many waves of the grid and
+    halves evenly, gate/up runs as two stages (the first counted on its own) and down as two
+    K halves: the first depends only on gate/up's first half, the second adds the first's
+    partial on the same workgroup. Each act row, d_lo row and output row is written once and
+    the grid completes. 1B's gate/up (512 tasks, 3.9 waves of 132), widths > 1, TP and 0 keep
+    the plans as they were."""
+    llama8, llama1 = profile_dims("llama3-8b"), profile_dims("llama3-1b")
+
+    def plan(dims, width=1, waves=6, tp=1):
+        return P.plan_model(dims, tp, [width], 132, mailbox="bf16", narrow_task_bytes=16384, early_down_waves=waves)
+
+    lp = plan(llama8).layers[1]
+    assert [s.name for s in lp.k2] == ["o_proj", "post", "gate_up_lo", "gate_up", "down_lo", "down"]
+    assert [s.index for s in lp.k2] == list(range(6))
+    lo, hi = lp.stage(P.K2, "gate_up_lo"), lp.stage(P.K2, "gate_up")
+    dlo, dn = lp.stage(P.K2, "down_lo"), lp.stage(P.K2, "down")
+    assert (lo.num_tasks, hi.num_tasks, hi.row0, lo.n + hi.n) == (448, 448, 7168, 14336)
+    assert (dlo.k, dn.k0, dn.k, dlo.offset) == (7168, 7168, 7168, dn.offset)
+    assert lp.counted_stages(P.K2) == (*P.DONE_STAGES[P.K2], "gate_up_lo")
+    assert lp.region("done_k2").shape == (5,) and lp.region("d_lo").word_bytes == 4
+    for region, stages in (("act", ("gate_up_lo", "gate_up")), ("d_lo", ("down_lo",)), ("x_out", ("down",))):
+        spans = sorted((sp.start, sp.stop) for n in stages for t in lp.tasks(P.K2, n) for sp in t.writes)
+        assert [i for a, b in spans for i in range(a, b)] == list(
+            range(lp.region(region).words if region != "x_out" else 4096)
+        )
+    deps = lp.dependency_graph(P.K2)
+    assert all({d for d, _ in deps[("down_lo", t)]} == {"gate_up_lo"} for t in range(dlo.num_tasks))
+    for t in range(dn.num_tasks):
+        assert ("down_lo", t) in deps[("down", t)] and dlo.workgroup_of(t, 132) == dn.workgroup_of(t, 132)
+        assert {d for d, _ in deps[("down", t)]} == {"gate_up", "down_lo", "post"}  # post: h
+    _simulate(lp, P.K2, deps)
+    gemma = plan(profile_dims("gemma3-27b")).layers[1]
+    assert [s.name for s in gemma.k2][-3:] == ["down_lo", "down", "final"]
+    assert gemma.stage(P.K2, "down").writes == ("d",)
+    assert plan(llama1).layers[1].k2 == plan(llama1, waves=0).layers[1].k2  # 3.9 waves: whole
+    assert plan(llama8, waves=0).layers[1].counted_stages(P.K2) == P.DONE_STAGES[P.K2]
+    assert plan(llama8, width=2).layers[2].k2 == plan(llama8, width=2, waves=0).layers[2].k2
+    assert "down_lo" not in {s.name for s in plan(llama8, tp=2).layers[1].k2}
+
+
 def test_even_wave_rows_choice():
     assert P.even_wave_rows(21504, 64, 132) == 55  # 336 tiles, 3 waves -> 391 tasks
     assert P.even_wave_rows(6144, 64, 132) == 47  # 96 tiles, one wave -> 131 tasks
@@ -381,6 +422,14 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_split_k=2.0), "wide_split_k must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [1], 132, wide_even_waves=1), "wide_even_waves must be true or false, got 1"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_even_waves="yes"), "wide_even_waves must be true or false"),
+        (
+            lambda d: P.plan_model(d, 1, [1], 132, early_down_waves=-1),
+            "early_down_waves must be a non-negative integer",
+        ),
+        (
+            lambda d: P.plan_layer(d, 1, 1, 132, early_down_waves=True),
+            "early_down_waves must be a non-negative integer",
+        ),
         (lambda d: P.plan_model(d, 1, [2, 2], 132), "widths must not repeat"),
         (
             lambda d: P.key_inputs(

@@ -100,10 +100,11 @@ class Target:
     # halving the chunk for every iteration (27B: K 5376 -> 256-wide chunks, whose bf16 input
     # rows are too narrow per thread for asynchronous copies, so they were never pipelined).
     narrow_tail: bool = False
-    # Width 1: down in two K halves (``plan.early_down``): a program that finishes its gate/up
-    # tasks streams the first half of its down tiles (gate/up's first half of rows is done by
-    # then) instead of waiting for the grid's last gate/up task.
-    early_down: bool = False
+    # Width 1 with BF16 weights: down in two K halves where gate/up spans at least this many waves
+    # of the grid (``plan.early_down_waves``; 0: never): a program that finishes its gate/up tasks
+    # streams the first half of its down tiles (gate/up's first half of rows is done by then)
+    # instead of waiting for the grid's last gate/up task.
+    early_down_waves: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -178,7 +179,9 @@ CUDA = Target(
     deferred_rstd_min_rows=64,
     # Run 30: 1B b1-8 1.5-2.6 % faster, 8B b2-8 0.4-1.6 % (b1 4.14 -> 4.16 ms, within noise).
     fused_post=True,
-    early_down=True,
+    # Runs 32-33: 8B b1 4.22 -> 4.13 and 4.18 -> 4.11 ms, 27B 14.52 -> 14.41 and 14.30 -> 14.23
+    # (gate/up 6.8 and 10.2 waves); 1B (3.9 waves) 0.90 -> 0.92-0.94, so not below 6 waves.
+    early_down_waves=6,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -201,7 +204,9 @@ def plan_for(
         wide_burst=target.wide_burst,
         wide_split_k=target.wide_split_k,
         wide_even_waves=target.wide_even_waves and not _fp8_pair(target, fp8),
-        early_down=target.early_down,
+        # FP8 weights keep down whole: their GEMVs are bound by instructions, not bytes, so the
+        # wait is short and the second pipeline ramp per stage costs more (run 33: 9 % slower)
+        early_down_waves=0 if fp8 else target.early_down_waves,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 

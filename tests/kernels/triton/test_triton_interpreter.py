@@ -75,8 +75,8 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, deferred_rstd=False)
         if "_post" in name:
             target = dataclasses.replace(target, fused_post=False)
-        if "_whole_down" in name:
-            target = dataclasses.replace(target, early_down=False)
+        # down in halves wherever gate/up has a whole wave (8 programs here), "_whole_down" never
+        target = dataclasses.replace(target, early_down_waves=0 if "_whole_down" in name else 1)
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
@@ -102,7 +102,7 @@ CHILD = textwrap.dedent(
         assert k2c["NO_POST"] == no_post, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
-        early = widths[0] == 1 and "_whole_down" not in name
+        early = widths[0] == 1 and wd == "bf16" and "_whole_down" not in name
         assert (k2c["GU_LO_TASKS"] > 0 and k2c["D_K0"] > 0) == early, (name, k2c["GU_LO_TASKS"], k2c["D_K0"])
         if bk:
             assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
@@ -162,7 +162,8 @@ CHILD = textwrap.dedent(
 # (``Target.wide_even_waves``; never under the FP8 pair, so the FP8 runs widen): every GEMV of
 # llama_w2_even, QKV / o_proj / down with widened FP8 weights and a final stage in
 # w3_fp8_widen_even, QKV and gate/up next to split o_proj / down in llama_w3_fp8_widen_even_splitk;
-# width 1 runs gate/up and down in halves (``Target.early_down``), "*_whole_down" does not.
+# width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
+# "*_whole_down" does not.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -325,7 +326,7 @@ def test_fp8_pair_is_exact_against_widened_weights(results):
 
 
 def test_down_in_halves_changes_only_the_summation_order(results):
-    """``early_down`` splits down's reduction at gate/up's first half of rows and adds the two
+    """``early_down_waves`` splits down's reduction at gate/up's first half of rows and adds the two
     fp32 halves in K order: the layer's output stays within a few bf16 ulps of the whole
     reduction. A half lost or counted twice moves the output by tens of percent."""
     import torch
