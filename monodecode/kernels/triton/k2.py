@@ -3,7 +3,9 @@
 
 Rounding follows the reference (``k2_reference``): every projection output, norm, activation,
 product and residual add is rounded to bf16 where Hugging Face rounds it; accumulation is fp32.
-``BF16MB`` selects the bf16 mailbox format, ``PROF`` the stage timestamps (as in K1).
+``BF16MB`` selects the bf16 mailbox format, ``PROF`` the stage timestamps (as in K1). Where the
+plan halves gate/up and down (``plan.early_down_waves``), each runs its two halves through one
+copy of its task loop, a program's first down half as soon as gate/up's first half is done.
 """
 
 import triton

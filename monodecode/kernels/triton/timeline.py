@@ -12,6 +12,8 @@ import triton.language as tl
 MAX_STAGES = 5
 SLOTS = 4
 K1_STAGES = ("qkv", "attn", "combine")
+# gate_up and down stand for both halves where the plan splits them (``plan.early_down_waves``):
+# their stamps are entry, the end of the first half's wait, and the end of the second half
 K2_STAGES = ("o_proj", "post", "gate_up", "down", "final")
 
 
