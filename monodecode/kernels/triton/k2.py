@@ -317,10 +317,10 @@ def k2_kernel(
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
     # t // *_TILES), publishing fp32 partials that post / final sum in slice order.
-    # GU_LO_TASKS > 0 (``plan.early_down``): gate/up runs its first GU_LO_TASKS tasks as a stage
-    # of their own (counted on its own), then GU_TASKS more from row GU_ROW0; down runs columns
-    # [0, D_K0) of each of this program's row tiles into d_lo once that first half is done, then
-    # columns [D_K0, I) once all of gate/up is, adding its own d_lo partial.
+    # GU_LO_TASKS > 0 (``plan.early_down_waves``): gate/up runs its first GU_LO_TASKS tasks as a
+    # stage of their own (counted on its own), then GU_TASKS more from row GU_ROW0; down runs
+    # columns [0, D_K0) of each of this program's row tiles into d_lo once that first half is
+    # done, then columns [D_K0, I) once all of gate/up is, adding its own d_lo partial.
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
     epoch_ptr = mbox_ptr + EPOCH_W
