@@ -163,7 +163,7 @@ CHILD = textwrap.dedent(
 # llama_w2_even, QKV / o_proj / down with widened FP8 weights and a final stage in
 # w3_fp8_widen_even, QKV and gate/up next to split o_proj / down in llama_w3_fp8_widen_even_splitk;
 # width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
-# "*_whole_down" does not.
+# "*_whole_down" does not (llama_w1_post_tagged: the halves' fp32 partial as tagged words).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -188,6 +188,8 @@ RUNS = [
     ("llama_w2_splitk_deferred", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_whole_down", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
+    ("llama_w1_post", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
+    ("llama_w1_post_tagged", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "tagged"),
 ]
 
 
