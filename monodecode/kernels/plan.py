@@ -628,10 +628,10 @@ def _width_regions(
     mailbox: str = "tagged",
     o_ks: int = 1,
     d_ks: int = 1,
-    counted: dict[str, int] | None = None,
-    d_lo: bool = False,
+    names: frozenset[str] = frozenset(),
 ) -> list[tuple[str, tuple[int, ...], int]]:
-    counted = counted or {k: len(v) for k, v in DONE_STAGES.items()}
+    """The width's regions; ``names`` (the plan's stage names) adds the optional counters and
+    ``d_lo`` of the stages it holds."""
     mb = mailbox_bytes
     specs = [
         ("epoch_k1", (1,), 8),  # int64 launch counters: epoch = counter // G + 1 (advanced on device)
@@ -639,8 +639,8 @@ def _width_regions(
         # int64 completion counters, one per producing stage (never reset): every launch adds
         # exactly the stage's task count, so "done in launch e" is counter >= e * tasks. Consumers
         # wait on them (one word to poll), then read the tagged words and check the tags.
-        ("done_k1", (counted[K1],), 8),
-        ("done_k2", (counted[K2],), 8),
+        ("done_k1", (len(counted_stages(K1, names)),), 8),
+        ("done_k2", (len(counted_stages(K2, names)),), 8),
         ("qkv", (W, L.qkv), mb(mailbox, "qkv")),
         ("attn_acc", (W, L.heads, S, L.head_dim), mb(mailbox, "attn_acc")),
         ("attn_ml", (W, L.heads, S, 2), mb(mailbox, "attn_ml")),
@@ -657,7 +657,7 @@ def _width_regions(
             specs.append(("d_part", (d_ks, W, L.hidden), mb(mailbox, "d_part")))
         elif final:
             specs.append(("d", (W, L.hidden), mb(mailbox, "d")))
-        if d_lo:
+        if "down_lo" in names:
             specs.append(("d_lo", (W, L.hidden), mb(mailbox, "d_lo")))
     return specs
 
@@ -875,10 +875,8 @@ def _plan_width(
     k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down_waves)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
-    names = {st.name for st in k1 + k2}
-    counted = {kernel: len(counted_stages(kernel, names)) for kernel in (K1, K2)}
-    specs = _width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks, counted, "down_lo" in names)
-    regions, end = _pack(specs, offset)
+    names = frozenset(st.name for st in k1 + k2)
+    regions, end = _pack(_width_regions(L, W, S, tp, final, mailbox, o_ks, d_ks, names), offset)
     layout = WidthLayout(W, _align(offset), end - _align(offset), regions)
     peer = None
     if tp > 1:

@@ -333,13 +333,14 @@ def k2_kernel(
     done_post = mbox_ptr + DONE_W + 1
     done_gu = mbox_ptr + DONE_W + 2
     done_down = mbox_ptr + DONE_W + 3
+    HALVES: tl.constexpr = 2 if GU_LO_TASKS > 0 else 1
     # gate/up's first half (plan.OPTIONAL_DONE_STAGES); without it, down's counter stands in
     # where the launch's exit settles the counters
-    if GU_LO_TASKS > 0:
+    if HALVES == 2:
         gu_lo_ctr = mbox_ptr + DONE_W + 4
     else:
         gu_lo_ctr = done_down
-    GU_LO_COUNT: tl.constexpr = GU_LO_TASKS if GU_LO_TASKS > 0 else D_TASKS
+    GU_LO_COUNT: tl.constexpr = GU_LO_TASKS if HALVES == 2 else D_TASKS
     # h's producers: the post stage, or with NO_POST o_proj's tasks (they add the residual)
     if NO_POST:
         h_done = done_o
@@ -363,7 +364,6 @@ def k2_kernel(
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
     O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
     D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
-    HALVES: tl.constexpr = 2 if D_K0 > 0 else 1
     me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
@@ -502,7 +502,7 @@ def k2_kernel(
                 GELU,
                 BF16MB,
             )
-            signal_tasks(mbox_ptr + DONE_W + tl.where(lo, 4, 2), first, tasks, NPROG)  # gate_up_lo or gate_up
+            signal_tasks(tl.where(lo, gu_lo_ctr, done_gu), first, tasks, NPROG)
     stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
