@@ -392,7 +392,7 @@ def k2_constexprs(
         NUM_STAGES=target.stages(W, fp8),
         O_SPLIT=target.split(W, fp8, L.q, o_bk),
         GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
-        D_SPLIT=min(target.split(W, fp8, k, d_bk) for k in (dn.k_per_task, dn.k0 or dn.k_per_task)),
+        D_SPLIT=target.split(W, fp8, dn.k_per_task, d_bk),  # down's halves are equal: one split for both
         O_TASKS=o.num_tasks,
         O_KS=o.k_splits,
         O_OFF=o.offset,
