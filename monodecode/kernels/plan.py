@@ -476,6 +476,16 @@ class LayerPlan:
         """Stages of ``kernel`` with a completion counter, in the order of its done_* region."""
         return counted_stages(kernel, {st.name for st in self.stages(kernel)})
 
+    @property
+    def fused_post_eligible(self) -> bool:
+        """Whether K2's ``post`` stage only adds the residual and normalises, so a backend may
+        drop it (o_proj's tasks add the residual, gate/up normalises its input): no Gemma post
+        norms, one rank with the bf16 mailbox (no partials crossing GPUs to sum) and o_proj not
+        split along K (each o_proj task owns whole rows of o). The one rule every backend's
+        fused-post switch applies (Triton ``Target.fused_post``, FlyDSL ``Geometry.fused_post``)."""
+        o = self.stage(K2, "o_proj")
+        return not self.post_norms and self.tp_size == 1 and self.mailbox == "bf16" and o.k_splits == 1
+
     def _row_length(self, name: str, default: int) -> int:
         """Elements per row of a mailbox region (``default`` for a launch input or output)."""
         return self.region(name).shape[-1] if name in self.layout.regions else default

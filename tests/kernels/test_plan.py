@@ -366,6 +366,26 @@ def test_family_variants_and_tp_stages():
     assert rep.kv_heads == 1 and rep.heads == 2
 
 
+def test_fused_post_only_where_post_just_adds_the_residual_and_normalises():
+    """``LayerPlan.fused_post_eligible``, the rule both backends' fused-post switches apply: a
+    Llama/Qwen layer on one rank with the bf16 mailbox and an o_proj whose tasks own whole rows;
+    not with Gemma's post norms, TP (partials from every rank to sum), the tagged mailbox or an
+    o_proj split along K (fp32 slices to sum)."""
+
+    def plan(profile, width, tp=1, mailbox="bf16", split=0):
+        return P.plan_model(profile_dims(profile), tp, [width], 304, mailbox=mailbox, wide_split_k=split).layers[width]
+
+    def eligible(*args, **kw):
+        return plan(*args, **kw).fused_post_eligible
+
+    assert eligible("llama3-8b", 1) and eligible("llama3-8b", 8) and eligible("qwen3-8b", 4)
+    assert eligible("llama3-1b", 2) and not eligible("llama3-1b", 2, split=4)
+    assert plan("llama3-1b", 2, split=4).stage(P.K2, "o_proj").k_splits == 2  # on 304 CUs 1B's o_proj splits
+    assert not eligible("gemma3-27b", 1) and not eligible("tiny", 1)  # post norms
+    assert not eligible("llama3-8b", 1, tp=2) and not eligible("llama3-8b", 1, tp=2, mailbox="tagged")
+    assert not eligible("llama3-8b", 1, mailbox="tagged")
+
+
 def test_wait_health_code_uses_runtime_packing():
     from monodecode.kernels.health import decode_health
 

@@ -22,6 +22,8 @@ What the plan leaves to a backend lives here too, and only that (FlyDSL/CDNA spe
   (``k_split``); the tiles' sums meet in LDS for the epilogue;
 * the one LDS arena per kernel and how stages carve it (stages run one after another, so the
   GEMV staging area and the attention buffers alias);
+* ``fused_post`` (``FUSED_POST``, on wherever the plan's ``LayerPlan.fused_post_eligible`` holds):
+  K2 runs no post stage; o_proj publishes h, gate/up computes h's rstd itself (``Geometry.fused_post``);
 * shape limits of these kernels (each one clear error line).
 """
 
@@ -31,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, ArchSpec, arch_spec
-from monodecode.kernels.plan import DONE_STAGES, K1, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
+from monodecode.kernels.plan import DONE_STAGES, K1, K2, LayerPlan, LocalDims, ModelPlan, Stage, plan_layer, plan_model
 from monodecode.model.dims import ModelDims
 from monodecode.model.weights import WEIGHT_DTYPES
 
@@ -51,6 +53,11 @@ _MAX_I32_BYTES = 2**31 - 1  # buffer-load byte offsets are i32
 # arithmetic on the grid, not a measurement on these GPUs; the Triton kernels timed it on the
 # H200 (benchmarks/README.md, runs 15 and 20).
 PLAN_KNOBS = {"wide_split_k": 4, "wide_even_waves": True}
+# K2 without its post stage where the plan allows it (``LayerPlan.fused_post_eligible``: no post
+# norms, one rank, o_proj unsplit): o_proj's tasks publish h = x + o, gate/up waits for o_proj
+# and normalises h on the way in. A post stage of one workgroup per row leaves every other CU
+# waiting on it; the Triton kernels dropped it (``Target.fused_post``, H200 run 30).
+FUSED_POST = True
 
 
 def _ceil(a: int, b: int) -> int:
@@ -229,6 +236,7 @@ class Geometry:
     lds1: dict[str, int]  # K1 LDS arena: word offsets, "words" = size
     lds2: dict[str, int]
     layer_plan: LayerPlan = field(repr=False, compare=False)
+    fused_post: bool = False  # K2 runs no post stage (``FUSED_POST`` and the plan allows it)
 
     # shard sizes: LocalDims's own properties (the same field names feed them)
     q = LocalDims.q
@@ -300,7 +308,9 @@ def _carve(parts: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, int]
     return out, cur
 
 
-def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile]) -> tuple[dict, dict]:
+def _lds_layout(
+    width: int, group: int, head_dim: int, tiles: dict[str, GemvTile], fused_post: bool = False
+) -> tuple[dict, dict]:
     nw = WAVES_PER_WORKGROUP
 
     def gemv_parts(names):
@@ -322,7 +332,9 @@ def _lds_layout(width: int, group: int, head_dim: int, tiles: dict[str, GemvTile
         base,
     )
     lds1 = {**head, **gemv, **attn, "words": max(gend, aend)}
-    head2, base2 = _carve([("red", 2 * nw)])
+    # K2: block-sum scratch; with a fused post, gate/up's rstd of every row of h (read while it
+    # stages its chunks, so never aliased by the staging area)
+    head2, base2 = _carve([("red", 2 * nw), *([("rstd", width)] if fused_post else [])])
     gemv2, end2 = _carve(gemv_parts(["o_proj", "gate_up", "down"]), base2)
     lds2 = {**head2, **gemv2, "words": end2}
     return lds1, lds2
@@ -342,9 +354,14 @@ def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None
         raise ConfigError(f"flydsl: hidden_size {dims.hidden_size} must be even (bf16 pairs)")
 
 
-def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1) -> Geometry:
-    """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added."""
+def plan_geometry(
+    dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1, fused_post: bool = FUSED_POST
+) -> Geometry:
+    """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added. ``fused_post``: drop
+    K2's post stage where the plan allows it (``FUSED_POST``)."""
     _check(dims, width, weight_dtype, tp_size)
+    if not isinstance(fused_post, bool):
+        raise ConfigError(f"flydsl: fused_post must be True or False, got {fused_post!r}")
     lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size), **PLAN_KNOBS)
     L = lp.local
     if L.group > 16:
@@ -358,7 +375,8 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
     peer = {}
     if lp.peer_layout is not None:
         peer = {n: (r.offset - lp.peer_layout.offset) // r.word_bytes for n, r in lp.peer_layout.regions.items()}
-    lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles)
+    fused = fused_post and lp.fused_post_eligible
+    lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles, fused)
     for name, lds in (("k1", lds1), ("k2", lds2)):
         if lds["words"] * 4 > spec.lds_bytes:
             raise ConfigError(
@@ -387,6 +405,7 @@ def plan_geometry(dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str
         lds1=lds1,
         lds2=lds2,
         layer_plan=lp,
+        fused_post=fused,
     )
 
 
@@ -401,7 +420,8 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
     """What the FlyDSL backend launches for ``widths``: grid, per width and kernel the stage tables
     the kernels bake (and the workgroup -> tasks rule they run), and the absolute byte offset of
     every region in the scratch buffer (segment offset from the placement + the baked relative
-    offset). Compared with ``plan_model`` by the tests."""
+    offset). Compared with ``plan_model`` by the tests. ``fused_post``: K2 runs no post stage (its
+    table lists no tasks on any workgroup; its counter is only settled at the launch's exit)."""
     spec = arch_spec(arch)
     placed = model_plan(dims, arch, widths, tp_size)
     out = {
@@ -418,6 +438,7 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
             "grid": g.grid,
             "attn_splits": g.attn_splits,
             "mailbox": g.mailbox,
+            "fused_post": g.fused_post,
             # the stage completion counters the kernels signal and wait on (bf16 format)
             "counters": {
                 f"{st.kernel}.{st.name}": seg + g.done(st.kernel, st.name) * 8
@@ -433,6 +454,7 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
                 n: pseg + off * g.layer_plan.region(n).word_bytes for n, off in g.peer_regions.items()
             }
         for st in g.k1 + g.k2:
+            runs = not (g.fused_post and (st.kernel, st.name) == (K2, "post"))
             entry["stages"][f"{st.kernel}.{st.name}"] = {
                 "kind": st.kind,
                 "tasks": st.tasks,
@@ -443,7 +465,8 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
                 "n": st.n,
                 "k": st.k,
                 "workgroup_tasks": [
-                    list(range(first_task(b, st.offset, g.grid), st.tasks, g.grid)) for b in range(g.grid)
+                    list(range(first_task(b, st.offset, g.grid), st.tasks if runs else 0, g.grid))
+                    for b in range(g.grid)
                 ],
             }
         out["widths"][w] = entry

@@ -54,7 +54,6 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
     EPS = float(dims.rms_norm_eps)
     RG = geom.regions  # word offsets in this width's scratch segment
     L1 = geom.lds1
-    norm = d.norm_scale(dims.norm_one_plus)
     st_qkv, st_attn, st_comb = geom.stage(K1, "qkv"), geom.stage(K1, "attn"), geom.stage(K1, "combine")
     gemv_task = gv.make_gemv(geom)
     attn_task, combine_task = make_attention(dims, geom, block_size)
@@ -121,7 +120,9 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
         w_rs = gv.buffer_rsrc(w_qkv)
 
         def stage_x(c0, kend):  # qkv is never split along K: kend is H
-            _stage_normed(x, norm_w, lds, tid, c0, tile.chunk_words, tile.x_stride, H)
+            gv.stage_normed(
+                x, norm_w, dims.norm_one_plus, lds, L1["rstd"], L1["x"], tid, c0, W, tile.chunk_words, tile.x_stride, H
+            )
 
         def publish_qkv(row, tok, vals, valid, k_slice):
             v = d.round_bf16(gv.scaled(FP8, s_qkv, fx.min(row, d.i32(NQKV - 1)), vals[0]))
@@ -175,21 +176,6 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
             mb.finish_launch(epoch, tid, G, [(ctr_qkv, qkv_done), (ctr_attn, attn_done)])
         else:
             mb.finish_launch(epoch, tid)
-
-    @d.device
-    def _stage_normed(x, norm_w, lds, tid, c0, ckw: int, xs: int, k: int):
-        """Rows of x (bf16 pairs) normed with their rstd and the norm weight, into LDS (0 past k)."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
-            idx = d.i32(idx_)
-            tk = idx // d.i32(ckw)
-            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
-            word = d.i32(0)
-            if kk < d.i32(k):
-                xw = d.load_word(x, (tk * d.i32(k) + kk) // d.i32(2))
-                nw = d.load_word(norm_w, kk // d.i32(2))
-                rs = d.lds_loadf(lds, d.i32(L1["rstd"]) + tk)
-                word = d.pack_bf16x2(norm(d.bf16_lo(xw), rs, d.bf16_lo(nw)), norm(d.bf16_hi(xw), rs, d.bf16_hi(nw)))
-            d.lds_store(lds, d.i32(L1["x"]) + idx + tk * d.i32(xs - ckw), word)
 
     @flyc.jit
     def launch_k1(

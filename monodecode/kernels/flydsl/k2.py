@@ -8,19 +8,29 @@ Side by side with ``monodecode/model/reference.py``:
 K2 (``x``, ``attn_out`` -> ``x_out``)
   o_proj   GEMV of attn_out -> ``o`` (fp32,      o = W_o attn
            TP: pushed to every peer, ``o_peer``;
-           split along K: ``o_part``, fp32)
+           split along K: ``o_part``, fp32;
+           fused post: h = bf16(x + bf16(o))
+           -> ``h``, no ``o``)
   post     task = row: (TP: sum of the ranks'   Gemma: o = rms_norm(o, attn_post_norm);
            partials in rank order, split-K:     h = x + o; hn = rms_norm(h, mlp_norm)
            of the slices in slice order, fp32)
-           -> ``h``, ``hn``
+           -> ``h``, ``hn``; fused post: no task
   gate_up  GEMV of hn, gate and up rows in one  a = bf16(act(bf16 gate)) * bf16(up)
-           pass -> ``act``
+           pass -> ``act``; fused post: waits
+           for o_proj, h's rstd per row (the
+           post stage's sum order), h normed
+           into LDS chunk by chunk (= hn)
   down     GEMV of act; without a final stage   d = W_down a; Llama/Qwen: x_out = h + d
            adds h and writes x_out, else ``d``
            (split along K: ``d_part``, fp32)
   final    task = row (Gemma, TP or a split     Gemma: d = rms_norm(d, mlp_post_norm);
            down): sums the partials, norm,      x_out = h + d
            residual -> x_out
+
+Fused post (``Geometry.fused_post``: Llama/Qwen, one rank, o_proj unsplit; ``config.FUSED_POST``):
+the post stage of one workgroup per row, which every other CU waited for, is gone; every value
+keeps the post stage's bits (same formulas, rstd summed in the same order by each gate/up
+workgroup). Its counter is never signalled, only settled at the launch's exit.
 
 An expired wait stores ``health_code(wait_timeout, k2, layer)``, a non-finite output
 ``health_code(nonfinite, k2, layer)`` in the sticky health word.
@@ -54,7 +64,9 @@ def make_k2(dims: ModelDims, geom: Geometry):
     BF16 = geom.bf16_mailbox  # plan mailbox format: bf16 values + completion counters (else tagged words)
     GELU = dims.activation == "gelu_tanh"
     ROW_BATCH = max(1, 4 // geom.tp_size)  # post/final: columns per round trip (x TP partial words each)
+    ROW_ROUNDS = -(-H // (WG * ROW_BATCH))  # a thread's rounds of ROW_BATCH columns over one row
     FINAL = geom.final
+    FUSED = geom.fused_post  # no post stage: o_proj publishes h, gate/up normalises it (config.FUSED_POST)
     RG = geom.regions  # word offsets in this width's scratch segment
     L2 = geom.lds2
     norm = d.norm_scale(dims.norm_one_plus)
@@ -131,6 +143,11 @@ def make_k2(dims: ModelDims, geom: Geometry):
             v = gv.scaled(FP8, s_o, fx.min(row, d.i32(H - 1)), vals[0])
             if fx.const_expr(O_SPLITS > 1):  # fp32 partial of the task's K slice (slice-major rows)
                 mb.put_row(seg, tag, k_slice * d.i32(W) + tok, o_region, H, row, v, valid, partial=True)
+            elif fx.const_expr(FUSED):  # the post stage's residual add, here: h = bf16(x + bf16(o))
+                hv = d.round_bf16(
+                    _weight(x, fx.min(tok, d.i32(W - 1)) * d.i32(H) + fx.min(row, d.i32(H - 1))) + d.round_bf16(v)
+                )
+                mb.put_row(seg, tag, tok, RG["h"], H, row, hv, valid)  # released by the signal below, like o
             elif fx.const_expr(TP == 1):
                 mb.put_row(seg, tag, tok, o_region, H, row, v, valid)
             else:
@@ -144,36 +161,58 @@ def make_k2(dims: ModelDims, geom: Geometry):
         else:
             gpu.barrier()
 
-        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h)
-        first_post = first_task(bid, st_post.offset, G)
-        for r_ in range(first_post, d.i32(st_post.tasks), d.i32(G)):
-            _post_task(
-                d.i32(r_),
-                x,
-                post_attn_w,
-                mlp_norm_w,
-                seg,
-                (ctr_o, o_done),
-                mine,
-                tag,
-                polls,
-                health,
-                wait_code,
-                lds,
-                tid,
-                wave,
-                lane,
-                o_region,
-            )
-        if fx.const_expr(BF16):
-            mb.signal_tasks(ctr_post, first_post, st_post.tasks, G, tid, tid >= d.i32(0))
+        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h); none when fused (no task, no signal:
+        # the last workgroup out still settles its counter at epoch * W, as the Triton kernels do)
+        if fx.const_expr(not FUSED):
+            first_post = first_task(bid, st_post.offset, G)
+            for r_ in range(first_post, d.i32(st_post.tasks), d.i32(G)):
+                _post_task(
+                    d.i32(r_),
+                    x,
+                    post_attn_w,
+                    mlp_norm_w,
+                    seg,
+                    (ctr_o, o_done),
+                    mine,
+                    tag,
+                    polls,
+                    health,
+                    wait_code,
+                    lds,
+                    tid,
+                    wave,
+                    lane,
+                    o_region,
+                )
+            if fx.const_expr(BF16):
+                mb.signal_tasks(ctr_post, first_post, st_post.tasks, G, tid, tid >= d.i32(0))
 
         # ---- gate_up: hn (waited) staged in LDS, gate and up rows together, activation
         t_gu = geom.tiles["gate_up"]
         gu_rs = gv.buffer_rsrc(w_gu)
+        first_gu = first_task(bid, st_gu.offset, G)
+        if fx.const_expr(FUSED):  # the post stage's pre-MLP norm, here: o_proj's h (waited), each row's rstd
+            if first_gu < d.i32(st_gu.tasks):
+                mb.wait_done(ctr_o, o_done, polls, health, wait_code)
+                _rstd_of_h(seg, tag, polls, health, wait_code, lds, tid, wave, lane)
 
         def stage_hn(c0, kend):  # gate_up is never split along K: kend is H
-            if fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
+            if fx.const_expr(FUSED):  # h normalised on the way in: the post stage's hn, bit for bit
+                gv.stage_normed(
+                    seg.i32 + d.i32(RG["h"] // 2),
+                    mlp_norm_w,
+                    dims.norm_one_plus,
+                    lds,
+                    L2["rstd"],
+                    L2["x"],
+                    tid,
+                    c0,
+                    W,
+                    t_gu.chunk_words,
+                    t_gu.x_stride,
+                    H,
+                )
+            elif fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
                 mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
                 _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
             else:
@@ -188,7 +227,6 @@ def make_k2(dims: ModelDims, geom: Geometry):
             a = d.round_bf16(d.gelu_tanh(gt) if GELU else d.silu(gt))
             mb.put_row(seg, tag, tok, RG["act"], I, row, d.round_bf16(a * up), valid)
 
-        first_gu = first_task(bid, st_gu.offset, G)
         for t_ in range(first_gu, d.i32(st_gu.tasks), d.i32(G)):
             gemv_task(t_gu, d.i32(t_), gu_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_hn, publish_act)
         if fx.const_expr(BF16):
@@ -201,7 +239,9 @@ def make_k2(dims: ModelDims, geom: Geometry):
         dn_rs = gv.buffer_rsrc(w_down)
 
         def stage_act(c0, kend):
-            if fx.const_expr(BF16):  # gate_up done implies post done: h is ready for the residual too
+            # gate_up done implies h is ready for the residual too: every gate_up task acquired h's
+            # producers (post, or o_proj when fused) before its release (acquire/release is transitive)
+            if fx.const_expr(BF16):
                 mb.wait_first(c0, ctr_gu, gu_done, polls, health, wait_code)
                 _stage_plain(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I, kend)
             else:
@@ -250,7 +290,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
                     nan_fault,
                 )
 
-        if fx.const_expr(BF16):
+        if fx.const_expr(BF16):  # the post counter too when fused (as the Triton kernels): at epoch * W as planned
             settle = [(ctr_o, o_done), (ctr_post, post_done), (ctr_gu, gu_done), (ctr_dn, dn_done)]
             mb.finish_launch(epoch, tid, G, settle)
         else:
@@ -378,6 +418,28 @@ def make_k2(dims: ModelDims, geom: Geometry):
                 hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
                 if oks[u]:
                     mb.publish(seg, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
+
+    @d.device
+    def _rstd_of_h(seg, tag, polls, health, code, lds, tid, wave, lane):
+        """Fused post: RMSNorm's rstd of every row of h (published by o_proj) into LDS ``rstd``,
+        summed in ``_post_task``'s order: thread ``tid`` takes the same columns (``_cols``) in the
+        same order, fp32 fma of the bf16 values, then the same ``block_sum``, so rstd and hn have
+        the post stage's bits. A row's loads are all issued before its sum (one round trip)."""
+        for r_ in range(d.i32(0), d.i32(W), d.i32(1)):
+            r = d.i32(r_)
+            oks, hvs = [], []
+            for j in fx.range_constexpr(ROW_ROUNDS):
+                ks_j, oks_j = _cols(tid + d.i32(j * WG * ROW_BATCH))
+                ats = [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks_j]
+                oks, hvs = oks + oks_j, hvs + mb.fetch(seg, ats, oks_j, tag, polls, health, code)
+            ss = d.f32(0.0)
+            for i in fx.range_constexpr(ROW_ROUNDS * ROW_BATCH):  # past the row: fma(0, 0, ss) is ss, as if not taken
+                hv = oks[i].select(hvs[i], d.f32(0.0))
+                ss = fx.math.fma(hv, hv, ss)
+            rs = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
+            if tid == d.i32(0):
+                d.lds_storef(lds, d.i32(L2["rstd"]) + r, rs)
+        gpu.barrier()  # every row's rstd in LDS before gate/up stages its first chunk
 
     @d.device
     def _final_task(

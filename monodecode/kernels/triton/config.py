@@ -421,7 +421,7 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        NO_POST=target.fused_post and not dims.post_norms and o.k_splits == 1 and plan.mailbox == "bf16",
+        NO_POST=target.fused_post and plan.fused_post_eligible,
         GU_LO_TASKS=gu_lo[0].num_tasks if gu_lo else 0,
         GU_LO_OFF=gu_lo[0].offset if gu_lo else 0,
         GU_ROW0=gu.row0,

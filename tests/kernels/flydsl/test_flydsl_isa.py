@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import pytest
 pytest.importorskip("flydsl", reason="the flydsl extra is not installed")
 
 from monodecode.kernels.flydsl.arch import ARCHS
+from monodecode.kernels.flydsl.config import plan_geometry
 from monodecode.kernels.flydsl.isa import budget_violations, figures, read_resources
 from monodecode.kernels.flydsl.offline import compile_in_subprocess
 from monodecode.model.profiles import profile_dims
@@ -39,6 +41,19 @@ WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
 # llama3-8b width-1 K1 to 148 VGPRs where every other compile of that commit (20+, locally and
 # in the same clone) gave 146. Two registers of codegen noise are not a regression; a lost wave is.
 SLACK = {"vgprs": 2, "sgprs": 2}
+OBJDUMP = "/usr/lib/llvm-19/bin/llvm-objdump"  # Debian's (scripts/apt-packages.txt); it has gfx942, not gfx950
+
+
+def instructions(hsaco: Path, arch: str) -> list[str]:
+    """The code object's instructions as text, comments stripped."""
+    asm = subprocess.run([OBJDUMP, "-d", f"--mcpu={arch}", str(hsaco)], capture_output=True, text=True, check=True)
+    return [
+        ln.split("//")[0].strip() for ln in asm.stdout.splitlines() if ln.startswith("\t") and ln.split("//")[0].strip()
+    ]
+
+
+def mnemonics(hsaco: Path, arch: str) -> list[str]:
+    return [ln.split()[0] for ln in instructions(hsaco, arch)]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +72,8 @@ def isa_rows(tmp_path_factory) -> dict[str, dict]:
                         "res": res,
                         "fig": figures(res, spec, spec.compute_units),
                         "bad": budget_violations(res, spec, spec.compute_units),
+                        "geom": plan_geometry(profile_dims(profile), w, spec, wdt, tp),
+                        "asm": mnemonics(cache / rec["hsaco"], arch) if arch == "gfx942" else None,
                     }
     cols = ["vgprs", "agprs", "sgprs", "spills", "scratch", "lds", "lds_limit", "waves_per_simd", "grid", "cus"]
     print("\n" + f"{'kernel':38s} " + " ".join(f"{c:>9s}" for c in cols))
@@ -93,23 +110,34 @@ def test_no_worse_than_golden(isa_rows):
     assert not worse, "ISA figures got worse than tests/kernels/golden/flydsl_isa.json: " + "; ".join(worse)
 
 
+def test_k2_runs_no_post_stage_where_fused(isa_rows):
+    """Each stage a launch runs with a completion counter (bf16 mailbox) has one release add in the
+    code (``signal_tasks``), and the launch counter one more: with a fused post (Llama-style K2,
+    one rank, o_proj unsplit: ``Geometry.fused_post``) the post stage's add, with the stage, is
+    gone; Gemma's and the TP kernels' K2 keep theirs (or, tagged, count nothing). gfx942 only."""
+    seen = set()
+    for key, r in isa_rows.items():
+        if r["asm"] is None:
+            continue
+        g, kernel = r["geom"], key.rsplit("/", 1)[1]
+        stages = (
+            ("qkv", "attn") if kernel == "k1" else ("o_proj", "gate_up", "down", *(() if g.fused_post else ("post",)))
+        )
+        want = 1 + (len(stages) if g.bf16_mailbox else 0)
+        assert r["asm"].count("global_atomic_add_x2") == want, (key, g.fused_post)
+        seen.add((kernel, g.fused_post, g.post_norms))
+    assert {("k2", True, False), ("k2", False, True)} <= seen  # a fused Llama K2 and an unfused Gemma one
+
+
 def test_launch_exit_atomics_are_not_fenced(tmp_path):
     """The last workgroup out settles the stage counters with relaxed atomics
     (``mailbox.finish_launch``): no L2 writeback or invalidate between the launch counter's add
     and the end of the program. With acq_rel each settle was fenced (gfx942 K2: five
     ``buffer_wbl2``, five ``buffer_inv``, ten ``s_waitcnt vmcnt(0)``), and the launch could not end
     before they drained. Disassembled with Debian's llvm-objdump-19 (``scripts/apt-packages.txt``)."""
-    import subprocess
-
     out = compile_in_subprocess("gfx942", profile_dims("tiny"), [2], "bf16", 16, tmp_path)
     for name, rec in out[2].items():
-        asm = subprocess.run(
-            ["/usr/lib/llvm-19/bin/llvm-objdump", "-d", "--mcpu=gfx942", str(tmp_path / rec["hsaco"])],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        lines = [ln.split("//")[0].strip() for ln in asm.splitlines()]
+        lines = instructions(tmp_path / rec["hsaco"], "gfx942")
         start = max(i for i, ln in enumerate(lines) if ln.startswith("global_atomic_add_x2"))
         tail = lines[start : next(i for i in range(start, len(lines)) if lines[i].startswith("s_endpgm"))]
         assert sum(ln.startswith("global_atomic_smax_x2") for ln in tail) >= 2, (name, tail)  # the settles

@@ -47,6 +47,7 @@ def test_launch_description_is_the_plan(profile, arch, widths):
         lp, got = plan.layers[w], desc["widths"][w]
         assert got["grid"] == grid and got["attn_splits"] == lp.attn_splits
         assert got["mailbox"] == lp.mailbox == "bf16"
+        assert got["fused_post"] == lp.fused_post_eligible, "no post stage wherever the plan allows it"
         regions = plan.scratch.widths[w].regions
         assert got["counters"] == {
             f"{k}.{name}": regions[f"done_{k}"].offset + 8 * i
@@ -67,6 +68,9 @@ def test_launch_description_is_the_plan(profile, arch, widths):
                 st.k,
             ), key
             assert (g["tile"], g["k_splits"]) == ((st.tile, st.k_splits) if st.kind == "gemv" else (0, 1)), key
+            if key == "k2.post" and got["fused_post"]:  # o_proj adds the residual, gate/up normalises
+                assert g["workgroup_tasks"] == [[]] * grid, key
+                continue
             assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
             # every task exactly once, on the workgroup the plan's table names
             runs = sorted(t for b, ts in enumerate(g["workgroup_tasks"]) for t in ts)
@@ -96,12 +100,39 @@ def test_tensor_parallel_launch_is_the_plan(arch, tp):
         got, lp = desc["widths"][w], plan.layers[w]
         assert got["peer_regions"] == {n: r.offset for n, r in plan.peer.widths[w].regions.items()}
         assert got["regions"] == {n: r.offset for n, r in plan.scratch.widths[w].regions.items()}
-        assert got["mailbox"] == "tagged"
+        assert got["mailbox"] == "tagged" and not got["fused_post"]  # the ranks' o partials need summing
         assert set(got["peer_regions"]) == {"o_peer", "d_peer"} and "o" not in got["regions"]
         assert list(got["stages"]) == [f"{s.kernel}.{s.name}" for s in lp.stages()]
         assert got["stages"]["k2.final"]["tasks"] == w  # the rank-order sum of the down partials
         assert got["stages"]["k2.gate_up"]["n"] == dims.intermediate_size // tp
         assert got["stages"]["k2.o_proj"]["k"] == dims.q_size // tp
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_fused_post_exactly_for_llama_style_one_rank_unsplit_o_proj(arch):
+    """K2 runs no post stage for Llama/Qwen on one GPU with an unsplit o_proj (every width of the
+    8B profiles, width 1 of 1B, whose wider o_proj splits along K); never for Gemma (post norms)
+    or TP, and nowhere with the knob off. The LDS gets the rows' rstd only then."""
+
+    def fused(profile, widths, tp=1):
+        desc = launch_description(profile_dims(profile), arch, widths, tp_size=tp)
+        return {w: e["fused_post"] for w, e in desc["widths"].items()}
+
+    everywhere = dict.fromkeys((1, 2, 8, 16), True)
+    assert fused("llama3-8b", (1, 2, 8, 16)) == everywhere == fused("qwen3-8b", (1, 2, 8, 16))
+    assert fused("llama3-1b", (1, 2, 8)) == {1: True, 2: False, 8: False}
+    assert not any(fused("gemma3-27b", (1, 8)).values()) and not any(fused("tiny", (1, 2)).values())
+    assert not any(fused("llama3-8b", (1, 8), tp=2).values())
+    dims, spec = profile_dims("llama3-8b"), ARCHS[arch]
+    on, off = plan_geometry(dims, 8, spec, "bf16"), plan_geometry(dims, 8, spec, "bf16", fused_post=False)
+    assert on.fused_post and not off.fused_post
+    assert (
+        "rstd" in on.lds2
+        and "rstd" not in off.lds2
+        and "rstd" not in plan_geometry(profile_dims("tiny"), 1, spec, "bf16").lds2
+    )
+    with pytest.raises(ConfigError, match="fused_post must be True or False, got 'yes'"):
+        plan_geometry(dims, 1, spec, "bf16", fused_post="yes")
 
 
 def test_width_segments_never_alias_and_hold_the_epochs():
