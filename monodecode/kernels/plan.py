@@ -22,9 +22,10 @@ workgroup count (one per CU/SM), the plan fixes:
     ``down`` (the rest of K, plus ``d_lo``). A program that finishes its gate/up tasks streams
     its ``down_lo`` tiles instead of waiting for the last gate/up task of the grid; both halves
     of a row tile run on the same workgroup, which sums them in K order.
-  - Even waves (``wide_even_waves``, widths > 1, one rank, unsplit GEMVs): where a stage's row
-    tiles leave the last wave of the grid partly idle, each task covers fewer rows of its tile
-    (``even_wave_rows``, ``Stage.tile_rows``) so the same number of waves is full.
+  - Even waves (``wide_even_waves`` at widths > 1, ``narrow_even_waves`` at width 1; one rank,
+    unsplit GEMVs): where a stage's row tiles leave the last wave of the grid partly idle, each
+    task covers fewer rows of its tile (``even_wave_rows``, ``Stage.tile_rows``) so the same
+    number of waves is full. Where that cuts gate/up's tasks, down stays whole (no early halves).
 
 * the **task tables**: task ``t`` of a stage runs on workgroup ``(t + stage.offset) % G``, so
   workgroup ``b`` runs tasks ``b', b'+G, ...`` (``b' = (b - offset) mod G``); the offsets rotate
@@ -704,8 +705,8 @@ def _stages(
         return replace(st, num_tasks=st.num_tasks * ks, k_splits=ks, writes=(partials,), reads=reads or st.reads)
 
     def even(st: Stage) -> Stage:
-        """``st``'s tasks cut to fill whole waves (``even_wave_rows``; widths > 1, one rank, unsplit)."""
-        if not even_waves or W == 1 or tp != 1 or st.k_splits != 1:
+        """``st``'s tasks cut to fill whole waves (``even_wave_rows``; one rank, unsplit)."""
+        if not even_waves or tp != 1 or st.k_splits != 1:
             return st
         rows = even_wave_rows(st.n, st.rows_per_task, G)
         if rows == st.rows_per_task:
@@ -759,7 +760,10 @@ def _stages(
     down = gemv(K2, "down", 3, L.hidden, L.intermediate, down_reads, [d_dst], gu.offset + gu.num_tasks)
     down = even(split(down, "d_part", ("act",)))  # a split down's residual add moves to a final stage
     # two equal halves (one copy of each task loop in the kernels) of a gate/up long enough that
-    # the wait they fill outweighs a second pipeline ramp per stage; down whole otherwise
+    # the wait they fill outweighs a second pipeline ramp per stage; down whole otherwise. Even
+    # waves come first: where they cut gate/up's tasks, its last wave is full and ends at about
+    # the same time on every workgroup, so little wait is left to fill (27B width 1: 14.35 ->
+    # 14.13 ms against the halves, H200 run 37), and the cut rows no longer halve into whole tiles.
     halves = gu.num_tasks % 2 == 0 and gu.n == gu.num_tasks * gu.rows_per_task
     long = early_down_waves and gu.num_tasks >= early_down_waves * G
     if long and W == 1 and tp == 1 and down.k_splits == 1 and halves:
@@ -802,6 +806,7 @@ def plan_layer(
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
     early_down_waves: int = 0,
+    narrow_even_waves: bool = False,
 ) -> LayerPlan:
     """The plan of one width (its layout starts at offset 0; ``plan_model`` places it)."""
     mb = _check_mailbox(narrow_mailbox if width == 1 and narrow_mailbox else mailbox)
@@ -814,6 +819,7 @@ def plan_layer(
         wide_split_k,
         wide_even_waves,
         early_down_waves,
+        narrow_even_waves,
     )
     return _plan_width(dims, tp_size, width, num_workgroups, 0, 0, mb, *knobs)
 
@@ -827,17 +833,20 @@ def _tiling_knobs(
     wide_split_k: object = 0,
     wide_even_waves: object = False,
     early_down_waves: object = 0,
+    narrow_even_waves: object = False,
 ) -> tuple[int, int, float, int, bool, int]:
     """The GEMV tiling knobs at ``width``, checked: the rows chooser's (fixed cost per task,
-    narrowest tile, burst), the most K slices (``split_k_slices``), whether tasks are cut to
-    fill whole waves (``even_wave_rows``), both at widths > 1 only, and the least gate/up waves
-    for down in halves (``early_down_waves``, width 1 only)."""
-    if not isinstance(wide_even_waves, bool):
-        raise ConfigError(f"kernel plan: wide_even_waves must be true or false, got {wide_even_waves!r}")
+    narrowest tile, burst), the most K slices (``split_k_slices``), both at widths > 1 only,
+    whether tasks are cut to fill whole waves (``even_wave_rows``; ``wide_even_waves`` at widths
+    > 1, ``narrow_even_waves`` at width 1), and the least gate/up waves for down in halves
+    (``early_down_waves``, width 1 only)."""
+    for name, flag in (("wide_even_waves", wide_even_waves), ("narrow_even_waves", narrow_even_waves)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"kernel plan: {name} must be true or false, got {flag!r}")
     early = _check_count(early_down_waves, "early_down_waves")
     if width == 1:
         _check_count(wide_split_k, "wide_split_k")
-        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, False, early
+        return _check_count(narrow_task_bytes, "narrow_task_bytes"), 0, 0.0, 0, narrow_even_waves, early
     return (
         _check_count(wide_task_bytes, "wide_task_bytes"),
         _check_count(wide_min_rows, "wide_min_rows"),
@@ -956,6 +965,7 @@ def plan_model(
     wide_split_k: int = 0,
     wide_even_waves: bool = False,
     early_down_waves: int = 0,
+    narrow_even_waves: bool = False,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -966,7 +976,8 @@ def plan_model(
     ``wide_min_rows``: the narrowest GEMV row tile at widths > 1; ``wide_burst``: the rows
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
     ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
-    ``wide_even_waves``: GEMV tasks at widths > 1 cut to fill whole waves (``even_wave_rows``);
+    ``wide_even_waves`` / ``narrow_even_waves``: GEMV tasks at widths > 1 / at width 1 cut to fill
+    whole waves (``even_wave_rows``; at width 1 not gate/up's when it runs in halves);
     ``early_down_waves``: width 1's down in two K halves, the first started early, where gate/up
     spans at least this many waves of the grid (module docstring; 0: never)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
@@ -980,6 +991,7 @@ def plan_model(
         wide_split_k,
         wide_even_waves,
         early_down_waves,
+        narrow_even_waves,
     )
     for w in (1, 2):  # every knob is checked, whichever widths are planned
         _tiling_knobs(w, *tiling)

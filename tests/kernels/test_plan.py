@@ -275,7 +275,8 @@ def test_even_waves_fill_the_last_wave_with_narrower_tasks():
     """``wide_even_waves``: GEMV tasks whose tiles leave the grid's last wave partly idle own fewer
     rows of the same tile, the same waves all full: 27B gate/up's 336 64-row tasks (2.5 waves of
     132) become 391 of 55 rows, 8B QKV's 96 (one wave, 36 programs idle) 131 of 47. Split stages,
-    stages that fill their waves, width 1 and TP keep their tasks; each row is written once."""
+    stages that fill their waves, width 1 and TP keep their tasks; each row is written once. Width 1
+    has its own switch (``narrow_even_waves``)."""
     gemma, llama8 = profile_dims("gemma3-27b"), profile_dims("llama3-8b")
     tiling = dict(mailbox="bf16", wide_task_bytes=65536, wide_burst=1.5, wide_split_k=4)
 
@@ -302,6 +303,16 @@ def test_even_waves_fill_the_last_wave_with_narrower_tasks():
             assert rows == list(range(p.width * st.n)), name  # every row once, no overlap
         waves = -(-max(s.num_tasks for s in p.k1 + p.k2 if s.tile_rows) // 132)
         assert waves == (3 if p is g else 2)  # as many waves as the 64-row tiles took
+    # width 1 (``narrow_even_waves``): 27B's 16-row o_proj / down (2.5 waves) and gate/up (10.2)
+    n1 = P.plan_model(gemma, 1, [1], 132, mailbox="bf16", narrow_task_bytes=16384, narrow_even_waves=True).layers[1]
+    cut1 = {s.name: (s.num_tasks, s.rows_per_task, s.tile) for s in n1.k1 + n1.k2 if s.tile_rows}
+    assert cut1 == {"o_proj": (384, 14, 16), "gate_up": (1434, 15, 16), "down": (384, 14, 16)}
+    for name in ("o_proj", "gate_up", "down"):
+        st = n1.stage(P.K2, name)
+        spans = sorted(
+            (sp.start, sp.stop) for t in n1.tasks(P.K2, name) for sp in t.writes if sp.region == st.writes[0]
+        )
+        assert [i for a, b in spans for i in range(a, b)] == list(range(st.n)), name
 
 
 def test_early_down_halves_gate_up_and_down_where_gate_up_is_long():
@@ -442,6 +453,8 @@ def test_key_inputs_deterministic_and_sensitive():
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_split_k=2.0), "wide_split_k must be a non-negative integer"),
         (lambda d: P.plan_model(d, 1, [1], 132, wide_even_waves=1), "wide_even_waves must be true or false, got 1"),
         (lambda d: P.plan_layer(d, 1, 2, 132, wide_even_waves="yes"), "wide_even_waves must be true or false"),
+        (lambda d: P.plan_model(d, 1, [2], 132, narrow_even_waves=1), "narrow_even_waves must be true or false, got 1"),
+        (lambda d: P.plan_layer(d, 1, 1, 132, narrow_even_waves="no"), "narrow_even_waves must be true or false"),
         (
             lambda d: P.plan_model(d, 1, [1], 132, early_down_waves=-1),
             "early_down_waves must be a non-negative integer",

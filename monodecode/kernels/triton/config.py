@@ -105,6 +105,9 @@ class Target:
     # streams the first half of its down tiles (gate/up's first half of rows is done by then)
     # instead of waiting for the grid's last gate/up task.
     early_down_waves: int = 0
+    # Width 1: GEMV tasks cut to fill whole waves (``plan.even_wave_rows``; ``wide_even_waves``'
+    # rule at width 1, but never gate/up's when it runs in halves, which need whole row tiles).
+    narrow_even_waves: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -182,6 +185,9 @@ CUDA = Target(
     # Runs 32-33: 8B b1 4.22 -> 4.13 and 4.18 -> 4.11 ms, 27B 14.52 -> 14.41 and 14.30 -> 14.23
     # (gate/up 6.8 and 10.2 waves); 1B (3.9 waves) 0.90 -> 0.92-0.94, so not below 6 waves.
     early_down_waves=6,
+    # Run 37: 27B b1 14.35 -> 14.13 ms (o_proj / down 336 -> 384 14-row tasks, gate/up 1344 ->
+    # 1434 15-row ones: 3 and 11 full waves; down then whole). 1B and 8B tiles already fill theirs.
+    narrow_even_waves=True,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -207,6 +213,7 @@ def plan_for(
         # FP8 weights keep down whole: their GEMVs are bound by instructions, not bytes, so the
         # wait is short and the second pipeline ramp per stage costs more (run 33: 9 % slower)
         early_down_waves=0 if fp8 else target.early_down_waves,
+        narrow_even_waves=target.narrow_even_waves,
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 

@@ -132,8 +132,9 @@ def test_no_post_stage_where_it_would_only_add_and_normalise():
 
 def test_down_in_halves_only_for_long_bf16_gate_up_at_width_1():
     """``early_down_waves``: K2 gets the halves' constants (gate/up's first half of tasks, down's
-    first K half) for BF16 8B and 27B at width 1 (gate/up 6.8 and 10.2 waves of 132 programs);
-    FP8 weights, 1B (3.9 waves), widths > 1 and a target without it keep down whole."""
+    first K half) for BF16 8B at width 1 (gate/up 6.8 waves of 132 programs), and 27B's (10.2)
+    without width 1's even waves, which cut its gate/up tasks; FP8 weights, 1B (3.9 waves),
+    widths > 1 and a target without it keep down whole."""
 
     def halves(profile, width=1, target=CUDA, fp8=False):
         dims = profile_dims(profile)
@@ -144,6 +145,25 @@ def test_down_in_halves_only_for_long_bf16_gate_up_at_width_1():
             assert c["D_K0"] * 2 == dims.intermediate_size and c["D_K0"] % (c["D_BK"] * c["D_SPLIT"]) == 0
         return c["D_K0"]
 
-    assert halves("llama3-8b") == 7168 and halves("gemma3-27b") == 10752
+    assert halves("llama3-8b") == 7168 and not halves("gemma3-27b")
+    assert halves("gemma3-27b", target=dataclasses.replace(CUDA, narrow_even_waves=False)) == 10752
     assert not halves("llama3-8b", fp8=True) and not halves("llama3-1b") and not halves("llama3-8b", 8)
     assert not halves("llama3-8b", target=dataclasses.replace(CUDA, early_down_waves=0))
+
+
+def test_width_1_even_waves_cut_only_tiles_that_leave_a_wave_part_idle():
+    """``narrow_even_waves``: 27B's width-1 o_proj / down (336 16-row tiles: 2.5 waves of 132) and
+    gate/up (1344: 10.2 waves) become 384 14-row and 1434 15-row tasks (3 and 11 full waves), and
+    down runs whole; 1B's and 8B's tiles already fill their waves, so their plans are unchanged."""
+
+    def stages(profile, even=True):
+        target = dataclasses.replace(CUDA, narrow_even_waves=even)
+        plan = plan_for(profile_dims(profile), [1], 132, target).layers[1]
+        return {st.name: (st.num_tasks, st.rows_per_task, st.tile) for st in plan.k1 + plan.k2 if st.kind == "gemv"}
+
+    got = stages("gemma3-27b")
+    assert got["o_proj"] == got["down"] == (384, 14, 16) and got["gate_up"] == (1434, 15, 16), got
+    assert got["qkv"] == (512, 16, 16) and "down_lo" not in got  # 16 rows are the fewest that fill 4 waves
+    for profile in ("llama3-1b", "llama3-8b"):
+        assert stages(profile) == stages(profile, even=False), profile
+

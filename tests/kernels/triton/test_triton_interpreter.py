@@ -81,11 +81,14 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
-        # rows of 64- / 32-row tiles (masked rows: the next task's)
+        # rows of 64- / 32-row tiles (masked rows: the next task's), at width 1 11 or 15 of 16;
+        # "_even9": 9 programs, where width 1's gate/up is cut too (15 rows), so down stays whole
         split_k = "_splitk" in name
         even = "_even" in name
-        target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even)
-        tk = TritonKernels(req, w, target, 12 if even else 32 if split_k else 8, "cpu")
+        target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even,
+                                     narrow_even_waves=even)
+        programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
+        tk = TritonKernels(req, w, target, programs, "cpu")
         cut = [st for st in tk.plan.layers[widths[0]].k1 + tk.plan.layers[widths[0]].k2 if st.tile_rows]
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
         pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
@@ -102,7 +105,7 @@ CHILD = textwrap.dedent(
         assert k2c["NO_POST"] == no_post, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
-        early = widths[0] == 1 and wd == "bf16" and "_whole_down" not in name
+        early = widths[0] == 1 and wd == "bf16" and "_whole_down" not in name and "_even9" not in name
         assert (k2c["GU_LO_TASKS"] > 0 and k2c["D_K0"] > 0) == early, (name, k2c["GU_LO_TASKS"], k2c["D_K0"])
         if bk:
             assert tk.consts[widths[0]][1]["GU_SPLIT"] == 2 and tk.consts[widths[0]][0]["SPLIT"] == 2
@@ -161,7 +164,9 @@ CHILD = textwrap.dedent(
 # summed by post and by a final stage); "*_even" cut GEMV tasks to fewer rows than their tiles
 # (``Target.wide_even_waves``; never under the FP8 pair, so the FP8 runs widen): every GEMV of
 # llama_w2_even, QKV / o_proj / down with widened FP8 weights and a final stage in
-# w3_fp8_widen_even, QKV and gate/up next to split o_proj / down in llama_w3_fp8_widen_even_splitk;
+# w3_fp8_widen_even, QKV and gate/up next to split o_proj / down in llama_w3_fp8_widen_even_splitk,
+# at width 1 (``Target.narrow_even_waves``) QKV, o_proj and both down halves in w1_even, and QKV,
+# o_proj, gate/up and a whole down in w1_even9 (27B's width-1 plan on the H200);
 # width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
 # "*_whole_down" does not (llama_w1_post_tagged: the halves' fp32 partial as tagged words).
 RUNS = [
@@ -190,6 +195,8 @@ RUNS = [
     ("llama_w1_whole_down", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_post", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_post_tagged", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "tagged"),
+    ("w1_even", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
+    ("w1_even9", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
 ]
 
 
