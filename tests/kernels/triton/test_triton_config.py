@@ -166,4 +166,3 @@ def test_width_1_even_waves_cut_only_tiles_that_leave_a_wave_part_idle():
     assert got["qkv"] == (512, 16, 16) and "down_lo" not in got  # 16 rows are the fewest that fill 4 waves
     for profile in ("llama3-1b", "llama3-8b"):
         assert stages(profile) == stages(profile, even=False), profile
-
