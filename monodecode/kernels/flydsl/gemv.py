@@ -53,22 +53,27 @@ def load_weights16(rsrc, byte_off):
 
 # ---------------------------------------------------------------- input staging
 @d.device
-def stage_normed(src, norm_w, one_plus: bool, lds, rstd: int, x_off: int, tid, c0, W: int, ckw: int, xs: int, k: int):
-    """Rows of a bf16 input (``src``: 32-bit words, bf16 pairs, ``k`` elements a row) normed with
-    their rstd (LDS words ``rstd + row``) and the norm weight, into the LDS staging area at
-    ``x_off`` as bf16 pairs (0 past ``k``): RMSNorm's output exactly as the reference rounds it
+def stage_rows(src, lds, x_off: int, tid, c0, W: int, ckw: int, xs: int, k: int, kend, norm=None):
+    """Elements ``[c0, c0 + chunk)`` of the ``W`` rows of a bf16 input (``src``: 32-bit words, bf16
+    pairs, ``k`` elements a row) into the LDS staging area at ``x_off`` as bf16 pairs, 0 from
+    ``kend`` on (``k``, or the end of the task's K slice). ``norm`` = (norm weight, one_plus, LDS
+    word of the rows' rstd): RMSNorm's output instead, exactly as the reference rounds it
     (``device.norm_scale``)."""
-    norm = d.norm_scale(one_plus)
     for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
         idx = d.i32(idx_)
         tk = idx // d.i32(ckw)
         kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
         word = d.i32(0)
-        if kk < d.i32(k):
-            xw = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
-            nw = d.load_word(norm_w, kk // d.i32(2))
-            rs = d.lds_loadf(lds, d.i32(rstd) + tk)
-            word = d.pack_bf16x2(norm(d.bf16_lo(xw), rs, d.bf16_lo(nw)), norm(d.bf16_hi(xw), rs, d.bf16_hi(nw)))
+        if kk < d.i32(kend):
+            word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
+            if fx.const_expr(norm is not None):
+                norm_w, one_plus, rstd = norm
+                scale = d.norm_scale(one_plus)
+                nw = d.load_word(norm_w, kk // d.i32(2))
+                rs = d.lds_loadf(lds, d.i32(rstd) + tk)
+                word = d.pack_bf16x2(
+                    scale(d.bf16_lo(word), rs, d.bf16_lo(nw)), scale(d.bf16_hi(word), rs, d.bf16_hi(nw))
+                )
         d.lds_store(lds, d.i32(x_off) + idx + tk * d.i32(xs - ckw), word)
 
 

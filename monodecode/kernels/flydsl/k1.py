@@ -120,9 +120,8 @@ def make_k1(dims: ModelDims, geom: Geometry, block_size: int):
         w_rs = gv.buffer_rsrc(w_qkv)
 
         def stage_x(c0, kend):  # qkv is never split along K: kend is H
-            gv.stage_normed(
-                x, norm_w, dims.norm_one_plus, lds, L1["rstd"], L1["x"], tid, c0, W, tile.chunk_words, tile.x_stride, H
-            )
+            normed = (norm_w, dims.norm_one_plus, L1["rstd"])
+            gv.stage_rows(x, lds, L1["x"], tid, c0, W, tile.chunk_words, tile.x_stride, H, H, normed)
 
         def publish_qkv(row, tok, vals, valid, k_slice):
             v = d.round_bf16(gv.scaled(FP8, s_qkv, fx.min(row, d.i32(NQKV - 1)), vals[0]))

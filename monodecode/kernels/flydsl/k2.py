@@ -198,20 +198,8 @@ def make_k2(dims: ModelDims, geom: Geometry):
 
         def stage_hn(c0, kend):  # gate_up is never split along K: kend is H
             if fx.const_expr(FUSED):  # h normalised on the way in: the post stage's hn, bit for bit
-                gv.stage_normed(
-                    seg.i32 + d.i32(RG["h"] // 2),
-                    mlp_norm_w,
-                    dims.norm_one_plus,
-                    lds,
-                    L2["rstd"],
-                    L2["x"],
-                    tid,
-                    c0,
-                    W,
-                    t_gu.chunk_words,
-                    t_gu.x_stride,
-                    H,
-                )
+                normed = (mlp_norm_w, dims.norm_one_plus, L2["rstd"])
+                _stage_plain(seg.i32 + d.i32(RG["h"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed)
             elif fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
                 mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
                 _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
@@ -296,18 +284,10 @@ def make_k2(dims: ModelDims, geom: Geometry):
         else:
             mb.finish_launch(epoch, tid)
 
-    @d.device
-    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int, kend):
-        """Rows of a bf16 launch input (``k`` elements each) into LDS as they are, 0 from ``kend`` on
-        (``k``, or the end of the task's K slice)."""
-        for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
-            idx = d.i32(idx_)
-            tk = idx // d.i32(ckw)
-            kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
-            word = d.i32(0)
-            if kk < d.i32(kend):
-                word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
-            d.lds_store(lds, d.i32(L2["x"]) + idx + tk * d.i32(xs - ckw), word)
+    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int, kend, norm=None):
+        """Rows of a bf16 input (a launch input or a bf16 mailbox region, ``k`` elements each) into
+        K2's staging area (``gemv.stage_rows``; ``norm``: RMSNorm's output instead)."""
+        gv.stage_rows(src, lds, L2["x"], tid, c0, W, ckw, xs, k, kend, norm)
 
     @d.device
     def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, xs: int, k: int):
