@@ -762,8 +762,9 @@ def _stages(
     # two equal halves (one copy of each task loop in the kernels) of a gate/up long enough that
     # the wait they fill outweighs a second pipeline ramp per stage; down whole otherwise. Even
     # waves come first: where they cut gate/up's tasks, its last wave is full and ends at about
-    # the same time on every workgroup, so little wait is left to fill (27B width 1: 14.35 ->
-    # 14.13 ms against the halves, H200 run 37), and the cut rows no longer halve into whole tiles.
+    # the same time on every workgroup, so less wait is left to fill than a second ramp costs
+    # (27B width 1, H200: 14.16 ms, 14.23 with halves of the cut rows, 14.41 with halves of the
+    # uncut ones; run 39).
     halves = gu.num_tasks % 2 == 0 and gu.n == gu.num_tasks * gu.rows_per_task
     long = early_down_waves and gu.num_tasks >= early_down_waves * G
     if long and W == 1 and tp == 1 and down.k_splits == 1 and halves:
@@ -977,7 +978,7 @@ def plan_model(
     chooser's bandwidth model at widths > 1 (``gemv_rows_per_task``'s ``burst``);
     ``wide_split_k``: the most K slices of o_proj and down at widths > 1 (0: never split);
     ``wide_even_waves`` / ``narrow_even_waves``: GEMV tasks at widths > 1 / at width 1 cut to fill
-    whole waves (``even_wave_rows``; at width 1 not gate/up's when it runs in halves);
+    whole waves (``even_wave_rows``; where that cuts gate/up's tasks at width 1, down stays whole);
     ``early_down_waves``: width 1's down in two K halves, the first started early, where gate/up
     spans at least this many waves of the grid (module docstring; 0: never)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)

@@ -105,8 +105,8 @@ class Target:
     # streams the first half of its down tiles (gate/up's first half of rows is done by then)
     # instead of waiting for the grid's last gate/up task.
     early_down_waves: int = 0
-    # Width 1: GEMV tasks cut to fill whole waves (``plan.even_wave_rows``; ``wide_even_waves``'
-    # rule at width 1, but never gate/up's when it runs in halves, which need whole row tiles).
+    # Width 1: GEMV tasks cut to fill whole waves (``plan.even_wave_rows``: ``wide_even_waves``'
+    # rule at width 1; where it cuts gate/up's tasks, down runs whole instead of in halves).
     narrow_even_waves: bool = False
 
     def stages(self, width: int, fp8: bool = False) -> int:
