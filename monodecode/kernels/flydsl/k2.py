@@ -137,7 +137,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         o_rs = gv.buffer_rsrc(w_o)
 
         def stage_attn(c0, kend):
-            _stage_plain(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q, kend)
+            _stage_rows(attn, lds, tid, c0, t_o.chunk_words, t_o.x_stride, Q, kend)
 
         def publish_o(row, tok, vals, valid, k_slice):
             v = gv.scaled(FP8, s_o, fx.min(row, d.i32(H - 1)), vals[0])
@@ -199,10 +199,10 @@ def make_k2(dims: ModelDims, geom: Geometry):
         def stage_hn(c0, kend):  # gate_up is never split along K: kend is H
             if fx.const_expr(FUSED):  # h normalised on the way in: the post stage's hn, bit for bit
                 normed = (mlp_norm_w, dims.norm_one_plus, L2["rstd"])
-                _stage_plain(seg.i32 + d.i32(RG["h"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed)
+                _stage_rows(seg.i32 + d.i32(RG["h"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed)
             elif fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
                 mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
-                _stage_plain(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
+                _stage_rows(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
             else:
                 _stage_words(
                     mbox, RG["hn"], tag, polls, health, wait_code, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H
@@ -231,7 +231,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
             # producers (post, or o_proj when fused) before its release (acquire/release is transitive)
             if fx.const_expr(BF16):
                 mb.wait_first(c0, ctr_gu, gu_done, polls, health, wait_code)
-                _stage_plain(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I, kend)
+                _stage_rows(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I, kend)
             else:
                 _stage_words(
                     mbox, RG["act"], tag, polls, health, wait_code, lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I
@@ -284,9 +284,9 @@ def make_k2(dims: ModelDims, geom: Geometry):
         else:
             mb.finish_launch(epoch, tid)
 
-    def _stage_plain(src, lds, tid, c0, ckw: int, xs: int, k: int, kend, norm=None):
+    def _stage_rows(src, lds, tid, c0, ckw: int, xs: int, k: int, kend, norm=None):
         """Rows of a bf16 input (a launch input or a bf16 mailbox region, ``k`` elements each) into
-        K2's staging area (``gemv.stage_rows``; ``norm``: RMSNorm's output instead)."""
+        K2's staging area as they are, or with ``norm`` RMSNorm's output (``gemv.stage_rows``)."""
         gv.stage_rows(src, lds, L2["x"], tid, c0, W, ckw, xs, k, kend, norm)
 
     @d.device
