@@ -2,12 +2,13 @@
 
 K1 runs its attention tasks (``attention.attn_task``) inside a persistent launch whose warp
 count the GEMV stages choose. This probe launches the same task function as a plain grid (one
-program per task) for one profile and batch, over a paged cache of ``--context`` positions, and
+program per task) for one profile and batch, over a paged cache of each ``--context`` (comma separated), and
 times it per setting: warps, context positions per tile, pipelining depth, and the cache layout
 (the reference's planes ``[blocks, block, kv_heads, head_dim]``, vLLM 0.33's interleaved K|V views,
 or one head's positions contiguous). The timed launches cycle through several layers' caches
 (``L2_FLUSH_BYTES`` in all), so the KV streams from HBM as in a decode step. It prints µs per
-stage and the KV bytes' bandwidth, and writes the table as JSON. Inputs are random; the published partials are not checked here (the
+stage and the KV bytes' bandwidth, and writes the table as JSON. ``--sdpa`` adds the bar: PyTorch's
+fused SDPA (flash) over contiguous caches of the same bytes. Inputs are random; the published partials are not checked here (the
 GPU numerics tests cover the stage inside K1).
 
 Usage (GPU machine, repository root): ``python benchmarks/attention_probe.py --profile gemma3-27b
@@ -146,14 +147,17 @@ class Setup:
     kv_bytes: int
 
 
-def setup(profile: str, batch: int, context: int, grid_sms: int, layout: str, device: str = "cuda") -> Setup:
+def setup(
+    profile: str, batch: int, context: int, grid_sms: int, layout: str, device: str = "cuda", splits: int = 0
+) -> Setup:
     """Random inputs for ``batch`` rows of ``context`` positions over scattered cache blocks, and
     as many layers' caches as keep the KV out of L2 when the launches cycle through them (one
-    cache replayed sits in L2 up to its size: run 26 measured that as a false gain)."""
+    cache replayed sits in L2 up to its size: run 26 measured that as a false gain). ``splits``:
+    context splits per (row, KV head); 0: K1's (``plan.attention_splits``, one wave of the grid)."""
     dims = profile_dims(profile)
     d, kvh, heads = dims.head_dim, dims.num_kv_heads, dims.num_heads
     q, kv, bs = heads * d, kvh * d, 16
-    splits = attention_splits(batch, kvh, grid_sms)
+    splits = splits or attention_splits(batch, kvh, grid_sms)
     per_row = -(-context // bs)
     blocks = per_row * batch + 1
     kv_bytes = batch * context * kv * 2 * 2
@@ -194,13 +198,55 @@ def setup(profile: str, batch: int, context: int, grid_sms: int, layout: str, de
 
 def probe(profile: str, batch: int, context: int, grid_sms: int, reps: int, grid: dict) -> list[dict]:
     rows = []
-    for layout in grid["layouts"]:
-        su = setup(profile, batch, context, grid_sms, layout)  # one set of caches per layout
+    for layout, splits in itertools.product(grid["layouts"], grid["splits"]):
+        su = setup(profile, batch, context, grid_sms, layout, splits=splits)  # one set of caches each
         for warps, bt_tile, stages in itertools.product(grid["warps"], grid["tiles"], grid["stages"]):
             rows.append(_time(su, layout, warps, bt_tile, stages, reps))
             print(json.dumps(rows[-1]), flush=True)
         del su
+    if grid["sdpa"]:
+        rows.append(_time_sdpa(profile, batch, context, reps))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _time_sdpa(profile: str, batch: int, context: int, reps: int) -> dict:
+    """The bar: PyTorch's fused SDPA (flash) over contiguous ``[batch, kv_heads, context, head_dim]``
+    caches with ``enable_gqa``, one query position per row, the same KV bytes, cycled out of L2."""
+    dims = profile_dims(profile)
+    d, kvh, heads = dims.head_dim, dims.num_kv_heads, dims.num_heads
+    kv_bytes = batch * context * kvh * d * 2 * 2
+    n = max(1, -(-L2_FLUSH_BYTES // kv_bytes))
+    dt = torch.bfloat16
+    q = torch.randn(batch, heads, 1, d, device="cuda", dtype=dt)
+    caches = [tuple(torch.randn(batch, kvh, context, d, device="cuda", dtype=dt) for _ in range(2)) for _ in range(n)]
+    out = torch.empty_like(q)
+
+    def step(i: int) -> None:
+        k, v = caches[i % n]
+        out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+    step(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(20):
+            step(i)
+    us = _replay_us(graph, reps)
+    return {"layout": "sdpa_contiguous", "us": round(us, 2), "kv_gbs": round(kv_bytes / us / 1e3, 1)}
+
+
+def _replay_us(graph, reps: int) -> float:
+    """Median µs of one of the graph's 20 launches over ``reps`` replays."""
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / 20)
+    return sorted(times)[len(times) // 2] * 1e6
 
 
 def _time(su: Setup, layout: str, warps: int, bt_tile: int, stages: int, reps: int) -> dict:
@@ -217,15 +263,7 @@ def _time(su: Setup, layout: str, warps: int, bt_tile: int, stages: int, reps: i
     with torch.cuda.graph(graph):
         for i in range(20):
             _attn_grid[tasks](*su.launches[i % len(su.launches)], **consts, num_warps=warps)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / 20)
-    us = sorted(times)[len(times) // 2] * 1e6
+    us = _replay_us(graph, reps)
     return {**row, "us": round(us, 2), "kv_gbs": round(su.kv_bytes / us / 1e3, 1), "tasks": su.tasks,
             "splits": su.consts["S"], "caches": len(su.launches)}  # fmt: skip
 
@@ -238,7 +276,9 @@ def main() -> None:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--tiles", default="64,128")
     ap.add_argument("--stages", default="3,5")
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--splits", default="0", help="context splits per (row, KV head); 0: K1's")
+    ap.add_argument("--sdpa", action="store_true", help="also time PyTorch's SDPA over the same bytes")
+    ap.add_argument("--context", default="1024", help="contexts, comma separated")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -248,13 +288,17 @@ def main() -> None:
         "warps": [int(v) for v in a.warps.split(",")],
         "tiles": [int(v) for v in a.tiles.split(",")],
         "stages": [int(v) for v in a.stages.split(",")],
+        "splits": [int(v) for v in a.splits.split(",")],
+        "sdpa": a.sdpa,
     }
-    for batch in [int(v) for v in a.batch.split(",")]:
-        rows = probe(a.profile, batch, a.context, sms, a.reps, grid)
+    for context, batch in itertools.product(
+        [int(v) for v in a.context.split(",")], [int(v) for v in a.batch.split(",")]
+    ):
+        rows = probe(a.profile, batch, context, sms, a.reps, grid)
         if a.out:
-            out = Path(a.out) / f"attention_probe_{a.profile}_b{batch}.json"
+            out = Path(a.out) / f"attention_probe_{a.profile}_c{context}_b{batch}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
-            meta = {"profile": a.profile, "batch": batch, "context": a.context}
+            meta = {"profile": a.profile, "batch": batch, "context": context}
             out.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 

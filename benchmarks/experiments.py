@@ -62,8 +62,8 @@ def _compile(job):
     target = dataclasses.replace(C.CUDA, **change)
     dims = profile_dims(profile)
     mplan = plan_for(dims, [batch], sm, target, fp8=dtype != "bf16")
-    for _, src in kernel_sources(dims, dtype, batch, 16, mplan, target):
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, batch))
+    for name, src in kernel_sources(dims, dtype, batch, 16, mplan, target):
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, batch, name))
     return profile
 
 

@@ -182,3 +182,33 @@ def k2_args(L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_lim
         nan_fault,
         float(dims.rms_norm_eps),
     ]
+
+
+def ka_args(
+    L: _Layer, kc, vc, kv_st: list[int], meta, out, scratch, health, part, arrive, layer: int, spin_limit: int, dims
+) -> list:
+    """Runtime arguments of ``ka_kernel`` (the attention launch) in signature order; ``part``: the
+    fp32 split partials, ``arrive``: the int32 arrival counter of each (row, KV head)."""
+    return [
+        L.q_norm,
+        L.k_norm,
+        L.inv_freq,
+        kc,
+        vc,
+        *kv_st,
+        meta.positions,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.block_tables.stride(0),
+        meta.seq_lens,
+        out,
+        scratch,
+        health,
+        part,
+        arrive,
+        L.window,
+        layer,
+        spin_limit,
+        float(dims.rms_norm_eps),
+        float(dims.attn_scale),
+    ]

@@ -108,6 +108,16 @@ class Target:
     # Width 1: GEMV tasks cut to fill whole waves (``plan.even_wave_rows``: ``wide_even_waves``'
     # rule at width 1; where it cuts gate/up's tasks, down runs whole instead of in halves).
     narrow_even_waves: bool = False
+    # K1's attention in a launch of its own (``ka.py``): a plain grid of ``attn_launch_warps``-warp
+    # programs, several per SM, over ``attn_launch_splits`` context splits per (row, KV head)
+    # (about ``attn_launch_tasks_per_sm`` tasks per SM, at most ``attn_launch_max_splits``);
+    # K1 keeps only its QKV stage. Only with the bf16 mailbox.
+    attn_launch: bool = False
+    attn_launch_warps: int = 4
+    attn_launch_tile: int = 128
+    attn_launch_stages: int = 3
+    attn_launch_tasks_per_sm: int = 8
+    attn_launch_max_splits: int = 32
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -123,7 +133,10 @@ class Target:
         """Context positions per attention tile for a plan with ``splits`` splits per row."""
         return self.whole_attn_tile if width > 1 and splits == 1 and self.whole_attn_tile else self.attn_tile
 
-    def warps(self, width: int) -> int:
+    def warps(self, width: int, kernel: str = "k1") -> int:
+        """Warps per program of ``kernel`` (k1, k2, or ka: the attention launch) at ``width``."""
+        if kernel == "ka":
+            return self.attn_launch_warps
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
@@ -131,6 +144,16 @@ class Target:
         if width == 1 and fp8 and self.fp8_split > 1 and k % (bk * self.fp8_split) == 0:
             return self.fp8_split
         return 1
+
+    def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int) -> int:
+        """Context splits per (row, KV head) in the attention launch: the largest power of two
+        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM, at most
+        ``attn_launch_max_splits`` (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8)."""
+        per = max(1, self.attn_launch_tasks_per_sm * num_programs // (width * kv_heads))
+        s = 1
+        while s * 2 <= min(per, self.attn_launch_max_splits):
+            s *= 2
+        return s
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -317,6 +340,7 @@ def k1_constexprs(
     comb = _stage(plan, K1, "combine")
     wide = W > 1
     bk = gemv_chunk(target, W, qkv, fp8)
+    ka = attn_launch(target, plan)  # the attention launch runs the attn and combine stages instead
     return dict(
         HIDDEN=L.hidden,
         NQKV=L.qkv,
@@ -339,9 +363,9 @@ def k1_constexprs(
         SPLIT=target.split(W, fp8, L.hidden, bk),
         QKV_TASKS=qkv.num_tasks,
         QKV_OFF=qkv.offset,
-        ATTN_TASKS=attn.num_tasks,
+        ATTN_TASKS=0 if ka else attn.num_tasks,
         ATTN_OFF=attn.offset,
-        COMB_TASKS=comb.num_tasks,
+        COMB_TASKS=0 if ka else comb.num_tasks,
         COMB_OFF=comb.offset,
         EPOCH_W=_word(plan, "epoch_k1"),
         DONE_W=_word(plan, "done_k1"),
@@ -360,6 +384,41 @@ def k1_constexprs(
         STORE_1D=target.narrow_store_1d,
         QKV_SRC=qkv_src(target, W, qkv.tile),
         FP8_PAIR=wide and _fp8_pair(target, fp8),
+        ATTN_LAUNCH=ka,
+    )
+
+
+def attn_launch(target: Target, plan: LayerPlan) -> bool:
+    """Whether this width's attention runs in its own launch (``ka.py``)."""
+    if target.attn_launch and plan.mailbox != "bf16":
+        raise ConfigError("triton kernels: the attention launch (attn_launch) needs the bf16 mailbox")
+    return target.attn_launch
+
+
+def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int) -> dict:
+    """Constants of the attention launch (``ka.py``) of one width."""
+    L = plan.local
+    return dict(
+        NQKV=L.qkv,
+        Q=L.q,
+        KV=L.kv,
+        D=L.head_dim,
+        G=L.group,
+        GP=max(16, _pow2(L.group)),
+        KVH=L.kv_heads,
+        H=L.heads,
+        S=target.attn_launch_splits(plan.width, L.kv_heads, plan.num_workgroups),
+        BS=block_size,
+        BT=target.attn_launch_tile,
+        W=plan.width,
+        QKV_TASKS=_stage(plan, K1, "qkv").num_tasks,
+        EPOCH_W=_word(plan, "epoch_k1"),
+        DONE_W=_word(plan, "done_k1"),
+        QKV_W=_word(plan, "qkv"),
+        NPROG=plan.num_workgroups,
+        QK_NORM=dims.qk_norm,
+        ONE_PLUS=dims.norm_one_plus,
+        ATTN_STAGES=target.attn_launch_stages,
     )
 
 
@@ -448,10 +507,13 @@ def constexprs(
     fp8: bool,
     vp: int = 1,
     prof: bool = False,
-) -> tuple[dict, dict]:
-    """``prof``: compile in the stage timestamps (``timeline.py``; CUDA only)."""
+) -> tuple[dict, ...]:
+    """``prof``: compile in the stage timestamps (``timeline.py``; CUDA only). K1's and K2's
+    constants, then the attention launch's where it has one (``attn_launch``)."""
     plan = mplan.layers[width]
+    ka = (ka_constexprs(dims, plan, target, block_size),) if attn_launch(target, plan) else ()
     return (
         k1_constexprs(dims, plan, target, block_size, vp, bool(fp8), prof),
         k2_constexprs(dims, plan, target, vp, bool(fp8), prof),
+        *ka,
     )

@@ -6,7 +6,8 @@ one program stand for several (used only by the CPU interpreter, which runs prog
 another: each stage then runs for all of them before the next stage starts). ``k_s*``/``v_s*``
 are the block, token and head strides (elements) of the layer's K and V caches. ``BF16MB``
 selects the bf16 mailbox format (``plan.MAILBOX_FORMATS``); ``PROF`` compiles in the stage
-timestamps (``timeline.py``) written to ``prof_ptr``.
+timestamps (``timeline.py``) written to ``prof_ptr``. ``ATTN_LAUNCH``: the attention and combine
+stages run in a launch of their own (``ka.py``; their task counts are then 0 here).
 """
 
 import triton
@@ -100,6 +101,7 @@ def k1_kernel(
     FP8_PAIR: tl.constexpr = False,
     QKV_SRC: tl.constexpr = 0,
     QKV_ROWS: tl.constexpr = 0,
+    ATTN_LAUNCH: tl.constexpr = False,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -244,12 +246,16 @@ def k1_kernel(
             combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, BF16MB)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, NPROG, PROF)
 
+    if ATTN_LAUNCH:  # the attention launch waits for this counter itself, and settles it (``ka.py``)
+        qkv_settled = epoch * 0
+    else:
+        qkv_settled = epoch * QKV_TASKS
     finish_launch(
         epoch_ptr,
         VP,
         NPROG,
         done_qkv,
-        epoch * QKV_TASKS,
+        qkv_settled,
         done_attn,
         epoch * ATTN_TASKS,
         done_attn,

@@ -15,7 +15,7 @@ import torch
 from monodecode.errors import ConfigError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import TwoLaunchKernels
-from monodecode.kernels.triton.args import k1_args, k2_args, kv_strides, pack_layer
+from monodecode.kernels.triton.args import k1_args, k2_args, ka_args, kv_strides, pack_layer
 from monodecode.kernels.triton.config import Target, check_dims, constexprs, plan_for
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
@@ -23,9 +23,10 @@ from monodecode.kernels.triton.config import Target, check_dims, constexprs, pla
 _POLL_SECONDS = 0.5e-6
 
 
-def compile_options(target: Target, width: int = 1) -> dict:
-    opts = {"num_warps": target.warps(width)}
-    if target.kind == "cuda" and target.cooperative:
+def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
+    opts = {"num_warps": target.warps(width, kernel)}
+    # the persistent launches need every program resident; the attention launch (ka) is a plain grid
+    if target.kind == "cuda" and target.cooperative and kernel != "ka":
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
     return opts
 
@@ -78,12 +79,22 @@ class TritonKernels(TwoLaunchKernels):
         self.health_word = self.scratch.view(torch.int32)[:1]  # header region "health" at offset 0
         self.prof = self.scratch[:1]  # timestamp buffer (``enable_timeline``); unused while compiled out
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
+        # the attention launch's split partials and per-(row, KV head) arrival counters (``ka.py``)
+        self.ka_bufs = {w: self._ka_buffers(w) for w in req.widths if len(self.consts[w]) > 2}
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._compiled = {} if self.interpret else self._compile(req)
         from monodecode.kernels.triton.k1 import k1_kernel
         from monodecode.kernels.triton.k2 import k2_kernel
+        from monodecode.kernels.triton.ka import ka_kernel
 
-        self._arg_names = (list(k1_kernel.arg_names), list(k2_kernel.arg_names))
+        self._kernels = (k1_kernel, k2_kernel, ka_kernel)
+        self._arg_names = tuple(list(k.arg_names) for k in self._kernels)
+
+    def _ka_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.consts[width][2]
+        part = torch.zeros(width * c["H"] * c["S"] * (c["D"] + 2), dtype=torch.float32, device=self.device)
+        arrive = torch.zeros(width * c["KVH"], dtype=torch.int32, device=self.device)
+        return part, arrive
 
     def enable_timeline(self, num_layers: int, on: bool = True) -> None:
         """Recompile with the stage timestamps on (``timeline.py``; CUDA only, for the
@@ -116,21 +127,18 @@ class TritonKernels(TwoLaunchKernels):
         gpu = triton.runtime.driver.active.get_current_target()
         out = {}
         for w in req.widths:
-            opts = compile_options(self.target, w)
-            srcs = dict(kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target, prof))
-            out[w] = (
-                triton.compile(srcs["k1"], target=gpu, options=opts),
-                triton.compile(srcs["k2"], target=gpu, options=opts),
+            srcs = kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target, prof)
+            out[w] = tuple(
+                triton.compile(src, target=gpu, options=compile_options(self.target, w, name)) for name, src in srcs
             )
         return out
 
-    def _run(self, which: int, width: int, args: list) -> None:
+    def _run(self, which: int, width: int, args: list, grid: int = 0) -> None:
+        """Launch kernel ``which`` (0 K1, 1 K2, 2 the attention launch) on ``grid`` programs
+        (0: the persistent grid)."""
+        grid = grid or self.grid
         if self.interpret:
-            from monodecode.kernels.triton.k1 import k1_kernel
-            from monodecode.kernels.triton.k2 import k2_kernel
-
-            fn = (k1_kernel, k2_kernel)[which]
-            fn[(self.grid,)](*args, **self.consts[width][which])
+            self._kernels[which][(grid,)](*args, **self.consts[width][which])
             return
         for a in args:
             if isinstance(a, torch.Tensor) and a.data_ptr() % 16:
@@ -139,7 +147,7 @@ class TritonKernels(TwoLaunchKernels):
         names, consts = self._arg_names[which], self.consts[width][which]
         it = iter(args)
         full = [consts[n] if n in consts else next(it) for n in names]
-        self._compiled[width][which][(self.grid, 1, 1)](*full)
+        self._compiled[width][which][(grid, 1, 1)](*full)
 
     # -- launches ------------------------------------------------------------------------------
 
@@ -178,6 +186,12 @@ class TritonKernels(TwoLaunchKernels):
             self.dims,
         )
         self._run(0, width, args)
+        if width in self.ka_bufs:
+            c = self.consts[width][2]
+            part, arrive = self.ka_bufs[width]
+            ka = ka_args(self.layers[layer], kc, vc, st, meta, out, self.scratch, self.health_word, part, arrive,
+                         layer, self.spin_limit, self.dims)  # fmt: skip
+            self._run(2, width, ka, grid=width * c["KVH"] * c["S"])
         return out
 
     def _launch_k2(self, layer, x, attn, width, nan_fault=0):
@@ -202,3 +216,4 @@ class TritonKernels(TwoLaunchKernels):
         self.layers = []
         self.scratch = torch.zeros(1, dtype=torch.int64)
         self.attn = {}
+        self.ka_bufs = {}

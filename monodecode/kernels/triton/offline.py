@@ -112,7 +112,7 @@ def compile_width(
     out = []
     mplan = plan_for(dims, [width], num_programs, target, fp8=weight_dtype != "bf16")
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
-        warps = target.warps(width)
+        warps = target.warps(width, name)
         compiled = triton.compile(src, target=gpu, options={"num_warps": warps})
         if arch.startswith("gfx"):
             out.append(amd_resources(name, arch, width, warps, compiled))

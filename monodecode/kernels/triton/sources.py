@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from monodecode.kernels.plan import ModelPlan
-from monodecode.kernels.triton.args import KV_STRIDE_ARGS, _Layer, k1_args, k2_args, kv_strides
+from monodecode.kernels.triton.args import KV_STRIDE_ARGS, _Layer, k1_args, k2_args, ka_args, kv_strides
 from monodecode.kernels.triton.config import Target, constexprs
 from monodecode.model.dims import ModelDims
 
@@ -92,14 +92,16 @@ def kernel_sources(
     target: Target,
     prof: bool = False,
 ) -> list[tuple[str, object]]:
-    """[(name, ASTSource)] of K1 and K2 for one width: what the launcher compiles on a GPU and
-    the compile checks compile on a CPU (same constants, same argument order)."""
+    """[(name, ASTSource)] of K1 and K2 (and KA, the attention launch, where the target has one)
+    for one width: what the launcher compiles on a GPU and the compile checks compile on a CPU
+    (same constants, same argument order)."""
     from triton.compiler import ASTSource
 
     from monodecode.kernels.triton.k1 import k1_kernel
     from monodecode.kernels.triton.k2 import k2_kernel
 
-    c1, c2 = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16", prof=prof)
+    consts = constexprs(dims, mplan, width, target, block_size, weight_dtype != "bf16", prof=prof)
+    c1, c2 = consts[:2]
     L = _meta_layer(dims, weight_dtype)
     bf = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
     scratch = torch.empty(16, dtype=torch.int64, device="meta")
@@ -134,8 +136,18 @@ def kernel_sources(
         0,
         dims,
     )
+    kernels = [("k1", k1_kernel, a1, c1), ("k2", k2_kernel, a2, c2)]
+    if len(consts) > 2:  # the attention launch (``config.attn_launch``)
+        from monodecode.kernels.triton.ka import ka_kernel
+
+        ka = consts[2]
+        part = torch.empty(16, dtype=torch.float32, device="meta")
+        arrive = torch.empty(16, dtype=torch.int32, device="meta")
+        a3 = ka_args(L, kv, kv, kv_strides(kv, kv, dims, block_size), _MetaMeta(width), bf(width, dims.q_size),
+                     scratch, health, part, arrive, 0, 1000, dims)  # fmt: skip
+        kernels.append(("ka", ka_kernel, a3, ka))
     out = []
-    for name, fn, args, consts in (("k1", k1_kernel, a1, c1), ("k2", k2_kernel, a2, c2)):
-        sig, attrs = _signature(fn, args, consts)
-        out.append((name, ASTSource(fn, sig, constexprs=dict(consts), attrs=attrs)))
+    for name, fn, args, kc in kernels:
+        sig, attrs = _signature(fn, args, kc)
+        out.append((name, ASTSource(fn, sig, constexprs=dict(kc), attrs=attrs)))
     return out
