@@ -1,4 +1,5 @@
-"""The decode-latency harness refuses bad arguments with one line before it needs a GPU."""
+"""The decode-latency harness refuses bad arguments with one line before it needs a GPU, and its
+command line reaches ``run`` as given."""
 
 from __future__ import annotations
 
@@ -9,17 +10,63 @@ from monodecode_ops.decode_bench import harness
 
 
 @pytest.mark.parametrize(
-    "profiles, fp8, batches, context, fragment",
+    "profiles, fp8, batches, contexts, extra, fragment",
     [
-        (["nope"], [], [1], 16, "unknown model profile 'nope'; known: tiny,"),
-        (["tiny"], ["nope8"], [1], 16, "unknown model profile 'nope8'"),
-        (["tiny"], [], [0], 16, "batches must be in 1..16"),
-        (["tiny"], [], [], 16, "batches must be in 1..16"),
-        (["tiny"], [], [1], 0, "context must be >= 1"),
+        (["nope"], [], [1], 16, {}, "unknown model profile 'nope'; known: tiny,"),
+        (["tiny"], ["nope8"], [1], 16, {}, "unknown model profile 'nope8'"),
+        (["tiny"], [], [0], 16, {}, "batches must be in 1..16"),
+        (["tiny"], [], [], 16, {}, "batches must be in 1..16"),
+        (["tiny"], [], [1], 0, {}, "contexts must be >= 1"),
+        (["tiny"], [], [1], [1024, 0], {}, "contexts must be >= 1, got [1024, 0]"),
+        (["tiny"], [], [1], [], {}, "contexts must be >= 1, got []"),
+        (["tiny"], [], [1], [1 << 20], {}, "context 1048576 exceeds tiny's max_position_embeddings"),
+        (["tiny"], [], [1], [64], {"stock": ["fullgraph", "nope"]}, "unknown stock path 'nope'; known: eager,"),
+        (["tiny"], [], [1], [64], {"w8a16_batches": [0]}, "--w8a16-batches must be >= 1"),
     ],
 )
-def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, context, fragment):
+def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, extra, fragment):
     with pytest.raises(MonodecodeError) as err:
-        harness.run(profiles, batches, context, None, fp8, 1, tmp_path)
+        harness.run(profiles, batches, contexts, None, fp8, 1, tmp_path, **extra)
     assert fragment in str(err.value) and "\n" not in str(err.value)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--contexts", "1024,x"], "error: bad list '1024,x': expected comma-separated int values"),
+        (["--stock", "fullgraph,cudnn"], "error: unknown stock path 'cudnn'"),
+        (["--replays", "0"], "error: --replays must be >= 1, got 0"),
+        (["--deadline-s", "-5"], "error: --deadline-s must be > 0, got -5.0"),
+        (["--variants", "[1]"], "error: --variants must be a JSON object"),
+    ],
+)
+def test_command_line_errors_are_one_line(tmp_path, capsys, argv, fragment):
+    assert harness.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(fragment) and "\n" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_contexts_default_to_1k_8k_32k_and_context_selects_one(monkeypatch, tmp_path):
+    """``--contexts`` defaults to the three contexts of issue 26; ``--context N`` runs one; the
+    profiles, batches and stock paths reach ``run`` as given."""
+    seen = {}
+
+    def fake_run(profiles, batches, contexts, *args, **kw):
+        seen.update(profiles=profiles, batches=batches, contexts=contexts, stock=kw["stock"], long=kw["long_batches"])
+        raise harness.MonodecodeError("stop")
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    harness.main(["--profiles", "llama3-8b", "--fp8-profiles", "", "--out", str(tmp_path)])
+    assert seen == {
+        "profiles": ["llama3-8b"],
+        "batches": [1, 2, 4, 8],
+        "contexts": [1024, 8192, 32768],
+        "stock": ["contig", "compiled", "fullgraph", "fullgraph-cdt", "floor"],
+        "long": [1, 8],
+    }
+    harness.main(["--context", "2048", "--batches", "1,8", "--stock", "fullgraph", "--out", str(tmp_path)])
+    assert seen["contexts"] == [2048] and seen["batches"] == [1, 8] and seen["stock"] == ["fullgraph"]
+    harness.main(["--long-context-batches", "all", "--out", str(tmp_path)])
+    assert seen["long"] is None

@@ -105,8 +105,9 @@ def test_gemm_floor_runs_the_layer_gemms():
 )
 def test_contiguous_stock_layers_match_the_reference(profile, weight_dtype, compiled, bound):
     """Paths (a) and (b) of the benchmark: the contiguous-KV stock step (per-op, or each layer's
-    halves torch.compile'd) computes the reference layer; every row has the same context (the
-    benchmark's setting), longer than tiny's sliding window (24)."""
+    halves torch.compile'd with the KV write inside the first) computes the reference layer and
+    writes the reference's K; every row has the same context (the benchmark's setting), longer
+    than tiny's sliding window (24), whose layers hold only the window."""
     from monodecode_ops.decode_bench.stock import ContiguousStockDecode
 
     ctx = 40
@@ -119,7 +120,9 @@ def test_contiguous_stock_layers_match_the_reference(profile, weight_dtype, comp
         y_ref = R.decode_layer(dims, l, w.layers[l], x, meta, kv_ref)
         y = stock.forward_layer(l, x, meta, kv)
         assert _rel(y, y_ref) <= bound, f"layer {l}: {_rel(y, y_ref):.2e}"
-        k_new = stock.key[l][torch.arange(3), :, meta.positions.long()]
+        k_new = stock.key[l][torch.arange(3), :, meta.positions.long() - stock.cache.start[l]]
         s = meta.slot_mapping
         assert _rel(k_new, kv_ref.key[l][s // BLOCK, s % BLOCK]) <= bound
+        window = dims.window_for_layer(l)
+        assert stock.key[l].shape[2] == (min(ctx, window) if window else ctx)  # sliding layers: the window only
         x = y_ref

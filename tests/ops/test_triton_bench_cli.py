@@ -43,60 +43,47 @@ def test_without_gpu_one_line():
 
 def _doc(h, times):
     rows = []
-    for backend, ms in zip(h.BACKENDS, times):
+    for backend, ms in zip(("reference-graph", "stock-contig-graph", "stock-fullgraph", "triton"), times):
         rows.append(
             dict(
                 profile="llama3-8b",
                 weight_dtype="bf16",
+                context=1024,
                 batch=1,
                 backend=backend,
                 step_ms=ms,
                 roofline_ms=1.0,
                 fraction_of_roofline=(1.0 / ms) if ms else None,
-                triton_k1_only_ms=0.5,
-                triton_k2_only_ms=1.5,
+                rel_error_vs_reference=None if backend.startswith("reference") else 1e-2,
             )
         )
-    doc = dict(
-        gpu="G",
-        date="2026-01-01",
-        read_bandwidth_gbs=4000.0,
-        context=1024,
-        layers_note="all layers timed",
-        results=rows,
-    )
+    doc = dict(gpu="G", date="2026-01-01", read_bandwidth_gbs=4000.0, layers_note="all layers timed", results=rows)
     doc["summary"] = h.summary(doc)
     return doc
 
 
-def test_markdown_table_relates_backends_to_the_stock_graph():
+def test_report_rows_relate_every_backend_to_the_strongest_stock():
     h = load_harness()
-    assert h.BACKENDS == ("reference-eager", "reference-graph", "stock-graph", "stock-gemm-floor", "triton")
-    doc = _doc(h, (16.0, 8.0, 4.0, 3.0, 2.0))
-    table = h.markdown_table(doc).splitlines()
-    assert table[2].startswith("| model | weights | batch | backend |")
-    assert table[-1] == "| llama3-8b | bf16 | 1 | triton | 2.000 | 1.000 | 50.0 | 2.00x | 4.00x |"
-    assert table[-3] == "| llama3-8b | bf16 | 1 | stock-graph | 4.000 | 1.000 | 25.0 | 1.00x | 2.00x |"
-    summary = h.summary_table(doc).splitlines()
-    assert summary[-1] == (
-        "| llama3-8b | bf16 | 1 | 1.00 | 8.00 | 4.00 (25 %) | 3.00 | **2.00 (50 %)** | 2.00x | 4.00x | 0.50 / 1.50 |"
-    )
+    doc = _doc(h, (8.0, 4.0, 3.0, 2.0))
+    from monodecode_ops.commands.bench import report_rows
+
+    rows = report_rows(h, doc)
+    assert rows[-1] == ("llama3-8b", "bf16", 1024, 1, "triton K1/K2", "2.000", "1.000", "50 %", "1.50x")
+    assert rows[1][4:] == ("stock per-op graph, contiguous KV", "4.000", "1.000", "25 %", "0.75x")
     assert doc["summary"]["never_slower_than_stock"] is True
 
 
 def test_slower_than_stock_and_failed_measurements_are_reported():
     h = load_harness()
-    doc = _doc(h, (16.0, 8.0, 2.0, 1.5, 2.5))
+    doc = _doc(h, (8.0, 2.0, 1.5, 2.5))
     assert doc["summary"]["never_slower_than_stock"] is False
-    assert doc["summary"]["per_config"][0]["stock_over_triton"] == 0.8
-    failed = _doc(h, (16.0, 8.0, None, 1.5, 2.5))
+    assert doc["summary"]["per_config"][0]["stock_over_triton"] == 0.6
+    failed = _doc(h, (8.0, None, None, 2.5))
     assert failed["summary"]["never_slower_than_stock"] is False  # no stock number: not proven
-    lines = h.markdown_table(failed).splitlines()
-    assert lines[-3] == "| llama3-8b | bf16 | 1 | stock-graph | failed | 1.000 | n/a | n/a | n/a |"
     from monodecode_ops.commands.bench import report_rows
 
     rows = report_rows(h, failed)
-    assert rows[2][3:5] == ("stock per-op graph", "failed") and rows[-1][-1] == "n/a"
+    assert rows[1][4:6] == ("stock per-op graph, contiguous KV", "failed") and rows[-1][-1] == "n/a"
 
 
 # ---- bench --endpoint (monodecode_ops.serving_bench); the live-server runs are in tests/e2e ----

@@ -1,3 +1,5 @@
-"""The decode-latency harness, installed with the CLI: ``harness`` (``run`` and the report
-tables), ``stock`` (the stock per-op baselines) and ``timeline`` (per-stage stamp plots).
-``monodecode-ops bench`` and ``benchmarks/decode_latency.py`` both call ``harness``."""
+"""The decode-latency harness, installed with the CLI: ``harness`` (``run``: measuring), ``report``
+(verdicts, tables, plots), ``stock`` (the stock per-op and compiled-halves baselines),
+``fullgraph`` (the whole-layer fullgraph stock step), ``probes`` (read-bandwidth probes) and
+``timeline`` (per-stage stamp plots). ``monodecode-ops bench`` and ``benchmarks/decode_latency.py``
+both call ``harness``."""

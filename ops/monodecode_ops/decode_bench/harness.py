@@ -1,43 +1,54 @@
-"""Decode-step latency of the kernel backends, against the memory roofline, on one GPU.
+"""Decode-step latency of the kernel backends against the memory roofline and the strongest stock
+step, on one GPU.
 
-For each model profile (random weights with the profile's real dims), step width and weight
-dtype, one decode step over every decoder layer (embedding, final norm and LM head excluded:
-they stay in vLLM) at a context of ``--context`` tokens per row is timed for:
+For each model profile (random weights with the profile's real dims), weight dtype, context
+(``--contexts``, every row the same length) and step width, one decode step over every decoder
+layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed for:
 
-  reference-eager      the reference decode (the numerics oracle), op by op (PyTorch eager)
-  reference-graph      the oracle replayed from one CUDA graph (fp32 attention and norms: slow)
-  stock-graph          stock per-op decode over the paged KV cache (``stock.StockDecode``:
-                       cuBLAS / _scaled_mm GEMMs, gather + SDPA attention), one CUDA graph
-  stock-contig-graph   (a) the same per-op step over a contiguous per-row KV cache (SDPA reads it
-                       in place, no gather), one CUDA graph
-  stock-compiled-graph (b) as (a) with each layer's two halves around attention
-                       ``torch.compile``d (inductor, default mode; vLLM's piecewise split), the
-                       whole step one CUDA graph
-  stock-gemm-floor     only the stock GEMMs, from one CUDA graph: no per-op path on them is faster
+  reference-graph      the reference decode (the numerics oracle) replayed from one CUDA graph
+                       (fp32 attention and norms: slow); every error below is against its output
+  reference-eager      (``--stock eager``) the same op by op
+  stock-graph          (``--stock paged``) stock per-op decode over the paged KV cache
+                       (``stock.StockDecode``: gather + SDPA), one CUDA graph
+  stock-contig-graph   (a) per-op over contiguous per-row KV caches (SDPA reads them in place, the
+                       KV write one scatter), one CUDA graph
+  stock-compiled-graph (b) as (a) with each layer's two halves around attention ``torch.compile``d
+                       (``dynamic=False``, the KV write inside the first half), one CUDA graph
+  stock-fullgraph      each layer one ``torch.compile(fullgraph=True, dynamic=False)`` function
+                       (``fullgraph.py``: the reference's math, Gemma's included), one CUDA graph
+  stock-fullgraph-cdt  the same compiled with inductor's ``coordinate_descent_tuning`` (one-row
+                       GEMMs become fused reductions; FP8: W8A16 with the dequant fused, run at
+                       ``--w8a16-batches`` only: wider, it does not fuse and the BF16 stock is the bar)
+  stock-gemm-floor     only the stock GEMMs, from one CUDA graph (first context only)
   triton               the persistent K1/K2 per layer (current launch target), one CUDA graph
-  triton-<variant>     the same with a changed launch target (``--variants``; default: ``before``,
-                       the launch target before the bf16 mailbox), measured in the same run
+  triton-<variant>     the same with a changed launch target (``--variants``)
 
-"Stock" in every verdict is the fastest of the three stock-* step graphs. Roofline: the bytes a
-step must read (every projection weight, scale and norm of every layer, plus the K/V entries each
-row attends to) over the read bandwidth measured in the same run (``sum`` over a 4 GiB fp32
-tensor). ``fraction`` = roofline time / measured time.
+"Stock" in every verdict is the fastest stock step of the cell that is within its error tolerance;
+for FP8 also the BF16 stock of the same cell (``report.py``). Roofline: the bytes a step must read
+(every projection weight, scale and norm of every layer, plus the K/V entries each row attends to)
+over the fastest read probe measured in the same run (``probes.py``; its fraction of the datasheet
+bandwidth is printed beside it). ``fraction`` = roofline time / measured time.
 
 Timing: device events around each graph replay (a whole step), after warm-up; the median of
-``--replays``. The weights of a step are far larger than L2, so replays do not run from cache.
-With ``--timeline-batches`` the triton kernels are then rebuilt with per-stage ``%globaltimer``
-stamps and one replayed step is drawn per layer-of-interest (``timeline.py``).
+``--replays`` (the oracle: a quarter of them). Each sample includes the graph-submission latency
+(each replay follows a synchronize). ``capture_s`` is the wall time of a backend's first run and
+capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
+fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
+triton kernels are rebuilt with per-stage ``%globaltimer`` stamps and one step is drawn per
+layer-of-interest (``timeline.py``).
 
 Public interface (used by ``monodecode-ops bench``): ``run``, ``summary``, ``report_rows``,
-``markdown_table``, ``summary_table``, ``verdict_table``, ``plot``.
-Writes ``<out>/decode_latency_<gpu>_<date>.json`` and ``.png`` (+ timeline PNGs) and prints tables.
-Usage: ``python benchmarks/decode_latency.py [--profiles ...] [--batches 1,2,4,8] [--out DIR]``.
+``markdown_table``, ``summary_table``, ``plot``.
+Writes ``<out>/decode_latency_<gpu>_<date>.json`` (after every cell) and a PNG per context.
+Usage: ``python benchmarks/decode_latency.py [--profiles ...] [--batches 1,2,4,8]
+[--contexts 1024,8192,32768] [--out DIR]``; ``--report JSON...`` prints the tables of saved runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import re
 import statistics
@@ -53,25 +64,50 @@ from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.health import decode_health
 from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
-from monodecode.model.profiles import PROFILES, profile_config, profile_dims
+from monodecode.model.profiles import profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
-from monodecode_ops.decode_bench.stock import ContiguousStockDecode, StockDecode
+from monodecode_ops.decode_bench.fullgraph import FullgraphStockDecode
+from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
+from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
+    LABELS,
+    STOCK_BACKENDS,
+    TARGETS,
+    fp8_table,
+    markdown_table,
+    plot,
+    probe_lines,
+    report_rows,
+    summary,
+    summary_table,
+)
+from monodecode_ops.decode_bench.stock import ContiguousKV, ContiguousStockDecode, StockDecode
 
 DEFAULT_PROFILES = ("llama3-1b", "llama3-8b", "gemma3-27b")
 DEFAULT_BATCHES = (1, 2, 4, 8)
-BACKENDS = ("reference-eager", "reference-graph", "stock-graph", "stock-gemm-floor", "triton")
-STOCK_BACKENDS = ("stock-graph", "stock-contig-graph", "stock-compiled-graph")
-EXTRA_BACKENDS = ("stock-contig-graph", "stock-compiled-graph")
-LABELS = {
-    "reference-eager": "reference (oracle) eager",
-    "reference-graph": "reference (oracle) graph",
-    "stock-graph": "stock per-op graph",
-    "stock-contig-graph": "stock per-op graph, contiguous KV",
-    "stock-compiled-graph": "stock torch.compile'd layers, one graph",
-    "stock-gemm-floor": "stock GEMMs only (floor)",
-    "triton": "triton K1/K2",
+DEFAULT_CONTEXTS = (1024, 8192, 32768)
+# --stock names -> backends
+STOCK_PATHS = {
+    "eager": "reference-eager",
+    "paged": "stock-graph",
+    "contig": "stock-contig-graph",
+    "compiled": "stock-compiled-graph",
+    "fullgraph": "stock-fullgraph",
+    "fullgraph-cdt": "stock-fullgraph-cdt",
+    "floor": "stock-gemm-floor",
 }
+# The paged per-op step is left out by default: its gather copies every row's KV each layer, so it
+# is slower than the contiguous per-op step in every cell measured (runs 40-43) and at long contexts
+# costs device time for nothing; the verdict takes the fastest stock, which it never is.
+DEFAULT_STOCK = ("contig", "compiled", "fullgraph", "fullgraph-cdt", "floor")
+DEFAULT_W8A16_BATCHES = (1,)
+# Batches timed at the contexts after the first by default: the corners of the long-context
+# cells, so that one default run stays inside the ~420 s bench phase of device_run.sh
+# (``--long-context-batches 1,2,4,8`` times the whole matrix).
+DEFAULT_LONG_BATCHES = (1, 8)
+COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt")
+
+
 # Launch-target changes measured next to the current target in the same run: "before" is the
 # launch target of runs 17-18 (QKV chunks sized like every other stage's, 64-position attention
 # tiles everywhere); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
@@ -97,32 +133,9 @@ DEFAULT_VARIANTS = {
         "wide_even_waves": False,
     },
 }
-# Fraction of the roofline each profile should reach at batch 1 (H200, context 1024).
-TARGETS = {
-    ("llama3-8b", "bf16"): 0.85,
-    ("gemma3-27b", "bf16"): 0.90,
-    ("llama3-1b", "bf16"): 0.70,
-    ("llama3-8b", "fp8"): 0.75,
-}
 BLOCK = 16
-
-
-def read_bandwidth(device, gib: float = 4.0, reps: int = 20) -> float:
-    """Bytes/s of a large read-only reduction (fp32 sum), median of ``reps``."""
-    n = int(gib * (1 << 30)) // 4
-    t = torch.rand(n, device=device)
-    times = []
-    for i in range(reps + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t.sum()
-        b.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) / 1e3)
-    del t
-    torch.cuda.empty_cache()
-    return n * 4 / statistics.median(times)
+DEVICE = "cuda"  # the device the benchmark runs on (a CPU smoke test sets "cpu")
+MEMORY_MARGIN = 4 << 30  # left free for the graphs' pools and the oracle's fp32 attention chunks
 
 
 def weight_bytes(weights) -> int:
@@ -148,20 +161,24 @@ def kv_bytes(dims, layers: int, context: int, rows: int) -> int:
     return total
 
 
+def paged_kv_bytes(dims, layers: int, rows: int, context: int) -> int:
+    """Bytes of the paged cache a cell allocates (every layer holds every row's blocks)."""
+    blocks = rows * (-(-context // BLOCK)) + 1
+    return layers * blocks * BLOCK * dims.num_kv_heads * dims.head_dim * 2 * 2
+
+
+def contiguous_kv_bytes(dims, layers: int, rows: int, context: int) -> int:
+    """Bytes of the contiguous caches (``stock.ContiguousKV``: sliding layers hold their window)."""
+    total = 0
+    for l in range(layers):
+        window = dims.window_for_layer(l)
+        total += rows * dims.num_kv_heads * (min(context, window) if window else context) * dims.head_dim * 2 * 2
+    return total
+
+
 def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
     """Seconds of each of ``replays`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
+    return time_calls(fn, replays, warmup)
 
 
 def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
@@ -198,28 +215,63 @@ def _triton_kernels(req, weights, change: dict, device, share=None):
     return TritonKernels(req, weights, target, req.platform.compute_units, device, share=share)
 
 
+def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device, fp8: bool, log):
+    """backend -> stock decode object of the selected ``--stock`` paths (sharing one set of merged
+    weights and RoPE tables)."""
+    want = [STOCK_PATHS[s] for s in stock]
+    merged = [b for b in want if b not in ("reference-eager", "stock-gemm-floor")]
+    if not merged and "stock-gemm-floor" not in want:
+        return {}, None
+    base = StockDecode(dims, weights, max_context + BLOCK, device)
+    paths: dict[str, Any] = {}
+    if "stock-graph" in want:
+        paths["stock-graph"] = base
+    if "stock-contig-graph" in want:
+        paths["stock-contig-graph"] = ContiguousStockDecode(dims, weights, max_context, device, share=base)
+    if "stock-compiled-graph" in want:
+        paths["stock-compiled-graph"] = ContiguousStockDecode(
+            dims, weights, max_context, device, compiled=True, share=base
+        )
+    if "stock-fullgraph" in want and fp8:
+        log("  stock-fullgraph left out for FP8: W8A16 without coordinate descent widens every weight first")
+    elif "stock-fullgraph" in want:
+        paths["stock-fullgraph"] = FullgraphStockDecode(dims, weights, max_context, device, share=base)
+    if "stock-fullgraph-cdt" in want:
+        paths["stock-fullgraph-cdt"] = FullgraphStockDecode(dims, weights, max_context, device, tuning=True, share=base)
+    return paths, base
+
+
 def bench_config(
     profile: str,
     weight_dtype: str,
     batches: list[int],
-    context: int,
+    contexts: list[int],
     layers: int | None,
     replays: int,
     bandwidth: float,
     device,
     log=print,
+    *,
     variants: dict | None = None,
+    stock: tuple[str, ...] = DEFAULT_STOCK,
+    w8a16_batches: tuple[int, ...] = DEFAULT_W8A16_BATCHES,
     timeline_batches: tuple[int, ...] = (),
+    timeline_contexts: tuple[int, ...] = (),
     out_dir: Path | None = None,
     stem: str = "",
     timelines: list | None = None,
-    baselines: bool = True,
+    deadline: float | None = None,
+    spec: float | None = None,
+    long_batches: tuple[int, ...] | None = None,
+    results: list | None = None,
+    on_cell=None,
 ) -> list[dict]:
-    """Result rows of one model profile and weight dtype, every batch; timeline summaries are
-    appended to ``timelines``."""
-    from monodecode.kernels.triton.launch import _Meta
+    """Result rows of one model profile and weight dtype, every context and batch (at contexts after
+    the first only the batches also in ``long_batches``, when given), appended to ``results``
+    (``on_cell()`` after each cell); timeline summaries are appended to ``timelines``."""
     from monodecode.services.platform import detect_platform
 
+    results = [] if results is None else results
     variants = DEFAULT_VARIANTS if variants is None else variants
     dims = profile_dims(profile)
     n_layers = dims.num_layers if layers is None else min(layers, dims.num_layers)
@@ -237,143 +289,231 @@ def bench_config(
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
-    stock = contig = compiled = None
-    if baselines:
-        stock = StockDecode(dims, weights, context + BLOCK, device)
-        contig = ContiguousStockDecode(dims, weights, context, device, share=stock)
-        compiled = ContiguousStockDecode(dims, weights, context, device, compiled=True, share=stock)
-    stock_path = stock.fp8_path if stock else None
+    paths, base = _stock_paths(dims, weights, stock, max(contexts), device, weight_dtype != "bf16", log)
+    stock_path = base.fp8_path if base else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
-        f"stock GEMMs: {stock_path}; triton variants: {variants}"
+        f"stock GEMMs: {stock_path}; stock steps: {', '.join(paths) or 'none'}; triton variants: {variants}"
     )
-    wbytes = weight_bytes(weights)
-    results = []
-    for rows in batches:
-        blocks = rows * (-(-context // BLOCK)) + 1
-        alloc = BlockAllocator(blocks, BLOCK, shuffle_seed=rows)
-        for r in range(rows):
-            alloc.append_slots(r, context - 1)
-        meta = alloc.decode_metadata(list(range(rows)), device=device)
-        kv = PagedKVCache.allocate(dims, blocks, BLOCK, device=device, num_layers=n_layers)
-        for t in kv.key + kv.value:
-            t.normal_()
-        if baselines:
-            contig.load_cache(kv, meta)
-            compiled.key, compiled.value = contig.key, contig.value  # one contiguous cache for (a) and (b)
-        x = torch.randn(rows, dims.hidden_size, device=device).to(torch.bfloat16)
-        m = _Meta(meta, device)
-        x_q = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
-        x_i = torch.randn(rows, dims.intermediate_size, device=device).to(torch.bfloat16)
-
-        def stock_step(path):
-            def step():
-                path.prepare(meta, BLOCK)
-                return R.run_layers(weights, x, meta, kv, layer_fn=path.forward_layer)
-
-            return step
-
-        steps = {"reference-graph": lambda: R.run_layers(weights, x, meta, kv)}
-        if baselines:
-            steps["stock-graph"] = stock_step(stock)
-            steps["stock-contig-graph"] = stock_step(contig)
-            steps["stock-compiled-graph"] = stock_step(compiled)
-            steps["stock-gemm-floor"] = lambda: [stock.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1]
-        for name, tk in kernels.items():
-            steps[name] = lambda tk=tk: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer)
-        times: dict[str, list[float] | None] = {}
-        errors: dict[str, str] = {}
-        outs: dict[str, torch.Tensor] = {}
-        if baselines:
-            t, why = _measure(
-                "reference-eager", lambda: _time_eager(steps["reference-graph"], max(3, replays // 8), warmup=1), log
-            )
-            times["reference-eager"] = t
+    ctx = {
+        "profile": profile,
+        "weight_dtype": weight_dtype,
+        "dims": dims,
+        "n_layers": n_layers,
+        "weights": weights,
+        "kernels": kernels,
+        "paths": paths,
+        "base": base,
+        "stock": stock,
+        "stock_path": stock_path,
+        "variants": variants,
+        "wbytes": weight_bytes(weights),
+        "bandwidth": bandwidth,
+        "spec": spec,
+        "replays": replays,
+        "device": device,
+        "log": log,
+    }
+    for c_i, context in enumerate(contexts):
+        for rows in batches if c_i == 0 or long_batches is None else [b for b in batches if b in long_batches]:
+            wanted = _cell_backends(ctx, rows, floor=c_i == 0, w8a16_batches=w8a16_batches)
+            why = None
+            if deadline is not None and time.monotonic() > deadline:
+                why = "skipped: the run's time budget (--deadline-s) is spent"
+            else:
+                need = paged_kv_bytes(dims, n_layers, rows, context)
+                if any(b in paths and b != "stock-graph" for b in wanted):
+                    need += contiguous_kv_bytes(dims, n_layers, rows, context)
+                free = torch.cuda.mem_get_info(device)[0]
+                if need + MEMORY_MARGIN > free:
+                    why = f"skipped: its KV caches need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
             if why:
-                errors["reference-eager"] = why
-        for name, fn in steps.items():
-
-            def one(fn=fn):
-                g, out = capture_graph(fn)
-                ts = _time_graph(g, replays)
-                g.replay()  # leave this backend's output of the same KV state for the error check
-                torch.cuda.synchronize()
-                return ts, out.clone(), g
-
-            got, why = _measure(name, one, log)
-            if why:
-                errors[name], times[name] = why, None
-                continue
-            times[name], outs[name], g = got
-            del g
-        ref = outs.get("reference-graph")
-
-        def rel(name):
-            if ref is None or name not in outs:
-                return None
-            return float((outs[name].float() - ref.float()).norm() / ref.float().norm())
-
-        health = {name: tk.health() for name, tk in kernels.items()}
-        kbytes = kv_bytes(dims, n_layers, context, rows)
-        roof = (wbytes + kbytes) / bandwidth
-        names = (["reference-eager"] if baselines else []) + list(steps)
-        for backend in names:
-            ts = times.get(backend)
-            med = statistics.median(ts) if ts else None
-            h = health.get(backend)
-            results.append(
-                {
-                    "profile": profile,
-                    "weight_dtype": weight_dtype,
-                    "batch": rows,
-                    "context": context,
-                    "layers_timed": n_layers,
-                    "layers_model": dims.num_layers,
-                    "backend": backend,
-                    "step_ms": med * 1e3 if med else None,
-                    "step_ms_min": min(ts) * 1e3 if ts else None,
-                    "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
-                    "error": errors.get(backend),
-                    "weight_bytes": wbytes,
-                    "kv_bytes": kbytes,
-                    "roofline_ms": roof * 1e3,
-                    "fraction_of_roofline": roof / med if med else None,
-                    "rel_error_vs_reference": rel(backend) if backend.startswith(("stock-", "triton")) else None,
-                    "stock_gemm_path": stock_path,
-                    "triton_health": (decode_health(h).describe() if h else "ok") if h is not None else None,
-                    "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
-                    if backend.startswith("triton")
-                    else None,
-                }
-            )
-        med = {b: statistics.median(times[b]) * 1e3 for b in names if times.get(b)}
-        best = min((b for b in STOCK_BACKENDS if b in med), key=lambda b: med[b], default=None)
-        log(
-            f"  batch {rows}: "
-            + ", ".join(
-                f"{b} {med[b]:.3f} ms ({roof * 1e3 / med[b]:.1%})" if b in med else f"{b} FAILED" for b in names
-            )
-            + f"; fastest stock {best}; triton/stock "
-            + (f"{med[best] / med['triton']:.2f}x" if best and "triton" in med else "n/a")
-            + "; rel err "
-            + ", ".join(f"{b} {rel(b):.2e}" for b in names if rel(b) is not None)
-            + f"; health {health}"
-        )
-        if rows in timeline_batches and out_dir is not None and timelines is not None:
-            tl_args = (kernels["triton"], steps["triton"], n_layers, profile, weight_dtype, rows, out_dir, stem, log)
-            got, _ = _measure("timeline", lambda: _timeline(*tl_args), log)
-            if got:
-                timelines.append(got)
-        del outs, kv
-        torch.cuda.empty_cache()
+                log(f"  context {context} batch {rows}: {why}")
+                results += [_row(ctx, rows, context, b, None, why, None, None, skipped=True) for b in wanted]
+            else:
+                tl = rows in timeline_batches and context in timeline_contexts
+                results += _bench_cell(ctx, rows, context, wanted, tl, out_dir, stem, timelines)
+            if on_cell:
+                on_cell()
     for tk in kernels.values():
         tk.close()
-    del kernels, weights, stock, contig, compiled
+    ctx.clear()
+    del kernels, weights, paths, base
+    gc.collect()
     torch.cuda.empty_cache()
     return results
 
 
-def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log) -> dict:
+def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
+    """The backends timed in one cell, in order (the oracle first: every error is against it)."""
+    out = ["reference-graph"]
+    if "eager" in ctx["stock"]:
+        out.append("reference-eager")
+    for b in ctx["paths"]:
+        if b == "stock-fullgraph-cdt" and ctx["weight_dtype"] != "bf16" and rows not in w8a16_batches:
+            continue
+        out.append(b)
+    if "floor" in ctx["stock"] and floor:
+        out.append("stock-gemm-floor")
+    return out + list(ctx["kernels"])
+
+
+def _row(ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None) -> dict:
+    dims, n_layers = ctx["dims"], ctx["n_layers"]
+    kbytes = kv_bytes(dims, n_layers, context, rows)
+    nbytes = ctx["wbytes"] + kbytes
+    roof = nbytes / ctx["bandwidth"]
+    med = statistics.median(times) if times else None
+    spec = ctx["spec"]
+    variants = ctx["variants"]
+    return {
+        "profile": ctx["profile"],
+        "weight_dtype": ctx["weight_dtype"],
+        "batch": rows,
+        "context": context,
+        "layers_timed": n_layers,
+        "layers_model": dims.num_layers,
+        "backend": backend,
+        "step_ms": med * 1e3 if med else None,
+        "step_ms_min": min(times) * 1e3 if times else None,
+        "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
+        "replays": len(times) if times else 0,
+        "capture_s": capture_s,
+        "error": error,
+        "skipped": skipped or None,
+        "weight_bytes": ctx["wbytes"],
+        "kv_bytes": kbytes,
+        "roofline_ms": roof * 1e3,
+        "fraction_of_roofline": roof / med if med else None,
+        "fraction_of_spec": nbytes / spec / med if med and spec else None,
+        "rel_error_vs_reference": rel,
+        "stock_gemm_path": (ctx["paths"][backend].fp8_path if backend in ctx["paths"] else ctx["stock_path"])
+        if backend.startswith("stock")
+        else None,
+        "triton_health": (decode_health(health).describe() if health else "ok") if health is not None else None,
+        "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
+        if backend.startswith("triton")
+        else None,
+    }
+
+
+def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool, out_dir, stem, timelines):
+    """Time every wanted backend in one (context, batch) cell; returns its result rows."""
+    from monodecode.kernels.triton.launch import _Meta
+
+    dims, n_layers, weights, device, log = ctx["dims"], ctx["n_layers"], ctx["weights"], ctx["device"], ctx["log"]
+    replays, paths, kernels = ctx["replays"], ctx["paths"], ctx["kernels"]
+    blocks = rows * (-(-context // BLOCK)) + 1
+    alloc = BlockAllocator(blocks, BLOCK, shuffle_seed=rows)
+    for r in range(rows):
+        alloc.append_slots(r, context - 1)
+    meta = alloc.decode_metadata(list(range(rows)), device=device)
+    kv = PagedKVCache.allocate(dims, blocks, BLOCK, device=device, num_layers=n_layers)
+    for t in kv.key + kv.value:
+        t.normal_()
+    contig = [b for b in wanted if isinstance(paths.get(b), ContiguousStockDecode)]
+    if contig:
+        cache = ContiguousKV.from_paged(dims, kv, meta, context)  # one set of caches for every contiguous path
+        for b in contig:
+            paths[b].cache = cache
+        del cache
+    x = torch.randn(rows, dims.hidden_size, device=device).to(torch.bfloat16)
+    m = _Meta(meta, device)
+
+    def step_of(backend):
+        if backend == "reference-graph":
+            return lambda: R.run_layers(weights, x, meta, kv)
+        if backend == "stock-gemm-floor":
+            x_q = torch.randn(rows, dims.q_size, device=device).to(torch.bfloat16)
+            x_i = torch.randn(rows, dims.intermediate_size, device=device).to(torch.bfloat16)
+            base = ctx["base"]
+            return lambda: [base.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1]
+        if backend in kernels:
+            tk = kernels[backend]
+            return lambda: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer)
+        path = paths[backend]
+
+        def step():
+            path.prepare(meta, BLOCK)
+            return R.run_layers(weights, x, meta, kv, layer_fn=path.forward_layer)
+
+        return step
+
+    times: dict[str, list[float] | None] = {}
+    errors: dict[str, str] = {}
+    outs: dict[str, torch.Tensor] = {}
+    capture: dict[str, float] = {}
+    steps = {}
+    for name in wanted:
+        if name == "reference-eager":
+            fn = step_of("reference-graph")
+            t, why = _measure(name, lambda fn=fn: _time_eager(fn, max(3, replays // 8), warmup=1), log)
+            times[name] = t
+            if why:
+                errors[name] = why
+            continue
+        fn = steps[name] = step_of(name)
+        n = max(3, replays // 4) if name == "reference-graph" else replays
+
+        def one(fn=fn, name=name, n=n):
+            if name in COMPILED:
+                torch._dynamo.reset()  # this path's own compiles (and no stale entry of another)
+            t0 = time.monotonic()
+            g, out = capture_graph(fn)
+            torch.cuda.synchronize()
+            capture[name] = time.monotonic() - t0
+            ts = _time_graph(g, n)
+            g.replay()  # leave this backend's output of the same KV state for the error check
+            torch.cuda.synchronize()
+            return ts, out.clone(), g
+
+        got, why = _measure(name, one, log)
+        if why:
+            errors[name], times[name] = why, None
+            continue
+        times[name], outs[name], g = got
+        del g, got
+    ref = outs.get("reference-graph")
+
+    def rel(name):
+        if ref is None or name not in outs or name == "stock-gemm-floor":
+            return None
+        return float((outs[name].float() - ref.float()).norm() / ref.float().norm())
+
+    health = {name: tk.health() for name, tk in kernels.items()}
+    out_rows = [
+        _row(ctx, rows, context, b, times.get(b), errors.get(b), rel(b), capture.get(b), health=health.get(b))
+        for b in wanted
+    ]
+    med = {r["backend"]: r["step_ms"] for r in out_rows if r["step_ms"]}
+    roof = out_rows[0]["roofline_ms"]
+    log(
+        f"  context {context} batch {rows}: "
+        + ", ".join(
+            f"{b} {med[b]:.3f} ms ({roof / med[b]:.1%})"
+            + (f" [{capture[b]:.1f}s to capture]" if b in COMPILED and b in capture else "")
+            if b in med
+            else f"{b} FAILED"
+            for b in wanted
+        )
+        + "; rel err "
+        + ", ".join(f"{b} {rel(b):.2e}" for b in wanted if rel(b) is not None)
+        + f"; health {health}"
+    )
+    if timeline and out_dir is not None and timelines is not None:
+        tl_args = (kernels["triton"], steps["triton"], n_layers, ctx["profile"], ctx["weight_dtype"], rows)
+        got, _ = _measure("timeline", lambda: _timeline(*tl_args, out_dir, stem, log, context), log)
+        if got:
+            timelines.append(got)
+    for b in contig:
+        paths[b].cache = None
+    del outs, kv, ref, steps, m, meta
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out_rows
+
+
+def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log, context: int) -> dict:
     """Rebuild ``tk`` with stage timestamps, replay one step from a graph, plot and summarise."""
     from monodecode_ops.decode_bench import timeline as TL
 
@@ -386,8 +526,8 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
     prof_ms = _median_ms(_time_graph(g, 5))
     del g
     layer = n_layers // 2
-    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_b{rows}.png"
-    TL.plot_layer(stamps, layer, f"{profile} {weight_dtype} batch {rows}, layer {layer}", path)
+    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}.png"
+    TL.plot_layer(stamps, layer, f"{profile} {weight_dtype} context {context} batch {rows}, layer {layer}", path)
     summ = TL.summarize(stamps)
     log(f"  timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
     for line in TL.describe(summ):
@@ -397,313 +537,11 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
         "profile": profile,
         "weight_dtype": weight_dtype,
         "batch": rows,
+        "context": context,
         "step_ms_with_stamps": prof_ms,
         "timeline": summ,
         "timeline_png": path.name,
     }
-
-
-def _find(rows: list[dict], r: dict, backend: str) -> dict | None:
-    return next(
-        (
-            x
-            for x in rows
-            if x["profile"] == r["profile"]
-            and x["weight_dtype"] == r["weight_dtype"]
-            and x["batch"] == r["batch"]
-            and x["backend"] == backend
-        ),
-        None,
-    )
-
-
-def _ratio(base: dict | None, r: dict) -> str:
-    if not base or not base.get("step_ms") or not r.get("step_ms"):
-        return "n/a"
-    return f"{base['step_ms'] / r['step_ms']:.2f}x"
-
-
-def _ms(r: dict | None, digits: int = 3) -> str:
-    if not r:
-        return "n/a"
-    if r.get("step_ms") is None:
-        return "failed"
-    return f"{r['step_ms']:.{digits}f}"
-
-
-def markdown_table(doc: dict) -> str:
-    """Every backend per configuration; ratios = that baseline's time / this backend's time."""
-    lines = [
-        f"GPU: {doc['gpu']} ({doc['date']}), read bandwidth {doc['read_bandwidth_gbs']:.0f} GB/s, "
-        f"context {doc['context']}, random weights, {doc['layers_note']}",
-        "",
-        "| model | weights | batch | backend | ms/step | roofline ms | % of roofline | vs stock graph | vs oracle graph |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    rows = doc["results"]
-    for r in rows:
-        frac = r.get("fraction_of_roofline")
-        lines.append(
-            f"| {r['profile']} | {r['weight_dtype']} | {r['batch']} | {r['backend']} | {_ms(r)} | "
-            f"{r['roofline_ms']:.3f} | {f'{100 * frac:.1f}' if frac else 'n/a'} | "
-            f"{_ratio(_find(rows, r, 'stock-graph'), r)} | {_ratio(_find(rows, r, 'reference-graph'), r)} |"
-        )
-    return "\n".join(lines)
-
-
-def best_stock(rows: list[dict], r: dict) -> dict | None:
-    """The fastest measured stock step graph of ``r``'s configuration ("stock" in every verdict)."""
-    got = [x for b in STOCK_BACKENDS if (x := _find(rows, r, b)) and x.get("step_ms")]
-    return min(got, key=lambda x: x["step_ms"], default=None)
-
-
-def summary(doc: dict) -> dict:
-    """Triton against the fastest stock step per configuration, and the targets' verdicts."""
-    rows = doc["results"]
-    out = []
-    for r in rows:
-        if r["backend"] != "triton":
-            continue
-        stock = best_stock(rows, r)
-        s, t = (stock or {}).get("step_ms"), r.get("step_ms")
-        target = TARGETS.get((r["profile"], r["weight_dtype"])) if r["batch"] == 1 else None
-        frac = r.get("fraction_of_roofline")
-        out.append(
-            {
-                "profile": r["profile"],
-                "weight_dtype": r["weight_dtype"],
-                "batch": r["batch"],
-                "triton_ms": t,
-                "stock_ms": s,
-                "stock_backend": (stock or {}).get("backend"),
-                "stock_graph_ms": (_find(rows, r, "stock-graph") or {}).get("step_ms"),
-                "triton_fraction_of_roofline": frac,
-                "stock_over_triton": s / t if s and t else None,
-                "triton_not_slower_than_stock": (t <= s) if s and t else None,
-                "roofline_target": target,
-                "roofline_target_met": (frac >= target) if target and frac else None,
-            }
-        )
-    verdicts = [x["triton_not_slower_than_stock"] for x in out]
-    return {"per_config": out, "never_slower_than_stock": all(v is True for v in verdicts) if verdicts else None}
-
-
-def report_rows(doc: dict) -> list[tuple]:
-    """One row per result (profile, weights, batch, backend label, ms, roofline ms, % roofline,
-    ratio vs the fastest stock step); a failed measurement shows as 'failed'."""
-    rows = []
-    for r in doc["results"]:
-        frac = r.get("fraction_of_roofline")
-        rows.append(
-            (
-                r["profile"],
-                r["weight_dtype"],
-                r["batch"],
-                LABELS.get(r["backend"], r["backend"]),
-                _ms(r),
-                f"{r['roofline_ms']:.3f}",
-                f"{100 * frac:.1f}%" if frac else "n/a",
-                _ratio(best_stock(doc["results"], r), r),
-            )
-        )
-    return rows
-
-
-def verdict_table(doc: dict) -> str:
-    """Per model and batch: ms (% of roofline) of every triton build and stock step, the ratio of
-    the fastest stock step over triton (> 1: triton faster), and the batch-1 roofline target."""
-    rows = doc["results"]
-    tri = sorted({r["backend"] for r in rows if r["backend"].startswith("triton")}, key=lambda b: (b != "triton", b))
-    cols = [*tri, *STOCK_BACKENDS]
-    lines = [
-        "| model | weights | batch | roofline ms | "
-        + " | ".join(f"{c} ms (%)" for c in cols)
-        + " | stock/triton | "
-        + " | ".join(f"stock/{c}" for c in tri[1:])
-        + (" | " if tri[1:] else "")
-        + "target |",
-        "| " + " | ".join(["---"] * (6 + len(cols) + len(tri[1:]))) + " |",
-    ]
-    for r in rows:
-        if r["backend"] != "triton":
-            continue
-        best = best_stock(rows, r)
-
-        def cell(b):
-            x = _find(rows, r, b)
-            f = (x or {}).get("fraction_of_roofline")
-            return f"{_ms(x, 2)}" + (f" ({100 * f:.0f} %)" if f else "")
-
-        target = TARGETS.get((r["profile"], r["weight_dtype"])) if r["batch"] == 1 else None
-        frac = r.get("fraction_of_roofline")
-        verdict = "" if not target else f"{'met' if frac and frac >= target else 'not met'} (>= {100 * target:.0f} %)"
-        lines.append(
-            f"| {r['profile']} | {r['weight_dtype']} | {r['batch']} | {r['roofline_ms']:.2f} | "
-            + " | ".join(cell(c) for c in cols)
-            + f" | {_ratio(best, r)} | "
-            + " | ".join(_ratio(best, _find(rows, r, c) or {}) for c in tri[1:])
-            + (" | " if tri[1:] else "")
-            + f"{verdict} |"
-        )
-    return "\n".join(lines)
-
-
-def summary_table(doc: dict) -> str:
-    """One row per configuration against the paged per-op stock graph (the earlier runs' table)."""
-    rows = doc["results"]
-    lines = [
-        "| model | weights | batch | roofline ms | oracle graph ms | stock graph ms (% roofline) | stock GEMMs only ms "
-        "| triton ms (% roofline) | triton vs stock | triton vs oracle | K1 / K2 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        if r["backend"] != "triton":
-            continue
-        st, orc, floor = (
-            _find(rows, r, "stock-graph"),
-            _find(rows, r, "reference-graph"),
-            _find(rows, r, "stock-gemm-floor"),
-        )
-
-        def pct(x):
-            f = (x or {}).get("fraction_of_roofline")
-            return f" ({100 * f:.0f} %)" if f else ""
-
-        k1, k2 = r.get("triton_k1_only_ms"), r.get("triton_k2_only_ms")
-        lines.append(
-            f"| {r['profile']} | {r['weight_dtype']} | {r['batch']} | {r['roofline_ms']:.2f} | {_ms(orc, 2)} | "
-            f"{_ms(st, 2)}{pct(st)} | {_ms(floor, 2)} | **{_ms(r, 2)}{pct(r)}** | {_ratio(st, r)} | {_ratio(orc, r)} | "
-            f"{f'{k1:.2f}' if k1 else 'n/a'} / {f'{k2:.2f}' if k2 else 'n/a'} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = doc["results"]
-    groups = sorted(
-        {(r["profile"], r["weight_dtype"], r["batch"]) for r in rows},
-        key=lambda k: (list(PROFILES).index(k[0]), k[1], k[2]),
-    )
-    present = {r["backend"] for r in rows}
-    tri = sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b))
-    shown = [b for b in ("reference-graph", *STOCK_BACKENDS, "stock-gemm-floor") if b in present] + tri
-    fig, ax = plt.subplots(figsize=(max(8, 0.25 * len(shown) * len(groups) + 2), 5.2))
-    width = 0.8 / len(shown)
-    for i, backend in enumerate(shown):
-        vals = []
-        for g in groups:
-            r = next(
-                (r for r in rows if (r["profile"], r["weight_dtype"], r["batch"]) == g and r["backend"] == backend),
-                None,
-            )
-            vals.append(100 * ((r or {}).get("fraction_of_roofline") or 0.0))
-        ax.bar([j + i * width for j in range(len(groups))], vals, width, label=LABELS.get(backend, backend))
-    ax.set_xticks([j + width * (len(shown) - 1) / 2 for j in range(len(groups))])
-    ax.set_xticklabels([f"{p}\n{d} b{b}" for p, d, b in groups], fontsize=8)
-    ax.set_ylabel("% of memory roofline")
-    ax.set_ylim(0, 100)
-    ax.axhline(100, color="k", lw=0.5)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"Decode step vs roofline, {doc['gpu']}, context {doc['context']} ({doc['date']})")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-
-
-def _csv(text: str, kind=str) -> list:
-    try:
-        return [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise MonodecodeError(f"bad list {text!r}: expected comma-separated {kind.__name__} values") from None
-
-
-def run(
-    profiles,
-    batches,
-    context: int,
-    layers: int | None,
-    fp8_profiles,
-    replays: int,
-    out_dir: Path,
-    log=print,
-    variants: dict | None = None,
-    timeline_batches=(),
-    baselines: bool = True,
-) -> dict:
-    """Run the benchmark; returns the result document (also written as JSON + PNG under ``out_dir``).
-
-    ``variants``: name -> change of the CUDA launch target, each timed as ``triton-<name>`` next to
-    the current target (default ``DEFAULT_VARIANTS``; ``{}`` for none). ``timeline_batches``: batches
-    whose triton step is also drawn as a per-stage timeline (kernels rebuilt with timestamps).
-    ``baselines=False``: only the oracle graph (for the error) and the triton builds (quick A/B)."""
-    for p in list(profiles) + list(fp8_profiles):
-        profile_config(p)  # the runtime's check: one line naming the unknown profile and the known ones
-    if not batches or any(b < 1 or b > 16 for b in batches):
-        raise MonodecodeError(f"batches must be in 1..16, got {batches}")
-    if context < 1:
-        raise MonodecodeError(f"context must be >= 1, got {context}")
-    variants = DEFAULT_VARIANTS if variants is None else variants
-    _check_variants(variants)
-    if not torch.cuda.is_available():
-        raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
-    device = torch.device("cuda")
-    bw = read_bandwidth(device)
-    log(f"# read bandwidth {bw / 1e9:.0f} GB/s")
-    import triton
-
-    gpu = torch.cuda.get_device_name()
-    date = _dt.date.today().isoformat()
-    doc = {
-        "schema": 3,
-        "gpu": gpu,
-        "date": date,
-        "context": context,
-        "block_size": BLOCK,
-        "read_bandwidth_gbs": bw / 1e9,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "layers_note": "all layers timed" if layers is None else f"first {layers} layers timed (full-model ms scaled)",
-        "method": __doc__.split("\n\n")[1:5],
-        "backends": {b: LABELS.get(b, b) for b in (*BACKENDS, *EXTRA_BACKENDS)},
-        "variants": variants,
-        "results": [],
-        "timelines": [],
-    }
-    stem = f"decode_latency_{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}_{date}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jpath, ppath = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    configs = [(p, "bf16") for p in profiles] + [(p, "fp8") for p in fp8_profiles]
-    for p, dtype in configs:
-        doc["results"] += bench_config(
-            p,
-            dtype,
-            batches,
-            context,
-            layers,
-            replays,
-            bw,
-            device,
-            log,
-            variants=variants,
-            timeline_batches=tuple(timeline_batches),
-            out_dir=out_dir,
-            stem=stem,
-            timelines=doc["timelines"],
-            baselines=baselines,
-        )
-        doc["summary"] = summary(doc)
-        tmp = jpath.with_suffix(".json.tmp")  # saved after every model: a cut-short run keeps what it measured
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(jpath)
-    plot(doc, ppath)
-    doc["paths"] = [str(jpath), str(ppath)]
-    return doc
 
 
 def _check_variants(variants: dict) -> None:
@@ -719,32 +557,249 @@ def _check_variants(variants: dict) -> None:
             )
 
 
+def _csv(text: str, kind=str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MonodecodeError(f"bad list {text!r}: expected comma-separated {kind.__name__} values") from None
+
+
+def check_arguments(profiles, batches, contexts, fp8_profiles, stock=DEFAULT_STOCK, w8a16_batches=()) -> None:
+    """One ``MonodecodeError`` line naming the first bad argument (before anything touches the GPU)."""
+    for p in list(profiles) + list(fp8_profiles):
+        profile_config(p)  # the runtime's check: one line naming the unknown profile and the known ones
+    if not batches or any(b < 1 or b > 16 for b in batches):
+        raise MonodecodeError(f"batches must be in 1..16, got {batches}")
+    if not contexts or any(c < 1 for c in contexts):
+        raise MonodecodeError(f"contexts must be >= 1, got {contexts}")
+    for p in list(profiles) + list(fp8_profiles):
+        longest = profile_dims(p).max_position_embeddings
+        if max(contexts) > longest:
+            raise MonodecodeError(f"context {max(contexts)} exceeds {p}'s max_position_embeddings ({longest})")
+    bad = [s for s in stock if s not in STOCK_PATHS]
+    if bad:
+        raise MonodecodeError(f"unknown stock path {bad[0]!r}; known: {', '.join(STOCK_PATHS)}")
+    if any(b < 1 for b in w8a16_batches):
+        raise MonodecodeError(f"--w8a16-batches must be >= 1, got {list(w8a16_batches)}")
+
+
+def run(
+    profiles,
+    batches,
+    contexts,
+    layers: int | None,
+    fp8_profiles,
+    replays: int,
+    out_dir: Path,
+    log=print,
+    variants: dict | None = None,
+    timeline_batches=(),
+    baselines: bool = True,
+    stock=DEFAULT_STOCK,
+    w8a16_batches=DEFAULT_W8A16_BATCHES,
+    deadline_s: float | None = None,
+    timeline_contexts=None,
+    long_batches=DEFAULT_LONG_BATCHES,
+) -> dict:
+    """Run the benchmark; returns the result document (also written as JSON after every cell, and
+    a PNG per context, under ``out_dir``).
+
+    ``contexts``: context lengths (an int: one). ``variants``: name -> change of the CUDA launch
+    target, each timed as ``triton-<name>`` next to the current target (default
+    ``DEFAULT_VARIANTS``; ``{}`` for none). ``stock``: the ``STOCK_PATHS`` names to time.
+    ``timeline_batches`` / ``timeline_contexts`` (default: the first context): cells whose triton
+    step is also drawn as a per-stage timeline. ``long_batches``: the batches timed at the contexts
+    after the first (None: every batch; the default keeps a run inside one device phase).
+    ``deadline_s``: cells not started this many seconds
+    after the start are recorded as skipped. ``baselines=False``: only the oracle and the triton
+    builds (quick A/B)."""
+    contexts = [contexts] if isinstance(contexts, int) else list(contexts)
+    stock = tuple(stock) if baselines else ()
+    check_arguments(profiles, batches, contexts, fp8_profiles, stock, tuple(w8a16_batches))
+    variants = DEFAULT_VARIANTS if variants is None else variants
+    _check_variants(variants)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
+    start = time.monotonic()
+    deadline = start + deadline_s if deadline_s else None
+    device = torch.device(DEVICE)
+    gpu = torch.cuda.get_device_name()
+    probes = read_probes(device)
+    bw = max(probes.values())
+    spec = spec_bandwidth(gpu)
+    import triton
+
+    date = _dt.date.today().isoformat()
+    doc = {
+        "schema": 4,
+        "gpu": gpu,
+        "date": date,
+        "contexts": contexts,
+        "block_size": BLOCK,
+        "read_bandwidth_gbs": bw / 1e9,
+        "read_probes_gbs": {k: v / 1e9 for k, v in probes.items()},
+        "spec_bandwidth_gbs": spec / 1e9 if spec else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "layers_note": "all layers timed" if layers is None else f"first {layers} layers timed (full-model ms scaled)",
+        "method": __doc__.split("\n\n")[1:6],
+        "backends": dict(LABELS),
+        "stock": list(stock),
+        "variants": variants,
+        "results": [],
+        "timelines": [],
+    }
+    for line in probe_lines(doc):
+        log(f"# {line}")
+    stem = f"decode_latency_{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}_{date}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jpath = out_dir / f"{stem}.json"
+
+    def save():
+        doc["summary"] = summary(doc)
+        doc["elapsed_s"] = time.monotonic() - start
+        tmp = jpath.with_suffix(".json.tmp")  # saved after every cell: a cut-short run keeps what it measured
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(jpath)
+
+    configs = [(p, "bf16") for p in profiles] + [(p, "fp8") for p in fp8_profiles]
+    for p, dtype in configs:
+        bench_config(
+            p,
+            dtype,
+            batches,
+            contexts,
+            layers,
+            replays,
+            bw,
+            device,
+            log,
+            variants=variants,
+            stock=stock,
+            w8a16_batches=tuple(w8a16_batches),
+            timeline_batches=tuple(timeline_batches),
+            timeline_contexts=tuple(contexts[:1] if timeline_contexts is None else timeline_contexts),
+            out_dir=out_dir,
+            stem=stem,
+            timelines=doc["timelines"],
+            deadline=deadline,
+            spec=spec,
+            long_batches=None if long_batches is None else tuple(long_batches),
+            results=doc["results"],
+            on_cell=save,
+        )
+    save()
+    doc["paths"] = [str(jpath)] + write_plots(doc, out_dir, stem)
+    return doc
+
+
+def write_plots(doc: dict, out_dir: Path, stem: str) -> list[str]:
+    """One PNG per context of the document's results; returns their paths."""
+    out = []
+    for context in sorted({r.get("context") for r in doc["results"]}, key=lambda c: c or 0):
+        path = out_dir / f"{stem}_ctx{context}.png"
+        plot(doc, path, context)
+        out.append(str(path))
+    return out
+
+
+def load_reports(paths: list[str]) -> dict:
+    """Saved result documents merged into one (the first one's probes and GPU; later cells of the
+    same backend replace earlier ones), for ``--report``."""
+    docs = []
+    for p in paths:
+        try:
+            docs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as e:
+            raise MonodecodeError(f"--report {p}: cannot read a result document ({e.__class__.__name__})") from None
+        if not isinstance(docs[-1], dict) or not isinstance(docs[-1].get("results"), list):
+            raise MonodecodeError(f"--report {p}: not a decode_latency result document")
+    doc = dict(docs[0])
+    merged: dict[tuple, dict] = {}
+    for d in docs:
+        for r in d["results"]:
+            r.setdefault("context", d.get("context"))  # schema 3: one context per document
+            merged[(r["profile"], r["weight_dtype"], r["context"], r["batch"], r["backend"])] = r
+    doc["results"] = list(merged.values())
+    doc.setdefault("read_bandwidth_gbs", 0.0)
+    doc.setdefault("layers_note", "")
+    doc["summary"] = summary(doc)
+    return doc
+
+
+def print_report(doc: dict) -> None:
+    """The tables, the summary table last."""
+    print(markdown_table(doc))
+    print()
+    for line in probe_lines(doc):
+        print(line)
+    fp8 = fp8_table(doc)
+    if fp8:
+        print("\nFP8 triton against its bars (W8A16 fused-dequant stock; BF16 stock of the same cell):\n")
+        print(fp8)
+    s = doc["summary"]
+    print(f"\ntriton never slower than the strongest stock: {s['never_slower_than_stock']}")
+    print(f"speed targets (>= 1.00x every cell, >= 1.10x at batch 1 up to 8k) met: {s['speed_targets_met']}")
+    print("\n".join(doc.get("paths", [])))
+    print()
+    print(summary_table(doc))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default=",".join(DEFAULT_PROFILES))
     ap.add_argument("--fp8-profiles", default="llama3-8b")
     ap.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)))
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)), help="context lengths, e.g. 1024,8192")
+    ap.add_argument("--context", type=int, default=None, help="one context (same as --contexts N)")
     ap.add_argument("--layers", type=int, default=None, help="time only the first N layers")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument(
+        "--stock",
+        default=",".join(DEFAULT_STOCK),
+        help=f"stock paths to time, of: {', '.join(STOCK_PATHS)} (default: {','.join(DEFAULT_STOCK)})",
+    )
+    ap.add_argument(
+        "--long-context-batches",
+        default=",".join(map(str, DEFAULT_LONG_BATCHES)),
+        help="batches timed at the contexts after the first ('all': every batch of --batches)",
+    )
+    ap.add_argument(
+        "--w8a16-batches",
+        default=",".join(map(str, DEFAULT_W8A16_BATCHES)),
+        help="FP8 batches of the W8A16 stock (stock-fullgraph-cdt); wider it does not fuse its dequant",
+    )
     ap.add_argument(
         "--variants", default=None, help="JSON: name -> launch-target change (default: the previous target as 'before')"
     )
     ap.add_argument("--timeline-batches", default="", help="batches drawn as per-stage timelines, e.g. 1,8")
+    ap.add_argument("--timeline-contexts", default=None, help="contexts of the timelines (default: the first)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="record cells not started by then as skipped")
     ap.add_argument("--no-baselines", action="store_true", help="triton builds and the oracle only (quick A/B)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs (merged) and exit")
     a = ap.parse_args(argv)
     try:
+        if a.report:
+            doc = load_reports(a.report)
+            doc["paths"] = write_plots(doc, Path(a.out), Path(a.report[0]).stem + "_report")
+            print_report(doc)
+            return 0
         try:
             variants = json.loads(a.variants) if a.variants else None
         except json.JSONDecodeError as e:
             raise MonodecodeError(f"--variants is not JSON: {e}") from None
         if variants is not None and not isinstance(variants, dict):
             raise MonodecodeError("--variants must be a JSON object (name -> launch-target change)")
+        if a.replays < 1:
+            raise MonodecodeError(f"--replays must be >= 1, got {a.replays}")
+        if a.deadline_s is not None and not a.deadline_s > 0:
+            raise MonodecodeError(f"--deadline-s must be > 0, got {a.deadline_s}")
+        contexts = [a.context] if a.context is not None else _csv(a.contexts, int)
         doc = run(
             _csv(a.profiles),
             _csv(a.batches, int),
-            a.context,
+            contexts,
             a.layers,
             _csv(a.fp8_profiles),
             a.replays,
@@ -752,15 +807,16 @@ def main(argv: list[str] | None = None) -> int:
             variants=variants,
             timeline_batches=_csv(a.timeline_batches, int),
             baselines=not a.no_baselines,
+            stock=_csv(a.stock),
+            w8a16_batches=_csv(a.w8a16_batches, int),
+            deadline_s=a.deadline_s,
+            long_batches=None if a.long_context_batches == "all" else _csv(a.long_context_batches, int),
+            timeline_contexts=None if a.timeline_contexts is None else _csv(a.timeline_contexts, int),
         )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(markdown_table(doc))
-    print()
-    print(verdict_table(doc))
-    print(f"\ntriton never slower than the fastest stock step: {doc['summary']['never_slower_than_stock']}")
-    print("\n".join(doc["paths"]))
+    print_report(doc)
     return 0
 
 

@@ -122,6 +122,24 @@ class StockLayer:
         self.window = dims.window_for_layer(l)
 
 
+def rope_tables(dims: ModelDims, num_layers: int, max_position: int, device) -> dict:
+    """RoPE spec -> fp32 (cos, sin) ``[max_position, head_dim]`` of positions 0.. for the specs of
+    the first ``num_layers`` layers: rounded to bf16 like HF's / vLLM's caches, the sign of
+    rotate-half folded into sin."""
+    hd, out = dims.head_dim, {}
+    pos = torch.arange(max_position, dtype=torch.float32, device=device)
+    for l in range(num_layers):
+        rope = dims.rope_for_layer(l)
+        if rope in out:
+            continue
+        inv = torch.tensor(rope.inv_freq(hd), dtype=torch.float32, device=device)
+        ang = pos[:, None] * inv[None, :]
+        cos = ang.cos().to(torch.bfloat16).float()
+        sin = ang.sin().to(torch.bfloat16).float()
+        out[rope] = (torch.cat([cos, cos], -1).contiguous(), torch.cat([-sin, sin], -1).contiguous())
+    return out
+
+
 class StockDecode:
     """``forward_layer(l, x, meta, kv)`` like a kernel backend; ``prepare(meta)`` once per step
     builds what every layer shares (cache indices of the new tokens, visibility masks)."""
@@ -143,18 +161,7 @@ class StockDecode:
             "dequant": f"FP8 weights dequantized to bf16 at setup ({why})",
         }[mode]
         self.layers = [StockLayer(dims, l, w, mode) for l, w in enumerate(weights.layers)]
-        hd = dims.head_dim
-        self._rope = {}
-        pos = torch.arange(max_position, dtype=torch.float32, device=self.device)
-        for layer in self.layers:
-            if layer.rope in self._rope:
-                continue
-            inv = torch.tensor(layer.rope.inv_freq(hd), dtype=torch.float32, device=self.device)
-            ang = pos[:, None] * inv[None, :]
-            # rounded to bf16 like HF's / vLLM's caches; the sign of rotate-half folded into sin
-            cos = ang.cos().to(torch.bfloat16).float()
-            sin = ang.sin().to(torch.bfloat16).float()
-            self._rope[layer.rope] = (torch.cat([cos, cos], -1).contiguous(), torch.cat([-sin, sin], -1).contiguous())
+        self._rope = rope_tables(dims, len(self.layers), max_position, self.device)
         self._step = None
 
     def prepare(self, meta, block_size: int) -> None:
@@ -228,16 +235,86 @@ class StockDecode:
 
 
 # --------------------------------------------------------------------------------------------
-# Contiguous-KV stock paths: (a) per-op, (b) each layer torch.compile'd (vLLM's piecewise way)
+# Contiguous-KV stock paths: (a) per-op, (b) each layer's halves torch.compile'd (vLLM's
+# piecewise way). The whole-layer fullgraph step is ``fullgraph.FullgraphStockDecode``.
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContiguousKV:
+    """Per-layer K/V caches ``[rows, kv_heads, positions, head_dim]`` holding the positions
+    ``start[l] .. context - 1`` of every row: all of them on full-attention layers, only the last
+    ``window`` on sliding layers (what a sliding layer can ever read; vLLM's hybrid allocator keeps
+    no more either). Every row has the same context (the benchmark's setting), so the positions a
+    step reads are the whole tensor: no mask, no slice."""
+
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+    start: list[int]
+
+    @classmethod
+    def from_paged(cls, dims: ModelDims, kv, meta, context: int) -> ContiguousKV:
+        """The same K/V values as the paged cache ``kv`` holds for ``meta``'s rows."""
+        tables = meta.block_tables.long()
+        key, value, start = [], [], []
+        for l, (kc, vc) in enumerate(zip(kv.key, kv.value)):
+            window = dims.window_for_layer(l)
+            lo = max(0, context - window) if window else 0
+            start.append(lo)
+            for src, dst in ((kc, key), (vc, value)):
+                rows = src[tables].reshape(tables.shape[0], -1, dims.num_kv_heads, dims.head_dim)[:, lo:context]
+                dst.append(rows.transpose(1, 2).contiguous())
+                del rows
+        return cls(key, value, start)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.key + self.value)
+
+
+def cache_index(pos: torch.Tensor, start: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``scatter_`` index along the position dim of a ``[rows, kv_heads, T, head_dim]`` cache for
+    each row's new entry (an expanded view: no copy)."""
+    return (pos - start).view(-1, 1, 1, 1).expand(pos.shape[0], kv_heads, 1, head_dim)
+
+
+def write_new_kv(kc, vc, idx, k, v) -> None:
+    """Eager: the step's K/V ``[rows, kv_heads, head_dim]`` into the contiguous caches at
+    ``cache_index``: one scatter kernel each (``index_put_`` with broadcast indices would first
+    make its index tensors contiguous: several small kernels)."""
+    kc.scatter_(2, idx, k.unsqueeze(2))
+    vc.scatter_(2, idx, v.unsqueeze(2))
+
+
+def write_new_kv_compiled(kc, vc, pos, start: int, k, v) -> None:
+    """Inside a compiled function: the same write as ``index_put_`` (inductor lowers it to one
+    kernel per cache and writes the cache in place; it would copy the whole cache around a
+    ``scatter_``, which its re-inplacing pass does not cover)."""
+    rows, heads = k.shape[0], k.shape[1]
+    at = (
+        torch.arange(rows, device=k.device)[:, None],
+        torch.arange(heads, device=k.device)[None, :],
+        (pos - start)[:, None],
+    )
+    kc.index_put_(at, k)
+    vc.index_put_(at, v)
 
 
 def _rms(x, w, eps):
     return F.rms_norm(x, (x.shape[-1],), eps=eps) * w
 
 
-def layer_pre(x, attn_norm, wqkv, sqkv, qk_norm, cos, sin, *, eps, nq, nkv, hd):
-    """Norm, QKV GEMM, q/k-norm, RoPE: q ``[rows, kv_heads, group, hd]``, k and v ``[rows, kv_heads, hd]``."""
+def rope_rows(qk, cos, sin):
+    """RoPE in fp32 on ``qk[rows, heads, hd]`` with the rows' bf16-rounded cos/sin (the sign of
+    rotate-half folded into ``sin``), rounded once."""
+    rows, heads, hd = qk.shape
+    qf = qk.float()
+    rot = qf.view(rows, heads, 2, hd // 2).flip(2).view(rows, heads, hd)
+    return torch.addcmul(qf * cos[:, None, :], rot, sin[:, None, :]).to(torch.bfloat16)
+
+
+def layer_pre(x, cos, sin, attn_norm, wqkv, sqkv, qk_norm, *, eps, nq, nkv, hd):
+    """Norm, QKV GEMM, q/k-norm, RoPE with this step's rows ``cos``/``sin``: q
+    ``[rows, heads, 1, hd]``, k and v ``[rows, kv_heads, hd]``."""
     rows = x.shape[0]
     q_size, kv_size = nq * hd, nkv * hd
     qkv = linear(_rms(x, attn_norm, eps), wqkv, sqkv)
@@ -245,10 +322,16 @@ def layer_pre(x, attn_norm, wqkv, sqkv, qk_norm, cos, sin, *, eps, nq, nkv, hd):
     v = qkv[:, q_size + kv_size :].view(rows, nkv, hd)
     if qk_norm is not None:
         qk = _rms(qk, qk_norm, eps)
-    qf = qk.float()
-    rot = qf.view(rows, nq + nkv, 2, hd // 2).flip(2).view(rows, nq + nkv, hd)
-    qk = torch.addcmul(qf * cos[:, None, :], rot, sin[:, None, :]).to(torch.bfloat16)
-    return qk[:, :nq].reshape(rows, nkv, nq // nkv, hd), qk[:, nq:], v
+    qk = rope_rows(qk, cos, sin)
+    return qk[:, :nq].unsqueeze(2), qk[:, nq:], v
+
+
+def layer_pre_at(x, pos, kc, vc, cos_t, sin_t, attn_norm, wqkv, sqkv, qk_norm, *, eps, nq, nkv, hd, start):
+    """The compiled path's first half: ``layer_pre`` at positions ``pos`` (RoPE rows gathered
+    inside) and the step's K/V written into the caches; returns q."""
+    q, k, v = layer_pre(x, cos_t[pos], sin_t[pos], attn_norm, wqkv, sqkv, qk_norm, eps=eps, nq=nq, nkv=nkv, hd=hd)
+    write_new_kv_compiled(kc, vc, pos, start, k, v)
+    return q
 
 
 def layer_post(x, att, wo, so, post_norm, mlp_norm, wgu, sgu, wd, sd, mlp_post_norm, *, eps, inter, gelu):
@@ -267,16 +350,25 @@ def layer_post(x, att, wo, so, post_norm, mlp_norm, wgu, sgu, wd, sd, mlp_post_n
     return x + y
 
 
+def raise_recompile_limit(limit: int = 256) -> None:
+    """Every (batch, context, window) shape is one compiled entry of the same function; dynamo's
+    default limit (8) would silently fall back to eager after the eighth."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
 class ContiguousStockDecode(StockDecode):
-    """Stock decode over a contiguous per-row KV cache ``[rows, kv_heads, context, head_dim]`` per
-    layer: SDPA reads the rows' K/V in place (no gather), the cheapest attention a per-op path can
-    have. Every row has the same context length (the benchmark's setting), so the visible range is
-    a static slice (the last ``window`` positions on sliding layers) and no mask is needed.
+    """Stock decode over contiguous per-row KV caches (``ContiguousKV``): SDPA with ``enable_gqa``
+    reads the rows' K/V in place (no gather), the cheapest attention a per-op path can have.
 
     ``compiled=False``: path (a), plain per-op PyTorch. ``compiled=True``: path (b), each layer's
-    two halves around attention (``layer_pre``, ``layer_post``) ``torch.compile``d with inductor's
-    default mode, attention and the cache write eager between them, like vLLM's piecewise graphs;
-    the benchmark captures the whole step in one CUDA graph either way.
+    two halves around attention ``torch.compile``d (inductor default mode, ``dynamic=False``), the
+    KV write inside the first half (one scatter kernel each for K and V, like vLLM's one
+    cache-write kernel) and SDPA eager between them, like vLLM's piecewise graphs. Per step only
+    what the positions decide is computed (RoPE rows, write index); nothing of the paged path.
+    The benchmark captures the whole step in one CUDA graph either way.
     """
 
     def __init__(
@@ -296,49 +388,53 @@ class ContiguousStockDecode(StockDecode):
             self.layers, self._rope, self._step = share.layers, share._rope, None
         self.context = context
         self.compiled = compiled
-        pre = functools.partial(
-            layer_pre, eps=dims.rms_norm_eps, nq=dims.num_heads, nkv=dims.num_kv_heads, hd=dims.head_dim
-        )
+        self.cache: ContiguousKV | None = None
+        consts = {"eps": dims.rms_norm_eps, "nq": dims.num_heads, "nkv": dims.num_kv_heads, "hd": dims.head_dim}
         post = functools.partial(
-            layer_post,
-            eps=dims.rms_norm_eps,
-            inter=dims.intermediate_size,
-            gelu=dims.activation == "gelu_tanh",
+            layer_post, eps=dims.rms_norm_eps, inter=dims.intermediate_size, gelu=dims.activation == "gelu_tanh"
         )
         if compiled:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            pre, post = torch.compile(pre), torch.compile(post)
-        self._pre, self._post = pre, post
-        self.key: list[torch.Tensor] = []
-        self.value: list[torch.Tensor] = []
+            raise_recompile_limit()
+            self._pre = torch.compile(functools.partial(layer_pre_at, **consts), dynamic=False)
+            self._post = torch.compile(post, dynamic=False)
+        else:
+            self._pre, self._post = functools.partial(layer_pre, **consts), post
+
+    @property
+    def key(self) -> list[torch.Tensor]:
+        return self.cache.key
+
+    @property
+    def value(self) -> list[torch.Tensor]:
+        return self.cache.value
 
     def load_cache(self, kv, meta) -> None:
         """This path's contiguous caches, filled from a paged cache's rows (the same K/V values)."""
-        d, ctx = self.dims, self.context
-        tables = meta.block_tables.long()
-        self.key, self.value = [], []
-        for kc, vc in zip(kv.key, kv.value):
-            for src, dst in ((kc, self.key), (vc, self.value)):
-                rows = src[tables].reshape(tables.shape[0], -1, d.num_kv_heads, d.head_dim)[:, :ctx]
-                dst.append(rows.transpose(1, 2).contiguous())
+        self.cache = ContiguousKV.from_paged(self.dims, kv, meta, self.context)
 
     def prepare(self, meta, block_size: int) -> None:
-        super().prepare(meta, block_size)
-        self._pos = meta.positions.long()
-        self._rows = torch.arange(self._pos.shape[0], device=self._pos.device)
-        self._heads = torch.arange(self.dims.num_kv_heads, device=self._pos.device)
+        """Per step: the positions only (the compiled path gathers its RoPE rows inside)."""
+        self._pos = meta.positions
+        if self.compiled:
+            return
+        self._cos_sin = {
+            rope: (c.index_select(0, self._pos), s.index_select(0, self._pos)) for rope, (c, s) in self._rope.items()
+        }
+        d = self.dims
+        self._idx = {lo: cache_index(self._pos, lo, d.num_kv_heads, d.head_dim) for lo in set(self.cache.start)}
 
     def forward_layer(self, l: int, x: torch.Tensor, meta, kv) -> torch.Tensor:
         d = self.dims
         L = self.layers[l]
-        cos, sin = self._step[4][L.rope]
-        q, k, v = self._pre(x, L.attn_norm, L.qkv.weight, L.qkv.scale, L.qk_norm, cos, sin)
-        kc, vc = self.key[l], self.value[l]
-        at = (self._rows[:, None], self._heads[None, :], self._pos[:, None])
-        kc.index_put_(at, k)
-        vc.index_put_(at, v)
-        lo = max(0, self.context - L.window) if L.window else 0
-        att = F.scaled_dot_product_attention(q, kc[:, :, lo:], vc[:, :, lo:], scale=d.attn_scale)
+        kc, vc, start = self.cache.key[l], self.cache.value[l], self.cache.start[l]
+        weights = (L.attn_norm, L.qkv.weight, L.qkv.scale, L.qk_norm)
+        if self.compiled:
+            cos_t, sin_t = self._rope[L.rope]
+            q = self._pre(x, self._pos, kc, vc, cos_t, sin_t, *weights, start=start)
+        else:
+            q, k, v = self._pre(x, *self._cos_sin[L.rope], *weights)
+            write_new_kv(kc, vc, self._idx[start], k, v)
+        att = F.scaled_dot_product_attention(q, kc, vc, scale=d.attn_scale, enable_gqa=True)
         return self._post(
             x,
             att.reshape(x.shape[0], d.q_size),

@@ -1,0 +1,142 @@
+"""The strongest stock decode step PyTorch alone builds: each decoder layer one
+``torch.compile(fullgraph=True, dynamic=False)`` function, the whole step one CUDA graph.
+
+One compiled function per layer does all of it: RMSNorm, the merged QKV GEMM, q/k-norm (Gemma,
+Qwen3), RoPE in fp32, the step's K/V written into contiguous caches (one in-place index_put each,
+``stock.ContiguousKV``: sliding layers hold only their window), SDPA with ``enable_gqa`` over the
+caches in place (flash decoding splits the context over the SMs), the O GEMM, Gemma's
+post-attention norm, the residual, the pre-MLP norm, the merged gate/up GEMM, SiLU or GELU-tanh
+times up, the down GEMM, Gemma's post-MLP norm and the residual. Inductor fuses the pointwise
+work into the GEMMs' neighbours; nothing runs eagerly between layers.
+
+The math is the reference's (``monodecode.model.reference``): the same norms (Gemma's ``1 + w`` in
+fp32), rounding points and activation, so the comparison with the kernels is like for like.
+FP8 weights run W8A16: ``F.linear(x, w_e4m3.to(bf16)) * scale``; with inductor's
+``coordinate_descent_tuning`` (``tuning=True``) a one-row GEMM becomes a fused reduction that
+dequantizes in its loads and reads one byte per weight; with more rows inductor materializes the
+bf16 weight first (slow: the BF16 stock is then the honest bar for FP8).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from monodecode.model import reference as R
+from monodecode.model.dims import ModelDims
+from monodecode_ops.decode_bench.stock import (
+    ContiguousStockDecode,
+    StockDecode,
+    StockLayer,
+    raise_recompile_limit,
+    rope_rows,
+    rope_tables,
+    write_new_kv_compiled,
+)
+
+
+def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """bf16 ``F.linear``, or W8A16: the e4m3 weight widened to bf16 in the GEMM, times the
+    per-output-channel scale in fp32, rounded once."""
+    if scale is None:
+        return F.linear(x, weight)
+    return (F.linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)
+
+
+def fullgraph_layer(
+    x, pos, kc, vc, cos_t, sin_t,
+    attn_norm, wqkv, sqkv, q_norm, k_norm, wo, so, attn_post_norm, mlp_norm, wgu, sgu, wd, sd, mlp_post_norm,
+    *, eps, one_plus, nq, nkv, hd, inter, gelu, scale, start,
+):  # fmt: skip
+    """One whole decoder layer at positions ``pos`` (see the module doc); returns the new residual."""
+    rows, dt = x.shape[0], x.dtype
+    h = R.rms_norm(x, attn_norm, eps, one_plus)
+    qkv = linear_w8a16(h, wqkv, sqkv)
+    q = qkv[:, : nq * hd].view(rows, nq, hd)
+    k = qkv[:, nq * hd : (nq + nkv) * hd].view(rows, nkv, hd)
+    v = qkv[:, (nq + nkv) * hd :].view(rows, nkv, hd)
+    if q_norm is not None:
+        q = R.rms_norm(q, q_norm, eps, one_plus)
+        k = R.rms_norm(k, k_norm, eps, one_plus)
+    cos, sin = cos_t[pos], sin_t[pos]
+    q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
+    write_new_kv_compiled(kc, vc, pos, start, k, v)
+    att = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, scale=scale, enable_gqa=True)
+    o = linear_w8a16(att.reshape(rows, nq * hd), wo, so)
+    if attn_post_norm is not None:
+        o = R.rms_norm(o, attn_post_norm, eps, one_plus)
+    x = (x.float() + o.float()).to(dt)
+    gu = linear_w8a16(R.rms_norm(x, mlp_norm, eps, one_plus), wgu, sgu)
+    g, u = gu[:, :inter].float(), gu[:, inter:]
+    a = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)).to(dt)
+    y = linear_w8a16((a.float() * u.float()).to(dt), wd, sd)
+    if mlp_post_norm is not None:
+        y = R.rms_norm(y, mlp_post_norm, eps, one_plus)
+    return (x.float() + y.float()).to(dt)
+
+
+class FullgraphStockDecode(ContiguousStockDecode):
+    """``forward_layer(l, x, meta, kv)`` like a kernel backend, over this path's ``ContiguousKV``
+    (``load_cache``). ``tuning=True``: compiled with inductor's ``coordinate_descent_tuning`` (that
+    compile only). ``prepare`` takes the step's positions and builds nothing."""
+
+    def __init__(
+        self,
+        dims: ModelDims,
+        weights,
+        context: int,
+        device,
+        tuning: bool = False,
+        share: StockDecode | None = None,
+    ):
+        fp8 = bool(weights.layers) and weights.layers[0].q_proj.kind != "bf16"
+        # the merged e4m3 weights and scales of a W8A8 stock serve W8A16 as they are
+        if share is not None and (not fp8 or share.layers[0].qkv.scale is not None):
+            self.layers, self._rope = share.layers, share._rope
+        else:
+            self._rope = rope_tables(dims, len(weights.layers), context, device)
+            self.layers = [StockLayer(dims, l, w, "scaled_mm" if fp8 else "bf16") for l, w in enumerate(weights.layers)]
+        self.dims, self.device, self._step = dims, torch.device(device), None
+        self.fp8_path = (
+            "W8A16: e4m3 weights widened to bf16 in the GEMM (F.linear(x, w.to(bf16)) * s)"
+            if fp8
+            else "bf16 GEMMs (F.linear)"
+        )
+        self.norms = [
+            (w.attn_norm, w.q_norm, w.k_norm, w.attn_post_norm, w.mlp_norm, w.mlp_post_norm) for w in weights.layers
+        ]
+        self.context, self.compiled, self.tuning = context, True, tuning
+        self.cache = None
+        consts = {
+            "eps": dims.rms_norm_eps,
+            "one_plus": dims.norm_one_plus,
+            "nq": dims.num_heads,
+            "nkv": dims.num_kv_heads,
+            "hd": dims.head_dim,
+            "inter": dims.intermediate_size,
+            "gelu": dims.activation == "gelu_tanh",
+            "scale": dims.attn_scale,
+        }
+        raise_recompile_limit()
+        self._layer = torch.compile(
+            functools.partial(fullgraph_layer, **consts),
+            fullgraph=True,
+            dynamic=False,
+            options={"coordinate_descent_tuning": True} if tuning else None,
+        )
+
+    def prepare(self, meta, block_size: int) -> None:
+        self._pos = meta.positions
+
+    def forward_layer(self, l: int, x: torch.Tensor, meta, kv) -> torch.Tensor:
+        L = self.layers[l]
+        attn_norm, q_norm, k_norm, attn_post_norm, mlp_norm, mlp_post_norm = self.norms[l]
+        cos_t, sin_t = self._rope[L.rope]
+        return self._layer(
+            x, self._pos, self.cache.key[l], self.cache.value[l], cos_t, sin_t,
+            attn_norm, L.qkv.weight, L.qkv.scale, q_norm, k_norm, L.o.weight, L.o.scale, attn_post_norm,
+            mlp_norm, L.gate_up.weight, L.gate_up.scale, L.down.weight, L.down.scale, mlp_post_norm,
+            start=self.cache.start[l],
+        )  # fmt: skip

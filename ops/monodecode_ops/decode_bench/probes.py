@@ -1,0 +1,104 @@
+"""Read-bandwidth probes: the roofline's denominator is the fastest of them.
+
+One probe can read below what the kernels reach (an fp32 ``sum`` read 4.16-4.41 TB/s on the H200
+while 27B's gate/up streamed at 4.35 TB/s), which would flatter every "% of roofline". So
+several are timed on the same buffer and the fastest counts:
+
+  sum-fp32      ``torch.sum`` over fp32
+  sum-bf16      ``torch.sum`` over bf16 (the same bytes, another reduction kernel)
+  triton-read   a persistent Triton kernel streaming the buffer with wide loads (a few grid and
+                tile sizes, the best kept)
+  copy          a device-to-device copy of half the buffer, counted as read + write bytes
+
+The fraction against the datasheet bandwidth (``SPEC_BANDWIDTH``) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+# Datasheet HBM bandwidth (bytes/s) by a substring of the device name.
+SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "MI300X": 5.3e12, "MI325X": 6.0e12, "MI355X": 8.0e12}
+
+
+def spec_bandwidth(device_name: str) -> float | None:
+    """Datasheet bandwidth of the device (bytes/s), or None when it is not in the table."""
+    return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in device_name), None)
+
+
+def _triton_read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_read(x_ptr, out_ptr, n, iters, BLOCK: tl.constexpr):
+        """Program ``p`` sums tiles ``p, p + programs, ...`` of ``x`` in fp32 and stores its partial."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0) * BLOCK
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.range(0, iters):
+            offs = i * step + pid * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+    return stream_read
+
+
+def triton_stream_sum(x: torch.Tensor, programs: int, block: int, num_warps: int = 8) -> torch.Tensor:
+    """Sum of the fp32 vector ``x`` read once by ``programs`` Triton programs (partials summed by torch)."""
+    out = torch.empty(programs, dtype=torch.float32, device=x.device)
+    iters = -(-x.numel() // (programs * block))
+    _triton_read_kernel()[(programs,)](x, out, x.numel(), iters, BLOCK=block, num_warps=num_warps)
+    return out.sum()
+
+
+def time_calls(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` (device events around each, a synchronize after
+    each), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return times
+
+
+def _median_s(fn, reps: int) -> float:
+    return statistics.median(time_calls(fn, reps))
+
+
+def read_probes(device, gib: float = 4.0, reps: int = 20) -> dict[str, float]:
+    """Bytes/s of each probe over a ``gib`` GiB buffer (median of ``reps``); a probe that fails
+    is left out (the others still count)."""
+    x = torch.rand(int(gib * (1 << 30)) // 4, device=device)
+    out = _probe(x, reps)
+    del x
+    torch.cuda.empty_cache()
+    return out
+
+
+def _probe(x: torch.Tensor, reps: int) -> dict[str, float]:
+    nbytes = x.numel() * 4
+    out: dict[str, float] = {"sum-fp32": nbytes / _median_s(x.sum, reps)}
+    xb = x.view(torch.bfloat16)  # the same bytes as bf16 values
+    out["sum-bf16"] = nbytes / _median_s(xb.sum, reps)
+    try:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        best = 0.0
+        for programs, block in ((sms * 4, 4096), (sms * 8, 2048), (sms * 2, 8192)):
+            best = max(best, nbytes / _median_s(lambda p=programs, b=block: triton_stream_sum(x, p, b), reps))
+        out["triton-read"] = best
+    except Exception:  # noqa: BLE001 - no Triton for this device: the torch probes still count
+        pass
+    half = x[: x.numel() // 2]
+    dst = torch.empty_like(half)
+    out["copy"] = 2 * half.numel() * 4 / _median_s(lambda: dst.copy_(half), reps)
+    return out

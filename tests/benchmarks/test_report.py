@@ -1,0 +1,158 @@
+"""The benchmark's verdicts (``monodecode_ops.decode_bench.report``) on synthetic result records:
+"stock" is the fastest stock step of the same cell that is within its error tolerance (for FP8
+also the BF16 stock of the same cell), a backend outside its tolerance never counts, and the
+targets apply where issue 26 sets them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from monodecode_ops.decode_bench import report as RP
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rec(backend, ms, err=1e-2, profile="llama3-8b", dtype="bf16", context=1024, batch=1, **kw):
+    roof = 3.0
+    return {
+        "profile": profile,
+        "weight_dtype": dtype,
+        "context": context,
+        "batch": batch,
+        "backend": backend,
+        "step_ms": ms,
+        "roofline_ms": roof,
+        "fraction_of_roofline": roof / ms if ms else None,
+        "fraction_of_spec": 0.9 * roof / ms if ms else None,
+        "rel_error_vs_reference": None if backend.startswith("reference") else err,
+        **kw,
+    }
+
+
+def doc_of(rows):
+    d = {"gpu": "G", "date": "2026-12-03", "read_bandwidth_gbs": 4400.0, "layers_note": "all", "results": rows}
+    d["summary"] = RP.summary(d)
+    return d
+
+
+def per_cell(d, **key):
+    return next(s for s in d["summary"]["per_config"] if all(s[k] == v for k, v in key.items()))
+
+
+def test_stock_is_the_fastest_stock_of_the_same_cell():
+    rows = [
+        rec("reference-graph", 30.0),
+        rec("stock-contig-graph", 6.0),
+        rec("stock-compiled-graph", 5.5),
+        rec("stock-fullgraph", 4.6),
+        rec("stock-fullgraph-cdt", 4.2),
+        rec("stock-gemm-floor", 3.5),  # not a decode step: never "stock"
+        rec("triton", 4.4),
+        # another context of the same profile and batch: its faster stock must not leak in
+        rec("stock-fullgraph", 2.0, context=8192),
+        rec("triton", 5.0, context=8192),
+    ]
+    d = doc_of(rows)
+    s = per_cell(d, context=1024)
+    assert (s["stock_backend"], s["stock_ms"]) == ("stock-fullgraph-cdt", 4.2)
+    assert s["stock_over_triton"] == pytest.approx(4.2 / 4.4)
+    assert s["triton_not_slower_than_stock"] is False and d["summary"]["never_slower_than_stock"] is False
+    assert per_cell(d, context=8192)["stock_ms"] == 2.0
+
+
+def test_a_backend_outside_its_tolerance_does_not_count():
+    rows = [
+        rec("reference-graph", 30.0),
+        rec("stock-fullgraph-cdt", 4.0, err=0.2),  # fast but wrong: not the bar
+        rec("stock-fullgraph", 4.6, err=4.9e-2),
+        rec("triton", 4.5, err=3e-2),
+        rec("reference-graph", 30.0, batch=2),
+        rec("stock-fullgraph", 4.6, batch=2),
+        rec("triton", 4.0, batch=2, err=float("nan")),  # a NaN error never counts
+    ]
+    d = doc_of(rows)
+    s1, s2 = per_cell(d, batch=1), per_cell(d, batch=2)
+    assert s1["stock_backend"] == "stock-fullgraph" and s1["triton_not_slower_than_stock"] is True
+    assert s2["triton_counts"] is False and "relative error nan" in s2["triton_not_counted_because"]
+    assert s2["stock_over_triton"] is None and d["summary"]["never_slower_than_stock"] is False
+    table = RP.summary_table(d)
+    assert "| stock-fullgraph-cdt ms |" in table.splitlines()[0]
+    assert "4.00 (error)" in table.splitlines()[2]  # shown, marked, not the bar
+
+
+def test_tolerances_are_the_projects_bounds():
+    """The whole-stack bound of the kernels' numerics tests, and the W8A8 stock's own bound."""
+    spec = importlib.util.spec_from_file_location("tnum", ROOT / "tests/kernels/triton/test_triton_numerics.py")
+    tnum = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tnum)
+    assert RP.STACK_REL_FRO == tnum.STACK_REL_FRO
+    stock_tests = (ROOT / "tests/benchmarks/test_triton_bench_stock.py").read_text()
+    assert f'("tiny", "fp8", "auto", 2, {RP.W8A8_REL:.0e})'.replace("e-0", "e-") in stock_tests
+    w8a8 = rec("stock-compiled-graph", 5.0, dtype="fp8", stock_gemm_path="W8A8: per-row e4m3 activations")
+    w8a16 = rec("stock-fullgraph-cdt", 3.2, dtype="fp8", stock_gemm_path="W8A16: e4m3 weights widened")
+    assert RP.tolerance(w8a8) == RP.W8A8_REL and RP.tolerance(w8a16) == RP.STACK_REL_FRO
+    assert RP.tolerance(rec("triton-before", 1.0)) == RP.STACK_REL_FRO
+    assert RP.tolerance(rec("stock-gemm-floor", 1.0)) is None and RP.tolerance(rec("reference-graph", 1.0)) is None
+
+
+def test_fp8_bar_is_the_faster_of_w8a16_and_the_bf16_stock():
+    fp8 = {"dtype": "fp8"}
+    rows = [
+        rec("stock-fullgraph-cdt", 4.1, batch=1),
+        rec("stock-fullgraph-cdt", 3.24, batch=1, **fp8),  # W8A16 fused: the bar at batch 1
+        rec("stock-compiled-graph", 5.6, batch=1, err=0.14, stock_gemm_path="W8A8", **fp8),  # W8A8: out
+        rec("triton", 3.23, batch=1, **fp8),
+        rec("stock-fullgraph", 4.8, batch=8),
+        rec("stock-compiled-graph", 5.7, batch=8, err=0.05, stock_gemm_path="W8A8", **fp8),
+        rec("triton", 4.78, batch=8, **fp8),  # no W8A16 at batch 8: the BF16 stock is the bar
+    ]
+    d = doc_of(rows)
+    b1, b8 = per_cell(d, batch=1, weight_dtype="fp8"), per_cell(d, batch=8, weight_dtype="fp8")
+    assert (b1["stock_backend"], b1["stock_weight_dtype"], b1["stock_ms"]) == ("stock-fullgraph-cdt", "fp8", 3.24)
+    assert b1["stock_w8a16_ms"] == 3.24 and b1["stock_bf16_ms"] == 4.1
+    assert (b8["stock_backend"], b8["stock_weight_dtype"], b8["stock_ms"]) == ("stock-fullgraph", "bf16", 4.8)
+    assert b8["stock_w8a16_ms"] is None and b8["stock_over_triton"] == pytest.approx(4.8 / 4.78)
+    lines = RP.fp8_table(d).splitlines()
+    assert lines[2] == "| llama3-8b | 1024 | 1 | 3.23 | 3.24 | 4.10 | stock-fullgraph-cdt (fp8) | 1.00x |"
+    assert lines[3] == "| llama3-8b | 1024 | 8 | 4.78 | n/a | 4.80 | stock-fullgraph (bf16) | 1.00x |"
+    assert "stock-fullgraph [bf16] 4.80" in RP.summary_table(d)
+
+
+def test_targets_apply_where_issue_26_sets_them():
+    rows = [
+        rec("stock-fullgraph", 4.5, context=1024, batch=1),
+        rec("triton", 4.0, context=1024, batch=1),  # 1.125x, 75 % of the probe: speed met, fraction not
+        rec("stock-fullgraph", 6.0, context=8192, batch=1),
+        rec("triton", 5.6, context=8192, batch=1),  # 1.07x < 1.10x at batch 1 up to 8k
+        rec("stock-fullgraph", 6.0, context=32768, batch=1),
+        rec("triton", 5.6, context=32768, batch=1),  # 1.07x >= 1.00x beyond 8k
+        rec("stock-fullgraph", 6.0, context=1024, batch=4),
+        rec("triton", 6.0, context=1024, batch=4),  # parity meets >= 1.00x
+    ]
+    d = doc_of(rows)
+    c1 = per_cell(d, context=1024, batch=1)
+    assert c1["speed_target"] == 1.10 and c1["speed_target_met"] is True
+    assert c1["roofline_target"] == 0.88 and c1["roofline_target_met"] is False
+    assert per_cell(d, context=8192)["speed_target_met"] is False
+    c32 = per_cell(d, context=32768)
+    assert c32["speed_target"] == 1.00 and c32["speed_target_met"] is True and c32["roofline_target"] is None
+    assert per_cell(d, batch=4)["speed_target_met"] is True and per_cell(d, batch=4)["roofline_target"] is None
+    assert d["summary"]["speed_targets_met"] is False
+
+
+def test_skipped_and_failed_cells_show_as_such():
+    rows = [
+        rec("stock-fullgraph", None, error="skipped: its KV caches need 140.0 GiB", skipped=True),
+        rec("triton", None, error="skipped: its KV caches need 140.0 GiB", skipped=True),
+        rec("stock-fullgraph", None, batch=2, error="RuntimeError: boom"),
+        rec("triton", 4.0, batch=2),
+    ]
+    d = doc_of(rows)
+    assert per_cell(d, batch=1)["triton_counts"] is False and per_cell(d, batch=2)["stock_ms"] is None
+    assert d["summary"]["never_slower_than_stock"] is False  # nothing proven where nothing was measured
+    table = RP.markdown_table(d)
+    assert "| stock-fullgraph | skipped |" in table and "| stock-fullgraph | failed |" in table
+    assert "skipped: its KV caches need 140.0 GiB" in table
