@@ -21,7 +21,7 @@ import typer
 
 from monodecode.errors import MonodecodeError
 from monodecode_ops.endpoint_http import check_timeout
-from monodecode_ops.options import ProfileNames, ProfileNamesOpt, parse_profile_names
+from monodecode_ops.options import ProfileNames, ProfileNamesOpt, parse_profile_names, path_option
 from monodecode_ops.output import console, emit_json, json_output, table
 
 
@@ -66,10 +66,9 @@ def bench(
     context: int = typer.Option(1024, "--context", help="Context length of every row."),
     layers: int = typer.Option(0, "--layers", help="Time only the first N layers (0: all)."),
     replays: int = typer.Option(20, "--replays", help="Graph replays per measurement (median reported)."),
-    out: Optional[Path] = typer.Option(
-        None,
+    out: Optional[Path] = path_option(
         "--out",
-        help="Directory for the JSON and PNG (default: benchmarks/results; "
+        "Directory for the JSON and PNG (default: benchmarks/results; "
         "with --endpoint: $MONODECODE_CACHE_DIR/bench, else ~/.cache/monodecode/bench).",
     ),
     endpoint: Optional[list[str]] = typer.Option(

@@ -31,7 +31,7 @@ import typer
 
 from monodecode.errors import MonodecodeError
 from monodecode_ops.endpoint_http import HttpFailure, HttpTarget, parse_http_url
-from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt
+from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt, path_option
 from monodecode_ops.output import Check, console, json_output, report_checks
 from monodecode_ops.scrape import Samples, scrape_samples, value
 
@@ -122,6 +122,7 @@ def backend_checks(platform: Any) -> list[Check]:
 
 
 MAX_SERVE_SECONDS = 7 * 24 * 3600  # a week: longer belongs to a server, not a check
+MAX_WAIT_TIMEOUT_S = 3600.0  # a kernel wait that may last longer than an hour is a hang
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
 
 
@@ -385,9 +386,7 @@ def endpoint_checks(url: str) -> list[Check]:
 def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify(
-        model: Optional[Path] = typer.Option(
-            None, "--model", help="HF model directory (default: the embedded tiny model)."
-        ),
+        model: Optional[Path] = path_option("--model", "HF model directory (default: the embedded tiny model)."),
         require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail when no supported GPU is present."),
         metrics_port: int = typer.Option(
             0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."
@@ -405,11 +404,9 @@ def register(app: typer.Typer) -> None:
         widths: WidthsOpt = None,
         weight_dtype: WeightDtypeOpt = WeightDtype("bf16"),
         block_size: BlockSizeOpt = 16,
-        artifact_dir: Optional[Path] = typer.Option(
-            None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."
-        ),
-        failstop_dir: Optional[Path] = typer.Option(
-            None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."
+        artifact_dir: Optional[Path] = path_option("--artifact-dir", "Baked kernel artifacts (manifest.json)."),
+        failstop_dir: Optional[Path] = path_option(
+            "--failstop-dir", "Fail-stop markers (default: a temporary directory)."
         ),
         serve_seconds: float = typer.Option(
             0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."
@@ -427,6 +424,10 @@ def register(app: typer.Typer) -> None:
             raise MonodecodeError(f"--serve-seconds must be between 0 and {MAX_SERVE_SECONDS}, got {serve_seconds}")
         if endpoint is not None:
             _metrics_target(endpoint)  # bad URL: usage error before any work
+        if image is not None and not image.strip():
+            raise MonodecodeError("--image must name an image, got ''")
+        if math.isfinite(wait_timeout_s) and wait_timeout_s > MAX_WAIT_TIMEOUT_S:
+            raise MonodecodeError(f"--wait-timeout-s must be at most {MAX_WAIT_TIMEOUT_S:g} s, got {wait_timeout_s:g}")
         overrides: dict[str, Any] = {"backend": backend, "wait_timeout_s": wait_timeout_s}
         if widths is not None:
             overrides["widths"] = list(widths)
@@ -466,7 +467,7 @@ def register(app: typer.Typer) -> None:
                 checks.append(Check.skipped("self-test", "--no-self-test given", required=False))
             if endpoint:
                 checks += endpoint_checks(endpoint)
-            if image:
+            if image is not None:
                 try:
                     from monodecode_ops.image_checks import verify_image  # lazy (Docker SDK)
                 except ImportError as e:
