@@ -83,9 +83,8 @@ def check_port_free(host: str, port: int) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise MonodecodeError(
-            f"cannot listen on {host}:{port}: {e.strerror or e} (is a server running there?)"
-        ) from None
+        reason = os.strerror(e.errno) if e.errno else str(e)  # create_server appends the address to strerror
+        raise MonodecodeError(f"cannot listen on {host}:{port}: {reason} (is a server running there?)") from None
 
 
 def fresh_prometheus_dir(port: int) -> Path:

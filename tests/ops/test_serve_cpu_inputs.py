@@ -45,7 +45,7 @@ def test_a_busy_port_is_one_line_and_changes_nothing(serve_cpu, running_server_m
         port = busy.getsockname()[1]
         assert serve_cpu.main(["--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: cannot listen on 127.0.0.1:{port}: "), err
+    assert err == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use (is a server running there?)"]
     assert _untouched(running_server_metrics)
 
 
