@@ -28,7 +28,7 @@ from monodecode_ops.cli import app
 
 TIMEOUT_S = 0.5  # --timeout-s of every bench run below
 BENCH_REQUESTS = 8  # what one bench run asks at most: models, metrics x5, completions x2
-SLACK_S = 3.0  # process overheads (2 busy cores) on top of the timeouts
+SLACK_S = 10.0  # overheads on 2 busy cores on top of the timeouts (a hostile server held on for 20 s before)
 HYPOTHESIS = settings(
     max_examples=25,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],  # shrinking a slow server script takes minutes
