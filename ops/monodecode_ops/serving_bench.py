@@ -16,7 +16,10 @@ ignore). Every streamed chunk is timestamped on arrival:
 Endpoints are benchmarked one after the other, never at once, so they do not share the machine.
 Every problem the operator can cause or meet (an unreachable or non-OpenAI endpoint, a model name
 that is not served, two endpoints serving different models, a server that stops answering during
-the run) is a ``MonodecodeError`` with one line; nothing is written then.
+the run, an answer that is not what an OpenAI-compatible server sends) is a ``MonodecodeError``
+with one line; nothing is written then. Every request (model list, metrics, each streamed
+completion) goes through ``endpoint_http``: ``timeout`` bounds it as a whole, and its size is capped.
+Results are written under names no earlier run has (``write_results``).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ def _answer(status, bodies) -> st.SearchStrategy[Answer]:
     )
 
 
-def answers(kind: str, status_ok_weight: bool = True) -> st.SearchStrategy[Answer]:
+def answers(kind: str) -> st.SearchStrategy[Answer]:
     """Answers for ``kind`` (models | metrics | completions): mostly 200 with a hostile body,
     sometimes any status line; the valid answer of that kind is among them."""
     if kind == "models":
