@@ -70,3 +70,29 @@ def test_sigterm_removes_verify_temporary_directory(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == "error: terminated" and "Traceback" not in err
     assert not list(tmp_path.glob("monodecode-verify-*"))
+
+
+def test_verify_refuses_an_artifact_dir_with_a_symlinked_subdirectory(tmp_path):
+    """issue 29: verify passed with a file from outside the store behind a symlinked subdirectory."""
+    import json
+
+    from monodecode.services.artifacts import ArtifactStore
+
+    store = ArtifactStore(tmp_path / "art")
+    files = {"k1.hsaco": b"k1", "sub/k2.hsaco": b"k2"}
+    store.add(
+        build_key="a" * 64,
+        backend="flydsl",
+        arch="gfx942",
+        dims_digest="d" * 64,
+        widths=(1,),
+        files=files,
+        compiler={"name": "flydsl", "version": "0"},
+    )
+    r = CliRunner().invoke(app, ["verify", "--json", "--no-self-test", "--artifact-dir", str(tmp_path / "art")])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "art" / "sub").rename(tmp_path / "elsewhere")
+    (tmp_path / "art" / "sub").symlink_to(tmp_path / "elsewhere")
+    r = CliRunner().invoke(app, ["verify", "--json", "--no-self-test", "--artifact-dir", str(tmp_path / "art")])
+    check = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "artifact dir")
+    assert r.exit_code == 1 and check["status"] == "fail" and "goes through the symbolic link" in check["detail"]
