@@ -80,10 +80,12 @@ def check_port_free(host: str, port: int) -> None:
     from monodecode.errors import MonodecodeError
 
     try:
-        with socket.create_server((host, port)):
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # "::" is IPv6
+        with socket.create_server((host, port), family=family):
             pass
     except OSError as e:
-        reason = os.strerror(e.errno) if e.errno else str(e)  # create_server appends the address to strerror
+        # create_server appends the address to strerror; a name lookup's errno is its own
+        reason = e.strerror if isinstance(e, socket.gaierror) else os.strerror(e.errno) if e.errno else str(e)
         raise MonodecodeError(f"cannot listen on {host}:{port}: {reason} (is a server running there?)") from None
 
 
