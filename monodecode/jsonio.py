@@ -9,6 +9,7 @@ that are directories or FIFOs (a read that blocks forever). ``parse_json`` and
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -59,15 +60,21 @@ def parse_json(text: str | bytes, where: str, error: type[MonodecodeError] = Mon
         raise error(f"{where} has a number with too many digits") from None
 
 
-def open_regular(path: str | Path, where: str, error: type[MonodecodeError] = MonodecodeError) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file (following symlinks); a
-    directory, FIFO, device or socket is ``error``, and opening never blocks (O_NONBLOCK).
-    ``FileNotFoundError`` passes through. The caller closes the descriptor."""
+def open_regular(
+    path: str | Path, where: str, error: type[MonodecodeError] = MonodecodeError, follow_symlinks: bool = True
+) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file (following symlinks unless
+    ``follow_symlinks`` is False: then a symlink is ``error``); a directory, FIFO, device or
+    socket is ``error``, and opening never blocks (O_NONBLOCK). ``FileNotFoundError`` passes
+    through. The caller closes the descriptor."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise
     except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:
+            raise error(f"{where}: {path} is a symbolic link") from None
         raise error(f"{where}: cannot read {path}: {e.strerror or e}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -79,10 +86,14 @@ def open_regular(path: str | Path, where: str, error: type[MonodecodeError] = Mo
 
 
 def read_regular_file(
-    path: str | Path, where: str, error: type[MonodecodeError] = MonodecodeError, limit: int = MAX_JSON_BYTES
+    path: str | Path,
+    where: str,
+    error: type[MonodecodeError] = MonodecodeError,
+    limit: int = MAX_JSON_BYTES,
+    follow_symlinks: bool = True,
 ) -> bytes:
     """The bytes of the regular file ``path`` (``open_regular``), at most ``limit`` of them."""
-    fd = open_regular(path, where, error)
+    fd = open_regular(path, where, error, follow_symlinks)
     try:
         if os.fstat(fd).st_size > limit:
             raise error(f"{where}: {path} is larger than {limit} bytes")

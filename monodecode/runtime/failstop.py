@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -143,9 +145,10 @@ class FailStopRecorder:
         """Startup check: a marker that cannot be written would hide the next fail-stop."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            # a fresh name made with O_EXCL: a planted symlink is never followed
+            fd, probe = tempfile.mkstemp(dir=self.dir, prefix=".probe-")
+            os.close(fd)
+            os.unlink(probe)
         except OSError as e:
             raise MonodecodeError(f"fail-stop directory {self.dir} is not writable: {e.strerror}") from None
 
@@ -213,12 +216,25 @@ class FailStopRecorder:
 
     def _write_termination_message(self, event: FailStopEvent) -> bool:
         # Not temp+rename: Kubernetes bind-mounts this exact file; it is small and single-line.
+        # The directory may be shared, so the file is never a symlink (O_NOFOLLOW), a FIFO or
+        # device (O_NONBLOCK, then a regular-file check), nor a hard link to another file;
+        # only then is it truncated.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            with open(self.termination_log, "w") as f:
-                f.write(event.message()[:TERMINATION_MESSAGE_LIMIT] + "\n")
+            fd = os.open(self.termination_log, flags, 0o644)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return False
+            os.ftruncate(fd, 0)
+            os.write(fd, (event.message()[:TERMINATION_MESSAGE_LIMIT] + "\n").encode())
             return True
         except OSError:
             return False
+        finally:
+            os.close(fd)
 
     def fail(self, event: FailStopEvent) -> None:
         """Record ``event`` everywhere, then exit (or raise ``FailStop``). Never returns."""

@@ -13,6 +13,16 @@ malformed manifest, a path leaving the store, a missing file or a checksum misma
 ``ArtifactError`` naming the problem, never a load. Writes (``add``) go to temp files renamed
 into place, under a lock, so readers never see half a manifest and concurrent precompile runs
 do not lose each other's entries.
+
+Trust: the artifact directory is code. FlyDSL artifacts are pickles that are unpickled at
+startup, and a manifest certifies only itself: whoever can write the directory can run code in
+every server that loads it. So the store refuses (``ArtifactError``) a directory, inside the
+store or the store itself, that its group or others may write, and any symlink inside the store
+(a symlinked subdirectory or file would hand out, or let ``add`` write, files outside it); only
+the store's root may be given through a symlink. Ownership is the deployer's part: the image
+bakes the store into /opt/monodecode/artifacts owned by root, with files 0644 and directories
+0755, and runs as user 10001, which can read it and write nothing there. A directory mounted
+into a pod must be read-only to the server for the same reason.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from monodecode.errors import ArtifactError
-from monodecode.jsonio import open_regular, parse_json, read_regular_file
+from monodecode.jsonio import MAX_JSON_BYTES, open_regular, parse_json, read_regular_file
 from monodecode.services.faults import faults_from_env, find_fault
 
 MANIFEST = "manifest.json"
@@ -180,6 +191,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would leave the file unreadable to a server running as another user
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -234,10 +246,46 @@ class ArtifactStore:
     def manifest_path(self) -> Path:
         return self.root / MANIFEST
 
+    def _real_root(self) -> Path:
+        """The store's directory (a symlink to it is resolved: the operator named it), refused
+        when its group or others may write it. ``FileNotFoundError`` when it does not exist."""
+        real = Path(os.path.realpath(self.root))
+        st = os.stat(real)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ArtifactError(f"artifact directory {self.root} is not a directory")
+        _refuse_shared_writes(st, f"artifact directory {self.root}")
+        return real
+
+    def _path_in_store(self, rel: str, create_dirs: bool = False) -> Path:
+        """``rel`` under the real root, each directory on the way a plain directory (no symlink)
+        that only its owner may write (made 0755 when ``create_dirs``). ``FileNotFoundError``
+        when one is missing."""
+        where = f"artifact directory {self.root}"
+        path = self._real_root()
+        *dirs, name = PurePosixPath(_safe_rel(rel, where)).parts
+        for part in dirs:
+            path = path / part
+            if create_dirs:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o755)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                raise ArtifactError(
+                    f"{where}: {rel} goes through the symbolic link {path}; the store holds plain files"
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise ArtifactError(f"{where}: {path} is not a directory")
+            _refuse_shared_writes(st, f"{where}: {path}")
+        return path / name
+
+    def _read(self, rel: str, where: str, limit: int) -> bytes:
+        """The bytes of the store's file ``rel`` (never through a symlink), at most ``limit``."""
+        return read_regular_file(self._path_in_store(rel), where, ArtifactError, limit, follow_symlinks=False)
+
     def entries(self) -> list[ArtifactEntry]:
         """All entries (manifest validated, files not checked); [] when there is no manifest."""
         try:
-            text = read_regular_file(self.manifest_path, str(self.manifest_path), ArtifactError)
+            text = self._read(MANIFEST, str(self.manifest_path), MAX_JSON_BYTES)
         except FileNotFoundError:
             if self.manifest_digest is not None:
                 raise ArtifactError(f"{self.manifest_path} is missing; the image recorded one") from None
@@ -255,14 +303,15 @@ class ArtifactStore:
         """Check every file's size and sha256; ``ArtifactError`` on the first mismatch."""
         corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
         for f in entry.files:
-            path = self.root / f.path
             where = f"artifact {entry.build_key[:12]}: {f.path}"
             try:
-                fd = open_regular(path, where, ArtifactError)
+                fd = open_regular(self._path_in_store(f.path), where, ArtifactError, follow_symlinks=False)
             except FileNotFoundError:
                 raise ArtifactError(f"artifact {entry.build_key[:12]}: file {f.path} is missing") from None
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                _refuse_shared_writes(st, where)
+                size = st.st_size
                 if size != f.bytes:
                     raise ArtifactError(
                         f"artifact {entry.build_key[:12]}: checksum mismatch for {f.path} "
@@ -291,7 +340,7 @@ class ArtifactStore:
             raise ArtifactError(f"artifact {entry.build_key[:12]}: {relpath} is not in its manifest entry")
         where = f"artifact {entry.build_key[:12]}: {relpath}"
         try:
-            data = read_regular_file(self.root / relpath, where, ArtifactError, limit=f.bytes + 1)
+            data = self._read(relpath, where, limit=f.bytes + 1)
         except FileNotFoundError:
             raise ArtifactError(f"artifact {entry.build_key[:12]}: file {relpath} is missing") from None
         corrupt = find_fault(faults_from_env(), "corrupt_artifact") is not None
@@ -325,8 +374,8 @@ class ArtifactStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+            self.root.mkdir(mode=0o755, parents=True, exist_ok=True)  # not shared even under umask 002
+            fd = os.open(self._real_root() / ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
         except OSError as e:
             raise ArtifactError(f"artifact directory {self.root} is not writable: {e.strerror}") from None
         try:
@@ -376,13 +425,22 @@ class ArtifactStore:
             current = self.entries()
             try:
                 for rel, data in blobs:
-                    atomic_write_bytes(self.root / rel, data)
+                    atomic_write_bytes(self._path_in_store(rel, create_dirs=True), data)
                 kept = [e.to_dict() for e in current if e.build_key != build_key]
                 manifest = {"schema": SCHEMA, "artifacts": kept + [entry.to_dict()]}
-                atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2) + "\n").encode())
+                body = (json.dumps(manifest, indent=2) + "\n").encode()
+                atomic_write_bytes(self._path_in_store(MANIFEST), body)
             except OSError as e:
                 raise ArtifactError(f"artifact directory {self.root} is not writable: {e.strerror}") from None
         return ArtifactEntry(**{**entry.__dict__, "root": self.root})
+
+
+def _refuse_shared_writes(st: os.stat_result, what: str) -> None:
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ArtifactError(
+            f"{what} is writable by its group or others (mode {stat.S_IMODE(st.st_mode):04o}); artifacts are "
+            "loaded as code, so only their owner may write there"
+        )
 
 
 def _final_digest(h: Any, last: bytes, corrupt: bool) -> str:

@@ -8,6 +8,7 @@ Handled once, here, for every command:
 - errors: a user error (``MonodecodeError``) or a bad argument is one ``error: ...`` line on
   stderr with exit code 2, never a traceback or a framed box; under ``typer.testing.CliRunner``
   too, because it is done in the group;
+- SIGTERM (the console script): unwinds like Ctrl-C, cleans up, ``error: terminated``, exit 143;
 - ``--json``: one option, accepted before the command (``monodecode-ops --json inspect X``) or
   among its options (``monodecode-ops inspect X --json``); commands ask ``output.json_output()``;
 - help text is plain text (no rich markup), so ``host[/namespace]`` in a help string is text.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib
 import pkgutil
+import signal
 import sys
 from typing import Any
 
@@ -38,6 +40,15 @@ _CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "
 def _one_line(text: str, limit: int = 2000) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. Raised like Ctrl-C's KeyboardInterrupt, so ``finally`` blocks run
+    (temporary directories, the metrics server) instead of the process vanishing mid-command."""
+
+
+def _raise_terminated(_signum: int, _frame: Any) -> None:
+    raise Terminated()
 
 
 def _remember_json(_ctx: Any, _param: Any, value: bool) -> None:
@@ -65,6 +76,9 @@ class _OneLineErrors(TyperGroup):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             ctx.exit(130)
+        except Terminated:
+            click.echo("error: terminated", err=True)
+            ctx.exit(128 + signal.SIGTERM)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra: Any) -> Any:
         set_json_output(False)  # a fresh invocation (CliRunner reuses the process)
@@ -114,4 +128,5 @@ _register_commands()
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _raise_terminated)  # the console script only (not under CliRunner)
     sys.exit(app())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -68,6 +68,23 @@ def parse_profile_names(text: str) -> ProfileNames:
     return names
 
 
+def parse_path(text: str | Path) -> Path:
+    """A path option's text as a ``Path``; empty text is refused (``Path("")`` would silently be
+    the current directory)."""
+    if isinstance(text, Path):
+        return text
+    if not text.strip():
+        raise typer.BadParameter("must name a path, got ''")
+    if "\0" in text:
+        raise typer.BadParameter("must not contain NUL bytes")
+    return Path(text)
+
+
+def path_option(flag: str, help: str, default: Any = None) -> Any:
+    """A ``--flag PATH`` option parsed by ``parse_path`` (as a parameter's default, not in Annotated)."""
+    return typer.Option(default, flag, parser=parse_path, metavar="PATH", help=help)
+
+
 def _block_size(value: int) -> int:
     return config.check_block_size(value, "--block-size")
 
@@ -94,6 +111,7 @@ BlockSizeOpt = Annotated[
     typer.Option("--block-size", callback=_block_size, help=f"Paged-KV block size (1..{config.MAX_BLOCK_SIZE})."),
 ]
 ModelDirOpt = Annotated[
-    Optional[Path], typer.Option("--model", help="Model directory with a Hugging Face config.json.")
+    Optional[Path],
+    typer.Option("--model", parser=parse_path, metavar="PATH", help="Model directory with a Hugging Face config.json."),
 ]
 NetworkOpt = Annotated[Network, typer.Option("--network", help="Network for RUN steps (host works without a bridge).")]

@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 STATUSES = (PASS, FAIL, SKIP)
@@ -61,8 +62,10 @@ class Check:
 
 
 def console(stderr: bool = False) -> Console:
-    # soft_wrap keeps long paths and reasons intact when output is piped
-    return Console(stderr=stderr, soft_wrap=False, highlight=False)
+    # soft_wrap keeps long paths and reasons intact when output is piped; markup off: what is
+    # printed often came from outside (URLs, model names, paths), and "[v2]" or "[/]" in it is
+    # text, never style. Styles are given as rich Text objects instead.
+    return Console(stderr=stderr, soft_wrap=False, highlight=False, markup=False)
 
 
 def emit_json(obj: Any, stream: Any = None) -> None:
@@ -102,7 +105,7 @@ def checks_table(checks: Sequence[Check], title: str = "checks") -> Table:
     t.add_column("why", overflow="fold")
     for c in checks:
         label = c.status.upper() + ("" if c.required or c.status != FAIL else " (optional)")
-        t.add_row(c.name, f"[{_STYLE[c.status]}]{label}[/]", c.detail)
+        t.add_row(c.name, Text(label, style=_STYLE[c.status]), c.detail)
     return t
 
 
@@ -132,8 +135,11 @@ def report_checks(
         counts = {s: sum(1 for c in checks if c.status == s) for s in STATUSES}
         v = verdict(checks)
         con.print(
-            f"verdict: [{_STYLE[v]}]{v.upper()}[/]  "
-            f"({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped)"
+            Text.assemble(
+                "verdict: ",
+                (v.upper(), _STYLE[v]),
+                f"  ({counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped)",
+            )
         )
     return code
 

@@ -16,19 +16,19 @@ ignore). Every streamed chunk is timestamped on arrival:
 Endpoints are benchmarked one after the other, never at once, so they do not share the machine.
 Every problem the operator can cause or meet (an unreachable or non-OpenAI endpoint, a model name
 that is not served, two endpoints serving different models, a server that stops answering during
-the run) is a ``MonodecodeError`` with one line; nothing is written then.
+the run, an answer that is not what an OpenAI-compatible server sends) is a ``MonodecodeError``
+with one line; nothing is written then. Every request (model list, metrics, each streamed
+completion) goes through ``endpoint_http``: ``timeout`` bounds it as a whole, and its size is capped.
+Results are written under names no earlier run has (``write_results``).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
+import os
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from monodecode.errors import MonodecodeError
+from monodecode.jsonio import parse_json
+from monodecode_ops.endpoint_http import HttpFailure, HttpTarget, get, parse_http_url, post_stream
+from monodecode_ops.scrape import scrape_samples
 
 PERCENTILES = (50, 90, 99)
 
@@ -70,8 +73,8 @@ class Endpoint:
     label: str
 
     @property
-    def metrics_url(self) -> str:
-        return self.url + "/metrics"
+    def metrics_path(self) -> str:
+        return base_target(self.url).path + "/metrics"
 
 
 @dataclass
@@ -106,59 +109,56 @@ class LevelResult:
 # ---- endpoints -------------------------------------------------------------------------------
 
 
-def base_url(url: str) -> str:
-    """``http(s)://host:port`` from what an operator may paste (a trailing /v1 or /metrics is dropped)."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise MonodecodeError(f"--endpoint must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
-    path = parsed.path.rstrip("/")
+SERVER_EXAMPLE = "http://127.0.0.1:8000"
+MAX_MODELS_SHOWN = 10
+
+
+def base_target(url: str) -> HttpTarget:
+    """The server of what an operator may paste (a trailing /v1 or /metrics is dropped)."""
+    target = parse_http_url(url, "--endpoint", SERVER_EXAMPLE)
+    path = target.path.rstrip("/")
     for suffix in ("/metrics", "/v1"):
-        if path.endswith(suffix):
-            path = path[: -len(suffix)]
-    return urllib.parse.urlunparse(parsed._replace(path=path, params="", query="", fragment=""))
+        path = path.removesuffix(suffix)
+    return target.with_path(path)
 
 
-def _get_json(url: str, timeout: float) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked)
-        return json.load(resp)
+def base_url(url: str) -> str:
+    """``http(s)://host:port[/prefix]`` of what an operator may paste (``base_target``)."""
+    return base_target(url).shown
 
 
-def _unreachable(url: str, e: BaseException) -> str:
-    reason = getattr(e, "reason", None) or e
-    return f"{reason}".strip() or type(e).__name__
+def _served_models(doc: Any, base: str) -> list[str]:
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise MonodecodeError(f"endpoint {base}: /v1/models has no list of model ids: not an OpenAI-compatible server")
+    return [m["id"] for m in data]
+
+
+def _names(models: Sequence[str]) -> str:
+    shown = ", ".join(repr(m[:80]) for m in models[:MAX_MODELS_SHOWN])
+    return shown + (f" and {len(models) - MAX_MODELS_SHOWN} more" if len(models) > MAX_MODELS_SHOWN else "")
 
 
 def resolve_endpoint(url: str, model: str | None, label: str, timeout: float = 10.0) -> Endpoint:
     """Ask ``/v1/models`` which model the server serves; one-line errors for anything else."""
-    base = base_url(url)
+    target = base_target(url)
+    base = target.shown
     try:
-        doc = _get_json(base + "/v1/models", timeout)
-    except urllib.error.HTTPError as e:
-        raise MonodecodeError(
-            f"endpoint {base}: GET /v1/models answered HTTP {e.code}: not an OpenAI-compatible server"
-        ) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise MonodecodeError(f"endpoint {base}: cannot connect ({_unreachable(base, e)})") from None
-    except ValueError:
-        raise MonodecodeError(
-            f"endpoint {base}: /v1/models did not return JSON: not an OpenAI-compatible server"
-        ) from None
-    try:
-        served = [m["id"] for m in doc["data"]]
-    except (KeyError, TypeError):
-        raise MonodecodeError(
-            f"endpoint {base}: /v1/models has no model list: not an OpenAI-compatible server"
-        ) from None
+        body = get(target.with_path(target.path + "/v1/models"), timeout)
+    except HttpFailure as e:
+        if e.status is not None:
+            raise MonodecodeError(f"endpoint {base}: {e}: not an OpenAI-compatible server") from None
+        raise MonodecodeError(f"endpoint {base}: cannot connect ({e})") from None
+    doc = parse_json(body, f"endpoint {base}: /v1/models")
+    served = _served_models(doc, base)
     if model is None:
         if len(served) != 1:
             raise MonodecodeError(
-                f"endpoint {base} serves {len(served)} models ({', '.join(served)}): pick one with --model"
+                f"endpoint {base} serves {len(served)} models ({_names(served)}): pick one with --model"
             )
         model = served[0]
     elif model not in served:
-        raise MonodecodeError(
-            f"endpoint {base} does not serve model {model!r} (it serves: {', '.join(served) or 'none'})"
-        )
+        raise MonodecodeError(f"endpoint {base} does not serve model {model!r} (it serves: {_names(served) or 'none'})")
     return Endpoint(url=base, model=model, label=label)
 
 
@@ -183,37 +183,40 @@ def resolve_endpoints(urls: Sequence[str], model: str | None, timeout: float = 1
 
 def scrape_steps(ep: Endpoint, timeout: float = 10.0) -> dict[str, Any] | None:
     """monodecode step counters and ``monodecode_enabled`` from the server's /metrics (None: no series)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
-        with urllib.request.urlopen(ep.metrics_url, timeout=timeout) as resp:  # noqa: S310
-            text = resp.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError) as e:
-        raise MonodecodeError(f"endpoint {ep.url}: cannot scrape /metrics ({_unreachable(ep.url, e)})") from None
+        samples = scrape_samples(base_target(ep.url).with_path(ep.metrics_path), timeout)
+    except HttpFailure as e:
+        raise MonodecodeError(f"endpoint {ep.url}: cannot scrape /metrics ({e})") from None
     out: dict[str, Any] = {"mono": 0.0, "fallback": 0.0, "reasons": {}, "enabled": None, "seen": False}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "monodecode_steps_total":
+    for name in ("monodecode_steps_total", "monodecode_fallback_steps_total", "monodecode_enabled"):
+        for labels, v in samples.get(name, {}).items():
+            if not (math.isfinite(v) and v >= 0):
+                raise MonodecodeError(f"endpoint {ep.url}: /metrics has {name} = {v}, not a count")
+            labels = dict(labels)
+            if name == "monodecode_steps_total":
                 out["seen"] = True
-                out[s.labels.get("path", "")] = out.get(s.labels.get("path", ""), 0.0) + s.value
-            elif s.name == "monodecode_fallback_steps_total":
-                reason = s.labels.get("reason", "")
-                out["reasons"][reason] = out["reasons"].get(reason, 0.0) + s.value
-            elif s.name == "monodecode_enabled":
-                out["enabled"] = s.value if out["enabled"] is None else min(out["enabled"], s.value)
+                path = labels.get("path", "")
+                out[path] = out.get(path, 0.0) + v
+            elif name == "monodecode_fallback_steps_total":
+                reason = labels.get("reason", "")
+                out["reasons"][reason] = out["reasons"].get(reason, 0.0) + v
+            else:
+                out["enabled"] = v if out["enabled"] is None else min(out["enabled"], v)
     return out if out["seen"] else None
 
 
-def step_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
-    """Decode steps of one level: mono, decode (mono + fallbacks other than prefill), reasons."""
+def step_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, where: str = "") -> dict[str, Any]:
+    """Decode steps of one level: mono, decode (mono + fallbacks other than prefill), reasons.
+    A counter that went down (the server restarted during the level) is a ``MonodecodeError``."""
     if before is None or after is None:
         return {"mono": None, "decode": None, "fraction": None, "reasons": {}}
     mono = after["mono"] - before["mono"]
-    reasons = {
-        r: after["reasons"].get(r, 0.0) - before["reasons"].get(r, 0.0)
-        for r in after["reasons"]
-        if after["reasons"].get(r, 0.0) - before["reasons"].get(r, 0.0) > 0
-    }
+    changes = {r: after["reasons"].get(r, 0.0) - before["reasons"].get(r, 0.0) for r in after["reasons"]}
+    if mono < 0 or any(v < 0 for v in changes.values()) or set(before["reasons"]) - set(after["reasons"]):
+        raise MonodecodeError(
+            f"endpoint {where}: the monodecode step counters went down during the run (did the server restart?)"
+        )
+    reasons = {r: v for r, v in changes.items() if v > 0}
     decode = mono + sum(v for r, v in reasons.items() if r != "prefill")
     return {"mono": mono, "decode": decode, "fraction": (mono / decode) if decode else None, "reasons": reasons}
 
@@ -225,10 +228,30 @@ class EndpointDied(Exception):
     """A request could not complete: the server refused, reset, closed or stopped answering."""
 
 
+def _completion_tokens(chunk: dict, max_tokens: int) -> int | None:
+    usage = chunk.get("usage")
+    if not usage:
+        return None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= max_tokens:
+        raise EndpointDied(
+            f"the usage chunk's completion_tokens {str(tokens)[:40]!r} is not a count in 0..{max_tokens}"
+        )
+    return tokens
+
+
+def _carries_text(chunk: dict) -> bool:
+    choices = chunk.get("choices")
+    if choices is None:
+        return False
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise EndpointDied("a stream chunk's 'choices' is not a list of objects")
+    return any(c.get("text") for c in choices)
+
+
 def stream_completion(ep: Endpoint, prompt: str, max_tokens: int, timeout: float) -> RequestResult:
-    """POST one streamed greedy completion; timestamps every chunk that carries text."""
-    parsed = urllib.parse.urlparse(ep.url)
-    conn_cls = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+    """POST one streamed greedy completion; timestamps every chunk that carries text. The whole
+    request, stream included, ends within ``timeout``."""
     body = json.dumps(
         {
             "model": ep.model,
@@ -239,40 +262,36 @@ def stream_completion(ep: Endpoint, prompt: str, max_tokens: int, timeout: float
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
         }
-    )
-    conn = conn_cls(parsed.netloc, timeout=timeout)
+    ).encode()
+    target = base_target(ep.url)
+    stamps: list[float] = []
+    usage_tokens = None
+    done = False
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            detail = resp.read(300).decode("utf-8", "replace").strip().replace("\n", " ")
-            raise EndpointDied(f"HTTP {resp.status} from /v1/completions: {detail}")
-        stamps: list[float] = []
-        usage_tokens = None
-        done = False
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
-            if any(c.get("text") for c in chunk.get("choices") or ()):
-                stamps.append(time.perf_counter())
-        if not done:
-            raise EndpointDied("the response stream ended before [DONE]")
-    except (TimeoutError, OSError, http.client.HTTPException) as e:
-        raise EndpointDied(_unreachable(ep.url, e)) from None
-    except ValueError as e:
-        raise EndpointDied(f"an unreadable stream chunk ({e})") from None
-    finally:
-        conn.close()
-    tokens = int(usage_tokens) if usage_tokens is not None else len(stamps)
+        with post_stream(target.with_path(target.path + "/v1/completions"), body, timeout) as lines:
+            for raw in lines:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = parse_json(data, "a stream chunk")
+                except MonodecodeError as e:
+                    raise EndpointDied(f"an unreadable stream chunk ({e})") from None
+                if not isinstance(chunk, dict):
+                    raise EndpointDied(f"a stream chunk is a JSON {type(chunk).__name__}, not an object")
+                usage_tokens = _completion_tokens(chunk, max_tokens) if usage_tokens is None else usage_tokens
+                if _carries_text(chunk):
+                    stamps.append(time.perf_counter())
+    except HttpFailure as e:
+        raise EndpointDied(str(e)) from None
+    if not done:
+        raise EndpointDied("the response stream ended before [DONE]")
+    tokens = usage_tokens if usage_tokens is not None else len(stamps)
     res = RequestResult(tokens=tokens)
     if stamps:
         res.ttft_s = stamps[0] - t0
@@ -307,7 +326,7 @@ def run_level(
     timeout: float,
     on_request_done: Callable[[], None] = lambda: None,
 ) -> LevelResult:
-    before = scrape_steps(ep)
+    before = scrape_steps(ep, timeout)
     results: list[RequestResult] = []
     lock = threading.Lock()
     failure: list[str] = []
@@ -333,8 +352,8 @@ def run_level(
         raise MonodecodeError(
             f"endpoint {ep.url} stopped answering during the run (concurrency {concurrency}): {failure[0]}"
         )
-    after = scrape_steps(ep)
-    delta = step_delta(before, after)
+    after = scrape_steps(ep, timeout)
+    delta = step_delta(before, after, ep.url)
     tokens = sum(r.tokens for r in results)
     return LevelResult(
         endpoint=ep.url,
@@ -373,7 +392,7 @@ def run(
     levels: list[LevelResult] = []
     servers = []
     for ep in endpoints:
-        state = scrape_steps(ep)
+        state = scrape_steps(ep, timeout)
         servers.append(
             {
                 "label": ep.label,
@@ -499,26 +518,59 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"serving A/B: {doc['model']}, {doc['settings']['max_tokens']} output tokens per request, {doc['date']}",
         fontsize=9,
+        parse_math=False,  # a model name is text: "$" in it is not mathtext
     )
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
-    tmp.replace(path)
 
 
-def write_results(doc: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
-    """JSON and PNG under ``out_dir``, each written to a temporary name and renamed."""
+def check_out_dir(out_dir: Path) -> None:
+    """``--out`` can take the results: a directory, or one that can be made, and writable
+    (checked before the run; nothing is created here)."""
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise MonodecodeError(f"--out {out_dir}: {probe} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise MonodecodeError(f"--out {out_dir}: {probe} is not writable")
+
+
+def _publish(tmp: Path, final: Path) -> bool:
+    """Give ``tmp`` the name ``final`` unless ``final`` exists (a hard link never replaces)."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def write_results(doc: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """JSON and PNG under ``out_dir``, named after the run's time (``serving_ab_<UTC time>``, with
+    ``-2``, ``-3``... when taken): an earlier run's files are never replaced."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        stem = "serving_ab_" + doc["date"].replace(":", "").replace("-", "")
+        for n in range(1, 1000):
+            name = stem if n == 1 else f"{stem}-{n}"
+            jpath, ppath = out_dir / f"{name}.json", out_dir / f"{name}.png"
+            if jpath.exists() or ppath.exists():
+                continue
+            ptmp = out_dir / f".{name}.{os.getpid()}.png"
+            plot(doc, ptmp)
+            if not _publish(ptmp, ppath):
+                continue
+            jtmp = out_dir / f".{name}.{os.getpid()}.json"
+            jtmp.write_text(json.dumps(doc, indent=2) + "\n")
+            if _publish(jtmp, jpath):
+                return jpath, ppath
+            ppath.unlink(missing_ok=True)
     except OSError as e:
-        raise MonodecodeError(f"--out {out_dir}: cannot create the directory ({e.strerror or e})") from None
-    jpath, ppath = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    plot(doc, ppath)
-    tmp = jpath.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(jpath)
-    return jpath, ppath
+        raise MonodecodeError(f"--out {out_dir}: cannot write the results ({e.strerror or e})") from None
+    raise MonodecodeError(f"--out {out_dir}: 999 result files named {stem} already exist")
 
 
 def require_matplotlib() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -175,3 +176,34 @@ def test_random_weights():
     assert len(c.layers) == 2 and c.weight_dtype == "fp8" and c.layers[1].down_proj.scale.shape == (256,)
     assert a.layers[0].q_proj.weight.shape == (dims.q_size, dims.hidden_size)
     assert a.lm_head.weight is a.embed
+
+
+@pytest.mark.parametrize(
+    "index, needle",
+    [
+        (b'{"weight_map": {"a": "../../../../etc/passwd"}}', "names the shard '../../../../etc/passwd', outside"),
+        (b'{"weight_map": {"a": "/etc/passwd"}}', "names the shard '/etc/passwd', outside"),
+        (b'{"weight_map": {"a": 7}}', "names a shard '7' that is not a file name"),
+        (b'{"weight_map": ["x"]}', "is not a valid safetensors index (no 'weight_map' object)"),
+        (b"[1]", "is not a valid safetensors index"),
+        (b"\xff\xfe{}", "is not UTF-8 text"),
+        (b"[" * 100_000, "is nested too deeply"),
+    ],
+)
+def test_a_hostile_index_is_one_line_and_stays_in_the_model_dir(tmp_path, index, needle):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (tmp_path / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(ModelConfigError) as e:
+        load_weights(tmp_path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_fifo_index_or_shard_never_blocks(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(ModelConfigError, match="is not a regular file"):
+        load_weights(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    os.mkfifo(tmp_path / "model.safetensors")
+    with pytest.raises(ModelConfigError, match="model.safetensors is not a regular file"):
+        load_weights(tmp_path)

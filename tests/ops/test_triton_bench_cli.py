@@ -105,7 +105,10 @@ def _free_port() -> int:
             "error: --endpoint must be an http(s) URL such as http://127.0.0.1:8000, got 'ftp://x'",
         ),
         (["--endpoint", "http://a:1", "--concurrency", "0"], "error: --concurrency values must be in 1..256, got [0]"),
-        (["--endpoint", "http://a:1", "--max-tokens", "1"], "error: --requests must be >= 1, --max-tokens >= 2"),
+        (
+            ["--endpoint", "http://a:1", "--max-tokens", "1"],
+            "error: --requests must be in 1..10000 and --max-tokens in 2..65536, got 8 and 1",
+        ),
         (["--endpoint", "http://a:1", "--endpoint", "http://a:1/v1"], "error: the same --endpoint is given twice"),
     ],
 )

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from monodecode.runtime.failstop import EXIT_CODE, FailStopEvent, FailStopRecorder
+from monodecode.runtime.failstop import EXIT_CODE, FailStop, FailStopEvent, FailStopRecorder
 
 DRIVER = textwrap.dedent(
     """
@@ -218,3 +218,34 @@ def test_gpu_failstop_without_host_sync_keeps_the_promise(drive):
     (ev,) = marker["events"]
     assert (ev["step"], ev["site"], ev["layer"], ev["kernel"]) == (1, "nonfinite", 2, "k2")
     assert drive.termination_log.read_text().startswith("monodecode fail-stop: rank 0, step 1, site nonfinite")
+
+
+# ---- a shared fail-stop directory: planted links are never followed (issue 29) ---------------
+
+
+def test_planted_links_are_never_followed(tmp_path):
+    """A symlink or a hard link named like the termination log or the writability probe must
+    not let a fail-stop truncate another file: the victims keep their bytes, the marker is written."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    fsd = tmp_path / "fsd"
+    fsd.mkdir()
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # where a ".probe-<pid>" name once went
+        (fsd / f".probe-{pid}").symlink_to(victim)
+    (fsd / "termination-log").symlink_to(victim)
+    rec = FailStopRecorder(fsd, exit_on_failstop=False, termination_log=fsd / "termination-log")
+    rec.check_writable()
+    with pytest.raises(FailStop):
+        rec.fail(ev(time.time()))
+    hard = tmp_path / "hard-log"
+    os.link(victim, hard)
+    rec = FailStopRecorder(fsd, exit_on_failstop=False, termination_log=hard)
+    with pytest.raises(FailStop):
+        rec.fail(ev(time.time()))
+    assert victim.read_text() == "precious\n"
+    assert json.loads(rec.marker_path.read_text())["totals"] == {"wait_timeout": 2}
+    plain = tmp_path / "plain-log"
+    rec = FailStopRecorder(fsd, exit_on_failstop=False, termination_log=plain)
+    with pytest.raises(FailStop):
+        rec.fail(ev(time.time()))
+    assert plain.read_text().startswith("monodecode fail-stop: rank 0, step 1, site wait_timeout")

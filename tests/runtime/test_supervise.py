@@ -85,3 +85,36 @@ def test_sigterm_reaches_the_server_and_its_status_is_returned(tmp_path):
 def test_server_killed_by_a_signal_reports_128_plus_n(tmp_path):
     proc = _supervise(_child("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), tmp_path)
     assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie nobody reaped has stopped too
+
+
+def test_sigkill_of_the_supervisor_stops_the_server(tmp_path):
+    """No handler sees SIGKILL; PR_SET_PDEATHSIG still stops the server (issue 29: make serve orphaned vLLM)."""
+    pid_file = tmp_path / "pid"
+    child = _child(f"""
+        import os, pathlib, time
+        pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
+        time.sleep(60)
+    """)
+    proc = _supervise(child, tmp_path)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "child never started"
+        time.sleep(0.05)
+    server = int(pid_file.read_text())
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(server)
+    if alive:
+        os.kill(server, signal.SIGKILL)
+    assert not alive, "the server outlived its supervisor"

@@ -183,3 +183,61 @@ def test_concurrent_adds_keep_every_entry(tmp_path):
         t.join()
     assert sorted(e.build_key for e in store.entries()) == keys
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+# ---- the store is trusted code: no symlinks inside, no shared writes (issue 29) ------------------
+
+
+def test_written_files_are_readable_by_the_server_user(tmp_path):
+    """precompile's output is read by a server running as another user: files 0644, dirs 0755."""
+    store = ArtifactStore(tmp_path / "art")
+    add(store)
+    for rel in ("manifest.json", "k1.hsaco", "sub/k2.hsaco"):
+        assert (tmp_path / "art" / rel).stat().st_mode & 0o777 == 0o644, rel
+    assert (tmp_path / "art" / "sub").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_symlinked_subdirectory_is_refused_for_reads_and_writes(tmp_path):
+    store = ArtifactStore(tmp_path / "art")
+    add(store)
+    outside = tmp_path / "outside"
+    (tmp_path / "art" / "sub").rename(outside)
+    (tmp_path / "art" / "sub").symlink_to(outside)
+    with pytest.raises(ArtifactError, match=r"goes through the symbolic link .*/art/sub; the store holds plain files"):
+        store.lookup(KEY)
+    with pytest.raises(ArtifactError, match="goes through the symbolic link"):
+        add(store, KEY2, files={"sub/new.hsaco": b"x"})
+    assert not (outside / "new.hsaco").exists()
+
+
+def test_a_symlinked_file_or_manifest_is_refused(tmp_path):
+    store = ArtifactStore(tmp_path / "art")
+    add(store)
+    k1 = tmp_path / "art" / "k1.hsaco"
+    k1.rename(tmp_path / "k1-outside")
+    k1.symlink_to(tmp_path / "k1-outside")
+    with pytest.raises(ArtifactError, match="k1.hsaco is a symbolic link"):
+        store.lookup(KEY)
+    manifest = tmp_path / "art" / "manifest.json"
+    manifest.rename(tmp_path / "manifest-outside")
+    manifest.symlink_to(tmp_path / "manifest-outside")
+    with pytest.raises(ArtifactError, match="manifest.json is a symbolic link"):
+        store.entries()
+
+
+@pytest.mark.parametrize("where, mode", [("", 0o775), ("", 0o777), ("sub", 0o757), ("k1.hsaco", 0o664)])
+def test_what_others_may_write_is_refused(tmp_path, where, mode):
+    store = ArtifactStore(tmp_path / "art")
+    add(store)
+    (tmp_path / "art" / where).chmod(mode)
+    with pytest.raises(ArtifactError, match=rf"is writable by its group or others \(mode {mode:04o}\)"):
+        store.lookup(KEY)
+    with pytest.raises(ArtifactError):
+        store.verify_entry(store.entries()[0]) if where else store.entries()
+
+
+def test_the_store_itself_may_be_named_through_a_symlink(tmp_path):
+    store = ArtifactStore(tmp_path / "art")
+    add(store)
+    (tmp_path / "link").symlink_to(tmp_path / "art")
+    assert ArtifactStore(tmp_path / "link").lookup(KEY) is not None

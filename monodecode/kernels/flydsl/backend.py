@@ -14,7 +14,9 @@ runs on a ROCm device.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -104,30 +106,36 @@ class FlyDSLBackend(KernelBackend):
             raise RefusalError(reasons)
         key = self.build_key(req)
         run_dir = Path(tempfile.mkdtemp(prefix="monodecode-flydsl-run-"))
-        entry = None
-        if artifacts is not None:
-            try:
-                entry = artifacts.lookup(key)
-            except ArtifactError as e:
-                raise RefusalError(f"artifact_checksum: {e}") from None
-        if entry is not None:
-            try:
-                bake.stage_run_cache(entry, run_dir, artifacts)
-            except ArtifactError as e:
-                raise RefusalError(f"artifact_checksum: {e}") from None
-        elif allow_jit:
-            from monodecode.kernels.flydsl.offline import compile_in_subprocess
+        try:
+            entry = None
+            if artifacts is not None:
+                try:
+                    entry = artifacts.lookup(key)
+                except ArtifactError as e:
+                    raise RefusalError(f"artifact_checksum: {e}") from None
+            if entry is not None:
+                try:
+                    bake.stage_run_cache(entry, run_dir, artifacts)
+                except ArtifactError as e:
+                    raise RefusalError(f"artifact_checksum: {e}") from None
+            elif allow_jit:
+                from monodecode.kernels.flydsl.offline import compile_in_subprocess
 
-            compile_in_subprocess(
-                req.platform.arch, req.dims, list(req.widths), req.weight_dtype, req.block_size, run_dir
-            )
-        else:
-            where = f"in {artifacts.root}" if artifacts is not None else "(no artifact_dir configured)"
-            raise RefusalError(
-                f"no_artifact: no baked flydsl artifact for build key {key[:16]} {where} and allow_jit is false"
-            )
-        from monodecode.kernels.flydsl.launch import FlyDSLKernels
+                compile_in_subprocess(
+                    req.platform.arch, req.dims, list(req.widths), req.weight_dtype, req.block_size, run_dir
+                )
+            else:
+                where = f"in {artifacts.root}" if artifacts is not None else "(no artifact_dir configured)"
+                raise RefusalError(
+                    f"no_artifact: no baked flydsl artifact for build key {key[:16]} {where} and allow_jit is false"
+                )
+            from monodecode.kernels.flydsl.launch import FlyDSLKernels
 
-        kernels = FlyDSLKernels(req, weights)
-        kernels.bind(run_dir)
+            kernels = FlyDSLKernels(req, weights)
+            kernels.bind(run_dir)
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a refused or failed build leaves nothing behind
+            raise
+        # the launchers read the run-only cache while the kernels live; gone with them (or at exit)
+        weakref.finalize(kernels, shutil.rmtree, run_dir, ignore_errors=True)
         return kernels

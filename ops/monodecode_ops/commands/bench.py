@@ -13,6 +13,7 @@ With ``--endpoint URL`` (once or twice) it benchmarks live OpenAI-compatible ser
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
@@ -20,7 +21,8 @@ from typing import Optional
 import typer
 
 from monodecode.errors import MonodecodeError
-from monodecode_ops.options import ProfileNames, ProfileNamesOpt, parse_profile_names
+from monodecode_ops.endpoint_http import check_timeout
+from monodecode_ops.options import ProfileNames, ProfileNamesOpt, parse_profile_names, path_option
 from monodecode_ops.output import console, emit_json, json_output, table
 
 
@@ -29,6 +31,17 @@ def load_harness() -> ModuleType:
     from monodecode_ops.decode_bench import harness
 
     return harness
+
+
+DEFAULT_KERNEL_OUT = Path("benchmarks/results")
+MAX_REQUESTS = 10_000  # per level: hours of serving; more is a typo, and the prompts are kept in memory
+MAX_OUTPUT_TOKENS = 1 << 16
+
+
+def default_serving_out() -> Path:
+    """Outside any checkout: ``$MONODECODE_CACHE_DIR/bench``, else ``~/.cache/monodecode/bench``."""
+    root = os.environ.get("MONODECODE_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "monodecode") / "bench"
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -56,7 +69,11 @@ def bench(
     ),
     layers: int = typer.Option(0, "--layers", help="Time only the first N layers (0: all)."),
     replays: int = typer.Option(20, "--replays", help="Graph replays per measurement (median reported)."),
-    out: Path = typer.Option(Path("benchmarks/results"), "--out", help="Directory for the JSON and PNG."),
+    out: Optional[Path] = path_option(
+        "--out",
+        "Directory for the JSON and PNG (default: benchmarks/results; "
+        "with --endpoint: $MONODECODE_CACHE_DIR/bench, else ~/.cache/monodecode/bench).",
+    ),
     endpoint: Optional[list[str]] = typer.Option(
         None,
         "--endpoint",
@@ -67,7 +84,9 @@ def bench(
     concurrency: str = typer.Option("1,4", "--concurrency", help="With --endpoint: concurrent requests per level."),
     requests: int = typer.Option(8, "--requests", help="With --endpoint: requests per concurrency level."),
     max_tokens: int = typer.Option(32, "--max-tokens", help="With --endpoint: output tokens per request."),
-    timeout_s: float = typer.Option(120.0, "--timeout-s", help="With --endpoint: bound on one request."),
+    timeout_s: float = typer.Option(
+        120.0, "--timeout-s", help="With --endpoint: bound on one whole request (connect to last token)."
+    ),
 ) -> None:
     """Decode-step latency per backend, profile and batch, as a fraction of the memory roofline;
     with --endpoint, serving latency and throughput of live servers (A/B)."""
@@ -79,6 +98,7 @@ def bench(
     contexts = _ints(context, "--context")
     if layers < 0 or replays < 1:
         raise MonodecodeError("--layers must be >= 0 and --replays >= 1")
+    out = out or DEFAULT_KERNEL_OUT
     harness = load_harness()
     log = (lambda *_: None) if as_json else (lambda msg: console(stderr=True).print(msg, markup=False))
     doc = harness.run(list(profile), batches, contexts, layers or None, list(fp8_profile), replays, out, log=log)
@@ -104,7 +124,7 @@ def serving(
     requests: int,
     max_tokens: int,
     timeout_s: float,
-    out: Path,
+    out: Path | None,
     as_json: bool,
 ) -> None:
     """``bench --endpoint``: the A/B of live servers, as a table (or JSON), a JSON file and a PNG."""
@@ -115,12 +135,18 @@ def serving(
     levels = _ints(concurrency, "--concurrency")
     if any(c < 1 or c > 256 for c in levels):
         raise MonodecodeError(f"--concurrency values must be in 1..256, got {levels}")
-    if requests < 1 or max_tokens < 2 or not timeout_s > 0:
-        raise MonodecodeError("--requests must be >= 1, --max-tokens >= 2 and --timeout-s > 0")
+    if not (1 <= requests <= MAX_REQUESTS and 2 <= max_tokens <= MAX_OUTPUT_TOKENS):
+        raise MonodecodeError(
+            f"--requests must be in 1..{MAX_REQUESTS} and --max-tokens in 2..{MAX_OUTPUT_TOKENS}, "
+            f"got {requests} and {max_tokens}"
+        )
+    check_timeout(timeout_s, "--timeout-s")
+    out = out or default_serving_out()
+    sb.check_out_dir(out)  # before the run: a run's results are never lost to a bad --out
     sb.require_matplotlib()
-    endpoints = sb.resolve_endpoints(urls, model)
+    endpoints = sb.resolve_endpoints(urls, model, timeout=timeout_s)
     progress = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -130,8 +156,7 @@ def serving(
     )
     with progress:
         doc = sb.run(endpoints, levels, requests, max_tokens, timeout=timeout_s, progress=progress)
-    stem = f"serving_ab_{doc['date'][:10]}"
-    jpath, ppath = sb.write_results(doc, out, stem)
+    jpath, ppath = sb.write_results(doc, out)
     doc["paths"] = [str(jpath), str(ppath)]
     if as_json:
         emit_json(doc)

@@ -493,11 +493,11 @@ def execute(plan: BuildPlan, client=None) -> list[dict[str, Any]]:
     err = console(stderr=True)
     columns = (
         SpinnerColumn(),
-        TextColumn("[bold]{task.fields[arch]}"),
+        TextColumn("{task.fields[arch]}", style="bold", markup=False),
         BarColumn(),
         TextColumn("{task.completed}/{task.total} steps"),
         TimeElapsedColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # build output: text, never markup
     )
     try:
         with Progress(*columns, console=err, transient=False) as progress:

@@ -9,6 +9,7 @@ for people, ``--json`` for machines. An image without valid monodecode labels is
 from __future__ import annotations
 
 import typer
+from rich.text import Text
 
 from monodecode_ops.image_checks import read_image
 from monodecode_ops.labels import OCI, PREFIX
@@ -33,13 +34,17 @@ def inspect(
         return
     con = console()
     lab = c.labels
-    con.print(f"[bold]{image}[/]  id {c.image_id.split(':')[-1][:12]}  {_size(c.size_bytes)}  created {c.created[:19]}")
+    con.print(
+        Text.assemble(
+            (image, "bold"), f"  id {c.image_id.split(':')[-1][:12]}  {_size(c.size_bytes)}  created {c.created[:19]}"
+        )
+    )
     rows = [(k, v) for k, v in sorted(c.all_labels.items()) if k.startswith(PREFIX) or k.startswith(OCI)]
     con.print(table("labels (meanings: images/README.md)", ["label", "value"], rows))
     if c.manifest_text is None:
-        con.print(f"[bold red]no manifest at {lab.artifact_dir}/manifest.json[/]")
+        con.print(Text(f"no manifest at {lab.artifact_dir}/manifest.json", style="bold red"))
     elif c.manifest_error:
-        con.print(f"[bold red]manifest unreadable:[/] {c.manifest_error}")
+        con.print(Text.assemble(("manifest unreadable:", "bold red"), f" {c.manifest_error}"))
     else:
         problems = dict(c.artifact_problems)
         con.print(
@@ -65,7 +70,11 @@ def inspect(
         if not c.entries:
             con.print(f"no ahead-of-time artifacts baked (backends: {', '.join(lab.backends)})")
         if c.manifest_digest != lab.manifest_digest:
-            con.print(f"[bold red]manifest digest {c.manifest_digest} does not match label {lab.manifest_digest}[/]")
+            con.print(
+                Text(
+                    f"manifest digest {c.manifest_digest} does not match label {lab.manifest_digest}", style="bold red"
+                )
+            )
     info = c.image_info or {}
     versions = info.get("versions") or {}
     if versions:

@@ -29,6 +29,7 @@ from monodecode_ops.options import (
     WeightDtypeOpt,
     Widths,
     WidthsOpt,
+    path_option,
 )
 from monodecode_ops.output import console, emit_json, json_output, print_table
 
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
     @app.command("precompile")
     def precompile_cmd(
         arch: ArchOpt,
-        out: Path = typer.Option(..., "--out", help="Artifact directory (manifest.json + files)."),
+        out: Path = path_option("--out", "Artifact directory (manifest.json + files).", default=...),
         profile: ProfileOpt = None,
         model: ModelDirOpt = None,
         widths: WidthsOpt = None,

@@ -24,18 +24,18 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from monodecode.errors import MonodecodeError
-from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt
+from monodecode_ops.endpoint_http import HttpFailure, HttpTarget, parse_http_url
+from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt, path_option
 from monodecode_ops.output import Check, console, json_output, report_checks
+from monodecode_ops.scrape import Samples, scrape_samples, value
 
+METRICS_EXAMPLE = "http://host:8000/metrics"
 REQUIRED_SERIES = (
     "monodecode_enabled",
     "monodecode_steps_total",
@@ -122,6 +122,7 @@ def backend_checks(platform: Any) -> list[Check]:
 
 
 MAX_SERVE_SECONDS = 7 * 24 * 3600  # a week: longer belongs to a server, not a check
+MAX_WAIT_TIMEOUT_S = 3600.0  # a kernel wait that may last longer than an hour is a hang
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
 
 
@@ -177,21 +178,12 @@ def _load_model(model: Path | None, weight_dtype: str, device: str):
     return label, model_dir, dims, weights
 
 
-def _scrape(url: str, timeout: float = 10.0) -> dict[str, dict[tuple, float]]:
-    """GET a Prometheus text page -> {family name: {labels tuple: value}} (samples by name)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http(s) only, checked)
-        text = resp.read().decode("utf-8", "replace")
-    samples: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return samples
+def _scrape(url: str, timeout: float = 10.0) -> Samples:
+    """GET a Prometheus text page -> {sample name: {labels tuple: value}} (bounded: ``endpoint_http``)."""
+    return scrape_samples(parse_http_url(url, "metrics URL", METRICS_EXAMPLE), timeout)
 
 
-def _value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+_value = value
 
 
 def self_test(
@@ -345,22 +337,20 @@ def self_test(
 # ---- live endpoint ---------------------------------------------------------------------------
 
 
-def _metrics_url(url: str) -> str:
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise MonodecodeError(f"--endpoint must be an http(s) URL such as http://host:8000/metrics, got {url!r}")
-    if parsed.path in ("", "/"):
-        parsed = parsed._replace(path="/metrics")
-    return urllib.parse.urlunparse(parsed)
+def _metrics_target(url: str) -> HttpTarget:
+    target = parse_http_url(url, "--endpoint", METRICS_EXAMPLE)
+    return target.with_path("/metrics") if target.path == "/" else target
+
+
+ENDPOINT_TIMEOUT_S = 10.0  # the whole scrape of a live server's /metrics
 
 
 def endpoint_checks(url: str) -> list[Check]:
-    target = _metrics_url(url)
+    target = _metrics_target(url)
     try:
-        samples = _scrape(target)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        return [Check.failure("endpoint", f"cannot scrape {target}: {reason}")]
+        samples = scrape_samples(target, ENDPOINT_TIMEOUT_S)
+    except HttpFailure as e:
+        return [Check.failure("endpoint", f"cannot scrape {target.shown}: {e}")]
     families = {
         n[: -len(sfx)] if n.endswith(sfx) else n
         for n in samples
@@ -371,18 +361,21 @@ def endpoint_checks(url: str) -> list[Check]:
     if missing:
         return [
             Check.failure(
-                "endpoint", f"{target} lacks {', '.join(missing)} (is mono decode installed and the plugin loaded?)"
+                "endpoint",
+                f"{target.shown} lacks {', '.join(missing)} (is mono decode installed and the plugin loaded?)",
             )
         ]
     enabled = samples.get("monodecode_enabled", {})
     mono = _value(samples, "monodecode_steps_total", path="mono")
     fb = _value(samples, "monodecode_steps_total", path="fallback")
-    en = ", ".join(str(int(v)) for v in enabled.values()) or "?"
+    if not all(math.isfinite(v) and v >= 0 for v in (mono, fb, *enabled.values())):
+        return [Check.failure("endpoint", f"{target.shown}: the monodecode series hold negative or non-finite values")]
+    en = ", ".join(f"{v:g}" for v in enabled.values()) or "?"
     return [
         Check.passed(
             "endpoint",
-            f"{target}: monodecode series present; enabled={en}, steps mono {int(mono)} / fallback {int(fb)}",
-            data={"url": target, "enabled": list(enabled.values()), "mono": mono, "fallback": fb},
+            f"{target.shown}: monodecode series present; enabled={en}, steps mono {mono:.0f} / fallback {fb:.0f}",
+            data={"url": target.shown, "enabled": list(enabled.values()), "mono": mono, "fallback": fb},
         )
     ]
 
@@ -393,9 +386,7 @@ def endpoint_checks(url: str) -> list[Check]:
 def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify(
-        model: Optional[Path] = typer.Option(
-            None, "--model", help="HF model directory (default: the embedded tiny model)."
-        ),
+        model: Optional[Path] = path_option("--model", "HF model directory (default: the embedded tiny model)."),
         require_gpu: bool = typer.Option(False, "--require-gpu", help="Fail when no supported GPU is present."),
         metrics_port: int = typer.Option(
             0, "--metrics-port", help="Serve metrics on 127.0.0.1:PORT during the run (0 = any free port)."
@@ -413,11 +404,9 @@ def register(app: typer.Typer) -> None:
         widths: WidthsOpt = None,
         weight_dtype: WeightDtypeOpt = WeightDtype("bf16"),
         block_size: BlockSizeOpt = 16,
-        artifact_dir: Optional[Path] = typer.Option(
-            None, "--artifact-dir", help="Baked kernel artifacts (manifest.json)."
-        ),
-        failstop_dir: Optional[Path] = typer.Option(
-            None, "--failstop-dir", help="Fail-stop markers (default: a temporary directory)."
+        artifact_dir: Optional[Path] = path_option("--artifact-dir", "Baked kernel artifacts (manifest.json)."),
+        failstop_dir: Optional[Path] = path_option(
+            "--failstop-dir", "Fail-stop markers (default: a temporary directory)."
         ),
         serve_seconds: float = typer.Option(
             0.0, "--serve-seconds", help="Keep serving metrics this long after the checks."
@@ -434,7 +423,11 @@ def register(app: typer.Typer) -> None:
         if not (math.isfinite(serve_seconds) and 0 <= serve_seconds <= MAX_SERVE_SECONDS):
             raise MonodecodeError(f"--serve-seconds must be between 0 and {MAX_SERVE_SECONDS}, got {serve_seconds}")
         if endpoint is not None:
-            _metrics_url(endpoint)  # bad URL: usage error before any work
+            _metrics_target(endpoint)  # bad URL: usage error before any work
+        if image is not None and not image.strip():
+            raise MonodecodeError("--image must name an image, got ''")
+        if math.isfinite(wait_timeout_s) and wait_timeout_s > MAX_WAIT_TIMEOUT_S:
+            raise MonodecodeError(f"--wait-timeout-s must be at most {MAX_WAIT_TIMEOUT_S:g} s, got {wait_timeout_s:g}")
         overrides: dict[str, Any] = {"backend": backend, "wait_timeout_s": wait_timeout_s}
         if widths is not None:
             overrides["widths"] = list(widths)
@@ -474,7 +467,7 @@ def register(app: typer.Typer) -> None:
                 checks.append(Check.skipped("self-test", "--no-self-test given", required=False))
             if endpoint:
                 checks += endpoint_checks(endpoint)
-            if image:
+            if image is not None:
                 try:
                     from monodecode_ops.image_checks import verify_image  # lazy (Docker SDK)
                 except ImportError as e:

@@ -190,10 +190,15 @@ def test_staged_cache_is_the_verified_bytes(baked, tmp_path):
     assert staged and all(data == (baked / path).read_bytes() for path, data in staged.items())
 
 
-def test_missing_artifact_is_refused_without_jit(tmp_path):
+def test_missing_artifact_is_refused_without_jit(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the build's run dir goes
+    (tmp_path / "tmp").mkdir()
     with pytest.raises(RefusalError) as err:
         FlyDSLBackend().build(request(mi300x()), weights=None, artifacts=ArtifactStore(tmp_path), allow_jit=False)
     assert err.value.codes == ["no_artifact"]
+    assert not list((tmp_path / "tmp").iterdir())  # the refused build's run dir is gone (issue 29)
 
 
 def test_refusals_before_any_load(tmp_path):
