@@ -286,10 +286,12 @@ def bench_config(
         platform=detect_platform(),
         wait_timeout_s=2.0,
     )
+    paths, base = _stock_paths(dims, weights, stock, max(contexts), device, weight_dtype != "bf16", log)
+    if base is not None:
+        base.alias_model_weights(weights)  # one copy of the merged projections, before triton packs
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
-    paths, base = _stock_paths(dims, weights, stock, max(contexts), device, weight_dtype != "bf16", log)
     stock_path = base.fp8_path if base else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
