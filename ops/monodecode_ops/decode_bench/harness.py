@@ -12,8 +12,9 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        (``stock.StockDecode``: gather + SDPA), one CUDA graph
   stock-contig-graph   (a) per-op over contiguous per-row KV caches (SDPA reads them in place, the
                        KV write one scatter), one CUDA graph
-  stock-compiled-graph (b) as (a) with each layer's two halves around attention ``torch.compile``d
-                       (``dynamic=False``, the KV write inside the first half), one CUDA graph
+  stock-compiled-graph (``--stock compiled``) (b) as (a) with each layer's two halves around
+                       attention ``torch.compile``d (``dynamic=False``, the KV write inside the
+                       first half), one CUDA graph
   stock-fullgraph      each layer one ``torch.compile(fullgraph=True, dynamic=False)`` function
                        (``fullgraph.py``: the reference's math, Gemma's included), one CUDA graph
   stock-fullgraph-cdt  the same compiled with inductor's ``coordinate_descent_tuning`` (one-row
@@ -96,10 +97,12 @@ STOCK_PATHS = {
     "fullgraph-cdt": "stock-fullgraph-cdt",
     "floor": "stock-gemm-floor",
 }
-# The paged per-op step is left out by default: its gather copies every row's KV each layer, so it
-# is slower than the contiguous per-op step in every cell measured (runs 40-43) and at long contexts
-# costs device time for nothing; the verdict takes the fastest stock, which it never is.
-DEFAULT_STOCK = ("contig", "compiled", "fullgraph", "fullgraph-cdt", "floor")
+# Left out by default, to keep a run inside one device phase (``--stock`` adds them): the paged
+# per-op step (its gather copies every row's KV each layer: slower than the contiguous per-op step
+# in every cell of runs 40-43, and at long contexts device time for nothing) and the compiled
+# halves (the fullgraph step is the same compile without the break at attention; its two or three
+# compiles per cell are the largest share of a run's device time).
+DEFAULT_STOCK = ("contig", "fullgraph", "fullgraph-cdt", "floor")
 DEFAULT_W8A16_BATCHES = (1,)
 # Batches timed at the contexts after the first by default: the corners of the long-context
 # cells, so that one default run stays inside the ~420 s bench phase of device_run.sh
