@@ -63,7 +63,7 @@ def test_contexts_default_to_1k_8k_32k_and_context_selects_one(monkeypatch, tmp_
         "profiles": ["llama3-8b"],
         "batches": [1, 2, 4, 8],
         "contexts": [1024, 8192, 32768],
-        "stock": ["contig", "fullgraph", "fullgraph-cdt", "floor"],
+        "stock": ["contig", "fullgraph", "fullgraph-cdt", "fullgraph-splitk", "floor"],
         "long": [1, 8],
     }
     harness.main(["--context", "2048", "--batches", "1,8", "--stock", "fullgraph", "--out", str(tmp_path)])

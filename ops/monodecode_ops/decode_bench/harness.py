@@ -19,7 +19,9 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        (``fullgraph.py``: the reference's math, Gemma's included), one CUDA graph
   stock-fullgraph-cdt  the same compiled with inductor's ``coordinate_descent_tuning`` (one-row
                        GEMMs become fused reductions; FP8: W8A16 with the dequant fused, run at
-                       ``--w8a16-batches`` only: wider, it does not fuse and the BF16 stock is the bar)
+                       ``--w8a16-batches`` only: wider, it does not fuse)
+  stock-fullgraph-splitk  FP8 only: the fullgraph step with its projections through a split-K
+                       W8A16 Triton GEMM that reads the e4m3 weights once at any batch (``w8a16.py``)
   stock-gemm-floor     only the stock GEMMs, from one CUDA graph (first context only)
   triton               the persistent K1/K2 per layer (current launch target), one CUDA graph
   triton-<variant>     the same with a changed launch target (``--variants``)
@@ -95,6 +97,7 @@ STOCK_PATHS = {
     "compiled": "stock-compiled-graph",
     "fullgraph": "stock-fullgraph",
     "fullgraph-cdt": "stock-fullgraph-cdt",
+    "fullgraph-splitk": "stock-fullgraph-splitk",
     "floor": "stock-gemm-floor",
 }
 # Left out by default, to keep a run inside one device phase (``--stock`` adds them): the paged
@@ -102,13 +105,13 @@ STOCK_PATHS = {
 # in every cell of runs 40-43, and at long contexts device time for nothing) and the compiled
 # halves (the fullgraph step is the same compile without the break at attention; its two or three
 # compiles per cell are the largest share of a run's device time).
-DEFAULT_STOCK = ("contig", "fullgraph", "fullgraph-cdt", "floor")
+DEFAULT_STOCK = ("contig", "fullgraph", "fullgraph-cdt", "fullgraph-splitk", "floor")
 DEFAULT_W8A16_BATCHES = (1,)
 # Batches timed at the contexts after the first by default: the corners of the long-context
 # cells, so that one default run stays inside the ~420 s bench phase of device_run.sh
 # (``--long-context-batches 1,2,4,8`` times the whole matrix).
 DEFAULT_LONG_BATCHES = (1, 8)
-COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt")
+COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt", "stock-fullgraph-splitk")
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
@@ -241,6 +244,10 @@ def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device
         paths["stock-fullgraph"] = FullgraphStockDecode(dims, weights, max_context, device, share=base)
     if "stock-fullgraph-cdt" in want:
         paths["stock-fullgraph-cdt"] = FullgraphStockDecode(dims, weights, max_context, device, tuning=True, share=base)
+    if "stock-fullgraph-splitk" in want and fp8:
+        paths["stock-fullgraph-splitk"] = FullgraphStockDecode(
+            dims, weights, max_context, device, share=base, splitk=True
+        )
     return paths, base
 
 
