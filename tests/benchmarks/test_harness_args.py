@@ -63,10 +63,22 @@ def test_contexts_default_to_1k_8k_32k_and_context_selects_one(monkeypatch, tmp_
         "profiles": ["llama3-8b"],
         "batches": [1, 2, 4, 8],
         "contexts": [1024, 8192, 32768],
-        "stock": ["contig", "compiled", "fullgraph", "fullgraph-cdt", "floor"],
+        "stock": ["contig", "fullgraph", "fullgraph-cdt", "fullgraph-splitk", "floor"],
         "long": [1, 8],
     }
     harness.main(["--context", "2048", "--batches", "1,8", "--stock", "fullgraph", "--out", str(tmp_path)])
     assert seen["contexts"] == [2048] and seen["batches"] == [1, 8] and seen["stock"] == ["fullgraph"]
     harness.main(["--long-context-batches", "all", "--out", str(tmp_path)])
     assert seen["long"] is None
+
+
+def test_each_fp8_profile_runs_right_after_its_bf16_one():
+    """A run cut short by its deadline keeps an FP8 profile together with its BF16 bar."""
+    order = harness.config_order(["llama3-1b", "llama3-8b", "gemma3-27b"], ["llama3-8b", "qwen3-8b"])
+    assert order == [
+        ("llama3-1b", "bf16"),
+        ("llama3-8b", "bf16"),
+        ("llama3-8b", "fp8"),
+        ("gemma3-27b", "bf16"),
+        ("qwen3-8b", "fp8"),
+    ]

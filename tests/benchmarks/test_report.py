@@ -108,6 +108,10 @@ def test_fp8_bar_is_the_faster_of_w8a16_and_the_bf16_stock():
         rec("stock-fullgraph", 4.8, batch=8),
         rec("stock-compiled-graph", 5.7, batch=8, err=0.05, stock_gemm_path="W8A8", **fp8),
         rec("triton", 4.78, batch=8, **fp8),  # no W8A16 at batch 8: the BF16 stock is the bar
+        rec("stock-fullgraph", 4.8, batch=4),
+        rec("stock-fullgraph-splitk", 2.9, batch=4, **fp8),  # the split-K W8A16 GEMMs: the bar
+        rec("stock-fullgraph-cdt", 9.0, batch=4, **fp8),
+        rec("triton", 4.4, batch=4, **fp8),
     ]
     d = doc_of(rows)
     b1, b8 = per_cell(d, batch=1, weight_dtype="fp8"), per_cell(d, batch=8, weight_dtype="fp8")
@@ -115,9 +119,14 @@ def test_fp8_bar_is_the_faster_of_w8a16_and_the_bf16_stock():
     assert b1["stock_w8a16_ms"] == 3.24 and b1["stock_bf16_ms"] == 4.1
     assert (b8["stock_backend"], b8["stock_weight_dtype"], b8["stock_ms"]) == ("stock-fullgraph", "bf16", 4.8)
     assert b8["stock_w8a16_ms"] is None and b8["stock_over_triton"] == pytest.approx(4.8 / 4.78)
+    b4 = per_cell(d, batch=4, weight_dtype="fp8")
+    assert (b4["stock_backend"], b4["stock_ms"], b4["stock_w8a16_backend"]) == ("stock-fullgraph-splitk", 2.9) + (
+        "stock-fullgraph-splitk",
+    )
     lines = RP.fp8_table(d).splitlines()
-    assert lines[2] == "| llama3-8b | 1024 | 1 | 3.23 | 3.24 | 4.10 | stock-fullgraph-cdt (fp8) | 1.00x |"
+    assert lines[2] == "| llama3-8b | 1024 | 1 | 3.23 | 3.24 (cdt) | 4.10 | stock-fullgraph-cdt (fp8) | 1.00x |"
     assert lines[3] == "| llama3-8b | 1024 | 8 | 4.78 | n/a | 4.80 | stock-fullgraph (bf16) | 1.00x |"
+    assert lines[4] == "| llama3-8b | 1024 | 4 | 4.40 | 2.90 (splitk) | 4.80 | stock-fullgraph-splitk (fp8) | 0.66x |"
     assert "stock-fullgraph [bf16] 4.80" in RP.summary_table(d)
 
 

@@ -126,3 +126,26 @@ def test_contiguous_stock_layers_match_the_reference(profile, weight_dtype, comp
         window = dims.window_for_layer(l)
         assert stock.key[l].shape[2] == (min(ctx, window) if window else ctx)  # sliding layers: the window only
         x = y_ref
+
+
+@pytest.mark.parametrize("weight_dtype, fp8", [("bf16", "auto"), ("fp8", "dequant")])
+def test_model_weights_alias_the_merged_projections(weight_dtype, fp8):
+    """The benchmark keeps one copy of the merged QKV and gate/up weights: the model's q/k/v and
+    gate/up become row slices of the stock's merged tensors, with the same values (the reference
+    layer's output is bit-identical); FP8 weights dequantized to bf16 are not aliased."""
+    dims, w, meta, kv_ref, _ = _setup("tiny", weight_dtype, 2, [37, 70, 5])
+    x = torch.randn(3, dims.hidden_size).to(torch.bfloat16)
+    kv_a = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], BLOCK)
+    before = R.decode_layer(dims, 1, w.layers[1], x, meta, kv_a)
+    stock = StockDecode(dims, w, 128, "cpu", fp8=fp8)
+    freed = stock.alias_model_weights(w)
+    lw, L = w.layers[1], stock.layers[1]
+    if weight_dtype == "bf16":
+        per_layer = sum(t.weight.numel() * 2 for t in (lw.q_proj, lw.k_proj, lw.v_proj, lw.gate_proj, lw.up_proj))
+        assert freed == 2 * per_layer
+        assert lw.q_proj.weight.data_ptr() == L.qkv.weight.data_ptr()
+        assert lw.up_proj.weight.data_ptr() == L.gate_up.weight[dims.intermediate_size :].data_ptr()
+    else:
+        assert freed == 0 and lw.q_proj.weight.data_ptr() != L.qkv.weight.data_ptr()
+    after = R.decode_layer(dims, 1, w.layers[1], x, meta, kv_ref)
+    assert torch.equal(before, after)

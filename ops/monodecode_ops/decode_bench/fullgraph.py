@@ -35,9 +35,10 @@ from monodecode_ops.decode_bench.stock import (
     rope_tables,
     write_new_kv_compiled,
 )
+from monodecode_ops.decode_bench.w8a16 import w8a16_linear
 
 
-def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def linear_widened(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """bf16 ``F.linear``, or W8A16: the e4m3 weight widened to bf16 in the GEMM, times the
     per-output-channel scale in fp32, rounded once."""
     if scale is None:
@@ -48,12 +49,14 @@ def linear_w8a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 def fullgraph_layer(
     x, pos, kc, vc, cos_t, sin_t,
     attn_norm, wqkv, sqkv, q_norm, k_norm, wo, so, attn_post_norm, mlp_norm, wgu, sgu, wd, sd, mlp_post_norm,
-    *, eps, one_plus, nq, nkv, hd, inter, gelu, scale, start,
+    *, eps, one_plus, nq, nkv, hd, inter, gelu, scale, start, lin=None,
 ):  # fmt: skip
-    """One whole decoder layer at positions ``pos`` (see the module doc); returns the new residual."""
+    """One whole decoder layer at positions ``pos`` (see the module doc); returns the new residual.
+    ``lin``: the projection (default ``linear_widened``)."""
     rows, dt = x.shape[0], x.dtype
+    proj = lin or linear_widened
     h = R.rms_norm(x, attn_norm, eps, one_plus)
-    qkv = linear_w8a16(h, wqkv, sqkv)
+    qkv = proj(h, wqkv, sqkv)
     q = qkv[:, : nq * hd].view(rows, nq, hd)
     k = qkv[:, nq * hd : (nq + nkv) * hd].view(rows, nkv, hd)
     v = qkv[:, (nq + nkv) * hd :].view(rows, nkv, hd)
@@ -64,14 +67,14 @@ def fullgraph_layer(
     q, k = rope_rows(q, cos, sin), rope_rows(k, cos, sin)
     write_new_kv_compiled(kc, vc, pos, start, k, v)
     att = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, scale=scale, enable_gqa=True)
-    o = linear_w8a16(att.reshape(rows, nq * hd), wo, so)
+    o = proj(att.reshape(rows, nq * hd), wo, so)
     if attn_post_norm is not None:
         o = R.rms_norm(o, attn_post_norm, eps, one_plus)
     x = (x.float() + o.float()).to(dt)
-    gu = linear_w8a16(R.rms_norm(x, mlp_norm, eps, one_plus), wgu, sgu)
+    gu = proj(R.rms_norm(x, mlp_norm, eps, one_plus), wgu, sgu)
     g, u = gu[:, :inter].float(), gu[:, inter:]
     a = (F.gelu(g, approximate="tanh") if gelu else F.silu(g)).to(dt)
-    y = linear_w8a16((a.float() * u.float()).to(dt), wd, sd)
+    y = proj((a.float() * u.float()).to(dt), wd, sd)
     if mlp_post_norm is not None:
         y = R.rms_norm(y, mlp_post_norm, eps, one_plus)
     return (x.float() + y.float()).to(dt)
@@ -80,7 +83,8 @@ def fullgraph_layer(
 class FullgraphStockDecode(ContiguousStockDecode):
     """``forward_layer(l, x, meta, kv)`` like a kernel backend, over this path's ``ContiguousKV``
     (``load_cache``). ``tuning=True``: compiled with inductor's ``coordinate_descent_tuning`` (that
-    compile only). ``prepare`` takes the step's positions and builds nothing."""
+    compile only). ``splitk=True``: FP8 projections through ``w8a16.w8a16_linear`` (one read of the
+    e4m3 weights at any batch). ``prepare`` takes the step's positions and builds nothing."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class FullgraphStockDecode(ContiguousStockDecode):
         device,
         tuning: bool = False,
         share: StockDecode | None = None,
+        splitk: bool = False,
     ):
         fp8 = bool(weights.layers) and weights.layers[0].q_proj.kind != "bf16"
         # the merged e4m3 weights and scales of a W8A8 stock serve W8A16 as they are
@@ -99,11 +104,13 @@ class FullgraphStockDecode(ContiguousStockDecode):
             self._rope = rope_tables(dims, len(weights.layers), context, device)
             self.layers = [StockLayer(dims, l, w, "scaled_mm" if fp8 else "bf16") for l, w in enumerate(weights.layers)]
         self.dims, self.device, self._step = dims, torch.device(device), None
-        self.fp8_path = (
-            "W8A16: e4m3 weights widened to bf16 in the GEMM (F.linear(x, w.to(bf16)) * s)"
-            if fp8
-            else "bf16 GEMMs (F.linear)"
-        )
+        self.fp8_path = "bf16 GEMMs (F.linear)"
+        if fp8:
+            self.fp8_path = (
+                "W8A16: split-K Triton GEMM reading e4m3 weights (w8a16.py)"
+                if splitk
+                else "W8A16: e4m3 weights widened to bf16 in the GEMM (F.linear(x, w.to(bf16)) * s)"
+            )
         self.norms = [
             (w.attn_norm, w.q_norm, w.k_norm, w.attn_post_norm, w.mlp_norm, w.mlp_post_norm) for w in weights.layers
         ]
@@ -118,6 +125,7 @@ class FullgraphStockDecode(ContiguousStockDecode):
             "inter": dims.intermediate_size,
             "gelu": dims.activation == "gelu_tanh",
             "scale": dims.attn_scale,
+            "lin": w8a16_linear if splitk else linear_widened,
         }
         raise_recompile_limit()
         self._layer = torch.compile(

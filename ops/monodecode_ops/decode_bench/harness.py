@@ -12,13 +12,16 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        (``stock.StockDecode``: gather + SDPA), one CUDA graph
   stock-contig-graph   (a) per-op over contiguous per-row KV caches (SDPA reads them in place, the
                        KV write one scatter), one CUDA graph
-  stock-compiled-graph (b) as (a) with each layer's two halves around attention ``torch.compile``d
-                       (``dynamic=False``, the KV write inside the first half), one CUDA graph
+  stock-compiled-graph (``--stock compiled``) (b) as (a) with each layer's two halves around
+                       attention ``torch.compile``d (``dynamic=False``, the KV write inside the
+                       first half), one CUDA graph
   stock-fullgraph      each layer one ``torch.compile(fullgraph=True, dynamic=False)`` function
                        (``fullgraph.py``: the reference's math, Gemma's included), one CUDA graph
   stock-fullgraph-cdt  the same compiled with inductor's ``coordinate_descent_tuning`` (one-row
                        GEMMs become fused reductions; FP8: W8A16 with the dequant fused, run at
-                       ``--w8a16-batches`` only: wider, it does not fuse and the BF16 stock is the bar)
+                       ``--w8a16-batches`` only: wider, it does not fuse)
+  stock-fullgraph-splitk  FP8 only: the fullgraph step with its projections through a split-K
+                       W8A16 Triton GEMM that reads the e4m3 weights once at any batch (``w8a16.py``)
   stock-gemm-floor     only the stock GEMMs, from one CUDA graph (first context only)
   triton               the persistent K1/K2 per layer (current launch target), one CUDA graph
   triton-<variant>     the same with a changed launch target (``--variants``)
@@ -94,18 +97,21 @@ STOCK_PATHS = {
     "compiled": "stock-compiled-graph",
     "fullgraph": "stock-fullgraph",
     "fullgraph-cdt": "stock-fullgraph-cdt",
+    "fullgraph-splitk": "stock-fullgraph-splitk",
     "floor": "stock-gemm-floor",
 }
-# The paged per-op step is left out by default: its gather copies every row's KV each layer, so it
-# is slower than the contiguous per-op step in every cell measured (runs 40-43) and at long contexts
-# costs device time for nothing; the verdict takes the fastest stock, which it never is.
-DEFAULT_STOCK = ("contig", "compiled", "fullgraph", "fullgraph-cdt", "floor")
+# Left out by default, to keep a run inside one device phase (``--stock`` adds them): the paged
+# per-op step (its gather copies every row's KV each layer: slower than the contiguous per-op step
+# in every cell of runs 40-43, and at long contexts device time for nothing) and the compiled
+# halves (the fullgraph step is the same compile without the break at attention; its two or three
+# compiles per cell are the largest share of a run's device time).
+DEFAULT_STOCK = ("contig", "fullgraph", "fullgraph-cdt", "fullgraph-splitk", "floor")
 DEFAULT_W8A16_BATCHES = (1,)
 # Batches timed at the contexts after the first by default: the corners of the long-context
 # cells, so that one default run stays inside the ~420 s bench phase of device_run.sh
 # (``--long-context-batches 1,2,4,8`` times the whole matrix).
 DEFAULT_LONG_BATCHES = (1, 8)
-COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt")
+COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt", "stock-fullgraph-splitk")
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
@@ -238,6 +244,10 @@ def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device
         paths["stock-fullgraph"] = FullgraphStockDecode(dims, weights, max_context, device, share=base)
     if "stock-fullgraph-cdt" in want:
         paths["stock-fullgraph-cdt"] = FullgraphStockDecode(dims, weights, max_context, device, tuning=True, share=base)
+    if "stock-fullgraph-splitk" in want and fp8:
+        paths["stock-fullgraph-splitk"] = FullgraphStockDecode(
+            dims, weights, max_context, device, share=base, splitk=True
+        )
     return paths, base
 
 
@@ -286,10 +296,12 @@ def bench_config(
         platform=detect_platform(),
         wait_timeout_s=2.0,
     )
+    paths, base = _stock_paths(dims, weights, stock, max(contexts), device, weight_dtype != "bf16", log)
+    if base is not None:
+        base.alias_model_weights(weights)  # one copy of the merged projections, before triton packs
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
-    paths, base = _stock_paths(dims, weights, stock, max(contexts), device, weight_dtype != "bf16", log)
     stock_path = base.fp8_path if base else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
@@ -662,8 +674,11 @@ def run(
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.replace(jpath)
 
-    configs = [(p, "bf16") for p in profiles] + [(p, "fp8") for p in fp8_profiles]
-    for p, dtype in configs:
+    for p, dtype in config_order(profiles, fp8_profiles):
+        if deadline is not None and time.monotonic() > deadline:
+            log(f"# {p} {dtype}: skipped, the run's time budget (--deadline-s) is spent")
+            doc.setdefault("skipped_configs", []).append(f"{p} {dtype}")
+            continue
         bench_config(
             p,
             dtype,
@@ -691,6 +706,17 @@ def run(
     save()
     doc["paths"] = [str(jpath)] + write_plots(doc, out_dir, stem)
     return doc
+
+
+def config_order(profiles, fp8_profiles) -> list[tuple[str, str]]:
+    """(profile, weight dtype) in run order: each FP8 profile right after the same profile's BF16
+    one (its bar is that BF16 stock; a run cut short by its deadline keeps both), then the rest."""
+    out = []
+    for p in profiles:
+        out.append((p, "bf16"))
+        if p in fp8_profiles:
+            out.append((p, "fp8"))
+    return out + [(p, "fp8") for p in fp8_profiles if p not in profiles]
 
 
 def write_plots(doc: dict, out_dir: Path, stem: str) -> list[str]:
@@ -738,6 +764,8 @@ def print_report(doc: dict) -> None:
         print("\nFP8 triton against its bars (W8A16 fused-dequant stock; BF16 stock of the same cell):\n")
         print(fp8)
     s = doc["summary"]
+    if doc.get("skipped_configs"):
+        print(f"\nnot run (time budget): {', '.join(doc['skipped_configs'])}")
     print(f"\ntriton never slower than the strongest stock: {s['never_slower_than_stock']}")
     print(f"speed targets (>= 1.00x every cell, >= 1.10x at batch 1 up to 8k) met: {s['speed_targets_met']}")
     print("\n".join(doc.get("paths", [])))
@@ -782,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.report:
             doc = load_reports(a.report)
+            Path(a.out).mkdir(parents=True, exist_ok=True)
             doc["paths"] = write_plots(doc, Path(a.out), Path(a.report[0]).stem + "_report")
             print_report(doc)
             return 0

@@ -164,6 +164,24 @@ class StockDecode:
         self._rope = rope_tables(dims, len(self.layers), max_position, self.device)
         self._step = None
 
+    def alias_model_weights(self, weights) -> int:
+        """Point ``weights``' q/k/v and gate/up projections at row slices of this path's merged
+        tensors (the same values), so that the model and the stock hold one copy (27B: 34 GB
+        less, room for long-context KV caches). Only where the merged tensor has the model's
+        dtype (not for FP8 dequantized to bf16). Returns the bytes freed."""
+        freed = 0
+        for lw, L in zip(weights.layers, self.layers):
+            for merged, parts in ((L.qkv, (lw.q_proj, lw.k_proj, lw.v_proj)), (L.gate_up, (lw.gate_proj, lw.up_proj))):
+                if merged.weight.dtype != parts[0].weight.dtype or merged.weight.device != parts[0].weight.device:
+                    continue
+                row = 0
+                for lin in parts:
+                    n = lin.weight.shape[0]
+                    freed += lin.weight.numel() * lin.weight.element_size()
+                    lin.weight = merged.weight[row : row + n]
+                    row += n
+        return freed
+
     def prepare(self, meta, block_size: int) -> None:
         """Per-step state shared by the layers (device ops only: capturable)."""
         slots = meta.slot_mapping.long()
