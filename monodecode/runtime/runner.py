@@ -303,8 +303,7 @@ class Runner:
         if self._width_note:
             return f"{line} ({self._width_note})"
         run = self._width_run
-        line += f" (timed against {self._stock_name} at contexts up to the deployment's"
-        line += f" longest, {run.duration_s:.1f} s)" if run else ")"
+        line += f" (timed against {self._stock_name}" + (f" in {run.duration_s:.1f} s)" if run else ")")
         if self._dropped_widths:
             line += "; dropped " + "; ".join(f"{w} ({why})" for w, why in self._dropped_widths.items())
         kept = {w: ts for w, ts in self._width_timings.items() if w in self._served_widths}

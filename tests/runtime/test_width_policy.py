@@ -7,14 +7,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import ClassVar
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from monodecode.config import MonoConfig
-from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
 from monodecode.metrics import MonoMetrics
 from monodecode.model.profiles import profile_dims
 from monodecode.model.reference import decode_layer
@@ -64,27 +62,6 @@ def test_timing_contexts_span_1024_to_the_longest_the_budget_holds():
     assert timing_contexts(32767, 8191) == (1024, 2896, 8191)  # the KV budget holds 8k per row
     assert timing_contexts(255, 10**9) == (63, 127, 255)  # below 2k: a quarter, between, the longest
     assert timing_contexts(1, 10**9) == (1,)
-
-
-class SlowAtTwo(ReferenceKernels):
-    """The reference math, but a width-2 step costs 30 ms more per layer."""
-
-    def forward_layer(self, layer, x, meta, kv):
-        if self._width(x.shape[0]) == 2:
-            time.sleep(0.03)
-        return super().forward_layer(layer, x, meta, kv)
-
-
-class SlowAtTwoBackend(ReferenceBackend):
-    name: ClassVar[str] = "test_slow_at_two"
-
-    def build(self, req, weights, artifacts, allow_jit):
-        return SlowAtTwo(req, weights)
-
-
-@pytest.fixture
-def slow_at_two(backend):
-    return backend(SlowAtTwoBackend)
 
 
 def runner(tmp_path, weights, stock_layer=None, max_len=None, **cfg):
