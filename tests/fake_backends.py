@@ -12,11 +12,13 @@ from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKern
 
 
 class SlowAtTwo(ReferenceKernels):
-    """The reference math, but a width-2 step costs 30 ms more per layer."""
+    """The reference math, but a width-2 step costs ``delay_s`` (30 ms) more per layer."""
+
+    delay_s: ClassVar[float] = 0.03
 
     def forward_layer(self, layer, x, meta, kv):
         if self._width(x.shape[0]) == 2:
-            time.sleep(0.03)
+            time.sleep(self.delay_s)
         return super().forward_layer(layer, x, meta, kv)
 
 

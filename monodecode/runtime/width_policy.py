@@ -91,16 +91,19 @@ class TimingRun:
 
 
 def time_widths(
-    bench: StockBench, widths: tuple[int, ...], device_type: str, total_budget_s: float = TOTAL_BUDGET_S
+    bench: StockBench, widths: tuple[int, ...], device_type: str, total_budget_s: float | None = None
 ) -> TimingRun:
     """Each width's mono step against ``bench``'s stock step at each of its contexts, longest
-    first (where mono's margin is smallest), until ``total_budget_s`` is spent."""
+    first (where mono's margin is smallest), until ``total_budget_s`` is spent. A width that
+    loses at one context is dropped whatever the others say: its shorter contexts are not timed."""
     t0 = time.perf_counter()
-    deadline = t0 + total_budget_s
+    deadline = t0 + (TOTAL_BUDGET_S if total_budget_s is None else total_budget_s)
     timings: dict[int, list[WidthTiming]] = {}
     skipped = []
     for width in widths:
         for context in sorted(bench.contexts(width), reverse=True):
+            if any(not t.speedup > 1.0 for t in timings.get(width, ())):
+                break  # lost already: dropped
             if time.perf_counter() > deadline:
                 skipped.append((width, context))
                 continue
@@ -195,11 +198,12 @@ class LayerBench:
 
 
 def time_step(
-    run: Callable[[], object], device_type: str, graph: bool = True, budget_s: float = BUDGET_S
+    run: Callable[[], object], device_type: str, graph: bool = True, budget_s: float | None = None
 ) -> tuple[float, int, str]:
     """Seconds of the fastest of up to ``REPLAYS`` runs of ``run`` (after one untimed run), how
     many were timed, and how: "graph" (captured once, replays timed; CUDA/ROCm only) or "eager"
-    (when ``graph`` is off, on the CPU, or when the capture fails)."""
+    (when ``graph`` is off, on the CPU, or when the capture fails). ``budget_s``: ``BUDGET_S``."""
+    budget_s = BUDGET_S if budget_s is None else budget_s
     if device_type == "cuda" and graph:
         timed = _time_graph(run, budget_s)
         if timed is not None:
