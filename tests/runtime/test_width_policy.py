@@ -168,8 +168,9 @@ def test_interpreted_kernels_lose_to_stock_and_auto_degrades(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU torch can launch on")
 def test_gpu_widths_timed_as_graphs(tmp_path):
-    """On a GPU the compiled Triton kernels and the stock layers are both captured and their
-    graph replays timed; the served widths are exactly those measured faster."""
+    """On a GPU the compiled Triton kernels and the stock layers (outside vLLM: the reference,
+    named so) are both captured and their graph replays timed at contexts from 1024 up to
+    max_model_len 8192; the served widths are exactly those measured faster at every context."""
     from monodecode.services.platform import detect_platform
 
     dims = profile_dims("llama3-1b")
@@ -184,13 +185,17 @@ def test_gpu_widths_timed_as_graphs(tmp_path):
         exit_on_failstop=False,
     )
     reg = CollectorRegistry()
-    r = Runner(cfg, dims, gpu_weights, detect_platform(0), metrics=MonoMetrics(reg), faults=()).start()
+    platform = detect_platform(0)
+    r = Runner(cfg, dims, gpu_weights, platform, metrics=MonoMetrics(reg), faults=(), max_model_len=8192).start()
     t = r.width_timings
     print(r.width_report())
-    assert sorted(t) == [1, 8] and all(x.how == "graph" and x.mono_s > 0 and x.stock_s > 0 for x in t.values())
-    assert r.served_widths == tuple(w for w in (1, 8) if t[w].speedup > 1)
-    for w, x in t.items():
-        assert reg.get_sample_value("monodecode_width_speedup", {"width": str(w)}) == pytest.approx(x.speedup)
+    timed = [x for ts in t.values() for x in ts]
+    assert sorted(t) == [1, 8] and all(x.how == "graph" and x.mono_s > 0 and x.stock_s > 0 for x in timed)
+    assert r.stock_side == "reference" and t[1][-1].context == 8191
+    assert r.served_widths == tuple(w for w in (1, 8) if all(x.speedup > 1 for x in t[w]))
+    for x in timed:
+        labels = {"width": str(x.width), "context": str(x.context), "stock": "reference"}
+        assert reg.get_sample_value("monodecode_width_speedup", labels) == pytest.approx(x.speedup)
     assert (r.state == "mono") == bool(r.served_widths)
 
 

@@ -41,9 +41,7 @@ def _model(model_dirs, tmp_path, backend: str):
     return cfg, model
 
 
-def test_a_width_slower_than_vllms_layers_is_dropped_at_every_context(
-    model_dirs, vllm_distributed, tmp_path, slow_at_two
-):
+def test_a_width_slower_than_vllms_layers_is_dropped(model_dirs, vllm_distributed, tmp_path, slow_at_two):
     from monodecode.runtime.vote import StepInfo
     from monodecode.vllm_plugin import stock
 
