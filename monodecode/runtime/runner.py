@@ -591,7 +591,7 @@ class Runner:
         """Served widths from the timings, agreed by every rank (a width is served only where it
         won on every rank); a ``slower_than_stock`` reason when none is left."""
         served, self._dropped_widths = choose_widths(widths, self._width_timings, self._config.width_policy)
-        if self._width_timings:
+        if self._stock_name is not None:  # every rank timed or tried to (agreed in _measure): all vote
             served = tuple(w for w in widths if self._vote.agree(w in served))
             for w in widths:
                 if w not in served and w not in self._dropped_widths:
@@ -632,19 +632,26 @@ class Runner:
 
     def _measure(self, bench: StockBench | None, unavailable: str | None) -> None:
         """Time every width against ``bench`` (every rank agrees first that its stock side can
-        run); where one cannot, nothing is timed and every width is served, saying why."""
+        run); where one cannot, or the timing raises (the kernels passed their checks), nothing
+        is timed and every width is served, saying why."""
         if not self._vote.agree(bench is not None):
-            why = unavailable or "the stock step cannot run on another tensor-parallel rank"
-            self._stock_name = STOCK_UNAVAILABLE
-            self._width_note = f"not timed: {why}; every width is served untimed, as with force"
-            log.warning("mono decode width policy: %s", self._width_note)
+            self._untimed(unavailable or "the stock step cannot run on another tensor-parallel rank")
             return
         try:
             self._width_run = time_widths(bench, tuple(self._config.widths), self.device.type)
+        except Exception as e:
+            self._untimed(f"timing the widths against {bench.name} raised {exception_line(e, 200)}")
+            return
         finally:
             bench.close()
         self._stock_name = bench.name
         self._width_timings = self._width_run.timings
+
+    def _untimed(self, why: str) -> None:
+        self._stock_name = STOCK_UNAVAILABLE
+        self._width_timings, self._width_run = {}, None
+        self._width_note = f"not timed: {why}; every width is served untimed, as with force"
+        log.warning("mono decode width policy: %s", self._width_note)
 
     def time_widths(self, bench: StockBench | None, unavailable: str | None = None) -> None:
         """The deferred width timing (``defer_width_timing``), every rank at the same point before
@@ -655,14 +662,7 @@ class Runner:
             return
         self._timing_pending = False
         self._width_note = None
-        try:
-            self._measure(bench, unavailable)
-        except Exception as e:
-            # the kernels passed their checks: a timing that cannot finish serves them untimed
-            self._stock_name = STOCK_UNAVAILABLE
-            self._width_timings, self._width_run = {}, None
-            self._width_note = f"not timed: timing the widths raised {exception_line(e, 200)}"
-            log.warning("mono decode width policy: %s", self._width_note)
+        self._measure(bench, unavailable)
         reasons = self._apply_width_choice(tuple(self._config.widths))
         self._export_width_timing()
         log.info("mono decode on rank %d: %s", self._tp_rank, self.width_report())

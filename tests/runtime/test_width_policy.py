@@ -7,12 +7,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import ClassVar
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 from monodecode.config import MonoConfig
+from monodecode.kernels.reference_backend import ReferenceBackend, ReferenceKernels
 from monodecode.metrics import MonoMetrics
 from monodecode.model.profiles import profile_dims
 from monodecode.model.reference import decode_layer
@@ -214,4 +216,31 @@ def test_a_stock_layer_that_cannot_run_leaves_the_widths_untimed_never_reference
         "width policy auto: serving widths [2] (not timed: the stock layer cannot run at warm-up "
         "(RuntimeError: Forward context is not set.); every width is served untimed, as with force)"
     )
+    assert reg.get_sample_value("monodecode_width_timing_seconds", {"stock": "unavailable"}) == 0
+
+
+class FailsAtLongContexts(ReferenceKernels):
+    """Passes the golden check (short contexts), raises on contexts longer than 64 tokens."""
+
+    def forward_layer(self, layer, x, meta, kv):
+        if int(meta.seq_lens.max()) > 64:
+            raise RuntimeError("HIP error: an illegal memory access was encountered")
+        return super().forward_layer(layer, x, meta, kv)
+
+
+class FailsAtLongContextsBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_fails_at_long_contexts"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        return FailsAtLongContexts(req, weights)
+
+
+def test_a_timing_that_raises_serves_every_width_untimed_and_says_so(weights, tmp_path, backend):
+    r, reg = runner(tmp_path, weights, backend=backend(FailsAtLongContextsBackend), widths=(1, 2), max_len=256)
+    r.start()
+    assert r.state == "mono" and r.served_widths == (1, 2) and r.width_timings == {} and r.stock_side == "unavailable"
+    assert r.width_report().startswith(
+        "width policy auto: serving widths [1, 2] (not timed: timing the widths against reference raised "
+        "RuntimeError: HIP error: an illegal memory access was encountered; every width is served untimed"
+    ), r.width_report()
     assert reg.get_sample_value("monodecode_width_timing_seconds", {"stock": "unavailable"}) == 0
