@@ -9,6 +9,11 @@ are captured in a graph and the replays time the graph (vLLM replays graphs too)
 fails, both are timed eagerly, so the comparison stays like for like. ``choose_widths`` turns the
 timings into the served widths: a width is served only where mono wins at every timed context.
 
+Warm-up stays bounded: every width is timed at its longest context first, the shorter ones only
+while ``TOTAL_BUDGET_S`` lasts, and a width that lost once is not timed again; each step's
+replays stop after ``BUDGET_S``. The time taken is logged and exported
+(``monodecode_width_timing_seconds``).
+
 The stock side is a ``StockBench``: in vLLM, vLLM's own decoder layers on the bound attention
 backend over a private cache (``vllm_plugin.stock.VllmStockBench``, named ``vllm_layers``);
 outside vLLM (``monodecode-ops verify``, the runtime tests) the runner's stock layer, the
@@ -93,18 +98,22 @@ class TimingRun:
 def time_widths(
     bench: StockBench, widths: tuple[int, ...], device_type: str, total_budget_s: float | None = None
 ) -> TimingRun:
-    """Each width's mono step against ``bench``'s stock step at each of its contexts, longest
-    first (where mono's margin is smallest), until ``total_budget_s`` is spent. A width that
-    loses at one context is dropped whatever the others say: its shorter contexts are not timed."""
+    """Each width's mono step against ``bench``'s stock step at each of its contexts: every width
+    at its longest context first (where mono's margin is smallest; always timed), then the next
+    longest while ``total_budget_s`` (``TOTAL_BUDGET_S``) lasts, so a spent budget leaves only
+    shorter contexts untimed (reported in ``skipped``). A width that loses at one context is
+    dropped whatever the others say: its shorter contexts are not timed."""
     t0 = time.perf_counter()
     deadline = t0 + (TOTAL_BUDGET_S if total_budget_s is None else total_budget_s)
-    timings: dict[int, list[WidthTiming]] = {}
+    pending = {w: sorted(bench.contexts(w), reverse=True) for w in widths}
+    timings: dict[int, list[WidthTiming]] = {w: [] for w in widths}
     skipped = []
-    for width in widths:
-        for context in sorted(bench.contexts(width), reverse=True):
-            if any(not t.speedup > 1.0 for t in timings.get(width, ())):
-                break  # lost already: dropped
-            if time.perf_counter() > deadline:
+    for rank in range(max(len(c) for c in pending.values())):
+        for width in widths:
+            if rank >= len(pending[width]) or any(not t.speedup > 1.0 for t in timings[width]):
+                continue  # no context left, or lost already: dropped
+            context = pending[width][rank]
+            if rank > 0 and time.perf_counter() > deadline:
                 skipped.append((width, context))
                 continue
             mono, stock = bench.steps(width, context)
@@ -113,9 +122,9 @@ def time_widths(
             if m_how != s_how:  # one step could not be captured: both eager, like for like
                 m_s, m_n, m_how = time_step(mono, device_type, graph=False)
                 s_s, s_n, s_how = time_step(stock, device_type, graph=False)
-            timings.setdefault(width, []).append(WidthTiming(width, context, m_s, s_s, min(m_n, s_n), m_how))
+            timings[width].append(WidthTiming(width, context, m_s, s_s, min(m_n, s_n), m_how))
             del mono, stock  # this pair's inputs go before the next pair's are allocated
-    ordered = {w: tuple(sorted(ts, key=lambda t: t.context)) for w, ts in timings.items()}
+    ordered = {w: tuple(sorted(ts, key=lambda t: t.context)) for w, ts in timings.items() if ts}
     return TimingRun(ordered, skipped, time.perf_counter() - t0)
 
 

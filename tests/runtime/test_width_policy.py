@@ -21,7 +21,7 @@ from monodecode.model.reference import decode_layer
 from monodecode.model.weights import random_weights
 from monodecode.runtime.runner import Runner
 from monodecode.runtime.vote import StepInfo
-from monodecode.runtime.width_policy import WidthTiming, choose_widths, timing_contexts
+from monodecode.runtime.width_policy import WidthTiming, choose_widths, time_widths, timing_contexts
 from monodecode.services.platform import Platform
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -57,6 +57,39 @@ def test_a_width_is_served_only_where_it_wins_at_every_context():
     assert served == (1,)
     assert dropped[8].startswith("slower than stock: width 8 at context 32767: mono 4 ms vs stock 3.3 ms (0.82x")
     assert "context 1024" not in dropped[8] and "context 5793" not in dropped[8]
+
+
+class SleepBench:
+    """A stock side for ``time_widths`` alone: steps that sleep (mono faster at width 1 only)."""
+
+    name = "sleep"
+
+    def __init__(self):
+        self.timed = []
+
+    def contexts(self, width):
+        return (1024, 2048, 4096)
+
+    def steps(self, width, context):
+        self.timed.append((width, context))
+        return (lambda: time.sleep(0.002 * width)), (lambda: time.sleep(0.003))
+
+    def close(self):
+        pass
+
+
+def test_a_spent_timing_budget_leaves_only_shorter_contexts_untimed():
+    """Every width is timed at its longest context first, even past the budget; then nothing more
+    (budget 0): the shorter contexts are reported untimed. Width 2 lost at the longest context
+    (6 ms against 3 ms) and is not queued again."""
+    bench = SleepBench()
+    run = time_widths(bench, (1, 2), "cpu", total_budget_s=0.0)
+    assert bench.timed == [(1, 4096), (2, 4096)]
+    assert run.skipped == [(1, 2048), (1, 1024)]
+    assert [t.context for t in run.timings[1]] == [4096] and run.timings[2][0].speedup < 1
+    full = time_widths(SleepBench(), (1, 2), "cpu", total_budget_s=60.0)
+    assert [t.context for t in full.timings[1]] == [1024, 2048, 4096] and full.skipped == []
+    assert [t.context for t in full.timings[2]] == [4096]
 
 
 def test_timing_contexts_span_1024_to_the_longest_the_budget_holds():
