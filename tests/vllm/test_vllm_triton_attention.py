@@ -7,7 +7,8 @@ context with the backend's own writer, builds the metadata with the backend's ow
 compares layer 0 and one whole decode step with vLLM's layers. A kernel that reads the weights
 or the KV cache otherwise than vLLM does is refused before any request; before this check ran on
 GPUs, both faults below served mono with nothing noticing (the golden check compares the kernels
-with the reference on the same views).
+with the reference on the same views). The width policy then times the kernels against vLLM's
+Triton layers (``stock.VllmStockBench``) at several contexts and drops a width that loses.
 
 Then a real vLLM engine serves on that pair: mono decode on vLLM's cache in place, its
 continuations re-scored by a stock engine on the same backend (tests/e2e/rescore.py's measure).
