@@ -14,7 +14,9 @@ The model override calls, in this order (the Kimi-K3 in-tree hook shape):
 3. ``on_kv_bound()`` when vLLM has bound every layer's KV cache (profiling cache, then the real
    one), before any forward that could reach the kernels: backend, resolved layout, cache spec
    and tensor strides are checked from vLLM's objects (``binding.bind``) and the views built;
-   a refusal here is raised (or degraded, voted) at start-up, never inside a forward;
+   a refusal here is raised (or degraded, voted) at start-up, never inside a forward; at the
+   first binding, the width policy times the kernels against vLLM's own layers
+   (``stock.VllmStockBench``, freed before vLLM goes on);
 4. ``plan(...)`` once per forward: the step decision from forward-context metadata (identical
    on all ranks; metadata of a class the bound backend does not build is no metadata). Eager
    and PIECEWISE steps run it every time; under a FULL graph it runs at capture only and the

@@ -311,4 +311,7 @@ class VllmStockBench:
         return mono, vllm_layers
 
     def close(self) -> None:
+        on_gpu = bool(self._caches) and self._caches[0].is_cuda
         self._caches = []
+        if on_gpu:  # back to the device before vLLM sizes or allocates anything else (its profiling binding)
+            torch.cuda.empty_cache()
