@@ -72,8 +72,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "monodecode_last_failstop_timestamp_seconds": ("gauge", (), "Unix time of the last recorded fail-stop (0 if none)"),
     "monodecode_width_speedup": (
         "gauge",
-        ("width",),
-        "Stock step time / mono step time per built width, measured at warm-up (> 1: mono faster)",
+        ("width", "context", "stock"),
+        "Stock step time / mono step time per built width and context, measured at warm-up (> 1: mono faster); "
+        "stock names the stock step",
+    ),
+    "monodecode_width_timing_seconds": (
+        "gauge",
+        ("stock",),
+        "Time warm-up spent timing the widths against the stock step named by stock "
+        "(unavailable: it could not run, every width is served untimed)",
     ),
     "monodecode_shadow_max_abs_error": (
         "gauge",
@@ -91,6 +98,7 @@ _MP_MODE = {
     "monodecode_warmup_max_abs_error": "max",
     "monodecode_last_failstop_timestamp_seconds": "max",
     "monodecode_width_speedup": "min",
+    "monodecode_width_timing_seconds": "max",
     "monodecode_shadow_max_abs_error": "max",
 }
 
@@ -138,6 +146,7 @@ class MonoMetrics:
         self.failstops = counter("monodecode_failstop_total")
         self.last_failstop = gauge("monodecode_last_failstop_timestamp_seconds")
         self.width_speedup = gauge("monodecode_width_speedup")
+        self.width_timing = gauge("monodecode_width_timing_seconds")
         self.shadow_max_abs_error = gauge("monodecode_shadow_max_abs_error")
         self.shadow_checks = counter("monodecode_shadow_checks_total")
         for result in SHADOW_RESULTS:
@@ -186,10 +195,12 @@ class MonoMetrics:
         self.warmup_duration.set(duration_s)
         self.warmup_max_abs_error.set(max_abs_error)
 
-    def set_width_speedups(self, speedups: dict[int, float]) -> None:
-        """Warm-up timing: stock / mono step time per built width."""
-        for width, ratio in speedups.items():
-            self.width_speedup.labels(width=str(width)).set(ratio)
+    def set_width_timing(self, speedups: dict[tuple[int, int], float], stock: str, seconds: float) -> None:
+        """Warm-up timing against the stock step ``stock``: stock / mono step time per (width,
+        context), and how long the timing took."""
+        for (width, context), ratio in speedups.items():
+            self.width_speedup.labels(width=str(width), context=str(context), stock=stock).set(ratio)
+        self.width_timing.labels(stock=stock).set(seconds)
 
     # ---- per step --------------------------------------------------------------------------
 

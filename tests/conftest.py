@@ -41,3 +41,28 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.section(f"measured differences ({name})")
             for key in sorted(measured):
                 terminalreporter.write_line(f"  {key:40s} {measured[key]:.3g}")
+
+
+@pytest.fixture
+def backend():
+    """``backend(cls)`` registers a test backend and lets ``MonoConfig(backend=cls.name)`` pick it;
+    every backend registered this way is removed afterwards."""
+    from fake_backends import register
+
+    undo = []
+
+    def use(cls):
+        undo.append(register(cls))
+        return cls.name
+
+    yield use
+    for u in reversed(undo):
+        u()
+
+
+@pytest.fixture
+def slow_at_two(backend):
+    """The name of ``fake_backends.SlowAtTwoBackend`` (width 2 slower by 30 ms a layer), registered."""
+    from fake_backends import SlowAtTwoBackend
+
+    return backend(SlowAtTwoBackend)

@@ -41,7 +41,17 @@ from monodecode.kernels.health import HealthFault, decode_health
 from monodecode.reasons import RefusalReason, reason_code
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
 from monodecode.runtime.vote import RankVote, StepInfo
-from monodecode.runtime.width_policy import WidthTiming, choose_widths, time_step
+from monodecode.runtime.width_policy import (
+    STOCK_UNAVAILABLE,
+    LayerBench,
+    StockBench,
+    TimingRun,
+    WidthTiming,
+    choose_widths,
+    kv_budget_bytes,
+    time_widths,
+    timing_table,
+)
 from monodecode.services.artifacts import ArtifactStore, baked_manifest_digest
 from monodecode.services.faults import Fault, faults_from_env, unreachable_drills
 from monodecode.services.platform import Platform
@@ -138,12 +148,21 @@ class Runner:
         kv_dtype: str = "bf16",
         faults: tuple[Fault, ...] | None = None,
         stock_layer: Callable[[int, Any, Any, Any], Any] | None = None,
+        defer_width_timing: bool = False,
+        max_model_len: int | None = None,
     ):
         """``stock_layer(layer, x, meta, kv)`` is the stock path of one decoder layer (the vLLM
-        plugin passes vLLM's own); default: the reference layer on ``weights``. The width policy
-        times it against the kernels, and the shadow check compares with it."""
+        plugin passes vLLM's own on its CPU platform); default: the reference layer on
+        ``weights``. The shadow check compares with it, and without ``defer_width_timing`` the
+        width policy times it against the kernels at ``start``. With ``defer_width_timing`` the
+        caller times the widths later with ``time_widths`` (the vLLM plugin, once vLLM bound its
+        KV cache: its stock step needs the bound backend); no step is served before that.
+        ``max_model_len`` (default: the model's position limit) bounds the contexts timed."""
         self._config = config
         self._stock_layer_fn = stock_layer
+        self._defer_width_timing = defer_width_timing
+        self._timing_pending = False  # deferred timing not run yet (``time_widths``)
+        self._max_model_len = max_model_len or dims.max_position_embeddings
         self._dims = dims
         self._weights = weights
         self._platform = platform
@@ -176,8 +195,10 @@ class Runner:
         self._guard: Any = None  # HealthGuard once mono decode runs
         self._served_widths: tuple[int, ...] = tuple(config.widths)
         self._dropped_widths: dict[int, str] = {}  # width -> why it is not served
-        self._width_timings: dict[int, WidthTiming] = {}
+        self._width_timings: dict[int, tuple[WidthTiming, ...]] = {}  # width -> one per context
         self._width_note: str | None = None  # why the widths were not timed
+        self._width_run: TimingRun | None = None
+        self._stock_name: str | None = None  # what the widths were timed against (metrics' stock label)
         self._shadow: Any = None  # ShadowCheck once mono decode runs with shadow_check_every > 0
         self._shadow_layer: int | None = None  # the layer this step's shadow check compares
 
@@ -264,20 +285,32 @@ class Runner:
         return dict(self._dropped_widths)
 
     @property
-    def width_timings(self) -> dict[int, WidthTiming]:
+    def width_timings(self) -> dict[int, tuple[WidthTiming, ...]]:
+        """Width -> its timings, one per timed context (ascending)."""
         return dict(self._width_timings)
+
+    @property
+    def stock_side(self) -> str | None:
+        """What the widths were timed against: ``vllm_layers``, ``reference``, ``stock_layer``,
+        ``unavailable`` (nothing timed: the stock side could not run); None when not timed by
+        design (``force``, the reference backend) or not yet (deferred)."""
+        return self._stock_name
 
     def width_report(self) -> str:
         """One line for the startup log and ``verify``: what is served and why."""
         policy = self._config.width_policy
-        if self._width_note:
-            return f"width policy {policy}: serving widths {list(self._served_widths)} ({self._width_note})"
         line = f"width policy {policy}: serving widths {list(self._served_widths)}"
+        if self._width_note:
+            return f"{line} ({self._width_note})"
+        run = self._width_run
+        line += f" (timed against {self._stock_name}" + (f" in {run.duration_s:.1f} s)" if run else ")")
         if self._dropped_widths:
             line += "; dropped " + "; ".join(f"{w} ({why})" for w, why in self._dropped_widths.items())
-        kept = [t.describe() for w, t in self._width_timings.items() if w in self._served_widths]
+        kept = {w: ts for w, ts in self._width_timings.items() if w in self._served_widths}
         if kept:
-            line += "; measured " + "; ".join(kept)
+            line += "; speedup by context: " + "; ".join(timing_table(kept))
+        if run and run.skipped:
+            line += f"; {len(run.skipped)} width/context pairs untimed (timing budget spent)"
         return line
 
     @property
@@ -449,8 +482,7 @@ class Runner:
                     backend.name, self._platform.arch, self._build_key or "", monodecode.__version__
                 )
             log.info("mono decode on rank %d (backend %s): %s", self._tp_rank, backend.name, self.width_report())
-        if self._metrics is not None and self._width_timings:
-            self._metrics.set_width_speedups({w: t.speedup for w, t in self._width_timings.items()})
+        self._export_width_timing()
         if self._warmup is not None:
             self._warmup.duration_s = time.perf_counter() - t0
             if self._metrics is not None:
@@ -494,16 +526,17 @@ class Runner:
         except Exception as e:
             return [f"warmup_failed: timing the widths raised {exception_line(e)}"]
 
-    def _warmup_inputs(self, width: int, gen: Any) -> tuple[Any, Any, Any, Any]:
+    def _warmup_inputs(self, width: int, gen: Any, context: int | None = None) -> tuple[Any, Any, Any, Any]:
         """A decode step of ``width`` rows on random KV: metadata, two identical KV caches (one for
-        each path) and the embedded input. Contexts cross a KV block boundary and differ per row."""
+        each path) and the embedded input. Each row's context is ``context`` tokens, or (None)
+        crosses a KV block boundary and differs per row."""
         import torch
 
         from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
         from monodecode.model.reference import embed
 
         device, bs = self.device, self._block_size
-        lens = [bs + 1 + (r % bs) for r in range(width)]
+        lens = [context] * width if context is not None else [bs + 1 + (r % bs) for r in range(width)]
         num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 1
         alloc = BlockAllocator(num_blocks, bs)
         for r, n in enumerate(lens):
@@ -511,7 +544,10 @@ class Runner:
         meta = alloc.decode_metadata(list(range(width)), device=device)
         kv_ref = PagedKVCache.allocate(self._dims, num_blocks, bs, device=device)
         for t in kv_ref.key + kv_ref.value:
-            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            if context is None:
+                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+            else:  # timing inputs (up to GiBs): any finite values, drawn where they live
+                t.normal_()
         kv_mono = PagedKVCache(
             key=[t.clone() for t in kv_ref.key], value=[t.clone() for t in kv_ref.value], block_size=bs
         )
@@ -537,64 +573,111 @@ class Runner:
             self._width_note = "forced: not timed"
         elif self._backend.name == "reference":
             self._width_note = "not timed: the reference backend runs the stock layers' own math"
+        elif self._defer_width_timing:
+            self._width_note = "timed once the serving engine binds its KV cache"
+            self._timing_pending = True
         else:
-            self._width_timings = self._time_widths()
+            bench, why = self._layer_bench()
+            self._measure(bench, why)
             health = self._kernels.health()
             if health:
                 fault = decode_health(health)
                 return [
                     f"warmup_failed: timing the widths set the health word ({fault.describe() if fault else health})"
                 ]
-        self._served_widths, self._dropped_widths = choose_widths(
-            widths, self._width_timings, self._config.width_policy
-        )
-        if not self._served_widths:
+        return self._apply_width_choice(widths)
+
+    def _apply_width_choice(self, widths: tuple[int, ...]) -> list[str]:
+        """Served widths from the timings, agreed by every rank (a width is served only where it
+        won on every rank); a ``slower_than_stock`` reason when none is left."""
+        served, self._dropped_widths = choose_widths(widths, self._width_timings, self._config.width_policy)
+        if self._stock_name is not None:  # every rank timed or tried to (agreed in _measure): all vote
+            served = tuple(w for w in widths if self._vote.agree(w in served))
+            for w in widths:
+                if w not in served and w not in self._dropped_widths:
+                    self._dropped_widths[w] = "slower than stock on another tensor-parallel rank"
+        self._served_widths = served
+        if not served:
             return [
-                "slower_than_stock: no built width beat the stock step at warm-up: "
-                + "; ".join(t.describe() for t in self._width_timings.values())
+                "slower_than_stock: no built width beat the stock step at every timed context at warm-up: "
+                + "; ".join(t.describe() for ts in self._width_timings.values() for t in ts)
             ]
         return []
 
-    def _time_widths(self) -> dict[int, WidthTiming]:
-        """Each built width's mono step and stock step (every layer) on the same inputs."""
+    def _layer_bench(self) -> tuple[LayerBench | None, str | None]:
+        """The stock side outside a serving engine: the given stock layer, else the reference
+        layers; (None, why) when the given layer cannot run here."""
         import torch
 
         gen = torch.Generator(device="cpu").manual_seed(20261216)
-        n_layers = len(self._weights.layers)
-        dev = self.device.type
-        timings = {}
-        stock_layer = self._stock_layer_fn or self._reference_layer
-        probe = self._stock_layer_fn is not None
-        for width in self._config.widths:
-            meta, kv_stock, kv_mono, x = self._warmup_inputs(width, gen)
-            if probe:
-                probe = False
-                try:  # a stock layer bound to the serving engine may need state warm-up lacks
-                    stock_layer(0, x, meta, kv_stock)
-                except Exception as e:
-                    self._notes.append(
-                        f"width timing: the stock layer cannot run at warm-up ({exception_line(e, 200)}); "
-                        "the reference layers stand in for the stock step"
-                    )
-                    stock_layer = self._reference_layer
+        dims = self._dims
+        name = "reference" if self._stock_layer_fn is None else "stock_layer"
+        if self._stock_layer_fn is not None:
+            meta, kv_stock, _, x = self._warmup_inputs(1, gen)
+            try:  # a stock layer bound to a serving engine may need state a bare runner lacks
+                self._stock_layer_fn(0, x, meta, kv_stock)
+            except Exception as e:
+                return None, f"the stock layer cannot run at warm-up ({exception_line(e, 200)})"
+        per_token = 2 * 2 * len(self._weights.layers) * dims.num_kv_heads * dims.head_dim * 2  # K+V, 2 copies, bf16
+        bench = LayerBench(
+            name,
+            lambda width, context: self._warmup_inputs(width, gen, context),
+            self._kernels.forward_layer,
+            self.stock_layer,
+            len(self._weights.layers),
+            self._max_model_len - 1,
+            kv_budget_bytes(self.device) // per_token,
+        )
+        return bench, None
 
-            def mono(meta=meta, kv=kv_mono, x=x):
-                for layer in range(n_layers):
-                    x = self._kernels.forward_layer(layer, x, meta, kv)
-                return x
+    def _measure(self, bench: StockBench | None, unavailable: str | None) -> None:
+        """Time every width against ``bench`` (every rank agrees first that its stock side can
+        run); where one cannot, or the timing raises (the kernels passed their checks), nothing
+        is timed and every width is served, saying why."""
+        if not self._vote.agree(bench is not None):
+            self._untimed(unavailable or "the stock step cannot run on another tensor-parallel rank")
+            return
+        try:
+            self._width_run = time_widths(bench, tuple(self._config.widths), self.device.type)
+        except Exception as e:
+            self._untimed(f"timing the widths against {bench.name} raised {exception_line(e, 200)}")
+            return
+        finally:
+            bench.close()
+        self._stock_name = bench.name
+        self._width_timings = self._width_run.timings
 
-            def stock(meta=meta, kv=kv_stock, x=x, stock_layer=stock_layer):
-                for layer in range(n_layers):
-                    x = stock_layer(layer, x, meta, kv)
-                return x
+    def _untimed(self, why: str) -> None:
+        self._stock_name = STOCK_UNAVAILABLE
+        self._width_timings, self._width_run = {}, None
+        self._width_note = f"not timed: {why}; every width is served untimed, as with force"
+        log.warning("mono decode width policy: %s", self._width_note)
 
-            m_s, m_n, m_how = time_step(mono, dev)
-            s_s, s_n, s_how = time_step(stock, dev)
-            if m_how != s_how:  # one step could not be captured: both eager, like for like
-                m_s, m_n, m_how = time_step(mono, dev, graph=False)
-                s_s, s_n, s_how = time_step(stock, dev, graph=False)
-            timings[width] = WidthTiming(width, m_s, s_s, min(m_n, s_n), m_how)
-        return timings
+    def time_widths(self, bench: StockBench | None, unavailable: str | None = None) -> None:
+        """The deferred width timing (``defer_width_timing``), every rank at the same point before
+        any step is served: the kernels against ``bench``'s stock step, or untimed with the reason
+        ``unavailable`` where ``bench`` is None. No width faster than the stock step: degraded
+        with ``slower_than_stock``."""
+        if self._state != MONO or not self._timing_pending:
+            return
+        self._timing_pending = False
+        self._width_note = None
+        self._measure(bench, unavailable)
+        reasons = self._apply_width_choice(tuple(self._config.widths))
+        self._export_width_timing()
+        log.info("mono decode on rank %d: %s", self._tp_rank, self.width_report())
+        if reasons:
+            self.degrade(reasons[0])
+
+    def _export_width_timing(self) -> None:
+        if self._metrics is None or self._stock_name is None:
+            return
+        run = self._width_run
+        self._metrics.set_width_timing(
+            {(t.width, t.context): t.speedup for ts in self._width_timings.values() for t in ts},
+            self._stock_name,
+            run.duration_s if run else 0.0,
+        )
 
     def _golden_check(self) -> WarmupReport:
         """One decode step per width on the real weights: every layer vs the reference."""
@@ -869,7 +952,9 @@ class Runner:
                 "policy": self._config.width_policy,
                 "served": list(self._served_widths),
                 "dropped": {str(w): why for w, why in self._dropped_widths.items()},
-                "speedup": {str(w): t.speedup for w, t in self._width_timings.items()},
+                "stock": self._stock_name,
+                "speedup": {str(w): {str(t.context): t.speedup for t in ts} for w, ts in self._width_timings.items()},
+                "timing_s": self._width_run.duration_s if self._width_run else None,
                 "report": self.width_report(),
             },
             "warmup": None

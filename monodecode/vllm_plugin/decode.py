@@ -14,7 +14,9 @@ The model override calls, in this order (the Kimi-K3 in-tree hook shape):
 3. ``on_kv_bound()`` when vLLM has bound every layer's KV cache (profiling cache, then the real
    one), before any forward that could reach the kernels: backend, resolved layout, cache spec
    and tensor strides are checked from vLLM's objects (``binding.bind``) and the views built;
-   a refusal here is raised (or degraded, voted) at start-up, never inside a forward;
+   a refusal here is raised (or degraded, voted) at start-up, never inside a forward; at the
+   first binding, the width policy times the kernels against vLLM's own layers
+   (``stock.VllmStockBench``, freed before vLLM goes on);
 4. ``plan(...)`` once per forward: the step decision from forward-context metadata (identical
    on all ranks; metadata of a class the bound backend does not build is no metadata). Eager
    and PIECEWISE steps run it every time; under a FULL graph it runs at capture only and the
@@ -47,7 +49,7 @@ from monodecode.vllm_plugin import startup_scopes, stock
 from monodecode.vllm_plugin.binding import BindError, Binding, backend_reason, bind, layer_backend, metadata_allowed
 from monodecode.vllm_plugin.cpu_kv import StagedKV
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
-from monodecode.vllm_plugin.step import decode_metadata, step_info
+from monodecode.vllm_plugin.step import decode_metadata, run_kernel_layers, step_info
 from monodecode.vllm_plugin.versions import version_reason
 from monodecode.vllm_plugin.weights import WeightLayoutError, model_weights_from_vllm
 
@@ -203,19 +205,12 @@ class MonoDecode:
             return
         stock_layer = None
         if weights is not None and stock.available(self.platform.kind):
-            # vLLM's own decoder layers: the start-up check's other side once vLLM bound its
-            # cache, and on CPU the shadow check's stock side; the reference before that
-            from monodecode.model.reference import decode_layer
-
-            dims, layer_weights = self.dims, weights.layers
+            # vLLM's own decoder layers, once vLLM bound its cache: the start-up check's other side,
+            # the width timing's stock step, and on CPU the shadow check's stock side
             self._stock = stock.VllmStockLayer(
-                model,
-                self.vllm_config,
-                self._attn_layers,
-                lambda i, x, meta, kv: decode_layer(dims, i, layer_weights[i], x, meta, kv),
-                staged_cpu=self.platform.kind == "cpu",
+                model, self.vllm_config, self._attn_layers, staged_cpu=self.platform.kind == "cpu"
             )
-            stock_layer = self._stock
+            stock_layer = self._shadow_stock_layer
         self.runner = Runner(
             self.config,
             self.dims,
@@ -230,6 +225,7 @@ class MonoDecode:
             weight_dtype=deployment.weight_dtype,
             kv_dtype="bf16",
             stock_layer=stock_layer,
+            defer_width_timing=True,  # its stock step is vLLM's layers on the bound backend: on_kv_bound
         )
         self.runner.start()  # RefusalError (on_refusal=raise) propagates: vLLM refuses to start
         self.state = self.runner.state
@@ -247,6 +243,17 @@ class MonoDecode:
             )
         else:
             log.warning("mono decode degraded to stock decode: %s", "; ".join(self.reasons))
+
+    def _shadow_stock_layer(self, layer: int, x: Any, meta: DecodeMetadata, kv: PagedKVCache) -> Any:
+        """The shadow check's stock side: vLLM's layer where it runs on the runner's plain K/V (its
+        CPU platform, bound), else the reference layer: on GPUs vLLM's layer would need the step's
+        context copied out of a cache of many GiB at every check (the width timing never uses
+        this: its stock step is ``stock.VllmStockBench``)."""
+        if self._stock is not None and self._stock.bound and self._stock.staged_cpu:
+            return self._stock(layer, x, meta, kv)
+        from monodecode.model.reference import decode_layer
+
+        return decode_layer(self.dims, layer, self.runner.weights.layers[layer], x, meta, kv)
 
     def _disable(self, reason: str) -> None:
         """A refusal found after ``Runner.start``: raise, or degrade every rank (voted)."""
@@ -287,6 +294,8 @@ class MonoDecode:
             self._binding = None
             self._disable(str(e))
             return
+        why = measured = None
+        unavailable = f"this vLLM build has no {self.platform.kind} attention kernels to run vLLM's decoder layers"
         if self._stock is not None:
             cfg = self.config
             self.vllm_agreement = None
@@ -296,34 +305,61 @@ class MonoDecode:
                     runner, self._stock, self.dims.num_layers, self.dims.hidden_size, cfg.warmup_atol, cfg.warmup_rtol
                 )
             except Exception as e:  # vLLM's side could not run here; the kernels passed the golden check
+                unavailable = f"vLLM's decoder layers could not run ({exception_line(e, 200)})"
                 log.warning(
                     "mono decode could not run vLLM's own decoder layers (attention %s) to compare with at start-up "
                     "(%s); the golden check against the reference stands alone",
                     self._backend_name,
                     exception_line(e, 200),
                 )
-                why = measured = None
-            if why or measured is None or not self._stock.staged_cpu:
-                # only the CPU shadow check keeps running vLLM's layers: on GPUs, on a refusal or when
-                # they could not run, their builder's buffers are freed here
-                self._stock.unbind()
-            if why:
-                self._binding = None
-                self._disable(why)
-                return
-            if measured:
-                self.vllm_agreement = measured
-                log.info(
-                    "mono decode matches vLLM's own decoder layers (attention %s) on its KV layout: %s",
-                    self._backend_name,
-                    measured,
-                )
+        if why:
+            unavailable = "the kernels were refused at binding"
+        # every rank times (or not) at this point, before any refusal is applied: the timing votes
+        self._time_widths(unavailable if measured is None or why else None)
+        if self._stock is not None and (why or measured is None or not self._stock.staged_cpu):
+            # only the CPU shadow check keeps running vLLM's layers: on GPUs, on a refusal or when
+            # they could not run, their builder's buffers are freed here
+            self._stock.unbind()
+        if why:
+            self._binding = None
+            self._disable(why)
+            return
+        if measured:
+            self.vllm_agreement = measured
+            log.info(
+                "mono decode matches vLLM's own decoder layers (attention %s) on its KV layout: %s",
+                self._backend_name,
+                measured,
+            )
+        if runner.state != MONO:  # no width beat vLLM's stock step
+            self._binding = None
+            self.state, self.reasons = runner.state, runner.reasons
+            log.warning("mono decode degraded to stock decode: %s", "; ".join(self.reasons))
+            return
         log.info(
             "mono decode bound vLLM's KV cache: attention %s, layout %s, %s",
             self._backend_name,
             self.vllm_config.cache_config.kv_cache_layout,
             "staged per step (CPU attention packing)" if self._binding.cpu_layers else "read in place",
         )
+
+    def _time_widths(self, unavailable: str | None) -> None:
+        """The width policy's timing against vLLM's own layers on the bound backend (before they
+        are unbound on GPUs), or, where they cannot run (``unavailable`` says why), every width
+        served untimed. A failure setting the timing up is reported the same way."""
+        runner = self.runner
+        bench = None
+        if unavailable is None:
+            try:
+                bench = stock.VllmStockBench(
+                    self._stock,
+                    runner.kernels.forward_layer,
+                    self.dims.hidden_size,
+                    int(self.vllm_config.model_config.max_model_len),
+                )
+            except Exception as e:
+                unavailable = f"vLLM's decoder layers could not be set up for timing ({exception_line(e, 200)})"
+        runner.time_widths(bench, unavailable)
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -373,16 +409,7 @@ class MonoDecode:
 
     def run_layers(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
         """The residual stream through every decoder layer on the kernels."""
-        staged = plan.staged
-        if staged is None:
-            for layer, meta in enumerate(plan.metas):
-                x = self.runner.forward_layer(layer, x, meta, plan.kv)
-            return x
-        for layer, meta in enumerate(staged.metas):
-            kv = staged.stage(layer, len(staged.metas))
-            x = self.runner.forward_layer(layer, x, meta, kv)
-            staged.commit(layer, kv)
-        return x
+        return run_kernel_layers(self.runner.forward_layer, x, plan.metas, plan.kv, plan.staged)
 
     def before_logits(self, hidden_states: torch.Tensor) -> None:
         """Accounting + fail-stop, once per step, before any logits exist."""

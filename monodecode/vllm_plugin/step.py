@@ -116,3 +116,26 @@ def kv_views(kv_caches: list[torch.Tensor], num_kv_heads: int, head_dim: int, ke
             why = str(e)
             raise KVLayoutError(why if why.startswith("kv_layout: ") else f"kv_layout: {why}") from None
     return kv
+
+
+def run_kernel_layers(
+    forward_layer: Callable[[int, torch.Tensor, DecodeMetadata, PagedKVCache], torch.Tensor],
+    x: torch.Tensor,
+    metas: list[DecodeMetadata],
+    kv: PagedKVCache | None,
+    staged: Any = None,
+    count: int | None = None,
+) -> torch.Tensor:
+    """The residual stream through decoder layers ``0 .. count - 1`` (default: all) on the kernels,
+    as a mono step runs them: on vLLM's cache in place (``kv``), or on vLLM's CPU platform staged
+    per layer (``staged``, a ``cpu_kv.StagedKV``: the layer's blocks copied out, new rows back)."""
+    n = len(metas) if count is None else count
+    if staged is None:
+        for layer in range(n):
+            x = forward_layer(layer, x, metas[layer], kv)
+        return x
+    for layer in range(n):
+        layer_kv = staged.stage(layer, len(staged.metas))
+        x = forward_layer(layer, x, staged.metas[layer], layer_kv)
+        staged.commit(layer, layer_kv)
+    return x

@@ -11,14 +11,19 @@ context holding the metadata vLLM's own builder makes for the layer's backend
 - ``stock_check`` compares layer 0 and one whole decode step of the kernels with vLLM's layers
   when vLLM binds its KV cache, on every platform: a weight or KV packing the kernels read
   otherwise than vLLM does is refused before any request.
+- ``VllmStockBench`` is the stock side of the width policy's timing (``Runner.time_widths``), on
+  every platform: vLLM's layers against the kernels at several contexts on one private cache,
+  metadata from vLLM's builder, the context stored where vLLM's writer stores it; on GPUs both
+  steps are captured in a CUDA graph (``width_policy.time_step``).
 - The runner's shadow check calls the layer (``Runner(stock_layer=...)``) on vLLM's CPU platform,
   where the runner's K/V is the plain staged copy of the step's blocks. On GPUs the shadow check
-  keeps the reference layer: its stock side would need the step's context copied out of a cache
-  of many GiB at every check.
+  keeps the reference layer (``MonoDecode`` chooses, and says so): its stock side would need the
+  step's context copied out of a cache of many GiB at every check.
 
 Nothing of vLLM's serving state is touched: the private cache replaces ``attn.kv_cache`` only for
 the call. Where vLLM's CPU attention kernels are missing (the CUDA wheel run on vLLM's CPU
-platform) ``available()`` is False and the runner keeps its reference stock layer.
+platform) ``available()`` is False: the start-up comparison does not run, and the width timing
+reports its stock side ``unavailable`` and times nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from typing import Any
 
 import torch
 
-from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
+from monodecode.model.paged_kv import BlockAllocator, DecodeMetadata, PagedKVCache
+from monodecode.runtime.width_policy import kv_budget_bytes, timing_contexts
 from monodecode.vllm_plugin.cpu_kv import LayerKV, StagedKV
-from monodecode.vllm_plugin.step import kv_views
+from monodecode.vllm_plugin.step import kv_views, run_kernel_layers
 
 
 def available(platform: str) -> bool:
@@ -53,12 +59,11 @@ def private_cache(bound: torch.Tensor, blocks: int) -> torch.Tensor:
 
 
 class VllmStockLayer:
-    def __init__(self, model: Any, vllm_config: Any, attn_layers: list[Any], fallback: Any, staged_cpu: bool):
+    def __init__(self, model: Any, vllm_config: Any, attn_layers: list[Any], staged_cpu: bool):
         backbone = model.model
         self._layers = list(backbone.layers)[backbone.start_layer : backbone.end_layer]
         self._attn = attn_layers
         self._vllm_config = vllm_config
-        self._fallback = fallback  # the stock layer before vLLM bound its cache (no ISA yet)
         self.staged_cpu = staged_cpu  # vLLM's CPU packing: the kernels read blocks staged per step
         self._builder: Any = None
         self.bound = False
@@ -82,8 +87,12 @@ class VllmStockLayer:
 
     @torch.no_grad()
     def __call__(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, kv: PagedKVCache) -> torch.Tensor:
+        """The layer on the runner's plain K/V ``kv`` (the shadow check's stock side): copied into a
+        private cache in vLLM's CPU packing, the new rows copied back. CPU only, once bound."""
         if not (self.bound and self.staged_cpu):
-            return self._fallback(layer, x, meta, kv)
+            raise RuntimeError(
+                "vLLM's decoder layers run on the runner's plain K/V only on its CPU platform, once bound"
+            )
         attn = self._attn[layer]
         key, value = kv.key[layer], kv.value[layer]
         blocks, bs, heads, head_dim = key.shape
@@ -100,6 +109,18 @@ class VllmStockLayer:
             dst[slots // bs, slots % bs] = plain[slots // bs, slots % bs]
         return out
 
+    def kernel_kv(
+        self, caches: list[torch.Tensor], meta: DecodeMetadata
+    ) -> tuple[PagedKVCache | None, StagedKV | None]:
+        """What the kernels read of ``caches`` (one per layer, vLLM's layout) in a step with
+        ``meta``, as when serving (``step.run_kernel_layers``' ``kv`` and ``staged``): on CPU the
+        step's blocks staged through views of vLLM's packing, on GPUs strided views in place."""
+        if self.staged_cpu:
+            views = [LayerKV.of(c, self._attn[i].isa) for i, c in enumerate(caches)]
+            return None, StagedKV(views, [meta] * len(caches))
+        attn = self._attn[0]
+        return kv_views(caches, int(attn.num_kv_heads), int(attn.head_size)), None
+
     def write(self, layer: int, cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``key``/``value`` ``[tokens, heads, head_dim]`` at slots 0.. of ``cache`` with the
         layer's own backend writer, in its layout and packing."""
@@ -108,15 +129,18 @@ class VllmStockLayer:
         attn.impl.do_kv_cache_update(attn, key, value, cache, slots)
 
     @torch.no_grad()
-    def run(self, layer: int, x: torch.Tensor, meta: DecodeMetadata, cache: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, layer: int, x: torch.Tensor, meta: DecodeMetadata, cache: torch.Tensor, md: Any = None
+    ) -> torch.Tensor:
         """vLLM's decoder layer ``layer`` on ``x`` with ``cache`` (vLLM's own layout and packing)
-        as the layer's KV cache for the call; returns the residual stream after the layer."""
+        as the layer's KV cache for the call; returns the residual stream after the layer. ``md``:
+        the step's attention metadata (``metadata(meta)``), built here when not given."""
         from vllm.config import set_current_vllm_config
         from vllm.forward_context import set_forward_context
 
         attn = self._attn[layer]
         rows = int(meta.positions.shape[0])
-        md = self._metadata(meta, rows)
+        md = self.metadata(meta) if md is None else md
         saved = attn.kv_cache
         attn.kv_cache = cache
         try:
@@ -134,10 +158,12 @@ class VllmStockLayer:
             attn.kv_cache = saved
         return (hidden.float() + residual.float()).to(x.dtype)
 
-    def _metadata(self, meta: DecodeMetadata, rows: int) -> Any:
-        """The attention metadata of a decode batch (one query token per row), from vLLM's builder."""
+    def metadata(self, meta: DecodeMetadata) -> Any:
+        """The attention metadata of a decode batch (one query token per row), from vLLM's builder
+        (host work and a device-to-host copy: built before a graph capture, never inside one)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
+        rows = int(meta.positions.shape[0])
         device = meta.positions.device
         starts = torch.arange(rows + 1, dtype=torch.int32)
         seq_lens = meta.seq_lens.to(torch.int32)
@@ -197,19 +223,8 @@ def stock_check(
     x0 = (torch.randn(1, hidden_size, generator=gen) * 0.1).to(torch.bfloat16).to(device)
 
     def kernels(last: int) -> torch.Tensor:
-        x = x0
-        if stock.staged_cpu:
-            views = [LayerKV.of(c.clone(), stock._attn[i].isa) for i, c in enumerate(caches)]
-            staged = StagedKV(views, [meta] * num_layers)
-            for layer in range(last + 1):
-                kv = staged.stage(layer, num_layers)
-                x = runner.forward_layer(layer, x, staged.metas[layer], kv)
-                staged.commit(layer, kv)
-            return x
-        kv = kv_views([c.clone() for c in caches], heads, head_dim)
-        for layer in range(last + 1):
-            x = runner.forward_layer(layer, x, meta, kv)
-        return x
+        kv, staged = stock.kernel_kv([c.clone() for c in caches], meta)
+        return run_kernel_layers(runner.forward_layer, x0, [meta] * num_layers, kv, staged, last + 1)
 
     def vllm_layers(last: int) -> torch.Tensor:
         x = x0
@@ -230,3 +245,73 @@ def stock_check(
                 measured[-1],
             )
     return None, "; ".join(measured)
+
+
+class VllmStockBench:
+    """The width timing's stock side (``width_policy.StockBench``): vLLM's decoder layers
+    (``VllmStockLayer.run``, metadata from vLLM's builder) against the kernels as they serve
+    (``step.run_kernel_layers`` on ``kernel_kv``), both on one private cache per layer in the
+    layout vLLM bound, filled with random values (a timing reads, it does not compare) and
+    sized by ``width_policy.kv_budget_bytes``: the longest context timed per width is the
+    deployment's ``max_model_len`` or what that budget holds for ``width`` rows. Each row has
+    its own blocks, as distinct requests do."""
+
+    name = "vllm_layers"
+
+    def __init__(self, stock: VllmStockLayer, forward_layer: Any, hidden_size: int, max_model_len: int):
+        self._stock = stock
+        self._forward = forward_layer
+        self._hidden = hidden_size
+        self._max_context = max_model_len - 1  # the context of a row whose next token is the last
+        bound = stock._attn[0].kv_cache
+        self._block_size = int(bound.shape[2])
+        block_bytes = bound[0].numel() * bound.element_size()  # one block of one layer, K and V
+        self._budget_blocks = max(1, kv_budget_bytes(bound.device) // (block_bytes * len(stock._attn)))
+        self._caches: list[torch.Tensor] = []
+
+    def contexts(self, width: int) -> tuple[int, ...]:
+        return timing_contexts(self._max_context, (self._budget_blocks // width) * self._block_size - 1)
+
+    def _caches_of(self, blocks: int) -> list[torch.Tensor]:
+        if not self._caches or self._caches[0].shape[0] < blocks:
+            self._caches = []  # the smaller cache goes before the larger is allocated
+            for attn in self._stock._attn:
+                cache = private_cache(attn.kv_cache, blocks)
+                cache.normal_()
+                self._caches.append(cache)
+        return self._caches
+
+    @torch.no_grad()
+    def steps(self, width: int, context: int) -> tuple[Any, Any]:
+        stock, bs = self._stock, self._block_size
+        per_row = -(-(context + 1) // bs)
+        caches = self._caches_of(width * per_row)
+        device = caches[0].device
+        alloc = BlockAllocator(width * per_row, bs)
+        for row in range(width):
+            alloc.append_slots(row, context)
+        meta = alloc.decode_metadata(list(range(width)), device=device)
+        x = (torch.randn(width, self._hidden) * 0.1).to(torch.bfloat16).to(device)
+        md = stock.metadata(meta)
+        metas = [meta] * len(caches)
+        kv, staged = stock.kernel_kv(caches, meta)
+
+        @torch.no_grad()
+        def mono() -> torch.Tensor:
+            step_kv, step_staged = (kv, None) if staged is None else stock.kernel_kv(caches, meta)  # staged per step
+            return run_kernel_layers(self._forward, x, metas, step_kv, step_staged)
+
+        @torch.no_grad()
+        def vllm_layers() -> torch.Tensor:
+            y = x
+            for layer, cache in enumerate(caches):
+                y = stock.run(layer, y, meta, cache, md)
+            return y
+
+        return mono, vllm_layers
+
+    def close(self) -> None:
+        on_gpu = bool(self._caches) and self._caches[0].is_cuda
+        self._caches = []
+        if on_gpu:  # back to the device before vLLM sizes or allocates anything else (its profiling binding)
+            torch.cuda.empty_cache()

@@ -328,3 +328,17 @@ def test_a_sound_artifact_dir_passes(tmp_path):
     assert r.exit_code == 0, r.output
     _, checks = checks_of(r)
     assert checks["artifact dir"]["status"] == "pass" and "1 entries" in checks["artifact dir"]["detail"]
+
+
+def test_verify_prints_the_width_timing_table(slow_at_two):
+    """The width timing per width and context, and what the stock step was: outside vLLM the
+    reference layers, named as such. Width 2 (30 ms a layer slower than the same math) loses at
+    the longest context (the tiny model's 4096 positions) and is not timed at shorter ones."""
+    doc, c = checks_of(invoke("--json", "--backend", slow_at_two, "--widths", "1,2"))
+    timing = c["width timing"]
+    head, *rows = timing["detail"].splitlines()
+    assert timing["status"] == "pass" and timing["data"]["stock"] == "reference", timing
+    assert head.startswith("stock step reference (") and head.endswith("s); stock / mono time by context:"), head
+    assert rows[0].startswith("width 1: ") and rows[1].startswith("width 2: 4095: 0."), rows
+    assert list(timing["data"]["speedup"]["2"]) == ["4095"], timing
+    assert list(timing["data"]["speedup"]["1"]) in (["4095"], ["1024", "2047", "4095"]), timing

@@ -7,7 +7,8 @@ context with the backend's own writer, builds the metadata with the backend's ow
 compares layer 0 and one whole decode step with vLLM's layers. A kernel that reads the weights
 or the KV cache otherwise than vLLM does is refused before any request; before this check ran on
 GPUs, both faults below served mono with nothing noticing (the golden check compares the kernels
-with the reference on the same views).
+with the reference on the same views). The width policy then times the kernels against vLLM's
+Triton layers (``stock.VllmStockBench``) at several contexts and drops a width that loses.
 
 Then a real vLLM engine serves on that pair: mono decode on vLLM's cache in place, its
 continuations re-scored by a stock engine on the same backend (tests/e2e/rescore.py's measure).
@@ -32,10 +33,14 @@ def _bind(model_dir: Path, tmp: Path, fault: str = "", with_log: bool = False):
 
 
 def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs, tmp_path):
+    """Then the width policy times the kernels (a fake slow at width 2) against vLLM's Triton
+    layers on a private cache in vLLM's layout, at three contexts up to ``max_model_len``: width 1
+    wins at every one and is served, width 2 loses at the longest and is dropped (its shorter
+    contexts are not timed)."""
     from monodecode.vllm_plugin.serving import SERVE_SETTINGS
 
     rocm = SERVE_SETTINGS["rocm"]
-    out = _bind(model_dirs["gemma3"], tmp_path)
+    out = _bind(model_dirs["gemma3"], tmp_path, "slow_width_2")
     assert (out["platform"], out["backend"], out["layout"]) == (
         "rocm gfx942",
         rocm.attention_backend,
@@ -43,6 +48,12 @@ def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs
     ), out
     assert out["state"] == "mono" and out["reasons"] == [], out
     assert out["compared_with_vllm"] and out["in_place"], out
+    widths = out["widths"]
+    print(widths["report"])
+    assert widths["stock"] == "vllm_layers" and widths["served"] == [1], widths
+    assert widths["dropped"]["2"].startswith("slower than stock: width 2 at context 31: "), widths
+    assert list(widths["speedup"]["1"]) == ["7", "15", "31"] and list(widths["speedup"]["2"]) == ["31"], widths
+    assert widths["timing_s"] < 60, widths
 
 
 @pytest.mark.parametrize(

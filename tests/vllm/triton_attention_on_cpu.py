@@ -26,7 +26,10 @@ What stands in for the GPU, and nothing else:
 
 vLLM's attention class, metadata builder, cache writer and Triton kernels, its layout resolution,
 model classes and loader are its own. ``FAULT`` (``bind``; ``generate`` takes ``o_proj_tiles``,
-applied once the engine has started, a kernel going wrong after warm-up): ``o_proj_tiles`` (the kernels read o_proj's
+applied once the engine has started, a kernel going wrong after warm-up; ``bind`` also takes
+``slow_width_2``: no fault, the kernels are a fake that is slow at width 2, for the width policy's
+timing against vLLM's Triton layers at contexts up to ``max_model_len`` 32, one replay a step):
+``o_proj_tiles`` (the kernels read o_proj's
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
 kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
 skipped with a warning, the kernels keep serving on their golden check). Run as a subprocess: the interpreter must be on before vLLM's Triton
@@ -113,13 +116,33 @@ def _fault(model, name: str) -> None:
             raise RuntimeError("HIP error: invalid device function\n(the rest of a ROCm error)")
 
         stock.VllmStockLayer.run = raises
-    elif name:
+    elif name and name != SLOW_WIDTH:
         raise SystemExit(f"unknown fault {name!r}")
+
+
+SLOW_WIDTH = "slow_width_2"  # not a fault: the kernels are a fake that is slow at width 2 (width policy)
+
+
+def _options(tmp: str, fault: str) -> dict:
+    from vllm_testlib import mono_options
+
+    options = mono_options(Path(tmp), on_refusal="degrade")
+    if fault == SLOW_WIDTH:
+        sys.path.insert(0, str(Path(__file__).parents[1]))
+        from fake_backends import SlowAtTwo, SlowAtTwoBackend, register
+
+        SlowAtTwo.delay_s = 1.0  # vLLM's interpreted Triton layers take ~0.3 s each at width 2: 3x slower still
+        register(SlowAtTwoBackend)
+        from monodecode.runtime import width_policy
+
+        width_policy.BUDGET_S = 0.5  # interpreted steps take ~0.5 s: one replay of each is enough here
+        options.update(backend=SlowAtTwoBackend.name, widths=[1, 2])
+    return options
 
 
 def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     import torch
-    from vllm_testlib import bind_vllm_kv, engine_config, init_one_rank, load_model, mono_options
+    from vllm_testlib import bind_vllm_kv, engine_config, init_one_rank, load_model
 
     from monodecode.vllm_plugin.binding import layer_backend
 
@@ -131,9 +154,9 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     if not hasattr(torch.ops._C, "rotary_embedding"):
         # the CUDA wheel on CPU has no compiled rotary / norm kernels: vLLM's own native forms
         extra["compilation_config"] = {"custom_ops": ["none"]}
-    cfg = engine_config(
-        Path(model_dir), additional_config={"monodecode": mono_options(Path(tmp), on_refusal="degrade")}, **extra
-    )
+    if fault == SLOW_WIDTH:
+        extra["max_model_len"] = 32  # contexts 7, 15, 31: the interpreted attention is slow
+    cfg = engine_config(Path(model_dir), additional_config={"monodecode": _options(tmp, fault)}, **extra)
     model = load_model(cfg)
     mono = model.mono
     built = {"state": mono.state, "reasons": list(mono.reasons)}
@@ -148,6 +171,7 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "reasons": list(mono.reasons),
         "compared_with_vllm": mono.vllm_agreement is not None,
         "in_place": _in_place(mono),
+        "widths": mono.runner.summary()["widths"],
     }
 
 

@@ -186,6 +186,23 @@ def _scrape(url: str, timeout: float = 10.0) -> Samples:
 _value = value
 
 
+def width_timing_checks(runner: Any) -> list[Check]:
+    """The width timing as a table: per width, stock / mono step time at each timed context (the
+    ``monodecode_width_speedup`` gauges) and what the stock step was; none when not timed by design."""
+    from monodecode.runtime.width_policy import STOCK_UNAVAILABLE, timing_table
+
+    stock, widths = runner.stock_side, runner.summary()["widths"]
+    if stock is None:
+        return []
+    if stock == STOCK_UNAVAILABLE:
+        return [Check.skipped("width timing", f"stock step {stock}: {widths['report']}", required=False)]
+    head = f"stock step {stock} ({widths['timing_s']:.1f} s); stock / mono time by context:"
+    data = {"stock": stock, "speedup": widths["speedup"], "timing_s": widths["timing_s"]}
+    return [
+        Check.passed("width timing", "\n".join([head, *timing_table(runner.width_timings)]), required=False, data=data)
+    ]
+
+
 def self_test(
     platform: Any,
     model: Path | None,
@@ -237,6 +254,7 @@ def self_test(
         checks.append(Check.skipped("width policy", "stock decode serves: " + runner.reasons[0], required=False))
     else:
         checks.append(Check.failure("refusal rules", f"backend {backend} refused: " + "; ".join(runner.reasons)))
+    checks.extend(width_timing_checks(runner))
     w = runner.warmup
     if w is not None:
         per = ", ".join(f"w{x.width}: {x.max_abs_error:.3g}" for x in w.widths)
