@@ -33,7 +33,7 @@ over the fastest read probe measured in the same run (``probes.py``; its fractio
 bandwidth is printed beside it). ``fraction`` = roofline time / measured time.
 
 Timing: device events around each graph replay (a whole step), after warm-up; the median of
-``--replays`` (the oracle: a quarter of them). Each sample includes the graph-submission latency
+``--replays`` (the oracle: 3). Each sample includes the graph-submission latency
 (each replay follows a synchronize). ``capture_s`` is the wall time of a backend's first run and
 capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
 fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
@@ -187,8 +187,8 @@ def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
     return time_calls(fn, replays, warmup)
 
 
-def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
-    return _time_eager(graph.replay, replays, warmup=3)
+def _time_graph(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 3) -> list[float]:
+    return _time_eager(graph.replay, replays, warmup=warmup)
 
 
 def _median_ms(times: list[float]) -> float:
@@ -465,16 +465,18 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
                 errors[name] = why
             continue
         fn = steps[name] = step_of(name)
-        n = max(3, replays // 4) if name == "reference-graph" else replays
+        # the oracle is there for the errors (its time is only informative; at 32k a step of it
+        # takes ~0.3 s): 3 replays after 1 warm-up
+        n, warm = (3, 1) if name == "reference-graph" else (replays, 3)
 
-        def one(fn=fn, name=name, n=n):
+        def one(fn=fn, name=name, n=n, warm=warm):
             if name in COMPILED:
                 torch._dynamo.reset()  # this path's own compiles (and no stale entry of another)
             t0 = time.monotonic()
             g, out = capture_graph(fn)
             torch.cuda.synchronize()
             capture[name] = time.monotonic() - t0
-            ts = _time_graph(g, n)
+            ts = _time_graph(g, n, warm)
             g.replay()  # leave this backend's output of the same KV state for the error check
             torch.cuda.synchronize()
             return ts, out.clone(), g
