@@ -270,19 +270,33 @@ class ContiguousKV:
     value: list[torch.Tensor]
     start: list[int]
 
+    @staticmethod
+    def first_position(dims: ModelDims, layer: int, context: int) -> int:
+        """The first position layer ``layer`` keeps of a ``context``-token row."""
+        window = dims.window_for_layer(layer)
+        return max(0, context - window) if window else 0
+
     @classmethod
     def from_paged(cls, dims: ModelDims, kv, meta, context: int) -> ContiguousKV:
         """The same K/V values as the paged cache ``kv`` holds for ``meta``'s rows."""
         tables = meta.block_tables.long()
         key, value, start = [], [], []
         for l, (kc, vc) in enumerate(zip(kv.key, kv.value)):
-            window = dims.window_for_layer(l)
-            lo = max(0, context - window) if window else 0
+            lo = cls.first_position(dims, l, context)
             start.append(lo)
             for src, dst in ((kc, key), (vc, value)):
                 rows = src[tables].reshape(tables.shape[0], -1, dims.num_kv_heads, dims.head_dim)[:, lo:context]
                 dst.append(rows.transpose(1, 2).contiguous())
                 del rows
+        return cls(key, value, start)
+
+    @classmethod
+    def zeros(cls, dims: ModelDims, layers: int, rows: int, context: int, device) -> ContiguousKV:
+        """Caches of the same shapes as ``from_paged`` builds, zero-filled."""
+        start = [cls.first_position(dims, l, context) for l in range(layers)]
+        shapes = [(rows, dims.num_kv_heads, context - lo, dims.head_dim) for lo in start]
+        key = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
+        value = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
         return cls(key, value, start)
 
     def nbytes(self) -> int:
