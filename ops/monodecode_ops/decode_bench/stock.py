@@ -299,9 +299,6 @@ class ContiguousKV:
         value = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
         return cls(key, value, start)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.key + self.value)
-
 
 def cache_index(pos: torch.Tensor, start: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """``scatter_`` index along the position dim of a ``[rows, kv_heads, T, head_dim]`` cache for
@@ -397,7 +394,7 @@ class ContiguousStockDecode(StockDecode):
 
     ``compiled=False``: path (a), plain per-op PyTorch. ``compiled=True``: path (b), each layer's
     two halves around attention ``torch.compile``d (inductor default mode, ``dynamic=False``), the
-    KV write inside the first half (one scatter kernel each for K and V, like vLLM's one
+    KV write inside the first half (one kernel each for K and V, like vLLM's one
     cache-write kernel) and SDPA eager between them, like vLLM's piecewise graphs. Per step only
     what the positions decide is computed (RoPE rows, write index); nothing of the paged path.
     The benchmark captures the whole step in one CUDA graph either way.
