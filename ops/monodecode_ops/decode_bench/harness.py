@@ -145,6 +145,11 @@ DEVICE = "cuda"  # the device the benchmark runs on (a CPU smoke test sets "cpu"
 MEMORY_MARGIN = 4 << 30  # left free for the graphs' pools and the oracle's fp32 attention chunks
 
 
+def read_bandwidth(device, gib: float = 4.0, reps: int = 20) -> float:
+    """Bytes/s of the fastest read probe (``probes.read_probes``): the roofline's denominator."""
+    return max(read_probes(device, gib, reps).values())
+
+
 def weight_bytes(weights) -> int:
     total = 0
     for lw in weights.layers:
