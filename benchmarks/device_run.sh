@@ -8,7 +8,9 @@
 #   phases: tests (Triton GPU tests), bench (decode benchmark), gpu_all (every GPU-marked test in the
 #   tree but tests/vllm), experiments (experiments.py)
 # BUDGET_S (default 540) bounds the whole run: each phase gets at most what is left of it.
-# BENCH_ARGS: extra decode_latency.py arguments (e.g. --profiles llama3-1b --batches 1,8 --contexts 1024).
+# BENCH_ARGS: extra decode_latency.py arguments (e.g. --profiles llama3-1b --batches 1,8 --contexts 1024);
+#   the prewarm (compiles the compiled stock steps in parallel first) takes the same arguments.
+# PREWARM_TIMEOUT (default 150), BENCH_TIMEOUT (default 420), BENCH_RESERVE_S (default 75) bound the bench.
 # TIMELINE_BATCHES: batches drawn as per-stage timelines (default 1,8; set but empty: none).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -59,6 +61,12 @@ if want tests; then
   grep -E "^(FAILED|ERROR)" "$RUN/numerics.log" | head -20 | tee -a "$RUN/summary.log"
 fi
 if want bench; then
+  # the compiled stock steps' graphs, compiled in parallel into inductor's and Triton's caches
+  # (tuning results discarded: the benchmark tunes on an idle GPU); a cut-short warm-up only
+  # leaves more to compile in the benchmark (timeout signals the workers' process group too)
+  timeout "$(left "${PREWARM_TIMEOUT:-150}")" python3 benchmarks/decode_latency.py --prewarm-only ${BENCH_ARGS:-} \
+    > "$RUN/prewarm.log" 2>&1
+  echo "[${SECONDS}s] prewarm rc=$? $(tail -1 "$RUN/prewarm.log")" | tee -a "$RUN/summary.log"
   # the harness stops starting cells BENCH_RESERVE_S (default 75) before the phase's limit, so its
   # tables and plots are written; cells it did not start are recorded as skipped
   bench_s=$(left "${BENCH_TIMEOUT:-420}")

@@ -6,6 +6,7 @@ targets apply where issue 26 sets them."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,31 @@ def test_skipped_and_failed_cells_show_as_such():
     table = RP.markdown_table(d)
     assert "| stock-fullgraph | skipped |" in table and "| stock-fullgraph | failed |" in table
     assert "skipped: its KV caches need 140.0 GiB" in table
+
+
+def test_report_merges_saved_runs_and_prints_the_summary_table_last(tmp_path, capsys):
+    """``decode_latency.py --report`` merges runs (one per context, and a schema-3 document whose
+    rows carry no context), writes a plot per context and prints the summary table last."""
+    from monodecode_ops.decode_bench import harness
+
+    old = doc_of([rec("stock-compiled-graph", 5.3), rec("triton", 4.2)])
+    for r in old["results"]:
+        del r["context"]
+    old["context"] = 1024
+    new = doc_of([rec("stock-fullgraph", 11.9, context=32768, batch=8), rec("triton", 17.5, context=32768, batch=8)])
+    paths = []
+    for i, d in enumerate((old, new)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    assert harness.main(["--report", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("| llama3-8b | bf16 | 32768 | 8 | 3.00 |") and "stock-fullgraph 11.90 | 0.68x" in out[-1]
+    assert out[-2].startswith("| llama3-8b | bf16 | 1024 | 1 | 3.00 |") and "stock-compiled-graph 5.30" in out[-2]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "run0_report_ctx1024.png",
+        "run0_report_ctx32768.png",
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert harness.main(["--report", str(bad)]) == 2
+    assert "not a decode_latency result document" in capsys.readouterr().err

@@ -33,7 +33,7 @@ over the fastest read probe measured in the same run (``probes.py``; its fractio
 bandwidth is printed beside it). ``fraction`` = roofline time / measured time.
 
 Timing: device events around each graph replay (a whole step), after warm-up; the median of
-``--replays`` (the oracle: a quarter of them). Each sample includes the graph-submission latency
+``--replays`` (the oracle: 3). Each sample includes the graph-submission latency
 (each replay follows a synchronize). ``capture_s`` is the wall time of a backend's first run and
 capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
 fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
@@ -53,6 +53,7 @@ import argparse
 import datetime as _dt
 import gc
 import json
+import os
 import re
 import statistics
 import sys
@@ -144,6 +145,11 @@ DEVICE = "cuda"  # the device the benchmark runs on (a CPU smoke test sets "cpu"
 MEMORY_MARGIN = 4 << 30  # left free for the graphs' pools and the oracle's fp32 attention chunks
 
 
+def read_bandwidth(device, gib: float = 4.0, reps: int = 20) -> float:
+    """Bytes/s of the fastest read probe (``probes.read_probes``): the roofline's denominator."""
+    return max(read_probes(device, gib, reps).values())
+
+
 def weight_bytes(weights) -> int:
     total = 0
     for lw in weights.layers:
@@ -175,11 +181,8 @@ def paged_kv_bytes(dims, layers: int, rows: int, context: int) -> int:
 
 def contiguous_kv_bytes(dims, layers: int, rows: int, context: int) -> int:
     """Bytes of the contiguous caches (``stock.ContiguousKV``: sliding layers hold their window)."""
-    total = 0
-    for l in range(layers):
-        window = dims.window_for_layer(l)
-        total += rows * dims.num_kv_heads * (min(context, window) if window else context) * dims.head_dim * 2 * 2
-    return total
+    per_position = rows * dims.num_kv_heads * dims.head_dim * 2 * 2
+    return sum((context - ContiguousKV.first_position(dims, l, context)) * per_position for l in range(layers))
 
 
 def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
@@ -187,8 +190,8 @@ def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
     return time_calls(fn, replays, warmup)
 
 
-def _time_graph(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
-    return _time_eager(graph.replay, replays, warmup=3)
+def _time_graph(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 3) -> list[float]:
+    return _time_eager(graph.replay, replays, warmup=warmup)
 
 
 def _median_ms(times: list[float]) -> float:
@@ -221,6 +224,26 @@ def _triton_kernels(req, weights, change: dict, device, share=None):
     return TritonKernels(req, weights, target, req.platform.compute_units, device, share=share)
 
 
+def stock_runs(backend: str, fp8: bool, rows: int | None, w8a16_batches) -> bool:
+    """Whether a selected stock ``backend`` is timed in a cell of this weight dtype and batch
+    (``rows`` None: in any batch)."""
+    if backend == "stock-fullgraph":
+        return not fp8  # W8A16 without coordinate descent widens every weight first
+    if backend == "stock-fullgraph-splitk":
+        return fp8
+    if backend == "stock-fullgraph-cdt" and fp8:
+        return rows is None or rows in w8a16_batches  # wider, inductor does not fuse the dequant
+    return True
+
+
+def cell_plan(contexts, batches, long_batches) -> list[tuple[int, int]]:
+    """(context, batch) of every cell of one profile, in run order: every batch at the first
+    context, at the later ones only those in ``long_batches`` (None: every batch)."""
+    return [
+        (c, b) for i, c in enumerate(contexts) for b in batches if i == 0 or long_batches is None or b in long_batches
+    ]
+
+
 def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device, fp8: bool, log):
     """backend -> stock decode object of the selected ``--stock`` paths (sharing one set of merged
     weights and RoPE tables)."""
@@ -238,16 +261,16 @@ def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device
         paths["stock-compiled-graph"] = ContiguousStockDecode(
             dims, weights, max_context, device, compiled=True, share=base
         )
-    if "stock-fullgraph" in want and fp8:
-        log("  stock-fullgraph left out for FP8: W8A16 without coordinate descent widens every weight first")
-    elif "stock-fullgraph" in want:
-        paths["stock-fullgraph"] = FullgraphStockDecode(dims, weights, max_context, device, share=base)
-    if "stock-fullgraph-cdt" in want:
-        paths["stock-fullgraph-cdt"] = FullgraphStockDecode(dims, weights, max_context, device, tuning=True, share=base)
-    if "stock-fullgraph-splitk" in want and fp8:
-        paths["stock-fullgraph-splitk"] = FullgraphStockDecode(
-            dims, weights, max_context, device, share=base, splitk=True
-        )
+    fullgraphs = {
+        "stock-fullgraph": {},
+        "stock-fullgraph-cdt": {"tuning": True},
+        "stock-fullgraph-splitk": {"splitk": True},
+    }
+    for b, kw in fullgraphs.items():
+        if b in want and stock_runs(b, fp8, None, ()):
+            paths[b] = FullgraphStockDecode(dims, weights, max_context, device, share=base, **kw)
+        elif b in want:
+            log(f"  {b} left out for {'FP8' if fp8 else 'BF16'} weights")
     return paths, base
 
 
@@ -326,27 +349,26 @@ def bench_config(
         "device": device,
         "log": log,
     }
-    for c_i, context in enumerate(contexts):
-        for rows in batches if c_i == 0 or long_batches is None else [b for b in batches if b in long_batches]:
-            wanted = _cell_backends(ctx, rows, floor=c_i == 0, w8a16_batches=w8a16_batches)
-            why = None
-            if deadline is not None and time.monotonic() > deadline:
-                why = "skipped: the run's time budget (--deadline-s) is spent"
-            else:
-                need = paged_kv_bytes(dims, n_layers, rows, context)
-                if any(b in paths and b != "stock-graph" for b in wanted):
-                    need += contiguous_kv_bytes(dims, n_layers, rows, context)
-                free = torch.cuda.mem_get_info(device)[0]
-                if need + MEMORY_MARGIN > free:
-                    why = f"skipped: its KV caches need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-            if why:
-                log(f"  context {context} batch {rows}: {why}")
-                results += [_row(ctx, rows, context, b, None, why, None, None, skipped=True) for b in wanted]
-            else:
-                tl = rows in timeline_batches and context in timeline_contexts
-                results += _bench_cell(ctx, rows, context, wanted, tl, out_dir, stem, timelines)
-            if on_cell:
-                on_cell()
+    for context, rows in cell_plan(contexts, batches, long_batches):
+        wanted = _cell_backends(ctx, rows, floor=context == contexts[0], w8a16_batches=w8a16_batches)
+        why = None
+        if deadline is not None and time.monotonic() > deadline:
+            why = "skipped: the run's time budget (--deadline-s) is spent"
+        else:
+            need = paged_kv_bytes(dims, n_layers, rows, context)
+            if any(b in paths and b != "stock-graph" for b in wanted):
+                need += contiguous_kv_bytes(dims, n_layers, rows, context)
+            free = torch.cuda.mem_get_info(device)[0]
+            if need + MEMORY_MARGIN > free:
+                why = f"skipped: its KV caches need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+        if why:
+            log(f"  context {context} batch {rows}: {why}")
+            results += [_row(ctx, rows, context, b, None, why, None, None, skipped=True) for b in wanted]
+        else:
+            tl = rows in timeline_batches and context in timeline_contexts
+            results += _bench_cell(ctx, rows, context, wanted, tl, out_dir, stem, timelines)
+        if on_cell:
+            on_cell()
     for tk in kernels.values():
         tk.close()
     ctx.clear()
@@ -361,10 +383,7 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
     out = ["reference-graph"]
     if "eager" in ctx["stock"]:
         out.append("reference-eager")
-    for b in ctx["paths"]:
-        if b == "stock-fullgraph-cdt" and ctx["weight_dtype"] != "bf16" and rows not in w8a16_batches:
-            continue
-        out.append(b)
+    out += [b for b in ctx["paths"] if stock_runs(b, ctx["weight_dtype"] != "bf16", rows, w8a16_batches)]
     if "floor" in ctx["stock"] and floor:
         out.append("stock-gemm-floor")
     return out + list(ctx["kernels"])
@@ -465,16 +484,18 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
                 errors[name] = why
             continue
         fn = steps[name] = step_of(name)
-        n = max(3, replays // 4) if name == "reference-graph" else replays
+        # the oracle is there for the errors (its time is only informative; at 32k a step of it
+        # takes ~0.3 s): 3 replays after 1 warm-up
+        n, warm = (3, 1) if name == "reference-graph" else (replays, 3)
 
-        def one(fn=fn, name=name, n=n):
+        def one(fn=fn, name=name, n=n, warm=warm):
             if name in COMPILED:
                 torch._dynamo.reset()  # this path's own compiles (and no stale entry of another)
             t0 = time.monotonic()
             g, out = capture_graph(fn)
             torch.cuda.synchronize()
             capture[name] = time.monotonic() - t0
-            ts = _time_graph(g, n)
+            ts = _time_graph(g, n, warm)
             g.replay()  # leave this backend's output of the same KV state for the error check
             torch.cuda.synchronize()
             return ts, out.clone(), g
@@ -773,6 +794,21 @@ def print_report(doc: dict) -> None:
     print(summary_table(doc))
 
 
+def _prewarm(a, contexts: list[int]) -> int:
+    from monodecode_ops.decode_bench import prewarm
+
+    profiles, fp8, batches, stock = _csv(a.profiles), _csv(a.fp8_profiles), _csv(a.batches, int), _csv(a.stock)
+    w8a16 = _csv(a.w8a16_batches, int)
+    check_arguments(profiles, batches, contexts, fp8, stock, tuple(w8a16))
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
+    long_batches = None if a.long_context_batches == "all" else _csv(a.long_context_batches, int)
+    jobs = prewarm.jobs(profiles, fp8, batches, contexts, long_batches, stock, w8a16, device=DEVICE)
+    failed = prewarm.prewarm(jobs, a.prewarm_workers)
+    print(f"prewarm: {len(jobs) - failed}/{len(jobs)} cells compiled")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default=",".join(DEFAULT_PROFILES))
@@ -806,6 +842,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="triton builds and the oracle only (quick A/B)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs (merged) and exit")
+    ap.add_argument(
+        "--prewarm-only",
+        action="store_true",
+        help="compile the run's compiled stock steps into inductor's and Triton's caches in parallel, then exit",
+    )
+    ap.add_argument("--prewarm-workers", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args(argv)
     try:
         if a.report:
@@ -825,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.deadline_s is not None and not a.deadline_s > 0:
             raise MonodecodeError(f"--deadline-s must be > 0, got {a.deadline_s}")
         contexts = [a.context] if a.context is not None else _csv(a.contexts, int)
+        if a.prewarm_only:
+            return _prewarm(a, contexts)
         doc = run(
             _csv(a.profiles),
             _csv(a.batches, int),

@@ -270,14 +270,19 @@ class ContiguousKV:
     value: list[torch.Tensor]
     start: list[int]
 
+    @staticmethod
+    def first_position(dims: ModelDims, layer: int, context: int) -> int:
+        """The first position layer ``layer`` keeps of a ``context``-token row."""
+        window = dims.window_for_layer(layer)
+        return max(0, context - window) if window else 0
+
     @classmethod
     def from_paged(cls, dims: ModelDims, kv, meta, context: int) -> ContiguousKV:
         """The same K/V values as the paged cache ``kv`` holds for ``meta``'s rows."""
         tables = meta.block_tables.long()
         key, value, start = [], [], []
         for l, (kc, vc) in enumerate(zip(kv.key, kv.value)):
-            window = dims.window_for_layer(l)
-            lo = max(0, context - window) if window else 0
+            lo = cls.first_position(dims, l, context)
             start.append(lo)
             for src, dst in ((kc, key), (vc, value)):
                 rows = src[tables].reshape(tables.shape[0], -1, dims.num_kv_heads, dims.head_dim)[:, lo:context]
@@ -285,8 +290,14 @@ class ContiguousKV:
                 del rows
         return cls(key, value, start)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.key + self.value)
+    @classmethod
+    def zeros(cls, dims: ModelDims, layers: int, rows: int, context: int, device) -> ContiguousKV:
+        """Caches of the same shapes as ``from_paged`` builds, zero-filled."""
+        start = [cls.first_position(dims, l, context) for l in range(layers)]
+        shapes = [(rows, dims.num_kv_heads, context - lo, dims.head_dim) for lo in start]
+        key = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
+        value = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
+        return cls(key, value, start)
 
 
 def cache_index(pos: torch.Tensor, start: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -383,7 +394,7 @@ class ContiguousStockDecode(StockDecode):
 
     ``compiled=False``: path (a), plain per-op PyTorch. ``compiled=True``: path (b), each layer's
     two halves around attention ``torch.compile``d (inductor default mode, ``dynamic=False``), the
-    KV write inside the first half (one scatter kernel each for K and V, like vLLM's one
+    KV write inside the first half (one kernel each for K and V, like vLLM's one
     cache-write kernel) and SDPA eager between them, like vLLM's piecewise graphs. Per step only
     what the positions decide is computed (RoPE rows, write index); nothing of the paged path.
     The benchmark captures the whole step in one CUDA graph either way.

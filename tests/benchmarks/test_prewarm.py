@@ -1,0 +1,70 @@
+"""``decode_latency.py --prewarm-only`` (``monodecode_ops.decode_bench.prewarm``) fills inductor's
+cache with exactly the graphs the benchmark then compiles: a worker with one layer per layer kind
+compiles tiny's fullgraph stock step, and a second process running the benchmark's own path on
+the whole model (four layers, caches from a paged cache) finds both of its graphs (sliding and
+global) in the cache, with no miss. Run on the CPU (inductor's C++ backend), in a fresh cache
+folder; about 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PREWARM = """
+import sys
+from monodecode_ops.decode_bench import harness as H
+H.DEVICE = "cpu"
+sys.exit(H.main(["--profiles", "tiny", "--fp8-profiles", "", "--contexts", "40", "--batches", "3",
+                 "--stock", "fullgraph", "--prewarm-only", "--prewarm-workers", "1"]))
+"""
+BENCH = """
+import json, torch
+from torch._dynamo.utils import counters
+from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+from monodecode.model.profiles import profile_dims
+from monodecode.model.weights import random_weights
+from monodecode_ops.decode_bench.harness import BLOCK, _stock_paths
+from monodecode_ops.decode_bench.stock import ContiguousKV
+ctx, rows = 40, 3
+dims = profile_dims("tiny")
+w = random_weights(dims, seed=1, weight_dtype="bf16", num_layers=dims.num_layers)
+paths, _ = _stock_paths(dims, w, ("fullgraph",), ctx, "cpu", False, print)
+blocks = rows * (-(-ctx // BLOCK)) + 1
+alloc = BlockAllocator(blocks, BLOCK, shuffle_seed=rows)
+for r in range(rows):
+    alloc.append_slots(r, ctx - 1)
+meta = alloc.decode_metadata(list(range(rows)))
+kv = PagedKVCache.allocate(dims, blocks, BLOCK, num_layers=dims.num_layers)
+step = paths["stock-fullgraph"]
+step.cache = ContiguousKV.from_paged(dims, kv, meta, ctx)
+step.prepare(meta, BLOCK)
+y = torch.randn(rows, dims.hidden_size).to(torch.bfloat16)
+for l in range(dims.num_layers):
+    y = step.forward_layer(l, y, meta, kv)
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def _python(code: str, env: dict) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_prewarm_fills_the_cache_the_benchmark_reads(tmp_path):
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'ops'}",
+        PYTHONWARNINGS="ignore",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    out = _python(PREWARM, env)
+    assert "compiled tiny bf16 context 40 batch 3: stock-fullgraph in" in out and "(failed" not in out
+    assert "prewarm: 1/1 cells compiled" in out
+    counts = json.loads(_python(BENCH, env).strip().splitlines()[-1])
+    assert counts.get("fxgraph_cache_hit") == 2 and not counts.get("fxgraph_cache_miss"), counts
