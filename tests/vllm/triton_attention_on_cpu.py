@@ -1,5 +1,7 @@
-"""Run vLLM's ``TRITON_ATTN`` backend (the ROCm serve pair's attention) on this CPU machine, under
-Triton's interpreter, and bind a mono model to it as on an AMD node: prints one ``RESULT {json}`` line.
+"""Run a ROCm serve pair's attention on this CPU machine, under Triton's interpreter, and bind a
+mono model to it as on an AMD node: prints one ``RESULT {json}`` line. The backend is
+``MONODECODE_TEST_ATTENTION`` (default ``TRITON_ATTN``; ``ROCM_AITER_UNIFIED_ATTN``: AITER's own
+Triton kernel, with AITER on, aiter_on_cpu.py), with the environment ``serve_settings`` gives its pair.
 
     python triton_attention_on_cpu.py bind MODEL_DIR TMP_DIR [FAULT]
     python triton_attention_on_cpu.py generate MODEL_DIR TMP_DIR mono|stock [FAULT]
@@ -19,8 +21,12 @@ What stands in for the GPU, and nothing else:
   in (Triton 3.6 to 3.9); they are widened to fp32 first, as the GPU's dot does;
 - ``torch.cuda.get_device_capability`` answers (9, 4), what torch reports for gfx942, where vLLM's
   cache writer asks;
-- vLLM's CPU platform selects ``TRITON_ATTN``, as ROCm's selection does for ``--attention-backend
-  TRITON_ATTN`` (the image's setting);
+- vLLM's CPU platform selects the backend, as ROCm's selection does for ``--attention-backend``
+  (the image's setting);
+- with AITER's attention, AITER's (16, 16) preshuffle of layer 1's ``o_proj`` (``AITER_SHUFFLED``):
+  AITER's own ``shuffle_weight`` rearranges the weight vLLM loaded and marks the layer
+  (``aiter_bpreshuffled``, vLLM's marker for it), and the layer's GEMM reads it through AITER's own
+  permutation (AITER's HIP GEMMs cannot run here);
 - the plugin detects an MI300X whose GPU torch cannot launch on, so its runner decodes with the
   reference backend on the bound cache (what it does on a node with a CPU build of torch).
 
@@ -29,7 +35,8 @@ model classes and loader are its own. ``FAULT`` (``bind``; ``generate`` takes ``
 applied once the engine has started, a kernel going wrong after warm-up): ``o_proj_tiles`` (the kernels read o_proj's
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
 kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
-skipped with a warning, the kernels keep serving on their golden check). Run as a subprocess: the interpreter must be on before vLLM's Triton
+skipped with a warning, the kernels keep serving on their golden check), or ``preshuffle_unseen``
+(the plugin does not see AITER's shuffle and reads the shuffled bytes row-major). Run as a subprocess: the interpreter must be on before vLLM's Triton
 modules are first imported.
 """
 
@@ -65,11 +72,18 @@ def _interpreter_dot_widens_bf16() -> None:
     builder.create_dot = create_dot
 
 
+ATTENTION = os.environ.get("MONODECODE_TEST_ATTENTION", "TRITON_ATTN")
+AITER_SHUFFLED = "model.layers.1.self_attn.o_proj"
+
+
 def enable() -> None:
     import torch
     import triton
     import triton.language as tl
 
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    os.environ.update(serve_settings("rocm", ATTENTION).env)
     _interpreter_dot_widens_bf16()
     import vllm.triton_utils as triton_utils
 
@@ -79,13 +93,25 @@ def enable() -> None:
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum.TRITON_ATTN.get_path())
+    if ATTENTION.startswith("ROCM_AITER"):
+        from aiter_on_cpu import enable_aiter_unified_attention, preshuffle_with_aiter
+
+        enable_aiter_unified_attention()
+        preshuffle_with_aiter(AITER_SHUFFLED)
+    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum[ATTENTION].get_path())
 
     from monodecode.services.platform import Platform
     from monodecode.vllm_plugin import decode
 
     mi300x = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, source="kfd")
     decode.detect_platform = lambda device=None: mi300x
+
+
+def _fault_before_load(name: str) -> None:
+    if name == "preshuffle_unseen":
+        from monodecode.vllm_plugin import weights
+
+        weights.preshuffled = lambda module: False
 
 
 def _fault(model, name: str) -> None:
@@ -113,7 +139,7 @@ def _fault(model, name: str) -> None:
             raise RuntimeError("HIP error: invalid device function\n(the rest of a ROCm error)")
 
         stock.VllmStockLayer.run = raises
-    elif name:
+    elif name and name != "preshuffle_unseen":
         raise SystemExit(f"unknown fault {name!r}")
 
 
@@ -134,6 +160,7 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     cfg = engine_config(
         Path(model_dir), additional_config={"monodecode": mono_options(Path(tmp), on_refusal="degrade")}, **extra
     )
+    _fault_before_load(fault)
     model = load_model(cfg)
     mono = model.mono
     built = {"state": mono.state, "reasons": list(mono.reasons)}
@@ -148,6 +175,7 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "reasons": list(mono.reasons),
         "compared_with_vllm": mono.vllm_agreement is not None,
         "in_place": _in_place(mono),
+        "weight_copy_bytes": mono.weight_copy_bytes,
     }
 
 
@@ -195,6 +223,8 @@ def generate(model_dir: str, tmp: str, which: str, fault: str = "") -> dict:
             state=mono.state,
             reasons=list(mono.reasons),
             in_place=_in_place(mono),
+            compared_with_vllm=mono.vllm_agreement is not None,
+            weight_copy_bytes=mono.weight_copy_bytes,
             steps=mono.runner.steps - before[0],
             mono_steps=mono.runner.mono_steps - before[1],
         )
@@ -219,8 +249,8 @@ MODES = {"bind": bind, "generate": generate, "score": score}
 
 
 def main(mode: str, *args: str) -> None:
+    sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # vllm_testlib, aiter_sources
     enable()
-    sys.path.insert(0, str(Path(__file__).parent))
     print("RESULT " + json.dumps(MODES[mode](*args)))
 
 

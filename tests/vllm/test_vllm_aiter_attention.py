@@ -1,0 +1,62 @@
+"""Mono decode on AMD's recommended serving setup, AITER on, run on this CPU machine: the
+``ROCM_AITER_UNIFIED_ATTN`` pair (``LBHNC``) with AITER's own Triton attention kernel under
+Triton's interpreter, and one linear layer (layer 1's ``o_proj``) held (16, 16)-preshuffled by
+AITER's own ``shuffle_weight``, its GEMM reading it through AITER's permutation
+(triton_attention_on_cpu.py and aiter_on_cpu.py say what stands in for the GPU).
+
+The plugin binds vLLM's cache in place, undoes the shuffle into a row-major copy (its bytes
+reported) and compares one decode step with vLLM's own layers on AITER's attention: they agree.
+A plugin that does not see the shuffle reads the shuffled bytes row-major: refused at start-up
+by that comparison (the golden check against the reference, on the same misread weights, passes).
+Then a real vLLM engine serves every decode step mono on that pair.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vllm_testlib import needs_engine, run_child
+
+SCRIPT = Path(__file__).with_name("triton_attention_on_cpu.py")
+ATTENTION = "ROCM_AITER_UNIFIED_ATTN"
+O_PROJ_COPY = 256 * 256 * 2  # the tiny model's o_proj [hidden, q heads * head_dim], bf16
+
+
+def _run(*args: str) -> dict:
+    env = {**os.environ, "MONODECODE_TEST_ATTENTION": ATTENTION}
+    out, _ = run_child([str(SCRIPT), *map(str, args)], "RESULT ", env=env)
+    return out
+
+
+def test_aiters_pair_binds_in_place_reads_the_preshuffled_weight_and_matches_vllms_layers(model_dirs, tmp_path):
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    pair = serve_settings("rocm", ATTENTION)
+    out = _run("bind", model_dirs["gemma3"], tmp_path)
+    assert (out["platform"], out["backend"], out["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout), out
+    assert out["state"] == "mono" and out["reasons"] == [], out
+    assert out["compared_with_vllm"] and out["in_place"], out
+    assert out["weight_copy_bytes"] == O_PROJ_COPY, out
+
+
+def test_a_preshuffled_weight_read_row_major_is_refused_at_start_up(model_dirs, tmp_path):
+    out = _run("bind", model_dirs["gemma3"], tmp_path, "preshuffle_unseen")
+    assert out["built"]["state"] == "mono", out  # the golden check reads the same misread weights
+    assert out["state"] == "degraded" and out["weight_copy_bytes"] == 0, out
+    why = out["reasons"][0]
+    assert why.startswith(
+        "warmup_failed: one decode step through every layer: the kernels differ from vLLM's own decoder layers"
+    ), out
+
+
+@needs_engine
+def test_a_real_engine_serves_mono_with_aiter_on(model_dirs, tmp_path):
+    """vLLM's engine (scheduler, CPU model runner, worker) with AITER's attention layers and the
+    preshuffled o_proj: a batch of 4 rows decodes mono on vLLM's cache in place, every decode
+    step after the prefill; the start-up comparison ran on the engine's own cache."""
+    out = _run("generate", model_dirs["gemma3"], tmp_path, "mono")
+    assert out["backend"] == ATTENTION and out["state"] == "mono" and out["in_place"], out
+    assert out["compared_with_vllm"] and out["weight_copy_bytes"] == O_PROJ_COPY, out
+    new = len(out["continuations"][0]["token_ids"])
+    assert out["mono_steps"] == new - 1 and out["steps"] == new, out
