@@ -28,7 +28,7 @@ O_PROJ_COPY = 256 * 256 * 2  # the tiny model's o_proj [hidden, q heads * head_d
 
 
 def _run(*args: str, attention: str = ATTENTION, with_log: bool = False):
-    env = {**os.environ, "MONODECODE_TEST_ATTENTION": attention}
+    env = {**os.environ, "MONODECODE_TEST_ATTENTION": attention, "VLLM_LOGGING_LEVEL": "INFO"}
     out, logged = run_child([str(SCRIPT), *map(str, args)], "RESULT ", env=env)
     return (out, logged) if with_log else out
 
@@ -37,11 +37,15 @@ def test_aiters_pair_binds_in_place_reads_the_preshuffled_weight_and_matches_vll
     from monodecode.vllm_plugin.serving import serve_settings
 
     pair = serve_settings("rocm", ATTENTION)
-    out = _run("bind", model_dirs["gemma3"], tmp_path)
+    out, logged = _run("bind", model_dirs["gemma3"], tmp_path, with_log=True)
     assert (out["platform"], out["backend"], out["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout), out
     assert out["state"] == "mono" and out["reasons"] == [], out
     assert out["compared_with_vllm"] and out["in_place"], out
     assert out["weight_copy_bytes"] == O_PROJ_COPY, out
+    reported = [line for line in logged.splitlines() if "keeps row-major copies of" in line]
+    assert len(reported) == 1, logged[-2000:]
+    assert "1 AITER-preshuffled weights on rank 0 (the kernels read row-major): 0.1 MiB of GPU memory" in reported[0]
+    assert "model.layers.1.self_attn.o_proj" in reported[0]
 
 
 def test_a_preshuffled_weight_read_row_major_is_refused_at_start_up(model_dirs, tmp_path):
