@@ -4,9 +4,10 @@
   ``torch.cuda.get_device_properties("cuda").gcnArchName``); the CUDA wheel's torch then looks
   for an NVIDIA driver and raises. While the AITER backend modules are first imported, the
   arch asked for is gfx942's.
-- ``enable_aiter_unified_attention``: ``ROCM_AITER_UNIFIED_ATTN``'s own classes run, with AITER's
-  own Triton kernel (``aiter.ops.triton.unified_attention``, from the amd-aiter sources:
-  tests/aiter_sources.py) under Triton's interpreter; its cache writer, vLLM's
+- ``enable_aiter_attention``: the AITER backends' own classes run, with AITER's own Triton
+  attention kernel ``aiter.ops.triton.unified_attention`` (all of ``ROCM_AITER_UNIFIED_ATTN``;
+  ``ROCM_AITER_FA``'s decode of sliding layers), from the amd-aiter sources
+  (tests/aiter_sources.py), under Triton's interpreter; the backends' cache writer, vLLM's
   ``reshape_and_cache_flash``, is a HIP/CUDA op neither wheel builds for CPU, so vLLM's own
   Triton writer of the same layout (``triton_reshape_and_cache_flash``, what ``TRITON_ATTN``
   writes with) stands in for it. vLLM 0.33 passes the kernel ``shuffled_kv_cache`` (False: the
@@ -49,8 +50,8 @@ def backend_class(name: str):
         return AttentionBackendEnum[name].get_class()
 
 
-def enable_aiter_unified_attention() -> None:
-    """Run ``ROCM_AITER_UNIFIED_ATTN`` here (Triton's interpreter must already be on)."""
+def enable_aiter_attention() -> None:
+    """Run the AITER backends' Triton parts here (Triton's interpreter must already be on)."""
     import sys
 
     from aiter_sources import unified_attention

@@ -33,29 +33,27 @@ def _run(*args: str, attention: str = ATTENTION, with_log: bool = False):
     return (out, logged) if with_log else out
 
 
-def test_aiters_pair_binds_in_place_reads_the_preshuffled_weight_and_matches_vllms_layers(model_dirs, tmp_path):
+def test_aiters_pair_reads_the_preshuffled_weight_and_refuses_it_read_row_major(model_dirs, tmp_path):
+    """One process, two fresh models: as the plugin reads them, then with AITER's shuffle unseen."""
     from monodecode.vllm_plugin.serving import serve_settings
 
     pair = serve_settings("rocm", ATTENTION)
-    out, logged = _run("bind", model_dirs["gemma3"], tmp_path, with_log=True)
-    assert (out["platform"], out["backend"], out["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout), out
-    assert out["state"] == "mono" and out["reasons"] == [], out
-    assert out["compared_with_vllm"] and out["in_place"], out
-    assert out["weight_copy_bytes"] == O_PROJ_COPY, out
+    out, logged = _run("bind_each", model_dirs["gemma3"], tmp_path, "none", "preshuffle_unseen", with_log=True)
+    good, unseen = out["runs"]
+    assert (good["platform"], good["backend"], good["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout)
+    assert good["state"] == "mono" and good["reasons"] == [], good
+    assert good["compared_with_vllm"] and good["in_place"], good
+    assert good["weight_copy_bytes"] == O_PROJ_COPY, good
     reported = [line for line in logged.splitlines() if "keeps row-major copies of" in line]
-    assert len(reported) == 1, logged[-2000:]
+    assert len(reported) == 1, logged[-2000:]  # the second model made no copy
     assert "1 AITER-preshuffled weights on rank 0 (the kernels read row-major): 0.1 MiB of GPU memory" in reported[0]
     assert "model.layers.1.self_attn.o_proj" in reported[0]
 
-
-def test_a_preshuffled_weight_read_row_major_is_refused_at_start_up(model_dirs, tmp_path):
-    out = _run("bind", model_dirs["gemma3"], tmp_path, "preshuffle_unseen")
-    assert out["built"]["state"] == "mono", out  # the golden check reads the same misread weights
-    assert out["state"] == "degraded" and out["weight_copy_bytes"] == 0, out
-    why = out["reasons"][0]
-    assert why.startswith(
+    assert unseen["built"]["state"] == "mono", unseen  # the golden check reads the same misread weights
+    assert unseen["state"] == "degraded" and unseen["weight_copy_bytes"] == 0, unseen
+    assert unseen["reasons"][0].startswith(
         "warmup_failed: one decode step through every layer: the kernels differ from vLLM's own decoder layers"
-    ), out
+    ), unseen
 
 
 @needs_engine

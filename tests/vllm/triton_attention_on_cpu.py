@@ -4,6 +4,7 @@ mono model to it as on an AMD node: prints one ``RESULT {json}`` line. The backe
 Triton kernel, with AITER on, aiter_on_cpu.py), with the environment ``serve_settings`` gives its pair.
 
     python triton_attention_on_cpu.py bind MODEL_DIR TMP_DIR [FAULT]
+    python triton_attention_on_cpu.py bind_each MODEL_DIR TMP_DIR none|FAULT...
     python triton_attention_on_cpu.py generate MODEL_DIR TMP_DIR mono|stock [FAULT]
     python triton_attention_on_cpu.py score MODEL_DIR TMP_DIR SEQUENCES_JSON
 
@@ -94,9 +95,9 @@ def enable() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if ATTENTION.startswith("ROCM_AITER"):
-        from aiter_on_cpu import enable_aiter_unified_attention, preshuffle_with_aiter
+        from aiter_on_cpu import enable_aiter_attention, preshuffle_with_aiter
 
-        enable_aiter_unified_attention()
+        enable_aiter_attention()
         preshuffle_with_aiter(AITER_SHUFFLED)
     CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum[ATTENTION].get_path())
 
@@ -107,11 +108,15 @@ def enable() -> None:
     decode.detect_platform = lambda device=None: mi300x
 
 
-def _fault_before_load(name: str) -> None:
+def _fault_before_load(name: str):
+    """Apply a fault that acts while the model loads; returns what undoes it."""
     if name == "preshuffle_unseen":
         from monodecode.vllm_plugin import weights
 
+        seen = weights.preshuffled
         weights.preshuffled = lambda module: False
+        return lambda: setattr(weights, "preshuffled", seen)
+    return lambda: None
 
 
 def _fault(model, name: str) -> None:
@@ -149,8 +154,10 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
 
     from monodecode.vllm_plugin.binding import layer_backend
 
-    torch.set_num_threads(1)
-    init_one_rank()
+    if not _STARTED:
+        torch.set_num_threads(1)
+        init_one_rank()
+        _STARTED.append(True)
     import vllm._custom_ops  # noqa: F401  (loads vllm._C where the wheel has it)
 
     extra = {}
@@ -160,8 +167,9 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     cfg = engine_config(
         Path(model_dir), additional_config={"monodecode": mono_options(Path(tmp), on_refusal="degrade")}, **extra
     )
-    _fault_before_load(fault)
+    undo = _fault_before_load(fault)
     model = load_model(cfg)
+    undo()
     mono = model.mono
     built = {"state": mono.state, "reasons": list(mono.reasons)}
     _fault(model, fault)
@@ -177,6 +185,15 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "in_place": _in_place(mono),
         "weight_copy_bytes": mono.weight_copy_bytes,
     }
+
+
+_STARTED: list[bool] = []  # vLLM's distributed state, made once per process
+
+
+def bind_each(model_dir: str, tmp: str, *faults: str) -> dict:
+    """``bind`` once per fault ("none": no fault) in this process, each on a fresh model (one
+    interpreter and vLLM start-up for them all). Faults applied after loading stay applied."""
+    return {"runs": [bind(model_dir, f"{tmp}/{i}", "" if f == "none" else f) for i, f in enumerate(faults)]}
 
 
 def _in_place(mono) -> bool:
@@ -245,7 +262,7 @@ def score(model_dir: str, tmp: str, sequences_file: str) -> dict:
     }
 
 
-MODES = {"bind": bind, "generate": generate, "score": score}
+MODES = {"bind": bind, "bind_each": bind_each, "generate": generate, "score": score}
 
 
 def main(mode: str, *args: str) -> None:
