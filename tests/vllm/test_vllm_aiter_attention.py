@@ -13,6 +13,9 @@ Then a real vLLM engine serves every decode step mono on that pair.
 The default ROCm pair, ``ROCM_AITER_FA`` (same LBHNC layout and K|V split), binds in place here
 too; its own layers cannot run on this machine (its cache writer and its global-layer decode are
 HIP kernels), so the comparison with them is skipped with one warning: it runs on an AMD node.
+
+The three bindings share one child process (one interpreter and vLLM start-up), each on a fresh
+model.
 """
 
 from __future__ import annotations
@@ -20,40 +23,64 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from vllm_testlib import needs_engine, run_child
 
 SCRIPT = Path(__file__).with_name("triton_attention_on_cpu.py")
 ATTENTION = "ROCM_AITER_UNIFIED_ATTN"
 O_PROJ_COPY = 256 * 256 * 2  # the tiny model's o_proj [hidden, q heads * head_dim], bf16
+COPY_LINE = "keeps row-major copies of"
 
 
-def _run(*args: str, attention: str = ATTENTION, with_log: bool = False):
-    env = {**os.environ, "MONODECODE_TEST_ATTENTION": attention, "VLLM_LOGGING_LEVEL": "INFO"}
-    out, logged = run_child([str(SCRIPT), *map(str, args)], "RESULT ", env=env)
-    return (out, logged) if with_log else out
+def _run(*args) -> tuple[dict, str]:
+    env = {**os.environ, "MONODECODE_TEST_ATTENTION": ATTENTION, "VLLM_LOGGING_LEVEL": "INFO"}
+    return run_child([str(SCRIPT), *map(str, args)], "RESULT ", env=env)
 
 
-def test_aiters_pair_reads_the_preshuffled_weight_and_refuses_it_read_row_major(model_dirs, tmp_path):
-    """One process, two fresh models: as the plugin reads them, then with AITER's shuffle unseen."""
+@pytest.fixture(scope="module")
+def binds(model_dirs, tmp_path_factory) -> tuple[dict, str]:
+    """run name -> the plugin's state after binding, and the child's whole log."""
+    names = ("none", "preshuffle_unseen", "backend=ROCM_AITER_FA")
+    out, logged = _run("bind_each", model_dirs["gemma3"], tmp_path_factory.mktemp("aiter"), *names)
+    return dict(zip(names, out["runs"])), logged
+
+
+def test_aiters_pair_binds_in_place_reads_the_preshuffled_weight_and_matches_vllms_layers(binds):
     from monodecode.vllm_plugin.serving import serve_settings
 
+    runs, logged = binds
+    out = runs["none"]
     pair = serve_settings("rocm", ATTENTION)
-    out, logged = _run("bind_each", model_dirs["gemma3"], tmp_path, "none", "preshuffle_unseen", with_log=True)
-    good, unseen = out["runs"]
-    assert (good["platform"], good["backend"], good["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout)
-    assert good["state"] == "mono" and good["reasons"] == [], good
-    assert good["compared_with_vllm"] and good["in_place"], good
-    assert good["weight_copy_bytes"] == O_PROJ_COPY, good
-    reported = [line for line in logged.splitlines() if "keeps row-major copies of" in line]
-    assert len(reported) == 1, logged[-2000:]  # the second model made no copy
+    assert (out["platform"], out["backend"], out["layout"]) == ("rocm gfx942", ATTENTION, pair.kv_cache_layout), out
+    assert out["state"] == "mono" and out["reasons"] == [], out
+    assert out["compared_with_vllm"] and out["in_place"], out
+    assert out["weight_copy_bytes"] == O_PROJ_COPY, out
+    reported = [line for line in logged.splitlines() if COPY_LINE in line]
+    assert len(reported) == 2, logged[-2000:]  # this model's and the ROCM_AITER_FA one's
     assert "1 AITER-preshuffled weights on rank 0 (the kernels read row-major): 0.1 MiB of GPU memory" in reported[0]
     assert "model.layers.1.self_attn.o_proj" in reported[0]
 
-    assert unseen["built"]["state"] == "mono", unseen  # the golden check reads the same misread weights
-    assert unseen["state"] == "degraded" and unseen["weight_copy_bytes"] == 0, unseen
-    assert unseen["reasons"][0].startswith(
+
+def test_a_preshuffled_weight_read_row_major_is_refused_at_start_up(binds):
+    out = binds[0]["preshuffle_unseen"]
+    assert out["built"]["state"] == "mono", out  # the golden check reads the same misread weights
+    assert out["state"] == "degraded" and out["weight_copy_bytes"] == 0, out
+    assert out["reasons"][0].startswith(
         "warmup_failed: one decode step through every layer: the kernels differ from vLLM's own decoder layers"
-    ), unseen
+    ), out
+
+
+def test_the_default_aiter_flash_attention_pair_binds_in_place(binds):
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    runs, logged = binds
+    out = runs["backend=ROCM_AITER_FA"]
+    pair = serve_settings("rocm")
+    assert (out["backend"], out["layout"]) == ("ROCM_AITER_FA", pair.kv_cache_layout), out
+    assert out["state"] == "mono" and out["in_place"] and out["weight_copy_bytes"] == O_PROJ_COPY, out
+    assert not out["compared_with_vllm"], out
+    warned = [line for line in logged.splitlines() if "could not run vLLM's own decoder layers" in line]
+    assert len(warned) == 1 and "(attention ROCM_AITER_FA)" in warned[0], logged[-2000:]
 
 
 @needs_engine
@@ -61,20 +88,8 @@ def test_a_real_engine_serves_mono_with_aiter_on(model_dirs, tmp_path):
     """vLLM's engine (scheduler, CPU model runner, worker) with AITER's attention layers and the
     preshuffled o_proj: a batch of 4 rows decodes mono on vLLM's cache in place, every decode
     step after the prefill; the start-up comparison ran on the engine's own cache."""
-    out = _run("generate", model_dirs["gemma3"], tmp_path, "mono")
+    out, _ = _run("generate", model_dirs["gemma3"], tmp_path, "mono")
     assert out["backend"] == ATTENTION and out["state"] == "mono" and out["in_place"], out
     assert out["compared_with_vllm"] and out["weight_copy_bytes"] == O_PROJ_COPY, out
     new = len(out["continuations"][0]["token_ids"])
     assert out["mono_steps"] == new - 1 and out["steps"] == new, out
-
-
-def test_the_default_aiter_flash_attention_pair_binds_in_place(model_dirs, tmp_path):
-    from monodecode.vllm_plugin.serving import serve_settings
-
-    pair = serve_settings("rocm")
-    out, logged = _run("bind", model_dirs["gemma3"], tmp_path, attention=pair.attention_backend, with_log=True)
-    assert (out["backend"], out["layout"]) == ("ROCM_AITER_FA", pair.kv_cache_layout), out
-    assert out["state"] == "mono" and out["in_place"] and out["weight_copy_bytes"] == O_PROJ_COPY, out
-    assert not out["compared_with_vllm"], out
-    warned = [line for line in logged.splitlines() if "could not run vLLM's own decoder layers" in line]
-    assert len(warned) == 1 and "(attention ROCM_AITER_FA)" in warned[0], logged[-2000:]

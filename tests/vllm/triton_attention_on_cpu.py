@@ -37,7 +37,8 @@ applied once the engine has started, a kernel going wrong after warm-up): ``o_pr
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
 kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
 skipped with a warning, the kernels keep serving on their golden check), or ``preshuffle_unseen``
-(the plugin does not see AITER's shuffle and reads the shuffled bytes row-major). Run as a subprocess: the interpreter must be on before vLLM's Triton
+(the plugin does not see AITER's shuffle and reads the shuffled bytes row-major), or ``backend=NAME``
+(vLLM selects the backend ``NAME`` of a pair with the same environment). Run as a subprocess: the interpreter must be on before vLLM's Triton
 modules are first imported.
 """
 
@@ -74,6 +75,7 @@ def _interpreter_dot_widens_bf16() -> None:
 
 
 ATTENTION = os.environ.get("MONODECODE_TEST_ATTENTION", "TRITON_ATTN")
+_SELECTED = [ATTENTION]  # the backend vLLM's CPU platform selects; ``backend=NAME`` switches it
 AITER_SHUFFLED = "model.layers.1.self_attn.o_proj"
 
 
@@ -99,7 +101,7 @@ def enable() -> None:
 
         enable_aiter_attention()
         preshuffle_with_aiter(AITER_SHUFFLED)
-    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum[ATTENTION].get_path())
+    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum[_SELECTED[0]].get_path())
 
     from monodecode.services.platform import Platform
     from monodecode.vllm_plugin import decode
@@ -116,6 +118,19 @@ def _fault_before_load(name: str):
         seen = weights.preshuffled
         weights.preshuffled = lambda module: False
         return lambda: setattr(weights, "preshuffled", seen)
+    if name.startswith("backend="):  # another backend of the same pair environment (AITER's two)
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        from monodecode.vllm_plugin.serving import serve_settings
+
+        def select(backend: str) -> None:
+            _SELECTED[0] = backend
+            _cached_get_attn_backend.cache_clear()  # vLLM's selector remembers its last answer
+
+        other = name.removeprefix("backend=")
+        assert serve_settings("rocm", other).env == serve_settings("rocm", ATTENTION).env, other
+        select(other)
+        return lambda: select(ATTENTION)
     return lambda: None
 
 
@@ -144,7 +159,7 @@ def _fault(model, name: str) -> None:
             raise RuntimeError("HIP error: invalid device function\n(the rest of a ROCm error)")
 
         stock.VllmStockLayer.run = raises
-    elif name and name != "preshuffle_unseen":
+    elif name and name != "preshuffle_unseen" and not name.startswith("backend="):
         raise SystemExit(f"unknown fault {name!r}")
 
 
