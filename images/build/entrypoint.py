@@ -24,10 +24,13 @@ from, later ones winning:
 ``MONODECODE_MODEL`` names the model when no MODEL argument is given. ``exit_on_failstop`` cannot
 be turned off for ``serve`` (only in-process tests may keep running after a fail-stop).
 
-With mono decode enabled, ``serve`` selects the attention backend and KV cache layout mono decode
-supports on this platform, exactly ``monodecode.vllm_plugin.serving.serve_settings(platform)``
-(``--attention-backend`` and ``VLLM_KV_CACHE_LAYOUT``; a different value given by the operator is
-an error). The platform is ``MONODECODE_SERVE_PLATFORM`` (rocm, cuda, cpu) or else what the
+With mono decode enabled, ``serve`` selects an attention backend + KV cache layout pair mono decode
+supports on this platform, exactly ``monodecode.vllm_plugin.serving.serve_settings(platform,
+backend)``: the platform's default pair (on ROCm AMD's recommended setting, AITER on:
+``ROCM_AITER_FA``), or the pair of the ``--attention-backend`` the operator gives (on ROCm also
+``ROCM_AITER_UNIFIED_ATTN``, or ``TRITON_ATTN`` with AITER off); it adds ``--attention-backend``
+and the pair's environment (``VLLM_KV_CACHE_LAYOUT``, ``VLLM_ROCM_USE_AITER``). A backend outside
+the platform's pairs, or an environment value that contradicts the pair, is an error. The platform is ``MONODECODE_SERVE_PLATFORM`` (rocm, cuda, cpu) or else what the
 image's torch was built for. ``PROMETHEUS_MULTIPROC_DIR`` is a fresh directory made at every
 start (inside the given ``PROMETHEUS_MULTIPROC_DIR``, or the temporary directory), so the workers'
 monodecode series reach the API server's ``/metrics``; nothing the entrypoint did not create is
@@ -253,32 +256,26 @@ def _option_value(args: Sequence[str], names: Sequence[str]) -> str | None:
 
 
 def serve_settings_for(args: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The arguments to add and the environment to set so vLLM runs the attention backend and
-    KV layout mono decode supports here (``serving.serve_settings``); a conflicting value the
-    operator gave is an ``EntrypointError``."""
+    """The arguments to add and the environment to set so vLLM runs an attention backend + KV
+    layout pair mono decode supports here (``serving.serve_settings``: the one the operator's
+    ``--attention-backend`` names, else the platform's default); an unsupported backend or a
+    conflicting environment value is an ``EntrypointError``."""
     from monodecode.errors import MonodecodeError
     from monodecode.vllm_plugin.serving import serve_settings
 
     platform = serve_platform(env)
-    try:
-        settings = serve_settings(platform)
-    except MonodecodeError as e:
-        raise EntrypointError(str(e)) from None
-    add_args = list(settings.args)
     given = _option_value(args, ATTENTION_BACKEND)
-    if given is not None:
-        if given != settings.attention_backend:
-            raise EntrypointError(
-                f"--attention-backend {_shown(given)}: mono decode on {platform} runs only with "
-                f"{settings.attention_backend} (drop the option, or disable mono decode)"
-            )
-        add_args = []
+    try:
+        settings = serve_settings(platform, given)
+    except MonodecodeError as e:
+        raise EntrypointError(f"--attention-backend: {e} (or disable mono decode)") from None
+    add_args = list(settings.args) if given is None else []
     add_env = {}
     for key, value in settings.env.items():
         if env.get(key) not in (None, value):
             raise EntrypointError(
-                f"{key}={_shown(env[key])}: mono decode on {platform} needs {key}={value} "
-                "(unset it, or disable mono decode)"
+                f"{key}={_shown(env[key])}: mono decode on {platform} with {settings.attention_backend} needs "
+                f"{key}={value} (unset it, or disable mono decode)"
             )
         add_env[key] = value
     return add_args, add_env

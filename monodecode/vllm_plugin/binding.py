@@ -13,7 +13,7 @@ that could reach the kernels, for the profiling cache and again for the real one
 - the bound tensor: its strides must be the resolved layout's physical order;
 - on the CPU platform, the instruction set vLLM's metadata builder chose (``layer.isa``).
 
-The supported backend + layout pair per platform is ``serving.SERVE_SETTINGS``; anything else is
+The supported backend + layout pairs per platform are ``serving.SERVE_PAIRS``; anything else is
 a ``BindError`` whose message is the refusal reason.
 """
 
@@ -26,12 +26,15 @@ import torch
 
 from monodecode.model.paged_kv import PagedKVCache
 from monodecode.vllm_plugin.cpu_kv import CpuKVError, LayerKV
-from monodecode.vllm_plugin.serving import SERVE_SETTINGS, pair_reason
+from monodecode.vllm_plugin.serving import pair_reason
 from monodecode.vllm_plugin.step import kv_views
 
 # backend -> the attention metadata class its builder returns (what step_info may read)
 METADATA_CLASSES = {
     "TRITON_ATTN": "vllm.v1.attention.backends.triton_attn.TritonAttentionMetadata",
+    "ROCM_AITER_FA": "vllm.v1.attention.backends.rocm_aiter_fa.AiterFlashAttentionMetadata",
+    # AITER's unified attention reuses ROCM_ATTN's metadata builder and class
+    "ROCM_AITER_UNIFIED_ATTN": "vllm.v1.attention.backends.rocm_attn.RocmAttentionMetadata",
     "FLASH_ATTN": "vllm.v1.attention.backends.flash_attn.FlashAttentionMetadata",
     "CPU_ATTN": "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadata",
 }
@@ -62,11 +65,10 @@ def layer_backend(attn: Any) -> str:
 def backend_reason(platform: str, attn_layers: list[Any]) -> str | None:
     """Refusal reason when a layer runs an attention backend mono decode does not support on
     ``platform`` (known when the model is built, before the layout is resolved)."""
-    want = SERVE_SETTINGS.get(platform)
     for attn in attn_layers:
-        name = layer_backend(attn)
-        if want is None or name != want.attention_backend:
-            return pair_reason(platform, name, None)
+        why = pair_reason(platform, layer_backend(attn), None)
+        if why:
+            return why
     return None
 
 

@@ -51,7 +51,7 @@ from monodecode.vllm_plugin.cpu_kv import StagedKV
 from monodecode.vllm_plugin.deployment import deployment_from_vllm_config, model_dims
 from monodecode.vllm_plugin.step import decode_metadata, run_kernel_layers, step_info
 from monodecode.vllm_plugin.versions import version_reason
-from monodecode.vllm_plugin.weights import WeightLayoutError, model_weights_from_vllm
+from monodecode.vllm_plugin.weights import WeightCopies, WeightLayoutError, model_weights_from_vllm
 
 log = logging.getLogger("monodecode.vllm")
 
@@ -142,6 +142,7 @@ class MonoDecode:
         self._unbound: set[int] = set()
         self._stock: stock.VllmStockLayer | None = None
         self.vllm_agreement: str | None = None  # what the start-up comparison with vLLM's layers measured
+        self.weight_copy_bytes = 0  # row-major copies of AITER-preshuffled weights (this rank)
         self._backend_name: str | None = None
         self._forward_ran = False
         self._last: StepDecision | None = None
@@ -195,10 +196,23 @@ class MonoDecode:
 
         weights = None
         if self.dims is not None:
+            copies = WeightCopies()
             try:
-                weights = model_weights_from_vllm(model, self.dims)
+                weights = model_weights_from_vllm(model, self.dims, copies)
             except WeightLayoutError as e:
                 deployment = replace(deployment, extra_reasons=deployment.extra_reasons + (f"weight_layout: {e}",))
+            else:
+                self.weight_copy_bytes = copies.bytes
+                if copies.bytes:
+                    # counted by vLLM's memory profiling (it runs after this), so the KV cache shrinks by it
+                    log.info(
+                        "mono decode keeps row-major copies of %d AITER-preshuffled weights on rank %d "
+                        "(the kernels read row-major): %.1f MiB of GPU memory (%s)",
+                        len(copies.names),
+                        tp_rank,
+                        copies.bytes / 2**20,
+                        ", ".join(copies.names[:4]) + (", ..." if len(copies.names) > 4 else ""),
+                    )
         if self.dims is None:
             # nothing to build a runner for: refuse (or degrade) with the reasons we have
             self._refuse_without_runner(list(deployment.extra_reasons))

@@ -2,7 +2,7 @@
 
 ``VllmStockLayer.run(layer, x, meta, cache)`` computes one decoder layer with vLLM's module
 (``model.model.layers[i]``: its norms, its linear kernels on the weights vLLM holds, its rotary
-embedding and its attention backend: ``CPU_ATTN``, ``TRITON_ATTN`` or ``FLASH_ATTN``) for the
+embedding and its attention backend: ``CPU_ATTN``, ``TRITON_ATTN``, ``FLASH_ATTN`` or AITER's) for the
 decode rows of ``meta``, over ``cache``: a private cache in the layout and packing vLLM binds,
 written by the backend's own writer (``impl.do_kv_cache_update``). The layer runs under a forward
 context holding the metadata vLLM's own builder makes for the layer's backend

@@ -3,7 +3,8 @@
 - ``values.schema.json``'s ``monodecode`` block is generated from ``MonoConfig``
   (``monodecode.config_schema``, ``deploy/sync_chart.py``) and accepts what ``MonoConfig``
   accepts; every option reaches vLLM unchanged, with no per-option template code.
-- ``files/serve-settings.json`` is ``serve_settings("rocm")``.
+- ``files/serve-settings.json`` is ``SERVE_PAIRS["rocm"]`` (the default first), and
+  ``vllm.attentionBackend``'s enum their backends.
 - the ``gpu-access`` init container's check and the ``helm test`` script run for real here
   (``setpriv`` for a non-root user, ``sh`` + ``wget`` against a local HTTP server).
 """
@@ -219,11 +220,15 @@ def test_config_schema_cli():
 
 
 def test_serve_settings_file_is_the_plugins():
-    from monodecode.vllm_plugin.serving import serve_settings
+    from monodecode.vllm_plugin.serving import SERVE_PAIRS, serve_settings
 
     got = json.loads((CHART / "files" / "serve-settings.json").read_text())
-    want = serve_settings("rocm")
-    assert (got["platform"], tuple(got["args"]), got["env"]) == ("rocm", want.args, want.env)
+    assert (got["platform"], got["default"]) == ("rocm", serve_settings("rocm").attention_backend)
+    want = {p.attention_backend: {"args": list(p.args), "env": p.env} for p in SERVE_PAIRS["rocm"]}
+    assert got["pairs"] == want
+    assert SCHEMA["properties"]["vllm"]["properties"]["attentionBackend"]["enum"] == list(want)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["vllm"]["attentionBackend"] == got["default"]
 
 
 # ---- the security opt-out ------------------------------------------------------------------------

@@ -467,6 +467,28 @@ def test_monodecode_off_renders_stock_vllm_without_rules(tmp_path):
     assert serve.args[0] not in args and not set(serve.env) & {e["name"] for e in c["env"]}
 
 
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN"])
+def test_another_attention_pair_is_selectable(tmp_path, backend):
+    """The default is AMD's recommended setting (AITER on, ROCM_AITER_FA); vllm.attentionBackend
+    selects another pair, with its own layout and AITER setting (TRITON_ATTN: AITER left off)."""
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    c = one(render(tmp_path, {"vllm": {"attentionBackend": backend}}), "Deployment")["spec"]["template"]["spec"]
+    (c,) = c["containers"]
+    pair = serve_settings("rocm", backend)
+    assert arg_after(c["args"], "--attention-backend") == backend
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert {k: env.get(k) for k in ("VLLM_KV_CACHE_LAYOUT", "VLLM_ROCM_USE_AITER")} == {
+        "VLLM_KV_CACHE_LAYOUT": pair.kv_cache_layout,
+        "VLLM_ROCM_USE_AITER": pair.env.get("VLLM_ROCM_USE_AITER"),
+    }
+
+
+def test_an_attention_backend_without_a_pair_is_one_error(tmp_path):
+    proc = render(tmp_path, {"vllm": {"attentionBackend": "ROCM_ATTN"}}, check=False)
+    assert proc.returncode != 0 and "attentionBackend" in proc.stderr and "ROCM_AITER_FA" in proc.stderr, proc.stderr
+
+
 def test_overrides_reach_the_pod(tmp_path):
     digest = "sha256:" + "ab" * 32
     docs = render(

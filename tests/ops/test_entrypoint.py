@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from monodecode.config import MonoConfig
-from monodecode.vllm_plugin.serving import SERVE_SETTINGS, serve_settings
+from monodecode.vllm_plugin.serving import SERVE_PAIRS, SERVE_SETTINGS, serve_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "images" / "build" / "entrypoint.py"
@@ -65,6 +65,18 @@ def test_serve_sets_exactly_the_supported_pair(platform):
     # the operator may spell the same choice; a different one is refused
     cmd, env = ep.command_for(["serve", "m", *want.args], {"MONODECODE_SERVE_PLATFORM": platform, **want.env})
     assert cmd[5:] == list(want.args) and env == want.env
+
+
+@pytest.mark.parametrize("pair", SERVE_PAIRS["rocm"], ids=lambda p: p.attention_backend)
+def test_the_operator_selects_any_of_the_platforms_pairs_by_its_backend(pair):
+    """ROCm's default is AITER on (``ROCM_AITER_FA``); ``--attention-backend`` picks another pair,
+    whose own environment comes with it (TRITON_ATTN: LBNHC, AITER left as the operator set it)."""
+    cmd, env = serve(["m", "--attention-backend", pair.attention_backend], {})
+    assert env == pair.env and cmd[5:] == list(pair.args)
+    if pair.attention_backend == "TRITON_ATTN":
+        assert "VLLM_ROCM_USE_AITER" not in env
+        cmd, env = serve(["m", f"--attention-backend={pair.attention_backend}"], {"VLLM_ROCM_USE_AITER": "1"})
+        assert env == pair.env and cmd[5:] == [f"--attention-backend={pair.attention_backend}"]
 
 
 def test_mono_off_serves_stock():
@@ -157,8 +169,27 @@ def test_verify_and_other_commands():
         (["serve", "m"], {"MONODECODE_CONFIG": '{"colour": 1}'}, "unknown key 'colour'"),
         (["serve", "m"], {"MONODECODE_EXIT_ON_FAILSTOP": "false"}, "serve always exits on a fail-stop"),
         (["serve", "m"], {"MONODECODE_SERVE_PLATFORM": "tpu"}, "MONODECODE_SERVE_PLATFORM must be one of"),
-        (["serve", "m"], {"VLLM_KV_CACHE_LAYOUT": "NHD"}, "VLLM_KV_CACHE_LAYOUT='NHD': mono decode on rocm needs"),
-        (["serve", "m", "--attention-backend", "ROCM_ATTN"], {}, "mono decode on rocm runs only with TRITON_ATTN"),
+        (
+            ["serve", "m"],
+            {"VLLM_KV_CACHE_LAYOUT": "NHD"},
+            "VLLM_KV_CACHE_LAYOUT='NHD': mono decode on rocm with ROCM_AITER_FA needs",
+        ),
+        (
+            ["serve", "m", "--attention-backend", "ROCM_ATTN"],
+            {},
+            "--attention-backend: attention backend 'ROCM_ATTN': mono decode on rocm runs with ROCM_AITER_FA with "
+            "LBHNC, ROCM_AITER_UNIFIED_ATTN with LBHNC, TRITON_ATTN with LBNHC (or disable mono decode)",
+        ),
+        (
+            ["serve", "m"],
+            {"VLLM_ROCM_USE_AITER": "0"},
+            "mono decode on rocm with ROCM_AITER_FA needs VLLM_ROCM_USE_AITER=1",
+        ),
+        (
+            ["serve", "m", "--attention-backend=TRITON_ATTN"],
+            {"VLLM_KV_CACHE_LAYOUT": "LBHNC"},
+            "VLLM_KV_CACHE_LAYOUT='LBHNC': mono decode on rocm with TRITON_ATTN needs VLLM_KV_CACHE_LAYOUT=LBNHC",
+        ),
         (["serve", "m", "--additional-config", "[1]"], {}, "--additional-config must be a JSON object, got list"),
         (["serve", "m", "--additional-config"], {}, "--additional-config needs a JSON object argument"),
         (["serve", "m", "--additional-config", '{"monodecode": false}'], {}, "'monodecode' must be a JSON object"),

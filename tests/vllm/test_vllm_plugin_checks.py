@@ -1,5 +1,5 @@
 """Start-up checks of the plugin against vLLM's real objects: the supported vLLM versions, weights
-vLLM repacked (CPU oneDNN / AMX packing, AITER preshuffle), mono decode scoped to the served
+vLLM repacked (CPU oneDNN / AMX packing; AITER's preshuffle: test_vllm_aiter_weights.py), mono decode scoped to the served
 target model (not a draft model), and monodecode's log lines in vLLM's log."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import os
 import subprocess
 
 import pytest
-import torch
 from vllm_testlib import PYTHON, REPO, engine_config, load_model, mono_options
 
 from monodecode.errors import RefusalError
@@ -84,40 +83,6 @@ def test_mono_decode_keeps_the_loaded_weights_on_vllms_cpu_platform(model_dirs, 
     assert qkv._cpu_skip_gemm_dispatch and qkv.weight.shape == (256, 128)
     q = model.mono.runner._weights.layers[0].q_proj.weight
     assert q.untyped_storage().data_ptr() == qkv.weight.untyped_storage().data_ptr()  # a view, no copy
-
-
-def _fp8_linear_with_kernel(kernel_cls):
-    """A real Fp8LinearMethod on a real linear layer whose scaled-mm kernel is ``kernel_cls``
-    (instances of vLLM's AITER kernels need a ROCm GPU to build, so only the object is made)."""
-    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
-
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.float8_e4m3fn), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
-    layer.input_scale = None
-    method = Fp8LinearMethod.__new__(Fp8LinearMethod)
-    method.fp8_linear = kernel_cls.__new__(kernel_cls)
-    layer.quant_method = method
-    return layer
-
-
-def test_aiter_preshuffled_fp8_weights_are_refused():
-    """AITER's FP8 scaled-mm kernels replace ``weight`` with a (16, 16)-shuffled tensor of the same
-    shape: the shape check passes, so the kernel class (and ``aiter_bpreshuffled``) decides."""
-    from vllm.model_executor.kernels.linear.scaled_mm import aiter, cutlass
-
-    from monodecode.vllm_plugin.weights import repack_reason
-
-    for cls in (
-        aiter.AiterPreshuffledPerTokenFp8ScaledMMLinearKernel,
-        aiter.AiterHipbMMPerTokenFp8ScaledMMLinearKernel,
-    ):
-        why = repack_reason(_fp8_linear_with_kernel(cls), "model.layers.0.mlp.down_proj")
-        assert why.startswith(f"model.layers.0.mlp.down_proj: vLLM's {cls.__name__} FP8 kernel preshuffled"), why
-    block = _fp8_linear_with_kernel(cutlass.CutlassFP8ScaledMMLinearKernel)
-    assert repack_reason(block, "x") is None
-    block.aiter_bpreshuffled = True  # what AITER's block-scaled kernel sets after shuffling
-    assert "preshuffled" in repack_reason(block, "x")
 
 
 # ---- the served target only -----------------------------------------------------------------

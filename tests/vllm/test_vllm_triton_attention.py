@@ -1,6 +1,7 @@
-"""The start-up comparison with vLLM's own decoder layers on the ROCm serve pair (``TRITON_ATTN``
-with ``LBNHC``), run on this CPU machine with vLLM's real Triton attention under Triton's
-interpreter (``triton_attention_on_cpu.py`` says what stands in for the GPU).
+"""The start-up comparison with vLLM's own decoder layers on the ROCm ``TRITON_ATTN`` pair (with
+``LBNHC``, AITER off; AITER's pair: test_vllm_aiter_attention.py), run on this CPU machine with
+vLLM's real Triton attention under Triton's interpreter (``triton_attention_on_cpu.py`` says what
+stands in for the GPU).
 
 The plugin binds the cache in place (the GPU path: strided views of vLLM's cache), writes a
 context with the backend's own writer, builds the metadata with the backend's own builder and
@@ -37,9 +38,9 @@ def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs
     layers on a private cache in vLLM's layout, at three contexts up to ``max_model_len``: width 1
     wins at every one and is served, width 2 loses at the longest and is dropped (its shorter
     contexts are not timed)."""
-    from monodecode.vllm_plugin.serving import SERVE_SETTINGS
+    from monodecode.vllm_plugin.serving import serve_settings
 
-    rocm = SERVE_SETTINGS["rocm"]
+    rocm = serve_settings("rocm", "TRITON_ATTN")
     out = _bind(model_dirs["gemma3"], tmp_path, "slow_width_2")
     assert (out["platform"], out["backend"], out["layout"]) == (
         "rocm gfx942",

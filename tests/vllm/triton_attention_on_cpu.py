@@ -1,7 +1,10 @@
-"""Run vLLM's ``TRITON_ATTN`` backend (the ROCm serve pair's attention) on this CPU machine, under
-Triton's interpreter, and bind a mono model to it as on an AMD node: prints one ``RESULT {json}`` line.
+"""Run a ROCm serve pair's attention on this CPU machine, under Triton's interpreter, and bind a
+mono model to it as on an AMD node: prints one ``RESULT {json}`` line. The backend is
+``MONODECODE_TEST_ATTENTION`` (default ``TRITON_ATTN``; ``ROCM_AITER_UNIFIED_ATTN``: AITER's own
+Triton kernel, with AITER on, aiter_on_cpu.py), with the environment ``serve_settings`` gives its pair.
 
     python triton_attention_on_cpu.py bind MODEL_DIR TMP_DIR [FAULT]
+    python triton_attention_on_cpu.py bind_each MODEL_DIR TMP_DIR none|FAULT...
     python triton_attention_on_cpu.py generate MODEL_DIR TMP_DIR mono|stock [FAULT]
     python triton_attention_on_cpu.py score MODEL_DIR TMP_DIR SEQUENCES_JSON
 
@@ -19,8 +22,12 @@ What stands in for the GPU, and nothing else:
   in (Triton 3.6 to 3.9); they are widened to fp32 first, as the GPU's dot does;
 - ``torch.cuda.get_device_capability`` answers (9, 4), what torch reports for gfx942, where vLLM's
   cache writer asks;
-- vLLM's CPU platform selects ``TRITON_ATTN``, as ROCm's selection does for ``--attention-backend
-  TRITON_ATTN`` (the image's setting);
+- vLLM's CPU platform selects the backend, as ROCm's selection does for ``--attention-backend``
+  (the image's setting);
+- with AITER's attention, AITER's (16, 16) preshuffle of layer 1's ``o_proj`` (``AITER_SHUFFLED``):
+  AITER's own ``shuffle_weight`` rearranges the weight vLLM loaded and marks the layer
+  (``aiter_bpreshuffled``, vLLM's marker for it), and the layer's GEMM reads it through AITER's own
+  permutation (AITER's HIP GEMMs cannot run here);
 - the plugin detects an MI300X whose GPU torch cannot launch on, so its runner decodes with the
   reference backend on the bound cache (what it does on a node with a CPU build of torch).
 
@@ -32,7 +39,9 @@ timing against vLLM's Triton layers at contexts up to ``max_model_len`` 32, one 
 ``o_proj_tiles`` (the kernels read o_proj's
 16 x 16 tiles transposed: an AITER-preshuffled matrix read row-major) or ``kv_swapped`` (the
 kernels read V where K is), or ``vllm_layer_raises`` (vLLM's layer cannot run: the comparison is
-skipped with a warning, the kernels keep serving on their golden check). Run as a subprocess: the interpreter must be on before vLLM's Triton
+skipped with a warning, the kernels keep serving on their golden check), or ``preshuffle_unseen``
+(the plugin does not see AITER's shuffle and reads the shuffled bytes row-major), or ``backend=NAME``
+(vLLM selects the backend ``NAME`` of a pair with the same environment). Run as a subprocess: the interpreter must be on before vLLM's Triton
 modules are first imported.
 """
 
@@ -68,11 +77,19 @@ def _interpreter_dot_widens_bf16() -> None:
     builder.create_dot = create_dot
 
 
+ATTENTION = os.environ.get("MONODECODE_TEST_ATTENTION", "TRITON_ATTN")
+_SELECTED = [ATTENTION]  # the backend vLLM's CPU platform selects; ``backend=NAME`` switches it
+AITER_SHUFFLED = "model.layers.1.self_attn.o_proj"
+
+
 def enable() -> None:
     import torch
     import triton
     import triton.language as tl
 
+    from monodecode.vllm_plugin.serving import serve_settings
+
+    os.environ.update(serve_settings("rocm", ATTENTION).env)
     _interpreter_dot_widens_bf16()
     import vllm.triton_utils as triton_utils
 
@@ -82,13 +99,42 @@ def enable() -> None:
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum.TRITON_ATTN.get_path())
+    if ATTENTION.startswith("ROCM_AITER"):
+        from aiter_on_cpu import enable_aiter_attention, preshuffle_with_aiter
+
+        enable_aiter_attention()
+        preshuffle_with_aiter(AITER_SHUFFLED)
+    CpuPlatform.get_attn_backend_cls = classmethod(lambda cls, *a, **k: AttentionBackendEnum[_SELECTED[0]].get_path())
 
     from monodecode.services.platform import Platform
     from monodecode.vllm_plugin import decode
 
     mi300x = Platform(kind="rocm", arch="gfx942", name="AMD Instinct MI300X", compute_units=304, source="kfd")
     decode.detect_platform = lambda device=None: mi300x
+
+
+def _fault_before_load(name: str):
+    """Apply a fault that acts while the model loads; returns what undoes it."""
+    if name == "preshuffle_unseen":
+        from monodecode.vllm_plugin import weights
+
+        seen = weights.preshuffled
+        weights.preshuffled = lambda module: False
+        return lambda: setattr(weights, "preshuffled", seen)
+    if name.startswith("backend="):  # another backend of the same pair environment (AITER's two)
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
+        from monodecode.vllm_plugin.serving import serve_settings
+
+        def select(backend: str) -> None:
+            _SELECTED[0] = backend
+            _cached_get_attn_backend.cache_clear()  # vLLM's selector remembers its last answer
+
+        other = name.removeprefix("backend=")
+        assert serve_settings("rocm", other).env == serve_settings("rocm", ATTENTION).env, other
+        select(other)
+        return lambda: select(ATTENTION)
+    return lambda: None
 
 
 def _fault(model, name: str) -> None:
@@ -116,7 +162,7 @@ def _fault(model, name: str) -> None:
             raise RuntimeError("HIP error: invalid device function\n(the rest of a ROCm error)")
 
         stock.VllmStockLayer.run = raises
-    elif name and name != SLOW_WIDTH:
+    elif name and name not in (SLOW_WIDTH, "preshuffle_unseen") and not name.startswith("backend="):
         raise SystemExit(f"unknown fault {name!r}")
 
 
@@ -146,8 +192,10 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
 
     from monodecode.vllm_plugin.binding import layer_backend
 
-    torch.set_num_threads(1)
-    init_one_rank()
+    if not _STARTED:
+        torch.set_num_threads(1)
+        init_one_rank()
+        _STARTED.append(True)
     import vllm._custom_ops  # noqa: F401  (loads vllm._C where the wheel has it)
 
     extra = {}
@@ -157,7 +205,9 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
     if fault == SLOW_WIDTH:
         extra["max_model_len"] = 32  # contexts 7, 15, 31: the interpreted attention is slow
     cfg = engine_config(Path(model_dir), additional_config={"monodecode": _options(tmp, fault)}, **extra)
+    undo = _fault_before_load(fault)
     model = load_model(cfg)
+    undo()
     mono = model.mono
     built = {"state": mono.state, "reasons": list(mono.reasons)}
     _fault(model, fault)
@@ -172,7 +222,17 @@ def bind(model_dir: str, tmp: str, fault: str = "") -> dict:
         "compared_with_vllm": mono.vllm_agreement is not None,
         "in_place": _in_place(mono),
         "widths": mono.runner.summary()["widths"],
+        "weight_copy_bytes": mono.weight_copy_bytes,
     }
+
+
+_STARTED: list[bool] = []  # vLLM's distributed state, made once per process
+
+
+def bind_each(model_dir: str, tmp: str, *faults: str) -> dict:
+    """``bind`` once per fault ("none": no fault) in this process, each on a fresh model (one
+    interpreter and vLLM start-up for them all). Faults applied after loading stay applied."""
+    return {"runs": [bind(model_dir, f"{tmp}/{i}", "" if f == "none" else f) for i, f in enumerate(faults)]}
 
 
 def _in_place(mono) -> bool:
@@ -219,6 +279,8 @@ def generate(model_dir: str, tmp: str, which: str, fault: str = "") -> dict:
             state=mono.state,
             reasons=list(mono.reasons),
             in_place=_in_place(mono),
+            compared_with_vllm=mono.vllm_agreement is not None,
+            weight_copy_bytes=mono.weight_copy_bytes,
             steps=mono.runner.steps - before[0],
             mono_steps=mono.runner.mono_steps - before[1],
         )
@@ -239,12 +301,12 @@ def score(model_dir: str, tmp: str, sequences_file: str) -> dict:
     }
 
 
-MODES = {"bind": bind, "generate": generate, "score": score}
+MODES = {"bind": bind, "bind_each": bind_each, "generate": generate, "score": score}
 
 
 def main(mode: str, *args: str) -> None:
+    sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # vllm_testlib, aiter_sources
     enable()
-    sys.path.insert(0, str(Path(__file__).parent))
     print("RESULT " + json.dumps(MODES[mode](*args)))
 
 

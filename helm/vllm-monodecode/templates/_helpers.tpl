@@ -103,14 +103,18 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- dict "monodecode" $c | toJson }}
 {{- end }}
 
-{{/* The attention backend + KV layout pair mono decode supports on ROCm (files/serve-settings.json,
-generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
+{{/* The attention backend + KV layout pair mono decode runs with on ROCm, vllm.attentionBackend's
+(files/serve-settings.json, generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- define "vllm-monodecode.serveSettings" -}}
 {{- $doc := .Files.Get "files/serve-settings.json" | fromJson }}
-{{- if or (hasKey $doc "Error") (not $doc.args) }}
+{{- if or (hasKey $doc "Error") (not $doc.pairs) }}
 {{- fail "files/serve-settings.json is missing or invalid in the chart (generate it: python deploy/sync_chart.py)" }}
 {{- end }}
-{{- toJson $doc }}
+{{- $pair := get $doc.pairs (.Values.vllm.attentionBackend | default $doc.default) }}
+{{- if not $pair }}
+{{- fail (printf "vllm.attentionBackend %v: mono decode on ROCm runs with %s" .Values.vllm.attentionBackend (keys $doc.pairs | sortAlpha | join ", ")) }}
+{{- end }}
+{{- toJson $pair }}
 {{- end }}
 
 {{/* Seconds the startup probe allows: weight load + warm-up, rounded up to whole periods. */}}
@@ -155,7 +159,7 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- $flag := first $serve.args }}
 {{- range .Values.vllm.extraArgs }}
 {{- if or (eq . $flag) (hasPrefix (printf "%s=" $flag) .) }}
-{{- fail (printf "vllm.extraArgs sets %s, which the chart sets to %s for mono decode (the one backend it supports on ROCm): remove it, or set monodecode.enabled=false" $flag (index $serve.args 1)) }}
+{{- fail (printf "vllm.extraArgs sets %s, which the chart sets to %s for mono decode (vllm.attentionBackend): set vllm.attentionBackend instead, or set monodecode.enabled=false" $flag (index $serve.args 1)) }}
 {{- end }}
 {{- end }}
 {{- range .Values.env }}

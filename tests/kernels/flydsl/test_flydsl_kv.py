@@ -3,7 +3,8 @@
 K1 addresses K/V of (block, token, KV head) at 32-bit word ``kv_word(block, token, head, strides)``
 of the key / value base address, with the strides passed per launch. Checked here for the two
 layouts a deployment hands the kernels: the reference's contiguous cache and vLLM 0.33's
-interleaved K|V views as ``vllm_plugin.step.kv_views`` builds them. The word arithmetic is
+interleaved K|V views as ``vllm_plugin.step.kv_views`` builds them, token-major (LBNHC: the
+TRITON_ATTN / FLASH_ATTN pairs) and head-major (LBHNC: the AITER pairs). The word arithmetic is
 replayed on the tensors' real storage (reads and the new-token write), so a wrong stride, base or
 unit fails. Pure Python + torch (no compiler): whether one code object serves both layouts is
 checked against the real FlyDSL cache in test_flydsl_precompile.py.
@@ -39,6 +40,20 @@ def vllm_cache() -> tuple[PagedKVCache, torch.Tensor]:
     return kv_views([raw.permute(0, 2, 1, 3)], KVH, D), raw
 
 
+def vllm_head_major_cache() -> tuple[PagedKVCache, torch.Tensor]:
+    """The AITER pairs' cache (VLLM_KV_CACHE_LAYOUT=LBHNC): logical [blocks, kv_heads, block_size,
+    2*head_dim] stored in that order, viewed by the plugin exactly as in serving."""
+    raw = torch.randn(BLOCKS, KVH, BS, 2 * D).to(torch.bfloat16)
+    return kv_views([raw], KVH, D), raw
+
+
+LAYOUTS = {
+    "contiguous": lambda: contiguous_cache(),
+    "vllm": lambda: vllm_cache()[0],
+    "vllm_lbhnc": lambda: vllm_head_major_cache()[0],
+}
+
+
 def words_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The whole storage under ``t`` as int32 words, and ``t``'s base word in it."""
     storage = t.untyped_storage()
@@ -56,6 +71,14 @@ def test_vllm_views_get_interleaved_strides():
     assert list(a.named()) == list(KV_STRIDE_ARGS) and a.scalars() == (*a.key_strides, *a.value_strides)
 
 
+def test_head_major_vllm_views_get_head_major_strides():
+    kv, raw = vllm_head_major_cache()
+    a = kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
+    token = 2 * D // 2  # words: a token's K|V of one head, the heads' blocks of tokens apart
+    assert a.key_strides == a.value_strides == (KVH * BS * token, token, BS * token)
+    assert a.key_addr == raw.data_ptr() and a.value_addr == raw.data_ptr() + D * 2
+
+
 def test_contiguous_cache_gets_plane_strides():
     kv = contiguous_cache()
     a = kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
@@ -65,10 +88,10 @@ def test_contiguous_cache_gets_plane_strides():
     assert a.scalars() != v_args.scalars(), "the two layouts differ only in these launch arguments"
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "vllm"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_words_address_what_torch_indexes(layout):
     """Every (block, token, head, dim pair) K1 reads through its words is the element torch sees."""
-    kv = contiguous_cache() if layout == "contiguous" else vllm_cache()[0]
+    kv = LAYOUTS[layout]()
     a = kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
     b, t, h, j = torch.meshgrid(
         torch.arange(BLOCKS), torch.arange(BS), torch.arange(KVH), torch.arange(D // 2), indexing="ij"
@@ -81,11 +104,11 @@ def test_words_address_what_torch_indexes(layout):
         assert torch.equal(got, want), layout
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "vllm"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_new_token_write_lands_on_its_slot_only(layout):
     """K1's insert: slot -> (slot // block_size, slot % block_size), words kv_word(...) + pair. In
     the interleaved buffer a K write must leave V (and every other slot) alone."""
-    kv = contiguous_cache() if layout == "contiguous" else vllm_cache()[0]
+    kv = LAYOUTS[layout]()
     a = kv_launch_args(kv.key[0], kv.value[0], KVH, D, BS)
     before_k, before_v = kv.key[0].clone(), kv.value[0].clone()
     slot, g = 3 * BS + 5, KVH - 1

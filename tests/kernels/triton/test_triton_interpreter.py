@@ -4,7 +4,7 @@ The interpreter executes programs one after another, so the launcher gives it on
 plays all planned programs stage by stage (``VP``); task tables, both mailbox formats (bf16
 values; tagged words and their tags), the completion counters, the split-context attention and
 its merge, the paged-KV insert (into contiguous K/V planes and into vLLM 0.33's interleaved K|V
-views, addressed through strides) and every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
+views, token- and head-major, addressed through strides) and every rounding point run as written (``kernels/triton/interpret.py`` says what it shims). It runs in a
 subprocess because the interpreter is chosen when the kernel modules are imported.
 Same tolerances as the GPU tests (``test_triton_numerics.py``).
 """
@@ -49,9 +49,11 @@ CHILD = textwrap.dedent(
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama)}
     out = {}
-    def interleaved(ref_k, ref_v):
-        # vLLM 0.33's per-layer cache, token-major: K|V side by side per head; K and V are views
-        buf = torch.cat([ref_k, ref_v], dim=-1).contiguous()
+    def interleaved(ref_k, ref_v, head_major=False):
+        # vLLM 0.33's per-layer cache, token-major (LBNHC) or head-major (LBHNC, the AITER pairs):
+        # K|V side by side per head; K and V are views
+        buf = torch.cat([ref_k, ref_v], dim=-1)
+        buf = buf.transpose(1, 2).contiguous().transpose(1, 2) if head_major else buf.contiguous()
         return buf[..., :ref_k.shape[-1]], buf[..., ref_k.shape[-1]:]
 
     def at(t, s):
@@ -122,10 +124,13 @@ CHILD = textwrap.dedent(
         kv_ref = PagedKVCache.allocate(dims, 64, 16, num_layers=layers)
         for t in kv_ref.key + kv_ref.value:
             t.normal_()
-        if kv_layout == "interleaved":
-            views = [interleaved(k, v) for k, v in zip(kv_ref.key, kv_ref.value)]
+        if kv_layout in ("interleaved", "head_major"):
+            views = [interleaved(k, v, kv_layout == "head_major") for k, v in zip(kv_ref.key, kv_ref.value)]
             kv_tri = PagedKVCache([k for k, _ in views], [v for _, v in views], 16)
-            assert kv_tri.key[0].stride()[1:] == (2 * dims.num_kv_heads * dims.head_dim, 2 * dims.head_dim, 1)
+            token, head = 2 * dims.head_dim, 16 * 2 * dims.head_dim
+            if kv_layout == "interleaved":
+                token, head = 2 * dims.num_kv_heads * dims.head_dim, 2 * dims.head_dim
+            assert kv_tri.key[0].stride()[1:] == (token, head, 1)
             assert kv_tri.value[0].data_ptr() == kv_tri.key[0].data_ptr() + 2 * dims.head_dim
         else:
             kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
@@ -156,7 +161,7 @@ CHILD = textwrap.dedent(
 # (name, weight dtype, built widths, live rows, layers, context lengths, KV layout, width-1 K chunk
 # or 0, dims): contexts cross KV blocks and exceed tiny's sliding window (24); "padded" runs 2 live rows
 # on a width-3 build; "interleaved" = vLLM 0.33's K|V-per-head cache (strided K and V views of one
-# buffer); "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
+# buffer), token-major (LBNHC), "head_major" the AITER pairs' LBHNC; "w1_fp8_split" loads two FP8 K chunks per pipelined iteration (``Target.fp8_split``);
 # "llama_*" run a Llama-style layer (no post norms, SiLU); mailbox format (``plan.MAILBOX_FORMATS``):
 # the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits;
 # "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
@@ -184,6 +189,7 @@ RUNS = [
     ("w3_fp8_widen", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny", "bf16"),
     ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny", "bf16"),
+    ("w2_vllm_kv_lbhnc", "bf16", [2], 2, 1, [30, 49], "head_major", 0, "tiny", "bf16"),
     ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny", "bf16"),
     ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
