@@ -110,9 +110,14 @@ class Target:
     narrow_even_waves: bool = False
     # K1's attention in a launch of its own (``ka.py``): a plain grid of ``attn_launch_warps``-warp
     # programs, several per SM, over ``attn_launch_splits`` context splits per (row, KV head)
-    # (about ``attn_launch_tasks_per_sm`` tasks per SM, at most ``attn_launch_max_splits``);
-    # K1 keeps only its QKV stage. Only with the bf16 mailbox.
+    # (about ``attn_launch_tasks_per_sm`` tasks per SM, at most ``attn_launch_max_splits``).
+    # Only with the bf16 mailbox. ``attn_launch_min_context`` 0: K1 keeps only its QKV stage;
+    # N > 0: both are built and each layer of each step picks on device, the same in every program
+    # of both launches: the attention launch when a row sees N positions or more in that layer (a
+    # sliding layer at most its window), else K1's own stages (the attention launch's programs then
+    # end at once). One graph serves every context.
     attn_launch: bool = False
+    attn_launch_min_context: int = 0
     attn_launch_warps: int = 4
     attn_launch_tile: int = 128
     attn_launch_stages: int = 3
@@ -213,6 +218,10 @@ CUDA = Target(
     # Run 37: 27B b1 14.35 -> 14.13 ms (o_proj / down 336 -> 384 14-row tasks, gate/up 1344 ->
     # 1434 15-row ones: 3 and 11 full waves; down then whole). 1B and 8B tiles already fill theirs.
     narrow_even_waves=True,
+    # Run 46 (8 layers timed): at 32k x 8 8B 4.38 -> 3.24 ms, 1B 2.69 -> 1.63; at 8k x 8 8B 1.95 ->
+    # 1.76; at 1k 4-7 % slower (one more launch), so only where a layer sees 4096 positions or more.
+    attn_launch=True,
+    attn_launch_min_context=4096,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -341,6 +350,7 @@ def k1_constexprs(
     wide = W > 1
     bk = gemv_chunk(target, W, qkv, fp8)
     ka = attn_launch(target, plan)  # the attention launch runs the attn and combine stages instead
+    ka_min = target.attn_launch_min_context if ka else 0  # ... from this context on (0: always)
     return dict(
         HIDDEN=L.hidden,
         NQKV=L.qkv,
@@ -363,9 +373,9 @@ def k1_constexprs(
         SPLIT=target.split(W, fp8, L.hidden, bk),
         QKV_TASKS=qkv.num_tasks,
         QKV_OFF=qkv.offset,
-        ATTN_TASKS=0 if ka else attn.num_tasks,
+        ATTN_TASKS=0 if ka and not ka_min else attn.num_tasks,
         ATTN_OFF=attn.offset,
-        COMB_TASKS=0 if ka else comb.num_tasks,
+        COMB_TASKS=0 if ka and not ka_min else comb.num_tasks,
         COMB_OFF=comb.offset,
         EPOCH_W=_word(plan, "epoch_k1"),
         DONE_W=_word(plan, "done_k1"),
@@ -385,14 +395,14 @@ def k1_constexprs(
         QKV_SRC=qkv_src(target, W, qkv.tile),
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         ATTN_LAUNCH=ka,
+        KA_MIN_CTX=ka_min,
     )
 
 
 def attn_launch(target: Target, plan: LayerPlan) -> bool:
-    """Whether this width's attention runs in its own launch (``ka.py``)."""
-    if target.attn_launch and plan.mailbox != "bf16":
-        raise ConfigError("triton kernels: the attention launch (attn_launch) needs the bf16 mailbox")
-    return target.attn_launch
+    """Whether this width has the attention launch (``ka.py``): it reads plain bf16 values, so a
+    width with the tagged mailbox keeps its attention in K1."""
+    return target.attn_launch and plan.mailbox == "bf16"
 
 
 def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int) -> dict:
@@ -419,6 +429,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         QK_NORM=dims.qk_norm,
         ONE_PLUS=dims.norm_one_plus,
         ATTN_STAGES=target.attn_launch_stages,
+        KA_MIN_CTX=target.attn_launch_min_context,
     )
 
 

@@ -7,7 +7,8 @@ another: each stage then runs for all of them before the next stage starts). ``k
 are the block, token and head strides (elements) of the layer's K and V caches. ``BF16MB``
 selects the bf16 mailbox format (``plan.MAILBOX_FORMATS``); ``PROF`` compiles in the stage
 timestamps (``timeline.py``) written to ``prof_ptr``. ``ATTN_LAUNCH``: the attention and combine
-stages run in a launch of their own (``ka.py``; their task counts are then 0 here).
+stages run in a launch of their own (``ka.py``; their task counts are then 0 here), or with
+``KA_MIN_CTX`` > 0 there only in steps where a row's context reaches it, here otherwise.
 """
 
 import triton
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
+from monodecode.kernels.triton.ka import long_context
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
     launch_epoch,
@@ -102,8 +104,16 @@ def k1_kernel(
     QKV_SRC: tl.constexpr = 0,
     QKV_ROWS: tl.constexpr = 0,
     ATTN_LAUNCH: tl.constexpr = False,
+    KA_MIN_CTX: tl.constexpr = 0,
 ):
     epoch_ptr = mbox_ptr + EPOCH_W
+    # this step's attention runs here, or in the attention launch (``ka.py``; same rule there)
+    if KA_MIN_CTX > 0:
+        here = long_context(seq_ptr, window, W, KA_MIN_CTX) == 0
+    else:
+        here = tl.zeros([], dtype=tl.int32) == (1 if ATTN_LAUNCH else 0)
+    attn_tasks = tl.where(here, ATTN_TASKS, 0)
+    comb_tasks = tl.where(here, COMB_TASKS, 0)
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
     code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
@@ -184,10 +194,10 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
-        if first < ATTN_TASKS:
+        if first < attn_tasks:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)
-        for t in range(first, ATTN_TASKS, NPROG):
+        for t in range(first, attn_tasks, NPROG):
             attn_task(
                 t,
                 qkv_mb,
@@ -239,17 +249,16 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - COMB_OFF + NPROG) % NPROG
-        if first < COMB_TASKS:
+        if first < comb_tasks:
             budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, NPROG, PROF)
-        for t in range(first, COMB_TASKS, NPROG):
+        for t in range(first, comb_tasks, NPROG):
             combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, BF16MB)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, NPROG, PROF)
 
-    if ATTN_LAUNCH:  # the attention launch waits for this counter itself, and settles it (``ka.py``)
-        qkv_settled = epoch * 0
-    else:
-        qkv_settled = epoch * QKV_TASKS
+    # when the attention launch runs this step's attention, it waits for this counter itself, and
+    # settles it (``ka.py``)
+    qkv_settled = tl.where(here, epoch * QKV_TASKS, 0)
     finish_launch(
         epoch_ptr,
         VP,

@@ -28,6 +28,18 @@ from monodecode.kernels.triton.mailbox import region, wait_done
 
 
 @triton.jit
+def long_context(seq_ptr, window, W: tl.constexpr, MIN_CTX: tl.constexpr):
+    """Whether a row of this step sees at least ``MIN_CTX`` positions in this layer
+    (``Target.attn_launch_min_context``; a sliding layer sees at most its window): read from the
+    step's sequence lengths, so every program of K1 and of this launch decides the same. (A step
+    has at most 16 rows: ``config.MAX_WIDTH``.)"""
+    rows = tl.arange(0, 16)
+    seen = tl.max(tl.load(seq_ptr + rows, mask=rows < W, other=0), axis=0)
+    seen = tl.where(window > 0, tl.minimum(seen, window), seen)
+    return seen >= MIN_CTX
+
+
+@triton.jit
 def ka_kernel(
     qnorm_ptr,
     knorm_ptr,
@@ -75,7 +87,68 @@ def ka_kernel(
     QK_NORM: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
+    KA_MIN_CTX: tl.constexpr = 0,
 ):
+    go = True
+    if KA_MIN_CTX > 0:  # both paths built: K1 ran the attention itself unless a row's context is long
+        go = long_context(seq_ptr, window, W, KA_MIN_CTX)
+    if go:
+        _attend(qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr,
+                slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr, part_ptr, arrive_ptr, window,
+                layer, spin_limit, eps, scale, NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, W, QKV_TASKS, EPOCH_W,
+                DONE_W, QKV_W, NPROG, QK_NORM, ONE_PLUS, ATTN_STAGES)  # fmt: skip
+
+
+@triton.jit
+def _attend(
+    qnorm_ptr,
+    knorm_ptr,
+    inv_freq_ptr,
+    kc_ptr,
+    vc_ptr,
+    k_sb,
+    k_st,
+    k_sh,
+    v_sb,
+    v_st,
+    v_sh,
+    pos_ptr,
+    slot_ptr,
+    bt_ptr,
+    bt_stride,
+    seq_ptr,
+    out_ptr,
+    mbox_ptr,
+    health_ptr,
+    part_ptr,
+    arrive_ptr,
+    window,
+    layer,
+    spin_limit,
+    eps,
+    scale,
+    NQKV: tl.constexpr,
+    Q: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    KVH: tl.constexpr,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    BS: tl.constexpr,
+    BT: tl.constexpr,
+    W: tl.constexpr,
+    QKV_TASKS: tl.constexpr,
+    EPOCH_W: tl.constexpr,
+    DONE_W: tl.constexpr,
+    QKV_W: tl.constexpr,
+    NPROG: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+    ATTN_STAGES: tl.constexpr,
+):
+    """One task of the launch: wait for K1's QKV stage, attend, and merge if last of its group."""
     t = tl.program_id(0)
     # K1 has ended (stream order): its launch counter reads epoch * NPROG (``launch_epoch``)
     epoch = tl.load(mbox_ptr + EPOCH_W, volatile=True) // NPROG

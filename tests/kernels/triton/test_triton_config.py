@@ -75,6 +75,8 @@ def test_launch_exit_atomics_are_relaxed_in_the_compiled_kernels():
     dims = profile_dims("tiny")
     mplan = plan_for(dims, [2], 8, CUDA)
     for name, src in kernel_sources(dims, "bf16", 2, 16, mplan, CUDA):
+        if name == "ka":  # the attention launch is a plain grid: no launch counter to advance
+            continue
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         body = ptx[: ptx.rindex("ret;")]
         atoms = re.findall(r"atom\.global\.\S+", body)

@@ -82,8 +82,11 @@ CHILD = textwrap.dedent(
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16, attn_launch_tile=16,
                                          attn_launch_max_splits=2)
-        if "_ka" in name:  # the attention in a launch of its own (``Target.attn_launch``)
-            target = dataclasses.replace(target, attn_launch=True)
+        if "_ka" in name:  # the attention always in a launch of its own (``Target.attn_launch``)
+            target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
+        if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
+            target = dataclasses.replace(target, attn_launch_min_context=64)
+        # (the default builds it too, for 4096 positions or more: every run here stays in K1)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
         # rows of 64- / 32-row tiles (masked rows: the next task's), at width 1 11 or 15 of 16;
@@ -94,7 +97,7 @@ CHILD = textwrap.dedent(
                                      narrow_even_waves=even)
         programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
         tk = TritonKernels(req, w, target, programs, "cpu")
-        assert (len(tk.consts[widths[0]]) == 3) == ("_ka" in name)
+        assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
         if name.endswith("_stall"):  # K1's QKV never signals at layer 0: the attention launch's wait expires
             from monodecode.services.faults import Fault
             assert tk.arm_fault(Fault(kind="stall", layer=0))
@@ -182,7 +185,9 @@ CHILD = textwrap.dedent(
 # width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
 # "*_whole_down" does not (llama_w1_post_tagged: the halves' fp32 partial as tagged words);
 # "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
-# splits of 16-position tiles), "*_ka_stall" with K1's QKV stalled at layer 0 (fault drill).
+# splits of 16-position tiles), "*_ka_stall" with K1's QKV stalled at layer 0 (fault drill),
+# "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
+# in K1, llama_w2_kah_bt16's 150 go to the attention launch).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -216,6 +221,8 @@ RUNS = [
     ("w3_fp8_ka", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
+    ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
+    ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
 ]
 
 
@@ -366,6 +373,17 @@ def test_attention_launch_changes_only_the_summation_order(results):
             want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
             rel = float((got - want).norm() / want.norm())
             assert rel <= 2e-3, f"{ka} layer {layer}: attention launch vs K1's {rel:.2e}"
+
+
+def test_each_step_runs_its_attention_in_exactly_one_launch(results):
+    """``attn_launch_min_context`` builds both paths and picks per step on device: a step whose
+    rows see fewer positions runs K1's own attention (bits equal to the build without the
+    attention launch), a step with a longer row runs the attention launch (bits equal to the build
+    that always uses it). K1 and the attention launch deciding differently would leave the
+    output unwritten or written twice."""
+    for hybrid, twin in (("w1_kah", "w1"), ("llama_w2_kah_bt16", "llama_w2_ka_bt16")):
+        assert results[hybrid]["health"] == 0
+        assert results[hybrid]["bits"] == results[twin]["bits"], f"{hybrid} differs from {twin}"
 
 
 def test_attention_launch_wait_expires_into_the_health_word(results):

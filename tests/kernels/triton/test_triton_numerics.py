@@ -145,6 +145,34 @@ def test_per_layer_k1_k2_match_reference(profile, weight_dtype, width):
     assert tk.health() == 0, decode_health(tk.health())
 
 
+@pytest.mark.parametrize("profile,width", [("llama3-8b", 3), ("llama3-8b", 8), ("gemma3-27b", 1)])
+def test_attention_launch_on_long_steps_and_k1_on_short_ones(profile, width):
+    """The attention launch (``Target.attn_launch``, here from 1024 positions on, where the
+    default takes it from 4096): a step whose rows see fewer positions runs K1's own attention, a
+    step with a longer row the launch's many splits merged by the last to arrive (and on Gemma's
+    sliding layers, which see at most their window, K1's again). Both within the per-layer bounds."""
+    import dataclasses
+
+    from monodecode.kernels.triton.config import CUDA
+    from monodecode.kernels.triton.launch import TritonKernels
+
+    build = next(b for b in GPU_BUILDS if b[0] == profile and b[1] == "bf16")
+    dims, weights, base = _build(*build)
+    dev = _gpu()
+    target = dataclasses.replace(CUDA, attn_launch=True, attn_launch_min_context=1024)
+    tk = TritonKernels(base.req, weights, target, base.num_programs, dev, share=base)
+    layers = build[3]
+    for ctx in ([17, 300, 33, 900, 5, 64, 700, 1000][:width], [4000, 1500, 5000, 2100, 33, 1025, 3000, 9][:width]):
+        alloc, kv_ref, kv_tri = _context(dims, layers, ctx, dev, seed=width + len(ctx))
+        meta = alloc.decode_metadata(list(range(width)), device=dev)
+        x = torch.randn(width, dims.hidden_size, device=dev).to(torch.bfloat16)
+        for l in range(layers):
+            a_ref = R.k1_reference(dims, l, weights.layers[l], x, meta, kv_ref)
+            _close(tk.k1(l, x, meta, kv_tri), a_ref, f"{profile} w={width} ctx<={max(ctx)} layer {l} K1")
+            x = R.k2_reference(dims, l, weights.layers[l], x, a_ref)
+    assert tk.health() == 0, decode_health(tk.health())
+
+
 def _interleaved(kv: PagedKVCache) -> PagedKVCache:
     """The same K/V as vLLM 0.33 holds them (token-major LBNHC, K|V side by side per head):
     key/value are strided views of one buffer per layer (``vllm_plugin.step.kv_views``)."""
