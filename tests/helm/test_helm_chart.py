@@ -624,6 +624,70 @@ BAD_VALUES = [
         "env sets VLLM_KV_CACHE_LAYOUT, which the chart sets",
     ),
     ({"podLabels": {"app.kubernetes.io/part-of": "shop"}}, "podLabels must not set app.kubernetes.io/part-of"),
+    # labels the chart sets: a second value for one key fails the install (duplicate keys)
+    (
+        {"podLabels": {"app.kubernetes.io/name": "x"}},
+        "podLabels must not set app.kubernetes.io/name: the chart sets it to vllm-monodecode and selects its pods",
+    ),
+    ({"podLabels": {"app.kubernetes.io/instance": "x"}}, "podLabels must not set app.kubernetes.io/instance"),
+    ({"podLabels": {"monodecode.io/arch": "gfx950"}}, "podLabels must not set monodecode.io/arch"),
+    # every flag the chart sets itself, with the value that sets it
+    (
+        {"vllm": {"extraArgs": ["--tensor-parallel-size", "8"]}},
+        "vllm.extraArgs sets --tensor-parallel-size, which the chart sets: use vllm.tensorParallelSize "
+        "(the pod's GPU request follows it)",
+    ),
+    ({"vllm": {"extraArgs": ["-tp=8"]}}, "vllm.extraArgs sets -tp, which the chart sets: use vllm.tensorParallelSize"),
+    ({"vllm": {"extraArgs": ["--tensor_parallel_size", "8"]}}, "use vllm.tensorParallelSize"),
+    ({"vllm": {"extraArgs": ["--tensor-parallel", "8"]}}, "vllm.extraArgs sets --tensor-parallel (argparse reads "),
+    ({"vllm": {"extraArgs": ["--port", "9999"]}}, "vllm.extraArgs sets --port, which the chart sets: use vllm.port"),
+    ({"vllm": {"extraArgs": ["--host=127.0.0.1"]}}, "vllm.extraArgs sets --host, which the chart sets"),
+    ({"vllm": {"extraArgs": ["--served-model-name", "q"]}}, "use model.servedName"),
+    ({"vllm": {"extraArgs": ["--additional-config", "{}"]}}, "use the monodecode values block"),
+    ({"vllm": {"extraArgs": ["--max-model-len=4096"]}}, "use vllm.maxModelLen"),
+    ({"vllm": {"extraArgs": ["--gpu-memory-utilization", "0.5"]}}, "use vllm.gpuMemoryUtilization"),
+    ({"vllm": {"extraArgs": ["--dtype", "half"]}}, "use vllm.dtype"),
+    ({"vllm": {"extraArgs": ["--block-size", "32"]}}, "use vllm.blockSize"),
+    ({"vllm": {"extraArgs": ["--max-num-seqs", "8"]}}, "use vllm.maxNumSeqs"),
+    ({"vllm": {"extraArgs": ["--revision", "main"]}}, "use model.hf.revision"),
+    ({"vllm": {"extraArgs": ["--model", "x"]}}, "use model.source"),
+    ({"vllm": {"extraArgs": ["--pipeline-parallel-size", "2"]}}, "vllm.extraArgs sets --pipeline-parallel-size"),
+    ({"vllm": {"extraArgs": ["-dp", "2"]}}, "vllm.extraArgs sets -dp"),
+    # resources Kubernetes would refuse at apply time
+    (
+        {"resources": {"requests": {"memory": "256Gi"}}},
+        "resources.requests.memory (256Gi) is more than resources.limits.memory (192Gi)",
+    ),
+    (
+        {"resources": {"requests": {"cpu": 8, "memory": "1Gi"}, "limits": {"cpu": "7500m", "memory": "1024Mi"}}},
+        "resources.requests.cpu (8) is more than resources.limits.cpu (7500m)",
+    ),
+    (
+        {"resources": {"requests": {"memory": "1.5G"}, "limits": {"memory": "1400Mi"}}},
+        "resources.requests.memory (1.5G) is more than resources.limits.memory (1400Mi)",
+    ),
+    (
+        {"replicaCount": 2, "model": {"hf": {"cache": {"type": "create"}}}},
+        "replicaCount 2 with one created model cache claim that is ReadWriteOnce: pods on other nodes cannot "
+        "mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or replicaCount 1",
+    ),
+    (
+        {"replicaCount": 3, "model": {"hf": {"cache": {"type": "create", "accessModes": ["ReadWriteOncePod"]}}}},
+        "replicaCount 3 with one created model cache claim that is ReadWriteOncePod",
+    ),
+    (
+        {"monitoring": {"podMonitor": {"enabled": True}, "scrapeAnnotations": True}},
+        "monitoring.podMonitor.enabled and monitoring.scrapeAnnotations are both true: every series would be "
+        "scraped twice; enable one",
+    ),
+    (
+        {"monitoring": {"serviceMonitor": {"enabled": True}, "scrapeAnnotations": True}},
+        "monitoring.serviceMonitor.enabled and monitoring.scrapeAnnotations are both true",
+    ),
+    # control characters (one per kind of string; tests/helm/test_chart_values_safety.py has them all)
+    ({"model": {"source": "hostPath", "hostPath": {"path": "/data\n- name: x"}}}, "at '/model/hostPath/path'"),
+    ({"priorityClassName": "high\nhostNetwork: true"}, "at '/priorityClassName'"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "Models"}}}, "at '/model/pvc/claimName'"),
     (
         {"resources": {"limits": {"amd.com/gpu": "2"}}},
         "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize",

@@ -23,17 +23,17 @@
 {{- end }}
 
 {{- define "vllm-monodecode.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "vllm-monodecode.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "vllm-monodecode.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
 {{- define "vllm-monodecode.labels" -}}
-helm.sh/chart: {{ include "vllm-monodecode.chart" . }}
+helm.sh/chart: {{ include "vllm-monodecode.chart" . | quote }}
 {{ include "vllm-monodecode.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
 app.kubernetes.io/part-of: monodecode
-monodecode.io/arch: {{ .Values.arch }}
+monodecode.io/arch: {{ .Values.arch | quote }}
 {{- end }}
 
 {{- define "vllm-monodecode.serviceAccountName" -}}
@@ -65,13 +65,13 @@ monodecode.io/arch: {{ .Values.arch }}
 requiredDuringSchedulingIgnoredDuringExecution:
   nodeSelectorTerms:
     - matchExpressions:
-        - key: {{ .Values.nodeSelection.deviceIdLabel }}
+        - key: {{ .Values.nodeSelection.deviceIdLabel | quote }}
           operator: In
           values:
             {{- toYaml $ids | nindent 12 }}
         {{- with .Values.nodeSelection.partition }}
         {{- if .values }}
-        - key: {{ .label }}
+        - key: {{ .label | quote }}
           operator: In
           values:
             {{- toYaml .values | nindent 12 }}
@@ -152,12 +152,6 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- fail (printf "vllm.tensorParallelSize %d with monodecode.on_refusal raise always crash-loops: mono decode refuses tensor parallelism (tp_shards) until it lands; set monodecode.on_refusal=degrade (stock decode, reasons exported) or monodecode.enabled=false" (int .Values.vllm.tensorParallelSize)) }}
 {{- end }}
 {{- $serve := include "vllm-monodecode.serveSettings" . | fromJson }}
-{{- $flag := first $serve.args }}
-{{- range .Values.vllm.extraArgs }}
-{{- if or (eq . $flag) (hasPrefix (printf "%s=" $flag) .) }}
-{{- fail (printf "vllm.extraArgs sets %s, which the chart sets to %s for mono decode (the one backend it supports on ROCm): remove it, or set monodecode.enabled=false" $flag (index $serve.args 1)) }}
-{{- end }}
-{{- end }}
 {{- range .Values.env }}
 {{- if hasKey $serve.env .name }}
 {{- fail (printf "env sets %s, which the chart sets to %s for mono decode: remove it, or set monodecode.enabled=false" .name (get $serve.env .name)) }}
@@ -172,8 +166,41 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- end }}
 {{- $prev = int . }}
 {{- end }}
-{{- if hasKey (.Values.podLabels | default dict) "app.kubernetes.io/part-of" }}
-{{- fail "podLabels must not set app.kubernetes.io/part-of: the chart sets it to monodecode, and MonodecodeMetricsAbsent finds the pods by it" }}
+{{- include "vllm-monodecode.validateExtraArgs" . }}
+{{- include "vllm-monodecode.validateImageRepository" . }}
+{{- /* a label the chart sets, set again, is a duplicate key in the pod template: the install fails */}}
+{{- $chartLabels := include "vllm-monodecode.labels" . | fromYaml }}
+{{- $selector := include "vllm-monodecode.selectorLabels" . | fromYaml }}
+{{- range $key, $_ := .Values.podLabels }}
+{{- if hasKey $chartLabels $key }}
+{{- $why := " (a second value for one key fails the install)" }}
+{{- if hasKey $selector $key }}
+{{- $why = " and selects its pods by it (Deployment, Service, PodDisruptionBudget)" }}
+{{- else if eq $key "app.kubernetes.io/part-of" }}
+{{- $why = ", and MonodecodeMetricsAbsent finds the pods by it" }}
+{{- end }}
+{{- fail (printf "podLabels must not set %s: the chart sets it to %s%s" $key (get $chartLabels $key) $why) }}
+{{- end }}
+{{- end }}
+{{- /* Kubernetes refuses a request above its limit only when the Deployment is applied */}}
+{{- $requests := .Values.resources.requests | default dict }}
+{{- $limits := .Values.resources.limits | default dict }}
+{{- range $name, $request := $requests }}
+{{- $limit := get $limits $name }}
+{{- if and (hasKey $limits $name) (gt (include "vllm-monodecode.quantity" $request | float64) (include "vllm-monodecode.quantity" $limit | float64)) }}
+{{- fail (printf "resources.requests.%s (%v) is more than resources.limits.%s (%v): Kubernetes refuses the pod; lower the request or raise the limit" $name $request $name $limit) }}
+{{- end }}
+{{- end }}
+{{- $cache := .Values.model.hf.cache }}
+{{- if and (eq $src "hf") (eq $cache.type "create") (gt (int (include "vllm-monodecode.maxReplicas" .)) 1) (not (has "ReadWriteMany" $cache.accessModes)) }}
+{{- fail (printf "replicaCount %d with one created model cache claim that is %s: pods on other nodes cannot mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or replicaCount 1" (int (include "vllm-monodecode.maxReplicas" .)) (join ", " $cache.accessModes)) }}
+{{- end }}
+{{- if .Values.monitoring.scrapeAnnotations }}
+{{- range $monitor := list "podMonitor" "serviceMonitor" }}
+{{- if (get $.Values.monitoring $monitor).enabled }}
+{{- fail (printf "monitoring.%s.enabled and monitoring.scrapeAnnotations are both true: every series would be scraped twice; enable one" $monitor) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and (ne $src "pvc") .Values.model.pvc.claimName }}
 {{- fail (printf "model.pvc.claimName is set but model.source is %s, which ignores it: set model.source=pvc%s" $src (ternary ", or use model.hf.cache.claimName for a download cache" "" (eq $src "hf"))) }}
@@ -190,6 +217,106 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- $budget := add .Values.probes.startup.weightLoadSeconds .Values.probes.startup.warmupSeconds }}
 {{- if lt (int .Values.rollout.progressDeadlineSeconds) (int $budget) }}
 {{- fail (printf "rollout.progressDeadlineSeconds (%d) is shorter than the startup budget probes.startup.weightLoadSeconds + warmupSeconds (%d): rollouts would be reported failed while pods are still warming up" (int .Values.rollout.progressDeadlineSeconds) (int $budget)) }}
+{{- end }}
+{{- end }}
+
+{{/* Most pods the Deployment can have at once (checks that depend on pods sharing a volume). */}}
+{{- define "vllm-monodecode.maxReplicas" -}}
+{{- .Values.replicaCount }}
+{{- end }}
+
+{{/* A Kubernetes quantity (8, "500m", "1.5G", "64Gi") as a plain number, for comparing two. */}}
+{{- define "vllm-monodecode.quantity" -}}
+{{- $q := toString . }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $suffix := trimPrefix $number $q }}
+{{- $scale := dict "" 1 "m" 0.001 "k" 1000 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 }}
+{{- if not (and $number (hasKey $scale $suffix)) }}
+{{- fail (printf "%q is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)" $q) }}
+{{- end }}
+{{- mulf (float64 $number) (get $scale $suffix) }}
+{{- end }}
+
+{{/*
+`vllm serve` flags the chart sets itself (or that change the GPUs a pod needs), each with what to
+set instead. vLLM reads --a_b as --a-b, and argparse takes an unambiguous prefix of a flag.
+*/}}
+{{- define "vllm-monodecode.validateExtraArgs" -}}
+{{- $tp := ", which the chart sets: use vllm.tensorParallelSize (the pod's GPU request follows it)" }}
+{{- $gpus := ": each pod gets vllm.tensorParallelSize GPUs for one engine; use replicaCount for more copies" }}
+{{- $model := ", which the chart sets: use model.source with model.hf.id, model.pvc or model.hostPath (the chart passes the model as serve's first argument)" }}
+{{- $owned := dict
+  "--host" ", which the chart sets: it binds 0.0.0.0, where the probes and the Service reach the server"
+  "--port" ", which the chart sets: use vllm.port"
+  "--tensor-parallel-size" $tp "-tp" $tp
+  "--pipeline-parallel-size" $gpus "-pp" $gpus
+  "--data-parallel-size" $gpus "-dp" $gpus
+  "--gpu-memory-utilization" ", which the chart sets: use vllm.gpuMemoryUtilization"
+  "--dtype" ", which the chart sets: use vllm.dtype"
+  "--block-size" ", which the chart sets: use vllm.blockSize (mono decode kernels are built for it)"
+  "--max-model-len" ", which the chart sets: use vllm.maxModelLen"
+  "--max-num-seqs" ", which the chart sets: use vllm.maxNumSeqs"
+  "--served-model-name" ", which the chart sets: use model.servedName"
+  "--additional-config" ", which the chart sets: use the monodecode values block (the chart passes it as --additional-config)"
+  "--revision" ", which the chart sets: use model.hf.revision"
+  "--model" $model
+}}
+{{- if .Values.monodecode.enabled }}
+{{- $serve := include "vllm-monodecode.serveSettings" . | fromJson }}
+{{- $_ := set $owned (first $serve.args) (printf ", which the chart sets to %s for mono decode (the one backend it supports on ROCm): remove it, or set monodecode.enabled=false" (index $serve.args 1)) }}
+{{- end }}
+{{- range .Values.vllm.extraArgs }}
+{{- $flag := first (splitList "=" .) }}
+{{- if hasPrefix "--" $flag }}
+{{- $flag = printf "--%s" ($flag | trimPrefix "--" | replace "_" "-") }}
+{{- end }}
+{{- if hasKey $owned $flag }}
+{{- fail (printf "vllm.extraArgs sets %s%s" $flag (get $owned $flag)) }}
+{{- end }}
+{{- if and (hasPrefix "--" $flag) (gt (len $flag) 3) }}
+{{- range $long, $why := $owned }}
+{{- if and (hasPrefix $flag $long) (ne $flag $long) }}
+{{- fail (printf "vllm.extraArgs sets %s (argparse reads it as %s)%s" $flag $long $why) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+image.repository against the OCI distribution reference grammar (github.com/distribution/reference):
+[host[:port]/]path, path components lowercase alphanumerics joined by ".", "_", "__" or dashes.
+The first component is the registry host when it has a "." or ":", is "localhost" or has capitals
+(how Docker splits a name). Tag and digest have their own values.
+*/}}
+{{- define "vllm-monodecode.validateImageRepository" -}}
+{{- $repo := .Values.image.repository }}
+{{- $what := printf "image.repository %q" $repo }}
+{{- if gt (len $repo) 255 }}
+{{- fail (printf "%s is longer than 255 characters, the limit of an image name" $what) }}
+{{- end }}
+{{- if contains "@" $repo }}
+{{- fail (printf "%s carries a digest: set it with image.digests.%s, and the repository without it" $what .Values.arch) }}
+{{- end }}
+{{- $parts := splitList "/" $repo }}
+{{- $lastPart := last $parts }}
+{{- if and (contains ":" $lastPart) (not (hasPrefix "[" $lastPart)) }}
+{{- fail (printf "%s ends in the tag \":%s\": set the tag with image.tags.%s, and the repository without it" $what (last (splitList ":" $lastPart)) .Values.arch) }}
+{{- end }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost") (ne $first (lower $first))) }}
+{{- if not (regexMatch "^(\\[[0-9a-fA-F:.]+\\]|[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?(\\.[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(:[0-9]+)?$" $first) }}
+{{- fail (printf "%s: registry host %q is not valid: a DNS name (letters, digits, '-', dot-separated) or [IPv6], with an optional :port" $what $first) }}
+{{- end }}
+{{- $parts = rest $parts }}
+{{- end }}
+{{- range $parts }}
+{{- if not . }}
+{{- fail (printf "%s has an empty path component (a leading, trailing or doubled /)" $what) }}
+{{- end }}
+{{- if not (regexMatch "^[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*$" .) }}
+{{- fail (printf "%s: path component %q is not valid: lowercase letters and digits, joined by one '.', one or two '_', or dashes" $what .) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
