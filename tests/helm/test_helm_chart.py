@@ -669,7 +669,7 @@ BAD_VALUES = [
     (
         {"replicaCount": 2, "model": {"hf": {"cache": {"type": "create"}}}},
         "replicaCount 2 with one created model cache claim that is ReadWriteOnce: pods on other nodes cannot "
-        "mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or replicaCount 1",
+        "mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or run one pod",
     ),
     (
         {"replicaCount": 3, "model": {"hf": {"cache": {"type": "create", "accessModes": ["ReadWriteOncePod"]}}}},
@@ -683,6 +683,30 @@ BAD_VALUES = [
     (
         {"monitoring": {"serviceMonitor": {"enabled": True}, "scrapeAnnotations": True}},
         "monitoring.serviceMonitor.enabled and monitoring.scrapeAnnotations are both true",
+    ),
+    # drains and rollouts
+    (
+        {"terminationGracePeriodSeconds": 30},
+        "terminationGracePeriodSeconds (30) is shorter than lifecycle.preStopSleepSeconds (10) + "
+        "lifecycle.drainSeconds (45) + 5 s for vLLM to stop: the pod would be killed mid-drain; raise it to 60",
+    ),
+    (
+        {"rollout": {"maxSurge": 1}},
+        "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it",
+    ),
+    ({"rollout": {"maxSurge": -1}}, "at '/rollout/maxSurge'"),
+    ({"lifecycle": {"drainSeconds": "30s"}}, "at '/lifecycle/drainSeconds'"),
+    (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]},
+        "at '/topologySpreadConstraints/0': missing property 'topologyKey'",
+    ),
+    ({"vllm": {"extraArgs": ["--shutdown-timeout=0"]}}, "use lifecycle.drainSeconds"),
+    (
+        {
+            "rollout": {"strategy": "RollingUpdate", "maxSurge": 1},
+            "model": {"hf": {"cache": {"type": "create"}}},
+        },
+        "replicaCount 1 + rollout.maxSurge 1 with one created model cache claim that is ReadWriteOnce",
     ),
     # control characters (one per kind of string; tests/helm/test_chart_values_safety.py has them all)
     ({"model": {"source": "hostPath", "hostPath": {"path": "/data\n- name: x"}}}, "at '/model/hostPath/path'"),

@@ -192,8 +192,16 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- end }}
 {{- end }}
 {{- $cache := .Values.model.hf.cache }}
-{{- if and (eq $src "hf") (eq $cache.type "create") (gt (int (include "vllm-monodecode.maxReplicas" .)) 1) (not (has "ReadWriteMany" $cache.accessModes)) }}
-{{- fail (printf "replicaCount %d with one created model cache claim that is %s: pods on other nodes cannot mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or replicaCount 1" (int (include "vllm-monodecode.maxReplicas" .)) (join ", " $cache.accessModes)) }}
+{{- $pods := include "vllm-monodecode.maxPods" . | fromJson }}
+{{- if and (eq $src "hf") (eq $cache.type "create") (gt (int $pods.count) 1) (not (has "ReadWriteMany" $cache.accessModes)) }}
+{{- fail (printf "%s with one created model cache claim that is %s: pods on other nodes cannot mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or run one pod" $pods.why (join ", " $cache.accessModes)) }}
+{{- end }}
+{{- if and (eq .Values.rollout.strategy "Recreate") (gt (int .Values.rollout.maxSurge) 0) }}
+{{- fail "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it: set rollout.strategy=RollingUpdate, or rollout.maxSurge=0" }}
+{{- end }}
+{{- $stop := add .Values.lifecycle.preStopSleepSeconds .Values.lifecycle.drainSeconds 5 }}
+{{- if gt (int $stop) (int .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) is shorter than lifecycle.preStopSleepSeconds (%d) + lifecycle.drainSeconds (%d) + 5 s for vLLM to stop: the pod would be killed mid-drain; raise it to %d or shorten the drain" (int .Values.terminationGracePeriodSeconds) (int .Values.lifecycle.preStopSleepSeconds) (int .Values.lifecycle.drainSeconds) (int $stop)) }}
 {{- end }}
 {{- if .Values.monitoring.scrapeAnnotations }}
 {{- range $monitor := list "podMonitor" "serviceMonitor" }}
@@ -220,9 +228,16 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- end }}
 {{- end }}
 
-{{/* Most pods the Deployment can have at once (checks that depend on pods sharing a volume). */}}
-{{- define "vllm-monodecode.maxReplicas" -}}
-{{- .Values.replicaCount }}
+{{/* Most pods the Deployment can have at once, and where that number comes from (checks that
+depend on pods sharing a volume). */}}
+{{- define "vllm-monodecode.maxPods" -}}
+{{- $n := int .Values.replicaCount }}
+{{- $why := printf "replicaCount %d" $n }}
+{{- if and (eq .Values.rollout.strategy "RollingUpdate") (gt (int .Values.rollout.maxSurge) 0) }}
+{{- $n = add $n .Values.rollout.maxSurge }}
+{{- $why = printf "%s + rollout.maxSurge %d" $why (int .Values.rollout.maxSurge) }}
+{{- end }}
+{{- dict "count" $n "why" $why | toJson }}
 {{- end }}
 
 {{/* A Kubernetes quantity (8, "500m", "1.5G", "64Gi") as a plain number, for comparing two. */}}
@@ -259,6 +274,7 @@ set instead. vLLM reads --a_b as --a-b, and argparse takes an unambiguous prefix
   "--served-model-name" ", which the chart sets: use model.servedName"
   "--additional-config" ", which the chart sets: use the monodecode values block (the chart passes it as --additional-config)"
   "--revision" ", which the chart sets: use model.hf.revision"
+  "--shutdown-timeout" ", which the chart sets: use lifecycle.drainSeconds"
   "--model" $model
 }}
 {{- if .Values.monodecode.enabled }}
