@@ -42,6 +42,16 @@ def get_json(url: str) -> dict:
         return json.load(r)
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def wait_for(what: str, predicate, timeout_s: float, interval_s: float = 0.5, on_timeout=lambda: ""):
     deadline = time.monotonic() + timeout_s
     while True:
@@ -117,20 +127,27 @@ class SteppingRunner:
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, rules: Path, target_port: int):
+    """Prometheus on 127.0.0.1 scraping one target every second as a monodecode pod (namespace
+    e2e, pod runner-0, the chart's part-of label), with `rules` loaded when given and the
+    metric_relabel_configs a monitor would set."""
+
+    def __init__(
+        self, tmp: Path, rules: Path | None, target_port: int, port: int | None = None, metric_relabel_configs=()
+    ):
         exe = shutil.which("prometheus")
         if not exe:
             pytest.fail(
                 "prometheus is not installed: the Debian package prometheus is in scripts/apt-packages.txt (make test)"
             )
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
-            "rule_files": [str(rules)],
+            "rule_files": [str(rules)] if rules else [],
             "scrape_configs": [
                 {
                     "job_name": JOB,
+                    "metric_relabel_configs": list(metric_relabel_configs),
                     "static_configs": [
                         {
                             "targets": [f"127.0.0.1:{target_port}"],
@@ -187,12 +204,7 @@ class Prometheus:
         return {r["name"]: r["health"] for g in groups for r in g["rules"]}
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
 
 @pytest.fixture

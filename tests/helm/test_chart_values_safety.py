@@ -79,12 +79,14 @@ SCENARIOS = {
         "image": {"digests": {"gfx942": "", "gfx950": ""}},
         "monitoring": {"serviceMonitor": {"enabled": True}},
         "grafanaDashboard": {"enabled": True},
+        "autoscaling": {"enabled": True, "kind": "keda", "maxReplicas": 1, "latency": {"enabled": True}},
         **MONITORING_ON,
     },
     "hf-pvc-gfx950-digest-podmonitor": {
         "arch": "gfx950",
         "model": {"source": "hf", "hf": {"cache": {"type": "pvc"}}},
         "monitoring": {"podMonitor": {"enabled": True}},
+        "autoscaling": {"enabled": True, "kind": "hpa"},
     },
     "pvc-gfx950-tag": {"arch": "gfx950", "model": {"source": "pvc"}, "image": {"digests": {"gfx950": ""}}},
     "hostPath": {"model": {"source": "hostPath"}},
@@ -143,7 +145,7 @@ def test_every_string_value_renders_as_one_scalar(tmp_path):
         vf = tmp_path / f"{scenario}.yaml"
         vf.write_text(yaml.safe_dump(values))
         args = ["template", "rel", str(CHART), "-n", "llm", "-f", str(vf), "--skip-schema-validation"]
-        for api in MONITORING_APIS:
+        for api in [*MONITORING_APIS, "keda.sh/v1alpha1/ScaledObject", "custom.metrics.k8s.io/v1beta1"]:
             args += ["--api-versions", api]
         docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]  # a parse error fails here
         texts = [s for d in docs for s in _scalars(d) if isinstance(s, str)]

@@ -87,7 +87,15 @@ def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
 
 # ---- strict validation -------------------------------------------------------------------------
 
-_CRD_MODELS = None
+# Custom resources: cloudcoil's pydantic models where installed (Prometheus operator: a test
+# dependency; KEDA: used when present), else a JSON schema of the fields the chart renders,
+# shipped in crd_schemas/ (unknown fields refused either way).
+CRD_MODEL_MODULES = {
+    "monitoring.coreos.com/v1": "cloudcoil.models.prometheus_operator.v1",
+    "keda.sh/v1alpha1": "cloudcoil.models.keda.v1alpha1",
+}
+CRD_SCHEMAS = Path(__file__).resolve().parent / "crd_schemas"
+_CRD_MODELS: dict[tuple[str, str], type | None] = {}
 
 
 def _nested_models(annotation) -> list[type]:
@@ -96,54 +104,74 @@ def _nested_models(annotation) -> list[type]:
     return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
 
 
+def _forbid_extra(model: type, done: set[type]) -> None:
+    """cloudcoil's models allow extra fields; forbid them on every model reachable from `model`
+    and rebuild leaves first (a parent's schema embeds its children's as they were built)."""
+    if model in done:
+        return
+    done.add(model)
+    for field in model.model_fields.values():
+        for child in _nested_models(field.annotation):
+            _forbid_extra(child, done)
+    model.model_config["extra"] = "forbid"
+    model.model_rebuild(force=True)
+
+
+def crd_model(api_version: str, kind: str) -> type | None:
+    """The strict cloudcoil model of a custom resource kind, or None when its package is absent."""
+    key = (api_version, kind)
+    if key not in _CRD_MODELS:
+        import importlib
+
+        module_name = CRD_MODEL_MODULES.get(api_version)
+        try:
+            module = importlib.import_module(module_name) if module_name else None
+        except ModuleNotFoundError:
+            module = None
+        model = getattr(module, kind, None)
+        if model is not None:
+            _forbid_extra(model, set())
+        _CRD_MODELS[key] = model
+    return _CRD_MODELS[key]
+
+
 def crd_models() -> dict[str, type]:
-    """Prometheus-operator kinds -> cloudcoil pydantic models with extra fields forbidden.
+    """The Prometheus-operator kinds' strict models (a required test dependency)."""
+    kinds = {k: crd_model("monitoring.coreos.com/v1", k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
+    assert all(kinds.values()), "cloudcoil-models-prometheus-operator is a test dependency (pyproject.toml)"
+    return kinds
 
-    The package allows extra fields; forbid them on every model reachable from the three kinds
-    and rebuild leaves first (a parent's schema embeds its children's as they were built).
-    """
-    global _CRD_MODELS
-    if _CRD_MODELS is None:
-        from cloudcoil.models.prometheus_operator import v1
 
-        kinds = {k: getattr(v1, k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
-        done: set[type] = set()
-
-        def forbid(model: type) -> None:
-            if model in done:
-                return
-            done.add(model)
-            for field in model.model_fields.values():
-                for child in _nested_models(field.annotation):
-                    forbid(child)
-            model.model_config["extra"] = "forbid"
-            model.model_rebuild(force=True)
-
-        for model in kinds.values():
-            forbid(model)
-        _CRD_MODELS = kinds
-    return _CRD_MODELS
+def crd_schema(api_version: str, kind: str) -> dict | None:
+    path = CRD_SCHEMAS / f"{api_version.replace('/', '_')}_{kind}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def validate_strict(doc: dict) -> None:
+    import jsonschema
     import kubernetes_validate
 
-    kind = doc["kind"]
-    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-        model = crd_models().get(kind)
-        assert model is not None, f"no CRD model for {kind}"
+    kind, api = doc["kind"], doc["apiVersion"]
+    name = doc["metadata"]["name"]
+    model = crd_model(api, kind)
+    if model is not None:
         try:
             model.model_validate(doc)
         except pydantic.ValidationError as e:
-            pytest.fail(f"{kind}/{doc['metadata']['name']} does not match the {kind} CRD: {e}")
+            pytest.fail(f"{kind}/{name} does not match the {kind} CRD: {e}")
         return
+    schema = crd_schema(api, kind)
+    if schema is not None:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(doc))
+        if error is not None:
+            pytest.fail(f"{kind}/{name} does not match the {kind} CRD schema at {error.json_path}: {error.message}")
+        return
+    assert "." not in api.split("/")[0] or api.split("/")[0].endswith(".k8s.io"), f"no CRD model or schema for {api}"
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
         path = "/".join(str(p) for p in e.path)
-        pytest.fail(
-            f"{kind}/{doc['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}"
-        )
+        pytest.fail(f"{kind}/{name} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}")
 
 
 def test_validators_reject_what_they_should():
@@ -912,3 +940,27 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     i = chart_rest.index("--additional-config")
     del chart_rest[i : i + 2]
     assert cmd[5:] == chart_rest
+
+
+def test_monitors_restore_vllm_metric_names_before_user_relabelings(tmp_path):
+    """Prometheus 2.x gets `vllm_...` from prometheus_client 0.26's OpenMetrics output
+    (tests/deploy/test_autoscaling_prometheus.py shows it with a real Prometheus); the monitors
+    rename them back before the user's own relabelings run."""
+    user = [{"action": "drop", "sourceLabels": ["__name__"], "regex": "python_.*"}]
+    restore = {
+        "action": "replace",
+        "sourceLabels": ["__name__"],
+        "regex": "vllm_(.+)",
+        "targetLabel": "__name__",
+        "replacement": "vllm:${1}",
+    }
+    for monitor in ("serviceMonitor", "podMonitor"):
+        kind = monitor[0].upper() + monitor[1:]
+        docs = render(tmp_path, {"monitoring": {monitor: {"enabled": True, "metricRelabelings": user}}})
+        doc = one(docs, kind)
+        validate_strict(doc)
+        (endpoint,) = doc["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+        assert endpoint["metricRelabelings"] == [restore, *user]
+        off = render(tmp_path, {"monitoring": {monitor: {"enabled": True}, "restoreVllmMetricNames": False}})
+        (endpoint,) = one(off, kind)["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+        assert "metricRelabelings" not in endpoint

@@ -56,6 +56,28 @@ monodecode.io/arch: {{ .Values.arch | quote }}
 {{- end }}
 {{- end }}
 
+{{/* The model `vllm serve` gets as its first argument. */}}
+{{- define "vllm-monodecode.modelArg" -}}
+{{- if eq .Values.model.source "hf" }}
+{{- .Values.model.hf.id }}
+{{- else if eq .Values.model.source "pvc" }}
+{{- printf "%s/%s" .Values.model.mountPath (.Values.model.pvc.path | trimPrefix "/") | trimSuffix "/" }}
+{{- else }}
+{{- .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* The model_name label of vLLM's metrics: --served-model-name, else the model argument. */}}
+{{- define "vllm-monodecode.metricsModelName" -}}
+{{- .Values.model.servedName | default (include "vllm-monodecode.modelArg" .) }}
+{{- end }}
+
+{{/* PromQL label matchers for this release's vLLM series: its namespace and model_name (PromQL
+strings take Go's escapes, which %q writes). */}}
+{{- define "vllm-monodecode.promSelector" -}}
+{{- printf "namespace=%q,model_name=%q" .Release.Namespace (include "vllm-monodecode.metricsModelName" .) }}
+{{- end }}
+
 {{/* Required node affinity term: GPUs of the chosen arch, by PCI device id. */}}
 {{- define "vllm-monodecode.nodeAffinity" -}}
 {{- $ids := get .Values.nodeSelection.deviceIds .Values.arch }}
@@ -196,6 +218,19 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- if and (eq $src "hf") (eq $cache.type "create") (gt (int $pods.count) 1) (not (has "ReadWriteMany" $cache.accessModes)) }}
 {{- fail (printf "%s with one created model cache claim that is %s: pods on other nodes cannot mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or run one pod" $pods.why (join ", " $cache.accessModes)) }}
 {{- end }}
+{{- with .Values.autoscaling }}
+{{- if .enabled }}
+{{- if lt (int .maxReplicas) (int .minReplicas) }}
+{{- fail (printf "autoscaling.maxReplicas (%d) is below autoscaling.minReplicas (%d)" (int .maxReplicas) (int .minReplicas)) }}
+{{- end }}
+{{- if and (eq .kind "keda") (not .keda.serverAddress) }}
+{{- fail "autoscaling.keda.serverAddress is empty: give the URL of the Prometheus that scrapes the pods (autoscaling.kind is keda), e.g. http://prometheus-operated.monitoring.svc:9090" }}
+{{- end }}
+{{- if and (eq .kind "hpa") .latency.enabled }}
+{{- fail "autoscaling.latency.enabled needs autoscaling.kind keda: the hpa kind scales on the per-pod queue the Prometheus adapter serves" }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (eq .Values.rollout.strategy "Recreate") (gt (int .Values.rollout.maxSurge) 0) }}
 {{- fail "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it: set rollout.strategy=RollingUpdate, or rollout.maxSurge=0" }}
 {{- end }}
@@ -233,6 +268,10 @@ depend on pods sharing a volume). */}}
 {{- define "vllm-monodecode.maxPods" -}}
 {{- $n := int .Values.replicaCount }}
 {{- $why := printf "replicaCount %d" $n }}
+{{- if .Values.autoscaling.enabled }}
+{{- $n = int .Values.autoscaling.maxReplicas }}
+{{- $why = printf "autoscaling.maxReplicas %d" $n }}
+{{- end }}
 {{- if and (eq .Values.rollout.strategy "RollingUpdate") (gt (int .Values.rollout.maxSurge) 0) }}
 {{- $n = add $n .Values.rollout.maxSurge }}
 {{- $why = printf "%s + rollout.maxSurge %d" $why (int .Values.rollout.maxSurge) }}
@@ -338,11 +377,17 @@ The first component is the registry host when it has a "." or ":", is "localhost
 
 {{/* Fails when a Prometheus-operator kind is asked for but the cluster does not serve it. */}}
 {{- define "vllm-monodecode.requireMonitoringKind" -}}
-{{- $kind := index . 1 }}
+{{- include "vllm-monodecode.requireKind" (list (index . 0) "monitoring.coreos.com/v1" (index . 1) (index . 2) "the Prometheus Operator CRDs") }}
+{{- end }}
+
+{{/* Fails when a kind is asked for (flag) but the cluster does not serve its API:
+(list $ apiVersion kind flag what-to-install). */}}
+{{- define "vllm-monodecode.requireKind" -}}
 {{- $ctx := index . 0 }}
-{{- $flag := index . 2 }}
-{{- if not ($ctx.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind)) }}
-{{- fail (printf "%s is true but the cluster has no monitoring.coreos.com/v1 %s (install the Prometheus Operator CRDs, or with `helm template` pass --api-versions monitoring.coreos.com/v1/%s)" $flag $kind $kind) }}
+{{- $api := index . 1 }}
+{{- $kind := index . 2 }}
+{{- if not ($ctx.Capabilities.APIVersions.Has (printf "%s/%s" $api $kind)) }}
+{{- fail (printf "%s is true but the cluster has no %s %s (install %s, or with `helm template` pass --api-versions %s/%s)" (index . 3) $api $kind (index . 4) $api $kind) }}
 {{- end }}
 {{- end }}
 
@@ -396,4 +441,30 @@ labels and the runbook base URL. Expressions are never changed.
 {{- end }}
 {{- end }}
 {{- toYaml $groups }}
+{{- end }}
+
+{{/* autoscaling/v2 behavior from autoscaling.scaleUp / scaleDown (the HPA's, and KEDA's HPA's). */}}
+{{- define "vllm-monodecode.scalingBehavior" -}}
+{{- range $direction := list "scaleUp" "scaleDown" }}
+{{- with get $ $direction }}
+{{ $direction }}:
+  stabilizationWindowSeconds: {{ .stabilizationWindowSeconds }}
+  selectPolicy: Max
+  policies:
+    - type: Pods
+      value: {{ .pods }}
+      periodSeconds: {{ .periodSeconds }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A monitor's metricRelabelings: vLLM's `vllm:` names restored first (see
+monitoring.restoreVllmMetricNames), then the user's. (list $ userRelabelings) */}}
+{{- define "vllm-monodecode.metricRelabelings" -}}
+{{- $ctx := index . 0 }}
+{{- $rules := list }}
+{{- if $ctx.Values.monitoring.restoreVllmMetricNames }}
+{{- $rules = append $rules (dict "sourceLabels" (list "__name__") "regex" "vllm_(.+)" "targetLabel" "__name__" "replacement" "vllm:${1}" "action" "replace") }}
+{{- end }}
+{{- toYaml (concat $rules (index . 1 | default list)) }}
 {{- end }}
