@@ -80,6 +80,7 @@ SCENARIOS = {
         "monitoring": {"serviceMonitor": {"enabled": True}},
         "grafanaDashboard": {"enabled": True},
         "autoscaling": {"enabled": True, "kind": "keda", "maxReplicas": 1, "latency": {"enabled": True}},
+        "ingress": {"enabled": True, "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1"}]}]},
         **MONITORING_ON,
     },
     "hf-pvc-gfx950-digest-podmonitor": {

@@ -27,6 +27,12 @@ app.kubernetes.io/name: {{ include "vllm-monodecode.name" . | quote }}
 app.kubernetes.io/instance: {{ .Release.Name | quote }}
 {{- end }}
 
+{{/* The release's helm test pods (allowed through the NetworkPolicy). */}}
+{{- define "vllm-monodecode.testPodSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/component: test
+{{- end }}
+
 {{- define "vllm-monodecode.labels" -}}
 helm.sh/chart: {{ include "vllm-monodecode.chart" . | quote }}
 {{ include "vllm-monodecode.selectorLabels" . }}
@@ -231,6 +237,24 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if .Values.apiKey.existingSecret }}
+{{- range .Values.env }}
+{{- if eq .name "VLLM_API_KEY" }}
+{{- fail "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret: remove it from env" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.networkPolicy }}
+{{- if and .enabled (not (or .apiFrom .apiNamespaces)) }}
+{{- fail "networkPolicy.enabled with empty networkPolicy.apiFrom and apiNamespaces: nothing could call the API; name the callers (e.g. the gateway's or router's pods)" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.hosts) }}
+{{- fail "ingress.enabled with empty ingress.hosts: give at least one {host, paths}" }}
+{{- end }}
+{{- if and .Values.httpRoute.enabled (not .Values.httpRoute.parentRefs) }}
+{{- fail "httpRoute.enabled with empty httpRoute.parentRefs: name the Gateway to attach to, e.g. [{name: inference-gateway, namespace: gateway}]" }}
+{{- end }}
 {{- if and (eq .Values.rollout.strategy "Recreate") (gt (int .Values.rollout.maxSurge) 0) }}
 {{- fail "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it: set rollout.strategy=RollingUpdate, or rollout.maxSurge=0" }}
 {{- end }}
@@ -314,6 +338,7 @@ set instead. vLLM reads --a_b as --a-b, and argparse takes an unambiguous prefix
   "--additional-config" ", which the chart sets: use the monodecode values block (the chart passes it as --additional-config)"
   "--revision" ", which the chart sets: use model.hf.revision"
   "--shutdown-timeout" ", which the chart sets: use lifecycle.drainSeconds"
+  "--api-key" ", which the chart sets from apiKey.existingSecret (a key on the command line shows in the pod spec)"
   "--model" $model
 }}
 {{- if .Values.monodecode.enabled }}
