@@ -237,6 +237,41 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* extra volumes, mounts and containers must not take the chart's names or paths */}}
+{{- $volumes := list "model" "shm" "tmp" "cache" "failstop" }}
+{{- range .Values.extraVolumes }}
+{{- if has .name $volumes }}
+{{- fail (printf "extraVolumes has a volume named %s, a name the chart uses (%s): rename it" .name (join ", " $volumes)) }}
+{{- end }}
+{{- end }}
+{{- $mounts := list .Values.model.mountPath "/dev/shm" "/tmp" "/cache" "/var/lib/monodecode/failstop" }}
+{{- range .Values.extraVolumeMounts }}
+{{- if has (.mountPath | trimSuffix "/") $mounts }}
+{{- fail (printf "extraVolumeMounts mounts %s at %s, where the chart mounts its own volume (%s): choose another path" .name .mountPath (join ", " $mounts)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.extraContainers }}
+{{- if has .name (list "vllm" "gpu-access") }}
+{{- fail (printf "extraContainers has a container named %s, a name the chart uses: rename it" .name) }}
+{{- end }}
+{{- end }}
+{{- /* the disk emptyDirs count against ephemeral-storage: a lower limit evicts the pod first */}}
+{{- with get (.Values.resources.limits | default dict) "ephemeral-storage" }}
+{{- $scratch := $.Values.scratch }}
+{{- $sum := 0.0 }}
+{{- $parts := list }}
+{{- range $name, $size := dict "tmp" $scratch.tmpSizeLimit "cache" $scratch.cacheSizeLimit "failstop" $scratch.failstopSizeLimit }}
+{{- $sum = addf $sum (include "vllm-monodecode.quantity" $size | float64) }}
+{{- $parts = append $parts (printf "%s %v" $name $size) }}
+{{- end }}
+{{- if and (eq $.Values.model.source "hf") (eq $.Values.model.hf.cache.type "emptyDir") }}
+{{- $sum = addf $sum (include "vllm-monodecode.quantity" $.Values.model.hf.cache.size | float64) }}
+{{- $parts = append $parts (printf "model %v" $.Values.model.hf.cache.size) }}
+{{- end }}
+{{- if lt (include "vllm-monodecode.quantity" . | float64) $sum }}
+{{- fail (printf "resources.limits.ephemeral-storage (%v) is below the size limits of the pod's disk emptyDirs (%s): the kubelet would evict the pod before they fill; raise it or lower scratch.* / model.hf.cache.size" . (join " + " $parts)) }}
+{{- end }}
+{{- end }}
 {{- if .Values.apiKey.existingSecret }}
 {{- range .Values.env }}
 {{- if eq .name "VLLM_API_KEY" }}
