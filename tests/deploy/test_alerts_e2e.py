@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_dashboard import dashboard, promql_for_prometheus, queries
-from test_helm_chart import CHART, RULES_SRC, helm, one
+from test_helm_chart import CHART, RULES_SRC, RUNBOOK_URL, helm, one
 
 ALERT = "MonodecodeFallbackRatioHigh"
 FIRE_WITHIN_S = 90  # bound on: ratio crosses 50% + for: 2s + evaluation and scrape intervals
@@ -225,14 +225,19 @@ def chart_rules(tmp_path) -> Path:
         "rulesConfigMap.enabled=true",
         "--set",
         f"prometheusRule.alerts.{ALERT}.for=2s",
+        "--set",
+        f"prometheusRule.runbookBaseUrl={RUNBOOK_URL}",
     ).stdout
     cm = one([d for d in yaml.safe_load_all(out) if d], "ConfigMap", "-rules")
     rules = yaml.safe_load(cm["data"]["monodecode-alerts.yaml"])
-    shipped = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    shipped = {
+        r.get("alert", r.get("record")): r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]
+    }
     for g in rules["groups"]:
         for r in g["rules"]:
-            assert r["expr"] == shipped[r["alert"]]["expr"]
-            assert r.get("for") == ("2s" if r["alert"] == ALERT else shipped[r["alert"]].get("for"))
+            name = r.get("alert", r.get("record"))
+            assert r["expr"] == shipped[name]["expr"]
+            assert r.get("for") == ("2s" if name == ALERT else shipped[name].get("for"))
     path = tmp_path / "monodecode-alerts.yaml"
     path.write_text(cm["data"]["monodecode-alerts.yaml"])
     return path
@@ -286,7 +291,7 @@ def test_fallback_alert_fires_on_a_live_runner(prometheus, runner):
         "instance": f"127.0.0.1:{runner.exporter.port}",
     }
     assert float(alert["value"]) > 0.5
-    assert alert["annotations"]["runbook_url"] == "deploy/RUNBOOK.md#monodecodefallbackratiohigh"
+    assert alert["annotations"]["runbook_url"] == f"{RUNBOOK_URL}#monodecodefallbackratiohigh"
     assert runner.decisions.get("rows_exceed_width", 0) > 0
     print(f"{ALERT} fired {fired_after:.1f}s after the runner started falling back; steps: {runner.decisions}")
 

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "vllm-monodecode"
 RULES_SRC = REPO / "deploy" / "prometheus" / "monodecode-alerts.yaml"
 DASHBOARD_SRC = REPO / "deploy" / "grafana" / "monodecode.json"
+# where a team would host deploy/RUNBOOK.md (required with the rules: runbook_url is absolute)
+RUNBOOK_URL = "https://git.example.com/ml/monodecode/blob/main/deploy/RUNBOOK.md"
 # the chart's own files (not links): generated serve settings, the init container's and helm test's scripts
 CHART_OWN_FILES = ("serve-settings.json", "gpu-access-check.py", "helm-test.sh")
 K8S_VERSION = "1.30.0"
@@ -314,7 +316,7 @@ def matrix_values(arch, tp, monitoring, on_refusal, source) -> dict:
         "vllm": {"tensorParallelSize": tp},
         "monodecode": {"on_refusal": on_refusal},
         "monitoring": {"serviceMonitor": {"enabled": monitoring, "labels": {"release": "prom"}}},
-        "prometheusRule": {"enabled": monitoring},
+        "prometheusRule": {"enabled": monitoring, "runbookBaseUrl": RUNBOOK_URL},
         "rulesConfigMap": {"enabled": monitoring},
         "grafanaDashboard": {"enabled": monitoring},
     }
@@ -448,7 +450,7 @@ def alert_target_selector() -> dict:
     """The equality matchers MonodecodeMetricsAbsent selects scrape targets (`up`) by."""
     import re
 
-    rules = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    rules = {r.get("alert"): r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
     expr = rules["MonodecodeMetricsAbsent"]["expr"]
     selectors = set(re.findall(r"up\{([^}]*)\}", expr))
     assert len(selectors) == 1, f"MonodecodeMetricsAbsent selects up{{...}} in more than one way: {selectors}"
@@ -736,6 +738,13 @@ BAD_VALUES = [
         },
         "replicaCount 1 + rollout.maxSurge 1 with one created model cache claim that is ReadWriteOnce",
     ),
+    # alerts link an absolute runbook URL
+    (
+        {"prometheusRule": {"enabled": True}},
+        "prometheusRule.runbookBaseUrl is empty: set the absolute URL where deploy/RUNBOOK.md is served",
+    ),
+    ({"rulesConfigMap": {"enabled": True}}, "prometheusRule.runbookBaseUrl is empty"),
+    ({"prometheusRule": {"runbookBaseUrl": "wiki/runbook"}}, "at '/prometheusRule/runbookBaseUrl'"),
     # control characters (one per kind of string; tests/helm/test_chart_values_safety.py has them all)
     ({"model": {"source": "hostPath", "hostPath": {"path": "/data\n- name: x"}}}, "at '/model/hostPath/path'"),
     ({"priorityClassName": "high\nhostNetwork: true"}, "at '/priorityClassName'"),
@@ -758,7 +767,13 @@ BAD_VALUES = [
         "rollout.progressDeadlineSeconds (600) is shorter than the startup budget",
     ),
     (
-        {"prometheusRule": {"enabled": True, "alerts": {"MonodecodeFallbackRatio": {"disabled": True}}}},
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "runbookBaseUrl": RUNBOOK_URL,
+                "alerts": {"MonodecodeFallbackRatio": {"disabled": True}},
+            }
+        },
         "prometheusRule.alerts.MonodecodeFallbackRatio: no such alert (alerts: MonodecodeFallbackRatioHigh,",
     ),
 ]
@@ -804,11 +819,14 @@ def test_packaged_chart_carries_deploy_files_byte_for_byte(tmp_path):
         str(pkg),
         "--set",
         "prometheusRule.enabled=true",
+        "--set",
+        f"prometheusRule.runbookBaseUrl={RUNBOOK_URL}",
         "--api-versions",
         "monitoring.coreos.com/v1/PrometheusRule",
     ).stdout
     rule = one([d for d in yaml.safe_load_all(io.StringIO(out)) if d], "PrometheusRule")
-    assert rule["spec"]["groups"] == yaml.safe_load(RULES_SRC.read_text())["groups"]
+    rendered = yaml.safe_dump(rule["spec"]["groups"]).replace(RUNBOOK_URL, "deploy/RUNBOOK.md")
+    assert yaml.safe_load(rendered) == yaml.safe_load(RULES_SRC.read_text())["groups"]
 
 
 def test_chart_files_link_to_deploy():
@@ -834,11 +852,15 @@ def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
             "rulesConfigMap": {"enabled": True},
         },
     )
-    src = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    src_rules = [r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]]
+    src = {r["alert"]: r for r in src_rules if "alert" in r}
     spec_groups = one(docs, "PrometheusRule")["spec"]["groups"]
     cm_groups = yaml.safe_load(one(docs, "ConfigMap", "-rules")["data"]["monodecode-alerts.yaml"])["groups"]
     assert spec_groups == cm_groups
-    rendered = {r["alert"]: r for g in spec_groups for r in g["rules"]}
+    rendered_rules = [r for g in spec_groups for r in g["rules"]]
+    # recording rules pass through as written, in their place before the alerts
+    assert [r for r in rendered_rules if "record" in r] == [r for r in src_rules if "record" in r]
+    rendered = {r["alert"]: r for r in rendered_rules if "alert" in r}
     assert set(rendered) == set(src) - {"MonodecodeDisabled"}
     for name, r in rendered.items():
         s = src[name]

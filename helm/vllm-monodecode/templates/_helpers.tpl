@@ -466,11 +466,18 @@ labels and the runbook base URL. Expressions are never changed.
 {{- fail (printf "files/monodecode-alerts.yaml is not valid YAML: %s" (get $doc "Error")) }}
 {{- end }}
 {{- $cfg := .Values.prometheusRule }}
+{{- if not $cfg.runbookBaseUrl }}
+{{- fail "prometheusRule.runbookBaseUrl is empty: set the absolute URL where deploy/RUNBOOK.md is served (e.g. https://git.example.com/ml/monodecode/blob/main/deploy/RUNBOOK.md); every alert's runbook_url becomes that URL#<alert name>" }}
+{{- end }}
 {{- $known := list }}
 {{- $groups := list }}
 {{- range $g := $doc.groups }}
 {{- $rules := list }}
 {{- range $r := $g.rules }}
+{{- if $r.record }}
+{{- /* recording rules: as written (the alerts and the dashboard read them) */}}
+{{- $rules = append $rules $r }}
+{{- else }}
 {{- $known = append $known $r.alert }}
 {{- $o := get $cfg.alerts $r.alert | default dict }}
 {{- if not $o.disabled }}
@@ -483,12 +490,11 @@ labels and the runbook base URL. Expressions are never changed.
 {{- $_ := set $labels "severity" . }}
 {{- end }}
 {{- $_ := set $rule "labels" $labels }}
-{{- with $cfg.runbookBaseUrl }}
 {{- $ann := deepCopy $r.annotations }}
-{{- $_ := set $ann "runbook_url" (regexReplaceAll "^deploy/RUNBOOK\\.md" $ann.runbook_url .) }}
+{{- $_ := set $ann "runbook_url" (regexReplaceAll "^deploy/RUNBOOK\\.md" $ann.runbook_url $cfg.runbookBaseUrl) }}
 {{- $_ := set $rule "annotations" $ann }}
-{{- end }}
 {{- $rules = append $rules $rule }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if $rules }}
