@@ -22,6 +22,9 @@ import yaml
 from test_alerts_e2e import Prometheus, stop_process, wait_for
 from test_helm_chart import MONITORING_APIS, REPO, one, render
 
+# what routers read from each pod's /metrics (llm-d's endpoint picker, the production-stack
+# router); the chart's values.yaml `router` block names them
+ROUTER_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 PORTS = range(19100, 19200)  # this test's servers listen here on 127.0.0.1
 NAMESPACE = "e2e"  # what the Prometheus target is labelled with (test_alerts_e2e.Prometheus)
 POD = "runner-0"
@@ -149,6 +152,15 @@ def test_keda_and_adapter_queries_on_vllms_own_metrics(setup):
     wait_for(
         "the first scrape of the exporter", lambda: prom.query(f'up{{pod="{POD}"}} == 1'), 30, on_timeout=prom.tail
     )
+
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+        page = r.read().decode()
+    for name in ROUTER_METRICS:
+        assert f'{name}{{engine="0",model_name="{model}"}}' in page, f"vLLM does not export {name} as routers expect"
+    values_yaml = (REPO / "helm" / "vllm-monodecode" / "values.yaml").read_text()
+    assert all(name in values_yaml for name in ROUTER_METRICS), "the chart's router docs name other metrics"
 
     exporter.send("waiting 7")
     wait_for(

@@ -295,6 +295,23 @@ def test_verify_endpoint_fails_against_a_stock_server(fleet):
     assert code == 1 and check["status"] == "fail" and "lacks monodecode_enabled" in check["detail"], check
 
 
+def test_helm_test_pod_passes_on_the_mono_server_and_fails_on_stock(fleet, tmp_path):
+    """The chart's `helm test` command (busybox applets, as in the pod) against real servers: one
+    completion through the mono server ran mono decode steps; the stock server (no plugin series)
+    fails, naming what is missing."""
+    sys.path.insert(0, str(REPO / "tests" / "helm"))
+    from helm_test_pod import run_helm_test_pod
+    from test_helm_chart import render
+
+    values = {"model": {"servedName": MODEL}, "tests": {"timeoutSeconds": 60}}
+    ok = run_helm_test_pod(render(tmp_path, values), fleet["mono"].url, tmp_path)
+    assert ok.returncode == 0 and "mono decode ran" in ok.stdout, ok.stdout + ok.stderr
+    values["tests"]["timeoutSeconds"] = 10
+    bad = run_helm_test_pod(render(tmp_path, values), fleet["stock"].url, tmp_path)
+    assert bad.returncode == 1 and "lacks monodecode_enabled" in bad.stderr, bad.stdout + bad.stderr
+    print(ok.stdout.strip())
+
+
 # ---- a real Prometheus with the shipped rules -------------------------------------------------
 
 

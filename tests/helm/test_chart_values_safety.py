@@ -71,6 +71,11 @@ def _scalars(node):
 
 # Renders that between them use every string value (each source, each arch, digest or tag, every
 # monitoring object); values a scenario would refuse as ignored are left at their defaults there.
+EXTRA_APIS = [
+    "keda.sh/v1alpha1/ScaledObject",
+    "custom.metrics.k8s.io/v1beta1",
+    "inference.networking.k8s.io/v1/InferencePool",
+]
 MONITORING_ON = {"prometheusRule": {"enabled": True}, "rulesConfigMap": {"enabled": True}}
 SCENARIOS = {
     "hf-create-gfx942-servicemonitor": {
@@ -81,6 +86,7 @@ SCENARIOS = {
         "grafanaDashboard": {"enabled": True},
         "autoscaling": {"enabled": True, "kind": "keda", "maxReplicas": 1, "latency": {"enabled": True}},
         "ingress": {"enabled": True, "hosts": [{"host": "llm.example.com", "paths": [{"path": "/v1"}]}]},
+        "router": {"inferencePool": {"enabled": True}},
         **MONITORING_ON,
     },
     "hf-pvc-gfx950-digest-podmonitor": {
@@ -146,7 +152,7 @@ def test_every_string_value_renders_as_one_scalar(tmp_path):
         vf = tmp_path / f"{scenario}.yaml"
         vf.write_text(yaml.safe_dump(values))
         args = ["template", "rel", str(CHART), "-n", "llm", "-f", str(vf), "--skip-schema-validation"]
-        for api in [*MONITORING_APIS, "keda.sh/v1alpha1/ScaledObject", "custom.metrics.k8s.io/v1beta1"]:
+        for api in [*MONITORING_APIS, *EXTRA_APIS]:
             args += ["--api-versions", api]
         docs = [d for d in yaml.safe_load_all(helm(*args).stdout) if d]  # a parse error fails here
         texts = [s for d in docs for s in _scalars(d) if isinstance(s, str)]

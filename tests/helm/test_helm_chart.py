@@ -415,7 +415,9 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     command = test_pod["spec"]["containers"][0]["command"]
     assert command[:2] == ["sh", "-c"] and command[3:] == [
         "helm-test",
-        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}/metrics",
+        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
+        args[1],  # the model vLLM serves under (no --served-model-name here)
+        "mono" if on_refusal == "raise" else "mono-or-refused",
         "120",
     ]
     assert test_pod["spec"]["activeDeadlineSeconds"] == 120 + 300

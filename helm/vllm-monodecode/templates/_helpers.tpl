@@ -78,6 +78,15 @@ monodecode.io/arch: {{ .Values.arch | quote }}
 {{- .Values.model.servedName | default (include "vllm-monodecode.modelArg" .) }}
 {{- end }}
 
+{{/* What the helm test accepts (files/helm-test.sh): mono steps, or stock decode with a refusal
+reason (on_refusal degrade), or stock decode (mono decode off). */}}
+{{- define "vllm-monodecode.helmTestExpect" -}}
+{{- if not .Values.monodecode.enabled }}disabled
+{{- else if eq .Values.monodecode.on_refusal "degrade" }}mono-or-refused
+{{- else }}mono
+{{- end }}
+{{- end }}
+
 {{/* PromQL label matchers for this release's vLLM series: its namespace and model_name (PromQL
 strings take Go's escapes, which %q writes). */}}
 {{- define "vllm-monodecode.promSelector" -}}
@@ -199,7 +208,10 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- /* a label the chart sets, set again, is a duplicate key in the pod template: the install fails */}}
 {{- $chartLabels := include "vllm-monodecode.labels" . | fromYaml }}
 {{- $selector := include "vllm-monodecode.selectorLabels" . | fromYaml }}
-{{- range $key, $_ := .Values.podLabels }}
+{{- range $key, $_ := merge (deepCopy (.Values.podLabels | default dict)) (.Values.router.podLabels | default dict) }}
+{{- if hasKey ($.Values.podLabels | default dict) $key | and (hasKey ($.Values.router.podLabels | default dict) $key) }}
+{{- fail (printf "podLabels and router.podLabels both set %s: set it in one of them" $key) }}
+{{- end }}
 {{- if hasKey $chartLabels $key }}
 {{- $why := " (a second value for one key fails the install)" }}
 {{- if hasKey $selector $key }}
@@ -207,7 +219,7 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- else if eq $key "app.kubernetes.io/part-of" }}
 {{- $why = ", and MonodecodeMetricsAbsent finds the pods by it" }}
 {{- end }}
-{{- fail (printf "podLabels must not set %s: the chart sets it to %s%s" $key (get $chartLabels $key) $why) }}
+{{- fail (printf "%s must not set %s: the chart sets it to %s%s" (ternary "podLabels" "router.podLabels" (hasKey ($.Values.podLabels | default dict) $key)) $key (get $chartLabels $key) $why) }}
 {{- end }}
 {{- end }}
 {{- /* Kubernetes refuses a request above its limit only when the Deployment is applied */}}
@@ -283,6 +295,9 @@ generated from monodecode.vllm_plugin.serving by deploy/sync_chart.py). */}}
 {{- if and .enabled (not (or .apiFrom .apiNamespaces)) }}
 {{- fail "networkPolicy.enabled with empty networkPolicy.apiFrom and apiNamespaces: nothing could call the API; name the callers (e.g. the gateway's or router's pods)" }}
 {{- end }}
+{{- end }}
+{{- if and .Values.router.inferencePool.enabled (not .Values.router.inferencePool.endpointPicker.name) }}
+{{- fail "router.inferencePool.endpointPicker.name is empty: name the Service of llm-d's inference scheduler (the endpoint picker) the pool sends its requests through" }}
 {{- end }}
 {{- if and .Values.ingress.enabled (not .Values.ingress.hosts) }}
 {{- fail "ingress.enabled with empty ingress.hosts: give at least one {host, paths}" }}
