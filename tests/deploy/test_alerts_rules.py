@@ -95,7 +95,7 @@ def check_documented(names: set[str], where: str) -> None:
     from monodecode.metrics import METRICS
 
     documented = readme_metrics()
-    for name in sorted(names):
+    for name in sorted(names - recorded()):
         base = base_metric(name)
         if base.startswith("monodecode_"):
             assert base in documented, f"{where} uses {name}, which README '## Metrics' does not list"
@@ -127,14 +127,23 @@ def promtool() -> str:
     return found
 
 
+def rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
 def alerts() -> list[dict]:
-    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    return [r for r in rules() if "alert" in r]
+
+
+def recorded() -> set[str]:
+    """Names of the recording rules (series the alerts and the dashboard may read)."""
+    return {r["record"] for r in rules() if "record" in r}
 
 
 def test_promtool_check_rules():
     proc = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(alerts())} rules found" in proc.stdout
+    assert f"SUCCESS: {len(rules())} rules found" in proc.stdout
 
 
 def test_promtool_unit_tests_pass():
@@ -147,7 +156,7 @@ def test_promtool_unit_tests_pass():
 
 # (what is broken in the rules, the original text, its broken form, the test case that must fail)
 RULE_BREAKS = [
-    ("threshold 70%", ") > 0.5\n", ") > 0.7\n", "fallback ratio 2/3 from rows_exceed_width"),
+    ("threshold 70%", "ratio_rate10m > 0.5\n", "ratio_rate10m > 0.7\n", "fallback ratio 2/3 from rows_exceed_width"),
     ("no traffic guard", ") >= 0.1\n", ") >= 0\n", "fallback ratio stays quiet"),
     (
         "degraded steps counted",
@@ -158,17 +167,18 @@ RULE_BREAKS = [
     ("dropped widths counted", '|degraded|width_dropped"}', '|degraded"}', "widths dropped at warm-up"),
     (
         "ratio over all steps",
-        "+\n              sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total",
-        '+\n              sum by (namespace, pod, job, instance) (rate(monodecode_steps_total{path="fallback"}[10m])) * 0 +'
-        " sum by (namespace, pod, job, instance) (rate(monodecode_steps_total",
+        "/\n          (instance:monodecode_mono_steps:rate10m + instance:monodecode_eligible_fallback_steps:rate10m)",
+        "/\n          sum by (namespace, pod, job, instance) (rate(monodecode_steps_total[10m]))",
         "prefill-heavy pod",
     ),
     (
         "ratio per job",
-        "            sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total{reason!~",
-        "            sum by (namespace, job) (rate(monodecode_fallback_steps_total{reason!~",
+        "sum by (namespace, pod, job, instance) (rate(monodecode_fallback_steps_total{reason!~",
+        "sum by (namespace, job) (rate(monodecode_fallback_steps_total{reason!~",
         "fallback ratio 2/3",
     ),
+    ("latency threshold in ms", "p99_rate10m > 0.2\n", "p99_rate10m > 200\n", "p99 inter-token latency of 300 ms"),
+    ("latency without traffic guard", "count:rate10m >= 1\n", "count:rate10m >= 0\n", "slow but idle"),
     ("any exit code", "== 70\n", "> 0\n", "other exit codes"),
     ("exits of any container", '{container="vllm"}', "", "other exit codes"),
     ("no step-rate band", "> 0.8 *", "> 0 *", "a load shift"),
@@ -241,6 +251,22 @@ def runbook_anchors() -> set[str]:
     return anchors
 
 
+def test_recording_rules_are_named_level_metric_operations():
+    """level:metric:operations (Prometheus' convention): the level names the aggregation kept,
+    the metric part has no colon, the operations say what was done."""
+    import re
+
+    assert recorded(), "no recording rules"
+    for r in rules():
+        if "record" in r:
+            assert re.fullmatch(r"instance:[a-z][a-z0-9_]*:[a-z0-9_]+", r["record"]), r["record"]
+            assert "sum by (namespace, pod, job, instance" in r["expr"] or "instance:" in r["expr"], r["record"]
+    # the alerts and the dashboard read the ratios through them
+    fallback = next(a for a in alerts() if a["alert"] == "MonodecodeFallbackRatioHigh")
+    assert "instance:monodecode_eligible_fallback_steps:ratio_rate10m" in fallback["expr"]
+    assert "rate(" not in fallback["expr"], "the alert recomputes what a recording rule records"
+
+
 @pytest.mark.parametrize("alert", alerts(), ids=lambda a: a["alert"])
 def test_alert_conventions(alert):
     assert alert["labels"]["severity"] in ("critical", "warning", "info")
@@ -255,15 +281,15 @@ def test_alert_conventions(alert):
 
 def test_rules_use_only_documented_metrics():
     names = set()
-    for a in alerts():
-        names |= promql_metric_names(a["expr"])
+    for r in rules():
+        names |= promql_metric_names(r["expr"])
     assert any(n.startswith("monodecode_") for n in names)
     check_documented(names, "deploy/prometheus/monodecode-alerts.yaml")
 
 
 def test_unit_tests_pass_against_the_chart_rendered_rules(tmp_path):
     """The PrometheusRule the chart renders passes the same promtool unit tests."""
-    from test_helm_chart import helm, one  # the chart tests' helm runner
+    from test_helm_chart import RUNBOOK_URL, helm, one  # the chart tests' helm runner
 
     out = helm(
         "template",
@@ -271,12 +297,17 @@ def test_unit_tests_pass_against_the_chart_rendered_rules(tmp_path):
         str(REPO / "helm" / "vllm-monodecode"),
         "--set",
         "prometheusRule.enabled=true",
+        "--set",
+        f"prometheusRule.runbookBaseUrl={RUNBOOK_URL}",
         "--api-versions",
         "monitoring.coreos.com/v1/PrometheusRule",
     ).stdout
     rule = one([d for d in yaml.safe_load_all(out) if d], "PrometheusRule")
     (tmp_path / "tests").mkdir()
-    (tmp_path / RULES.name).write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    rendered = yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False)
+    assert f"runbook_url: {RUNBOOK_URL}#" in rendered and "runbook_url: deploy/" not in rendered
+    # the unit tests expect the file's repository-relative links
+    (tmp_path / RULES.name).write_text(rendered.replace(RUNBOOK_URL, "deploy/RUNBOOK.md"))
     for t in RULE_TESTS:
         shutil.copy(t, tmp_path / "tests" / t.name)
     for cmd in (

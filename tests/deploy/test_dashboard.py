@@ -107,3 +107,11 @@ def test_dashboard_queries_parse(tmp_path):
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     proc = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dashboard_reads_the_ratio_from_the_recording_rules():
+    from test_alerts_rules import recorded
+
+    used = {n for _, e in queries(dashboard()) for n in promql_metric_names(e) if n.startswith("instance:")}
+    assert used, "the dashboard computes the mono share itself instead of reading the recording rules"
+    assert used <= recorded(), f"the dashboard reads series no rule records: {sorted(used - recorded())}"

@@ -24,6 +24,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from helm_test_pod import run_helm_test_pod
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_helm_chart import CHART, REPO, arg_after, one, render
@@ -363,58 +364,141 @@ def test_helm_test_pod_gets_the_release_scheduling_and_a_deadline(tmp_path):
     assert "affinity" not in spec, "the test pod needs no GPU node"
 
 
-class _Metrics(http.server.BaseHTTPRequestHandler):
-    body = b""
+class _Pod:
+    """The HTTP surface `helm test` talks to: /health, /metrics and /v1/completions, with the
+    runtime's own MonoMetrics behind /metrics. A completion counts its decode steps as the
+    runner would for `state` (mono, refused = degraded with a refusal reason, disabled), and is
+    refused without the bearer key when one is set (as vLLM does under /v1)."""
+
+    def __init__(self, state: str = "mono", api_key: str = "", model: str = "Qwen/Qwen3-8B"):
+        from prometheus_client import CollectorRegistry
+
+        from monodecode.metrics import MonoMetrics
+
+        self.registry = CollectorRegistry()
+        self.metrics = MonoMetrics(registry=self.registry)
+        self.metrics.set_enabled(state == "mono")
+        if state == "refused":
+            self.metrics.set_refusals(["tp_size"])
+        self.state, self.api_key, self.model = state, api_key, model
+        self.requests: list[dict] = []
+
+    def complete(self, body: dict) -> None:
+        self.requests.append(body)
+        self.metrics.count_step("fallback", "prefill")
+        for _ in range(body["max_tokens"] - 1):
+            if self.state == "mono":
+                self.metrics.count_step("mono")
+            else:
+                self.metrics.count_step("fallback", "degraded" if self.state == "refused" else "disabled")
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    pod: _Pod
+
+    def _send(self, code: int, body: bytes, ctype: str = "text/plain") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_GET(self):  # noqa: N802 (http.server's name)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.end_headers()
-        self.wfile.write(self.body)
+        from prometheus_client import generate_latest
+
+        if self.path == "/health":
+            self._send(200, b"")
+        elif self.path == "/metrics":
+            self._send(200, generate_latest(self.pod.registry), "text/plain; version=0.0.4")
+        else:
+            self._send(404, b"")
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.pod.api_key and self.headers.get("Authorization") != f"Bearer {self.pod.api_key}":
+            return self._send(401, b'{"error": "Unauthorized"}', "application/json")
+        if self.path != "/v1/completions" or body.get("model") != self.pod.model:
+            return self._send(404, b'{"error": "no such model"}', "application/json")
+        self.pod.complete(body)
+        self._send(200, json.dumps({"choices": [{"text": " Paris"}]}).encode(), "application/json")
 
     def log_message(self, *args):
         pass
 
 
 @pytest.fixture
-def metrics_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
+def pod_server():
+    """Start a _Pod on 127.0.0.1; yields a function (pod -> base URL)."""
+    servers = []
+
+    def start(pod: _Pod) -> str:
+        handler = type("Handler", (_Handler,), {"pod": pod})
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
 
 
-def _run_helm_test(tmp_path, url: str, timeout_s: int) -> subprocess.CompletedProcess:
-    """The test pod's command, with this machine's sh and wget; /tmp is the pod's scratch volume."""
-    command = one(render(tmp_path, {"tests": {"timeoutSeconds": timeout_s}}), "Pod", "-verify")["spec"]["containers"][
-        0
-    ]["command"]
-    command[-2] = url
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+def _run_helm_test(tmp_path, base: str, values: dict, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run_helm_test_pod(render(tmp_path, values), base, tmp_path, env)
 
 
-def test_helm_test_passes_once_every_series_is_there(tmp_path, metrics_server):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from monodecode.metrics import MonoMetrics
-
-    registry = CollectorRegistry()
-    MonoMetrics(registry=registry).set_enabled(True)
-    _Metrics.body = generate_latest(registry)
-    proc = _run_helm_test(tmp_path, f"http://127.0.0.1:{metrics_server.server_port}/metrics", 10)
+def test_helm_test_sends_a_completion_and_sees_mono_steps(tmp_path, pod_server):
+    pod = _Pod("mono")
+    proc = _run_helm_test(tmp_path, pod_server(pod), {"tests": {"timeoutSeconds": 20}})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("PASS:") and "monodecode_enabled 1.0" in proc.stdout
+    assert proc.stdout.startswith("PASS:") and "mono decode ran 7 decode steps" in proc.stdout, proc.stdout
+    (request,) = pod.requests
+    assert request["model"] == "Qwen/Qwen3-8B" and request["max_tokens"] == 8
 
 
-def test_helm_test_waits_then_names_the_missing_series(tmp_path, metrics_server):
-    _Metrics.body = b'monodecode_enabled 1\nmonodecode_steps_total{path="mono"} 3\n'
-    proc = _run_helm_test(tmp_path, f"http://127.0.0.1:{metrics_server.server_port}/metrics", 10)
+def test_helm_test_fails_when_the_completion_ran_on_stock_decode(tmp_path, pod_server):
+    """on_refusal raise expects mono steps: a pod that serves stock decode fails, saying why."""
+    proc = _run_helm_test(tmp_path, pod_server(_Pod("refused")), {"tests": {"timeoutSeconds": 20}})
     assert proc.returncode == 1
-    assert (
-        "lacks monodecode_fallback_steps_total monodecode_step_duration_seconds monodecode_failstop_total"
-        in proc.stderr
-    )
-    assert "gave up after 10s" in proc.stderr
+    assert "no decode step ran mono decode (monodecode_enabled 0; refusal: tp_size; fallback steps:" in proc.stderr
+    assert "degraded=7" in proc.stderr and "prefill=1" in proc.stderr
+
+
+def test_helm_test_accepts_a_refusal_with_degrade_and_stock_with_mono_off(tmp_path, pod_server):
+    degrade = {"monodecode": {"on_refusal": "degrade"}, "tests": {"timeoutSeconds": 20}}
+    proc = _run_helm_test(tmp_path, pod_server(_Pod("refused")), degrade)
+    assert proc.returncode == 0, proc.stderr
+    assert "mono decode refused at start-up (tp_size), which monodecode.on_refusal degrade allows" in proc.stdout
+    # degrade with no refusal reason exported is not an expected fallback
+    proc = _run_helm_test(tmp_path, pod_server(_Pod("disabled")), degrade)
+    assert proc.returncode == 1 and "no refusal reason is exported" in proc.stderr
+    off = {"monodecode": {"enabled": False}, "tests": {"timeoutSeconds": 20}}
+    proc = _run_helm_test(tmp_path, pod_server(_Pod("disabled")), off)
+    assert proc.returncode == 0 and "on stock decode, as configured" in proc.stdout, proc.stderr
+    proc = _run_helm_test(tmp_path, pod_server(_Pod("mono")), off)
+    assert proc.returncode == 1 and "but monodecode.enabled is false" in proc.stderr
+
+
+def test_helm_test_sends_the_api_key_and_the_served_name(tmp_path, pod_server):
+    values = {
+        "apiKey": {"existingSecret": "llm-key"},
+        "model": {"servedName": 'q "8b"'},
+        "tests": {"timeoutSeconds": 20},
+    }
+    pod = _Pod("mono", api_key="secret-key", model='q "8b"')
+    proc = _run_helm_test(tmp_path, pod_server(pod), values)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # without the key (the Secret not mounted) the completion is refused, and the message says so
+    proc = _run_helm_test(tmp_path, pod_server(pod), values, env={"API_KEY": ""})
+    assert proc.returncode == 1 and "an API key is required: apiKey.existingSecret" in proc.stderr
+
+
+def test_helm_test_waits_then_names_the_missing_series(tmp_path, pod_server):
+    pod = _Pod("mono")
+    pod.registry = __import__("prometheus_client").CollectorRegistry()  # a pod without the plugin's series
+    proc = _run_helm_test(tmp_path, pod_server(pod), {"tests": {"timeoutSeconds": 10}})
+    assert proc.returncode == 1
+    assert "lacks monodecode_enabled monodecode_steps_total monodecode_fallback_steps_total" in proc.stderr
+    assert "gave up after 10s" in proc.stderr and not pod.requests
 
 
 def test_helm_test_fails_when_nothing_answers(tmp_path):
@@ -423,5 +507,5 @@ def test_helm_test_fails_when_nothing_answers(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _run_helm_test(tmp_path, f"http://127.0.0.1:{port}/metrics", 10)
-    assert proc.returncode == 1 and "cannot be scraped; gave up after 10s" in proc.stderr
+    proc = _run_helm_test(tmp_path, f"http://127.0.0.1:{port}", {"tests": {"timeoutSeconds": 10}})
+    assert proc.returncode == 1 and "does not answer; gave up after 10s" in proc.stderr

@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "vllm-monodecode"
 RULES_SRC = REPO / "deploy" / "prometheus" / "monodecode-alerts.yaml"
 DASHBOARD_SRC = REPO / "deploy" / "grafana" / "monodecode.json"
+# where a team would host deploy/RUNBOOK.md (required with the rules: runbook_url is absolute)
+RUNBOOK_URL = "https://git.example.com/ml/monodecode/blob/main/deploy/RUNBOOK.md"
 # the chart's own files (not links): generated serve settings, the init container's and helm test's scripts
 CHART_OWN_FILES = ("serve-settings.json", "gpu-access-check.py", "helm-test.sh")
 K8S_VERSION = "1.30.0"
@@ -87,7 +89,15 @@ def one(docs: list[dict], kind: str, name_suffix: str = "") -> dict:
 
 # ---- strict validation -------------------------------------------------------------------------
 
-_CRD_MODELS = None
+# Custom resources: cloudcoil's pydantic models where installed (Prometheus operator: a test
+# dependency; KEDA: used when present), else a JSON schema of the fields the chart renders,
+# shipped in crd_schemas/ (unknown fields refused either way).
+CRD_MODEL_MODULES = {
+    "monitoring.coreos.com/v1": "cloudcoil.models.prometheus_operator.v1",
+    "keda.sh/v1alpha1": "cloudcoil.models.keda.v1alpha1",
+}
+CRD_SCHEMAS = Path(__file__).resolve().parent / "crd_schemas"
+_CRD_MODELS: dict[tuple[str, str], type | None] = {}
 
 
 def _nested_models(annotation) -> list[type]:
@@ -96,54 +106,74 @@ def _nested_models(annotation) -> list[type]:
     return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
 
 
+def _forbid_extra(model: type, done: set[type]) -> None:
+    """cloudcoil's models allow extra fields; forbid them on every model reachable from `model`
+    and rebuild leaves first (a parent's schema embeds its children's as they were built)."""
+    if model in done:
+        return
+    done.add(model)
+    for field in model.model_fields.values():
+        for child in _nested_models(field.annotation):
+            _forbid_extra(child, done)
+    model.model_config["extra"] = "forbid"
+    model.model_rebuild(force=True)
+
+
+def crd_model(api_version: str, kind: str) -> type | None:
+    """The strict cloudcoil model of a custom resource kind, or None when its package is absent."""
+    key = (api_version, kind)
+    if key not in _CRD_MODELS:
+        import importlib
+
+        module_name = CRD_MODEL_MODULES.get(api_version)
+        try:
+            module = importlib.import_module(module_name) if module_name else None
+        except ModuleNotFoundError:
+            module = None
+        model = getattr(module, kind, None)
+        if model is not None:
+            _forbid_extra(model, set())
+        _CRD_MODELS[key] = model
+    return _CRD_MODELS[key]
+
+
 def crd_models() -> dict[str, type]:
-    """Prometheus-operator kinds -> cloudcoil pydantic models with extra fields forbidden.
+    """The Prometheus-operator kinds' strict models (a required test dependency)."""
+    kinds = {k: crd_model("monitoring.coreos.com/v1", k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
+    assert all(kinds.values()), "cloudcoil-models-prometheus-operator is a test dependency (pyproject.toml)"
+    return kinds
 
-    The package allows extra fields; forbid them on every model reachable from the three kinds
-    and rebuild leaves first (a parent's schema embeds its children's as they were built).
-    """
-    global _CRD_MODELS
-    if _CRD_MODELS is None:
-        from cloudcoil.models.prometheus_operator import v1
 
-        kinds = {k: getattr(v1, k) for k in ("ServiceMonitor", "PodMonitor", "PrometheusRule")}
-        done: set[type] = set()
-
-        def forbid(model: type) -> None:
-            if model in done:
-                return
-            done.add(model)
-            for field in model.model_fields.values():
-                for child in _nested_models(field.annotation):
-                    forbid(child)
-            model.model_config["extra"] = "forbid"
-            model.model_rebuild(force=True)
-
-        for model in kinds.values():
-            forbid(model)
-        _CRD_MODELS = kinds
-    return _CRD_MODELS
+def crd_schema(api_version: str, kind: str) -> dict | None:
+    path = CRD_SCHEMAS / f"{api_version.replace('/', '_')}_{kind}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def validate_strict(doc: dict) -> None:
+    import jsonschema
     import kubernetes_validate
 
-    kind = doc["kind"]
-    if doc["apiVersion"].startswith("monitoring.coreos.com/"):
-        model = crd_models().get(kind)
-        assert model is not None, f"no CRD model for {kind}"
+    kind, api = doc["kind"], doc["apiVersion"]
+    name = doc["metadata"]["name"]
+    model = crd_model(api, kind)
+    if model is not None:
         try:
             model.model_validate(doc)
         except pydantic.ValidationError as e:
-            pytest.fail(f"{kind}/{doc['metadata']['name']} does not match the {kind} CRD: {e}")
+            pytest.fail(f"{kind}/{name} does not match the {kind} CRD: {e}")
         return
+    schema = crd_schema(api, kind)
+    if schema is not None:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft7Validator(schema).iter_errors(doc))
+        if error is not None:
+            pytest.fail(f"{kind}/{name} does not match the {kind} CRD schema at {error.json_path}: {error.message}")
+        return
+    assert "." not in api.split("/")[0] or api.split("/")[0].endswith(".k8s.io"), f"no CRD model or schema for {api}"
     try:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     except kubernetes_validate.ValidationError as e:
         path = "/".join(str(p) for p in e.path)
-        pytest.fail(
-            f"{kind}/{doc['metadata']['name']} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}"
-        )
+        pytest.fail(f"{kind}/{name} is not a valid Kubernetes {K8S_VERSION} object at {path}: {e.message}")
 
 
 def test_validators_reject_what_they_should():
@@ -286,7 +316,7 @@ def matrix_values(arch, tp, monitoring, on_refusal, source) -> dict:
         "vllm": {"tensorParallelSize": tp},
         "monodecode": {"on_refusal": on_refusal},
         "monitoring": {"serviceMonitor": {"enabled": monitoring, "labels": {"release": "prom"}}},
-        "prometheusRule": {"enabled": monitoring},
+        "prometheusRule": {"enabled": monitoring, "runbookBaseUrl": RUNBOOK_URL},
         "rulesConfigMap": {"enabled": monitoring},
         "grafanaDashboard": {"enabled": monitoring},
     }
@@ -385,7 +415,9 @@ def test_template_matrix(tmp_path, arch, tp, monitoring, on_refusal, source):
     command = test_pod["spec"]["containers"][0]["command"]
     assert command[:2] == ["sh", "-c"] and command[3:] == [
         "helm-test",
-        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}/metrics",
+        f"http://{svc['metadata']['name']}.llm.svc:{svc['spec']['ports'][0]['port']}",
+        args[1],  # the model vLLM serves under (no --served-model-name here)
+        "mono" if on_refusal == "raise" else "mono-or-refused",
         "120",
     ]
     assert test_pod["spec"]["activeDeadlineSeconds"] == 120 + 300
@@ -420,7 +452,7 @@ def alert_target_selector() -> dict:
     """The equality matchers MonodecodeMetricsAbsent selects scrape targets (`up`) by."""
     import re
 
-    rules = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    rules = {r.get("alert"): r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
     expr = rules["MonodecodeMetricsAbsent"]["expr"]
     selectors = set(re.findall(r"up\{([^}]*)\}", expr))
     assert len(selectors) == 1, f"MonodecodeMetricsAbsent selects up{{...}} in more than one way: {selectors}"
@@ -646,6 +678,101 @@ BAD_VALUES = [
         "env sets VLLM_KV_CACHE_LAYOUT, which the chart sets",
     ),
     ({"podLabels": {"app.kubernetes.io/part-of": "shop"}}, "podLabels must not set app.kubernetes.io/part-of"),
+    # labels the chart sets: a second value for one key fails the install (duplicate keys)
+    (
+        {"podLabels": {"app.kubernetes.io/name": "x"}},
+        "podLabels must not set app.kubernetes.io/name: the chart sets it to vllm-monodecode and selects its pods",
+    ),
+    ({"podLabels": {"app.kubernetes.io/instance": "x"}}, "podLabels must not set app.kubernetes.io/instance"),
+    ({"podLabels": {"monodecode.io/arch": "gfx950"}}, "podLabels must not set monodecode.io/arch"),
+    # every flag the chart sets itself, with the value that sets it
+    (
+        {"vllm": {"extraArgs": ["--tensor-parallel-size", "8"]}},
+        "vllm.extraArgs sets --tensor-parallel-size, which the chart sets: use vllm.tensorParallelSize "
+        "(the pod's GPU request follows it)",
+    ),
+    ({"vllm": {"extraArgs": ["-tp=8"]}}, "vllm.extraArgs sets -tp, which the chart sets: use vllm.tensorParallelSize"),
+    ({"vllm": {"extraArgs": ["--tensor_parallel_size", "8"]}}, "use vllm.tensorParallelSize"),
+    ({"vllm": {"extraArgs": ["--tensor-parallel", "8"]}}, "vllm.extraArgs sets --tensor-parallel (argparse reads "),
+    ({"vllm": {"extraArgs": ["--port", "9999"]}}, "vllm.extraArgs sets --port, which the chart sets: use vllm.port"),
+    ({"vllm": {"extraArgs": ["--host=127.0.0.1"]}}, "vllm.extraArgs sets --host, which the chart sets"),
+    ({"vllm": {"extraArgs": ["--served-model-name", "q"]}}, "use model.servedName"),
+    ({"vllm": {"extraArgs": ["--additional-config", "{}"]}}, "use the monodecode values block"),
+    ({"vllm": {"extraArgs": ["--max-model-len=4096"]}}, "use vllm.maxModelLen"),
+    ({"vllm": {"extraArgs": ["--gpu-memory-utilization", "0.5"]}}, "use vllm.gpuMemoryUtilization"),
+    ({"vllm": {"extraArgs": ["--dtype", "half"]}}, "use vllm.dtype"),
+    ({"vllm": {"extraArgs": ["--block-size", "32"]}}, "use vllm.blockSize"),
+    ({"vllm": {"extraArgs": ["--max-num-seqs", "8"]}}, "use vllm.maxNumSeqs"),
+    ({"vllm": {"extraArgs": ["--revision", "main"]}}, "use model.hf.revision"),
+    ({"vllm": {"extraArgs": ["--model", "x"]}}, "use model.source"),
+    ({"vllm": {"extraArgs": ["--pipeline-parallel-size", "2"]}}, "vllm.extraArgs sets --pipeline-parallel-size"),
+    ({"vllm": {"extraArgs": ["-dp", "2"]}}, "vllm.extraArgs sets -dp"),
+    # resources Kubernetes would refuse at apply time
+    (
+        {"resources": {"requests": {"memory": "256Gi"}}},
+        "resources.requests.memory (256Gi) is more than resources.limits.memory (192Gi)",
+    ),
+    (
+        {"resources": {"requests": {"cpu": 8, "memory": "1Gi"}, "limits": {"cpu": "7500m", "memory": "1024Mi"}}},
+        "resources.requests.cpu (8) is more than resources.limits.cpu (7500m)",
+    ),
+    (
+        {"resources": {"requests": {"memory": "1.5G"}, "limits": {"memory": "1400Mi"}}},
+        "resources.requests.memory (1.5G) is more than resources.limits.memory (1400Mi)",
+    ),
+    (
+        {"replicaCount": 2, "model": {"hf": {"cache": {"type": "create"}}}},
+        "replicaCount 2 with one created model cache claim that is ReadWriteOnce: pods on other nodes cannot "
+        "mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or run one pod",
+    ),
+    (
+        {"replicaCount": 3, "model": {"hf": {"cache": {"type": "create", "accessModes": ["ReadWriteOncePod"]}}}},
+        "replicaCount 3 with one created model cache claim that is ReadWriteOncePod",
+    ),
+    (
+        {"monitoring": {"podMonitor": {"enabled": True}, "scrapeAnnotations": True}},
+        "monitoring.podMonitor.enabled and monitoring.scrapeAnnotations are both true: every series would be "
+        "scraped twice; enable one",
+    ),
+    (
+        {"monitoring": {"serviceMonitor": {"enabled": True}, "scrapeAnnotations": True}},
+        "monitoring.serviceMonitor.enabled and monitoring.scrapeAnnotations are both true",
+    ),
+    # drains and rollouts
+    (
+        {"terminationGracePeriodSeconds": 30},
+        "terminationGracePeriodSeconds (30) is shorter than lifecycle.preStopSleepSeconds (10) + "
+        "lifecycle.drainSeconds (45) + 5 s for vLLM to stop: the pod would be killed mid-drain; raise it to 60",
+    ),
+    (
+        {"rollout": {"maxSurge": 1}},
+        "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it",
+    ),
+    ({"rollout": {"maxSurge": -1}}, "at '/rollout/maxSurge'"),
+    ({"lifecycle": {"drainSeconds": "30s"}}, "at '/lifecycle/drainSeconds'"),
+    (
+        {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]},
+        "at '/topologySpreadConstraints/0': missing property 'topologyKey'",
+    ),
+    ({"vllm": {"extraArgs": ["--shutdown-timeout=0"]}}, "use lifecycle.drainSeconds"),
+    (
+        {
+            "rollout": {"strategy": "RollingUpdate", "maxSurge": 1},
+            "model": {"hf": {"cache": {"type": "create"}}},
+        },
+        "replicaCount 1 + rollout.maxSurge 1 with one created model cache claim that is ReadWriteOnce",
+    ),
+    # alerts link an absolute runbook URL
+    (
+        {"prometheusRule": {"enabled": True}},
+        "prometheusRule.runbookBaseUrl is empty: set the absolute URL where deploy/RUNBOOK.md is served",
+    ),
+    ({"rulesConfigMap": {"enabled": True}}, "prometheusRule.runbookBaseUrl is empty"),
+    ({"prometheusRule": {"runbookBaseUrl": "wiki/runbook"}}, "at '/prometheusRule/runbookBaseUrl'"),
+    # control characters (one per kind of string; tests/helm/test_chart_values_safety.py has them all)
+    ({"model": {"source": "hostPath", "hostPath": {"path": "/data\n- name: x"}}}, "at '/model/hostPath/path'"),
+    ({"priorityClassName": "high\nhostNetwork: true"}, "at '/priorityClassName'"),
+    ({"model": {"source": "pvc", "pvc": {"claimName": "Models"}}}, "at '/model/pvc/claimName'"),
     (
         {"resources": {"limits": {"amd.com/gpu": "2"}}},
         "resources.limits must not set amd.com/gpu: the GPU count comes from vllm.tensorParallelSize",
@@ -664,7 +791,13 @@ BAD_VALUES = [
         "rollout.progressDeadlineSeconds (600) is shorter than the startup budget",
     ),
     (
-        {"prometheusRule": {"enabled": True, "alerts": {"MonodecodeFallbackRatio": {"disabled": True}}}},
+        {
+            "prometheusRule": {
+                "enabled": True,
+                "runbookBaseUrl": RUNBOOK_URL,
+                "alerts": {"MonodecodeFallbackRatio": {"disabled": True}},
+            }
+        },
         "prometheusRule.alerts.MonodecodeFallbackRatio: no such alert (alerts: MonodecodeFallbackRatioHigh,",
     ),
 ]
@@ -710,11 +843,14 @@ def test_packaged_chart_carries_deploy_files_byte_for_byte(tmp_path):
         str(pkg),
         "--set",
         "prometheusRule.enabled=true",
+        "--set",
+        f"prometheusRule.runbookBaseUrl={RUNBOOK_URL}",
         "--api-versions",
         "monitoring.coreos.com/v1/PrometheusRule",
     ).stdout
     rule = one([d for d in yaml.safe_load_all(io.StringIO(out)) if d], "PrometheusRule")
-    assert rule["spec"]["groups"] == yaml.safe_load(RULES_SRC.read_text())["groups"]
+    rendered = yaml.safe_dump(rule["spec"]["groups"]).replace(RUNBOOK_URL, "deploy/RUNBOOK.md")
+    assert yaml.safe_load(rendered) == yaml.safe_load(RULES_SRC.read_text())["groups"]
 
 
 def test_chart_files_link_to_deploy():
@@ -740,11 +876,15 @@ def test_rule_overrides_change_only_for_severity_labels_and_runbook(tmp_path):
             "rulesConfigMap": {"enabled": True},
         },
     )
-    src = {r["alert"]: r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]}
+    src_rules = [r for g in yaml.safe_load(RULES_SRC.read_text())["groups"] for r in g["rules"]]
+    src = {r["alert"]: r for r in src_rules if "alert" in r}
     spec_groups = one(docs, "PrometheusRule")["spec"]["groups"]
     cm_groups = yaml.safe_load(one(docs, "ConfigMap", "-rules")["data"]["monodecode-alerts.yaml"])["groups"]
     assert spec_groups == cm_groups
-    rendered = {r["alert"]: r for g in spec_groups for r in g["rules"]}
+    rendered_rules = [r for g in spec_groups for r in g["rules"]]
+    # recording rules pass through as written, in their place before the alerts
+    assert [r for r in rendered_rules if "record" in r] == [r for r in src_rules if "record" in r]
+    rendered = {r["alert"]: r for r in rendered_rules if "alert" in r}
     assert set(rendered) == set(src) - {"MonodecodeDisabled"}
     for name, r in rendered.items():
         s = src[name]
@@ -846,3 +986,27 @@ def test_pod_arguments_through_the_image_entrypoint(tmp_path, values):
     i = chart_rest.index("--additional-config")
     del chart_rest[i : i + 2]
     assert cmd[5:] == chart_rest
+
+
+def test_monitors_restore_vllm_metric_names_before_user_relabelings(tmp_path):
+    """Prometheus 2.x gets `vllm_...` from prometheus_client 0.26's OpenMetrics output
+    (tests/deploy/test_autoscaling_prometheus.py shows it with a real Prometheus); the monitors
+    rename them back before the user's own relabelings run."""
+    user = [{"action": "drop", "sourceLabels": ["__name__"], "regex": "python_.*"}]
+    restore = {
+        "action": "replace",
+        "sourceLabels": ["__name__"],
+        "regex": "vllm_(.+)",
+        "targetLabel": "__name__",
+        "replacement": "vllm:${1}",
+    }
+    for monitor in ("serviceMonitor", "podMonitor"):
+        kind = monitor[0].upper() + monitor[1:]
+        docs = render(tmp_path, {"monitoring": {monitor: {"enabled": True, "metricRelabelings": user}}})
+        doc = one(docs, kind)
+        validate_strict(doc)
+        (endpoint,) = doc["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+        assert endpoint["metricRelabelings"] == [restore, *user]
+        off = render(tmp_path, {"monitoring": {monitor: {"enabled": True}, "restoreVllmMetricNames": False}})
+        (endpoint,) = one(off, kind)["spec"]["endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints"]
+        assert "metricRelabelings" not in endpoint

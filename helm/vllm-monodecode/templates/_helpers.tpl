@@ -23,17 +23,23 @@
 {{- end }}
 
 {{- define "vllm-monodecode.selectorLabels" -}}
-app.kubernetes.io/name: {{ include "vllm-monodecode.name" . }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/name: {{ include "vllm-monodecode.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+{{- end }}
+
+{{/* The release's helm test pods (allowed through the NetworkPolicy). */}}
+{{- define "vllm-monodecode.testPodSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+app.kubernetes.io/component: test
 {{- end }}
 
 {{- define "vllm-monodecode.labels" -}}
-helm.sh/chart: {{ include "vllm-monodecode.chart" . }}
+helm.sh/chart: {{ include "vllm-monodecode.chart" . | quote }}
 {{ include "vllm-monodecode.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/managed-by: {{ .Release.Service | quote }}
 app.kubernetes.io/part-of: monodecode
-monodecode.io/arch: {{ .Values.arch }}
+monodecode.io/arch: {{ .Values.arch | quote }}
 {{- end }}
 
 {{- define "vllm-monodecode.serviceAccountName" -}}
@@ -56,6 +62,37 @@ monodecode.io/arch: {{ .Values.arch }}
 {{- end }}
 {{- end }}
 
+{{/* The model `vllm serve` gets as its first argument. */}}
+{{- define "vllm-monodecode.modelArg" -}}
+{{- if eq .Values.model.source "hf" }}
+{{- .Values.model.hf.id }}
+{{- else if eq .Values.model.source "pvc" }}
+{{- printf "%s/%s" .Values.model.mountPath (.Values.model.pvc.path | trimPrefix "/") | trimSuffix "/" }}
+{{- else }}
+{{- .Values.model.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* The model_name label of vLLM's metrics: --served-model-name, else the model argument. */}}
+{{- define "vllm-monodecode.metricsModelName" -}}
+{{- .Values.model.servedName | default (include "vllm-monodecode.modelArg" .) }}
+{{- end }}
+
+{{/* What the helm test accepts (files/helm-test.sh): mono steps, or stock decode with a refusal
+reason (on_refusal degrade), or stock decode (mono decode off). */}}
+{{- define "vllm-monodecode.helmTestExpect" -}}
+{{- if not .Values.monodecode.enabled }}disabled
+{{- else if eq .Values.monodecode.on_refusal "degrade" }}mono-or-refused
+{{- else }}mono
+{{- end }}
+{{- end }}
+
+{{/* PromQL label matchers for this release's vLLM series: its namespace and model_name (PromQL
+strings take Go's escapes, which %q writes). */}}
+{{- define "vllm-monodecode.promSelector" -}}
+{{- printf "namespace=%q,model_name=%q" .Release.Namespace (include "vllm-monodecode.metricsModelName" .) }}
+{{- end }}
+
 {{/* Required node affinity term: GPUs of the chosen arch, by PCI device id. */}}
 {{- define "vllm-monodecode.nodeAffinity" -}}
 {{- $ids := get .Values.nodeSelection.deviceIds .Values.arch }}
@@ -65,13 +102,13 @@ monodecode.io/arch: {{ .Values.arch }}
 requiredDuringSchedulingIgnoredDuringExecution:
   nodeSelectorTerms:
     - matchExpressions:
-        - key: {{ .Values.nodeSelection.deviceIdLabel }}
+        - key: {{ .Values.nodeSelection.deviceIdLabel | quote }}
           operator: In
           values:
             {{- toYaml $ids | nindent 12 }}
         {{- with .Values.nodeSelection.partition }}
         {{- if .values }}
-        - key: {{ .label }}
+        - key: {{ .label | quote }}
           operator: In
           values:
             {{- toYaml .values | nindent 12 }}
@@ -156,12 +193,6 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- fail (printf "vllm.tensorParallelSize %d with monodecode.on_refusal raise always crash-loops: mono decode refuses tensor parallelism (tp_shards) until it lands; set monodecode.on_refusal=degrade (stock decode, reasons exported) or monodecode.enabled=false" (int .Values.vllm.tensorParallelSize)) }}
 {{- end }}
 {{- $serve := include "vllm-monodecode.serveSettings" . | fromJson }}
-{{- $flag := first $serve.args }}
-{{- range .Values.vllm.extraArgs }}
-{{- if or (eq . $flag) (hasPrefix (printf "%s=" $flag) .) }}
-{{- fail (printf "vllm.extraArgs sets %s, which the chart sets to %s for mono decode (vllm.attentionBackend): set vllm.attentionBackend instead, or set monodecode.enabled=false" $flag (index $serve.args 1)) }}
-{{- end }}
-{{- end }}
 {{- range .Values.env }}
 {{- if hasKey $serve.env .name }}
 {{- fail (printf "env sets %s, which the chart sets to %s for mono decode: remove it, or set monodecode.enabled=false" .name (get $serve.env .name)) }}
@@ -176,8 +207,121 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- end }}
 {{- $prev = int . }}
 {{- end }}
-{{- if hasKey (.Values.podLabels | default dict) "app.kubernetes.io/part-of" }}
-{{- fail "podLabels must not set app.kubernetes.io/part-of: the chart sets it to monodecode, and MonodecodeMetricsAbsent finds the pods by it" }}
+{{- include "vllm-monodecode.validateExtraArgs" . }}
+{{- include "vllm-monodecode.validateImageRepository" . }}
+{{- /* a label the chart sets, set again, is a duplicate key in the pod template: the install fails */}}
+{{- $chartLabels := include "vllm-monodecode.labels" . | fromYaml }}
+{{- $selector := include "vllm-monodecode.selectorLabels" . | fromYaml }}
+{{- range $key, $_ := merge (deepCopy (.Values.podLabels | default dict)) (.Values.router.podLabels | default dict) }}
+{{- if hasKey ($.Values.podLabels | default dict) $key | and (hasKey ($.Values.router.podLabels | default dict) $key) }}
+{{- fail (printf "podLabels and router.podLabels both set %s: set it in one of them" $key) }}
+{{- end }}
+{{- if hasKey $chartLabels $key }}
+{{- $why := " (a second value for one key fails the install)" }}
+{{- if hasKey $selector $key }}
+{{- $why = " and selects its pods by it (Deployment, Service, PodDisruptionBudget)" }}
+{{- else if eq $key "app.kubernetes.io/part-of" }}
+{{- $why = ", and MonodecodeMetricsAbsent finds the pods by it" }}
+{{- end }}
+{{- fail (printf "%s must not set %s: the chart sets it to %s%s" (ternary "podLabels" "router.podLabels" (hasKey ($.Values.podLabels | default dict) $key)) $key (get $chartLabels $key) $why) }}
+{{- end }}
+{{- end }}
+{{- /* Kubernetes refuses a request above its limit only when the Deployment is applied */}}
+{{- $requests := .Values.resources.requests | default dict }}
+{{- $limits := .Values.resources.limits | default dict }}
+{{- range $name, $request := $requests }}
+{{- $limit := get $limits $name }}
+{{- if and (hasKey $limits $name) (gt (include "vllm-monodecode.quantity" $request | float64) (include "vllm-monodecode.quantity" $limit | float64)) }}
+{{- fail (printf "resources.requests.%s (%v) is more than resources.limits.%s (%v): Kubernetes refuses the pod; lower the request or raise the limit" $name $request $name $limit) }}
+{{- end }}
+{{- end }}
+{{- $cache := .Values.model.hf.cache }}
+{{- $pods := include "vllm-monodecode.maxPods" . | fromJson }}
+{{- if and (eq $src "hf") (eq $cache.type "create") (gt (int $pods.count) 1) (not (has "ReadWriteMany" $cache.accessModes)) }}
+{{- fail (printf "%s with one created model cache claim that is %s: pods on other nodes cannot mount it; set model.hf.cache.accessModes to [ReadWriteMany] (a shared cache), or run one pod" $pods.why (join ", " $cache.accessModes)) }}
+{{- end }}
+{{- with .Values.autoscaling }}
+{{- if .enabled }}
+{{- if lt (int .maxReplicas) (int .minReplicas) }}
+{{- fail (printf "autoscaling.maxReplicas (%d) is below autoscaling.minReplicas (%d)" (int .maxReplicas) (int .minReplicas)) }}
+{{- end }}
+{{- if and (eq .kind "keda") (not .keda.serverAddress) }}
+{{- fail "autoscaling.keda.serverAddress is empty: give the URL of the Prometheus that scrapes the pods (autoscaling.kind is keda), e.g. http://prometheus-operated.monitoring.svc:9090" }}
+{{- end }}
+{{- if and (eq .kind "hpa") .latency.enabled }}
+{{- fail "autoscaling.latency.enabled needs autoscaling.kind keda: the hpa kind scales on the per-pod queue the Prometheus adapter serves" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* extra volumes, mounts and containers must not take the chart's names or paths */}}
+{{- $volumes := list "model" "shm" "tmp" "cache" "failstop" }}
+{{- range .Values.extraVolumes }}
+{{- if has .name $volumes }}
+{{- fail (printf "extraVolumes has a volume named %s, a name the chart uses (%s): rename it" .name (join ", " $volumes)) }}
+{{- end }}
+{{- end }}
+{{- $mounts := list .Values.model.mountPath "/dev/shm" "/tmp" "/cache" "/var/lib/monodecode/failstop" }}
+{{- range .Values.extraVolumeMounts }}
+{{- if has (.mountPath | trimSuffix "/") $mounts }}
+{{- fail (printf "extraVolumeMounts mounts %s at %s, where the chart mounts its own volume (%s): choose another path" .name .mountPath (join ", " $mounts)) }}
+{{- end }}
+{{- end }}
+{{- range .Values.extraContainers }}
+{{- if has .name (list "vllm" "gpu-access") }}
+{{- fail (printf "extraContainers has a container named %s, a name the chart uses: rename it" .name) }}
+{{- end }}
+{{- end }}
+{{- /* the disk emptyDirs count against ephemeral-storage: a lower limit evicts the pod first */}}
+{{- with get (.Values.resources.limits | default dict) "ephemeral-storage" }}
+{{- $scratch := $.Values.scratch }}
+{{- $sum := 0.0 }}
+{{- $parts := list }}
+{{- range $name, $size := dict "tmp" $scratch.tmpSizeLimit "cache" $scratch.cacheSizeLimit "failstop" $scratch.failstopSizeLimit }}
+{{- $sum = addf $sum (include "vllm-monodecode.quantity" $size | float64) }}
+{{- $parts = append $parts (printf "%s %v" $name $size) }}
+{{- end }}
+{{- if and (eq $.Values.model.source "hf") (eq $.Values.model.hf.cache.type "emptyDir") }}
+{{- $sum = addf $sum (include "vllm-monodecode.quantity" $.Values.model.hf.cache.size | float64) }}
+{{- $parts = append $parts (printf "model %v" $.Values.model.hf.cache.size) }}
+{{- end }}
+{{- if lt (include "vllm-monodecode.quantity" . | float64) $sum }}
+{{- fail (printf "resources.limits.ephemeral-storage (%v) is below the size limits of the pod's disk emptyDirs (%s): the kubelet would evict the pod before they fill; raise it or lower scratch.* / model.hf.cache.size" . (join " + " $parts)) }}
+{{- end }}
+{{- end }}
+{{- if .Values.apiKey.existingSecret }}
+{{- range .Values.env }}
+{{- if eq .name "VLLM_API_KEY" }}
+{{- fail "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret: remove it from env" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.networkPolicy }}
+{{- if and .enabled (not (or .apiFrom .apiNamespaces)) }}
+{{- fail "networkPolicy.enabled with empty networkPolicy.apiFrom and apiNamespaces: nothing could call the API; name the callers (e.g. the gateway's or router's pods)" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.router.inferencePool.enabled (not .Values.router.inferencePool.endpointPicker.name) }}
+{{- fail "router.inferencePool.endpointPicker.name is empty: name the Service of llm-d's inference scheduler (the endpoint picker) the pool sends its requests through" }}
+{{- end }}
+{{- if and .Values.ingress.enabled (not .Values.ingress.hosts) }}
+{{- fail "ingress.enabled with empty ingress.hosts: give at least one {host, paths}" }}
+{{- end }}
+{{- if and .Values.httpRoute.enabled (not .Values.httpRoute.parentRefs) }}
+{{- fail "httpRoute.enabled with empty httpRoute.parentRefs: name the Gateway to attach to, e.g. [{name: inference-gateway, namespace: gateway}]" }}
+{{- end }}
+{{- if and (eq .Values.rollout.strategy "Recreate") (gt (int .Values.rollout.maxSurge) 0) }}
+{{- fail "rollout.maxSurge is set but rollout.strategy is Recreate, which ignores it: set rollout.strategy=RollingUpdate, or rollout.maxSurge=0" }}
+{{- end }}
+{{- $stop := add .Values.lifecycle.preStopSleepSeconds .Values.lifecycle.drainSeconds 5 }}
+{{- if gt (int $stop) (int .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) is shorter than lifecycle.preStopSleepSeconds (%d) + lifecycle.drainSeconds (%d) + 5 s for vLLM to stop: the pod would be killed mid-drain; raise it to %d or shorten the drain" (int .Values.terminationGracePeriodSeconds) (int .Values.lifecycle.preStopSleepSeconds) (int .Values.lifecycle.drainSeconds) (int $stop)) }}
+{{- end }}
+{{- if .Values.monitoring.scrapeAnnotations }}
+{{- range $monitor := list "podMonitor" "serviceMonitor" }}
+{{- if (get $.Values.monitoring $monitor).enabled }}
+{{- fail (printf "monitoring.%s.enabled and monitoring.scrapeAnnotations are both true: every series would be scraped twice; enable one" $monitor) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and (ne $src "pvc") .Values.model.pvc.claimName }}
 {{- fail (printf "model.pvc.claimName is set but model.source is %s, which ignores it: set model.source=pvc%s" $src (ternary ", or use model.hf.cache.claimName for a download cache" "" (eq $src "hf"))) }}
@@ -197,13 +341,132 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- end }}
 {{- end }}
 
+{{/* Most pods the Deployment can have at once, and where that number comes from (checks that
+depend on pods sharing a volume). */}}
+{{- define "vllm-monodecode.maxPods" -}}
+{{- $n := int .Values.replicaCount }}
+{{- $why := printf "replicaCount %d" $n }}
+{{- if .Values.autoscaling.enabled }}
+{{- $n = int .Values.autoscaling.maxReplicas }}
+{{- $why = printf "autoscaling.maxReplicas %d" $n }}
+{{- end }}
+{{- if and (eq .Values.rollout.strategy "RollingUpdate") (gt (int .Values.rollout.maxSurge) 0) }}
+{{- $n = add $n .Values.rollout.maxSurge }}
+{{- $why = printf "%s + rollout.maxSurge %d" $why (int .Values.rollout.maxSurge) }}
+{{- end }}
+{{- dict "count" $n "why" $why | toJson }}
+{{- end }}
+
+{{/* A Kubernetes quantity (8, "500m", "1.5G", "64Gi") as a plain number, for comparing two. */}}
+{{- define "vllm-monodecode.quantity" -}}
+{{- $q := toString . }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $suffix := trimPrefix $number $q }}
+{{- $scale := dict "" 1 "m" 0.001 "k" 1000 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "Ei" 1152921504606846976 }}
+{{- if not (and $number (hasKey $scale $suffix)) }}
+{{- fail (printf "%q is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)" $q) }}
+{{- end }}
+{{- mulf (float64 $number) (get $scale $suffix) }}
+{{- end }}
+
+{{/*
+`vllm serve` flags the chart sets itself (or that change the GPUs a pod needs), each with what to
+set instead. vLLM reads --a_b as --a-b, and argparse takes an unambiguous prefix of a flag.
+*/}}
+{{- define "vllm-monodecode.validateExtraArgs" -}}
+{{- $tp := ", which the chart sets: use vllm.tensorParallelSize (the pod's GPU request follows it)" }}
+{{- $gpus := ": each pod gets vllm.tensorParallelSize GPUs for one engine; use replicaCount for more copies" }}
+{{- $model := ", which the chart sets: use model.source with model.hf.id, model.pvc or model.hostPath (the chart passes the model as serve's first argument)" }}
+{{- $owned := dict
+  "--host" ", which the chart sets: it binds 0.0.0.0, where the probes and the Service reach the server"
+  "--port" ", which the chart sets: use vllm.port"
+  "--tensor-parallel-size" $tp "-tp" $tp
+  "--pipeline-parallel-size" $gpus "-pp" $gpus
+  "--data-parallel-size" $gpus "-dp" $gpus
+  "--gpu-memory-utilization" ", which the chart sets: use vllm.gpuMemoryUtilization"
+  "--dtype" ", which the chart sets: use vllm.dtype"
+  "--block-size" ", which the chart sets: use vllm.blockSize (mono decode kernels are built for it)"
+  "--max-model-len" ", which the chart sets: use vllm.maxModelLen"
+  "--max-num-seqs" ", which the chart sets: use vllm.maxNumSeqs"
+  "--served-model-name" ", which the chart sets: use model.servedName"
+  "--additional-config" ", which the chart sets: use the monodecode values block (the chart passes it as --additional-config)"
+  "--revision" ", which the chart sets: use model.hf.revision"
+  "--shutdown-timeout" ", which the chart sets: use lifecycle.drainSeconds"
+  "--api-key" ", which the chart sets from apiKey.existingSecret (a key on the command line shows in the pod spec)"
+  "--model" $model
+}}
+{{- if .Values.monodecode.enabled }}
+{{- $serve := include "vllm-monodecode.serveSettings" . | fromJson }}
+{{- $_ := set $owned (first $serve.args) (printf ", which the chart sets to %s for mono decode (vllm.attentionBackend): set vllm.attentionBackend instead, or set monodecode.enabled=false" (index $serve.args 1)) }}
+{{- end }}
+{{- range .Values.vllm.extraArgs }}
+{{- $flag := first (splitList "=" .) }}
+{{- if hasPrefix "--" $flag }}
+{{- $flag = printf "--%s" ($flag | trimPrefix "--" | replace "_" "-") }}
+{{- end }}
+{{- if hasKey $owned $flag }}
+{{- fail (printf "vllm.extraArgs sets %s%s" $flag (get $owned $flag)) }}
+{{- end }}
+{{- if and (hasPrefix "--" $flag) (gt (len $flag) 3) }}
+{{- range $long, $why := $owned }}
+{{- if and (hasPrefix $flag $long) (ne $flag $long) }}
+{{- fail (printf "vllm.extraArgs sets %s (argparse reads it as %s)%s" $flag $long $why) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+image.repository against the OCI distribution reference grammar (github.com/distribution/reference):
+[host[:port]/]path, path components lowercase alphanumerics joined by ".", "_", "__" or dashes.
+The first component is the registry host when it has a "." or ":", is "localhost" or has capitals
+(how Docker splits a name). Tag and digest have their own values.
+*/}}
+{{- define "vllm-monodecode.validateImageRepository" -}}
+{{- $repo := .Values.image.repository }}
+{{- $what := printf "image.repository %q" $repo }}
+{{- if gt (len $repo) 255 }}
+{{- fail (printf "%s is longer than 255 characters, the limit of an image name" $what) }}
+{{- end }}
+{{- if contains "@" $repo }}
+{{- fail (printf "%s carries a digest: set it with image.digests.%s, and the repository without it" $what .Values.arch) }}
+{{- end }}
+{{- $parts := splitList "/" $repo }}
+{{- $lastPart := last $parts }}
+{{- if and (contains ":" $lastPart) (not (hasPrefix "[" $lastPart)) }}
+{{- fail (printf "%s ends in the tag \":%s\": set the tag with image.tags.%s, and the repository without it" $what (last (splitList ":" $lastPart)) .Values.arch) }}
+{{- end }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost") (ne $first (lower $first))) }}
+{{- if not (regexMatch "^(\\[[0-9a-fA-F:.]+\\]|[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?(\\.[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?)*)(:[0-9]+)?$" $first) }}
+{{- fail (printf "%s: registry host %q is not valid: a DNS name (letters, digits, '-', dot-separated) or [IPv6], with an optional :port" $what $first) }}
+{{- end }}
+{{- $parts = rest $parts }}
+{{- end }}
+{{- range $parts }}
+{{- if not . }}
+{{- fail (printf "%s has an empty path component (a leading, trailing or doubled /)" $what) }}
+{{- end }}
+{{- if not (regexMatch "^[a-z0-9]+((\\.|_|__|-+)[a-z0-9]+)*$" .) }}
+{{- fail (printf "%s: path component %q is not valid: lowercase letters and digits, joined by one '.', one or two '_', or dashes" $what .) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* Fails when a Prometheus-operator kind is asked for but the cluster does not serve it. */}}
 {{- define "vllm-monodecode.requireMonitoringKind" -}}
-{{- $kind := index . 1 }}
+{{- include "vllm-monodecode.requireKind" (list (index . 0) "monitoring.coreos.com/v1" (index . 1) (index . 2) "the Prometheus Operator CRDs") }}
+{{- end }}
+
+{{/* Fails when a kind is asked for (flag) but the cluster does not serve its API:
+(list $ apiVersion kind flag what-to-install). */}}
+{{- define "vllm-monodecode.requireKind" -}}
 {{- $ctx := index . 0 }}
-{{- $flag := index . 2 }}
-{{- if not ($ctx.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind)) }}
-{{- fail (printf "%s is true but the cluster has no monitoring.coreos.com/v1 %s (install the Prometheus Operator CRDs, or with `helm template` pass --api-versions monitoring.coreos.com/v1/%s)" $flag $kind $kind) }}
+{{- $api := index . 1 }}
+{{- $kind := index . 2 }}
+{{- if not ($ctx.Capabilities.APIVersions.Has (printf "%s/%s" $api $kind)) }}
+{{- fail (printf "%s is true but the cluster has no %s %s (install %s, or with `helm template` pass --api-versions %s/%s)" (index . 3) $api $kind (index . 4) $api $kind) }}
 {{- end }}
 {{- end }}
 
@@ -222,11 +485,18 @@ labels and the runbook base URL. Expressions are never changed.
 {{- fail (printf "files/monodecode-alerts.yaml is not valid YAML: %s" (get $doc "Error")) }}
 {{- end }}
 {{- $cfg := .Values.prometheusRule }}
+{{- if not $cfg.runbookBaseUrl }}
+{{- fail "prometheusRule.runbookBaseUrl is empty: set the absolute URL where deploy/RUNBOOK.md is served (e.g. https://git.example.com/ml/monodecode/blob/main/deploy/RUNBOOK.md); every alert's runbook_url becomes that URL#<alert name>" }}
+{{- end }}
 {{- $known := list }}
 {{- $groups := list }}
 {{- range $g := $doc.groups }}
 {{- $rules := list }}
 {{- range $r := $g.rules }}
+{{- if $r.record }}
+{{- /* recording rules: as written (the alerts and the dashboard read them) */}}
+{{- $rules = append $rules $r }}
+{{- else }}
 {{- $known = append $known $r.alert }}
 {{- $o := get $cfg.alerts $r.alert | default dict }}
 {{- if not $o.disabled }}
@@ -239,12 +509,11 @@ labels and the runbook base URL. Expressions are never changed.
 {{- $_ := set $labels "severity" . }}
 {{- end }}
 {{- $_ := set $rule "labels" $labels }}
-{{- with $cfg.runbookBaseUrl }}
 {{- $ann := deepCopy $r.annotations }}
-{{- $_ := set $ann "runbook_url" (regexReplaceAll "^deploy/RUNBOOK\\.md" $ann.runbook_url .) }}
+{{- $_ := set $ann "runbook_url" (regexReplaceAll "^deploy/RUNBOOK\\.md" $ann.runbook_url $cfg.runbookBaseUrl) }}
 {{- $_ := set $rule "annotations" $ann }}
-{{- end }}
 {{- $rules = append $rules $rule }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if $rules }}
@@ -257,4 +526,30 @@ labels and the runbook base URL. Expressions are never changed.
 {{- end }}
 {{- end }}
 {{- toYaml $groups }}
+{{- end }}
+
+{{/* autoscaling/v2 behavior from autoscaling.scaleUp / scaleDown (the HPA's, and KEDA's HPA's). */}}
+{{- define "vllm-monodecode.scalingBehavior" -}}
+{{- range $direction := list "scaleUp" "scaleDown" }}
+{{- with get $ $direction }}
+{{ $direction }}:
+  stabilizationWindowSeconds: {{ .stabilizationWindowSeconds }}
+  selectPolicy: Max
+  policies:
+    - type: Pods
+      value: {{ .pods }}
+      periodSeconds: {{ .periodSeconds }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A monitor's metricRelabelings: vLLM's `vllm:` names restored first (see
+monitoring.restoreVllmMetricNames), then the user's. (list $ userRelabelings) */}}
+{{- define "vllm-monodecode.metricRelabelings" -}}
+{{- $ctx := index . 0 }}
+{{- $rules := list }}
+{{- if $ctx.Values.monitoring.restoreVllmMetricNames }}
+{{- $rules = append $rules (dict "sourceLabels" (list "__name__") "regex" "vllm_(.+)" "targetLabel" "__name__" "replacement" "vllm:${1}" "action" "replace") }}
+{{- end }}
+{{- toYaml (concat $rules (index . 1 | default list)) }}
 {{- end }}
