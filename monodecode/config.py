@@ -23,6 +23,7 @@ SHADOW_ON_FAIL = ("degrade", "failstop")
 # vLLM 0.33's switch for specialized decode (``decode_backend``): accepted as an alias of enabled.
 DECODE_BACKEND_ALIAS = "latency_specialized"
 MAX_WIDTH = 256
+MAX_WAIT_TIMEOUT_S = 3600.0  # a kernel wait that may last longer than an hour is a hang, not a bound
 
 DEFAULT_FAILSTOP_DIR = "~/.cache/monodecode/failstop"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -182,6 +183,18 @@ def _int_range(lo: int, hi: int):
     return check
 
 
+def _positive_at_most(hi: float):
+    """A positive number no larger than ``hi``."""
+
+    def check(label: str, v: Any) -> float:
+        v = _positive_float(label, v)
+        if v > hi:
+            raise ConfigError(f"{label} must be at most {hi:g}, got {v:g}")
+        return v
+
+    return check
+
+
 def _positive_float(label: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ConfigError(f"{label} must be a number, got {v!r}")
@@ -236,7 +249,7 @@ _VALIDATORS = {
     "termination_log": _path,
     "max_failstops": _int_range(1, 1000),
     "failstop_window_s": _positive_float,
-    "wait_timeout_s": _positive_float,
+    "wait_timeout_s": _positive_at_most(MAX_WAIT_TIMEOUT_S),
     "warmup_atol": _nonneg_float,
     "warmup_rtol": _nonneg_float,
     "exit_on_failstop": _bool,

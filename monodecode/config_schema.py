@@ -52,6 +52,8 @@ def _validator_schema(name: str, validator: Callable[..., Any]) -> dict[str, Any
         return {"type": "integer", "minimum": params["lo"], "maximum": params["hi"]}
     if kind == "_positive_float":
         return {"type": "number", "exclusiveMinimum": 0}
+    if kind == "_positive_at_most":
+        return {"type": "number", "exclusiveMinimum": 0, "maximum": params["hi"]}
     if kind == "_nonneg_float":
         return {"type": "number", "minimum": 0}
     if kind == "_widths":

@@ -40,6 +40,7 @@ def test_from_dict_normalizes_and_roundtrips():
         ({"failstop_window_s": -1}, "'failstop_window_s' must be a positive finite number"),
         ({"wait_timeout_s": float("inf")}, "'wait_timeout_s' must be a positive finite number"),
         ({"wait_timeout_s": float("nan")}, "'wait_timeout_s' must be a positive finite number"),
+        ({"wait_timeout_s": 1e308}, "'wait_timeout_s' must be at most 3600, got 1e+308"),
         ({"warmup_atol": -0.1}, "'warmup_atol' must be a non-negative"),
         ({"artifact_dir": ""}, "'artifact_dir' must be a non-empty path"),
         ({"failstop_dir": None}, "'failstop_dir' must be a non-empty path"),

@@ -341,4 +341,7 @@ def test_verify_prints_the_width_timing_table(slow_at_two):
     assert head.startswith("stock step reference (") and head.endswith("s); stock / mono time by context:"), head
     assert rows[0].startswith("width 1: ") and rows[1].startswith("width 2: 4095: 0."), rows
     assert list(timing["data"]["speedup"]["2"]) == ["4095"], timing
-    assert list(timing["data"]["speedup"]["1"]) in (["4095"], ["1024", "2047", "4095"]), timing
+    # width 1 runs the reference's own math (a ratio near 1): timed at the longest context first,
+    # then at shorter ones until it loses one (on a loaded machine it may lose any of them)
+    w1 = sorted(int(c) for c in timing["data"]["speedup"]["1"])
+    assert w1[-1] == 4095 and 1 <= len(w1) <= 3, timing

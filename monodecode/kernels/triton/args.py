@@ -110,6 +110,21 @@ def kv_strides(kc: torch.Tensor, vc: torch.Tensor, dims, block_size: int) -> lis
     return out
 
 
+def _kv_and_step(kc, vc, kv_st: list[int], meta) -> list:
+    """The KV caches, their strides and the step's metadata: the arguments K1 and the attention
+    launch share, in their signature order."""
+    return [
+        kc,
+        vc,
+        *kv_st,
+        meta.positions,
+        meta.slot_mapping,
+        meta.block_tables,
+        meta.block_tables.stride(0),
+        meta.seq_lens,
+    ]
+
+
 def k1_args(
     L: _Layer,
     x,
@@ -136,14 +151,7 @@ def k1_args(
         L.q_norm,
         L.k_norm,
         L.inv_freq,
-        kc,
-        vc,
-        *kv_st,
-        meta.positions,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.block_tables.stride(0),
-        meta.seq_lens,
+        *_kv_and_step(kc, vc, kv_st, meta),
         out,
         scratch,
         health,
@@ -193,14 +201,7 @@ def ka_args(
         L.q_norm,
         L.k_norm,
         L.inv_freq,
-        kc,
-        vc,
-        *kv_st,
-        meta.positions,
-        meta.slot_mapping,
-        meta.block_tables,
-        meta.block_tables.stride(0),
-        meta.seq_lens,
+        *_kv_and_step(kc, vc, kv_st, meta),
         out,
         scratch,
         health,

@@ -333,6 +333,13 @@ def _word(plan: LayerPlan, region: str) -> int:
     return plan.region(region).word_offset
 
 
+def _attention_shape(L) -> dict:
+    """The head geometry K1's and the attention launch's attention tasks are compiled for."""
+    return dict(
+        NQKV=L.qkv, Q=L.q, KV=L.kv, D=L.head_dim, G=L.group, GP=max(16, _pow2(L.group)), KVH=L.kv_heads, H=L.heads
+    )
+
+
 def k1_constexprs(
     dims: ModelDims,
     plan: LayerPlan,
@@ -353,14 +360,7 @@ def k1_constexprs(
     ka_min = target.attn_launch_min_context if ka else 0  # ... from this context on (0: always)
     return dict(
         HIDDEN=L.hidden,
-        NQKV=L.qkv,
-        Q=L.q,
-        KV=L.kv,
-        D=L.head_dim,
-        G=L.group,
-        GP=max(16, _pow2(L.group)),
-        KVH=L.kv_heads,
-        H=L.heads,
+        **_attention_shape(L),
         S=plan.attn_splits,
         BS=block_size,
         BT=target.attention_tile(W, plan.attn_splits),
@@ -409,14 +409,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     """Constants of the attention launch (``ka.py``) of one width."""
     L = plan.local
     return dict(
-        NQKV=L.qkv,
-        Q=L.q,
-        KV=L.kv,
-        D=L.head_dim,
-        G=L.group,
-        GP=max(16, _pow2(L.group)),
-        KVH=L.kv_heads,
-        H=L.heads,
+        **_attention_shape(L),
         S=target.attn_launch_splits(plan.width, L.kv_heads, plan.num_workgroups),
         BS=block_size,
         BT=target.attn_launch_tile,

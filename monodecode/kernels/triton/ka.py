@@ -92,126 +92,70 @@ def ka_kernel(
     go = True
     if KA_MIN_CTX > 0:  # both paths built: K1 ran the attention itself unless a row's context is long
         go = long_context(seq_ptr, window, W, KA_MIN_CTX)
-    if go:
-        _attend(qnorm_ptr, knorm_ptr, inv_freq_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr,
-                slot_ptr, bt_ptr, bt_stride, seq_ptr, out_ptr, mbox_ptr, health_ptr, part_ptr, arrive_ptr, window,
-                layer, spin_limit, eps, scale, NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT, W, QKV_TASKS, EPOCH_W,
-                DONE_W, QKV_W, NPROG, QK_NORM, ONE_PLUS, ATTN_STAGES)  # fmt: skip
-
-
-@triton.jit
-def _attend(
-    qnorm_ptr,
-    knorm_ptr,
-    inv_freq_ptr,
-    kc_ptr,
-    vc_ptr,
-    k_sb,
-    k_st,
-    k_sh,
-    v_sb,
-    v_st,
-    v_sh,
-    pos_ptr,
-    slot_ptr,
-    bt_ptr,
-    bt_stride,
-    seq_ptr,
-    out_ptr,
-    mbox_ptr,
-    health_ptr,
-    part_ptr,
-    arrive_ptr,
-    window,
-    layer,
-    spin_limit,
-    eps,
-    scale,
-    NQKV: tl.constexpr,
-    Q: tl.constexpr,
-    KV: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    KVH: tl.constexpr,
-    H: tl.constexpr,
-    S: tl.constexpr,
-    BS: tl.constexpr,
-    BT: tl.constexpr,
-    W: tl.constexpr,
-    QKV_TASKS: tl.constexpr,
-    EPOCH_W: tl.constexpr,
-    DONE_W: tl.constexpr,
-    QKV_W: tl.constexpr,
-    NPROG: tl.constexpr,
-    QK_NORM: tl.constexpr,
-    ONE_PLUS: tl.constexpr,
-    ATTN_STAGES: tl.constexpr,
-):
-    """One task of the launch: wait for K1's QKV stage, attend, and merge if last of its group."""
-    t = tl.program_id(0)
-    # K1 has ended (stream order): its launch counter reads epoch * NPROG (``launch_epoch``)
-    epoch = tl.load(mbox_ptr + EPOCH_W, volatile=True) // NPROG
-    code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
-    bad_code = 3 + (1 << 8) + (layer + 1) * 1024
-    budget = tl.zeros([], dtype=tl.int64) + spin_limit
-    if tl.load(health_ptr, volatile=True) != 0:  # a failure is already recorded: do not spin again
-        budget = budget * 0
-    done_qkv = mbox_ptr + DONE_W
-    budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
-    tl.atomic_max(done_qkv, epoch * QKV_TASKS, sem="relaxed")
-    qkv_mb = region(mbox_ptr, QKV_W, tl.bfloat16)
-    acc_mb = part_ptr
-    ml_mb = part_ptr + W * H * S * D
-    tag = epoch & 0x7FFFFFFF  # unused by the bf16 mailbox's reads
-    attn_task(
-        t,
-        qkv_mb,
-        acc_mb,
-        ml_mb,
-        qnorm_ptr,
-        knorm_ptr,
-        inv_freq_ptr,
-        kc_ptr,
-        vc_ptr,
-        k_sb,
-        k_st,
-        k_sh,
-        v_sb,
-        v_st,
-        v_sh,
-        pos_ptr,
-        slot_ptr,
-        bt_ptr,
-        bt_stride,
-        seq_ptr,
-        window,
-        eps,
-        scale,
-        tag,
-        health_ptr,
-        bad_code,
-        NQKV,
-        Q,
-        KV,
-        D,
-        G,
-        GP,
-        KVH,
-        H,
-        S,
-        BS,
-        BT,
-        QK_NORM,
-        ONE_PLUS,
-        True,
-        ATTN_STAGES,
-    )
-    pair = t // S  # (row, KV head)
-    tl.debug_barrier()  # every thread's partials stored before the release below
-    old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
-    if old % S == S - 1:
-        r = pair // KVH
-        g = pair % KVH
-        for hh in range(G):
-            combine_task(r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, True)
+    if go:  # one task: wait for K1's QKV stage, attend, and merge if last of its group
+        t = tl.program_id(0)
+        # K1 has ended (stream order): its launch counter reads epoch * NPROG (``launch_epoch``)
+        epoch = tl.load(mbox_ptr + EPOCH_W, volatile=True) // NPROG
+        code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
+        bad_code = 3 + (1 << 8) + (layer + 1) * 1024
+        budget = tl.zeros([], dtype=tl.int64) + spin_limit
+        if tl.load(health_ptr, volatile=True) != 0:  # a failure is already recorded: do not spin again
+            budget = budget * 0
+        done_qkv = mbox_ptr + DONE_W
+        budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
+        tl.atomic_max(done_qkv, epoch * QKV_TASKS, sem="relaxed")
+        qkv_mb = region(mbox_ptr, QKV_W, tl.bfloat16)
+        acc_mb = part_ptr
+        ml_mb = part_ptr + W * H * S * D
+        tag = epoch & 0x7FFFFFFF  # unused by the bf16 mailbox's reads
+        attn_task(
+            t,
+            qkv_mb,
+            acc_mb,
+            ml_mb,
+            qnorm_ptr,
+            knorm_ptr,
+            inv_freq_ptr,
+            kc_ptr,
+            vc_ptr,
+            k_sb,
+            k_st,
+            k_sh,
+            v_sb,
+            v_st,
+            v_sh,
+            pos_ptr,
+            slot_ptr,
+            bt_ptr,
+            bt_stride,
+            seq_ptr,
+            window,
+            eps,
+            scale,
+            tag,
+            health_ptr,
+            bad_code,
+            NQKV,
+            Q,
+            KV,
+            D,
+            G,
+            GP,
+            KVH,
+            H,
+            S,
+            BS,
+            BT,
+            QK_NORM,
+            ONE_PLUS,
+            True,
+            ATTN_STAGES,
+        )
+        pair = t // S  # (row, KV head)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if old % S == S - 1:
+            r = pair // KVH
+            g = pair % KVH
+            for hh in range(G):
+                combine_task(r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, True)

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import typer
 
+from monodecode.config import MAX_WAIT_TIMEOUT_S
 from monodecode.errors import MonodecodeError
 from monodecode_ops.endpoint_http import HttpFailure, HttpTarget, parse_http_url
 from monodecode_ops.options import BlockSizeOpt, WeightDtype, WeightDtypeOpt, WidthsOpt, path_option
@@ -122,7 +123,6 @@ def backend_checks(platform: Any) -> list[Check]:
 
 
 MAX_SERVE_SECONDS = 7 * 24 * 3600  # a week: longer belongs to a server, not a check
-MAX_WAIT_TIMEOUT_S = 3600.0  # a kernel wait that may last longer than an hour is a hang
 INTERPRETER_WIDTHS = [1, 2]  # the interpreter plays every program in turn: ~1 s per layer launch pair
 
 
