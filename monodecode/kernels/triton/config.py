@@ -356,7 +356,7 @@ def k1_constexprs(
     comb = _stage(plan, K1, "combine")
     wide = W > 1
     bk = gemv_chunk(target, W, qkv, fp8)
-    ka = attn_launch(target, plan)  # the attention launch runs the attn and combine stages instead
+    ka = attn_launch(target, plan)  # the attention launch runs the attn and combine stages (K1 skips them)
     ka_min = target.attn_launch_min_context if ka else 0  # ... from this context on (0: always)
     return dict(
         HIDDEN=L.hidden,
@@ -373,9 +373,9 @@ def k1_constexprs(
         SPLIT=target.split(W, fp8, L.hidden, bk),
         QKV_TASKS=qkv.num_tasks,
         QKV_OFF=qkv.offset,
-        ATTN_TASKS=0 if ka and not ka_min else attn.num_tasks,
+        ATTN_TASKS=attn.num_tasks,
         ATTN_OFF=attn.offset,
-        COMB_TASKS=0 if ka and not ka_min else comb.num_tasks,
+        COMB_TASKS=comb.num_tasks,
         COMB_OFF=comb.offset,
         EPOCH_W=_word(plan, "epoch_k1"),
         DONE_W=_word(plan, "done_k1"),

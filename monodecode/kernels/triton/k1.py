@@ -7,8 +7,8 @@ another: each stage then runs for all of them before the next stage starts). ``k
 are the block, token and head strides (elements) of the layer's K and V caches. ``BF16MB``
 selects the bf16 mailbox format (``plan.MAILBOX_FORMATS``); ``PROF`` compiles in the stage
 timestamps (``timeline.py``) written to ``prof_ptr``. ``ATTN_LAUNCH``: the attention and combine
-stages run in a launch of their own (``ka.py``; their task counts are then 0 here), or with
-``KA_MIN_CTX`` > 0 there only in steps where a row's context reaches it, here otherwise.
+stages run in a launch of their own (``ka.py``; K1 then skips them), or with ``KA_MIN_CTX`` > 0
+there only in steps where a row's context reaches it, here otherwise.
 """
 
 import triton

@@ -90,11 +90,12 @@ class TritonKernels(TwoLaunchKernels):
         self._kernels = (k1_kernel, k2_kernel, ka_kernel)
         self._arg_names = tuple(list(k.arg_names) for k in self._kernels)
 
-    def _ka_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ka_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The attention launch's partials, arrival counters and grid (one program per task)."""
         c = self.consts[width][2]
         part = torch.zeros(width * c["H"] * c["S"] * (c["D"] + 2), dtype=torch.float32, device=self.device)
         arrive = torch.zeros(width * c["KVH"], dtype=torch.int32, device=self.device)
-        return part, arrive
+        return part, arrive, width * c["KVH"] * c["S"]
 
     def enable_timeline(self, num_layers: int, on: bool = True) -> None:
         """Recompile with the stage timestamps on (``timeline.py``; CUDA only, for the
@@ -187,11 +188,10 @@ class TritonKernels(TwoLaunchKernels):
         )
         self._run(0, width, args)
         if width in self.ka_bufs:
-            c = self.consts[width][2]
-            part, arrive = self.ka_bufs[width]
+            part, arrive, grid = self.ka_bufs[width]
             ka = ka_args(self.layers[layer], kc, vc, st, meta, out, self.scratch, self.health_word, part, arrive,
                          layer, self.spin_limit, self.dims)  # fmt: skip
-            self._run(2, width, ka, grid=width * c["KVH"] * c["S"])
+            self._run(2, width, ka, grid=grid)
         return out
 
     def _launch_k2(self, layer, x, attn, width, nan_fault=0):
