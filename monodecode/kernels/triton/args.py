@@ -165,8 +165,11 @@ def k1_args(
     ]
 
 
-def k2_args(L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_limit: int, nan_fault: int, dims) -> list:
-    """Runtime arguments of ``k2_kernel`` in signature order."""
+def k2_args(
+    L: _Layer, x, attn, out, scratch, health, prof, arrive, layer: int, spin_limit: int, nan_fault: int, dims
+) -> list:
+    """Runtime arguments of ``k2_kernel`` in signature order; ``arrive``: the int32 arrival
+    counters of split row tiles (``config.k2_arrive_counters``; at least one)."""
     return [
         x,
         attn,
@@ -185,6 +188,7 @@ def k2_args(L: _Layer, x, attn, out, scratch, health, prof, layer: int, spin_lim
         scratch,
         health,
         prof,
+        arrive,
         layer,
         spin_limit,
         nan_fault,

@@ -88,6 +88,12 @@ class Target:
     # past a task's share are masked). Never with the FP8 pair, whose tiles are bound by matrix
     # instructions, not bytes: a narrower task costs the same (run 20: FP8 b2-8 2 % slower).
     wide_even_waves: bool = False
+    # Widths > 1: the last K slice of a split o_proj / down row tile to finish sums the tile's
+    # partials in slice order and adds the residual (``k2._merge_tile``; a monotonic arrival
+    # counter per tile), instead of a post / final stage of one task per row that every program
+    # waits for. Only where those stages do nothing else (no Gemma post norms, one rank, bf16
+    # mailbox: ``split_k_merge``).
+    split_k_merge: bool = False
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
@@ -399,6 +405,26 @@ def k1_constexprs(
     )
 
 
+def split_k_merge(target: Target, plan: LayerPlan) -> bool:
+    """Whether K2's split o_proj / down tiles are summed by their last slice
+    (``Target.split_k_merge``): only where the post / final stages would only add the residual
+    (and normalise, which gate/up and the next layer's QKV do on the way)."""
+    return (
+        target.split_k_merge
+        and target.fused_post
+        and not plan.post_norms
+        and plan.tp_size == 1
+        and plan.mailbox == "bf16"
+    )
+
+
+def k2_arrive_counters(plan: LayerPlan, target: Target) -> int:
+    """Arrival counters K2 needs for ``split_k_merge``: one per split o_proj / down row tile."""
+    if not split_k_merge(target, plan):
+        return 0
+    return sum(s.num_tasks // s.k_splits for s in plan.k2 if s.name in ("o_proj", "down") and s.k_splits > 1)
+
+
 def attn_launch(target: Target, plan: LayerPlan) -> bool:
     """Whether this width has the attention launch (``ka.py``): it reads plain bf16 values, so a
     width with the tagged mailbox keeps its attention in K1."""
@@ -441,6 +467,9 @@ def k2_constexprs(
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     o_part, d_part = o.k_splits > 1, dn.k_splits > 1
+    merge = split_k_merge(target, plan)
+    no_post = target.fused_post and (plan.fused_post_eligible or (merge and o_part))
+    run_final = bool(final) and not (merge and d_part)  # a merged down leaves the final stage nothing
     o_word = _word(plan, "o_part" if o_part else "o")
     o_bk = gemv_chunk(target, W, o, fp8)
     gu_bk = gemv_chunk(target, W, gu, fp8)
@@ -481,11 +510,11 @@ def k2_constexprs(
         H_W=_word(plan, "h"),
         HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"),
-        D_W=_word(plan, "d_part" if d_part else "d") if final else o_word,  # unused without final
+        D_W=_word(plan, "d_part" if d_part else "d") if final else o_word,  # unused without final or a split
         NPROG=plan.num_workgroups,
         VP=vp,
         POST_NORMS=dims.post_norms,
-        FINAL=bool(final),
+        FINAL=run_final,
         ONE_PLUS=dims.norm_one_plus,
         FP8=fp8,
         GELU=dims.activation == "gelu_tanh",
@@ -493,7 +522,8 @@ def k2_constexprs(
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
-        NO_POST=target.fused_post and plan.fused_post_eligible,
+        NO_POST=no_post,
+        MERGE=merge,
         GU_LO_TASKS=gu_lo[0].num_tasks if gu_lo else 0,
         GU_LO_OFF=gu_lo[0].offset if gu_lo else 0,
         GU_ROW0=gu.row0,

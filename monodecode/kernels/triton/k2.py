@@ -159,6 +159,29 @@ def _final_task(
 
 
 @triton.jit
+def _merge_tile(
+    arrive_ptr, tile, part_mb, y, n, rows, slice_rows, om, tag, health_ptr, bad_code,
+    HIDDEN: tl.constexpr, W: tl.constexpr, KS: tl.constexpr, BF16MB: tl.constexpr,
+):  # fmt: skip
+    """One K slice's fp32 partial ``y`` of a split row tile (output rows ``n``; the slice's rows
+    of the partials region ``slice_rows``): published, then counted on the tile's arrival
+    counter (monotonic, never zeroed: every launch adds exactly ``KS``). Returns (last, sum):
+    ``last``: this task arrived last, after the other slices' partials (their release ordered
+    them before the counter; the acq_rel atomic here orders the reads after it); ``sum``: the KS
+    partials added in slice order, loaded only where ``last`` (masked elsewhere): the same bits
+    whichever slice arrives last, and the same as the post / final stages' ``_row_sum``."""
+    publish(part_mb + slice_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, True)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    old = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = (old % KS) == KS - 1
+    m = om & last
+    total = fetch(part_mb + rows[None, :] * HIDDEN + n[:, None], m, tag, health_ptr, bad_code, BF16MB)
+    for s in tl.static_range(1, KS):
+        total += fetch(part_mb + (s * W + rows)[None, :] * HIDDEN + n[:, None], m, tag, health_ptr, bad_code, BF16MB)
+    return last, total
+
+
+@triton.jit
 def _gate_up_tasks(
     first,
     tasks,
@@ -256,6 +279,7 @@ def k2_kernel(
     mbox_ptr,
     health_ptr,
     prof_ptr,
+    arrive_ptr,
     layer,
     spin_limit,
     nan_fault,
@@ -313,6 +337,7 @@ def k2_kernel(
     GU_ROW0: tl.constexpr = 0,
     D_K0: tl.constexpr = 0,
     D_LO_W: tl.constexpr = 0,
+    MERGE: tl.constexpr = False,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -321,8 +346,12 @@ def k2_kernel(
     # stage of their own (counted on its own), then GU_TASKS more from row GU_ROW0; down runs
     # columns [0, D_K0) of each of this program's row tiles into d_lo once that first half is
     # done, then columns [D_K0, I) once all of gate/up is, adding its own d_lo partial.
+    # MERGE (``config.split_k_merge``): the last K slice of a split row tile to finish sums the
+    # tile's partials in slice order (``_merge_tile``) and adds the residual itself, so a split
+    # o_proj needs no post stage (NO_POST) and a split down no final one (FINAL off).
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
+    D_ARRIVE: tl.constexpr = O_TILES if O_KS > 1 else 0  # down's arrival counters follow o_proj's
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
@@ -409,7 +438,13 @@ def k2_kernel(
             )
             n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
             om = own[:, None] & rmask[None, :]
-            if NO_POST:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
+            if MERGE and O_KS > 1:  # the last slice of the tile adds the residual: h = bf16(x + bf16(o))
+                last, o = _merge_tile(arrive_ptr, t % O_TILES, o_mb, y, n, rows, o_rows, om, tag, health_ptr,
+                                      bad_code, HIDDEN, W, O_KS, BF16MB)  # fmt: skip
+                hm = om & last
+                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=hm, other=0.0).to(tl.float32)
+                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, o), hm, tag, BF16MB)
+            elif NO_POST:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
                 xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
                 publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
             else:
@@ -567,6 +602,10 @@ def k2_kernel(
                 else:
                     if HALVES == 2:
                         y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
+                    if MERGE and D_KS > 1:  # the last slice of the tile adds the residual
+                        last, y = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, y, n, rows,
+                                              d_rows, om, tag, health_ptr, bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
+                        om = om & last
                     if FINAL:
                         publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
                     else:

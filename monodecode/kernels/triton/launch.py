@@ -16,7 +16,7 @@ from monodecode.errors import ConfigError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import TwoLaunchKernels
 from monodecode.kernels.triton.args import k1_args, k2_args, ka_args, kv_strides, pack_layer
-from monodecode.kernels.triton.config import Target, check_dims, constexprs, plan_for
+from monodecode.kernels.triton.config import Target, check_dims, constexprs, k2_arrive_counters, plan_for
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
 # the wait timeout in polls.
@@ -81,6 +81,13 @@ class TritonKernels(TwoLaunchKernels):
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         # the attention launch's split partials and per-(row, KV head) arrival counters (``ka.py``)
         self.ka_bufs = {w: self._ka_buffers(w) for w in req.widths if len(self.consts[w]) > 2}
+        # K2's arrival counters of split row tiles (``Target.split_k_merge``; monotonic, so zeroed once)
+        self.k2_arrive = {
+            w: torch.zeros(
+                max(1, k2_arrive_counters(self.plan.layers[w], target)), dtype=torch.int32, device=self.device
+            )
+            for w in req.widths
+        }
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._compiled = {} if self.interpret else self._compile(req)
         from monodecode.kernels.triton.k1 import k1_kernel
@@ -204,6 +211,7 @@ class TritonKernels(TwoLaunchKernels):
             self.scratch,
             self.health_word,
             self.prof,
+            self.k2_arrive[width],
             layer,
             self.spin_limit,
             nan_fault,
@@ -217,3 +225,4 @@ class TritonKernels(TwoLaunchKernels):
         self.scratch = torch.zeros(1, dtype=torch.int64)
         self.attn = {}
         self.ka_bufs = {}
+        self.k2_arrive = {}

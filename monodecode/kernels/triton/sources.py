@@ -131,6 +131,7 @@ def kernel_sources(
         scratch,
         health,
         scratch,
+        health,
         0,
         1000,
         0,

@@ -93,8 +93,9 @@ CHILD = textwrap.dedent(
         # "_even9": 9 programs, where width 1's gate/up is cut too (15 rows), so down stays whole
         split_k = "_splitk" in name
         even = "_even" in name
+        merge = "_merge" in name  # the split tiles summed by their last slice (``Target.split_k_merge``)
         target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even,
-                                     narrow_even_waves=even)
+                                     narrow_even_waves=even, split_k_merge=merge)
         programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
         tk = TritonKernels(req, w, target, programs, "cpu")
         assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
@@ -113,9 +114,11 @@ CHILD = textwrap.dedent(
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         k2c = tk.consts[widths[0]][1]
         # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
-        no_post = arch == "llama" and k2c["O_KS"] == 1 and mailbox == "bf16" and "_post" not in name
-        assert k2c["NO_POST"] == no_post, (name, k2c["NO_POST"])
-        assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1 and k2c["FINAL"]) == split_k, k2c
+        # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
+        no_post = arch == "llama" and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
+        assert k2c["NO_POST"] == no_post and k2c["MERGE"] == merge, (name, k2c["NO_POST"])
+        assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1) == split_k, k2c
+        assert k2c["FINAL"] == (split_k and not merge), k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
         early = widths[0] == 1 and wd == "bf16" and "_whole_down" not in name and "_even9" not in name
         assert (k2c["GU_LO_TASKS"] > 0 and k2c["D_K0"] > 0) == early, (name, k2c["GU_LO_TASKS"], k2c["D_K0"])
@@ -184,7 +187,8 @@ CHILD = textwrap.dedent(
 # o_proj, gate/up and a whole down in w1_even9 (27B's width-1 plan on the H200);
 # width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
 # "*_whole_down" does not (llama_w1_post_tagged: the halves' fp32 partial as tagged words);
-# "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
+# "*_merge" sums each split o_proj / down tile in its last slice to finish, with no post or final
+# stage (``Target.split_k_merge``); "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
 # splits of 16-position tiles), "*_ka_stall" with K1's QKV stalled at layer 0 (fault drill),
 # "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
 # in K1, llama_w2_kah_bt16's 150 go to the attention launch).
@@ -211,6 +215,7 @@ RUNS = [
     ("w3_fp8_widen_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_deferred", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w2_splitk_merge", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_whole_down", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_post", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
