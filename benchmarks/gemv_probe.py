@@ -2,10 +2,9 @@
 
 The kernels' GEMV task (``gemv.gemv_task``) runs here as a persistent grid of one program per SM
 over one weight matrix of a profile (``--shapes``, e.g. ``llama3-8b:o_proj``), the way a K2
-stage runs it, for each setting: matrix instructions on rows padded to 16 (``dot``, the
-kernels' wide path), FMA tiles with one accumulator per input row (``fma``, ``FMA_G`` columns per
-in-thread run), split along K (``ks``), row tile, K chunk, pipelining depth, warps. Width 1's
-FMA tile and cuBLAS (``F.linear``) at the same width are the bars. Each timed launch reads a
+stage runs it, for each setting of the wide path (matrix instructions on rows padded to 16):
+row tile, split along K (``KS``), K chunk, pipelining depth, warps. Width 1's FMA tile and
+cuBLAS (``F.linear``) at the same width are the bars. Each timed launch reads a
 different copy of the matrix (``attention_probe.L2_FLUSH_BYTES`` in all), so the weights stream
 from HBM. Inputs are random; every setting's output is checked against ``F.linear`` in fp32.
 
@@ -49,7 +48,6 @@ def _gemv_grid(
     BK: tl.constexpr,
     KS: tl.constexpr,
     STAGES: tl.constexpr,
-    FMA_G: tl.constexpr,
     NPROG: tl.constexpr,
 ):
     KP: tl.constexpr = K // KS
@@ -61,7 +59,7 @@ def _gemv_grid(
         n0 = (t // KS) * BN
         y, _ = gemv_task(
             w_ptr + ks * KP, w_ptr, w_ptr, w_ptr, n0, N, x_ptr + ks * KP, K, x_ptr, rstd, 1e-6, 0, health, 0,
-            KP, W, WP, BN, BK, 1, False, False, False, STAGES, 1, False, K if KS > 1 else 0, 0, FMA_G,
+            KP, W, WP, BN, BK, 1, False, False, False, STAGES, 1, False, K if KS > 1 else 0, 0,
         )  # fmt: skip
         n = n0 + tl.arange(0, BN)
         tl.store(y_ptr + ks * W * N + rows[None, :] * N + n[:, None], y, mask=(rows[None, :] < W) & (n[:, None] < N))
@@ -85,14 +83,10 @@ def _settings(widths: list[int]) -> list[dict]:
     for w in widths:
         wp = 1 if w == 1 else max(16, triton.next_power_of_2(w))
         if w == 1:
-            out.append(dict(mode="w1", W=1, WP=1, BN=16, BK=512, KS=1, STAGES=5, FMA_G=0, warps=8))
+            out.append(dict(mode="w1", W=1, WP=1, BN=16, BK=512, KS=1, STAGES=5, warps=8))
             continue
         for bn, bk, ks in ((16, 256, 1), (32, 256, 1), (64, 128, 1), (64, 128, 2), (64, 128, 4)):
-            out.append(dict(mode="dot", W=w, WP=wp, BN=bn, BK=bk, KS=ks, STAGES=4, FMA_G=0, warps=8))
-        for bn, bk, g, st in ((16, 512, 8, 5), (16, 256, 4, 5), (32, 256, 8, 5), (16, 512, 4, 4)):
-            out.append(
-                dict(mode="fma", W=w, WP=triton.next_power_of_2(w), BN=bn, BK=bk, KS=1, STAGES=st, FMA_G=g, warps=8)
-            )
+            out.append(dict(mode="dot", W=w, WP=wp, BN=bn, BK=bk, KS=ks, STAGES=4, warps=8))
     return out
 
 
@@ -100,7 +94,7 @@ def _launch(s: dict, w, x, y, health, n: int, k: int, sms: int) -> None:
     tasks = triton.cdiv(n, s["BN"]) * s["KS"]
     _gemv_grid[(min(sms, tasks),)](
         w, x, y, health, n, tasks, K=k, W=s["W"], WP=s["WP"], BN=s["BN"], BK=s["BK"], KS=s["KS"],
-        STAGES=s["STAGES"], FMA_G=s["FMA_G"], NPROG=min(sms, tasks), num_warps=s["warps"],
+        STAGES=s["STAGES"], NPROG=min(sms, tasks), num_warps=s["warps"],
     )  # fmt: skip
 
 
