@@ -160,18 +160,16 @@ def _final_task(
 
 @triton.jit
 def _merge_tile(
-    arrive_ptr, tile, part_mb, y, n, rows, slice_rows, om, tag, health_ptr, bad_code,
+    arrive_ptr, tile, part_mb, n, rows, om, tag, health_ptr, bad_code,
     HIDDEN: tl.constexpr, W: tl.constexpr, KS: tl.constexpr, BF16MB: tl.constexpr,
 ):  # fmt: skip
-    """One K slice's fp32 partial ``y`` of a split row tile (output rows ``n``; the slice's rows
-    of the partials region ``slice_rows``): published, then counted on the tile's arrival
-    counter (monotonic, never zeroed: every launch adds exactly ``KS``). Returns (last, sum):
-    ``last``: this task arrived last, after the other slices' partials (their release ordered
-    them before the counter; the acq_rel atomic here orders the reads after it); ``sum``: the KS
-    partials added in slice order, loaded only where ``last`` (masked elsewhere): the same bits
-    whichever slice arrives last, and the same as the post / final stages' ``_row_sum``."""
-    publish(part_mb + slice_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, True)
-    tl.debug_barrier()  # every thread's partial stored before the release below
+    """One K slice of a split row tile (output rows ``n``) arrives, its partial already published
+    (and the program's threads synchronised since): the tile's arrival counter (monotonic, never
+    zeroed: every launch adds exactly ``KS``) says whether it is the last. Returns (last, sum):
+    the KS partials added in slice order, loaded only where ``last`` (the other slices' partials
+    are visible there: their release ordered them before the counter, this acq_rel atomic the
+    reads after it). The slice order gives the same bits whichever slice arrives last, and the
+    same as the post / final stages' ``_row_sum``."""
     old = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = (old % KS) == KS - 1
     m = om & last
@@ -438,17 +436,22 @@ def k2_kernel(
             )
             n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
             om = own[:, None] & rmask[None, :]
-            if MERGE and O_KS > 1:  # the last slice of the tile adds the residual: h = bf16(x + bf16(o))
-                last, o = _merge_tile(arrive_ptr, t % O_TILES, o_mb, y, n, rows, o_rows, om, tag, health_ptr,
-                                      bad_code, HIDDEN, W, O_KS, BF16MB)  # fmt: skip
-                hm = om & last
-                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=hm, other=0.0).to(tl.float32)
-                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, o), hm, tag, BF16MB)
-            elif NO_POST:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
+            if NO_POST and O_KS == 1:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
                 xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
                 publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
             else:
                 publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
+        if MERGE and O_KS > 1:  # h = bf16(x + bf16(o)) by each tile's last slice (after the K loop,
+            # which then pipelines as without it: no barrier or atomic inside)
+            tl.debug_barrier()  # every thread's partials stored before the releases below
+            for t in range(first, O_TASKS, NPROG):
+                n0, _k0, _r = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
+                n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
+                last, o = _merge_tile(arrive_ptr, t % O_TILES, o_mb, n, rows, own[:, None] & rmask[None, :], tag,
+                                      health_ptr, bad_code, HIDDEN, W, O_KS, BF16MB)  # fmt: skip
+                hm = own[:, None] & rmask[None, :] & last
+                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=hm, other=0.0).to(tl.float32)
+                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, o), hm, tag, BF16MB)
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
 
@@ -602,11 +605,7 @@ def k2_kernel(
                 else:
                     if HALVES == 2:
                         y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
-                    if MERGE and D_KS > 1:  # the last slice of the tile adds the residual
-                        last, y = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, y, n, rows,
-                                              d_rows, om, tag, health_ptr, bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
-                        om = om & last
-                    if FINAL:
+                    if FINAL or (MERGE and D_KS > 1):
                         publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
                     else:
                         hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
@@ -614,6 +613,19 @@ def k2_kernel(
                         out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                         _check_finite(out, om, health_ptr, nf_code)
                         tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+        if MERGE and D_KS > 1:  # out = bf16(h + bf16(d)) by each tile's last slice (as o_proj's)
+            tl.debug_barrier()
+            for t in range(first, D_TASKS, NPROG):
+                n0, _k0, _r = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
+                n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
+                last, d = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, n, rows, own[:, None] & rmask[None, :],
+                                      tag, health_ptr, bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
+                om = own[:, None] & rmask[None, :] & last
+                hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
+                out = _residual(hv, d)
+                out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
+                _check_finite(out, om, health_ptr, nf_code)
+                tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
         if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)

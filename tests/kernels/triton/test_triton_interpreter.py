@@ -118,7 +118,7 @@ CHILD = textwrap.dedent(
         no_post = arch == "llama" and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
         assert k2c["NO_POST"] == no_post and k2c["MERGE"] == merge, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1) == split_k, k2c
-        assert k2c["FINAL"] == (split_k and not merge), k2c
+        assert k2c["FINAL"] == (k2c["POST_NORMS"] or (split_k and not merge)), k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
         early = widths[0] == 1 and wd == "bf16" and "_whole_down" not in name and "_even9" not in name
         assert (k2c["GU_LO_TASKS"] > 0 and k2c["D_K0"] > 0) == early, (name, k2c["GU_LO_TASKS"], k2c["D_K0"])
