@@ -91,9 +91,9 @@ class Target:
     # Widths > 1: the last K slice of a split o_proj / down row tile to finish sums the tile's
     # partials in slice order and adds the residual (``k2._merge_tile``; a monotonic arrival
     # counter per tile), instead of a post / final stage of one task per row that every program
-    # waits for. Only where those stages do nothing else (no Gemma post norms, one rank, bf16
-    # mailbox: ``split_k_merge``).
-    split_k_merge: bool = False
+    # waits for: "all" (o_proj and down), "down", or "" (never). Only where those stages do
+    # nothing else (``split_k_merges``).
+    split_k_merge: str = ""
     # The narrowest GEMV row tile at widths > 1 (``plan.gemv_rows_per_task``), and the same for
     # the FP8 pair (``fp8_wide``): FP8 matrix instructions of the Hopper warp group take 64 rows;
     # narrower tiles fall back to widening in registers.
@@ -405,24 +405,24 @@ def k1_constexprs(
     )
 
 
-def split_k_merge(target: Target, plan: LayerPlan) -> bool:
+def split_k_merges(target: Target, plan: LayerPlan) -> tuple[bool, bool]:
     """Whether K2's split o_proj / down tiles are summed by their last slice
     (``Target.split_k_merge``): only where the post / final stages would only add the residual
-    (and normalise, which gate/up and the next layer's QKV do on the way)."""
-    return (
-        target.split_k_merge
-        and target.fused_post
-        and not plan.post_norms
-        and plan.tp_size == 1
-        and plan.mailbox == "bf16"
-    )
+    (and normalise, which gate/up and the next layer's QKV then do on the way: no Gemma post
+    norms, one rank, the bf16 mailbox, ``fused_post``)."""
+    if target.split_k_merge not in ("", "down", "all"):
+        raise ConfigError(f"triton kernels: split_k_merge must be '', 'down' or 'all', got {target.split_k_merge!r}")
+    ok = bool(target.split_k_merge) and target.fused_post and not plan.post_norms
+    ok = ok and plan.tp_size == 1 and plan.mailbox == "bf16"
+    o = ok and target.split_k_merge == "all" and _stage(plan, K2, "o_proj").k_splits > 1
+    return o, ok and _stage(plan, K2, "down").k_splits > 1
 
 
 def k2_arrive_counters(plan: LayerPlan, target: Target) -> int:
-    """Arrival counters K2 needs for ``split_k_merge``: one per split o_proj / down row tile."""
-    if not split_k_merge(target, plan):
-        return 0
-    return sum(s.num_tasks // s.k_splits for s in plan.k2 if s.name in ("o_proj", "down") and s.k_splits > 1)
+    """Arrival counters K2 needs for ``split_k_merge``: one per merged o_proj / down row tile."""
+    merged = split_k_merges(target, plan)
+    stages = [_stage(plan, K2, name) for name, m in zip(("o_proj", "down"), merged, strict=True) if m]
+    return sum(s.num_tasks // s.k_splits for s in stages)
 
 
 def attn_launch(target: Target, plan: LayerPlan) -> bool:
@@ -467,9 +467,9 @@ def k2_constexprs(
     if plan.tp_size != 1:
         raise ConfigError("triton kernels: only tp_size 1 is implemented")
     o_part, d_part = o.k_splits > 1, dn.k_splits > 1
-    merge = split_k_merge(target, plan)
-    no_post = target.fused_post and (plan.fused_post_eligible or (merge and o_part))
-    run_final = bool(final) and not (merge and d_part)  # a merged down leaves the final stage nothing
+    o_merge, d_merge = split_k_merges(target, plan)
+    no_post = target.fused_post and (plan.fused_post_eligible or o_merge)
+    run_final = bool(final) and not d_merge  # a merged down leaves the final stage nothing
     o_word = _word(plan, "o_part" if o_part else "o")
     o_bk = gemv_chunk(target, W, o, fp8)
     gu_bk = gemv_chunk(target, W, gu, fp8)
@@ -523,7 +523,8 @@ def k2_constexprs(
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         NO_POST=no_post,
-        MERGE=merge,
+        O_MERGE=o_merge,
+        D_MERGE=d_merge,
         GU_LO_TASKS=gu_lo[0].num_tasks if gu_lo else 0,
         GU_LO_OFF=gu_lo[0].offset if gu_lo else 0,
         GU_ROW0=gu.row0,

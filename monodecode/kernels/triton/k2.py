@@ -335,7 +335,8 @@ def k2_kernel(
     GU_ROW0: tl.constexpr = 0,
     D_K0: tl.constexpr = 0,
     D_LO_W: tl.constexpr = 0,
-    MERGE: tl.constexpr = False,
+    O_MERGE: tl.constexpr = False,
+    D_MERGE: tl.constexpr = False,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -344,12 +345,13 @@ def k2_kernel(
     # stage of their own (counted on its own), then GU_TASKS more from row GU_ROW0; down runs
     # columns [0, D_K0) of each of this program's row tiles into d_lo once that first half is
     # done, then columns [D_K0, I) once all of gate/up is, adding its own d_lo partial.
-    # MERGE (``config.split_k_merge``): the last K slice of a split row tile to finish sums the
-    # tile's partials in slice order (``_merge_tile``) and adds the residual itself, so a split
-    # o_proj needs no post stage (NO_POST) and a split down no final one (FINAL off).
+    # O_MERGE / D_MERGE (``config.split_k_merges``): the last K slice of a split o_proj / down row
+    # tile to finish sums the tile's partials in slice order (``_merge_tile``) and adds the
+    # residual itself, so a split o_proj needs no post stage (NO_POST) and a split down no final
+    # one (FINAL off).
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
-    D_ARRIVE: tl.constexpr = O_TILES if O_KS > 1 else 0  # down's arrival counters follow o_proj's
+    D_ARRIVE: tl.constexpr = O_TILES if O_MERGE else 0  # down's arrival counters follow o_proj's
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
@@ -441,7 +443,7 @@ def k2_kernel(
                 publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
             else:
                 publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
-        if MERGE and O_KS > 1:  # h = bf16(x + bf16(o)) by each tile's last slice (after the K loop,
+        if O_MERGE:  # h = bf16(x + bf16(o)) by each tile's last slice (after the K loop,
             # which then pipelines as without it: no barrier or atomic inside)
             tl.debug_barrier()  # every thread's partials stored before the releases below
             for t in range(first, O_TASKS, NPROG):
@@ -605,7 +607,7 @@ def k2_kernel(
                 else:
                     if HALVES == 2:
                         y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
-                    if FINAL or (MERGE and D_KS > 1):
+                    if FINAL or D_MERGE:
                         publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
                     else:
                         hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
@@ -613,7 +615,7 @@ def k2_kernel(
                         out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
                         _check_finite(out, om, health_ptr, nf_code)
                         tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
-        if MERGE and D_KS > 1:  # out = bf16(h + bf16(d)) by each tile's last slice (as o_proj's)
+        if D_MERGE:  # out = bf16(h + bf16(d)) by each tile's last slice (as o_proj's)
             tl.debug_barrier()
             for t in range(first, D_TASKS, NPROG):
                 n0, _k0, _r = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)

@@ -95,7 +95,7 @@ CHILD = textwrap.dedent(
         even = "_even" in name
         merge = "_merge" in name  # the split tiles summed by their last slice (``Target.split_k_merge``)
         target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even,
-                                     narrow_even_waves=even, split_k_merge=merge)
+                                     narrow_even_waves=even, split_k_merge="all" if merge else "")
         programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
         tk = TritonKernels(req, w, target, programs, "cpu")
         assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent(
         # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
         # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
         no_post = arch == "llama" and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
-        assert k2c["NO_POST"] == no_post and k2c["MERGE"] == merge, (name, k2c["NO_POST"])
+        assert k2c["NO_POST"] == no_post and k2c["O_MERGE"] == k2c["D_MERGE"] == merge, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1) == split_k, k2c
         assert k2c["FINAL"] == (k2c["POST_NORMS"] or (split_k and not merge)), k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
