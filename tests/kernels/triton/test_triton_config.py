@@ -30,6 +30,10 @@ def test_bad_target_fields_are_refused_in_one_line():
         plan_for(profile_dims("llama3-8b"), [2], 132, dataclasses.replace(CUDA, fp8_wide="fp16"), fp8=True)
     with pytest.raises(ConfigError, match="^triton kernels: no target for platform kind 'tpu'$"):
         target_for("tpu")
+    dims = profile_dims("llama3-8b")
+    plan = plan_for(dims, [8], 132, CUDA, fp8=True).layers[8]
+    with pytest.raises(ConfigError, match="^triton kernels: split_k_merge must be '', 'down' or 'all', got 'yes'$"):
+        k2_constexprs(dims, plan, dataclasses.replace(CUDA, split_k_merge="yes"), fp8=True)
 
 
 def _k1(profile: str, width: int, target=CUDA) -> dict:
@@ -130,6 +134,38 @@ def test_no_post_stage_where_it_would_only_add_and_normalise():
     assert not no_post("gemma3-27b", 1)
     assert not no_post("llama3-8b", 1, dataclasses.replace(CUDA, fused_post=False))
     assert not no_post("llama3-8b", 8, dataclasses.replace(CUDA, mailbox="tagged"))
+
+
+def test_split_tiles_merge_in_their_last_slice_only_where_post_and_final_only_add():
+    """``split_k_merge``: a split o_proj / down tile is summed by its last slice, which drops the
+    post / final stage ("down": only down's), and K2 gets one arrival counter per merged tile;
+    never with Gemma's post norms (its stages normalise whole rows) or unsplit stages."""
+    from monodecode.kernels.triton.config import k2_arrive_counters
+
+    def k2(profile, width, merge, fp8=True):
+        dims = profile_dims(profile)
+        target = dataclasses.replace(CUDA, split_k_merge=merge)
+        plan = plan_for(dims, [width], 132, target, fp8=fp8).layers[width]
+        return k2_constexprs(dims, plan, target, fp8=fp8), k2_arrive_counters(plan, target)
+
+    c, n = k2("llama3-8b", 8, "all")  # FP8 8B at width 8: o_proj and down in 2 K slices of 64 tiles
+    assert (c["O_KS"], c["D_KS"], c["O_MERGE"], c["D_MERGE"], c["NO_POST"], c["FINAL"]) == (
+        2,
+        2,
+        True,
+        True,
+        True,
+        False,
+    )
+    assert n == 64 + 64
+    c, n = k2("llama3-8b", 8, "down")
+    assert (c["O_MERGE"], c["D_MERGE"], c["NO_POST"], c["FINAL"], n) == (False, True, False, False, 64)
+    c, n = k2("llama3-8b", 8, "")
+    assert (c["O_MERGE"], c["D_MERGE"], c["NO_POST"], c["FINAL"], n) == (False, False, False, True, 0)
+    c, n = k2("gemma3-27b", 8, "all", fp8=False)  # split, but its post / final stages normalise
+    assert c["O_KS"] > 1 and not c["O_MERGE"] and not c["D_MERGE"] and c["FINAL"] and n == 0
+    c, n = k2("llama3-8b", 1, "all")  # width 1: nothing split
+    assert not c["O_MERGE"] and not c["D_MERGE"] and n == 0
 
 
 def test_down_in_halves_only_for_long_bf16_gate_up_at_width_1():
