@@ -228,6 +228,12 @@ CUDA = Target(
     # 1.76; at 1k 4-7 % slower (one more launch), so only where a layer sees 4096 positions or more.
     attn_launch=True,
     attn_launch_min_context=4096,
+    # Run 50, widths 2-8 at 1k (8 layers): 64-row tiles with o_proj / down split along K and merged by
+    # their last slice: 1B b2 0.57 -> 0.46 ms, b8 0.63 -> 0.53; 8B b2 1.15 -> 1.07, b8 1.25 -> 1.16;
+    # FP8 b8 1.25 -> 1.18 (``benchmarks/gemv_probe.py``, run 48: 32-row tiles stream at 2.5-3.1 TB/s,
+    # 64-row ones split in two or four at 3.1-3.8, as width 1 and cuBLAS do).
+    wide_min_rows=64,
+    split_k_merge="all",
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
