@@ -107,22 +107,25 @@ def test_even_waves_skip_the_fp8_pair():
 
 def test_deferred_rstd_only_at_width_1_and_on_warp_group_tiles():
     """``qkv_src``: the pre-norm's rstd goes to the QKV result at width 1 and on tiles of at least
-    ``deferred_rstd_min_rows`` (8B's 64-row tiles), not on 1B's 32-row ones (run 29: 7-8 % slower
-    there), and nowhere with ``deferred_rstd`` off."""
+    ``deferred_rstd_min_rows`` (64-row tiles, every wide tile since ``wide_min_rows`` is 64), not
+    on 32-row ones (run 29: 1B 7-8 % slower there), and nowhere with ``deferred_rstd`` off."""
 
     def src(profile, width, target=CUDA):
         return _k1(profile, width, target)["QKV_SRC"]
 
     assert [src("llama3-8b", w) for w in (1, 2, 8)] == [4, 4, 4]
-    assert [src("llama3-1b", w) for w in (1, 2, 8)] == [4, 0, 0]
+    assert [src("llama3-1b", w) for w in (1, 2, 8)] == [4, 4, 4]
+    narrow = dataclasses.replace(CUDA, wide_min_rows=0)  # 1B's QKV then takes 32-row tiles
+    assert [src("llama3-1b", w, narrow) for w in (1, 2, 8)] == [4, 0, 0]
     off = dataclasses.replace(CUDA, deferred_rstd=False)
     assert [src("llama3-8b", w, off) for w in (1, 8)] == [0, 0]
 
 
 def test_no_post_stage_where_it_would_only_add_and_normalise():
     """``fused_post``: Llama-style layers drop the one-program post stage (o_proj adds the
-    residual, gate/up normalises h), except where o_proj is split along K (its partials need
-    summing: FP8 8B at widths > 1), with Gemma's post norms, or on the tagged mailbox."""
+    residual, gate/up normalises h), except where o_proj is split along K and not merged by its
+    last slice (its partials need summing: FP8 8B at widths > 1 without ``split_k_merge``), with
+    Gemma's post norms, or on the tagged mailbox."""
 
     def no_post(profile, width, target=CUDA, fp8=False):
         dims = profile_dims(profile)
@@ -130,7 +133,8 @@ def test_no_post_stage_where_it_would_only_add_and_normalise():
         return k2_constexprs(dims, plan, target, fp8=fp8)["NO_POST"]
 
     assert no_post("llama3-8b", 1) and no_post("llama3-8b", 8) and no_post("llama3-1b", 2)
-    assert no_post("llama3-8b", 1, fp8=True) and not no_post("llama3-8b", 2, fp8=True)
+    assert no_post("llama3-8b", 1, fp8=True) and no_post("llama3-8b", 2, fp8=True)
+    assert not no_post("llama3-8b", 2, dataclasses.replace(CUDA, split_k_merge=""), fp8=True)
     assert not no_post("gemma3-27b", 1)
     assert not no_post("llama3-8b", 1, dataclasses.replace(CUDA, fused_post=False))
     assert not no_post("llama3-8b", 8, dataclasses.replace(CUDA, mailbox="tagged"))
