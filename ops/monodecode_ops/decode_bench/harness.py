@@ -116,13 +116,13 @@ COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt", "s
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
-# launch target of runs 17-18 (QKV chunks sized like every other stage's, 64-position attention
-# tiles everywhere); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
+# launch target of runs 43-49 (widths > 1 on 16/32-row tiles where the rows chooser picks them,
+# split o_proj / down summed by post / final stages); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
 # at widths > 1, K chunks that divide K, the rows chooser's whole-wave model, no split-K, the
 # attention loop pipelined 3 deep). Kernel code changes (run 19: relaxed exit atomics, the fused
 # norm's weight pipelined) apply to every variant.
 DEFAULT_VARIANTS = {
-    "before": {"qkv_inflight_bytes": 0, "whole_attn_tile": 0, "wide_even_waves": False},
+    "before": {"wide_min_rows": 0, "split_k_merge": ""},
     "runs6-8": {
         "narrow_mailbox": "tagged",
         "narrow_store_1d": False,
@@ -135,6 +135,8 @@ DEFAULT_VARIANTS = {
         "qkv_inflight_bytes": 0,
         "wide_burst": 0.0,
         "wide_split_k": 0,
+        "wide_min_rows": 0,
+        "split_k_merge": "",
         "wide_attn_stages": 0,
         "whole_attn_tile": 0,
         "wide_even_waves": False,
