@@ -51,6 +51,20 @@ def _check_finite(val, mask, health_ptr, code):
 
 
 @triton.jit
+def _residual_out(
+    h_mb, out_ptr, y, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code,
+    HIDDEN: tl.constexpr, BF16MB: tl.constexpr,
+):  # fmt: skip
+    """The layer's output rows ``n``: bf16(h + bf16(y)), checked finite (the NaN drill injects one
+    at row 0, column 0), stored where ``om``."""
+    hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
+    out = _residual(hv, y)
+    out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
+    _check_finite(out, om, health_ptr, nf_code)
+    tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+
+
+@triton.jit
 def _tile_slice(t, rows, TILES: tl.constexpr, ROWS: tl.constexpr, KT: tl.constexpr, KS: tl.constexpr, W: tl.constexpr):
     """GEMV task ``t``'s first output row, first K column and output rows in its mailbox region:
     row tile ``t % TILES`` of K slice ``t // TILES`` (partials of slice s at rows s*W..), or,
@@ -610,11 +624,8 @@ def k2_kernel(
                     if FINAL or D_MERGE:
                         publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
                     else:
-                        hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
-                        out = _residual(hv, y)
-                        out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
-                        _check_finite(out, om, health_ptr, nf_code)
-                        tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+                        _residual_out(h_mb, out_ptr, y, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code,
+                                      HIDDEN, BF16MB)  # fmt: skip
         if D_MERGE:  # out = bf16(h + bf16(d)) by each tile's last slice (as o_proj's)
             tl.debug_barrier()
             for t in range(first, D_TASKS, NPROG):
@@ -623,11 +634,8 @@ def k2_kernel(
                 last, d = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, n, rows, own[:, None] & rmask[None, :],
                                       tag, health_ptr, bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
                 om = own[:, None] & rmask[None, :] & last
-                hv = fetch(h_mb + rows[None, :] * HIDDEN + n[:, None], om, tag, health_ptr, bad_code, BF16MB)
-                out = _residual(hv, d)
-                out = tl.where((nan_fault != 0) & (rows[None, :] == 0) & (n[:, None] == 0), float("nan"), out)
-                _check_finite(out, om, health_ptr, nf_code)
-                tl.store(out_ptr + rows[None, :] * HIDDEN + n[:, None], out.to(tl.bfloat16), mask=om)
+                _residual_out(h_mb, out_ptr, d, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code,
+                              HIDDEN, BF16MB)  # fmt: skip
         if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
