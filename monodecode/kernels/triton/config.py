@@ -89,7 +89,7 @@ class Target:
     # instructions, not bytes: a narrower task costs the same (run 20: FP8 b2-8 2 % slower).
     wide_even_waves: bool = False
     # Widths > 1: the last K slice of a split o_proj / down row tile to finish sums the tile's
-    # partials in slice order and adds the residual (``k2._merge_tile``; a monotonic arrival
+    # partials in slice order and adds the residual (``k2._merge_tile``; an arrival
     # counter per tile), instead of a post / final stage of one task per row that every program
     # waits for: "all" (o_proj and down), "down", or "" (never). Only where those stages do
     # nothing else (``split_k_merges``).

@@ -178,14 +178,16 @@ def _merge_tile(
     HIDDEN: tl.constexpr, W: tl.constexpr, KS: tl.constexpr, BF16MB: tl.constexpr,
 ):  # fmt: skip
     """One K slice of a split row tile (output rows ``n``) arrives, its partial already published
-    (and the program's threads synchronised since): the tile's arrival counter (monotonic, never
-    zeroed: every launch adds exactly ``KS``) says whether it is the last. Returns (last, sum):
+    (and the program's threads synchronised since): the tile's arrival counter says whether it is
+    the last (every launch adds exactly ``KS``; the last arrival takes them away again, so the
+    int32 never grows however long a server runs, and stream order keeps launches apart). Returns (last, sum):
     the KS partials added in slice order, loaded only where ``last`` (the other slices' partials
     are visible there: their release ordered them before the counter, this acq_rel atomic the
     reads after it). The slice order gives the same bits whichever slice arrives last, and the
     same as the post / final stages' ``_row_sum``."""
     old = tl.atomic_add(arrive_ptr + tile, 1, sem="acq_rel", scope="gpu")
     last = (old % KS) == KS - 1
+    tl.atomic_add(arrive_ptr + tile, -KS, mask=last, sem="relaxed", scope="gpu")
     m = om & last
     total = fetch(part_mb + rows[None, :] * HIDDEN + n[:, None], m, tag, health_ptr, bad_code, BF16MB)
     for s in tl.static_range(1, KS):

@@ -11,9 +11,10 @@ cache at 2.7-3.4 TB/s; this grid, whose programs share each SM three or four at 
 of the launch, so no co-residency is needed.
 
 The merge needs no third launch: the last of a (row, KV head)'s ``S`` split tasks to finish
-(a monotonic arrival counter per pair, never zeroed: every step adds exactly ``S``) merges the
-group's query heads (``attention.combine_task``) into K1's output. Its reads follow an acq_rel
-atomic that the other splits' release ordered their partials before.
+(an arrival counter per pair: every launch adds exactly ``S``, and the last arrival takes them
+away again, so the int32 never grows however long a server runs) merges the group's query heads
+(``attention.combine_task``) into K1's output. Its reads follow an acq_rel atomic that the other
+splits' release ordered their partials before.
 
 It waits, bounded, for K1's QKV stage counter, so a QKV stage that never signals (an injected
 stall) still sets the health word with K1's wait site, and then settles the counter as K1's
@@ -155,6 +156,7 @@ def ka_kernel(
         tl.debug_barrier()  # every thread's partials stored before the release below
         old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
         if old % S == S - 1:
+            tl.atomic_add(arrive_ptr + pair, -S, sem="relaxed", scope="gpu")  # every split has arrived
             r = pair // KVH
             g = pair % KVH
             for hh in range(G):

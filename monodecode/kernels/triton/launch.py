@@ -81,7 +81,7 @@ class TritonKernels(TwoLaunchKernels):
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         # the attention launch's split partials and per-(row, KV head) arrival counters (``ka.py``)
         self.ka_bufs = {w: self._ka_buffers(w) for w in req.widths if len(self.consts[w]) > 2}
-        # K2's arrival counters of split row tiles (``Target.split_k_merge``; monotonic, so zeroed once)
+        # K2's arrival counters of split row tiles (``Target.split_k_merge``; each launch leaves them at zero)
         self.k2_arrive = {
             w: torch.zeros(
                 max(1, k2_arrive_counters(self.plan.layers[w], target)), dtype=torch.int32, device=self.device
