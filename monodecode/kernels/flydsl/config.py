@@ -173,6 +173,14 @@ def task_origin(t, st: StageConsts):
     return (t - s * st.row_tiles) * st.rows, s * st.k_task, s
 
 
+def merge_output(i, tile, rows: int):
+    """(token, output row) of the ``i``-th output (``i < width * rows``) that a split-K merge
+    finishes in row tile ``tile`` of a stage with ``rows`` output rows per task, tokens outer.
+    Python ints (tests) or traced i32 (the kernels)."""
+    tok = i // rows
+    return tok, tile * rows + (i - tok * rows)
+
+
 @dataclass(frozen=True)
 class GemvTile:
     """How one GEMV stage's task is computed by a 4-wave workgroup."""

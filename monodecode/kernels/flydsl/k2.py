@@ -54,7 +54,7 @@ from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl import gemv as gv
 from monodecode.kernels.flydsl import mailbox as mb
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.config import Geometry, first_task
+from monodecode.kernels.flydsl.config import Geometry, first_task, merge_output
 from monodecode.kernels.plan import K2
 from monodecode.model.dims import ModelDims
 
@@ -349,14 +349,13 @@ def make_k2(dims: ModelDims, geom: Geometry):
         ``dst`` = x, down writes x_out to ``dst`` = out (``_residual_out``: NaN fault, finite check).
         Other slices load nothing. ``checks``: (tag, polls, health, wait code, non-finite code)."""
         tag, polls, health, code, bad_code = checks
-        rows = st.rows
+        rows = st.rows  # output rows of a row tile
         mb.drain_stores()  # every thread's partials stored before thread 0's release
         for t_ in range(first, d.i32(st.tasks), d.i32(G)):
             tile = d.i32(t_) % d.i32(st.row_tiles)
             if mb.arrive_last(arrive + (d.i32(geom.arrive(st.name)) + tile), st.k_splits, tid, lds, L2["red"]):
                 for i_ in range(tid, d.i32(W * rows), d.i32(WG)):
-                    tok = d.i32(i_) // d.i32(rows)
-                    row = tile * d.i32(rows) + (d.i32(i_) - tok * d.i32(rows))
+                    tok, row = merge_output(d.i32(i_), tile, rows)
                     ok = row < d.i32(H)
                     col = ok.select(row, d.i32(0))
                     v = _o_values(seg, seg.words, region, tok, [col], [ok], tag, polls, health, code, st.k_splits)[0]

@@ -19,6 +19,7 @@ from monodecode.kernels.flydsl.config import (
     first_task,
     health_word,
     launch_description,
+    merge_output,
     plan_geometry,
     task_count,
     task_origin,
@@ -265,3 +266,30 @@ def test_split_k_merge_for_llama_1b_never_with_post_norms():
     assert any(gemma["stages"]["k2.final"]["workgroup_tasks"]) and any(gemma["stages"]["k2.post"]["workgroup_tasks"])
     with pytest.raises(ConfigError, match="split_k_merge must be True or False, got 'yes'"):
         plan_geometry(dims, 8, spec, "bf16", split_k_merge="yes")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("width", [2, 8, 16])
+def test_split_k_merge_finishes_every_output_once(arch, width):
+    """What the merging kernels compute per tile (``task_origin``, ``merge_output``), on ints: each
+    merged row tile gets exactly ``k_splits`` arrivals per launch, one per K slice (so the
+    monotonic counter's ``old % k_splits == k_splits - 1`` is this launch's last one), and the
+    outputs the tiles' last slices finish cover every (token, row) of the stage exactly once."""
+    geom = plan_geometry(profile_dims("llama3-1b"), width, ARCHS[arch], "bf16")
+    merged = [n for n, m in (("o_proj", geom.o_merge), ("down", geom.d_merge)) if m]
+    assert merged == ["o_proj", "down"]
+    counters = set()
+    for name in merged:
+        st = geom.stage("k2", name)
+        slices: dict[int, list[int]] = {}
+        for t in range(st.tasks):
+            row0, _k0, s = task_origin(t, st)
+            tile = t % st.row_tiles  # the counter the kernel adds to
+            assert row0 == tile * st.rows
+            slices.setdefault(tile, []).append(s)
+            counters.add(geom.arrive(name) + tile)
+        assert all(sorted(v) == list(range(st.k_splits)) for v in slices.values()), name
+        outs = [merge_output(i, tile, st.rows) for tile in slices for i in range(width * st.rows)]
+        outs = [(tok, row) for tok, row in outs if row < st.n]
+        assert sorted(outs) == [(tok, row) for tok in range(width) for row in range(st.n)], name
+    assert counters == set(range(geom.arrive_counters)), "each counter is one tile's, none shared"
