@@ -20,7 +20,8 @@ from typing import Any
 from monodecode.kernels.flydsl.kv import KV_STRIDE_ARGS, KVLaunchArgs
 
 # Element type of every pointer argument, in launcher order. ``mbox`` is the width's segment of
-# the scratch buffer (mailbox regions, epoch and completion counters), ``health`` the plan's header word.
+# the scratch buffer (mailbox regions, epoch and completion counters), ``health`` the plan's header word,
+# ``arrive`` (K2) the width's split-K arrival counters (``Geometry.arrive_counters``, at least one word).
 K1_ARGS = (
     ("x", "i32"),
     ("norm_w", "i32"),
@@ -58,6 +59,7 @@ K2_ARGS = (
     ("mbox", "i64"),
     ("health", "i32"),
     ("peers", "i64"),
+    ("arrive", "i64"),
 )
 K2_SCALARS = ("max_polls", "layer", "nan_fault", "rank")
 SIGNATURES = {"k1": (K1_ARGS, K1_SCALARS), "k2": (K2_ARGS, K2_SCALARS)}
@@ -217,13 +219,15 @@ def k2_call(
     out: Any,
     mbox: int,
     health: int,
+    arrive: Any,
     *,
     max_polls: int,
     layer: int,
     nan_fault: int,
     stream: Any,
 ) -> LaunchCall:
-    """K2 of one layer at TP 1 (the peer-buffer table is unused: ``mbox`` stands in, rank 0)."""
+    """K2 of one layer at TP 1 (the peer-buffer table is unused: ``mbox`` stands in, rank 0);
+    ``arrive``: the width's int64 split-K arrival counters."""
     return _call(
         "k2",
         {
@@ -242,6 +246,7 @@ def k2_call(
             "mbox": mbox,
             "health": health,
             "peers": mbox,
+            "arrive": arrive,
         },
         {"max_polls": max_polls, "layer": layer, "nan_fault": nan_fault, "rank": 0},
         stream,

@@ -24,6 +24,13 @@ What the plan leaves to a backend lives here too, and only that (FlyDSL/CDNA spe
   GEMV staging area and the attention buffers alias);
 * ``fused_post`` (``FUSED_POST``, on wherever the plan's ``LayerPlan.fused_post_eligible`` holds):
   K2 runs no post stage; o_proj publishes h, gate/up computes h's rstd itself (``Geometry.fused_post``);
+* the split-K merge (``SPLIT_K_MERGE``, ``Geometry.o_merge`` / ``d_merge``): where the plan splits
+  o_proj and/or down along K and the post / final stage would only add the residual (no post
+  norms, one rank, bf16 mailbox, fused post), the last K slice of each row tile to arrive sums
+  the tile's fp32 partials in slice order and adds the residual itself (h for o_proj, x_out for
+  down), so K2 runs neither stage. The arrival counters (one int64 per merged row tile, monotonic:
+  every launch adds exactly ``k_splits`` to each) are a K2 argument the launcher allocates zeroed
+  (``arrive_counters``), like the Triton kernels';
 * shape limits of these kernels (each one clear error line).
 """
 
@@ -58,6 +65,11 @@ PLAN_KNOBS = {"wide_split_k": 4, "wide_even_waves": True}
 # and normalises h on the way in. A post stage of one workgroup per row leaves every other CU
 # waiting on it; the Triton kernels dropped it (``Target.fused_post``, H200 run 30).
 FUSED_POST = True
+# K2 without the post / final stage that only sums a split o_proj / down's K slices and adds the
+# residual: the last slice of each row tile to finish does it (``Geometry.o_merge`` / ``d_merge``,
+# ``split_k_merges``; the Triton kernels' ``split_k_merge="all"``, H200 run 50: llama3-1b batch 2
+# 0.57 -> 0.46 ms over 8 layers). Needs ``FUSED_POST`` for o_proj (gate/up then normalises h).
+SPLIT_K_MERGE = True
 
 
 def _ceil(a: int, b: int) -> int:
@@ -161,6 +173,14 @@ def task_origin(t, st: StageConsts):
     return (t - s * st.row_tiles) * st.rows, s * st.k_task, s
 
 
+def merge_output(i, tile, rows: int):
+    """(token, output row) of the ``i``-th output (``i < width * rows``) that a split-K merge
+    finishes in row tile ``tile`` of a stage with ``rows`` output rows per task, tokens outer.
+    Python ints (tests) or traced i32 (the kernels)."""
+    tok = i // rows
+    return tok, tile * rows + (i - tok * rows)
+
+
 @dataclass(frozen=True)
 class GemvTile:
     """How one GEMV stage's task is computed by a 4-wave workgroup."""
@@ -236,7 +256,9 @@ class Geometry:
     lds1: dict[str, int]  # K1 LDS arena: word offsets, "words" = size
     lds2: dict[str, int]
     layer_plan: LayerPlan = field(repr=False, compare=False)
-    fused_post: bool = False  # K2 runs no post stage (``FUSED_POST`` and the plan allows it)
+    fused_post: bool = False  # K2 runs no post stage (``FUSED_POST`` and the plan allows it, or o_merge)
+    o_merge: bool = False  # o_proj's split tiles summed (h published) by their last K slice
+    d_merge: bool = False  # down's split tiles summed (x_out written) by their last K slice: no final stage
 
     # shard sizes: LocalDims's own properties (the same field names feed them)
     q = LocalDims.q
@@ -245,7 +267,26 @@ class Geometry:
 
     @property
     def final(self) -> bool:
-        return any(s.name == "final" for s in self.k2)
+        """K2 runs a final stage: the plan has one and down's merge does not replace it."""
+        return any(s.name == "final" for s in self.k2) and not self.d_merge
+
+    def runs(self, kernel: str, name: str) -> bool:
+        """Whether the kernel runs stage ``name``'s tasks (a plan stage replaced by the fused post
+        or the split-K merge has none; its completion counter is only settled at the launch's exit)."""
+        replaced = (name == "post" and self.fused_post) or (name == "final" and self.d_merge)
+        return not (kernel == K2 and replaced)
+
+    def arrive(self, name: str) -> int:
+        """Index of the first arrival counter of merged stage ``name`` (o_proj's tiles, then down's)."""
+        if name == "o_proj":
+            return 0
+        return self.stage(K2, "o_proj").row_tiles if self.o_merge else 0
+
+    @property
+    def arrive_counters(self) -> int:
+        """int64 arrival counters K2 takes: one per merged row tile (``arrive_counters``)."""
+        merged = [n for n, m in (("o_proj", self.o_merge), ("down", self.d_merge)) if m]
+        return sum(self.stage(K2, n).row_tiles for n in merged)
 
     def stage(self, kernel: str, name: str) -> StageConsts:
         for s in self.k1 if kernel == K1 else self.k2:
@@ -354,14 +395,31 @@ def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None
         raise ConfigError(f"flydsl: hidden_size {dims.hidden_size} must be even (bf16 pairs)")
 
 
+def split_k_merges(lp: LayerPlan, fused_post: bool = FUSED_POST, merge: bool = SPLIT_K_MERGE) -> tuple[bool, bool]:
+    """(o_proj, down): whether K2's split tiles of that stage are summed by their last K slice
+    (``SPLIT_K_MERGE``): only where the post / final stage would only add the residual (and
+    normalise, which gate/up and the next layer's K1 do on the way in): no Gemma post norms, one
+    rank, the bf16 mailbox, ``fused_post``. The Triton kernels' ``config.split_k_merges`` rule."""
+    ok = merge and fused_post and not lp.post_norms and lp.tp_size == 1 and lp.mailbox == "bf16"
+    return ok and lp.stage(K2, "o_proj").k_splits > 1, ok and lp.stage(K2, "down").k_splits > 1
+
+
 def plan_geometry(
-    dims: ModelDims, width: int, spec: ArchSpec, weight_dtype: str, tp_size: int = 1, fused_post: bool = FUSED_POST
+    dims: ModelDims,
+    width: int,
+    spec: ArchSpec,
+    weight_dtype: str,
+    tp_size: int = 1,
+    fused_post: bool = FUSED_POST,
+    split_k_merge: bool = SPLIT_K_MERGE,
 ) -> Geometry:
     """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added. ``fused_post``: drop
-    K2's post stage where the plan allows it (``FUSED_POST``)."""
+    K2's post stage where the plan allows it (``FUSED_POST``); ``split_k_merge``: sum split
+    o_proj / down tiles in their last K slice where allowed (``SPLIT_K_MERGE``)."""
     _check(dims, width, weight_dtype, tp_size)
-    if not isinstance(fused_post, bool):
-        raise ConfigError(f"flydsl: fused_post must be True or False, got {fused_post!r}")
+    for name, flag in (("fused_post", fused_post), ("split_k_merge", split_k_merge)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"flydsl: {name} must be True or False, got {flag!r}")
     lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size), **PLAN_KNOBS)
     L = lp.local
     if L.group > 16:
@@ -375,7 +433,8 @@ def plan_geometry(
     peer = {}
     if lp.peer_layout is not None:
         peer = {n: (r.offset - lp.peer_layout.offset) // r.word_bytes for n, r in lp.peer_layout.regions.items()}
-    fused = fused_post and lp.fused_post_eligible
+    o_merge, d_merge = split_k_merges(lp, fused_post, split_k_merge)
+    fused = fused_post and (lp.fused_post_eligible or o_merge)  # a merged o_proj publishes h itself
     lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles, fused)
     for name, lds in (("k1", lds1), ("k2", lds2)):
         if lds["words"] * 4 > spec.lds_bytes:
@@ -406,6 +465,8 @@ def plan_geometry(
         lds2=lds2,
         layer_plan=lp,
         fused_post=fused,
+        o_merge=o_merge,
+        d_merge=d_merge,
     )
 
 
@@ -421,7 +482,9 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
     the kernels bake (and the workgroup -> tasks rule they run), and the absolute byte offset of
     every region in the scratch buffer (segment offset from the placement + the baked relative
     offset). Compared with ``plan_model`` by the tests. ``fused_post``: K2 runs no post stage (its
-    table lists no tasks on any workgroup; its counter is only settled at the launch's exit)."""
+    table lists no tasks on any workgroup; its counter is only settled at the launch's exit).
+    ``split_k_merge``: the stages whose split tiles their last K slice sums (a merged down: no final
+    tasks either), and where their arrival counters start in K2's ``arrive`` argument."""
     spec = arch_spec(arch)
     placed = model_plan(dims, arch, widths, tp_size)
     out = {
@@ -439,6 +502,8 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
             "attn_splits": g.attn_splits,
             "mailbox": g.mailbox,
             "fused_post": g.fused_post,
+            "split_k_merge": {f"{K2}.{n}": g.arrive(n) for n, m in (("o_proj", g.o_merge), ("down", g.d_merge)) if m},
+            "arrive_counters": g.arrive_counters,
             # the stage completion counters the kernels signal and wait on (bf16 format)
             "counters": {
                 f"{st.kernel}.{st.name}": seg + g.done(st.kernel, st.name) * 8
@@ -454,7 +519,7 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
                 n: pseg + off * g.layer_plan.region(n).word_bytes for n, off in g.peer_regions.items()
             }
         for st in g.k1 + g.k2:
-            runs = not (g.fused_post and (st.kernel, st.name) == (K2, "post"))
+            runs = g.runs(st.kernel, st.name)
             entry["stages"][f"{st.kernel}.{st.name}"] = {
                 "kind": st.kind,
                 "tasks": st.tasks,

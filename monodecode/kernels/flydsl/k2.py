@@ -27,7 +27,15 @@ K2 (``x``, ``attn_out`` -> ``x_out``)
            down): sums the partials, norm,      x_out = h + d
            residual -> x_out
 
-Fused post (``Geometry.fused_post``: Llama/Qwen, one rank, o_proj unsplit; ``config.FUSED_POST``):
+Split-K merge (``Geometry.o_merge`` / ``d_merge``: Llama/Qwen, one rank, o_proj / down split
+along K; ``config.SPLIT_K_MERGE``): after its stage loop a workgroup counts each of its K slice
+tasks into the row tile's arrival counter (``mailbox.arrive_last``; outside the GEMV, whose K loop
+keeps its pipelining); the tile's last slice sums the fp32 partials in slice order, as post /
+final would (``_o_values``), and publishes h = bf16(x + bf16(o)) (then there is no post stage:
+gate/up waits for o_proj, as with the fused post) or writes x_out = bf16(h + bf16(d)) (no final
+stage). The sums have the same bits whichever slice arrives last.
+
+Fused post (``Geometry.fused_post``: Llama/Qwen, one rank, o_proj unsplit or merged; ``config.FUSED_POST``):
 the post stage of one workgroup per row, which every other CU waited for, is gone; every value
 keeps the post stage's bits (same formulas, rstd summed in the same order by each gate/up
 workgroup). Its counter is never signalled, only settled at the launch's exit.
@@ -46,7 +54,7 @@ from monodecode.kernels.flydsl import device as d
 from monodecode.kernels.flydsl import gemv as gv
 from monodecode.kernels.flydsl import mailbox as mb
 from monodecode.kernels.flydsl.arch import WAVE_SIZE, WAVES_PER_WORKGROUP, WORKGROUP_SIZE
-from monodecode.kernels.flydsl.config import Geometry, first_task
+from monodecode.kernels.flydsl.config import Geometry, first_task, merge_output
 from monodecode.kernels.plan import K2
 from monodecode.model.dims import ModelDims
 
@@ -67,6 +75,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
     ROW_ROUNDS = -(-H // (WG * ROW_BATCH))  # a thread's rounds of ROW_BATCH columns over one row
     FINAL = geom.final
     FUSED = geom.fused_post  # no post stage: o_proj publishes h, gate/up normalises it (config.FUSED_POST)
+    O_MERGE, D_MERGE = geom.o_merge, geom.d_merge  # split tiles summed by their last K slice (SPLIT_K_MERGE)
     RG = geom.regions  # word offsets in this width's scratch segment
     L2 = geom.lds2
     norm = d.norm_scale(dims.norm_one_plus)
@@ -104,6 +113,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         mbox: fx.Pointer,
         health: fx.Pointer,
         peers: fx.Pointer,
+        arrive: fx.Pointer,
         max_polls: fx.Int32,
         layer: fx.Int32,
         nan_fault: fx.Int32,
@@ -131,6 +141,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         elif FINAL:
             d_region = RG["d"] if TP == 1 else PRG["d_peer"]
         mine = mb.peer_buffer(peers, rank) if TP > 1 else mbox  # this rank's peer-buffer segment
+        checks = (tag, polls, health, wait_code, bad_code)  # what a split-K merge's loads and stores check
 
         # ---- o_proj: attn_out (K1's bf16 output) staged as is
         t_o = geom.tiles["o_proj"]
@@ -156,6 +167,8 @@ def make_k2(dims: ModelDims, geom: Geometry):
         first_o = first_task(bid, st_o.offset, G)
         for t_ in range(first_o, d.i32(st_o.tasks), d.i32(G)):
             gemv_task(t_o, d.i32(t_), o_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_attn, publish_o)
+        if fx.const_expr(O_MERGE):  # each tile's last slice: h = bf16(x + bf16(o)), released by the signal below
+            _merge_tiles(st_o, first_o, o_region, x, arrive, seg, lds, tid, nan_fault, checks)
         if fx.const_expr(BF16):
             mb.signal_tasks(ctr_o, first_o, st_o.tasks, G, tid, tid >= d.i32(0))
         else:
@@ -251,6 +264,8 @@ def make_k2(dims: ModelDims, geom: Geometry):
         first_dn = first_task(bid, st_dn.offset, G)
         for t_ in range(first_dn, d.i32(st_dn.tasks), d.i32(G)):
             gemv_task(t_dn, d.i32(t_), dn_rs, lds, L2["x"], L2["part"], tid, wave, lane, stage_act, finish_down)
+        if fx.const_expr(D_MERGE):  # each tile's last slice: x_out = bf16(h + bf16(d)), checked
+            _merge_tiles(st_dn, first_dn, d_region, out, arrive, seg, lds, tid, nan_fault, checks)
         if fx.const_expr(BF16):
             mb.signal_tasks(ctr_dn, first_dn, st_dn.tasks, G, tid, tid >= d.i32(0))
 
@@ -324,6 +339,31 @@ def make_k2(dims: ModelDims, geom: Geometry):
             if d.is_nonfinite(res):
                 mb.raise_health(health, bad_code)
             d.store_bf16(out, tok * d.i32(H) + row, res)
+
+    @d.device
+    def _merge_tiles(st, first, region: int, dst, arrive, seg, lds, tid, nan_fault, checks):
+        """Split-K merge of ``st`` (o_proj or down) after this workgroup's tasks of it: each task's
+        K slice arrives at its row tile's counter (``Geometry.arrive``); in the tile's last slice
+        every thread takes (token, row) outputs of the tile, sums their partials in slice order
+        (``_o_values``, the post / final stages' sum) and finishes them: o_proj publishes h from
+        ``dst`` = x, down writes x_out to ``dst`` = out (``_residual_out``: NaN fault, finite check).
+        Other slices load nothing. ``checks``: (tag, polls, health, wait code, non-finite code)."""
+        tag, polls, health, code, bad_code = checks
+        rows = st.rows  # output rows of a row tile
+        mb.drain_stores()  # every thread's partials stored before thread 0's release
+        for t_ in range(first, d.i32(st.tasks), d.i32(G)):
+            tile = d.i32(t_) % d.i32(st.row_tiles)
+            if mb.arrive_last(arrive + (d.i32(geom.arrive(st.name)) + tile), st.k_splits, tid, lds, L2["red"]):
+                for i_ in range(tid, d.i32(W * rows), d.i32(WG)):
+                    tok, row = merge_output(d.i32(i_), tile, rows)
+                    ok = row < d.i32(H)
+                    col = ok.select(row, d.i32(0))
+                    v = _o_values(seg, seg.words, region, tok, [col], [ok], tag, polls, health, code, st.k_splits)[0]
+                    if fx.const_expr(st.name == "o_proj"):
+                        hv = d.round_bf16(_weight(dst, tok * d.i32(H) + col) + v)
+                        mb.put_row(seg, tag, tok, RG["h"], H, row, hv, ok)
+                    else:
+                        _residual_out(seg, tag, polls, health, code, bad_code, dst, tok, row, v, nan_fault, ok)
 
     def _cols(k0):
         """The ROW_BATCH columns a thread takes per round trip in a per-row stage, and which exist."""
@@ -486,6 +526,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         mbox: fx.Pointer,
         health: fx.Pointer,
         peers: fx.Pointer,
+        arrive: fx.Pointer,
         max_polls: fx.Int32,
         layer: fx.Int32,
         nan_fault: fx.Int32,
@@ -508,6 +549,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
             mbox,
             health,
             peers,
+            arrive,
             max_polls,
             layer,
             nan_fault,

@@ -27,14 +27,22 @@ class FlyDSLKernels(TwoLaunchKernels):
     One scratch buffer laid out by the shared plan (``plan_model``): the health word at the
     header's offset, then one segment per width with its epoch counters and mailbox regions;
     each launch gets its width's segment and the health word. Nothing is zeroed between steps
-    (tags come from the on-device launch counters), so the launches are graph-capturable."""
+    (tags come from the on-device launch counters), so the launches are graph-capturable.
+
+    Per width, K2's split-K arrival counters (``Geometry.arrive_counters``, int64, at least one):
+    a tensor of their own, zeroed once here and never again. Not words of the plan's scratch
+    segment, which both backends share and test against the plan (a region for one backend's
+    merge would change the other's layout), and not settled at the launch's exit with the stage
+    counters: they are monotonic (each launch of any layer adds exactly ``k_splits`` per tile), so
+    they need no reset and a graph replays them as they are. The Triton backend does the same."""
 
     kernel_label = "flydsl kernels"
 
     def __init__(self, req: BuildRequest, weights: Any):
         import torch
 
-        from monodecode.kernels.flydsl.config import HEALTH, model_plan
+        from monodecode.kernels.flydsl.arch import arch_spec
+        from monodecode.kernels.flydsl.config import HEALTH, model_plan, plan_geometry
         from monodecode.model.reference import rope_cos_sin
 
         self.req, self.dims, self.widths = req, req.dims, req.widths
@@ -48,6 +56,15 @@ class FlyDSLKernels(TwoLaunchKernels):
         self.health_word = self._scratch.view(torch.int32)[self.plan.scratch.header[HEALTH].offset // 4 :][:1]
         self._health_addr = base + self.plan.scratch.header[HEALTH].offset
         self._segment = {w: base + self.plan.scratch.widths[w].offset for w in self.widths}
+        spec = arch_spec(self.arch)
+        self._arrive = {
+            w: torch.zeros(
+                max(1, plan_geometry(self.dims, w, spec, req.weight_dtype, req.tp_size).arrive_counters),
+                dtype=torch.int64,
+                device=dev,
+            )
+            for w in self.widths
+        }
         # ~1 us per poll (sc1 load + s_sleep 1): the wait bound in polls
         self._max_polls = max(1, int(req.wait_timeout_s * 1e6))
         self._kv_cache_args: dict[int, tuple] = {}
@@ -130,6 +147,7 @@ class FlyDSLKernels(TwoLaunchKernels):
             out,
             self._segment[width],
             self._health_addr,
+            self._arrive[width],
             max_polls=self._max_polls,
             layer=layer,
             nan_fault=nan_fault,

@@ -34,7 +34,7 @@ from flydsl.expr import rocdl
 from flydsl.expr.primitive import range_constexpr
 
 from monodecode.kernels.flydsl.config import health_word, task_count
-from monodecode.kernels.flydsl.device import device, uniform
+from monodecode.kernels.flydsl.device import device, lds_load, lds_store, uniform
 
 TAG_MASK = 0x7FFFFFFF
 HEALTH_POLL_EVERY = 64  # a failing wait re-reads the health word this often (stops early after a failure)
@@ -218,17 +218,45 @@ def wait_first(c0, ctr, target, polls, health, code):
         wait_done(ctr, target, polls, health, code)
 
 
+def drain_stores():
+    """Every thread's stores drained, the workgroup met: a release by one thread then covers them."""
+    rocdl.s_waitcnt(vmcnt=0)
+    fx.gpu.barrier()
+
+
 @device
 def signal_tasks(ctr, first, tasks: int, grid: int, tid, enable):
     """Count this workgroup's finished tasks of a stage (``first, first + grid, ...``) after its
-    stage loop: every thread's stores drained, the workgroup met, then one release add (agent
-    scope) by thread 0. ``enable`` false: nothing is counted (the consumers' waits expire)."""
-    rocdl.s_waitcnt(vmcnt=0)
-    fx.gpu.barrier()
+    stage loop: every thread's stores drained, the workgroup met (``drain_stores``), then one
+    release add (agent scope) by thread 0. ``enable`` false: nothing is counted (the consumers'
+    waits expire)."""
+    drain_stores()
     if (tid == fx.Int32(0)) & (first < fx.Int32(tasks)) & enable:
         fx.atomic_add(
             ctr, fx.Int64(task_count(first, tasks, grid)), syncscope="agent", ordering=fx.AtomicOrdering.Release
         )
+
+
+@device
+def arrive_last(ctr, slices: int, tid, lds, flag: int):
+    """Split-K merge: one K slice of a row tile arrives (its partials stored by every thread and
+    drained, the workgroup met: ``drain_stores``). Thread 0 adds 1 to the tile's int64
+    arrival counter (acq_rel, agent scope; monotonic, never reset: every launch adds exactly
+    ``slices``, so ``old % slices == slices - 1`` is the last slice; int64 as the stage counters:
+    an int32 one would wrap negative within a day of serving, and ``slices`` may be 3) and hands the answer to the
+    workgroup through LDS word ``flag``. Returns whether this is the last slice; then every thread
+    has acquired the counter, so its plain loads see the other slices' partials (released before
+    their adds)."""
+    if tid == fx.Int32(0):
+        old = fx.atomic_add(ctr, fx.Int64(1), syncscope="agent", ordering=fx.AtomicOrdering.AcqRel)
+        is_last = (old % fx.Int64(slices)) == fx.Int64(slices - 1)
+        lds_store(lds, fx.Int32(flag), is_last.select(fx.Int32(1), fx.Int32(0)))
+    fx.gpu.barrier()
+    last = uniform(lds_load(lds, fx.Int32(flag))) != fx.Int32(0)
+    fx.gpu.barrier()  # every thread has read the flag before the next tile's arrival overwrites it
+    if last:
+        _acquire(ctr)
+    return last
 
 
 class Segment(NamedTuple):

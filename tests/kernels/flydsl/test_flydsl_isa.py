@@ -2,7 +2,8 @@
 
 For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 weights (plus
 the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8),
-and gemma3-27b at width 8 (split-K stages): zero spills, zero scratch, static LDS within
+gemma3-27b at width 8 (split-K stages summed by a final stage) and llama3-1b at width 8 (split-K
+stages merged by their last slice, ``Geometry.o_merge`` / ``d_merge``): zero spills, zero scratch, static LDS within
 the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
 printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (VGPRs or
 SGPRs beyond two registers of codegen noise, more AGPRs or LDS, fewer waves) fails so it is visible
@@ -35,6 +36,7 @@ CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor
     ("llama3-8b", "bf16", [8], 2),  # K2 pushes its partials to every peer and sums them in rank order
     ("llama3-8b", "bf16", [8], 8),
     ("gemma3-27b", "bf16", [8], 1),  # o_proj and down split along K, tasks cut to even waves, a final stage
+    ("llama3-1b", "bf16", [8], 1),  # o_proj and down split along K and merged by their last slice: no post, no final
 ]
 WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
 # Registers the same sources may take above their golden figure: one CI run compiled gfx942's
@@ -52,10 +54,6 @@ def instructions(hsaco: Path, arch: str) -> list[str]:
     ]
 
 
-def mnemonics(hsaco: Path, arch: str) -> list[str]:
-    return [ln.split()[0] for ln in instructions(hsaco, arch)]
-
-
 @pytest.fixture(scope="module")
 def isa_rows(tmp_path_factory) -> dict[str, dict]:
     rows = {}
@@ -67,13 +65,15 @@ def isa_rows(tmp_path_factory) -> dict[str, dict]:
             for w, kernels in compiled.items():
                 for name, rec in kernels.items():
                     res = read_resources(cache / rec["hsaco"])
+                    lines = instructions(cache / rec["hsaco"], arch) if arch == "gfx942" else None
                     key = f"{arch}/{profile}{f'/tp{tp}' if tp > 1 else ''}/{dtype}/w{w}/{name}"
                     rows[key] = {
                         "res": res,
                         "fig": figures(res, spec, spec.compute_units),
                         "bad": budget_violations(res, spec, spec.compute_units),
                         "geom": plan_geometry(profile_dims(profile), w, spec, wdt, tp),
-                        "asm": mnemonics(cache / rec["hsaco"], arch) if arch == "gfx942" else None,
+                        "lines": lines,
+                        "asm": [ln.split()[0] for ln in lines] if lines else None,
                     }
     cols = ["vgprs", "agprs", "sgprs", "spills", "scratch", "lds", "lds_limit", "waves_per_simd", "grid", "cus"]
     print("\n" + f"{'kernel':38s} " + " ".join(f"{c:>9s}" for c in cols))
@@ -113,8 +113,11 @@ def test_no_worse_than_golden(isa_rows):
 def test_k2_runs_no_post_stage_where_fused(isa_rows):
     """Each stage a launch runs with a completion counter (bf16 mailbox) has one release add in the
     code (``signal_tasks``), and the launch counter one more: with a fused post (Llama-style K2,
-    one rank, o_proj unsplit: ``Geometry.fused_post``) the post stage's add, with the stage, is
-    gone; Gemma's and the TP kernels' K2 keep theirs (or, tagged, count nothing). gfx942 only."""
+    one rank, o_proj unsplit or merged: ``Geometry.fused_post``) the post stage's add, with the
+    stage, is gone; Gemma's and the TP kernels' K2 keep theirs (or, tagged, count nothing). Each
+    merged split stage (``Geometry.o_merge`` / ``d_merge``) adds one acq_rel add to its tiles'
+    arrival counters: a release before it (``buffer_wbl2``), an acquire after (``buffer_inv``).
+    gfx942 only."""
     seen = set()
     for key, r in isa_rows.items():
         if r["asm"] is None:
@@ -123,10 +126,16 @@ def test_k2_runs_no_post_stage_where_fused(isa_rows):
         stages = (
             ("qkv", "attn") if kernel == "k1" else ("o_proj", "gate_up", "down", *(() if g.fused_post else ("post",)))
         )
-        want = 1 + (len(stages) if g.bf16_mailbox else 0)
-        assert r["asm"].count("global_atomic_add_x2") == want, (key, g.fused_post)
-        seen.add((kernel, g.fused_post, g.post_norms))
-    assert {("k2", True, False), ("k2", False, True)} <= seen  # a fused Llama K2 and an unfused Gemma one
+        merged = (g.o_merge + g.d_merge) if kernel == "k2" else 0
+        want = 1 + (len(stages) if g.bf16_mailbox else 0) + merged
+        assert r["asm"].count("global_atomic_add_x2") == want, (key, g.fused_post, merged)
+        lines = r["lines"]
+        arrivals = [i for i, ln in enumerate(lines) if ln.startswith("global_atomic_add_x2") and "sc0" in ln]
+        fenced = [i for i in arrivals if lines[i - 2] == "buffer_wbl2 sc1" and lines[i + 2] == "buffer_inv sc1"]
+        assert len(fenced) == merged, (key, [lines[i - 2 : i + 3] for i in arrivals])
+        seen.add((kernel, g.fused_post, g.post_norms, merged))
+    # a fused Llama K2, an unfused Gemma one, a merged one
+    assert {("k2", True, False, 0), ("k2", False, True, 0), ("k2", True, False, 2)} <= seen
 
 
 def test_launch_exit_atomics_are_not_fenced(tmp_path):

@@ -12,6 +12,7 @@ from a torch stream).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -22,6 +23,8 @@ pytest.importorskip("flydsl", reason="the flydsl extra is not installed")
 
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.flydsl import args as launch_args
+from monodecode.kernels.flydsl.arch import arch_spec
+from monodecode.kernels.flydsl.config import plan_geometry
 from monodecode.kernels.flydsl.launch import FlyDSLKernels
 from monodecode.kernels.flydsl.offline import Specialisation, launchers
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
@@ -34,17 +37,22 @@ BS, WIDTH = 16, 2
 STREAM = SimpleNamespace(cuda_stream=0x7F3A_5000)  # vLLM's forward stream, as a HIP handle
 
 
-@pytest.fixture(scope="module")
-def kernels() -> FlyDSLKernels:
+def build(dims) -> FlyDSLKernels:
+    """The backend for ``dims`` at widths 1 and WIDTH on an MI300X, laid out on CPU tensors."""
     req = BuildRequest(
-        dims=DIMS,
+        dims=dims,
         weight_dtype="bf16",
         tp_size=1,
         widths=(1, WIDTH),
         block_size=BS,
         platform=Platform("rocm", "gfx942", "AMD Instinct MI300X", 304),
     )
-    return FlyDSLKernels(req, random_weights(DIMS, seed=3, num_layers=DIMS.num_layers))
+    return FlyDSLKernels(req, random_weights(dims, seed=3, num_layers=dims.num_layers))
+
+
+@pytest.fixture(scope="module")
+def kernels() -> FlyDSLKernels:
+    return build(DIMS)
 
 
 @pytest.fixture
@@ -130,4 +138,27 @@ def test_launch_arguments_are_the_step_tensors(kernels, on_vllm_stream):
         1,
         0,
     )
+    # the width's split-K arrival counters: int64, zeroed once at build (tiny has post norms: one
+    # unused word), the same tensor every launch (graph replay)
+    arrive = kernels._arrive[WIDTH]
+    assert packed2["arrive"] == arrive.data_ptr() != kernels._arrive[1].data_ptr()
+    assert arrive.dtype == torch.int64 and arrive.tolist() == [0]
     assert ctypes.sizeof(ctypes.c_void_p) == 8  # addresses above compare as 64-bit values
+
+
+def test_merged_widths_get_their_arrival_counters(on_vllm_stream):
+    """A Llama-style model (the tiny profile without Gemma's post norms) whose width-2 K2 splits
+    o_proj and down along K and merges them (``Geometry.o_merge`` / ``d_merge``): the backend
+    allocates one zeroed int64 counter per merged row tile for that width, and every layer's K2
+    launch is handed the same tensor (the counters are monotonic across layers and steps)."""
+    dims = dataclasses.replace(DIMS, post_norms=False)
+    kernels = build(dims)
+    geom = plan_geometry(dims, WIDTH, arch_spec("gfx942"), "bf16")
+    assert geom.o_merge and geom.d_merge and geom.arrive_counters > 0
+    arrive = kernels._arrive[WIDTH]
+    assert arrive.dtype == torch.int64 and arrive.tolist() == [0] * geom.arrive_counters
+    x = torch.randn(WIDTH, dims.hidden_size).to(torch.bfloat16)
+    attn = torch.empty(WIDTH, dims.q_size, dtype=torch.bfloat16)
+    for layer in range(dims.num_layers):
+        call, _ = kernels.k2_call(layer, x, attn, WIDTH)
+        assert {n: a for n, _, a in call.pointers}["arrive"] == arrive.data_ptr(), layer

@@ -19,6 +19,7 @@ from monodecode.kernels.flydsl.config import (
     first_task,
     health_word,
     launch_description,
+    merge_output,
     plan_geometry,
     task_count,
     task_origin,
@@ -30,7 +31,7 @@ from monodecode.model.profiles import profile_dims
 WIDTH_SETS = [(1,), (1, 2, 4, 8), (3, 16)]
 
 
-@pytest.mark.parametrize("profile", ["tiny", "llama3-8b", "gemma3-27b"])
+@pytest.mark.parametrize("profile", ["tiny", "llama3-1b", "llama3-8b", "gemma3-27b"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("widths", WIDTH_SETS, ids=lambda ws: "w" + "-".join(map(str, ws)))
 def test_launch_description_is_the_plan(profile, arch, widths):
@@ -47,7 +48,16 @@ def test_launch_description_is_the_plan(profile, arch, widths):
         lp, got = plan.layers[w], desc["widths"][w]
         assert got["grid"] == grid and got["attn_splits"] == lp.attn_splits
         assert got["mailbox"] == lp.mailbox == "bf16"
-        assert got["fused_post"] == lp.fused_post_eligible, "no post stage wherever the plan allows it"
+        # split-K merge: where the plan splits o_proj / down and post / final would only add the residual
+        mergeable = not lp.post_norms and lp.tp_size == 1 and lp.mailbox == "bf16"
+        split = [f"k2.{s.name}" for s in lp.k2 if s.name in ("o_proj", "down") and s.k_splits > 1]
+        merged = got["split_k_merge"]
+        assert list(merged) == (split if mergeable else []), "merged exactly where the plan splits"
+        assert got["fused_post"] == lp.fused_post_eligible or "k2.o_proj" in merged, "no post stage where allowed"
+        # one arrival counter per merged row tile, o_proj's first
+        tiles = {f"k2.{s.name}": s.num_tasks // s.k_splits for s in lp.k2}
+        assert got["arrive_counters"] == sum(tiles[k] for k in merged)
+        assert merged.get("k2.o_proj", 0) == 0 and merged.get("k2.down", 0) in (0, tiles["k2.o_proj"])
         regions = plan.scratch.widths[w].regions
         assert got["counters"] == {
             f"{k}.{name}": regions[f"done_{k}"].offset + 8 * i
@@ -68,7 +78,8 @@ def test_launch_description_is_the_plan(profile, arch, widths):
                 st.k,
             ), key
             assert (g["tile"], g["k_splits"]) == ((st.tile, st.k_splits) if st.kind == "gemv" else (0, 1)), key
-            if key == "k2.post" and got["fused_post"]:  # o_proj adds the residual, gate/up normalises
+            replaced = (key == "k2.post" and got["fused_post"]) or (key == "k2.final" and "k2.down" in merged)
+            if replaced:  # o_proj adds the residual, gate/up normalises; down's last slices write x_out
                 assert g["workgroup_tasks"] == [[]] * grid, key
                 continue
             assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
@@ -111,8 +122,9 @@ def test_tensor_parallel_launch_is_the_plan(arch, tp):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_fused_post_exactly_for_llama_style_one_rank_unsplit_o_proj(arch):
     """K2 runs no post stage for Llama/Qwen on one GPU with an unsplit o_proj (every width of the
-    8B profiles, width 1 of 1B, whose wider o_proj splits along K); never for Gemma (post norms)
-    or TP, and nowhere with the knob off. The LDS gets the rows' rstd only then."""
+    8B profiles, width 1 of 1B) or a merged split one (1B's wider widths: ``SPLIT_K_MERGE``);
+    never for Gemma (post norms) or TP, and nowhere with the knob off. The LDS gets the rows'
+    rstd only then."""
 
     def fused(profile, widths, tp=1):
         desc = launch_description(profile_dims(profile), arch, widths, tp_size=tp)
@@ -120,7 +132,8 @@ def test_fused_post_exactly_for_llama_style_one_rank_unsplit_o_proj(arch):
 
     everywhere = dict.fromkeys((1, 2, 8, 16), True)
     assert fused("llama3-8b", (1, 2, 8, 16)) == everywhere == fused("qwen3-8b", (1, 2, 8, 16))
-    assert fused("llama3-1b", (1, 2, 8)) == {1: True, 2: False, 8: False}
+    assert fused("llama3-1b", (1, 2, 8)) == {1: True, 2: True, 8: True}
+    assert not plan_geometry(profile_dims("llama3-1b"), 8, ARCHS[arch], "bf16", split_k_merge=False).fused_post
     assert not any(fused("gemma3-27b", (1, 8)).values()) and not any(fused("tiny", (1, 2)).values())
     assert not any(fused("llama3-8b", (1, 8), tp=2).values())
     dims, spec = profile_dims("llama3-8b"), ARCHS[arch]
@@ -227,3 +240,56 @@ def test_bad_specialisations_are_one_line(kwargs, message):
     args = {"dims": profile_dims("llama3-8b"), "width": 1, "spec": ARCHS["gfx942"], "weight_dtype": "bf16", **kwargs}
     with pytest.raises(ConfigError, match=message):
         plan_geometry(**args)
+
+
+def test_split_k_merge_for_llama_1b_never_with_post_norms():
+    """llama3-1b at width 8 on gfx942 splits o_proj and down in 2 K slices of 128 row tiles each:
+    both are merged by their last slice, so K2 runs no post and no final task, and takes 256
+    arrival counters (o_proj's tiles, then down's). Width 1 (unsplit), gemma3-27b (post norms:
+    its final stage normalises d) and the knob off merge nothing. A bad knob is one line."""
+    dims, spec = profile_dims("llama3-1b"), ARCHS["gfx942"]
+    desc = launch_description(dims, "gfx942", (1, 8))
+    w8, w1 = desc["widths"][8], desc["widths"][1]
+    assert (w8["stages"]["k2.o_proj"]["k_splits"], w8["stages"]["k2.down"]["k_splits"]) == (2, 2)
+    assert w8["split_k_merge"] == {"k2.o_proj": 0, "k2.down": 128} and w8["arrive_counters"] == 256
+    assert w8["stages"]["k2.post"]["tasks"] == w8["stages"]["k2.final"]["tasks"] == 8  # in the plan...
+    for stage in ("k2.post", "k2.final"):  # ...but no workgroup runs them
+        assert not any(w8["stages"][stage]["workgroup_tasks"]), stage
+    assert w1["split_k_merge"] == {} and w1["arrive_counters"] == 0
+    geom = plan_geometry(dims, 8, spec, "bf16")
+    assert geom.o_merge and geom.d_merge and geom.fused_post and not geom.final
+    off = plan_geometry(dims, 8, spec, "bf16", split_k_merge=False)
+    assert not (off.o_merge or off.d_merge or off.fused_post) and off.final and off.arrive_counters == 0
+    gemma = launch_description(profile_dims("gemma3-27b"), "gfx942", (8,))["widths"][8]
+    assert gemma["stages"]["k2.down"]["k_splits"] > 1  # split, yet its final stage has a norm to do
+    assert gemma["split_k_merge"] == {} and gemma["arrive_counters"] == 0
+    assert any(gemma["stages"]["k2.final"]["workgroup_tasks"]) and any(gemma["stages"]["k2.post"]["workgroup_tasks"])
+    with pytest.raises(ConfigError, match="split_k_merge must be True or False, got 'yes'"):
+        plan_geometry(dims, 8, spec, "bf16", split_k_merge="yes")
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("width", [2, 8, 16])
+def test_split_k_merge_finishes_every_output_once(arch, width):
+    """What the merging kernels compute per tile (``task_origin``, ``merge_output``), on ints: each
+    merged row tile gets exactly ``k_splits`` arrivals per launch, one per K slice (so the
+    monotonic counter's ``old % k_splits == k_splits - 1`` is this launch's last one), and the
+    outputs the tiles' last slices finish cover every (token, row) of the stage exactly once."""
+    geom = plan_geometry(profile_dims("llama3-1b"), width, ARCHS[arch], "bf16")
+    merged = [n for n, m in (("o_proj", geom.o_merge), ("down", geom.d_merge)) if m]
+    assert merged == ["o_proj", "down"]
+    counters = set()
+    for name in merged:
+        st = geom.stage("k2", name)
+        slices: dict[int, list[int]] = {}
+        for t in range(st.tasks):
+            row0, _k0, s = task_origin(t, st)
+            tile = t % st.row_tiles  # the counter the kernel adds to
+            assert row0 == tile * st.rows
+            slices.setdefault(tile, []).append(s)
+            counters.add(geom.arrive(name) + tile)
+        assert all(sorted(v) == list(range(st.k_splits)) for v in slices.values()), name
+        outs = [merge_output(i, tile, st.rows) for tile in slices for i in range(width * st.rows)]
+        outs = [(tok, row) for tok, row in outs if row < st.n]
+        assert sorted(outs) == [(tok, row) for tok in range(width) for row in range(st.n)], name
+    assert counters == set(range(geom.arrive_counters)), "each counter is one tile's, none shared"
