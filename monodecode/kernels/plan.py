@@ -478,14 +478,29 @@ class LayerPlan:
         return counted_stages(kernel, {st.name for st in self.stages(kernel)})
 
     @property
+    def _row_stages_only_add(self) -> bool:
+        """Whether K2's ``post`` / ``final`` stages only sum partials, add the residual and
+        normalise: no Gemma post norms, one rank with the bf16 mailbox (no partials crossing GPUs)."""
+        return not self.post_norms and self.tp_size == 1 and self.mailbox == "bf16"
+
+    @property
     def fused_post_eligible(self) -> bool:
         """Whether K2's ``post`` stage only adds the residual and normalises, so a backend may
         drop it (o_proj's tasks add the residual, gate/up normalises its input): no Gemma post
         norms, one rank with the bf16 mailbox (no partials crossing GPUs to sum) and o_proj not
         split along K (each o_proj task owns whole rows of o). The one rule every backend's
         fused-post switch applies (Triton ``Target.fused_post``, FlyDSL ``Geometry.fused_post``)."""
-        o = self.stage(K2, "o_proj")
-        return not self.post_norms and self.tp_size == 1 and self.mailbox == "bf16" and o.k_splits == 1
+        return self._row_stages_only_add and self.stage(K2, "o_proj").k_splits == 1
+
+    @property
+    def split_k_merge_eligible(self) -> tuple[bool, bool]:
+        """(o_proj, down): whether a backend may sum that stage's split tiles in each tile's last K
+        slice (adding the residual there) instead of in the ``post`` / ``final`` stage: the stage
+        is split along K and those stages would do nothing else (``_row_stages_only_add``). The one
+        rule every backend's merge switch applies (Triton ``Target.split_k_merge``, FlyDSL
+        ``config.SPLIT_K_MERGE``); a merged o_proj also needs the fused post's gate/up."""
+        ok = self._row_stages_only_add
+        return ok and self.stage(K2, "o_proj").k_splits > 1, ok and self.stage(K2, "down").k_splits > 1
 
     def _row_length(self, name: str, default: int) -> int:
         """Elements per row of a mailbox region (``default`` for a launch input or output)."""

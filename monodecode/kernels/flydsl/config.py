@@ -397,11 +397,10 @@ def _check(dims: ModelDims, width: int, weight_dtype: str, tp_size: int) -> None
 
 def split_k_merges(lp: LayerPlan, fused_post: bool = FUSED_POST, merge: bool = SPLIT_K_MERGE) -> tuple[bool, bool]:
     """(o_proj, down): whether K2's split tiles of that stage are summed by their last K slice
-    (``SPLIT_K_MERGE``): only where the post / final stage would only add the residual (and
-    normalise, which gate/up and the next layer's K1 do on the way in): no Gemma post norms, one
-    rank, the bf16 mailbox, ``fused_post``. The Triton kernels' ``config.split_k_merges`` rule."""
-    ok = merge and fused_post and not lp.post_norms and lp.tp_size == 1 and lp.mailbox == "bf16"
-    return ok and lp.stage(K2, "o_proj").k_splits > 1, ok and lp.stage(K2, "down").k_splits > 1
+    (``SPLIT_K_MERGE``, with ``fused_post``): where the plan allows it
+    (``LayerPlan.split_k_merge_eligible``, the rule the Triton kernels apply too)."""
+    o, d = lp.split_k_merge_eligible
+    return merge and fused_post and o, merge and fused_post and d
 
 
 def plan_geometry(

@@ -413,15 +413,13 @@ def k1_constexprs(
 
 def split_k_merges(target: Target, plan: LayerPlan) -> tuple[bool, bool]:
     """Whether K2's split o_proj / down tiles are summed by their last slice
-    (``Target.split_k_merge``): only where the post / final stages would only add the residual
-    (and normalise, which gate/up and the next layer's QKV then do on the way: no Gemma post
-    norms, one rank, the bf16 mailbox, ``fused_post``)."""
+    (``Target.split_k_merge``, with the fused post's gate/up): where the plan allows it
+    (``LayerPlan.split_k_merge_eligible``)."""
     if target.split_k_merge not in ("", "down", "all"):
         raise ConfigError(f"triton kernels: split_k_merge must be '', 'down' or 'all', got {target.split_k_merge!r}")
-    ok = bool(target.split_k_merge) and target.fused_post and not plan.post_norms
-    ok = ok and plan.tp_size == 1 and plan.mailbox == "bf16"
-    o = ok and target.split_k_merge == "all" and _stage(plan, K2, "o_proj").k_splits > 1
-    return o, ok and _stage(plan, K2, "down").k_splits > 1
+    ok = bool(target.split_k_merge) and target.fused_post
+    o, d = plan.split_k_merge_eligible
+    return ok and target.split_k_merge == "all" and o, ok and d
 
 
 def k2_arrive_counters(plan: LayerPlan, target: Target) -> int:

@@ -465,9 +465,10 @@ def k2_kernel(
             for t in range(first, O_TASKS, NPROG):
                 n0, _k0, _r = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
                 n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
-                last, o = _merge_tile(arrive_ptr, t % O_TILES, o_mb, n, rows, own[:, None] & rmask[None, :], tag,
-                                      health_ptr, bad_code, HIDDEN, W, O_KS, BF16MB)  # fmt: skip
-                hm = own[:, None] & rmask[None, :] & last
+                om = own[:, None] & rmask[None, :]
+                last, o = _merge_tile(arrive_ptr, t % O_TILES, o_mb, n, rows, om, tag, health_ptr, bad_code,
+                                      HIDDEN, W, O_KS, BF16MB)  # fmt: skip
+                hm = om & last
                 xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=hm, other=0.0).to(tl.float32)
                 publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, o), hm, tag, BF16MB)
         signal_tasks(done_o, first, O_TASKS, NPROG)
@@ -633,10 +634,10 @@ def k2_kernel(
             for t in range(first, D_TASKS, NPROG):
                 n0, _k0, _r = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
                 n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
-                last, d = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, n, rows, own[:, None] & rmask[None, :],
-                                      tag, health_ptr, bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
-                om = own[:, None] & rmask[None, :] & last
-                _residual_out(h_mb, out_ptr, d, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code,
+                om = own[:, None] & rmask[None, :]
+                last, d = _merge_tile(arrive_ptr, D_ARRIVE + t % D_TILES, d_mb, n, rows, om, tag, health_ptr,
+                                      bad_code, HIDDEN, W, D_KS, BF16MB)  # fmt: skip
+                _residual_out(h_mb, out_ptr, d, n, rows, om & last, nan_fault, tag, health_ptr, bad_code, nf_code,
                               HIDDEN, BF16MB)  # fmt: skip
         if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
