@@ -106,7 +106,16 @@ def _warm(job: tuple) -> str:
     x = torch.randn(s["W"], k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(s["KS"], s["W"], n, device="cuda")
     try:
-        _launch(s, w, x, y, torch.zeros(1, device="cuda", dtype=torch.int32), n, k, 132)
+        _launch(
+            s,
+            w,
+            x,
+            y,
+            torch.zeros(1, device="cuda", dtype=torch.int32),
+            n,
+            k,
+            torch.cuda.get_device_properties(0).multi_processor_count,
+        )
         torch.cuda.synchronize()
         return ""
     except Exception as e:  # reported when timed
