@@ -129,6 +129,16 @@ class Target:
     attn_launch_stages: int = 3
     attn_launch_tasks_per_sm: int = 8
     attn_launch_max_splits: int = 32
+    # Programmatic dependent launch (``overlap.py``; CUDA only): each launch lets the next one be
+    # dispatched as it starts, whose programs wait on the device for its end, instead of the
+    # stream starting the next launch after this one has drained.
+    pdl: bool = False
+    # L2 prefetch (``overlap.prefetch_tile``; CUDA only): before each GEMV stage's wait, a program
+    # asks L2 for at most this many KiB of its first task's weights per matrix (0: never) ...
+    prefetch_kib: int = 0
+    # ... and, once its own GEMV tasks are done, of the next launch's first GEMV task (K1: o_proj's
+    # tile, while the attention runs; K2: the next layer's QKV tile, in the launch's tail).
+    prefetch_next_kib: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -337,6 +347,31 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
     return fp8 and target.fp8_wide == "pair"
 
 
+def overlap_constexprs(target: Target, fp8: bool) -> dict:
+    """``overlap.py``'s switches for one kernel (CUDA only; the interpreter ignores them)."""
+    cuda = target.kind == "cuda"
+    return dict(
+        PDL=cuda and target.pdl,
+        PF=target.prefetch_kib * 1024 if cuda else 0,
+        PF_NEXT=target.prefetch_next_kib * 1024 if cuda else 0,
+        ESIZE=1 if fp8 else 2,
+    )
+
+
+def _next_tile(stage: Stage, n: int, row: int) -> dict:
+    """The geometry of a GEMV stage's first tile that the launch before it prefetches
+    (``overlap.first_tile``): K slice ``t // NX_TILES`` of ``NX_K`` columns, rows of ``NX_ROW``."""
+    return dict(
+        NX_OFF=stage.offset,
+        NX_TASKS=stage.num_tasks,
+        NX_TILES=stage.num_tasks // stage.k_splits,
+        NX_ROWS=stage.rows_per_task,
+        NX_K=stage.k_per_task,
+        NX_ROW=row,
+        NX_N=n,
+    )
+
+
 def _stage(plan: LayerPlan, kernel: str, name: str):
     return plan.stage(kernel, name)
 
@@ -408,6 +443,8 @@ def k1_constexprs(
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
+        **overlap_constexprs(target, fp8),
+        **_next_tile(_stage(plan, K2, "o_proj"), L.hidden, L.q),
     )
 
 
@@ -453,6 +490,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ONE_PLUS=dims.norm_one_plus,
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
+        PDL=overlap_constexprs(target, False)["PDL"],
     )
 
 
@@ -534,6 +572,8 @@ def k2_constexprs(
         GU_ROW0=gu.row0,
         D_K0=dn.k0,
         D_LO_W=_word(plan, "d_lo") if gu_lo else 0,
+        **overlap_constexprs(target, fp8),
+        **_next_tile(_stage(plan, K1, "qkv"), L.qkv, L.hidden),
     )
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.mailbox import region, wait_done
+from monodecode.kernels.triton.overlap import await_previous, launch_next
 
 
 @triton.jit
@@ -89,7 +90,10 @@ def ka_kernel(
     ONE_PLUS: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
     KA_MIN_CTX: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    launch_next(PDL)  # ``overlap.py``: K2 dispatched now, waiting on the device for this launch
+    await_previous(PDL)
     go = True
     if KA_MIN_CTX > 0:  # both paths built: K1 ran the attention itself unless a row's context is long
         go = long_context(seq_ptr, window, W, KA_MIN_CTX)

@@ -25,6 +25,8 @@ _POLL_SECONDS = 0.5e-6
 
 def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
     opts = {"num_warps": target.warps(width, kernel)}
+    if target.kind == "cuda" and target.pdl:
+        opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
     # the persistent launches need every program resident; the attention launch (ka) is a plain grid
     if target.kind == "cuda" and target.cooperative and kernel != "ka":
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
@@ -216,6 +218,7 @@ class TritonKernels(TwoLaunchKernels):
             self.spin_limit,
             nan_fault,
             self.dims,
+            self.layers[layer + 1] if layer + 1 < len(self.layers) else None,
         )
         self._run(1, width, args)
         return out
