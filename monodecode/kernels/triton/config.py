@@ -130,9 +130,10 @@ class Target:
     attn_launch_tasks_per_sm: int = 8
     attn_launch_max_splits: int = 32
     # Programmatic dependent launch (``overlap.py``; CUDA only): each launch lets the next one be
-    # dispatched as it starts, whose programs wait on the device for its end, instead of the
-    # stream starting the next launch after this one has drained.
-    pdl: bool = False
+    # dispatched as it starts ("entry") or as its programs end ("exit"), whose programs wait on
+    # the device for its end, instead of the stream starting the next launch after this one has
+    # drained ("": off).
+    pdl: str = ""
     # L2 prefetch (``overlap.prefetch_tile``; CUDA only): before each GEMV stage's wait, a program
     # asks L2 for at most this many KiB of its first task's weights per matrix (0: never) ...
     prefetch_kib: int = 0
@@ -349,9 +350,11 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
 
 def overlap_constexprs(target: Target, fp8: bool) -> dict:
     """``overlap.py``'s switches for one kernel (CUDA only; the interpreter ignores them)."""
+    if target.pdl not in ("", "entry", "exit"):
+        raise ConfigError(f"triton kernels: pdl must be '', 'entry' or 'exit', got {target.pdl!r}")
     cuda = target.kind == "cuda"
     return dict(
-        PDL=cuda and target.pdl,
+        PDL={"": 0, "entry": 1, "exit": 2}[target.pdl] if cuda else 0,
         PF=target.prefetch_kib * 1024 if cuda else 0,
         PF_NEXT=target.prefetch_next_kib * 1024 if cuda else 0,
         ESIZE=1 if fp8 else 2,

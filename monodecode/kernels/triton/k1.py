@@ -107,7 +107,7 @@ def k1_kernel(
     QKV_ROWS: tl.constexpr = 0,
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
     PF: tl.constexpr = 0,
     PF_NEXT: tl.constexpr = 0,
     ESIZE: tl.constexpr = 2,
@@ -122,7 +122,7 @@ def k1_kernel(
     # PDL, PF, PF_NEXT (``overlap.py``): the next launch dispatched at entry; the QKV stage's first
     # weights asked of L2 before the wait for the previous launch; K2's first o_proj tile
     # (``next_w_ptr``, ``NX_*``) once the QKV tasks are done.
-    launch_next(PDL)
+    launch_next(PDL, 1)
     if PF > 0:
         has, n0, _k0 = first_tile(tl.program_id(0), QKV_OFF, QKV_TASKS, QKV_TASKS, QKV_ROWS, 0, NPROG)
         prefetch_tile(w_ptr, n0, NQKV, has, HIDDEN, HIDDEN, QKV_ROWS, ESIZE, PF)
@@ -283,6 +283,7 @@ def k1_kernel(
     # when the attention launch runs this step's attention, it waits for this counter itself, and
     # settles it (``ka.py``)
     qkv_settled = tl.where(here, epoch * QKV_TASKS, 0)
+    launch_next(PDL, 2)
     finish_launch(
         epoch_ptr,
         VP,

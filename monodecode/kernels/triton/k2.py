@@ -356,7 +356,7 @@ def k2_kernel(
     D_LO_W: tl.constexpr = 0,
     O_MERGE: tl.constexpr = False,
     D_MERGE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
     PF: tl.constexpr = 0,
     PF_NEXT: tl.constexpr = 0,
     ESIZE: tl.constexpr = 2,
@@ -388,7 +388,7 @@ def k2_kernel(
     O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
     D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
     me = tl.program_id(0)
-    launch_next(PDL)
+    launch_next(PDL, 1)
     if PF > 0:  # o_proj's input is the previous launch's output; its weights are not
         has, n0, k0 = first_tile(me, O_OFF, O_TASKS, O_TILES, O_ROWS, O_K, NPROG)
         prefetch_tile(wo_ptr + k0, n0, HIDDEN, has, Q, O_K, O_ROWS, ESIZE, PF)
@@ -712,6 +712,7 @@ def k2_kernel(
     if PF_NEXT > 0:  # the next layer's K1 streams this first
         has, n0, k0 = first_tile(me, NX_OFF, NX_TASKS, NX_TILES, NX_ROWS, NX_K, NPROG)
         prefetch_tile(next_w_ptr + k0, n0, NX_N, has & (has_next != 0), NX_ROW, NX_K, NX_ROWS, ESIZE, PF_NEXT)
+    launch_next(PDL, 2)
     finish_launch(
         epoch_ptr,
         VP,

@@ -90,9 +90,9 @@ def ka_kernel(
     ONE_PLUS: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
     KA_MIN_CTX: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
-    launch_next(PDL)  # ``overlap.py``: K2 dispatched now, waiting on the device for this launch
+    launch_next(PDL, 1)  # ``overlap.py``: K2 dispatched now, or (2) as this program ends
     await_previous(PDL)
     go = True
     if KA_MIN_CTX > 0:  # both paths built: K1 ran the attention itself unless a row's context is long
@@ -165,3 +165,4 @@ def ka_kernel(
             g = pair % KVH
             for hh in range(G):
                 combine_task(r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, True)
+    launch_next(PDL, 2)

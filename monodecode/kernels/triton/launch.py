@@ -25,7 +25,7 @@ _POLL_SECONDS = 0.5e-6
 
 def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
     opts = {"num_warps": target.warps(width, kernel)}
-    if target.kind == "cuda" and target.pdl:
+    if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
         opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
     # the persistent launches need every program resident; the attention launch (ka) is a plain grid
     if target.kind == "cuda" and target.cooperative and kernel != "ka":

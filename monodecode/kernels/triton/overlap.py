@@ -1,8 +1,8 @@
 """Work a program does before its inputs exist: programmatic dependent launch and L2 prefetch.
 
 ``PDL`` (``Target.pdl``; Hopper and later, CUDA only): every launch is made with programmatic
-stream serialization, and each program's first act is ``launch_dependents``, so the stream's
-next launch is dispatched while this one runs instead of after it has drained. The next
+stream serialization, and each program calls ``launch_dependents`` first (1) or last (2), so the
+stream's next launch is dispatched while this one runs instead of after it has drained. The next
 launch's programs park in ``griddepcontrol.wait`` until this launch has completed and its
 writes are visible, then read anything at all (the epoch counter included); only weights,
 which no launch writes, are touched before that wait. A launch is dispatched only once every
@@ -26,16 +26,17 @@ _CHUNK: tl.constexpr = tl.constexpr(1024)  # prefetched lines per pass (4 per th
 
 
 @triton.jit
-def launch_next(PDL: tl.constexpr):
-    """Let the stream's next launch be dispatched now (its programs wait for this one's end)."""
-    if PDL and not INTERPRET:
+def launch_next(PDL: tl.constexpr, AT: tl.constexpr):
+    """Let the stream's next launch be dispatched now (its programs wait for this one's end),
+    where this is the place ``PDL`` asks for (1: the launch's entry, 2: its programs' end)."""
+    if PDL == AT and not INTERPRET:
         gdc_launch_dependents()
 
 
 @triton.jit
 def await_previous(PDL: tl.constexpr):
     """Wait until the stream's previous launch has completed and its writes are visible."""
-    if PDL and not INTERPRET:
+    if PDL > 0 and not INTERPRET:
         gdc_wait()
 
 
