@@ -156,7 +156,6 @@ def k1_args(
         scratch,
         health,
         prof,
-        L.wo,  # prefetched while the attention runs (``Target.prefetch_next_kib``)
         L.window,
         layer,
         spin_limit,
@@ -167,23 +166,10 @@ def k1_args(
 
 
 def k2_args(
-    L: _Layer,
-    x,
-    attn,
-    out,
-    scratch,
-    health,
-    prof,
-    arrive,
-    layer: int,
-    spin_limit: int,
-    nan_fault: int,
-    dims,
-    following: _Layer | None = None,
+    L: _Layer, x, attn, out, scratch, health, prof, arrive, layer: int, spin_limit: int, nan_fault: int, dims
 ) -> list:
     """Runtime arguments of ``k2_kernel`` in signature order; ``arrive``: the int32 arrival
-    counters of split row tiles (``config.k2_arrive_counters``; at least one); ``following``:
-    the next layer, whose QKV tile K2 prefetches (``Target.prefetch_next_kib``; None: the last)."""
+    counters of split row tiles (``config.k2_arrive_counters``; at least one)."""
     return [
         x,
         attn,
@@ -203,8 +189,6 @@ def k2_args(
         health,
         prof,
         arrive,
-        (following or L).wqkv,
-        int(following is not None),
         layer,
         spin_limit,
         nan_fault,

@@ -134,12 +134,6 @@ class Target:
     # the device for its end, instead of the stream starting the next launch after this one has
     # drained ("": off).
     pdl: str = ""
-    # L2 prefetch (``overlap.prefetch_tile``; CUDA only): before each GEMV stage's wait, a program
-    # asks L2 for at most this many KiB of its first task's weights per matrix (0: never) ...
-    prefetch_kib: int = 0
-    # ... and, once its own GEMV tasks are done, of the next launch's first GEMV task (K1: o_proj's
-    # tile, while the attention runs; K2: the next layer's QKV tile, in the launch's tail).
-    prefetch_next_kib: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -245,6 +239,10 @@ CUDA = Target(
     # 64-row ones split in two or four at 3.1-3.8, as width 1 and cuBLAS do).
     wide_min_rows=64,
     split_k_merge="all",
+    # Runs 55-56 (8 layers, same run): 1B 1k b1/b2/b8 0.46/0.47/0.55 -> 0.45/0.46/0.54 ms, 8B 1k
+    # 1.08-1.09 -> 1.07-1.08 at b1, FP8 b1 0.84 -> 0.83; 8k within 1 %. "entry" was 5-17 % slower
+    # (runs 54-55), and L2 prefetches of each stage's first weights before its wait 2-10 % (run 54).
+    pdl="exit",
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -348,31 +346,12 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
     return fp8 and target.fp8_wide == "pair"
 
 
-def overlap_constexprs(target: Target, fp8: bool) -> dict:
-    """``overlap.py``'s switches for one kernel (CUDA only; the interpreter ignores them)."""
+def pdl_mode(target: Target) -> int:
+    """``overlap.py``'s ``PDL`` constant: 0 off, 1 "entry", 2 "exit" (CUDA only; the interpreter
+    ignores it)."""
     if target.pdl not in ("", "entry", "exit"):
         raise ConfigError(f"triton kernels: pdl must be '', 'entry' or 'exit', got {target.pdl!r}")
-    cuda = target.kind == "cuda"
-    return dict(
-        PDL={"": 0, "entry": 1, "exit": 2}[target.pdl] if cuda else 0,
-        PF=target.prefetch_kib * 1024 if cuda else 0,
-        PF_NEXT=target.prefetch_next_kib * 1024 if cuda else 0,
-        ESIZE=1 if fp8 else 2,
-    )
-
-
-def _next_tile(stage: Stage, n: int, row: int) -> dict:
-    """The geometry of a GEMV stage's first tile that the launch before it prefetches
-    (``overlap.first_tile``): K slice ``t // NX_TILES`` of ``NX_K`` columns, rows of ``NX_ROW``."""
-    return dict(
-        NX_OFF=stage.offset,
-        NX_TASKS=stage.num_tasks,
-        NX_TILES=stage.num_tasks // stage.k_splits,
-        NX_ROWS=stage.rows_per_task,
-        NX_K=stage.k_per_task,
-        NX_ROW=row,
-        NX_N=n,
-    )
+    return {"": 0, "entry": 1, "exit": 2}[target.pdl] if target.kind == "cuda" else 0
 
 
 def _stage(plan: LayerPlan, kernel: str, name: str):
@@ -446,8 +425,7 @@ def k1_constexprs(
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
-        **overlap_constexprs(target, fp8),
-        **_next_tile(_stage(plan, K2, "o_proj"), L.hidden, L.q),
+        PDL=pdl_mode(target),
     )
 
 
@@ -493,7 +471,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ONE_PLUS=dims.norm_one_plus,
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
-        PDL=overlap_constexprs(target, False)["PDL"],
+        PDL=pdl_mode(target),
     )
 
 
@@ -575,8 +553,7 @@ def k2_constexprs(
         GU_ROW0=gu.row0,
         D_K0=dn.k0,
         D_LO_W=_word(plan, "d_lo") if gu_lo else 0,
-        **overlap_constexprs(target, fp8),
-        **_next_tile(_stage(plan, K1, "qkv"), L.qkv, L.hidden),
+        PDL=pdl_mode(target),
     )
 
 

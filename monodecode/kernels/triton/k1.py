@@ -26,7 +26,7 @@ from monodecode.kernels.triton.mailbox import (
     signal_tasks,
     wait_done,
 )
-from monodecode.kernels.triton.overlap import await_previous, first_tile, launch_next, prefetch_tile
+from monodecode.kernels.triton.overlap import await_previous, launch_next
 from monodecode.kernels.triton.timeline import stamp
 
 
@@ -56,7 +56,6 @@ def k1_kernel(
     mbox_ptr,
     health_ptr,
     prof_ptr,
-    next_w_ptr,
     window,
     layer,
     spin_limit,
@@ -108,24 +107,10 @@ def k1_kernel(
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
-    PF: tl.constexpr = 0,
-    PF_NEXT: tl.constexpr = 0,
-    ESIZE: tl.constexpr = 2,
-    NX_OFF: tl.constexpr = 0,
-    NX_TASKS: tl.constexpr = 0,
-    NX_TILES: tl.constexpr = 1,
-    NX_ROWS: tl.constexpr = 0,
-    NX_K: tl.constexpr = 0,
-    NX_ROW: tl.constexpr = 0,
-    NX_N: tl.constexpr = 0,
 ):
-    # PDL, PF, PF_NEXT (``overlap.py``): the next launch dispatched at entry; the QKV stage's first
-    # weights asked of L2 before the wait for the previous launch; K2's first o_proj tile
-    # (``next_w_ptr``, ``NX_*``) once the QKV tasks are done.
+    # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
+    # nothing is read before the previous launch has completed
     launch_next(PDL, 1)
-    if PF > 0:
-        has, n0, _k0 = first_tile(tl.program_id(0), QKV_OFF, QKV_TASKS, QKV_TASKS, QKV_ROWS, 0, NPROG)
-        prefetch_tile(w_ptr, n0, NQKV, has, HIDDEN, HIDDEN, QKV_ROWS, ESIZE, PF)
     await_previous(PDL)
     epoch_ptr = mbox_ptr + EPOCH_W
     # this step's attention runs here, or in the attention launch (``ka.py``; same rule there)
@@ -209,9 +194,6 @@ def k1_kernel(
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, NPROG, PROF)
-    if PF_NEXT > 0:  # K2 streams this first; the attention leaves HBM mostly idle
-        has, n0, k0 = first_tile(tl.program_id(0), NX_OFF, NX_TASKS, NX_TILES, NX_ROWS, NX_K, NPROG)
-        prefetch_tile(next_w_ptr + k0, n0, NX_N, has, NX_ROW, NX_K, NX_ROWS, ESIZE, PF_NEXT)
 
     # stage attn: (row, KV head, context split) partials
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 0, NPROG, PROF)

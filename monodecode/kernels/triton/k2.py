@@ -22,7 +22,7 @@ from monodecode.kernels.triton.mailbox import (
     signal_tasks,
     wait_done,
 )
-from monodecode.kernels.triton.overlap import await_previous, first_tile, launch_next, prefetch_tile
+from monodecode.kernels.triton.overlap import await_previous, launch_next
 from monodecode.kernels.triton.timeline import stamp
 
 
@@ -295,8 +295,6 @@ def k2_kernel(
     health_ptr,
     prof_ptr,
     arrive_ptr,
-    next_w_ptr,
-    has_next,
     layer,
     spin_limit,
     nan_fault,
@@ -357,16 +355,6 @@ def k2_kernel(
     O_MERGE: tl.constexpr = False,
     D_MERGE: tl.constexpr = False,
     PDL: tl.constexpr = 0,
-    PF: tl.constexpr = 0,
-    PF_NEXT: tl.constexpr = 0,
-    ESIZE: tl.constexpr = 2,
-    NX_OFF: tl.constexpr = 0,
-    NX_TASKS: tl.constexpr = 0,
-    NX_TILES: tl.constexpr = 1,
-    NX_ROWS: tl.constexpr = 0,
-    NX_K: tl.constexpr = 0,
-    NX_ROW: tl.constexpr = 0,
-    NX_N: tl.constexpr = 0,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -379,19 +367,11 @@ def k2_kernel(
     # tile to finish sums the tile's partials in slice order (``_merge_tile``) and adds the
     # residual itself, so a split o_proj needs no post stage (NO_POST) and a split down no final
     # one (FINAL off).
-    # PDL, PF, PF_NEXT (``overlap.py``): the next launch dispatched at entry; each GEMV stage's
-    # first weights asked of L2 before its wait; the next layer's first QKV tile (``next_w_ptr``,
-    # ``NX_*``; where ``has_next``) after down.
+    # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2).
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
     D_ARRIVE: tl.constexpr = O_TILES if O_MERGE else 0  # down's arrival counters follow o_proj's
-    O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
-    D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
-    me = tl.program_id(0)
     launch_next(PDL, 1)
-    if PF > 0:  # o_proj's input is the previous launch's output; its weights are not
-        has, n0, k0 = first_tile(me, O_OFF, O_TASKS, O_TILES, O_ROWS, O_K, NPROG)
-        prefetch_tile(wo_ptr + k0, n0, HIDDEN, has, Q, O_K, O_ROWS, ESIZE, PF)
     await_previous(PDL)
     epoch_ptr = mbox_ptr + EPOCH_W
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
@@ -432,6 +412,9 @@ def k2_kernel(
         d_mb = mbox_ptr + D_W
         dlo_mb = mbox_ptr + D_LO_W
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
+    O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
+    D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
+    me = tl.program_id(0)
     rows = tl.arange(0, WP)
     rmask = rows < W
     zero = tl.zeros([WP], dtype=tl.float32)
@@ -540,15 +523,6 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first_lo = (pid - GU_LO_OFF + NPROG) % NPROG
         first_hi = (pid - GU_OFF + NPROG) % NPROG
-        if PF > 0:  # the first task's gate and up rows (of the first half, where halved)
-            if HALVES == 2:
-                n0 = first_lo * GU_ROWS
-                has = first_lo < GU_LO_TASKS
-            else:
-                n0 = GU_ROW0 + first_hi * GU_ROWS
-                has = first_hi < GU_TASKS
-            prefetch_tile(wg_ptr, n0, I, has, HIDDEN, HIDDEN, GU_ROWS, ESIZE, PF)
-            prefetch_tile(wu_ptr, n0, I, has, HIDDEN, HIDDEN, GU_ROWS, ESIZE, PF)
         if (first_lo < GU_LO_TASKS) | (first_hi < GU_TASKS):
             budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
@@ -602,9 +576,6 @@ def k2_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
-        if PF > 0:  # the first task's tile (its first half's columns, where halved)
-            has, n0, k0 = first_tile(pid, D_OFF, D_TASKS, D_TILES, D_ROWS, D_K, NPROG)
-            prefetch_tile(wd_ptr + k0, n0, HIDDEN, has, I, D_K, D_ROWS, ESIZE, PF)
         for part in range(HALVES):
             lo = (HALVES == 2) & (part == 0)
             if first < D_TASKS:
@@ -709,9 +680,6 @@ def k2_kernel(
                 )
         stamp(prof_ptr, layer, me, 1, 4, 2, NPROG, PROF)
 
-    if PF_NEXT > 0:  # the next layer's K1 streams this first
-        has, n0, k0 = first_tile(me, NX_OFF, NX_TASKS, NX_TILES, NX_ROWS, NX_K, NPROG)
-        prefetch_tile(next_w_ptr + k0, n0, NX_N, has & (has_next != 0), NX_ROW, NX_K, NX_ROWS, ESIZE, PF_NEXT)
     launch_next(PDL, 2)
     finish_launch(
         epoch_ptr,

@@ -218,7 +218,6 @@ class TritonKernels(TwoLaunchKernels):
             self.spin_limit,
             nan_fault,
             self.dims,
-            self.layers[layer + 1] if layer + 1 < len(self.layers) else None,
         )
         self._run(1, width, args)
         return out

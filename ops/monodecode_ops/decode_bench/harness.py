@@ -116,14 +116,15 @@ COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt", "s
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
-# launch target of runs 43-49 (widths > 1 on 16/32-row tiles where the rows chooser picks them,
-# split o_proj / down summed by post / final stages); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
+# launch target of runs 50-53 (every launch started by the stream after the one before has
+# drained, no programmatic dependent launch); "runs6-8" an older one (tagged words at width 1, FP8 weights widened to bf16
 # at widths > 1, K chunks that divide K, the rows chooser's whole-wave model, no split-K, the
 # attention loop pipelined 3 deep). Kernel code changes (run 19: relaxed exit atomics, the fused
 # norm's weight pipelined) apply to every variant.
 DEFAULT_VARIANTS = {
-    "before": {"wide_min_rows": 0, "split_k_merge": ""},
+    "before": {"pdl": ""},
     "runs6-8": {
+        "pdl": "",
         "narrow_mailbox": "tagged",
         "narrow_store_1d": False,
         "narrow_task_bytes": 4096,

@@ -90,6 +90,54 @@ def test_launch_exit_atomics_are_relaxed_in_the_compiled_kernels():
         assert any(".release." in a or ".acq_rel." in a for a in atoms[:-6]), name  # hand-offs stay ordered
 
 
+def _ptx_and_meta(name, src, target):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from monodecode.kernels.triton.launch import compile_options
+
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, 2, name))
+    return compiled.asm["ptx"], compiled.metadata
+
+
+def test_programmatic_dependent_launch_waits_before_any_memory_access_and_releases_at_the_end():
+    """``Target.pdl`` (``overlap.py``): with "exit" (the CUDA default) every launch is made with
+    programmatic stream serialization, each kernel waits for the previous launch before its first
+    global memory access (the epoch counter, the step's lengths), and lets the next launch go
+    only after its last hand-off; "" compiles neither. Compiled for sm_90 on the CPU (the H200
+    runs the numerics with it: ``test_triton_numerics``)."""
+    import re
+
+    from monodecode.kernels.triton.sources import kernel_sources
+
+    access = re.compile(r"\b(?:ld|st|atom|red)(?:\.\w+)*\.global\b|\bcp\.async\b")
+    dims = profile_dims("tiny")
+    assert CUDA.pdl == "exit"
+    mplan = plan_for(dims, [2], 8, CUDA)
+    for name, src in kernel_sources(dims, "bf16", 2, 16, mplan, CUDA):
+        ptx, meta = _ptx_and_meta(name, src, CUDA)
+        assert meta.launch_pdl, name
+        assert ptx.count("griddepcontrol.wait;") == 1 and ptx.count("griddepcontrol.launch_dependents;") == 1, name
+        wait, release = ptx.index("griddepcontrol.wait;"), ptx.index("griddepcontrol.launch_dependents;")
+        assert wait < access.search(ptx).start(), (name, "a global access before the wait")
+        ordered = [m.start() for m in re.finditer(r"atom\.global\.(?:release|acq_rel)", ptx)]
+        assert ordered and release > ordered[-1], (name, "the next launch released before a hand-off")
+    off = dataclasses.replace(CUDA, pdl="")
+    for name, src in kernel_sources(dims, "bf16", 2, 16, plan_for(dims, [2], 8, off), off):
+        ptx, meta = _ptx_and_meta(name, src, off)
+        assert not meta.launch_pdl and "griddepcontrol" not in ptx, name
+
+
+def test_pdl_is_refused_in_one_line_and_never_reaches_hip():
+    dims = profile_dims("llama3-8b")
+    plan = plan_for(dims, [8], 132, CUDA).layers[8]
+    with pytest.raises(ConfigError, match="^triton kernels: pdl must be '', 'entry' or 'exit', got 'yes'$"):
+        k2_constexprs(dims, plan, dataclasses.replace(CUDA, pdl="yes"))
+    hip = dataclasses.replace(target_for("hip"), pdl="exit")
+    assert k1_constexprs(dims, plan_for(dims, [1], 304, hip).layers[1], hip, 16)["PDL"] == 0
+    assert k2_constexprs(dims, plan, CUDA)["PDL"] == 2
+
+
 def test_even_waves_skip_the_fp8_pair():
     """Cut tasks save bytes, not matrix instructions: the FP8 pair's plans keep whole tiles (run
     20: FP8 b2-8 2 % slower with them), bf16 and widened FP8 weights get them."""
