@@ -129,6 +129,10 @@ class Target:
     attn_launch_stages: int = 3
     attn_launch_tasks_per_sm: int = 8
     attn_launch_max_splits: int = 32
+    # The tasks per SM above are for heads of this many dimensions; narrower heads get
+    # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
+    # scaled).
+    attn_launch_head_dim: int = 0
     # Programmatic dependent launch (``overlap.py``; CUDA only): each launch lets the next one be
     # dispatched as it starts ("entry") or as its programs end ("exit"), whose programs wait on
     # the device for its end, instead of the stream starting the next launch after this one has
@@ -161,11 +165,15 @@ class Target:
             return self.fp8_split
         return 1
 
-    def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int) -> int:
+    def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
-        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM, at most
-        ``attn_launch_max_splits`` (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8)."""
-        per = max(1, self.attn_launch_tasks_per_sm * num_programs // (width * kv_heads))
+        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM (scaled by ``head_dim``
+        over ``attn_launch_head_dim``), at most ``attn_launch_max_splits`` (8B at 32k on the
+        H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at batch 8)."""
+        per_sm = self.attn_launch_tasks_per_sm
+        if self.attn_launch_head_dim and head_dim:
+            per_sm = max(1, per_sm * head_dim // self.attn_launch_head_dim)
+        per = max(1, per_sm * num_programs // (width * kv_heads))
         s = 1
         while s * 2 <= min(per, self.attn_launch_max_splits):
             s *= 2
@@ -233,6 +241,9 @@ CUDA = Target(
     # 1.76; at 1k 4-7 % slower (one more launch), so only where a layer sees 4096 positions or more.
     attn_launch=True,
     attn_launch_min_context=4096,
+    # Run 52, batch 8: half the splits (4 tasks per SM) 1B 0.80 -> 0.75 ms at 8k, 1.55 -> 1.52 at
+    # 32k; 8B 1.69 -> 1.73 and 3.17 -> 3.51. 1B's heads are 64-dimensional, 8B's 128.
+    attn_launch_head_dim=128,
     # Run 50, widths 2-8 at 1k (8 layers): 64-row tiles with o_proj / down split along K and merged by
     # their last slice: 1B b2 0.57 -> 0.46 ms, b8 0.63 -> 0.53; 8B b2 1.15 -> 1.07, b8 1.25 -> 1.16;
     # FP8 b8 1.25 -> 1.18 (``benchmarks/gemv_probe.py``, run 48: 32-row tiles stream at 2.5-3.1 TB/s,
@@ -458,7 +469,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     L = plan.local
     return dict(
         **_attention_shape(L),
-        S=target.attn_launch_splits(plan.width, L.kv_heads, plan.num_workgroups),
+        S=target.attn_launch_splits(plan.width, L.kv_heads, plan.num_workgroups, L.head_dim),
         BS=block_size,
         BT=target.attn_launch_tile,
         W=plan.width,

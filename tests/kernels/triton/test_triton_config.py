@@ -138,6 +138,21 @@ def test_pdl_is_refused_in_one_line_and_never_reaches_hip():
     assert k2_constexprs(dims, plan, CUDA)["PDL"] == 2
 
 
+def test_attention_launch_splits_keep_a_task_s_bytes_per_position():
+    """Run 52: 1B (64-dimension heads) was faster at batch 8 with half the splits 8B (128) needs;
+    the split count follows the head's bytes, so only narrower heads get fewer, longer tasks."""
+    from monodecode.kernels.triton.config import ka_constexprs
+
+    def splits(profile, width, target=CUDA):
+        dims = profile_dims(profile)
+        return ka_constexprs(dims, plan_for(dims, [width], 132, target).layers[width], target, 16)["S"]
+
+    assert (splits("llama3-1b", 8), splits("llama3-8b", 8)) == (8, 16)
+    assert splits("llama3-1b", 1) == splits("llama3-8b", 1) == CUDA.attn_launch_max_splits
+    unscaled = dataclasses.replace(CUDA, attn_launch_head_dim=0)
+    assert splits("llama3-1b", 8, unscaled) == splits("llama3-8b", 8, unscaled) == 16
+
+
 def test_even_waves_skip_the_fp8_pair():
     """Cut tasks save bytes, not matrix instructions: the FP8 pair's plans keep whole tiles (run
     20: FP8 b2-8 2 % slower with them), bf16 and widened FP8 weights get them."""
