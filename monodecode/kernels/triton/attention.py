@@ -107,46 +107,41 @@ def attn_task(
     qkv_mb,
     acc_mb,
     ml_mb,
-    qnorm_ptr,
-    knorm_ptr,
-    inv_freq_ptr,
-    kc_ptr,
-    vc_ptr,
-    k_sb,
-    k_st,
-    k_sh,
-    v_sb,
-    v_st,
-    v_sh,
-    pos_ptr,
-    slot_ptr,
-    bt_ptr,
-    bt_stride,
-    seq_ptr,
-    window,
+    head,
+    kv,
+    step,
     eps,
     scale,
     tag,
     health_ptr,
     bad_code,
-    NQKV: tl.constexpr,
-    Q: tl.constexpr,
-    KV: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    KVH: tl.constexpr,
-    H: tl.constexpr,
-    S: tl.constexpr,
-    BS: tl.constexpr,
-    BT: tl.constexpr,
+    SHAPE: tl.constexpr,
     QK_NORM: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
 ):
-    """One (row, KV head, split) task; the caller has waited for the qkv stage. ``ATTN_STAGES``:
-    software-pipelining depth of the context loop (block-table, K and V loads in flight)."""
+    """One (row, KV head, split) task; the caller has waited for the qkv stage. Its kernel's
+    arguments come grouped (K1, the attention launch and ``benchmarks/attention_probe.py`` pass
+    the same tuples): ``head`` = (q-norm, k-norm, RoPE inverse frequencies), ``kv`` = (K cache,
+    V cache, their block / token / head strides), ``step`` = (positions, slots, block table, its
+    row stride, sequence lengths, sliding window), ``SHAPE`` = (NQKV, Q, KV, D, G, GP, KVH, H, S,
+    BS, BT) as in ``config._attention_shape``. ``ATTN_STAGES``: software-pipelining depth of the
+    context loop (block-table, K and V loads in flight)."""
+    qnorm_ptr, knorm_ptr, inv_freq_ptr = head
+    kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
+    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step
+    NQKV: tl.constexpr = SHAPE[0]
+    Q: tl.constexpr = SHAPE[1]
+    KV: tl.constexpr = SHAPE[2]
+    D: tl.constexpr = SHAPE[3]
+    G: tl.constexpr = SHAPE[4]
+    GP: tl.constexpr = SHAPE[5]
+    KVH: tl.constexpr = SHAPE[6]
+    H: tl.constexpr = SHAPE[7]
+    S: tl.constexpr = SHAPE[8]
+    BS: tl.constexpr = SHAPE[9]
+    BT: tl.constexpr = SHAPE[10]
     HALF: tl.constexpr = D // 2
     r = t // (KVH * S)
     g = (t // S) % KVH
