@@ -54,8 +54,7 @@ def _compile(job):
     from triton.backends.compiler import GPUTarget
 
     from monodecode.kernels.triton import config as C
-    from monodecode.kernels.triton.config import plan_for
-    from monodecode.kernels.triton.launch import compile_options
+    from monodecode.kernels.triton.config import compile_options, plan_for
     from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 

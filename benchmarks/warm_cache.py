@@ -45,8 +45,7 @@ def _one(job) -> tuple[str, float]:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from monodecode.kernels.triton.config import CUDA, plan_for
-    from monodecode.kernels.triton.launch import compile_options
+    from monodecode.kernels.triton.config import CUDA, compile_options, plan_for
     from monodecode.kernels.triton.sources import kernel_sources
     from monodecode.model.profiles import profile_dims
 

@@ -138,6 +138,10 @@ class Target:
     # the device for its end, instead of the stream starting the next launch after this one has
     # drained ("": off).
     pdl: str = ""
+    # Registers per thread ptxas may use in K1 and K2 (CUDA; 0: its own choice). Each is one
+    # program per SM, so no occupancy is at stake; left to itself ptxas held FP8 width-1 K1 to
+    # 128 registers and spilled (72 bytes) where 148 fit.
+    maxnreg: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -257,6 +261,18 @@ CUDA = Target(
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
+
+
+def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
+    opts = {"num_warps": target.warps(width, kernel)}
+    if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
+        opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
+    if target.kind == "cuda" and target.maxnreg and kernel != "ka":  # the attention launch shares SMs
+        opts["maxnreg"] = target.maxnreg
+    # the persistent launches need every program resident; the attention launch (ka) is a plain grid
+    if target.kind == "cuda" and target.cooperative and kernel != "ka":
+        opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
+    return opts
 
 
 def plan_for(

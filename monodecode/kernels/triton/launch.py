@@ -16,21 +16,18 @@ from monodecode.errors import ConfigError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import TwoLaunchKernels
 from monodecode.kernels.triton.args import k1_args, k2_args, ka_args, kv_strides, pack_layer
-from monodecode.kernels.triton.config import Target, check_dims, constexprs, k2_arrive_counters, plan_for
+from monodecode.kernels.triton.config import (
+    Target,
+    check_dims,
+    compile_options,
+    constexprs,
+    k2_arrive_counters,
+    plan_for,
+)
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
 # the wait timeout in polls.
 _POLL_SECONDS = 0.5e-6
-
-
-def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
-    opts = {"num_warps": target.warps(width, kernel)}
-    if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
-        opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
-    # the persistent launches need every program resident; the attention launch (ka) is a plain grid
-    if target.kind == "cuda" and target.cooperative and kernel != "ka":
-        opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
-    return opts
 
 
 def interpreting() -> bool:

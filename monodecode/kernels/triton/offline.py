@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from monodecode.kernels.triton.config import Target, plan_for
+from monodecode.kernels.triton.config import Target, compile_options, plan_for
 from monodecode.kernels.triton.sources import kernel_sources
 from monodecode.model.dims import ModelDims
 
@@ -113,7 +113,7 @@ def compile_width(
     mplan = plan_for(dims, [width], num_programs, target, fp8=weight_dtype != "bf16")
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
         warps = target.warps(width, name)
-        compiled = triton.compile(src, target=gpu, options={"num_warps": warps})
+        compiled = triton.compile(src, target=gpu, options=compile_options(target, width, name))
         if arch.startswith("gfx"):
             out.append(amd_resources(name, arch, width, warps, compiled))
         else:

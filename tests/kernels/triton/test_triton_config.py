@@ -94,7 +94,7 @@ def _ptx_and_meta(name, src, target):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from monodecode.kernels.triton.launch import compile_options
+    from monodecode.kernels.triton.config import compile_options
 
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, 2, name))
     return compiled.asm["ptx"], compiled.metadata
