@@ -264,6 +264,10 @@ HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_
 
 
 def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
+    """Triton's compile options for ``kernel`` (k1, k2, ka) at ``width``: what the launcher, the
+    cache warmer and the offline compile checks all pass."""
+    if target.maxnreg and not 24 <= target.maxnreg <= 255:
+        raise ConfigError(f"triton kernels: maxnreg must be 0 or 24..255, got {target.maxnreg}")
     opts = {"num_warps": target.warps(width, kernel)}
     if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
         opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)

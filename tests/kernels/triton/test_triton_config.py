@@ -128,11 +128,17 @@ def test_programmatic_dependent_launch_waits_before_any_memory_access_and_releas
         assert not meta.launch_pdl and "griddepcontrol" not in ptx, name
 
 
-def test_pdl_is_refused_in_one_line_and_never_reaches_hip():
+def test_pdl_and_maxnreg_are_refused_in_one_line_and_never_reach_hip():
     dims = profile_dims("llama3-8b")
     plan = plan_for(dims, [8], 132, CUDA).layers[8]
     with pytest.raises(ConfigError, match="^triton kernels: pdl must be '', 'entry' or 'exit', got 'yes'$"):
         k2_constexprs(dims, plan, dataclasses.replace(CUDA, pdl="yes"))
+    from monodecode.kernels.triton.config import compile_options
+
+    with pytest.raises(ConfigError, match="^triton kernels: maxnreg must be 0 or 24..255, got 300$"):
+        compile_options(dataclasses.replace(CUDA, maxnreg=300), 8, "k2")
+    assert compile_options(dataclasses.replace(CUDA, maxnreg=168), 8, "k2")["maxnreg"] == 168
+    assert "maxnreg" not in compile_options(dataclasses.replace(CUDA, maxnreg=168), 8, "ka")  # shares its SMs
     hip = dataclasses.replace(target_for("hip"), pdl="exit")
     assert k1_constexprs(dims, plan_for(dims, [1], 304, hip).layers[1], hip, 16)["PDL"] == 0
     assert k2_constexprs(dims, plan, CUDA)["PDL"] == 2
