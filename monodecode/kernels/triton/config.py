@@ -71,9 +71,15 @@ class Target:
     # runs 9-11).
     narrow_store_1d: bool = False
     # FP8 weights at widths > 1: ``widen`` them to bf16 in front of the bf16 matrix instructions,
-    # or ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
-    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only).
+    # ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
+    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only), or ``f16``: widen
+    # them, and the input, to f16 (``gemv.mma_f16``: one conversion per two weights).
     fp8_wide: str = "widen"
+    # FP8 weights at widths > 1: the largest K chunk (0: the mode's own, which keeps ptxas from
+    # spilling: 512 widened to bf16, 256 the pair, 128 widened to f16) and the pipelining depth
+    # (0: ``wide_stages``).
+    fp8_wide_chunk: int = 0
+    fp8_wide_stages: int = 0
     # Widths > 1: the K chunk of each GEMV stage grows (powers of two, up to 512) until one
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
     # row tiles and 1-byte weights otherwise keep too few bytes in flight to stream at bandwidth.
@@ -146,6 +152,8 @@ class Target:
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
             return self.fp8_narrow_stages
+        if width > 1 and fp8 and self.fp8_wide_stages:
+            return self.fp8_wide_stages
         if width > 1 and self.wide_stages:
             return self.wide_stages
         return self.narrow_stages if width == 1 and self.narrow_stages else self.gemv_stages
@@ -325,9 +333,12 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     inflight = target.wide_inflight_bytes
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
-    # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
-    # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
-    most = 256 if _fp8_pair(target, fp8) else 512
+    # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills (ptxas,
+    # llama3-8b width 8: 255 registers and 288 bytes of spills at 512). Widened FP8 tiles hold
+    # the weights at two bytes: f16 K2 spills 88 bytes at 256 (gate/up's two tiles), none at 128.
+    most = {0: 512, 1: 256, 2: 128}[fp8_wide_mode(target, fp8)]
+    if fp8 and target.fp8_wide_chunk:
+        most = target.fp8_wide_chunk
     while preferred < most and per_chunk * preferred < inflight:
         preferred *= 2
     return k_chunk(k, preferred)
@@ -370,11 +381,20 @@ def qkv_src(target: Target, width: int, tile: int) -> int:
     return 0
 
 
+FP8_WIDE_MODES = {"widen": 0, "pair": 1, "f16": 2}
+
+
+def fp8_wide_mode(target: Target, fp8: bool) -> int:
+    """``gemv``'s ``FP8_WIDE`` for FP8 weights at widths > 1 (``Target.fp8_wide``): 0 widened to
+    bf16, 1 the FP8 pair, 2 widened to f16; 0 for bf16 weights."""
+    if target.fp8_wide not in FP8_WIDE_MODES:
+        raise ConfigError(f"triton kernels: fp8_wide must be 'widen', 'pair' or 'f16', got {target.fp8_wide!r}")
+    return FP8_WIDE_MODES[target.fp8_wide] if fp8 else 0
+
+
 def _fp8_pair(target: Target, fp8: bool) -> bool:
     """Whether FP8 weights take the FP8 pair at widths > 1 (``Target.fp8_wide``)."""
-    if target.fp8_wide not in ("widen", "pair"):
-        raise ConfigError(f"triton kernels: fp8_wide must be 'widen' or 'pair', got {target.fp8_wide!r}")
-    return fp8 and target.fp8_wide == "pair"
+    return fp8_wide_mode(target, fp8) == 1
 
 
 def pdl_mode(target: Target) -> int:
@@ -453,7 +473,7 @@ def k1_constexprs(
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
         QKV_SRC=qkv_src(target, W, qkv.tile),
-        FP8_PAIR=wide and _fp8_pair(target, fp8),
+        FP8_WIDE=fp8_wide_mode(target, fp8) if wide else 0,
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
@@ -575,7 +595,7 @@ def k2_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
-        FP8_PAIR=wide and _fp8_pair(target, fp8),
+        FP8_WIDE=fp8_wide_mode(target, fp8) if wide else 0,
         NO_POST=no_post,
         O_MERGE=o_merge,
         D_MERGE=d_merge,

@@ -22,9 +22,10 @@ The input vector comes from one of three places (``SRC``):
      no post stage normalises it: ``Target.fused_post``).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
-applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
-not widened at all: each input chunk is split into two FP8 tiles that represent it exactly
-(``fp8_pair``) and both go through FP8 matrix instructions with the weights as they are.
+applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 ``FP8_WIDE`` picks how
+(``config.fp8_wide_mode``): 0 to bf16 for bf16 matrix instructions; 1 not at all: each input chunk
+is split into two FP8 tiles that represent it exactly (``fp8_pair``) and both go through FP8
+matrix instructions with the weights as they are; 2 to f16 (``mma_f16``), with the input in f16 too.
 """
 
 import os
@@ -80,6 +81,21 @@ def mma_fp8_pair(w, xb):
     else:
         part = tl.dot(w, tl.trans(hi.to(tl.float8e4nv))) + tl.dot(w, tl.trans(lo.to(tl.float8e4nv))) * 0.0625
     return part * inv[None, :]
+
+
+@triton.jit
+def mma_f16(w, xt, acc):
+    """acc + w @ xt for e4m3 ``w`` and bf16 ``xt`` through f16 matrix instructions, fp32 accumulation.
+
+    Every e4m3 value is exact in f16, and widening it is one conversion per two weights on
+    Hopper (to bf16 it is three, on the same pipe as the FP8 pair's). A bf16 input is exact in
+    f16 from 2^-17 to 65504 in magnitude, so the products, and the sum, are those of the bf16
+    path; smaller ones round (their products are below 2^-24 of the weight), larger ones become
+    inf, which ``gemv_task`` catches and answers with the bf16 path."""
+    if INTERPRET:
+        return tl.dot(w.to(tl.float16).to(tl.float32), xt.to(tl.float16).to(tl.float32), acc)
+    else:
+        return tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
 
 
 @triton.jit
@@ -146,9 +162,11 @@ def _input_chunk(
 
 
 @triton.jit
-def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr):
-    if DOT and FP8_PAIR:
+def _mac(acc, w, xb, DOT: tl.constexpr, FP8_WIDE: tl.constexpr):
+    if DOT and FP8_WIDE == 1:
         acc += mma_fp8_pair(w, xb)
+    elif DOT and FP8_WIDE == 2:
+        acc = mma_f16(w, tl.trans(xb), acc)
     elif DOT:
         acc = mma(w, tl.trans(xb), acc)
     else:
@@ -184,6 +202,68 @@ def row_rstd(
 
 
 @triton.jit
+def _k_loop(
+    wrow1,
+    wrow2,
+    nmask,
+    x_ptr,
+    x_stride,
+    rows,
+    rmask,
+    norm_ptr,
+    rstd,
+    tag,
+    K: tl.constexpr,
+    WP: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SRC: tl.constexpr,
+    TWO: tl.constexpr,
+    ONE_PLUS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FP8_WIDE: tl.constexpr,
+):
+    """The task's pipelined K loop over its weight rows (``wrow*``: each row's first weight):
+    (acc1, acc2, bad, ss) as ``gemv_task`` describes them."""
+    DOT: tl.constexpr = WP > 1
+    NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
+    kcol = tl.arange(0, BK)
+    wp1 = wrow1[:, None] + kcol[None, :]
+    wp2 = wrow2[:, None] + kcol[None, :]
+    if DOT:
+        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
+        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
+    else:
+        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
+        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
+    bad = tl.zeros([WP, BK], dtype=tl.int32)
+    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
+    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
+        for sp in tl.static_range(SPLIT):
+            kc = kk * SPLIT + sp
+            if K % BK == 0:
+                wmask = nmask[:, None]
+            else:
+                wmask = nmask[:, None] & (kc * BK + kcol < K)[None, :]
+            w1 = tl.load(wp1 + kc * BK, mask=wmask, other=0.0)
+            if TWO:
+                w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
+            xb, bad, ss = _input_chunk(
+                x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K
+            )
+            acc1 = _mac(acc1, w1, xb, DOT, FP8_WIDE)
+            if TWO:
+                acc2 = _mac(acc2, w2, xb, DOT, FP8_WIDE)
+    return acc1, acc2, bad, ss
+
+
+@triton.jit
+def _nonfinite(acc):
+    return tl.sum(tl.ravel(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32)), axis=0)
+
+
+@triton.jit
 def gemv_task(
     w1_ptr,
     s1_ptr,
@@ -210,49 +290,37 @@ def gemv_task(
     ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT: tl.constexpr = 1,
-    FP8_PAIR: tl.constexpr = False,
+    FP8_WIDE: tl.constexpr = 0,
     W_STRIDE: tl.constexpr = 0,
     ROWS: tl.constexpr = 0,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
-    weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
-    > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
-    over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``.
-    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
+    weights, with the accumulator still one chunk wide). ``FP8_WIDE``: how FP8 weights meet the
+    input at widths > 1 (module docstring). ``W_STRIDE``: the weights' row stride when the task
+    reduces over one K slice of the rows (split-K; the pointers then start at the slice); 0:
+    ``K``. ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
     DOT: tl.constexpr = WP > 1
-    NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
+    FALLBACK_BK: tl.constexpr = BK if BK < 64 else 64
     n, nmask = task_rows(n0, N, BN, ROWS)
     rows = tl.arange(0, WP)
     rmask = rows < W
-    kcol = tl.arange(0, BK)
     ROW: tl.constexpr = W_STRIDE if W_STRIDE else K
-    wp1 = w1_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
-    wp2 = w2_ptr + n[:, None].to(tl.int64) * ROW + kcol[None, :]
-    if DOT:
-        acc1 = tl.zeros([BN, WP], dtype=tl.float32)
-        acc2 = tl.zeros([BN, WP], dtype=tl.float32)
-    else:
-        acc1 = tl.zeros([BN, BK], dtype=tl.float32)
-        acc2 = tl.zeros([BN, BK], dtype=tl.float32)
-    bad = tl.zeros([WP, BK], dtype=tl.int32)
-    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
-    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
-        for sp in tl.static_range(SPLIT):
-            kc = kk * SPLIT + sp
-            if K % BK == 0:
-                wmask = nmask[:, None]
-            else:
-                wmask = nmask[:, None] & (kc * BK + kcol < K)[None, :]
-            w1 = tl.load(wp1 + kc * BK, mask=wmask, other=0.0)
-            if TWO:
-                w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
-            xb, bad, ss = _input_chunk(
-                x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K
-            )
-            acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
-            if TWO:
-                acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
+    wrow1 = w1_ptr + n.to(tl.int64) * ROW
+    wrow2 = w2_ptr + n.to(tl.int64) * ROW
+    acc1, acc2, bad, ss = _k_loop(
+        wrow1, wrow2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
+        K, WP, BN, BK, SRC, TWO, ONE_PLUS, NUM_STAGES, SPLIT, FP8_WIDE,
+    )  # fmt: skip
+    if DOT and FP8 and FP8_WIDE == 2:
+        # an input beyond f16's range (``mma_f16``) left inf or NaN: the task again, widened to
+        # bf16 (an input that is itself not finite takes this path too, to the same result), in
+        # small unpipelined chunks: it is rare, and must not cost the f16 loop registers
+        if _nonfinite(acc1) + _nonfinite(acc2) > 0:
+            acc1, acc2, _bad, _ss = _k_loop(
+                wrow1, wrow2, nmask, x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag,
+                K, WP, BN, FALLBACK_BK, SRC, TWO, ONE_PLUS, 1, 1, 0,
+            )  # fmt: skip
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)
