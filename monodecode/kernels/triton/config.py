@@ -72,12 +72,11 @@ class Target:
     narrow_store_1d: bool = False
     # FP8 weights at widths > 1: ``widen`` them to bf16 in front of the bf16 matrix instructions,
     # ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
-    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only), or ``f16``: widen
-    # them, and the input, to f16 (``gemv.mma_f16``: one conversion per two weights).
+    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only), or ``pair_row``:
+    # the same with one scale per row and task (``gemv.pair_row_scales``).
     fp8_wide: str = "widen"
     # FP8 weights at widths > 1: the largest K chunk (0: the mode's own, which keeps ptxas from
-    # spilling: 512 widened to bf16, 256 the pair, 128 widened to f16) and the pipelining depth
-    # (0: ``wide_stages``).
+    # spilling: 256 with the pair, else 512) and the pipelining depth (0: ``wide_stages``).
     fp8_wide_chunk: int = 0
     fp8_wide_stages: int = 0
     # Widths > 1: the K chunk of each GEMV stage grows (powers of two, up to 512) until one
@@ -334,9 +333,8 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills (ptxas,
-    # llama3-8b width 8: 255 registers and 288 bytes of spills at 512). Widened FP8 tiles hold
-    # the weights at two bytes: f16 K2 spills 88 bytes at 256 (gate/up's two tiles), none at 128.
-    most = {0: 512, 1: 256, 2: 128}[fp8_wide_mode(target, fp8)]
+    # llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
+    most = 256 if _fp8_pair(target, fp8) else 512
     if fp8 and target.fp8_wide_chunk:
         most = target.fp8_wide_chunk
     while preferred < most and per_chunk * preferred < inflight:
@@ -381,20 +379,20 @@ def qkv_src(target: Target, width: int, tile: int) -> int:
     return 0
 
 
-FP8_WIDE_MODES = {"widen": 0, "pair": 1, "f16": 2}
+FP8_WIDE_MODES = {"widen": 0, "pair": 1, "pair_row": 2}
 
 
 def fp8_wide_mode(target: Target, fp8: bool) -> int:
     """``gemv``'s ``FP8_WIDE`` for FP8 weights at widths > 1 (``Target.fp8_wide``): 0 widened to
-    bf16, 1 the FP8 pair, 2 widened to f16; 0 for bf16 weights."""
+    bf16, 1 the FP8 pair, 2 the pair with one scale per row and task; 0 for bf16 weights."""
     if target.fp8_wide not in FP8_WIDE_MODES:
-        raise ConfigError(f"triton kernels: fp8_wide must be 'widen', 'pair' or 'f16', got {target.fp8_wide!r}")
+        raise ConfigError(f"triton kernels: fp8_wide must be 'widen', 'pair' or 'pair_row', got {target.fp8_wide!r}")
     return FP8_WIDE_MODES[target.fp8_wide] if fp8 else 0
 
 
 def _fp8_pair(target: Target, fp8: bool) -> bool:
-    """Whether FP8 weights take the FP8 pair at widths > 1 (``Target.fp8_wide``)."""
-    return fp8_wide_mode(target, fp8) == 1
+    """Whether FP8 weights take the FP8 pair (either scale) at widths > 1 (``Target.fp8_wide``)."""
+    return fp8_wide_mode(target, fp8) > 0
 
 
 def pdl_mode(target: Target) -> int:
