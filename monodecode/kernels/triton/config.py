@@ -71,13 +71,10 @@ class Target:
     # runs 9-11).
     narrow_store_1d: bool = False
     # FP8 weights at widths > 1: ``widen`` them to bf16 in front of the bf16 matrix instructions,
-    # ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
-    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only), or ``pair_row``:
-    # the same with one scale per row and task (``gemv.pair_row_scales``).
+    # or ``pair``: split each input chunk into two exact FP8 tiles and use FP8 matrix instructions
+    # on the weights as loaded (``gemv.mma_fp8_pair``; e4m3fn, so CUDA only).
     fp8_wide: str = "widen"
-    # FP8 weights at widths > 1: the largest K chunk (0: the mode's own, which keeps ptxas from
-    # spilling: 256 with the pair, else 512) and the pipelining depth (0: ``wide_stages``).
-    fp8_wide_chunk: int = 0
+    # The pipelining depth of FP8 GEMVs at widths > 1 (0: ``wide_stages``).
     fp8_wide_stages: int = 0
     # Widths > 1: the K chunk of each GEMV stage grows (powers of two, up to 512) until one
     # matrix's pipelined tiles hold this many bytes per program (0: always ``bk_wide``). Narrow
@@ -332,11 +329,9 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     inflight = target.wide_inflight_bytes
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
-    # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills (ptxas,
-    # llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
+    # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
+    # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
-    if fp8 and target.fp8_wide_chunk:
-        most = target.fp8_wide_chunk
     while preferred < most and per_chunk * preferred < inflight:
         preferred *= 2
     return k_chunk(k, preferred)
@@ -379,20 +374,11 @@ def qkv_src(target: Target, width: int, tile: int) -> int:
     return 0
 
 
-FP8_WIDE_MODES = {"widen": 0, "pair": 1, "pair_row": 2}
-
-
-def fp8_wide_mode(target: Target, fp8: bool) -> int:
-    """``gemv``'s ``FP8_WIDE`` for FP8 weights at widths > 1 (``Target.fp8_wide``): 0 widened to
-    bf16, 1 the FP8 pair, 2 the pair with one scale per row and task; 0 for bf16 weights."""
-    if target.fp8_wide not in FP8_WIDE_MODES:
-        raise ConfigError(f"triton kernels: fp8_wide must be 'widen', 'pair' or 'pair_row', got {target.fp8_wide!r}")
-    return FP8_WIDE_MODES[target.fp8_wide] if fp8 else 0
-
-
 def _fp8_pair(target: Target, fp8: bool) -> bool:
-    """Whether FP8 weights take the FP8 pair (either scale) at widths > 1 (``Target.fp8_wide``)."""
-    return fp8_wide_mode(target, fp8) > 0
+    """Whether FP8 weights take the FP8 pair at widths > 1 (``Target.fp8_wide``)."""
+    if target.fp8_wide not in ("widen", "pair"):
+        raise ConfigError(f"triton kernels: fp8_wide must be 'widen' or 'pair', got {target.fp8_wide!r}")
+    return fp8 and target.fp8_wide == "pair"
 
 
 def pdl_mode(target: Target) -> int:
@@ -471,7 +457,7 @@ def k1_constexprs(
         ATTN_STAGES=target.attention_stages(W),
         STORE_1D=target.narrow_store_1d,
         QKV_SRC=qkv_src(target, W, qkv.tile),
-        FP8_WIDE=fp8_wide_mode(target, fp8) if wide else 0,
+        FP8_PAIR=wide and _fp8_pair(target, fp8),
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
@@ -593,7 +579,7 @@ def k2_constexprs(
         FLAT=target.flatten,
         BF16MB=plan.mailbox == "bf16",
         PROF=prof,
-        FP8_WIDE=fp8_wide_mode(target, fp8) if wide else 0,
+        FP8_PAIR=wide and _fp8_pair(target, fp8),
         NO_POST=no_post,
         O_MERGE=o_merge,
         D_MERGE=d_merge,

@@ -22,11 +22,9 @@ The input vector comes from one of three places (``SRC``):
      no post stage normalises it: ``Target.fused_post``).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
-applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 ``FP8_WIDE`` says how
-(``config.fp8_wide_mode``): 0 widened to bf16; 1 not at all: each input chunk is split into two
-FP8 tiles that represent it (``fp8_pair``) and both go through FP8 matrix instructions with the
-weights as they are; 2 the same with one scale per row for the whole task (``pair_row_scales``),
-found in a pass over the input first, so the chunks need no cross-thread maximum.
+applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
+not widened at all: each input chunk is split into two FP8 tiles that represent it exactly
+(``fp8_pair``) and both go through FP8 matrix instructions with the weights as they are.
 """
 
 import os
@@ -51,25 +49,6 @@ def mma(a, b, acc):
 
 
 @triton.jit
-def pair_scale(xmax):
-    """(scale, inv) of ``fp8_pair`` for rows whose largest magnitude is ``xmax``: the power of
-    two that puts it in [128, 256), and its inverse (1 for rows of zeros)."""
-    ebits = (xmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    ok = ebits >= 8
-    scale = tl.where(ok, ((261 - ebits) << 23).to(tl.float32, bitcast=True), 1.0)  # 2^(7 - e)
-    inv = tl.where(ok, ((ebits - 7) << 23).to(tl.float32, bitcast=True), 1.0)
-    return scale, inv
-
-
-@triton.jit
-def pair_split(v):
-    """``v`` (|v| < 256) as ``hi + lo / 16``: hi its top 4 significant bits (a mask: truncation,
-    so |hi| <= 240 < 448), lo the rest times 16 (at most 4 more bits of a bf16 value)."""
-    hi = (v.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # sign, exponent, 3 bits
-    return hi, (v - hi) * 16.0
-
-
-@triton.jit
 def fp8_pair(xb):
     """bf16 ``xb[WP, BK]`` as ``(hi + lo / 16) * inv[:, None]``, with hi and lo exact in e4m3.
 
@@ -79,33 +58,28 @@ def fp8_pair(xb):
     ``|lo| < 256``). Only elements below e4m3's smallest normal (2^-6 after scaling, about
     6e-5 of the row's largest) lose bits. Rows of zeros keep scale 1."""
     xf = xb.to(tl.float32)
-    scale, inv = pair_scale(tl.max(tl.abs(xf), axis=1))
-    hi, lo = pair_split(xf * scale[:, None])
+    ebits = (tl.max(tl.abs(xf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    ok = ebits >= 8
+    scale = tl.where(ok, ((261 - ebits) << 23).to(tl.float32, bitcast=True), 1.0)  # 2^(7 - e)
+    inv = tl.where(ok, ((ebits - 7) << 23).to(tl.float32, bitcast=True), 1.0)
+    v = xf * scale[:, None]
+    hi = (v.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # sign, exponent, 3 bits
+    lo = (v - hi) * 16.0
     return hi, lo, inv
 
 
 @triton.jit
-def _pair_products(w, hi, lo):
-    if INTERPRET:
-        wf = w.to(tl.float32)
-        return tl.dot(wf, tl.trans(hi)) + tl.dot(wf, tl.trans(lo)) * 0.0625
-    else:
-        return tl.dot(w, tl.trans(hi.to(tl.float8e4nv))) + tl.dot(w, tl.trans(lo.to(tl.float8e4nv))) * 0.0625
-
-
-@triton.jit
-def mma_fp8_pair(w, xb, scale, ROW_SCALE: tl.constexpr):
+def mma_fp8_pair(w, xb):
     """``w[BN, BK] @ xb[WP, BK]^T`` in fp32 for e4m3 ``w`` without widening it: two FP8 matrix
     products over ``fp8_pair(xb)``, each chunk's products summed from zero (Hopper's FP8
-    accumulator keeps fewer bits than fp32, so it never carries the running total).
-    ``ROW_SCALE``: the rows' scale is ``scale`` (``pair_row_scales``), and the products are left
-    scaled by it (the task unscales its sum once)."""
-    if ROW_SCALE:
-        hi, lo = pair_split(xb.to(tl.float32) * scale[:, None])
-        return _pair_products(w, hi, lo)
+    accumulator keeps fewer bits than fp32, so it never carries the running total)."""
+    hi, lo, inv = fp8_pair(xb)
+    if INTERPRET:
+        wf = w.to(tl.float32)
+        part = tl.dot(wf, tl.trans(hi)) + tl.dot(wf, tl.trans(lo)) * 0.0625
     else:
-        hi, lo, inv = fp8_pair(xb)
-        return _pair_products(w, hi, lo) * inv[None, :]
+        part = tl.dot(w, tl.trans(hi.to(tl.float8e4nv))) + tl.dot(w, tl.trans(lo.to(tl.float8e4nv))) * 0.0625
+    return part * inv[None, :]
 
 
 @triton.jit
@@ -172,9 +146,9 @@ def _input_chunk(
 
 
 @triton.jit
-def _mac(acc, w, xb, pscale, DOT: tl.constexpr, FP8_WIDE: tl.constexpr):
-    if DOT and FP8_WIDE > 0:
-        acc += mma_fp8_pair(w, xb, pscale, FP8_WIDE == 2)
+def _mac(acc, w, xb, DOT: tl.constexpr, FP8_PAIR: tl.constexpr):
+    if DOT and FP8_PAIR:
+        acc += mma_fp8_pair(w, xb)
     elif DOT:
         acc = mma(w, tl.trans(xb), acc)
     else:
@@ -210,22 +184,6 @@ def row_rstd(
 
 
 @triton.jit
-def pair_row_scales(
-    x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag, K: tl.constexpr, WP: tl.constexpr, BK: tl.constexpr,
-    SRC: tl.constexpr, ONE_PLUS: tl.constexpr, NUM_STAGES: tl.constexpr,
-):  # fmt: skip
-    """``pair_scale`` of each row's largest magnitude over the task's whole input (the values
-    ``_input_chunk`` gives the K loop; a pipelined pass, elementwise until one reduction)."""
-    xmax = tl.zeros([WP, BK], dtype=tl.float32)
-    bad = tl.zeros([WP, BK], dtype=tl.int32)  # the K loop checks the tags and sums the squares
-    ss = tl.zeros([WP, BK], dtype=tl.float32)
-    for kc in tl.range(0, (K + BK - 1) // BK, num_stages=NUM_STAGES):
-        xb, bad, ss = _input_chunk(x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K)
-        xmax = tl.maximum(xmax, tl.abs(xb.to(tl.float32)))
-    return pair_scale(tl.max(xmax, axis=1))
-
-
-@triton.jit
 def gemv_task(
     w1_ptr,
     s1_ptr,
@@ -252,14 +210,14 @@ def gemv_task(
     ONE_PLUS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT: tl.constexpr = 1,
-    FP8_WIDE: tl.constexpr = 0,
+    FP8_PAIR: tl.constexpr = False,
     W_STRIDE: tl.constexpr = 0,
     ROWS: tl.constexpr = 0,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
-    weights, with the accumulator still one chunk wide). ``FP8_WIDE``: how FP8 weights meet the
-    input at widths > 1 (module docstring). ``W_STRIDE``: the weights' row stride when the task reduces
+    weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
+    > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
     over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``.
     ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
     DOT: tl.constexpr = WP > 1
@@ -279,12 +237,6 @@ def gemv_task(
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
     ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
-    pscale = tl.zeros([WP], dtype=tl.float32)
-    pinv = tl.zeros([WP], dtype=tl.float32)
-    if DOT and FP8_WIDE == 2:
-        pscale, pinv = pair_row_scales(
-            x_ptr, x_stride, rows, rmask, norm_ptr, rstd, tag, K, WP, BK, SRC, ONE_PLUS, NUM_STAGES
-        )
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
@@ -298,18 +250,15 @@ def gemv_task(
             xb, bad, ss = _input_chunk(
                 x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K
             )
-            acc1 = _mac(acc1, w1, xb, pscale, DOT, FP8_WIDE)
+            acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
-                acc2 = _mac(acc2, w2, xb, pscale, DOT, FP8_WIDE)
+                acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
         if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)
     if DOT:
         y1 = acc1
         y2 = acc2
-        if FP8_WIDE == 2:  # ``pair_row_scales``' scale undone (a power of two: exact)
-            y1 = y1 * pinv[None, :]
-            y2 = y2 * pinv[None, :]
     else:
         y1 = tl.sum(acc1, axis=1)[:, None]
         y2 = tl.sum(acc2, axis=1)[:, None]

@@ -101,7 +101,7 @@ def k1_kernel(
     PROF: tl.constexpr = False,
     ATTN_STAGES: tl.constexpr = 1,
     STORE_1D: tl.constexpr = False,
-    FP8_WIDE: tl.constexpr = 0,
+    FP8_PAIR: tl.constexpr = False,
     QKV_SRC: tl.constexpr = 0,
     QKV_ROWS: tl.constexpr = 0,
     ATTN_LAUNCH: tl.constexpr = False,
@@ -175,7 +175,7 @@ def k1_kernel(
                 ONE_PLUS,
                 NUM_STAGES,
                 SPLIT,
-                FP8_WIDE,
+                FP8_PAIR,
                 0,
                 QKV_ROWS,
             )

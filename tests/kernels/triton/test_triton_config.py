@@ -26,9 +26,7 @@ def test_tensor_parallel_plans_are_refused_in_one_line(split_k):
 
 
 def test_bad_target_fields_are_refused_in_one_line():
-    with pytest.raises(
-        ConfigError, match="^triton kernels: fp8_wide must be 'widen', 'pair' or 'pair_row', got 'fp16'$"
-    ):
+    with pytest.raises(ConfigError, match="^triton kernels: fp8_wide must be 'widen' or 'pair', got 'fp16'$"):
         plan_for(profile_dims("llama3-8b"), [2], 132, dataclasses.replace(CUDA, fp8_wide="fp16"), fp8=True)
     with pytest.raises(ConfigError, match="^triton kernels: no target for platform kind 'tpu'$"):
         target_for("tpu")

@@ -71,8 +71,6 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
         if "_widen" in name:
             target = dataclasses.replace(target, fp8_wide="widen")
-        if "_pair_row" in name:
-            target = dataclasses.replace(target, fp8_wide="pair_row")
         if "_deferred" in name:  # rstd applied to the QKV result on these narrow wide tiles too
             target = dataclasses.replace(target, deferred_rstd_min_rows=0)
         if "_rowpass" in name:
@@ -106,8 +104,8 @@ CHILD = textwrap.dedent(
             assert tk.arm_fault(Fault(kind="stall", layer=0))
         cut = [st for st in tk.plan.layers[widths[0]].k1 + tk.plan.layers[widths[0]].k2 if st.tile_rows]
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
-        mode = 0 if wd != "fp8" or widths[0] == 1 or "_widen" in name else 2 if "_pair_row" in name else 1
-        assert all(c["FP8_WIDE"] == mode for c in tk.consts[widths[0]][:2])
+        pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
+        assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]][:2])
         # the pre-norm: rstd deferred to the QKV result at width 1, on wide tiles of 64 rows and
         # where forced, else a pass over the row first
         c1 = tk.consts[widths[0]][0]
@@ -178,8 +176,7 @@ CHILD = textwrap.dedent(
 # "llama_*" run a Llama-style layer (no post norms, SiLU); mailbox format (``plan.MAILBOX_FORMATS``):
 # the "*_tagged" runs repeat a bf16-mailbox run with the tagged words and must give the same bits;
 # "*_store1d" repeats one with ``narrow_store_1d``; "*_widen" runs FP8 weights at widths > 1 widened
-# to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default, "*_pair_row" take
-# the pair with one scale per row and task (``pair_row``); "*_bt16" take
+# to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
 # tiny's layers are all sliding, two tiles at most); the pre-norm's rstd goes to the QKV result
 # (``Target.deferred_rstd``) at width 1 and on 64-row tiles, "*_deferred" also on narrower ones
@@ -204,7 +201,6 @@ RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("w3_fp8_widen", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("w3_fp8_pair_row", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("padded", "bf16", [3], 2, 2, [16, 33], "planes", 0, "tiny", "bf16"),
     ("w2_vllm_kv", "bf16", [2], 2, 2, [30, 49], "interleaved", 0, "tiny", "bf16"),
     ("w2_vllm_kv_lbhnc", "bf16", [2], 2, 1, [30, 49], "head_major", 0, "tiny", "bf16"),
@@ -368,12 +364,11 @@ def test_fp8_pair_is_exact_against_widened_weights(results):
     the outputs by about 2 %."""
     import torch
 
-    for name in ("w3_fp8", "w3_fp8_pair_row"):
-        for layer, (a, b) in enumerate(zip(results[name]["bits"], results["w3_fp8_widen"]["bits"], strict=True)):
-            pair = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
-            widened = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
-            rel = float((pair - widened).norm() / widened.norm())
-            assert rel <= 2e-3, f"{name} layer {layer}: pair vs widened {rel:.2e}"
+    for layer, (a, b) in enumerate(zip(results["w3_fp8"]["bits"], results["w3_fp8_widen"]["bits"], strict=True)):
+        pair = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
+        widened = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
+        rel = float((pair - widened).norm() / widened.norm())
+        assert rel <= 2e-3, f"layer {layer}: pair vs widened {rel:.2e}"
 
 
 def test_attention_launch_changes_only_the_summation_order(results):
