@@ -174,6 +174,25 @@ def test_even_waves_skip_the_fp8_pair():
     assert not cut(dataclasses.replace(CUDA, wide_even_waves=False), fp8=False)
 
 
+def test_fp8_wide_stages_reach_only_fp8_gemvs_at_widths_above_1():
+    """``Target.fp8_wide_stages`` pipelines FP8 GEMVs at widths > 1 only: BF16 weights and width
+    1's FMA tiles keep their own depth (run 60 timed it against the default)."""
+    dims = profile_dims("llama3-8b")
+    three = dataclasses.replace(CUDA, fp8_wide_stages=3)
+
+    def stages(target, width, fp8):
+        plan = plan_for(dims, [width], 132, target, fp8=fp8).layers[width]
+        return (
+            k1_constexprs(dims, plan, target, 16, fp8=fp8)["NUM_STAGES"],
+            k2_constexprs(dims, plan, target, fp8=fp8)["NUM_STAGES"],
+        )
+
+    assert stages(three, 8, True) == (3, 3)
+    assert stages(CUDA, 8, True) == (CUDA.gemv_stages, CUDA.gemv_stages)
+    assert stages(three, 8, False) == stages(CUDA, 8, False)
+    assert stages(three, 1, True) == stages(CUDA, 1, True) == (CUDA.fp8_narrow_stages,) * 2
+
+
 def test_deferred_rstd_only_at_width_1_and_on_warp_group_tiles():
     """``qkv_src``: the pre-norm's rstd goes to the QKV result at width 1 and on tiles of at least
     ``deferred_rstd_min_rows`` (64-row tiles, every wide tile since ``wide_min_rows`` is 64), not
