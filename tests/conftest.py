@@ -15,6 +15,53 @@ except importlib.metadata.PackageNotFoundError:
     collect_ignore = ["vllm"]
 
 
+# `make test` runs the suites on 2 pytest-xdist workers with `--dist loadfile`: each test module
+# runs whole on one worker, so its module-scoped fixtures (compiled kernels, built images, started
+# servers) are made once and its tests keep their order. On top of that, the modules below form
+# one unit (SERIAL_GROUP) that runs module after module on one worker: they start real `vllm
+# serve` fleets (the `e2e` mark) or drive the shared Docker engine (the `docker` mark), so two
+# fleets, or a fleet and an image build, never compete for the 2 cores inside their start-up
+# timeouts, and the docker tests (one engine, dangling-image prunes) never overlap.
+# (xdist's `--dist loadgroup` cannot do this here: xdist 3.8 renames the node ids through
+# `Item._nodeid`, which pytest 9 no longer reads, so every test would be its own group.)
+# A worker refuses to run an `e2e` or `docker` test from a module missing here.
+SERIAL_GROUP = "e2e-docker"
+SERIAL_MODULES = frozenset(
+    {
+        "tests/e2e/test_drain_e2e.py",
+        "tests/e2e/test_serve_e2e.py",
+        "tests/ops/test_build_cli.py",
+        "tests/ops/test_build_outputs.py",
+        "tests/ops/test_images.py",
+    }
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileSerialGroup(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return SERIAL_GROUP if module in SERIAL_MODULES else module
+
+    return LoadFileSerialGroup(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if (item.get_closest_marker("e2e") or item.get_closest_marker("docker")) and module not in SERIAL_MODULES:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked e2e/docker but {module} is not in SERIAL_MODULES (tests/conftest.py)"
+            )
+
+
 @pytest.fixture(scope="module")
 def torch_one_thread():
     """Run a module's small torch ops on one intra-op thread.
@@ -30,17 +77,45 @@ def torch_one_thread():
     torch.set_num_threads(before)
 
 
+def _measured_here() -> dict[str, dict[str, float]]:
+    """The ``MEASURED`` dicts of the test modules this process imported: {module: {key: value}}."""
+    import sys
+
+    out = {}
+    for name, module in sys.modules.items():
+        measured = getattr(module, "MEASURED", None) if name.startswith(("test_", "tests.")) else None
+        if isinstance(measured, dict) and measured:
+            out[name] = {str(k): float(v) for k, v in measured.items()}
+    return out
+
+
+# Under pytest-xdist (`make test` runs the main suite with -n 2) the tests run in worker processes:
+# each worker hands its MEASURED dicts to the controller, which prints them all at the end.
+_MEASURED_FROM_WORKERS: dict[str, dict[str, float]] = {}
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["monodecode_measured"] = _measured_here()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for name, measured in (getattr(node, "workeroutput", None) or {}).get("monodecode_measured", {}).items():
+        merged = _MEASURED_FROM_WORKERS.setdefault(name, {})
+        for key, value in measured.items():  # a module split over workers: each key's worst value
+            merged[key] = max(value, merged.get(key, value))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print the numeric differences tests recorded (``MEASURED`` dicts), so a CI log shows how
     close each comparison came to its tolerance, not just that it passed."""
-    import sys
-
-    for name, module in sorted(sys.modules.items()):
-        measured = getattr(module, "MEASURED", None) if name.startswith(("test_", "tests.")) else None
-        if isinstance(measured, dict) and measured:
-            terminalreporter.section(f"measured differences ({name})")
-            for key in sorted(measured):
-                terminalreporter.write_line(f"  {key:40s} {measured[key]:.3g}")
+    everything = {**_MEASURED_FROM_WORKERS, **_measured_here()}
+    for name, measured in sorted(everything.items()):
+        terminalreporter.section(f"measured differences ({name})")
+        for key in sorted(measured):
+            terminalreporter.write_line(f"  {key:40s} {measured[key]:.3g}")
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@
 #   1. TORCH_SPEC (pip on these machines takes the pinned torch from local disk),
 #   2. DIST_SPEC --no-deps (the real vLLM wheel from PyPI),
 #   3. every other requirement DIST_NAME declares, read from its own metadata, except the
-#      skipped names (lower case), constrained to TORCH_SPEC, plus pytest.
+#      skipped names (lower case), constrained to TORCH_SPEC, plus pytest (with the timeout and
+#      xdist plugins `make test` uses).
 install_vllm_venv() {
   local venv=$1 python=$2 torch_spec=$3 dist_spec=$4 dist_name=$5 skip=$6
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
@@ -30,6 +31,6 @@ for line in md.requires(os.environ["DIST"]) or []:
         continue
     print(str(req).split(";")[0])
 PYEOF
-  "${pip[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3'
+  "${pip[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6'
   rm -f "$reqs" "$cons"
 }
