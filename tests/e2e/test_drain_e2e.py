@@ -103,5 +103,8 @@ def test_sigterm_drains_the_request_in_flight_with_the_charts_timeout(servers):
 
 def test_without_a_drain_timeout_sigterm_cuts_the_request_off(servers):
     result = stream_then_sigterm(servers["abort"])
-    assert result["finish_reason"] != "length" and result["tokens"] is None, result
+    # cut off: the stream just stops (no usage chunk), or, on a loaded server, vLLM closes it as
+    # aborted with a usage chunk of fewer tokens than asked for; never the full completion
+    cut = result["tokens"] is None or result["tokens"] < TOKENS
+    assert result["finish_reason"] != "length" and cut, result
     print(f"aborted: {result}")

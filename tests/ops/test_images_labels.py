@@ -292,7 +292,9 @@ def test_any_text_is_a_reference_or_one_error_line(text):
 @settings(max_examples=300, deadline=None)
 @given(
     user=st.text(alphabet="abcXYZ09_-", min_size=1, max_size=8),
-    secret=st.text(alphabet="s3cr3tQ!$%", min_size=4, max_size=12),
+    # no character of the user's alphabet (nor a run of the host's or port's), so a redacted URL
+    # can only contain the secret where it leaked, not inside the user name ("cccc" did)
+    secret=st.text(alphabet="s3r3tQ!$%", min_size=4, max_size=12),
 )
 def test_redacted_urls_never_carry_the_password(user, secret):
     from urllib.parse import quote
