@@ -39,6 +39,8 @@ SERIAL_MODULES = frozenset(
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
+    # LoadFileScheduling._split_scope is xdist's own (not public) hook for a test's unit of work:
+    # pyproject.toml and scripts/lib/vllm-venv.sh keep xdist below 4 for that reason
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -89,7 +91,7 @@ def _measured_here() -> dict[str, dict[str, float]]:
     return out
 
 
-# Under pytest-xdist (`make test` runs the main suite with -n 2) the tests run in worker processes:
+# Under pytest-xdist (`make test` runs its suites with -n 2) the tests run in worker processes:
 # each worker hands its MEASURED dicts to the controller, which prints them all at the end.
 _MEASURED_FROM_WORKERS: dict[str, dict[str, float]] = {}
 

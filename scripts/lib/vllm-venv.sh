@@ -31,6 +31,6 @@ for line in md.requires(os.environ["DIST"]) or []:
         continue
     print(str(req).split(";")[0])
 PYEOF
-  "${pip[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6'
+  "${pip[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6,<4'
   rm -f "$reqs" "$cons"
 }
