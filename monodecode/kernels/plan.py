@@ -982,6 +982,7 @@ def plan_model(
     wide_even_waves: bool = False,
     early_down_waves: int = 0,
     narrow_even_waves: bool = False,
+    wide_workgroups: int = 0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -995,7 +996,9 @@ def plan_model(
     ``wide_even_waves`` / ``narrow_even_waves``: GEMV tasks at widths > 1 / at width 1 cut to fill
     whole waves (``even_wave_rows``; where that cuts gate/up's tasks at width 1, down stays whole);
     ``early_down_waves``: width 1's down in two K halves, the first started early, where gate/up
-    spans at least this many waves of the grid (module docstring; 0: never)."""
+    spans at least this many waves of the grid (module docstring; 0: never); ``wide_workgroups``:
+    the grid at widths > 1 when it differs from width 1's (several smaller workgroups per compute
+    unit; 0: ``num_workgroups``)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
@@ -1018,7 +1021,8 @@ def plan_model(
     psegs: dict[int, WidthLayout] = {}
     for w in ws:
         knobs = _tiling_knobs(w, *tiling)
-        lp = _plan_width(dims, tp_size, w, num_workgroups, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
+        grid = wide_workgroups if w > 1 and wide_workgroups else num_workgroups
+        lp = _plan_width(dims, tp_size, w, grid, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end

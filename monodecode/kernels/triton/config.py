@@ -145,6 +145,11 @@ class Target:
     # program per SM, so no occupancy is at stake; left to itself ptxas holds FP8 width-1 K1 to
     # 128 registers and spills 72 bytes, but 255 (no spill) timed within 1 % everywhere (run 58).
     maxnreg: int = 0
+    # Programs per SM at widths > 1 (each of ``wide_warps`` warps; the persistent grid is this
+    # many times the SMs). One 8-warp program per SM stalls on the CTA barrier in front of every
+    # K chunk's matrix instructions (run 62: 2.3-2.6 of 6.4-7.3 cycles between issues); a second
+    # program issues while the first waits. Its tiles must leave room for both (shared memory).
+    wide_programs_per_sm: int = 1
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -174,9 +179,15 @@ class Target:
             return self.fp8_split
         return 1
 
+    def programs_per_sm(self, width: int) -> int:
+        """Programs of the persistent grid per SM at ``width``."""
+        if not isinstance(self.wide_programs_per_sm, int) or not 1 <= self.wide_programs_per_sm <= 4:
+            raise ConfigError(f"triton kernels: wide_programs_per_sm must be 1..4, got {self.wide_programs_per_sm!r}")
+        return self.wide_programs_per_sm if width > 1 else 1
+
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
-        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM (scaled by ``head_dim``
+        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs (scaled by ``head_dim``
         over ``attn_launch_head_dim``), at most ``attn_launch_max_splits`` (8B at 32k on the
         H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at batch 8)."""
         per_sm = self.attn_launch_tasks_per_sm
@@ -287,7 +298,8 @@ def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
 def plan_for(
     dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1, fp8: bool = False
 ) -> ModelPlan:
-    """The shared plan of these kernels for ``target`` (its mailbox formats and tile costs)."""
+    """The shared plan of these kernels for ``target`` (its mailbox formats and tile costs) on
+    ``num_programs`` SMs: one program per SM at width 1, ``Target.wide_programs_per_sm`` above."""
     narrow = (target.fp8_narrow_mailbox if fp8 else "") or target.narrow_mailbox
     return plan_model(
         dims,
@@ -305,6 +317,7 @@ def plan_for(
         # wait is short and the second pipeline ramp per stage costs more (run 33: 9 % slower)
         early_down_waves=0 if fp8 else target.early_down_waves,
         narrow_even_waves=target.narrow_even_waves,
+        wide_workgroups=num_programs * target.programs_per_sm(2),
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -494,7 +507,9 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     L = plan.local
     return dict(
         **_attention_shape(L),
-        S=target.attn_launch_splits(plan.width, L.kv_heads, plan.num_workgroups, L.head_dim),
+        S=target.attn_launch_splits(
+            plan.width, L.kv_heads, plan.num_workgroups // target.programs_per_sm(plan.width), L.head_dim
+        ),
         BS=block_size,
         BT=target.attn_launch_tile,
         W=plan.width,

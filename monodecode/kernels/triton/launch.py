@@ -50,8 +50,10 @@ class TritonKernels(TwoLaunchKernels):
     kernel_label = "triton kernels"
 
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device, share: Any = None):
-        """``share``: another TritonKernels of the same weights whose packed layers this one reuses
-        (the benchmark's launch-target variants; no second copy of the fused QKV weights)."""
+        """``num_programs``: the SMs (width 1's persistent grid; ``Target.wide_programs_per_sm``
+        multiplies it at widths > 1). ``share``: another TritonKernels of the same weights whose
+        packed layers this one reuses (the benchmark's launch-target variants; no second copy of
+        the fused QKV weights)."""
         dims = req.dims
         check_dims(dims, req.widths)
         self.req = req
@@ -60,16 +62,19 @@ class TritonKernels(TwoLaunchKernels):
         self.target = target
         self.device = torch.device(device)
         self.interpret = interpreting()
-        # The interpreter runs programs one after another: one instance plays all of them, stage by stage.
-        self.grid = 1 if self.interpret else num_programs
-        vp = num_programs if self.interpret else 1
-        self.num_programs = num_programs
         self.fp8 = req.weight_dtype in ("fp8", "fp8_fnuz")
         self.plan = plan_for(dims, req.widths, num_programs, target, req.tp_size, self.fp8)
+        # The persistent grid of each width. The interpreter runs programs one after another: one
+        # instance plays all of them (``VP``), stage by stage.
+        self.grids = {w: self.plan.layers[w].num_workgroups for w in req.widths}
+        self.num_programs = max(self.grids.values())  # the timeline's program slots
         have = weights.layers[0].q_proj.kind if weights.layers else req.weight_dtype
         if have != req.weight_dtype:
             raise ConfigError(f"triton kernels: built for {req.weight_dtype} weights but the model has {have}")
-        self.consts = {w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, vp) for w in req.widths}
+        self.consts = {
+            w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, self.grids[w] if self.interpret else 1)
+            for w in req.widths
+        }
         if share is not None:
             self.layers = share.layers
         else:
@@ -119,11 +124,13 @@ class TritonKernels(TwoLaunchKernels):
         }
         self._compiled = self._compile(self.req, prof=on)
 
-    def timeline(self, num_layers: int):
-        """The stamps as ``[layer, kernel, program, stage, (enter, ready, end, -)]`` int64 ns."""
-        from monodecode.kernels.triton.timeline import MAX_STAGES, SLOTS
+    def timeline(self, num_layers: int, rows: int):
+        """The stamps of the last step of ``rows`` rows as ``[layer, kernel, program, stage,
+        (enter, ready, end, -)]`` int64 ns (the programs of that step's width)."""
+        from monodecode.kernels.triton.timeline import MAX_STAGES, SLOTS, buffer_words
 
-        return self.prof.view(num_layers, 2, self.num_programs, MAX_STAGES, SLOTS).cpu()
+        grid = self.grids[self._width(rows)]
+        return self.prof[: buffer_words(num_layers, grid)].view(num_layers, 2, grid, MAX_STAGES, SLOTS).cpu()
 
     def _compile(self, req: BuildRequest, prof: bool = False) -> dict:
         """Compile K1/K2 of every width (Triton's cache makes a rebuild cheap)."""
@@ -142,8 +149,8 @@ class TritonKernels(TwoLaunchKernels):
 
     def _run(self, which: int, width: int, args: list, grid: int = 0) -> None:
         """Launch kernel ``which`` (0 K1, 1 K2, 2 the attention launch) on ``grid`` programs
-        (0: the persistent grid)."""
-        grid = grid or self.grid
+        (0: the width's persistent grid)."""
+        grid = grid or (1 if self.interpret else self.grids[width])
         if self.interpret:
             self._kernels[which][(grid,)](*args, **self.consts[width][which])
             return

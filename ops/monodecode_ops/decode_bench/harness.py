@@ -558,7 +558,7 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
     g.replay()
     g.replay()
     torch.cuda.synchronize()
-    stamps = tk.timeline(n_layers)
+    stamps = tk.timeline(n_layers, rows)
     prof_ms = _median_ms(_time_graph(g, 5))
     del g
     layer = n_layers // 2

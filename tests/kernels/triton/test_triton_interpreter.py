@@ -97,7 +97,10 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even,
                                      narrow_even_waves=even, split_k_merge="all" if merge else "")
         programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
+        if "_pps2" in name:  # two programs per SM at widths > 1 (``Target.wide_programs_per_sm``)
+            target = dataclasses.replace(target, wide_programs_per_sm=2, wide_warps=4)
         tk = TritonKernels(req, w, target, programs, "cpu")
+        assert tk.consts[widths[0]][1]["NPROG"] == programs * (2 if "_pps2" in name and widths[0] > 1 else 1)
         assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
         if name.endswith("_stall"):  # K1's QKV never signals at layer 0: the attention launch's wait expires
             from monodecode.services.faults import Fault
@@ -193,7 +196,8 @@ CHILD = textwrap.dedent(
 # width 1 with BF16 weights runs gate/up and down in halves (``Target.early_down_waves``),
 # "*_whole_down" does not (llama_w1_post_tagged: the halves' fp32 partial as tagged words);
 # "*_merge" sums each split o_proj / down tile in its last slice to finish, with no post or final
-# stage (``Target.split_k_merge``); "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
+# stage (``Target.split_k_merge``), "*_pps2" on twice the programs at widths > 1
+# (``Target.wide_programs_per_sm``: 64 for 32 SMs); "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
 # splits of 16-position tiles), "*_ka_stall" with K1's QKV stalled at layer 0 (fault drill),
 # "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
 # in K1, llama_w2_kah_bt16's 150 go to the attention launch).
@@ -221,6 +225,7 @@ RUNS = [
     ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_deferred", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_merge", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w2_splitk_merge_pps2", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_whole_down", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_post", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
