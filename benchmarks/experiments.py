@@ -62,7 +62,9 @@ def _compile(job):
     dims = profile_dims(profile)
     mplan = plan_for(dims, [batch], sm, target, fp8=dtype != "bf16")
     for name, src in kernel_sources(dims, dtype, batch, 16, mplan, target):
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, batch, name))
+        triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options=compile_options(target, batch, name, dtype != "bf16")
+        )
     return profile
 
 

@@ -56,7 +56,9 @@ def _one(job) -> tuple[str, float]:
     src = dict(kernel_sources(dims, dtype, width, 16, mplan, target)).get(which)
     if src is None:  # "ka" of a target without the attention launch
         return f"{profile}/{dtype}/{widths} w={width} {which} (none)", 0.0
-    triton.compile(src, target=GPUTarget("cuda", cc, 32), options=compile_options(target, width, which))
+    triton.compile(
+        src, target=GPUTarget("cuda", cc, 32), options=compile_options(target, width, which, dtype != "bf16")
+    )
     return f"{profile}/{dtype}/{widths} w={width} {which} {change or ''}", time.monotonic() - t0
 
 

@@ -150,6 +150,11 @@ class Target:
     # K chunk's matrix instructions (run 62: 2.3-2.6 of 6.4-7.3 cycles between issues); a second
     # program issues while the first waits. Its tiles must leave room for both (shared memory).
     wide_programs_per_sm: int = 1
+    # The same three for FP8 weights at widths > 1 (0: as bf16): programs per SM, their warps, and
+    # the bytes in flight per matrix and program that size every FP8 GEMV's K chunk (QKV's too).
+    fp8_wide_programs_per_sm: int = 0
+    fp8_wide_warps: int = 0
+    fp8_wide_inflight_bytes: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -167,10 +172,12 @@ class Target:
         """Context positions per attention tile for a plan with ``splits`` splits per row."""
         return self.whole_attn_tile if width > 1 and splits == 1 and self.whole_attn_tile else self.attn_tile
 
-    def warps(self, width: int, kernel: str = "k1") -> int:
+    def warps(self, width: int, kernel: str = "k1", fp8: bool = False) -> int:
         """Warps per program of ``kernel`` (k1, k2, or ka: the attention launch) at ``width``."""
         if kernel == "ka":
             return self.attn_launch_warps
+        if width > 1 and fp8 and self.fp8_wide_warps:
+            return self.fp8_wide_warps
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
@@ -179,11 +186,15 @@ class Target:
             return self.fp8_split
         return 1
 
-    def programs_per_sm(self, width: int) -> int:
+    def programs_per_sm(self, width: int, fp8: bool = False) -> int:
         """Programs of the persistent grid per SM at ``width``."""
-        if not isinstance(self.wide_programs_per_sm, int) or not 1 <= self.wide_programs_per_sm <= 4:
-            raise ConfigError(f"triton kernels: wide_programs_per_sm must be 1..4, got {self.wide_programs_per_sm!r}")
-        return self.wide_programs_per_sm if width > 1 else 1
+        for name, lo in (("wide_programs_per_sm", 1), ("fp8_wide_programs_per_sm", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
+                raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
+        if width == 1:
+            return 1
+        return self.fp8_wide_programs_per_sm if fp8 and self.fp8_wide_programs_per_sm else self.wide_programs_per_sm
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
@@ -274,17 +285,23 @@ CUDA = Target(
     # 1.08-1.09 -> 1.07-1.08 at b1, FP8 b1 0.84 -> 0.83; 8k within 1 %. "entry" was 5-17 % slower
     # (runs 54-55), and L2 prefetches of each stage's first weights before its wait 2-10 % (run 54).
     pdl="exit",
+    # Run 63 (8 layers, 1k b2 / b8, 8k b8): FP8 on two 4-warp programs per SM 1.10 -> 0.97,
+    # 1.18 -> 1.04, 1.70 -> 1.55 ms; the same tiles on one 4-warp program 1.17 / 1.28 / 1.75, so
+    # the second program's issue slots pay, not the tiles. BF16 lost with it (8B b8 1.16 -> 1.31).
+    fp8_wide_programs_per_sm=2,
+    fp8_wide_warps=4,
+    fp8_wide_inflight_bytes=32768,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
 
 
-def compile_options(target: Target, width: int = 1, kernel: str = "k1") -> dict:
-    """Triton's compile options for ``kernel`` (k1, k2, ka) at ``width``: what the launcher, the
-    cache warmer and the offline compile checks all pass."""
+def compile_options(target: Target, width: int = 1, kernel: str = "k1", fp8: bool = False) -> dict:
+    """Triton's compile options for ``kernel`` (k1, k2, ka) at ``width`` (``fp8``: FP8 weights):
+    what the launcher, the cache warmer and the offline compile checks all pass."""
     if target.maxnreg and not 24 <= target.maxnreg <= 255:
         raise ConfigError(f"triton kernels: maxnreg must be 0 or 24..255, got {target.maxnreg}")
-    opts = {"num_warps": target.warps(width, kernel)}
+    opts = {"num_warps": target.warps(width, kernel, fp8)}
     if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
         opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
     if target.kind == "cuda" and target.maxnreg and kernel != "ka":  # the attention launch shares SMs
@@ -317,7 +334,7 @@ def plan_for(
         # wait is short and the second pipeline ramp per stage costs more (run 33: 9 % slower)
         early_down_waves=0 if fp8 else target.early_down_waves,
         narrow_even_waves=target.narrow_even_waves,
-        wide_workgroups=num_programs * target.programs_per_sm(2),
+        wide_workgroups=num_programs * target.programs_per_sm(2, fp8),
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -343,6 +360,8 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     inflight = target.wide_inflight_bytes
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
+    if fp8 and target.fp8_wide_inflight_bytes:
+        inflight = target.fp8_wide_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
@@ -502,14 +521,13 @@ def attn_launch(target: Target, plan: LayerPlan) -> bool:
     return target.attn_launch and plan.mailbox == "bf16"
 
 
-def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int) -> dict:
+def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, fp8: bool = False) -> dict:
     """Constants of the attention launch (``ka.py``) of one width."""
     L = plan.local
+    sms = plan.num_workgroups // target.programs_per_sm(plan.width, fp8)
     return dict(
         **_attention_shape(L),
-        S=target.attn_launch_splits(
-            plan.width, L.kv_heads, plan.num_workgroups // target.programs_per_sm(plan.width), L.head_dim
-        ),
+        S=target.attn_launch_splits(plan.width, L.kv_heads, sms, L.head_dim),
         BS=block_size,
         BT=target.attn_launch_tile,
         W=plan.width,
@@ -621,7 +639,7 @@ def constexprs(
     """``prof``: compile in the stage timestamps (``timeline.py``; CUDA only). K1's and K2's
     constants, then the attention launch's where it has one (``attn_launch``)."""
     plan = mplan.layers[width]
-    ka = (ka_constexprs(dims, plan, target, block_size),) if attn_launch(target, plan) else ()
+    ka = (ka_constexprs(dims, plan, target, block_size, bool(fp8)),) if attn_launch(target, plan) else ()
     return (
         k1_constexprs(dims, plan, target, block_size, vp, bool(fp8), prof),
         k2_constexprs(dims, plan, target, vp, bool(fp8), prof),

@@ -143,7 +143,8 @@ class TritonKernels(TwoLaunchKernels):
         for w in req.widths:
             srcs = kernel_sources(self.dims, req.weight_dtype, w, req.block_size, self.plan, self.target, prof)
             out[w] = tuple(
-                triton.compile(src, target=gpu, options=compile_options(self.target, w, name)) for name, src in srcs
+                triton.compile(src, target=gpu, options=compile_options(self.target, w, name, self.fp8))
+                for name, src in srcs
             )
         return out
 

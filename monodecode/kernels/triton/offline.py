@@ -112,7 +112,7 @@ def compile_width(
     out = []
     mplan = plan_for(dims, [width], num_programs, target, fp8=weight_dtype != "bf16")
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
-        options = compile_options(target, width, name)
+        options = compile_options(target, width, name, weight_dtype != "bf16")
         warps = options["num_warps"]  # what it was compiled with, for the occupancy figures
         compiled = triton.compile(src, target=gpu, options=options)
         if arch.startswith("gfx"):
