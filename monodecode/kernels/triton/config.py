@@ -155,6 +155,9 @@ class Target:
     fp8_wide_programs_per_sm: int = 0
     fp8_wide_warps: int = 0
     fp8_wide_inflight_bytes: int = 0
+    # Programs per SM and their warps at width 1 (0: ``num_warps``).
+    narrow_programs_per_sm: int = 1
+    narrow_warps: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -178,6 +181,8 @@ class Target:
             return self.attn_launch_warps
         if width > 1 and fp8 and self.fp8_wide_warps:
             return self.fp8_wide_warps
+        if width == 1 and self.narrow_warps:
+            return self.narrow_warps
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
@@ -188,12 +193,12 @@ class Target:
 
     def programs_per_sm(self, width: int, fp8: bool = False) -> int:
         """Programs of the persistent grid per SM at ``width``."""
-        for name, lo in (("wide_programs_per_sm", 1), ("fp8_wide_programs_per_sm", 0)):
+        for name, lo in (("wide_programs_per_sm", 1), ("fp8_wide_programs_per_sm", 0), ("narrow_programs_per_sm", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
                 raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
         if width == 1:
-            return 1
+            return self.narrow_programs_per_sm
         return self.fp8_wide_programs_per_sm if fp8 and self.fp8_wide_programs_per_sm else self.wide_programs_per_sm
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
@@ -316,13 +321,13 @@ def plan_for(
     dims: ModelDims, widths, num_programs: int, target: Target, tp_size: int = 1, fp8: bool = False
 ) -> ModelPlan:
     """The shared plan of these kernels for ``target`` (its mailbox formats and tile costs) on
-    ``num_programs`` SMs: one program per SM at width 1, ``Target.wide_programs_per_sm`` above."""
+    ``num_programs`` SMs (``Target.programs_per_sm`` programs on each)."""
     narrow = (target.fp8_narrow_mailbox if fp8 else "") or target.narrow_mailbox
     return plan_model(
         dims,
         tp_size,
         list(widths),
-        num_programs,
+        num_programs * target.programs_per_sm(1, fp8),
         mailbox=target.mailbox,
         narrow_mailbox=narrow or None,
         wide_task_bytes=target.wide_task_bytes,

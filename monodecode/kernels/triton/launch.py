@@ -50,8 +50,8 @@ class TritonKernels(TwoLaunchKernels):
     kernel_label = "triton kernels"
 
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device, share: Any = None):
-        """``num_programs``: the SMs (width 1's persistent grid; ``Target.wide_programs_per_sm``
-        multiplies it at widths > 1). ``share``: another TritonKernels of the same weights whose
+        """``num_programs``: the SMs (each width's grid has ``Target.programs_per_sm`` programs on
+        each). ``share``: another TritonKernels of the same weights whose
         packed layers this one reuses (the benchmark's launch-target variants; no second copy of
         the fused QKV weights)."""
         dims = req.dims
