@@ -155,9 +155,13 @@ class Target:
     fp8_wide_programs_per_sm: int = 0
     fp8_wide_warps: int = 0
     fp8_wide_inflight_bytes: int = 0
-    # Programs per SM and their warps at width 1 (0: ``num_warps``).
+    # Programs per SM and their warps at width 1 (0: ``num_warps``), and the same with FP8 weights
+    # (0: as bf16): FP8's width-1 loop waits on fixed-latency dependencies (run 62), which a
+    # second program's warps cover.
     narrow_programs_per_sm: int = 1
     narrow_warps: int = 0
+    fp8_narrow_programs_per_sm: int = 0
+    fp8_narrow_warps: int = 0
 
     def stages(self, width: int, fp8: bool = False) -> int:
         if width == 1 and fp8 and self.fp8_narrow_stages:
@@ -181,6 +185,8 @@ class Target:
             return self.attn_launch_warps
         if width > 1 and fp8 and self.fp8_wide_warps:
             return self.fp8_wide_warps
+        if width == 1 and fp8 and self.fp8_narrow_warps:
+            return self.fp8_narrow_warps
         if width == 1 and self.narrow_warps:
             return self.narrow_warps
         return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
@@ -193,13 +199,13 @@ class Target:
 
     def programs_per_sm(self, width: int, fp8: bool = False) -> int:
         """Programs of the persistent grid per SM at ``width``."""
-        for name, lo in (("wide_programs_per_sm", 1), ("fp8_wide_programs_per_sm", 0), ("narrow_programs_per_sm", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
-                raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
-        if width == 1:
-            return self.narrow_programs_per_sm
-        return self.fp8_wide_programs_per_sm if fp8 and self.fp8_wide_programs_per_sm else self.wide_programs_per_sm
+        for kind in ("wide", "narrow"):
+            for name, lo in ((f"{kind}_programs_per_sm", 1), (f"fp8_{kind}_programs_per_sm", 0)):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
+                    raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
+        kind = "wide" if width > 1 else "narrow"
+        return (fp8 and getattr(self, f"fp8_{kind}_programs_per_sm")) or getattr(self, f"{kind}_programs_per_sm")
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
@@ -231,7 +237,11 @@ CUDA = Target(
     narrow_stages=5,
     flatten=True,
     fp8_split=2,
-    fp8_narrow_stages=5,
+    # Run 64 (8B, 8 layers, 1k b1): FP8 width 1 on two 4-warp programs per SM with 3 stages
+    # 0.84 -> 0.72 ms (5 stages no longer fit two programs' shared memory); BF16 within 1 %.
+    fp8_narrow_stages=3,
+    fp8_narrow_programs_per_sm=2,
+    fp8_narrow_warps=4,
     # Width 1 with the bf16 mailbox (benchmarks/README.md, runs 5-10): K1's QKV rows go out
     # through a 1-D store (a [rows, 1] store pulled a conflicting layout into the FMA tile), and
     # a larger fixed cost per task keeps 16-row tiles (27B gate/up otherwise drops to 8 rows).

@@ -193,11 +193,12 @@ def test_fp8_wide_stages_reach_only_fp8_gemvs_at_widths_above_1():
     assert stages(three, 1, True) == stages(CUDA, 1, True) == (CUDA.fp8_narrow_stages,) * 2
 
 
-def test_fp8_weights_take_two_smaller_programs_per_sm_only_at_widths_above_1():
-    """Run 63: FP8 GEMVs at widths > 1 on two 4-warp programs per SM (the second issues while the
-    first waits at the barrier in front of its matrix instructions), with tiles that let both fit
-    in shared memory; BF16 weights and width 1 keep one 8-warp program per SM. The attention
-    launch's splits are per SM, so they do not double with the grid."""
+def test_fp8_weights_take_two_smaller_programs_per_sm():
+    """Runs 63-64: FP8 GEMVs on two 4-warp programs per SM (at widths > 1 the second issues while
+    the first waits at the barrier in front of its matrix instructions; at width 1 its warps
+    cover the first's dependency chains), with tiles that let both fit in shared memory; BF16
+    weights keep one 8-warp program per SM. The attention launch's splits are per SM, so they do
+    not double with the grid."""
     from monodecode.kernels.triton.config import compile_options, ka_constexprs
 
     dims = profile_dims("llama3-8b")
@@ -205,18 +206,24 @@ def test_fp8_weights_take_two_smaller_programs_per_sm_only_at_widths_above_1():
     def grid(width, fp8, target=CUDA):
         return plan_for(dims, [width], 132, target, fp8=fp8).layers[width].num_workgroups
 
-    assert (grid(1, True), grid(8, False), grid(8, True), grid(2, True)) == (132, 132, 264, 264)
+    assert (grid(1, False), grid(8, False), grid(1, True), grid(8, True), grid(2, True)) == (132, 132, 264, 264, 264)
     assert grid(8, True, dataclasses.replace(CUDA, fp8_wide_programs_per_sm=0)) == 132
+    assert grid(1, True, dataclasses.replace(CUDA, fp8_narrow_programs_per_sm=0)) == 132
     assert grid(8, False, dataclasses.replace(CUDA, wide_programs_per_sm=3)) == 396
-    assert compile_options(CUDA, 8, "k2", fp8=True)["num_warps"] == 4
-    assert compile_options(CUDA, 8, "k2")["num_warps"] == compile_options(CUDA, 1, "k2", fp8=True)["num_warps"] == 8
+    assert (
+        compile_options(CUDA, 8, "k2", fp8=True)["num_warps"]
+        == compile_options(CUDA, 1, "k1", fp8=True)["num_warps"]
+        == 4
+    )
+    assert compile_options(CUDA, 8, "k2")["num_warps"] == compile_options(CUDA, 1, "k2")["num_warps"] == 8
     plan = plan_for(dims, [8], 132, CUDA, fp8=True).layers[8]
     assert gemv_chunk(CUDA, 8, plan.stage("k2", "gate_up"), True) == 128  # 64 rows x 1 byte x 4 stages x 128
     assert (
         ka_constexprs(dims, plan, CUDA, 16, fp8=True)["S"]
         == ka_constexprs(dims, plan_for(dims, [8], 132, CUDA).layers[8], CUDA, 16)["S"]
     )
-    for bad in ({"wide_programs_per_sm": 0}, {"fp8_wide_programs_per_sm": 5}, {"wide_programs_per_sm": True}):
+    bads = ({"wide_programs_per_sm": 0}, {"fp8_wide_programs_per_sm": 5}, {"narrow_programs_per_sm": True})
+    for bad in bads + ({"fp8_narrow_programs_per_sm": -1},):
         name, value = next(iter(bad.items()))
         with pytest.raises(ConfigError, match=rf"^triton kernels: {name} must be [01]\.\.4, got {value!r}$"):
             plan_for(dims, [8], 132, dataclasses.replace(CUDA, **bad), fp8=True)

@@ -100,8 +100,9 @@ CHILD = textwrap.dedent(
         if "_pps2" in name:  # two programs per SM at widths > 1 (``Target.wide_programs_per_sm``)
             target = dataclasses.replace(target, wide_programs_per_sm=2, wide_warps=4)
         tk = TritonKernels(req, w, target, programs, "cpu")
-        # FP8 weights at widths > 1 take two programs per SM by default (``fp8_wide_programs_per_sm``)
-        doubled = widths[0] > 1 and ("_pps2" in name or wd == "fp8")
+        # FP8 weights take two programs per SM by default (``fp8_wide_programs_per_sm``,
+        # ``fp8_narrow_programs_per_sm``)
+        doubled = ("_pps2" in name and widths[0] > 1) or wd == "fp8"
         assert tk.consts[widths[0]][1]["NPROG"] == programs * (2 if doubled else 1), name
         assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
         if name.endswith("_stall"):  # K1's QKV never signals at layer 0: the attention launch's wait expires
