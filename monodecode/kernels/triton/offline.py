@@ -24,6 +24,7 @@ LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "sm_90": 227 * 1024}
 # puts one wave on each of the 4 SIMDs. Hopper: 64K 32-bit registers per SM.
 VGPRS_PER_SIMD = 512
 REGS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
 
 
 @dataclass
@@ -85,8 +86,10 @@ def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resourc
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info))
     stack = int(re.search(r"(\d+) bytes stack frame", info).group(1)) if "stack frame" in info else 0
     lds = int(compiled.metadata.shared)
-    by_regs = REGS_PER_SM // (regs * 32 * num_warps)
-    by_lds = LDS_LIMIT["sm_90"] // lds if lds else 99
+    # registers go to warps in blocks of 256 (8 per thread); each program's shared memory has
+    # 1 KiB reserved for the system beside it, out of the SM's 228 KiB
+    by_regs = REGS_PER_SM // (-(-regs // 8) * 8 * 32 * num_warps)
+    by_lds = SMEM_PER_SM // (lds + 1024)
     return Resources(
         kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"], min(by_regs, by_lds), spill
     )

@@ -1,0 +1,34 @@
+"""The CUDA target's persistent launches fit the programs per SM their plans put there.
+
+K1 and K2 wait on each other's programs (completion counters), so every program of a grid must
+be resident at once: a cooperative launch refuses a grid that is not, and the step then falls
+back. FP8 weights run two programs per SM (``Target.fp8_wide_programs_per_sm`` /
+``fp8_narrow_programs_per_sm``), so their registers and shared memory must leave room for two.
+Compiled for sm_90 on the CPU (ptxas ``-v`` and Triton's shared-memory figure, ``offline.py``);
+the H200 runs confirm it (benchmarks/README.md, runs 63-65)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is installed by the project's 'triton' extra (make test)")
+
+from monodecode.kernels.triton.config import CUDA  # noqa: E402
+from monodecode.kernels.triton.offline import compile_width  # noqa: E402
+from monodecode.model.profiles import profile_dims  # noqa: E402
+
+SMS = 132  # the H200
+
+
+@pytest.mark.parametrize("width", [1, 8])
+@pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
+def test_fp8_persistent_launches_fit_two_programs_per_sm(profile, width):
+    per_sm = CUDA.programs_per_sm(width, fp8=True)
+    assert per_sm == 2  # what the H200 runs timed
+    for r in compile_width(profile_dims(profile), "fp8", width, "sm_90", CUDA, num_programs=SMS):
+        if r.kernel == "ka":  # a plain grid, not persistent
+            continue
+        assert r.workgroups_per_cu >= per_sm, (
+            f"{profile} width {width} {r.kernel}: {r.regs} registers x {r.num_warps} warps, "
+            f"{r.lds_bytes} B shared: {r.workgroups_per_cu} program(s) per SM, the plan puts {per_sm}"
+        )
