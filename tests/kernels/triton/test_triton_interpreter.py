@@ -97,6 +97,8 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, wide_split_k=4 if split_k else 0, wide_even_waves=even,
                                      narrow_even_waves=even, split_k_merge="all" if merge else "")
         programs = 9 if "_even9" in name else 12 if even else 32 if split_k else 8
+        if wd == "fp8" and (even or split_k):  # FP8 runs two programs per SM: the same grid as bf16's
+            programs //= 2
         if "_pps2" in name:  # two programs per SM at widths > 1 (``Target.wide_programs_per_sm``)
             target = dataclasses.replace(target, wide_programs_per_sm=2, wide_warps=4)
         tk = TritonKernels(req, w, target, programs, "cpu")
