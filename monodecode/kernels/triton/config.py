@@ -155,6 +155,7 @@ class Target:
     fp8_wide_programs_per_sm: int = 0
     fp8_wide_warps: int = 0
     fp8_wide_inflight_bytes: int = 0
+    fp8_qkv_inflight_bytes: int = 0  # the same for K1's QKV stage (0: ``fp8_wide_inflight_bytes``)
     # Programs per SM and their warps at width 1 (0: ``num_warps``), and the same with FP8 weights
     # (0: as bf16): FP8's width-1 loop waits on fixed-latency dependencies (run 62), which a
     # second program's warps cover.
@@ -377,6 +378,8 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
         inflight = target.qkv_inflight_bytes
     if fp8 and target.fp8_wide_inflight_bytes:
         inflight = target.fp8_wide_inflight_bytes
+    if fp8 and stage.name == "qkv" and target.fp8_qkv_inflight_bytes:
+        inflight = target.fp8_qkv_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
