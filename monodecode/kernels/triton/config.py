@@ -141,9 +141,10 @@ class Target:
     # the device for its end, instead of the stream starting the next launch after this one has
     # drained ("": off).
     pdl: str = ""
-    # Registers per thread ptxas may use in K1 and K2 (CUDA; 0: its own choice). Each is one
-    # program per SM, so no occupancy is at stake; left to itself ptxas holds FP8 width-1 K1 to
-    # 128 registers and spills 72 bytes, but 255 (no spill) timed within 1 % everywhere (run 58).
+    # Registers per thread ptxas may use in K1 and K2 (CUDA; 0: its own choice). Run 58 (one
+    # 8-warp program per SM, before FP8 took two): ptxas held FP8 width-1 K1 to 128 registers and
+    # spilled 72 bytes, but 255 (no spill) timed within 1 % everywhere. A cap must leave room for
+    # ``programs_per_sm`` programs.
     maxnreg: int = 0
     # Programs per SM at widths > 1 (each of ``wide_warps`` warps; the persistent grid is this
     # many times the SMs). One 8-warp program per SM stalls on the CTA barrier in front of every
@@ -155,7 +156,6 @@ class Target:
     fp8_wide_programs_per_sm: int = 0
     fp8_wide_warps: int = 0
     fp8_wide_inflight_bytes: int = 0
-    fp8_qkv_inflight_bytes: int = 0  # the same for K1's QKV stage (0: ``fp8_wide_inflight_bytes``)
     # Programs per SM and their warps at width 1 (0: ``num_warps``), and the same with FP8 weights
     # (0: as bf16): FP8's width-1 loop waits on fixed-latency dependencies (run 62), which a
     # second program's warps cover.
@@ -378,8 +378,6 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
         inflight = target.qkv_inflight_bytes
     if fp8 and target.fp8_wide_inflight_bytes:
         inflight = target.fp8_wide_inflight_bytes
-    if fp8 and stage.name == "qkv" and target.fp8_qkv_inflight_bytes:
-        inflight = target.fp8_qkv_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
     most = 256 if _fp8_pair(target, fp8) else 512
