@@ -164,14 +164,14 @@ class Target:
     fp8_narrow_programs_per_sm: int = 0
     fp8_narrow_warps: int = 0
 
+    def _per_width(self, width: int, fp8: bool, what: str) -> int:
+        """The ``narrow_<what>`` (width 1) or ``wide_<what>`` (widths > 1) knob, or its ``fp8_``
+        twin where the weights are FP8 and it is set; 0 where neither is set."""
+        kind = "wide" if width > 1 else "narrow"
+        return (fp8 and getattr(self, f"fp8_{kind}_{what}")) or getattr(self, f"{kind}_{what}")
+
     def stages(self, width: int, fp8: bool = False) -> int:
-        if width == 1 and fp8 and self.fp8_narrow_stages:
-            return self.fp8_narrow_stages
-        if width > 1 and fp8 and self.fp8_wide_stages:
-            return self.fp8_wide_stages
-        if width > 1 and self.wide_stages:
-            return self.wide_stages
-        return self.narrow_stages if width == 1 and self.narrow_stages else self.gemv_stages
+        return self._per_width(width, fp8, "stages") or self.gemv_stages
 
     def attention_stages(self, width: int) -> int:
         return self.wide_attn_stages if width > 1 and self.wide_attn_stages else self.attn_stages
@@ -184,13 +184,7 @@ class Target:
         """Warps per program of ``kernel`` (k1, k2, or ka: the attention launch) at ``width``."""
         if kernel == "ka":
             return self.attn_launch_warps
-        if width > 1 and fp8 and self.fp8_wide_warps:
-            return self.fp8_wide_warps
-        if width == 1 and fp8 and self.fp8_narrow_warps:
-            return self.fp8_narrow_warps
-        if width == 1 and self.narrow_warps:
-            return self.narrow_warps
-        return self.wide_warps if width > 1 and self.wide_warps else self.num_warps
+        return self._per_width(width, fp8, "warps") or self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
         """K chunks per pipelined iteration of a GEMV over ``k`` with chunk ``bk``."""
@@ -205,14 +199,14 @@ class Target:
                 v = getattr(self, name)
                 if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
                     raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
-        kind = "wide" if width > 1 else "narrow"
-        return (fp8 and getattr(self, f"fp8_{kind}_programs_per_sm")) or getattr(self, f"{kind}_programs_per_sm")
+        return self._per_width(width, fp8, "programs_per_sm")
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
-        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs (scaled by ``head_dim``
-        over ``attn_launch_head_dim``), at most ``attn_launch_max_splits`` (8B at 32k on the
-        H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at batch 8)."""
+        that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs
+        (scaled by ``head_dim`` over ``attn_launch_head_dim``), at most ``attn_launch_max_splits``
+        (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at
+        batch 8)."""
         per_sm = self.attn_launch_tasks_per_sm
         if self.attn_launch_head_dim and head_dim:
             per_sm = max(1, per_sm * head_dim // self.attn_launch_head_dim)

@@ -51,9 +51,8 @@ class TritonKernels(TwoLaunchKernels):
 
     def __init__(self, req: BuildRequest, weights: Any, target: Target, num_programs: int, device, share: Any = None):
         """``num_programs``: the SMs (each width's grid has ``Target.programs_per_sm`` programs on
-        each). ``share``: another TritonKernels of the same weights whose
-        packed layers this one reuses (the benchmark's launch-target variants; no second copy of
-        the fused QKV weights)."""
+        each). ``share``: another TritonKernels of the same weights whose packed layers this one
+        reuses (the benchmark's launch-target variants; no second copy of the fused QKV weights)."""
         dims = req.dims
         check_dims(dims, req.widths)
         self.req = req
