@@ -459,6 +459,11 @@ class LayerPlan:
     layout: WidthLayout
     peer_layout: WidthLayout | None = None  # TP only: this width's segment of the peer buffer
     mailbox: str = "tagged"  # one of MAILBOX_FORMATS
+    k1_workgroups: int = 0  # K1's grid where it differs from K2's (``num_workgroups``); 0: the same
+
+    def workgroups(self, kernel: str) -> int:
+        """The grid of ``kernel``'s launch: its tasks run on workgroups ``0 .. workgroups - 1``."""
+        return self.k1_workgroups if kernel == K1 and self.k1_workgroups else self.num_workgroups
 
     def stages(self, kernel: str | None = None) -> tuple[Stage, ...]:
         if kernel == K1:
@@ -517,7 +522,7 @@ class LayerPlan:
 
     def task(self, kernel: str, name: str, t: int) -> Task:
         st = self.stage(kernel, name)
-        return Task(name, t, st.workgroup_of(t, self.num_workgroups), *self._spans(st, t))
+        return Task(name, t, st.workgroup_of(t, self.workgroups(kernel)), *self._spans(st, t))
 
     def tasks(self, kernel: str, name: str) -> list[Task]:
         st = self.stage(kernel, name)
@@ -525,7 +530,8 @@ class LayerPlan:
 
     def task_table(self, kernel: str) -> list[list[int]]:
         """``table[stage_index][task] = workgroup`` for one launch."""
-        return [[s.workgroup_of(t, self.num_workgroups) for t in range(s.num_tasks)] for s in self.stages(kernel)]
+        g = self.workgroups(kernel)
+        return [[s.workgroup_of(t, g) for t in range(s.num_tasks)] for s in self.stages(kernel)]
 
     def _spans(self, st: Stage, t: int) -> tuple[tuple[Span, ...], tuple[Span, ...]]:
         """Words each task reads from / writes to (mailbox regions and launch inputs/outputs).
@@ -618,6 +624,8 @@ class LayerPlan:
             "tp_size": self.tp_size,
             "width": self.width,
             "num_workgroups": self.num_workgroups,
+            # only when K1 has a grid of its own, so other plans keep their digests (FlyDSL goldens)
+            **({"k1_workgroups": self.k1_workgroups} if self.k1_workgroups else {}),
             "attn_splits": self.attn_splits,
             "mailbox": self.mailbox,
             "k1": [s.to_dict() for s in self.k1],
@@ -707,7 +715,10 @@ def _stages(
     split_k: int = 0,
     even_waves: bool = False,
     early_down_waves: int = 0,
+    G1: int = 0,
 ) -> tuple[tuple[Stage, ...], tuple[Stage, ...]]:
+    """K1's stages on a grid of ``G1`` workgroups (0: ``G``), K2's on ``G``."""
+    G1 = G1 or G
     final = dims.post_norms or tp > 1
     o_dst = "o_peer" if tp > 1 else "o"
     d_dst = ("d_peer" if tp > 1 else "d") if final else "x_out"
@@ -719,11 +730,14 @@ def _stages(
             return st
         return replace(st, num_tasks=st.num_tasks * ks, k_splits=ks, writes=(partials,), reads=reads or st.reads)
 
+    def grid(kernel: str) -> int:
+        return G1 if kernel == K1 else G
+
     def even(st: Stage) -> Stage:
         """``st``'s tasks cut to fill whole waves (``even_wave_rows``; one rank, unsplit)."""
         if not even_waves or tp != 1 or st.k_splits != 1:
             return st
-        rows = even_wave_rows(st.n, st.rows_per_task, G)
+        rows = even_wave_rows(st.n, st.rows_per_task, grid(st.kernel))
         if rows == st.rows_per_task:
             return st
         return replace(st, num_tasks=-(-st.n // rows), rows_per_task=rows, tile_rows=st.rows_per_task)
@@ -734,21 +748,22 @@ def _stages(
             n,
             k,
             W,
-            G,
+            grid(kernel),
             matrices=2 if name == "gate_up" else 1,
             input_word_bytes=in_bytes,
             task_bytes=task_bytes,
             min_rows=min_rows,
             burst=burst,
         )
-        return Stage(kernel, name, index, "gemv", -(-n // rows), offset % G, tuple(reads), tuple(writes), rows, n, k)
+        g = grid(kernel)
+        return Stage(kernel, name, index, "gemv", -(-n // rows), offset % g, tuple(reads), tuple(writes), rows, n, k)
 
     k1: list[Stage] = []
     qkv = even(gemv(K1, "qkv", 0, L.qkv, L.hidden, ["x"], ["qkv"], 0))
     k1.append(qkv)
     attn_tasks = W * L.kv_heads * S
     attn = Stage(
-        K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G, ("qkv",), ("attn_acc", "attn_ml")
+        K1, "attn", 1, "attention", attn_tasks, (qkv.offset + qkv.num_tasks) % G1, ("qkv",), ("attn_acc", "attn_ml")
     )
     k1.append(attn)
     k1.append(
@@ -758,7 +773,7 @@ def _stages(
             2,
             "combine",
             W * L.heads,
-            (attn.offset + attn.num_tasks) % G,
+            (attn.offset + attn.num_tasks) % G1,
             ("attn_acc", "attn_ml"),
             ("attn_out",),
         )
@@ -900,14 +915,18 @@ def _plan_width(
     split_k: int = 0,
     even_waves: bool = False,
     early_down_waves: int = 0,
+    k1_workgroups: int = 0,
 ) -> LayerPlan:
+    """``k1_workgroups``: K1's grid where it differs from ``G`` (K2's; 0: the same)."""
     if not isinstance(dims, ModelDims):
         raise ConfigError(f"kernel plan: dims must be a ModelDims, got {type(dims).__name__}")
     W = _check_width(W)
     G = _check_workgroups(G)
+    G1 = _check_workgroups(k1_workgroups) if k1_workgroups else G
     L = local_dims(dims, tp)
-    S = attention_splits(W, L.kv_heads, G)
-    k1, k2 = _stages(dims, L, W, G, S, tp, mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down_waves)
+    S = attention_splits(W, L.kv_heads, G1)  # K1's attention tasks run on K1's grid
+    knobs = (mailbox, task_bytes, min_rows, burst, split_k, even_waves, early_down_waves)
+    k1, k2 = _stages(dims, L, W, G, S, tp, *knobs, G1=G1)
     final = k2[-1].name == "final"
     o_ks, d_ks = (st.k_splits for st in k2 if st.name in ("o_proj", "down"))
     names = frozenset(st.name for st in k1 + k2)
@@ -917,7 +936,8 @@ def _plan_width(
     if tp > 1:
         pregions, pend = _pack(_peer_regions(L, W, tp, mailbox), peer_offset)
         peer = WidthLayout(W, _align(peer_offset), pend - _align(peer_offset), pregions)
-    return LayerPlan(dims.digest(), tp, W, G, L, S, dims.post_norms, k1, k2, layout, peer, mailbox)
+    k1_grid = G1 if G1 != G else 0
+    return LayerPlan(dims.digest(), tp, W, G, L, S, dims.post_norms, k1, k2, layout, peer, mailbox, k1_grid)
 
 
 @dataclass(frozen=True)
@@ -983,6 +1003,7 @@ def plan_model(
     early_down_waves: int = 0,
     narrow_even_waves: bool = False,
     wide_workgroups: int = 0,
+    wide_k1_workgroups: int = 0,
 ) -> ModelPlan:
     """Plans for every width, placed in one scratch buffer: header, then width segments.
 
@@ -998,7 +1019,8 @@ def plan_model(
     ``early_down_waves``: width 1's down in two K halves, the first started early, where gate/up
     spans at least this many waves of the grid (module docstring; 0: never); ``wide_workgroups``:
     the grid at widths > 1 when it differs from width 1's (several smaller workgroups per compute
-    unit; 0: ``num_workgroups``)."""
+    unit; 0: ``num_workgroups``); ``wide_k1_workgroups``: K1's grid at widths > 1 when it differs
+    from K2's (0: the same)."""
     ws = _check_widths(list(widths) if not isinstance(widths, (list, tuple)) else widths)
     mailbox = _check_mailbox(mailbox)
     narrow = _check_mailbox(narrow_mailbox) if narrow_mailbox else mailbox
@@ -1022,7 +1044,8 @@ def plan_model(
     for w in ws:
         knobs = _tiling_knobs(w, *tiling)
         grid = wide_workgroups if w > 1 and wide_workgroups else num_workgroups
-        lp = _plan_width(dims, tp_size, w, grid, cur, peer_cur, narrow if w == 1 else mailbox, *knobs)
+        k1_grid = wide_k1_workgroups if w > 1 else 0
+        lp = _plan_width(dims, tp_size, w, grid, cur, peer_cur, narrow if w == 1 else mailbox, *knobs, k1_grid)
         layers[w] = lp
         segs[w] = lp.layout
         cur = lp.layout.end

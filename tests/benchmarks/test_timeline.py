@@ -47,3 +47,16 @@ def test_a_stage_never_stamped_is_left_out():
     assert set(k2["stages"]) == {"o_proj", "gate_up", "down"}
     assert k2["stages"]["gate_up"] == {"ready_us": 7.0, "end_us": 9.0, "wait_us": 1.0, "busy_us": 2.0}
     assert not any("post" in line for line in TL.describe(summ))
+
+
+def test_program_slots_past_a_kernels_grid_are_left_out(tmp_path):
+    """K1 on a grid of half K2's (``Target.fp8_wide_k1_programs_per_sm``): the slots past K1's
+    grid stay 0 and neither its times nor the launch gap count them."""
+    st = torch.cat([_stamps(), _stamps()], dim=2)  # 8 program slots, both kernels stamp all
+    st[:, 0, 4:] = 0  # K1 ran on the first 4
+    summ = TL.summarize(st)
+    assert summ["kernels"]["k1"]["span_us"] == 9.0 and summ["launch_gap_us"] == 5.0
+    assert summ["kernels"]["k1"]["stages"]["attn"]["busy_us"] == 2.0
+    png = tmp_path / "t.png"
+    TL.plot_layer(st, 1, "synthetic", png)
+    assert png.stat().st_size > 5000

@@ -83,7 +83,7 @@ def test_dependencies_only_on_earlier_stages_and_grid_completes(profile, tp, wid
 def _simulate(lp: P.LayerPlan, kernel: str, graph) -> None:
     """Each workgroup runs its tasks stage by stage, in task order, waiting on dependencies;
     all workgroups resident. Progress must always be possible until every task is done."""
-    G = lp.num_workgroups
+    G = lp.workgroups(kernel)
     queues = [[(st.name, t) for st in lp.stages(kernel) for t in st.tasks_of(b, G)] for b in range(G)]
     done: set[tuple[str, int]] = set()
     pos = [0] * G
@@ -96,6 +96,30 @@ def _simulate(lp: P.LayerPlan, kernel: str, graph) -> None:
                 pos[b] += 1
                 progressed = True
         assert progressed, f"{kernel}: deadlock with {total - len(done)} tasks left"
+
+
+@pytest.mark.parametrize("profile", ["llama3-8b", "gemma3-27b"])
+def test_k1_on_a_grid_of_its_own(profile):
+    """``wide_k1_workgroups``: K1's stages (and its attention splits) are planned on K1's grid,
+    K2's on theirs; width 1 and a K1 grid equal to K2's keep the plan (and digest) unchanged."""
+    dims = profile_dims(profile)
+    base = dict(mailbox="bf16", wide_min_rows=64, wide_split_k=4, wide_workgroups=264)
+    own = P.plan_model(dims, 1, [1, 8], 264, **base, wide_k1_workgroups=132)
+    same = P.plan_model(dims, 1, [1, 8], 264, **base)
+    assert P.plan_model(dims, 1, [1, 8], 264, **base, wide_k1_workgroups=264).digest() == same.digest()
+    assert own.layers[1] == same.layers[1]
+    lp = own.layers[8]
+    assert (lp.workgroups(P.K1), lp.workgroups(P.K2)) == (132, 264)
+    assert lp.k2 == same.layers[8].k2
+    assert lp.attn_splits == P.attention_splits(8, lp.local.kv_heads, 132)
+    for kernel in (P.K1, P.K2):
+        table = lp.task_table(kernel)
+        assert max(max(t) for t in table if t) < lp.workgroups(kernel)
+        _simulate(lp, kernel, lp.dependency_graph(kernel))
+    assert own.digest() != same.digest()
+    with pytest.raises(ConfigError, match="num_workgroups must be a positive integer") as e:
+        P.plan_model(dims, 1, [8], 264, wide_k1_workgroups=-1)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("G", [1, 5, 132, 304])

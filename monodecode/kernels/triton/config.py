@@ -156,6 +156,10 @@ class Target:
     fp8_wide_programs_per_sm: int = 0
     fp8_wide_warps: int = 0
     fp8_wide_inflight_bytes: int = 0
+    # K1's programs per SM with FP8 weights at widths > 1 where they differ from K2's (0: the
+    # same). K1 on such a grid of its own compiles with the BF16 knobs at that width (warps,
+    # stages, bytes in flight): those of the fewer, larger programs it then runs.
+    fp8_wide_k1_programs_per_sm: int = 0
     # Programs per SM and their warps at width 1 (0: ``num_warps``), and the same with FP8 weights
     # (0: as bf16): FP8's width-1 loop waits on fixed-latency dependencies (run 62), which a
     # second program's warps cover.
@@ -169,6 +173,16 @@ class Target:
         twin where the weights are FP8 and it is set; 0 where neither is set."""
         kind = "wide" if width > 1 else "narrow"
         return (fp8 and getattr(self, f"fp8_{kind}_{what}")) or getattr(self, f"{kind}_{what}")
+
+    def own_k1_grid(self, width: int, fp8: bool) -> bool:
+        """Whether K1 runs on a grid of its own at ``width`` (``fp8_wide_k1_programs_per_sm``)."""
+        k1 = self.fp8_wide_k1_programs_per_sm
+        return fp8 and width > 1 and bool(k1) and k1 != self.programs_per_sm(width, fp8)
+
+    def knob_fp8(self, width: int, kernel: str, fp8: bool) -> bool:
+        """Whether ``kernel`` at ``width`` reads the ``fp8_`` knobs: FP8 weights, except K1 on a
+        grid of its own (``fp8_wide_k1_programs_per_sm``), which reads the BF16 ones."""
+        return fp8 and not (kernel == "k1" and self.own_k1_grid(width, fp8))
 
     def stages(self, width: int, fp8: bool = False) -> int:
         return self._per_width(width, fp8, "stages") or self.gemv_stages
@@ -184,7 +198,7 @@ class Target:
         """Warps per program of ``kernel`` (k1, k2, or ka: the attention launch) at ``width``."""
         if kernel == "ka":
             return self.attn_launch_warps
-        return self._per_width(width, fp8, "warps") or self.num_warps
+        return self._per_width(width, self.knob_fp8(width, kernel, fp8), "warps") or self.num_warps
 
     def split(self, width: int, fp8: bool, k: int, bk: int) -> int:
         """K chunks per pipelined iteration of a GEMV over ``k`` with chunk ``bk``."""
@@ -192,13 +206,16 @@ class Target:
             return self.fp8_split
         return 1
 
-    def programs_per_sm(self, width: int, fp8: bool = False) -> int:
-        """Programs of the persistent grid per SM at ``width``."""
-        for kind in ("wide", "narrow"):
-            for name, lo in ((f"{kind}_programs_per_sm", 1), (f"fp8_{kind}_programs_per_sm", 0)):
-                v = getattr(self, name)
-                if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
-                    raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
+    def programs_per_sm(self, width: int, fp8: bool = False, kernel: str = "k2") -> int:
+        """Programs of ``kernel``'s persistent grid (k1 or k2) per SM at ``width``."""
+        names = [(f"{kind}_programs_per_sm", 1) for kind in ("wide", "narrow")]
+        names += [(f"fp8_{kind}_programs_per_sm", 0) for kind in ("wide", "narrow", "wide_k1")]
+        for name, lo in names:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 4:
+                raise ConfigError(f"triton kernels: {name} must be {lo}..4, got {v!r}")
+        if kernel == "k1" and fp8 and width > 1 and self.fp8_wide_k1_programs_per_sm:
+            return self.fp8_wide_k1_programs_per_sm
         return self._per_width(width, fp8, "programs_per_sm")
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
@@ -345,6 +362,7 @@ def plan_for(
         early_down_waves=0 if fp8 else target.early_down_waves,
         narrow_even_waves=target.narrow_even_waves,
         wide_workgroups=num_programs * target.programs_per_sm(2, fp8),
+        wide_k1_workgroups=num_programs * target.programs_per_sm(2, fp8, K1),
         wide_min_rows=max(target.wide_min_rows, target.fp8_pair_min_rows if _fp8_pair(target, fp8) else 0),
     )
 
@@ -366,11 +384,12 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
             return target.bk_narrow
         return k_chunk(k, target.bk_narrow)
     preferred = target.bk_wide
-    per_chunk = stage.tile * (1 if fp8 else 2) * target.stages(width, fp8)
+    knob_fp8 = target.knob_fp8(width, stage.kernel, fp8)
+    per_chunk = stage.tile * (1 if fp8 else 2) * target.stages(width, knob_fp8)
     inflight = target.wide_inflight_bytes
     if stage.name == "qkv" and target.qkv_inflight_bytes:
         inflight = target.qkv_inflight_bytes
-    if fp8 and target.fp8_wide_inflight_bytes:
+    if knob_fp8 and target.fp8_wide_inflight_bytes:
         inflight = target.fp8_wide_inflight_bytes
     # The FP8 pair holds the input chunk as fp32 twice over: past 256 columns K2 spills
     # (ptxas, llama3-8b width 8: 255 registers and 288 bytes of spills at 512).
@@ -476,7 +495,7 @@ def k1_constexprs(
         BN=qkv.tile,
         QKV_ROWS=qkv.rows_per_task,
         BK=bk,
-        NUM_STAGES=target.stages(W, fp8),
+        NUM_STAGES=target.stages(W, target.knob_fp8(W, K1, fp8)),
         SPLIT=target.split(W, fp8, L.hidden, bk),
         QKV_TASKS=qkv.num_tasks,
         QKV_OFF=qkv.offset,
@@ -489,7 +508,8 @@ def k1_constexprs(
         QKV_W=_word(plan, "qkv"),
         ACC_W=_word(plan, "attn_acc"),
         ML_W=_word(plan, "attn_ml"),
-        NPROG=plan.num_workgroups,
+        NPROG=plan.workgroups(K1),
+        PROF_GRID=prof_grid(plan),
         VP=vp,
         QK_NORM=dims.qk_norm,
         ONE_PLUS=dims.norm_one_plus,
@@ -505,6 +525,12 @@ def k1_constexprs(
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
     )
+
+
+def prof_grid(plan: LayerPlan) -> int:
+    """Program slots per kernel in the stage timestamps of a width (``timeline.py``): the
+    larger of K1's and K2's grids."""
+    return max(plan.workgroups(K1), plan.workgroups(K2))
 
 
 def split_k_merges(target: Target, plan: LayerPlan) -> tuple[bool, bool]:
@@ -545,7 +571,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         EPOCH_W=_word(plan, "epoch_k1"),
         DONE_W=_word(plan, "done_k1"),
         QKV_W=_word(plan, "qkv"),
-        NPROG=plan.num_workgroups,
+        NPROG=plan.workgroups(K1),  # K1's launch counter: the epoch
         QK_NORM=dims.qk_norm,
         ONE_PLUS=dims.norm_one_plus,
         ATTN_STAGES=target.attn_launch_stages,
@@ -613,7 +639,8 @@ def k2_constexprs(
         HN_W=_word(plan, "hn"),
         ACT_W=_word(plan, "act"),
         D_W=_word(plan, "d_part" if d_part else "d") if final else o_word,  # unused without final or a split
-        NPROG=plan.num_workgroups,
+        NPROG=plan.workgroups(K2),
+        PROF_GRID=prof_grid(plan),
         VP=vp,
         POST_NORMS=dims.post_norms,
         FINAL=run_final,
@@ -643,15 +670,17 @@ def constexprs(
     target: Target,
     block_size: int,
     fp8: bool,
-    vp: int = 1,
+    interpret: bool = False,
     prof: bool = False,
 ) -> tuple[dict, ...]:
-    """``prof``: compile in the stage timestamps (``timeline.py``; CUDA only). K1's and K2's
-    constants, then the attention launch's where it has one (``attn_launch``)."""
+    """``interpret``: for the interpreter, where one program plays every program of its
+    launch's grid (``VP``); ``prof``: compile in the stage timestamps (``timeline.py``; CUDA
+    only). K1's and K2's constants, then the attention launch's where it has one (``attn_launch``)."""
     plan = mplan.layers[width]
     ka = (ka_constexprs(dims, plan, target, block_size, bool(fp8)),) if attn_launch(target, plan) else ()
+    vp1, vp2 = (plan.workgroups(K1), plan.workgroups(K2)) if interpret else (1, 1)
     return (
-        k1_constexprs(dims, plan, target, block_size, vp, bool(fp8), prof),
-        k2_constexprs(dims, plan, target, vp, bool(fp8), prof),
+        k1_constexprs(dims, plan, target, block_size, vp1, bool(fp8), prof),
+        k2_constexprs(dims, plan, target, vp2, bool(fp8), prof),
         *ka,
     )

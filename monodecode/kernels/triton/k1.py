@@ -91,6 +91,7 @@ def k1_kernel(
     ACC_W: tl.constexpr,
     ML_W: tl.constexpr,
     NPROG: tl.constexpr,
+    PROF_GRID: tl.constexpr,  # program slots per kernel in the timestamps (``config.prof_grid``)
     VP: tl.constexpr,
     QK_NORM: tl.constexpr,
     ONE_PLUS: tl.constexpr,
@@ -138,8 +139,8 @@ def k1_kernel(
     rmask = rows < W
 
     # stage qkv: fused pre-norm + QKV GEMV, published as tagged words
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, NPROG, PROF)
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 0, PROF_GRID, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 1, PROF_GRID, PROF)
     if QKV_SRC == 0:
         rstd = row_rstd(x_ptr, HIDDEN, rows, rmask, eps, HIDDEN, BK, WP, NUM_STAGES)
     else:  # applied to the QKV rows by gemv_task (``Target.deferred_rstd``)
@@ -193,16 +194,16 @@ def k1_kernel(
                 )
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, PROF_GRID, PROF)
 
     # stage attn: (row, KV head, context split) partials
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 0, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
         if first < attn_tasks:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, NPROG, PROF)
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, PROF_GRID, PROF)
         for t in range(first, attn_tasks, NPROG):
             attn_task(
                 t,
@@ -224,19 +225,19 @@ def k1_kernel(
                 ATTN_STAGES,
             )
             signal_done(done_attn)
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, PROF_GRID, PROF)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 0, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - COMB_OFF + NPROG) % NPROG
         if first < comb_tasks:
             budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, NPROG, PROF)
+        stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, PROF_GRID, PROF)
         for t in range(first, comb_tasks, NPROG):
             combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, BF16MB)
-    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, PROF_GRID, PROF)
 
     # when the attention launch runs this step's attention, it waits for this counter itself, and
     # settles it (``ka.py``)

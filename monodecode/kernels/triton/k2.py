@@ -328,6 +328,7 @@ def k2_kernel(
     ACT_W: tl.constexpr,
     D_W: tl.constexpr,
     NPROG: tl.constexpr,
+    PROF_GRID: tl.constexpr,  # program slots per kernel in the timestamps (``config.prof_grid``)
     VP: tl.constexpr,
     POST_NORMS: tl.constexpr,
     ONE_PLUS: tl.constexpr,
@@ -420,8 +421,8 @@ def k2_kernel(
     zero = tl.zeros([WP], dtype=tl.float32)
 
     # o_proj (input: K1's bf16 output, a launch input)
-    stamp(prof_ptr, layer, me, 1, 0, 0, NPROG, PROF)
-    stamp(prof_ptr, layer, me, 1, 0, 1, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 0, 0, PROF_GRID, PROF)
+    stamp(prof_ptr, layer, me, 1, 0, 1, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
@@ -477,17 +478,17 @@ def k2_kernel(
                 xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=hm, other=0.0).to(tl.float32)
                 publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, o), hm, tag, BF16MB)
         signal_tasks(done_o, first, O_TASKS, NPROG)
-    stamp(prof_ptr, layer, me, 1, 0, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 0, 2, PROF_GRID, PROF)
 
     # post: one task per row (none with NO_POST: o_proj adds the residual, gate/up normalises)
     if not NO_POST:  # (no stamps either: the timeline reads a stage never stamped as absent)
-        stamp(prof_ptr, layer, me, 1, 1, 0, NPROG, PROF)
+        stamp(prof_ptr, layer, me, 1, 1, 0, PROF_GRID, PROF)
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
             first = (pid - POST_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_o, epoch * O_TASKS, budget, health_ptr, code)
-            stamp(prof_ptr, layer, me, 1, 1, 1, NPROG, PROF)
+            stamp(prof_ptr, layer, me, 1, 1, 1, PROF_GRID, PROF)
             for r in range(first, W, NPROG):
                 _post_task(
                     r,
@@ -510,7 +511,7 @@ def k2_kernel(
                     O_KS,
                 )
                 signal_done(done_post)
-        stamp(prof_ptr, layer, me, 1, 1, 2, NPROG, PROF)
+        stamp(prof_ptr, layer, me, 1, 1, 2, PROF_GRID, PROF)
 
     # gate/up + activation; with NO_POST its input is h, normalised on the way (``gemv`` SRC 5)
     if NO_POST:
@@ -518,14 +519,14 @@ def k2_kernel(
     else:
         gu_in = hn_mb
     GU_SRC: tl.constexpr = 5 if NO_POST else MB_SRC
-    stamp(prof_ptr, layer, me, 1, 2, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 2, 0, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first_lo = (pid - GU_LO_OFF + NPROG) % NPROG
         first_hi = (pid - GU_OFF + NPROG) % NPROG
         if (first_lo < GU_LO_TASKS) | (first_hi < GU_TASKS):
             budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
-        stamp(prof_ptr, layer, me, 1, 2, 1, NPROG, PROF)
+        stamp(prof_ptr, layer, me, 1, 2, 1, PROF_GRID, PROF)
         for part in range(HALVES):  # a loop, not unrolled: one copy of the task loop's code
             lo = (HALVES == 2) & (part == 0)
             first = tl.where(lo, first_lo, first_hi)
@@ -565,14 +566,14 @@ def k2_kernel(
                 BF16MB,
             )
             signal_tasks(tl.where(lo, gu_lo_ctr, done_gu), first, tasks, NPROG)
-    stamp(prof_ptr, layer, me, 1, 2, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 2, 2, PROF_GRID, PROF)
 
     # down (+ residual, unless a final norm stage follows). Waiting for gate/up also covers h:
     # every gate/up task acquired h's producers (post, or o_proj with NO_POST) before releasing
     # its own count; programs without gate/up tasks acquire them here. With HALVES, the first
     # pass covers columns [0, D_K0) of this program's row tiles (an fp32 partial in d_lo, after
     # gate/up's first half), the second the rest, adding that partial first (K order).
-    stamp(prof_ptr, layer, me, 1, 3, 0, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 3, 0, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
@@ -585,7 +586,7 @@ def k2_kernel(
                     budget = wait_done(done_gu, epoch * GU_TASKS, budget, health_ptr, code)
                     budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
             if part == 0:
-                stamp(prof_ptr, layer, me, 1, 3, 1, NPROG, PROF)
+                stamp(prof_ptr, layer, me, 1, 3, 1, PROF_GRID, PROF)
             else:
                 tl.debug_barrier()  # d_lo is read back by this program's threads, whichever wrote it
             for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
@@ -646,17 +647,17 @@ def k2_kernel(
                               HIDDEN, BF16MB)  # fmt: skip
         if FINAL:
             signal_tasks(done_down, first, D_TASKS, NPROG)
-    stamp(prof_ptr, layer, me, 1, 3, 2, NPROG, PROF)
+    stamp(prof_ptr, layer, me, 1, 3, 2, PROF_GRID, PROF)
 
     if FINAL:
-        stamp(prof_ptr, layer, me, 1, 4, 0, NPROG, PROF)
+        stamp(prof_ptr, layer, me, 1, 4, 0, PROF_GRID, PROF)
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
             first = (pid - FIN_OFF + NPROG) % NPROG
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
                 budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
-            stamp(prof_ptr, layer, me, 1, 4, 1, NPROG, PROF)
+            stamp(prof_ptr, layer, me, 1, 4, 1, PROF_GRID, PROF)
             for r in range(first, W, NPROG):
                 _final_task(
                     r,
@@ -678,7 +679,7 @@ def k2_kernel(
                     D_KS,
                     POST_NORMS,
                 )
-        stamp(prof_ptr, layer, me, 1, 4, 2, NPROG, PROF)
+        stamp(prof_ptr, layer, me, 1, 4, 2, PROF_GRID, PROF)
 
     launch_next(PDL, 2)
     finish_launch(

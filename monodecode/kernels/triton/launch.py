@@ -15,6 +15,7 @@ import torch
 from monodecode.errors import ConfigError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import TwoLaunchKernels
+from monodecode.kernels.plan import K1, K2
 from monodecode.kernels.triton.args import k1_args, k2_args, ka_args, kv_strides, pack_layer
 from monodecode.kernels.triton.config import (
     Target,
@@ -23,6 +24,7 @@ from monodecode.kernels.triton.config import (
     constexprs,
     k2_arrive_counters,
     plan_for,
+    prof_grid,
 )
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
@@ -63,16 +65,15 @@ class TritonKernels(TwoLaunchKernels):
         self.interpret = interpreting()
         self.fp8 = req.weight_dtype in ("fp8", "fp8_fnuz")
         self.plan = plan_for(dims, req.widths, num_programs, target, req.tp_size, self.fp8)
-        # The persistent grid of each width. The interpreter runs programs one after another: one
-        # instance plays all of them (``VP``), stage by stage.
-        self.grids = {w: self.plan.layers[w].num_workgroups for w in req.widths}
-        self.num_programs = max(self.grids.values())  # the timeline's program slots
+        # The persistent grids (K1's, K2's) of each width. The interpreter runs programs one after
+        # another: one instance plays all of them (``VP``), stage by stage.
+        self.grids = {w: (self.plan.layers[w].workgroups(K1), self.plan.layers[w].workgroups(K2)) for w in req.widths}
+        self.num_programs = max(prof_grid(self.plan.layers[w]) for w in req.widths)  # the timeline's program slots
         have = weights.layers[0].q_proj.kind if weights.layers else req.weight_dtype
         if have != req.weight_dtype:
             raise ConfigError(f"triton kernels: built for {req.weight_dtype} weights but the model has {have}")
         self.consts = {
-            w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, self.grids[w] if self.interpret else 1)
-            for w in req.widths
+            w: constexprs(dims, self.plan, w, target, req.block_size, self.fp8, self.interpret) for w in req.widths
         }
         if share is not None:
             self.layers = share.layers
@@ -118,17 +119,18 @@ class TritonKernels(TwoLaunchKernels):
         words = buffer_words(num_layers, self.num_programs) if on else 1
         self.prof = torch.zeros(words, dtype=torch.int64, device=self.device)
         self.consts = {
-            w: constexprs(self.dims, self.plan, w, self.target, self.req.block_size, self.fp8, 1, prof=on)
+            w: constexprs(self.dims, self.plan, w, self.target, self.req.block_size, self.fp8, prof=on)
             for w in self.widths
         }
         self._compiled = self._compile(self.req, prof=on)
 
     def timeline(self, num_layers: int, rows: int):
         """The stamps of the last step of ``rows`` rows as ``[layer, kernel, program, stage,
-        (enter, ready, end, -)]`` int64 ns (the programs of that step's width)."""
+        (enter, ready, end, -)]`` int64 ns (the program slots of that step's width, ``prof_grid``:
+        those past a kernel's grid stay 0)."""
         from monodecode.kernels.triton.timeline import MAX_STAGES, SLOTS, buffer_words
 
-        grid = self.grids[self._width(rows)]
+        grid = prof_grid(self.plan.layers[self._width(rows)])
         return self.prof[: buffer_words(num_layers, grid)].view(num_layers, 2, grid, MAX_STAGES, SLOTS).cpu()
 
     def _compile(self, req: BuildRequest, prof: bool = False) -> dict:
@@ -149,8 +151,8 @@ class TritonKernels(TwoLaunchKernels):
 
     def _run(self, which: int, width: int, args: list, grid: int = 0) -> None:
         """Launch kernel ``which`` (0 K1, 1 K2, 2 the attention launch) on ``grid`` programs
-        (0: the width's persistent grid)."""
-        grid = grid or (1 if self.interpret else self.grids[width])
+        (0: the kernel's persistent grid at that width)."""
+        grid = grid or (1 if self.interpret else self.grids[width][which])
         if self.interpret:
             self._kernels[which][(grid,)](*args, **self.consts[width][which])
             return

@@ -23,6 +23,12 @@ STAGES = (("qkv", "attn", "combine"), ("o_proj", "post", "gate_up", "down", "fin
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 
 
+def _ran(st: torch.Tensor) -> torch.Tensor:
+    """``st`` ``[program, stage, slot]`` of one kernel, less the program slots past its grid
+    (K1 and K2 may have grids of different sizes: those slots are never stamped)."""
+    return st[(st[:, :, 0] > 0).any(dim=1)]
+
+
 def _valid(st: torch.Tensor) -> torch.Tensor:
     """Stages a kernel ran: every program stamped them (a stage compiled out stays 0)."""
     return (st[:, :, 0] > 0).all(dim=0)
@@ -37,14 +43,14 @@ def summarize(stamps: torch.Tensor) -> dict:
         per_stage: dict[str, dict[str, list[float]]] = {}
         spans = []
         for l in range(layers):
-            st = stamps[l, k].double()
+            st = _ran(stamps[l, k].double())
             ok = _valid(st)
             if not ok.any():
                 continue
             t0 = st[:, ok, 0].min()
             spans.append(float(st[:, ok, 2].max() - t0) / 1e3)
             if k == 1:
-                k1 = stamps[l, 0].double()
+                k1 = _ran(stamps[l, 0].double())
                 gaps.append(float(t0 - k1[:, _valid(k1), 2].max()) / 1e3)
             for s, name in enumerate(STAGES[k]):
                 if not ok[s]:
@@ -86,19 +92,18 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    st = stamps[layer].double()
-    t0 = float(st[0][:, _valid(st[0]), 0].min())
+    kernels = [_ran(stamps[layer, k].double()) for k in (0, 1)]
+    t0 = float(kernels[0][:, _valid(kernels[0]), 0].min())
     fig, ax = plt.subplots(figsize=(12, 6))
-    programs = st.shape[1]
-    for k in (0, 1):
-        ok = _valid(st[k])
+    for k, st in enumerate(kernels):
+        ok = _valid(st)
         for s, name in enumerate(STAGES[k]):
             if not ok[s]:
                 continue
-            enter = (st[k, :, s, 0] - t0) / 1e3
-            ready = (st[k, :, s, 1] - t0) / 1e3
-            end = (st[k, :, s, 2] - t0) / 1e3
-            ys = torch.arange(programs)
+            enter = (st[:, s, 0] - t0) / 1e3
+            ready = (st[:, s, 1] - t0) / 1e3
+            end = (st[:, s, 2] - t0) / 1e3
+            ys = torch.arange(st.shape[0])
             ax.hlines(ys, enter, ready, colors="0.8", lw=1)
             work = end > ready
             ax.hlines(

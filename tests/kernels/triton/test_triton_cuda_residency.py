@@ -22,12 +22,11 @@ SMS = 132  # the H200
 
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
-def test_fp8_persistent_launches_fit_two_programs_per_sm(profile, width):
-    per_sm = CUDA.programs_per_sm(width, fp8=True)
-    assert per_sm == 2  # what the H200 runs timed
+def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
     for r in compile_width(profile_dims(profile), "fp8", width, "sm_90", CUDA, num_programs=SMS):
         if r.kernel == "ka":  # a plain grid, not persistent
             continue
+        per_sm = CUDA.programs_per_sm(width, fp8=True, kernel=r.kernel)
         assert r.workgroups_per_cu >= per_sm, (
             f"{profile} width {width} {r.kernel}: {r.regs} registers x {r.num_warps} warps, "
             f"{r.lds_bytes} B shared: {r.workgroups_per_cu} program(s) per SM, the plan puts {per_sm}"

@@ -314,7 +314,7 @@ def test_graph_replays_bit_identical():
         mismatches += (out.view(torch.int16) != first.view(torch.int16)).any().to(torch.int64)
     torch.cuda.synchronize()
     assert int(mismatches.item()) == 0, f"{int(mismatches.item())} of 999 replays differ from the first"
-    assert int(counter.item()) - c0 == 999 * 16 * tk.plan.num_workgroups, "K1 launch counter did not advance exactly"
+    assert int(counter.item()) - c0 == 999 * 16 * lp.workgroups("k1"), "K1 launch counter did not advance exactly"
     assert tk.health() == 0, decode_health(tk.health())
     h_ref = R.run_layers(weights, x, meta, kv_ref)
     _close(first, h_ref, "replayed step vs reference", rel=STACK_REL_FRO, frac=None)
