@@ -141,6 +141,9 @@ class Target:
     # the device for its end, instead of the stream starting the next launch after this one has
     # drained ("": off).
     pdl: str = ""
+    # Registers per thread ptxas may use in the attention launch (CUDA; 0: its own choice): its
+    # programs run in waves of as many as fit an SM, so registers set the waves' size.
+    attn_launch_maxnreg: int = 0
     # Registers per thread ptxas may use in K1 and K2 (CUDA; 0: its own choice). Run 58 (one
     # 8-warp program per SM, before FP8 took two): ptxas held FP8 width-1 K1 to 128 registers and
     # spilled 72 bytes, but 255 (no spill) timed within 1 % everywhere. A cap must leave room for
@@ -318,6 +321,10 @@ CUDA = Target(
     fp8_wide_programs_per_sm=2,
     fp8_wide_warps=4,
     fp8_wide_inflight_bytes=32768,
+    # Run 67 (8 layers): FP8 K1 at widths > 1 back on one 8-warp program per SM (its 96 64-row QKV
+    # tasks had half the warps on two), K2 on two: 1k b2 / b4 / b8 0.96 / 1.00 / 1.05 -> 0.90 /
+    # 0.94 / 0.98 ms, 8k b8 1.56 -> 1.51, 32k b8 3.07 -> 3.02.
+    fp8_wide_k1_programs_per_sm=1,
 )
 # CDNA: 64 KiB of LDS on gfx942, so no multi-stage LDS ring; loads go straight to registers.
 HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_wide=64)
@@ -326,13 +333,16 @@ HIP = Target("hip", num_warps=4, gemv_stages=1, attn_tile=32, bk_narrow=256, bk_
 def compile_options(target: Target, width: int = 1, kernel: str = "k1", fp8: bool = False) -> dict:
     """Triton's compile options for ``kernel`` (k1, k2, ka) at ``width`` (``fp8``: FP8 weights):
     what the launcher, the cache warmer and the offline compile checks all pass."""
-    if target.maxnreg and not 24 <= target.maxnreg <= 255:
-        raise ConfigError(f"triton kernels: maxnreg must be 0 or 24..255, got {target.maxnreg}")
+    for name in ("maxnreg", "attn_launch_maxnreg"):
+        v = getattr(target, name)
+        if v and not 24 <= v <= 255:
+            raise ConfigError(f"triton kernels: {name} must be 0 or 24..255, got {v}")
     opts = {"num_warps": target.warps(width, kernel, fp8)}
     if target.kind == "cuda" and target.pdl:  # "entry" | "exit"
         opts["launch_pdl"] = True  # programmatic dependent launch (``overlap.py``)
-    if target.kind == "cuda" and target.maxnreg and kernel != "ka":  # the attention launch shares SMs
-        opts["maxnreg"] = target.maxnreg
+    maxnreg = target.attn_launch_maxnreg if kernel == "ka" else target.maxnreg
+    if target.kind == "cuda" and maxnreg:
+        opts["maxnreg"] = maxnreg
     # the persistent launches need every program resident; the attention launch (ka) is a plain grid
     if target.kind == "cuda" and target.cooperative and kernel != "ka":
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident

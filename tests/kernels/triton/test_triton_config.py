@@ -139,6 +139,10 @@ def test_pdl_and_maxnreg_are_refused_in_one_line_and_never_reach_hip():
         compile_options(dataclasses.replace(CUDA, maxnreg=300), 8, "k2")
     assert compile_options(dataclasses.replace(CUDA, maxnreg=168), 8, "k2")["maxnreg"] == 168
     assert "maxnreg" not in compile_options(dataclasses.replace(CUDA, maxnreg=168), 8, "ka")  # shares its SMs
+    ka_cap = dataclasses.replace(CUDA, attn_launch_maxnreg=128)
+    assert compile_options(ka_cap, 8, "ka")["maxnreg"] == 128 and "maxnreg" not in compile_options(ka_cap, 8, "k1")
+    with pytest.raises(ConfigError, match="^triton kernels: attn_launch_maxnreg must be 0 or 24..255, got 16$"):
+        compile_options(dataclasses.replace(CUDA, attn_launch_maxnreg=16), 8, "ka")
     hip = dataclasses.replace(target_for("hip"), pdl="exit")
     assert k1_constexprs(dims, plan_for(dims, [1], 304, hip).layers[1], hip, 16)["PDL"] == 0
     assert k2_constexprs(dims, plan, CUDA)["PDL"] == 2
@@ -176,9 +180,11 @@ def test_even_waves_skip_the_fp8_pair():
 
 def test_fp8_wide_stages_reach_only_fp8_gemvs_at_widths_above_1():
     """``Target.fp8_wide_stages`` pipelines FP8 GEMVs at widths > 1 only: BF16 weights and width
-    1's FMA tiles keep their own depth (run 60 timed it against the default)."""
+    1's FMA tiles keep their own depth (run 60 timed it against the default), and so does K1 on
+    a grid of its own (``fp8_wide_k1_programs_per_sm``), which reads the BF16 knobs."""
     dims = profile_dims("llama3-8b")
     three = dataclasses.replace(CUDA, fp8_wide_stages=3)
+    shared = dataclasses.replace(three, fp8_wide_k1_programs_per_sm=0)
 
     def stages(target, width, fp8):
         plan = plan_for(dims, [width], 132, target, fp8=fp8).layers[width]
@@ -187,7 +193,8 @@ def test_fp8_wide_stages_reach_only_fp8_gemvs_at_widths_above_1():
             k2_constexprs(dims, plan, target, fp8=fp8)["NUM_STAGES"],
         )
 
-    assert stages(three, 8, True) == (3, 3)
+    assert stages(three, 8, True) == (CUDA.gemv_stages, 3)
+    assert stages(shared, 8, True) == (3, 3)
     assert stages(CUDA, 8, True) == (CUDA.gemv_stages, CUDA.gemv_stages)
     assert stages(three, 8, False) == stages(CUDA, 8, False)
     assert stages(three, 1, True) == stages(CUDA, 1, True) == (CUDA.fp8_narrow_stages,) * 2
@@ -203,10 +210,18 @@ def test_fp8_weights_take_two_smaller_programs_per_sm():
 
     dims = profile_dims("llama3-8b")
 
-    def grid(width, fp8, target=CUDA):
-        return plan_for(dims, [width], 132, target, fp8=fp8).layers[width].num_workgroups
+    def grid(width, fp8, target=CUDA, kernel="k2"):
+        return plan_for(dims, [width], 132, target, fp8=fp8).layers[width].workgroups(kernel)
 
     assert (grid(1, False), grid(8, False), grid(1, True), grid(8, True), grid(2, True)) == (132, 132, 264, 264, 264)
+    # K1 at widths > 1 on one 8-warp program per SM (run 67), its chunks sized for it
+    assert (grid(1, True, kernel="k1"), grid(8, True, kernel="k1"), grid(8, False, kernel="k1")) == (264, 132, 132)
+    assert compile_options(CUDA, 8, "k1", fp8=True)["num_warps"] == 8
+    own = plan_for(dims, [8], 132, CUDA, fp8=True).layers[8]
+    shared = dataclasses.replace(CUDA, fp8_wide_k1_programs_per_sm=0)
+    assert grid(8, True, shared, "k1") == 264 and compile_options(shared, 8, "k1", fp8=True)["num_warps"] == 4
+    assert gemv_chunk(CUDA, 8, own.stage("k1", "qkv"), True) == 256  # the FP8 pair's widest
+    assert gemv_chunk(shared, 8, plan_for(dims, [8], 132, shared, fp8=True).layers[8].stage("k1", "qkv"), True) == 128
     assert grid(8, True, dataclasses.replace(CUDA, fp8_wide_programs_per_sm=0)) == 132
     assert grid(1, True, dataclasses.replace(CUDA, fp8_narrow_programs_per_sm=0)) == 132
     assert grid(8, False, dataclasses.replace(CUDA, wide_programs_per_sm=3)) == 396
@@ -223,7 +238,7 @@ def test_fp8_weights_take_two_smaller_programs_per_sm():
         == ka_constexprs(dims, plan_for(dims, [8], 132, CUDA).layers[8], CUDA, 16)["S"]
     )
     bads = ({"wide_programs_per_sm": 0}, {"fp8_wide_programs_per_sm": 5}, {"narrow_programs_per_sm": True})
-    for bad in bads + ({"fp8_narrow_programs_per_sm": -1},):
+    for bad in bads + ({"fp8_narrow_programs_per_sm": -1}, {"fp8_wide_k1_programs_per_sm": 9}):
         name, value = next(iter(bad.items()))
         with pytest.raises(ConfigError, match=rf"^triton kernels: {name} must be [01]\.\.4, got {value!r}$"):
             plan_for(dims, [8], 132, dataclasses.replace(CUDA, **bad), fp8=True)

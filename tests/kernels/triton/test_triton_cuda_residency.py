@@ -3,7 +3,8 @@
 K1 and K2 wait on each other's programs (completion counters), so every program of a grid must
 be resident at once: a cooperative launch refuses a grid that is not, and the step then falls
 back. FP8 weights run two programs per SM (``Target.fp8_wide_programs_per_sm`` /
-``fp8_narrow_programs_per_sm``), so their registers and shared memory must leave room for two.
+``fp8_narrow_programs_per_sm``; K1 at widths > 1 one, ``fp8_wide_k1_programs_per_sm``), so their
+registers and shared memory must leave room for that many.
 Compiled for sm_90 on the CPU (ptxas ``-v`` and Triton's shared-memory figure, ``offline.py``);
 the H200 runs confirm it (benchmarks/README.md, runs 63-65)."""
 

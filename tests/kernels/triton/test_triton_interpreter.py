@@ -101,14 +101,14 @@ CHILD = textwrap.dedent(
             programs //= 2
         if "_pps2" in name:  # two programs per SM at widths > 1 (``Target.wide_programs_per_sm``)
             target = dataclasses.replace(target, wide_programs_per_sm=2, wide_warps=4)
-        own_k1 = "_k1own" in name  # K1 on one program per SM, K2 on two (``fp8_wide_k1_programs_per_sm``)
-        if own_k1:
-            target = dataclasses.replace(target, fp8_wide_k1_programs_per_sm=1)
+        if "_k1shared" in name:  # K1 on K2's grid (two programs per SM), not on one of its own
+            target = dataclasses.replace(target, fp8_wide_k1_programs_per_sm=0)
         tk = TritonKernels(req, w, target, programs, "cpu")
         # FP8 weights take two programs per SM by default (``fp8_wide_programs_per_sm``,
-        # ``fp8_narrow_programs_per_sm``)
+        # ``fp8_narrow_programs_per_sm``), but K1 at widths > 1 one (``fp8_wide_k1_programs_per_sm``)
         doubled = ("_pps2" in name and widths[0] > 1) or wd == "fp8"
         assert tk.consts[widths[0]][1]["NPROG"] == programs * (2 if doubled else 1), name
+        own_k1 = wd == "fp8" and widths[0] > 1 and "_k1shared" not in name
         k1_grid = programs * (2 if doubled and not own_k1 else 1)
         assert tk.consts[widths[0]][0]["NPROG"] == tk.consts[widths[0]][0]["VP"] == k1_grid, name
         if len(tk.consts[widths[0]]) == 3:  # the attention launch reads K1's launch counter
@@ -212,8 +212,9 @@ CHILD = textwrap.dedent(
 # (``Target.wide_programs_per_sm``: 64 for 32 SMs); "*_ka" run the attention in a launch of its own (``Target.attn_launch``; with "_bt16" at most 2
 # splits of 16-position tiles), "*_ka_stall" with K1's QKV stalled at layer 0 (fault drill),
 # "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
-# in K1, llama_w2_kah_bt16's 150 go to the attention launch); "*_k1own" run K1 on a grid of half
-# K2's (``Target.fp8_wide_k1_programs_per_sm``: 8 programs, K2 16).
+# in K1, llama_w2_kah_bt16's 150 go to the attention launch). FP8 runs at widths > 1 have K1 on a
+# grid of half K2's (``Target.fp8_wide_k1_programs_per_sm``: 8 programs, K2 16); "*_k1shared" on
+# K2's.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -247,8 +248,7 @@ RUNS = [
     ("w1_even9", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
     ("w1_ka", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8_ka", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("w3_fp8_k1own", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("w3_fp8_k1own_ka", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("w3_fp8_k1shared", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
@@ -398,7 +398,7 @@ def test_attention_launch_changes_only_the_summation_order(results):
     merged twice, or a group merged before its last split, moves the output by far more."""
     import torch
 
-    for ka, k1 in (("w1_ka", "w1"), ("w3_fp8_ka", "w3_fp8"), ("w3_fp8_k1own_ka", "w3_fp8_k1own")):
+    for ka, k1 in (("w1_ka", "w1"), ("w3_fp8_ka", "w3_fp8")):
         for layer, (a, b) in enumerate(zip(results[ka]["bits"], results[k1]["bits"], strict=True)):
             got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
             want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
@@ -413,7 +413,7 @@ def test_k1_on_its_own_grid_changes_only_the_summation_order(results):
     starting before K1's last program, moves it by far more."""
     import torch
 
-    for layer, (a, b) in enumerate(zip(results["w3_fp8_k1own"]["bits"], results["w3_fp8"]["bits"], strict=True)):
+    for layer, (a, b) in enumerate(zip(results["w3_fp8"]["bits"], results["w3_fp8_k1shared"]["bits"], strict=True)):
         got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
         want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
         rel = float((got - want).norm() / want.norm())
