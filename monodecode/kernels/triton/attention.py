@@ -218,20 +218,21 @@ def combine_task(
     D: tl.constexpr,
     H: tl.constexpr,
     S: tl.constexpr,
+    SP: tl.constexpr,
     BF16MB: tl.constexpr,
 ):
-    """One (row, query head) task; the caller has waited for the attention stage."""
+    """One (row, query head) task; the caller has waited for the attention stage. ``SP``: ``S``
+    rounded up to a power of two (the attention launch's splits need not be one)."""
     r = t // H
     h = t % H
-    si = tl.arange(0, S)
+    si = tl.arange(0, SP)
+    sm = si < S
     d = tl.arange(0, D)
     mlb = ml_mb + (r * H + h) * S * 2
     accb = acc_mb + (r * H + h) * S * D
-    m = fetch(mlb + si * 2, si >= 0, tag, health_ptr, bad_code, BF16MB)
-    l = fetch(mlb + si * 2 + 1, si >= 0, tag, health_ptr, bad_code, BF16MB)
-    a = fetch(
-        accb + si[:, None] * D + d[None, :], (si[:, None] >= 0) & (d[None, :] >= 0), tag, health_ptr, bad_code, BF16MB
-    )
+    m = tl.where(sm, fetch(mlb + si * 2, sm, tag, health_ptr, bad_code, BF16MB), float("-inf"))
+    l = fetch(mlb + si * 2 + 1, sm, tag, health_ptr, bad_code, BF16MB)
+    a = fetch(accb + si[:, None] * D + d[None, :], sm[:, None] & (d[None, :] >= 0), tag, health_ptr, bad_code, BF16MB)
     big = tl.max(m, axis=0)
     wts = tl.exp(m - big)
     den = tl.sum(wts * l, axis=0)

@@ -132,6 +132,12 @@ class Target:
     attn_launch_stages: int = 3
     attn_launch_tasks_per_sm: int = 8
     attn_launch_max_splits: int = 32
+    # Whole waves: when set, the attention launch's splits are not a power of two but the most
+    # whose tasks stay within this many per SM (at most ``attn_launch_max_splits``). Set to the
+    # programs its registers and shared memory let reside on an SM (``offline.cuda_resources``),
+    # or a multiple, every wave of equal tasks is full: no part-full last wave while the others
+    # idle (0: the power-of-two rule of ``attn_launch_tasks_per_sm``).
+    attn_launch_slots_per_sm: int = 0
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -226,7 +232,13 @@ class Target:
         that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs
         (scaled by ``head_dim`` over ``attn_launch_head_dim``), at most ``attn_launch_max_splits``
         (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at
-        batch 8)."""
+        batch 8). With ``attn_launch_slots_per_sm``: the most splits within that many tasks per
+        SM, any count."""
+        slots = self.attn_launch_slots_per_sm
+        if not isinstance(slots, int) or isinstance(slots, bool) or not 0 <= slots <= 64:
+            raise ConfigError(f"triton kernels: attn_launch_slots_per_sm must be 0..64, got {slots!r}")
+        if slots:
+            return max(1, min(self.attn_launch_max_splits, slots * num_programs // (width * kv_heads)))
         per_sm = self.attn_launch_tasks_per_sm
         if self.attn_launch_head_dim and head_dim:
             per_sm = max(1, per_sm * head_dim // self.attn_launch_head_dim)
@@ -571,9 +583,11 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
     """Constants of the attention launch (``ka.py``) of one width."""
     L = plan.local
     sms = plan.num_workgroups // target.programs_per_sm(plan.width, fp8)
+    splits = target.attn_launch_splits(plan.width, L.kv_heads, sms, L.head_dim)
     return dict(
         **_attention_shape(L),
-        S=target.attn_launch_splits(plan.width, L.kv_heads, sms, L.head_dim),
+        S=splits,
+        SP=_pow2(splits),
         BS=block_size,
         BT=target.attn_launch_tile,
         W=plan.width,

@@ -236,7 +236,9 @@ def k1_kernel(
             budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, PROF_GRID, PROF)
         for t in range(first, comb_tasks, NPROG):
-            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, BF16MB)
+            combine_task(
+                t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, S, BF16MB
+            )  # S: a power of two
     stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, PROF_GRID, PROF)
 
     # when the attention launch runs this step's attention, it waits for this counter itself, and

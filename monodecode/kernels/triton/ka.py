@@ -78,6 +78,7 @@ def ka_kernel(
     KVH: tl.constexpr,
     H: tl.constexpr,
     S: tl.constexpr,
+    SP: tl.constexpr,
     BS: tl.constexpr,
     BT: tl.constexpr,
     W: tl.constexpr,
@@ -140,5 +141,7 @@ def ka_kernel(
             r = pair // KVH
             g = pair % KVH
             for hh in range(G):
-                combine_task(r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, True)
+                combine_task(
+                    r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, SP, True
+                )
     launch_next(PDL, 2)

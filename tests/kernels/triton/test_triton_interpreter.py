@@ -86,6 +86,8 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
             target = dataclasses.replace(target, attn_launch_min_context=64)
+        if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
+            target = dataclasses.replace(target, attn_launch_slots_per_sm=3, attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
@@ -113,6 +115,7 @@ CHILD = textwrap.dedent(
         assert tk.consts[widths[0]][0]["NPROG"] == tk.consts[widths[0]][0]["VP"] == k1_grid, name
         if len(tk.consts[widths[0]]) == 3:  # the attention launch reads K1's launch counter
             assert tk.consts[widths[0]][2]["NPROG"] == k1_grid, name
+            assert (tk.consts[widths[0]][2]["S"] == 6) == ("_waves" in name), name  # not a power of two
         assert (len(tk.consts[widths[0]]) == 3) == (mailbox == "bf16"), name  # tagged: attention in K1 only
         if name.endswith("_stall"):  # K1's QKV never signals at layer 0: the attention launch's wait expires
             from monodecode.services.faults import Fault
@@ -214,7 +217,7 @@ CHILD = textwrap.dedent(
 # "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
 # in K1, llama_w2_kah_bt16's 150 go to the attention launch). FP8 runs at widths > 1 have K1 on a
 # grid of half K2's (``Target.fp8_wide_k1_programs_per_sm``: 8 programs, K2 16); "*_k1shared" on
-# K2's.
+# K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -250,6 +253,7 @@ RUNS = [
     ("w3_fp8_ka", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("w3_fp8_k1shared", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
+    ("llama_w2_ka_bt16_waves", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
@@ -398,7 +402,7 @@ def test_attention_launch_changes_only_the_summation_order(results):
     merged twice, or a group merged before its last split, moves the output by far more."""
     import torch
 
-    for ka, k1 in (("w1_ka", "w1"), ("w3_fp8_ka", "w3_fp8")):
+    for ka, k1 in (("w1_ka", "w1"), ("w3_fp8_ka", "w3_fp8"), ("llama_w2_ka_bt16_waves", "llama_w2_bt16")):
         for layer, (a, b) in enumerate(zip(results[ka]["bits"], results[k1]["bits"], strict=True)):
             got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
             want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
