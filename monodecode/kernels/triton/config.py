@@ -132,12 +132,13 @@ class Target:
     attn_launch_stages: int = 3
     attn_launch_tasks_per_sm: int = 8
     attn_launch_max_splits: int = 32
-    # Whole waves: when set, the attention launch's splits are not a power of two but the most
-    # whose tasks stay within this many per SM (at most ``attn_launch_max_splits``). Set to the
-    # programs its registers and shared memory let reside on an SM (``offline.cuda_resources``),
-    # or a multiple, every wave of equal tasks is full: no part-full last wave while the others
-    # idle (0: the power-of-two rule of ``attn_launch_tasks_per_sm``).
-    attn_launch_slots_per_sm: int = 0
+    # Whole waves: ``(head_dim, programs)`` pairs, the attention launch's programs that reside on
+    # an SM at once for heads of that many dimensions (what its registers and shared memory
+    # allow: ``offline.cuda_resources``). For those heads the splits are not a power of two but
+    # the most whose tasks fill that many programs on every SM once (at most
+    # ``attn_launch_max_splits``): one wave of equal tasks, no part-full last wave while the
+    # other programs idle. Other heads keep the power-of-two rule of ``attn_launch_tasks_per_sm``.
+    attn_launch_slots_per_sm: tuple = ()
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -227,16 +228,31 @@ class Target:
             return self.fp8_wide_k1_programs_per_sm
         return self._per_width(width, fp8, "programs_per_sm")
 
+    def attn_launch_slots(self, head_dim: int) -> int:
+        """The attention launch's resident programs per SM for heads of ``head_dim`` dimensions
+        (``attn_launch_slots_per_sm``; 0: not given)."""
+        pairs = self.attn_launch_slots_per_sm
+        bad = not isinstance(pairs, (list, tuple)) or any(
+            not isinstance(p, (list, tuple))
+            or len(p) != 2
+            or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1024 for v in p)
+            for p in pairs
+        )
+        if bad:
+            raise ConfigError(
+                f"triton kernels: attn_launch_slots_per_sm must be (head_dim, programs) pairs of "
+                f"positive integers, got {pairs!r}"
+            )
+        return dict((d, n) for d, n in pairs).get(head_dim, 0)
+
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
         that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs
         (scaled by ``head_dim`` over ``attn_launch_head_dim``), at most ``attn_launch_max_splits``
         (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at
-        batch 8). With ``attn_launch_slots_per_sm``: the most splits within that many tasks per
-        SM, any count."""
-        slots = self.attn_launch_slots_per_sm
-        if not isinstance(slots, int) or isinstance(slots, bool) or not 0 <= slots <= 64:
-            raise ConfigError(f"triton kernels: attn_launch_slots_per_sm must be 0..64, got {slots!r}")
+        batch 8). With ``attn_launch_slots_per_sm`` for ``head_dim``: the most splits whose tasks
+        fit its resident programs once, any count (8B, 3 per SM: 32 at batch 1, 6 at batch 8)."""
+        slots = self.attn_launch_slots(head_dim)
         if slots:
             return max(1, min(self.attn_launch_max_splits, slots * num_programs // (width * kv_heads)))
         per_sm = self.attn_launch_tasks_per_sm
@@ -317,6 +333,11 @@ CUDA = Target(
     # Run 52, batch 8: half the splits (4 tasks per SM) 1B 0.80 -> 0.75 ms at 8k, 1.55 -> 1.52 at
     # 32k; 8B 1.69 -> 1.73 and 3.17 -> 3.51. 1B's heads are 64-dimensional, 8B's 128.
     attn_launch_head_dim=128,
+    # Run 69 (8 layers, batch 8): 128-dimensional heads in one wave of 3 programs per SM (6 splits
+    # at batch 8, not 16 in 2.6 waves) 8B 8k 1.67 -> 1.60 ms, 32k 3.14 -> 3.03, FP8 1.50 -> 1.43,
+    # 2.98 -> 2.87; batch 1 unchanged (32 splits either way). 1B's 64-dimensional heads fit 4 (the
+    # rule above already gives them one wave; 3 was 7-10 % slower).
+    attn_launch_slots_per_sm=((64, 4), (128, 3)),
     # Run 50, widths 2-8 at 1k (8 layers): 64-row tiles with o_proj / down split along K and merged by
     # their last slice: 1B b2 0.57 -> 0.46 ms, b8 0.63 -> 0.53; 8B b2 1.15 -> 1.07, b8 1.25 -> 1.16;
     # FP8 b8 1.25 -> 1.18 (``benchmarks/gemv_probe.py``, run 48: 32-row tiles stream at 2.5-3.1 TB/s,

@@ -103,8 +103,10 @@ def compile_width(
     target: Target,
     block_size: int = 16,
     num_programs: int = 304,
+    kernels: tuple[str, ...] = (),
 ) -> list[Resources]:
-    """Compile K1 and K2 of one width for ``arch`` (gfx942 | gfx950 | sm_90); their resources."""
+    """Compile K1 and K2 of one width (and the attention launch where the target has one) for
+    ``arch`` (gfx942 | gfx950 | sm_90); their resources. ``kernels``: only these (k1, k2, ka)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -115,6 +117,8 @@ def compile_width(
     out = []
     mplan = plan_for(dims, [width], num_programs, target, fp8=weight_dtype != "bf16")
     for name, src in kernel_sources(dims, weight_dtype, width, block_size, mplan, target):
+        if kernels and name not in kernels:
+            continue
         options = compile_options(target, width, name, weight_dtype != "bf16")
         warps = options["num_warps"]  # what it was compiled with, for the occupancy figures
         compiled = triton.compile(src, target=gpu, options=options)

@@ -11,7 +11,15 @@ import pytest
 
 from monodecode.errors import ConfigError
 from monodecode.kernels.plan import plan_model
-from monodecode.kernels.triton.config import CUDA, gemv_chunk, k1_constexprs, k2_constexprs, plan_for, target_for
+from monodecode.kernels.triton.config import (
+    CUDA,
+    gemv_chunk,
+    k1_constexprs,
+    k2_constexprs,
+    ka_constexprs,
+    plan_for,
+    target_for,
+)
 from monodecode.model.profiles import profile_dims
 
 
@@ -150,16 +158,17 @@ def test_pdl_and_maxnreg_are_refused_in_one_line_and_never_reach_hip():
 
 def test_attention_launch_splits_keep_a_task_s_bytes_per_position():
     """Run 52: 1B (64-dimension heads) was faster at batch 8 with half the splits 8B (128) needs;
-    the split count follows the head's bytes, so only narrower heads get fewer, longer tasks."""
-    from monodecode.kernels.triton.config import ka_constexprs
+    the split count follows the head's bytes, so only narrower heads get fewer, longer tasks (the
+    power-of-two rule, without ``attn_launch_slots_per_sm``)."""
+    pow2 = dataclasses.replace(CUDA, attn_launch_slots_per_sm=())
 
-    def splits(profile, width, target=CUDA):
+    def splits(profile, width, target=pow2):
         dims = profile_dims(profile)
         return ka_constexprs(dims, plan_for(dims, [width], 132, target).layers[width], target, 16)["S"]
 
     assert (splits("llama3-1b", 8), splits("llama3-8b", 8)) == (8, 16)
     assert splits("llama3-1b", 1) == splits("llama3-8b", 1) == CUDA.attn_launch_max_splits
-    unscaled = dataclasses.replace(CUDA, attn_launch_head_dim=0)
+    unscaled = dataclasses.replace(pow2, attn_launch_head_dim=0)
     assert splits("llama3-1b", 8, unscaled) == splits("llama3-8b", 8, unscaled) == 16
 
 
@@ -347,3 +356,23 @@ def test_width_1_even_waves_cut_only_tiles_that_leave_a_wave_part_idle():
     assert got["qkv"] == (512, 16, 16) and "down_lo" not in got  # 16 rows are the fewest that fill 4 waves
     for profile in ("llama3-1b", "llama3-8b"):
         assert stages(profile) == stages(profile, even=False), profile
+
+
+def test_attention_launch_splits_fill_one_wave_where_the_slots_are_known():
+    """``Target.attn_launch_slots_per_sm`` (run 69): 128-dimensional heads split so the tasks fill
+    3 programs on each of 132 SMs once (8 KV heads: 6 splits at batch 8, not 16 in 2.6 waves),
+    at most ``attn_launch_max_splits``; head sizes without a count keep the power-of-two rule."""
+    splits = [CUDA.attn_launch_splits(w, 8, 132, 128) for w in (1, 2, 4, 8)]
+    assert splits == [32, 24, 12, 6]
+    assert all(w * 8 * s <= 3 * 132 < w * 8 * (s + 1) for w, s in zip((2, 4, 8), splits[1:], strict=True))
+    pow2 = dataclasses.replace(CUDA, attn_launch_slots_per_sm=())
+    assert [pow2.attn_launch_splits(w, 8, 132, 128) for w in (1, 2, 4, 8)] == [32, 32, 32, 16]
+    assert CUDA.attn_launch_splits(8, 8, 132, 96) == pow2.attn_launch_splits(8, 8, 132, 96)
+    dims = profile_dims("llama3-8b")
+    c = ka_constexprs(dims, plan_for(dims, [8], 132, CUDA).layers[8], CUDA, 16)
+    assert (c["S"], c["SP"]) == (6, 8)
+    for bad in (((128, 0),), ((128,),), 3, ((128, True),)):
+        with pytest.raises(
+            ConfigError, match=r"^triton kernels: attn_launch_slots_per_sm must be \(head_dim, programs\) pairs"
+        ):
+            dataclasses.replace(CUDA, attn_launch_slots_per_sm=bad).attn_launch_splits(8, 8, 132, 128)

@@ -32,3 +32,19 @@ def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
             f"{profile} width {width} {r.kernel}: {r.regs} registers x {r.num_warps} warps, "
             f"{r.lds_bytes} B shared: {r.workgroups_per_cu} program(s) per SM, the plan puts {per_sm}"
         )
+
+
+@pytest.mark.parametrize("width", [1, 8])
+@pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "gemma3-27b"])
+def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width):
+    """``Target.attn_launch_slots_per_sm`` splits the context so the attention launch's tasks fill
+    one wave of that many programs per SM: its registers and shared memory must let exactly that
+    many reside (fewer: a part-full second wave; more: idle room in the one wave)."""
+    dims = profile_dims(profile)
+    want = CUDA.attn_launch_slots(dims.head_dim)
+    assert want  # every head size of the benchmark's profiles has its count
+    (r,) = compile_width(dims, "bf16", width, "sm_90", CUDA, num_programs=SMS, kernels=("ka",))
+    assert r.workgroups_per_cu == want, (
+        f"{profile} width {width}: {r.regs} registers x {r.num_warps} warps, {r.lds_bytes} B shared: "
+        f"{r.workgroups_per_cu} attention programs per SM, attn_launch_slots_per_sm says {want}"
+    )
