@@ -87,7 +87,7 @@ CHILD = textwrap.dedent(
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
             target = dataclasses.replace(target, attn_launch_min_context=64)
         if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
-            target = dataclasses.replace(target, attn_launch_slots_per_sm=3, attn_launch_max_splits=8)
+            target = dataclasses.replace(target, attn_launch_slots_per_sm=((dims.head_dim, 3),), attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
         # o_proj and down split along K (32 programs: their tiles leave some idle); the other runs
         # keep them whole. "_even": 12 programs, where tasks cut to fill whole waves own 43 or 22
