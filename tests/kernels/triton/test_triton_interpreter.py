@@ -407,7 +407,9 @@ def test_attention_launch_changes_only_the_summation_order(results):
             got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
             want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
             rel = float((got - want).norm() / want.norm())
-            assert rel <= 2e-3, f"{ka} layer {layer}: attention launch vs K1's {rel:.2e}"
+            # under half of bf16's relative spacing (2^-8): a few outputs one ulp apart (the whole-wave
+            # run's 6 splits against K1's 2: 2.4e-3); one split of 6 lost moves it by about a sixth
+            assert rel <= 3.9e-3, f"{ka} layer {layer}: attention launch vs K1's {rel:.2e}"
 
 
 def test_k1_on_its_own_grid_changes_only_the_summation_order(results):
