@@ -186,8 +186,7 @@ class Target:
 
     def own_k1_grid(self, width: int, fp8: bool) -> bool:
         """Whether K1 runs on a grid of its own at ``width`` (``fp8_wide_k1_programs_per_sm``)."""
-        k1 = self.fp8_wide_k1_programs_per_sm
-        return fp8 and width > 1 and bool(k1) and k1 != self.programs_per_sm(width, fp8)
+        return self.programs_per_sm(width, fp8, "k1") != self.programs_per_sm(width, fp8)
 
     def knob_fp8(self, width: int, kernel: str, fp8: bool) -> bool:
         """Whether ``kernel`` at ``width`` reads the ``fp8_`` knobs: FP8 weights, except K1 on a

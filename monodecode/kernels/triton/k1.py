@@ -235,10 +235,8 @@ def k1_kernel(
         if first < comb_tasks:
             budget = wait_done(done_attn, epoch * ATTN_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 1, PROF_GRID, PROF)
-        for t in range(first, comb_tasks, NPROG):
-            combine_task(
-                t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, S, BF16MB
-            )  # S: a power of two
+        for t in range(first, comb_tasks, NPROG):  # K1's S is a power of two: it is its own SP
+            combine_task(t, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, S, BF16MB)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 2, 2, PROF_GRID, PROF)
 
     # when the attention launch runs this step's attention, it waits for this counter itself, and
