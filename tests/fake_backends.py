@@ -45,3 +45,18 @@ def register(cls) -> Callable[[], None]:
         registry._LOADED.pop(cls.name, None)
 
     return undo
+
+
+class Misfit(ReferenceKernels):
+    """The reference math, reporting one launch that holds fewer programs per SM than planned
+    (what ``TritonKernels.residency_misfits`` finds on a GPU)."""
+
+    def residency_misfits(self, width=None):
+        return ["width 1 ka: 3 programs per SM, planned for 4"]
+
+
+class MisfitBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_misfit"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        return Misfit(req, weights)

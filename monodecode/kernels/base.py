@@ -111,6 +111,12 @@ class DecodeKernels(ABC):
         reported as not run)."""
         return False
 
+    def residency_misfits(self, width: int | None = None) -> list[str]:
+        """Launches (of ``width``, or all) that hold fewer programs per compute unit on this
+        device than their plan is made for: exact, but slower than planned (the runner logs
+        them). [] where all fit, or where the backend cannot tell."""
+        return []
+
     def check_kv(self, kv: Any) -> None:
         """Raise ``ConfigError`` when the kernels cannot address ``kv``'s layout (shape, dtype,
         strides, alignment), before any launch: the vLLM plugin calls it when it binds vLLM's

@@ -514,6 +514,8 @@ class Runner:
             return [f"artifact_invalid: {e}"]
         except Exception as e:  # a compiler or loader failure is a refusal, with its cause
             return [f"build_failed: {backend.name} build raised {exception_line(e)}"]
+        for misfit in self._kernels.residency_misfits():
+            log.warning("mono decode %s build: %s (exact, slower than planned)", backend.name, misfit)
         try:
             self._warmup = self._golden_check()
         except Exception as e:

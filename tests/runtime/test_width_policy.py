@@ -277,3 +277,18 @@ def test_a_timing_that_raises_serves_every_width_untimed_and_says_so(weights, tm
         "RuntimeError: HIP error: an illegal memory access was encountered; every width is served untimed"
     ), r.width_report()
     assert reg.get_sample_value("monodecode_width_timing_seconds", {"stock": "unavailable"}) == 0
+
+
+def test_a_build_holding_fewer_programs_than_planned_is_logged_and_still_served(weights, tmp_path, backend, caplog):
+    """The kernels' residency report (``DecodeKernels.residency_misfits``): the numbers stay
+    exact, so mono decode still serves, and the warning names the launch and both counts."""
+    from fake_backends import MisfitBackend
+
+    r, _ = runner(tmp_path, weights, backend=backend(MisfitBackend), widths=(1,), width_policy="force")
+    with caplog.at_level("WARNING", logger="monodecode"):
+        r.start()
+    assert r.state == "mono" and r.served_widths == (1,)
+    assert (
+        "mono decode test_misfit build: width 1 ka: 3 programs per SM, planned for 4 (exact, slower than planned)"
+        in [rec.getMessage() for rec in caplog.records]
+    )

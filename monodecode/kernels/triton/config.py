@@ -12,6 +12,10 @@ from monodecode.kernels.plan import K1, K2, LayerPlan, ModelPlan, Stage, plan_mo
 from monodecode.model.dims import ModelDims
 
 MAX_WIDTH = 16  # the widest step one dot tile covers (rows padded to 16)
+# Hopper's SM (sm_90): 64K 32-bit registers, 228 KiB of shared memory, 2048 threads.
+REGS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+THREADS_PER_SM = 2048
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,9 @@ class Target:
     # ``attn_launch_max_splits``): one wave of equal tasks, no part-full last wave while the
     # other programs idle. Other heads keep the power-of-two rule of ``attn_launch_tasks_per_sm``.
     attn_launch_slots_per_sm: tuple = ()
+    # ``(head_dim, splits)`` pairs: the most splits for heads of that size where it is not
+    # ``attn_launch_max_splits``.
+    attn_launch_max_splits_per_head: tuple = ()
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -227,10 +234,10 @@ class Target:
             return self.fp8_wide_k1_programs_per_sm
         return self._per_width(width, fp8, "programs_per_sm")
 
-    def attn_launch_slots(self, head_dim: int) -> int:
-        """The attention launch's resident programs per SM for heads of ``head_dim`` dimensions
-        (``attn_launch_slots_per_sm``; 0: not given)."""
-        pairs = self.attn_launch_slots_per_sm
+    def _per_head(self, name: str, what: str, head_dim: int) -> int:
+        """The value knob ``name`` ((head_dim, value) pairs) gives heads of ``head_dim``
+        dimensions (0: not given); a malformed table is refused in one line."""
+        pairs = getattr(self, name)
         bad = not isinstance(pairs, (list, tuple)) or any(
             not isinstance(p, (list, tuple))
             or len(p) != 2
@@ -239,27 +246,39 @@ class Target:
         )
         if bad:
             raise ConfigError(
-                f"triton kernels: attn_launch_slots_per_sm must be (head_dim, programs) pairs of "
-                f"positive integers, got {pairs!r}"
+                f"triton kernels: {name} must be (head_dim, {what}) pairs of positive integers, got {pairs!r}"
             )
         return dict((d, n) for d, n in pairs).get(head_dim, 0)
+
+    def attn_launch_slots(self, head_dim: int) -> int:
+        """The attention launch's resident programs per SM for heads of ``head_dim`` dimensions
+        (``attn_launch_slots_per_sm``; 0: not given)."""
+        return self._per_head("attn_launch_slots_per_sm", "programs", head_dim)
+
+    def attn_launch_split_cap(self, head_dim: int) -> int:
+        """The most context splits of the attention launch for heads of ``head_dim`` dimensions
+        (``attn_launch_max_splits_per_head``, else ``attn_launch_max_splits``)."""
+        return self._per_head("attn_launch_max_splits_per_head", "splits", head_dim) or self.attn_launch_max_splits
 
     def attn_launch_splits(self, width: int, kv_heads: int, num_programs: int, head_dim: int = 0) -> int:
         """Context splits per (row, KV head) in the attention launch: the largest power of two
         that keeps the tasks within ``attn_launch_tasks_per_sm`` per SM of ``num_programs`` SMs
         (scaled by ``head_dim`` over ``attn_launch_head_dim``), at most ``attn_launch_max_splits``
         (8B at 32k on the H200: 32 splits at batch 1, 16 at batch 8; 1B, 64-dimension heads: 8 at
-        batch 8). With ``attn_launch_slots_per_sm`` for ``head_dim``: the most splits whose tasks
-        fit its resident programs once, any count (8B, 3 per SM: 32 at batch 1, 6 at batch 8)."""
+        batch 8), or ``attn_launch_max_splits_per_head`` for ``head_dim``. With
+        ``attn_launch_slots_per_sm`` for ``head_dim``: the most splits whose tasks fit its resident
+        programs once, any count (8B, 3 per SM: 32 at batch 1, 6 at batch 8; 1B, 4 per SM and at
+        most 64: 64 at batch 1, 8 at batch 8)."""
         slots = self.attn_launch_slots(head_dim)
+        cap = self.attn_launch_split_cap(head_dim)
         if slots:
-            return max(1, min(self.attn_launch_max_splits, slots * num_programs // (width * kv_heads)))
+            return max(1, min(cap, slots * num_programs // (width * kv_heads)))
         per_sm = self.attn_launch_tasks_per_sm
         if self.attn_launch_head_dim and head_dim:
             per_sm = max(1, per_sm * head_dim // self.attn_launch_head_dim)
         per = max(1, per_sm * num_programs // (width * kv_heads))
         s = 1
-        while s * 2 <= min(per, self.attn_launch_max_splits):
+        while s * 2 <= min(per, cap):
             s *= 2
         return s
 
@@ -337,6 +356,11 @@ CUDA = Target(
     # 2.98 -> 2.87; batch 1 unchanged (32 splits either way). 1B's 64-dimensional heads fit 4 (the
     # rule above already gives them one wave; 3 was 7-10 % slower).
     attn_launch_slots_per_sm=((64, 4), (128, 3)),
+    # Run 77 (8 layers): 64-dimensional heads split up to 64 ways, so batch 1's tasks fill the
+    # one wave of 4 programs per SM (512 of 528; 32 splits left half the SMs' room idle): 1B
+    # 32k b1 0.66 -> 0.61 ms, 8k b1 0.51 both, b8 unchanged (8 splits). 128-wide heads keep 32:
+    # 8B at 49 (one wave of 3) was 3 % slower at 8k b1 and the same at 32k (run 71).
+    attn_launch_max_splits_per_head=((64, 64),),
     # Run 50, widths 2-8 at 1k (8 layers): 64-row tiles with o_proj / down split along K and merged by
     # their last slice: 1B b2 0.57 -> 0.46 ms, b8 0.63 -> 0.53; 8B b2 1.15 -> 1.07, b8 1.25 -> 1.16;
     # FP8 b8 1.25 -> 1.18 (``benchmarks/gemv_probe.py``, run 48: 32-row tiles stream at 2.5-3.1 TB/s,
@@ -379,6 +403,41 @@ def compile_options(target: Target, width: int = 1, kernel: str = "k1", fp8: boo
     if target.kind == "cuda" and target.cooperative and kernel != "ka":
         opts["launch_cooperative_grid"] = True  # the driver refuses a grid that cannot be co-resident
     return opts
+
+
+def cuda_programs_per_sm(
+    regs: int, num_warps: int, shared: int, regs_per_sm: int = REGS_PER_SM, smem_per_sm: int = SMEM_PER_SM
+) -> int:
+    """Programs of a compiled CUDA kernel one SM holds at once: registers go to warps in blocks of
+    256 (8 per thread), each program's shared memory has 1 KiB reserved beside it, and an SM runs
+    at most ``THREADS_PER_SM`` threads."""
+    threads = 32 * num_warps
+    by_regs = regs_per_sm // (-(-max(regs, 1) // 8) * 8 * threads)
+    by_smem = smem_per_sm // (shared + 1024)
+    return min(by_regs, by_smem, THREADS_PER_SM // threads)
+
+
+def assumed_programs_per_sm(target: Target, plan: LayerPlan, fp8: bool) -> dict[str, int]:
+    """Programs per SM the launches of one width are planned for: K1's and K2's persistent grids
+    (``programs_per_sm``), and the attention launch's whole waves where its head size has a count
+    (``attn_launch_slots_per_sm``; its power-of-two rule assumes none)."""
+    w = plan.width
+    want = {"k1": target.programs_per_sm(w, fp8, K1), "k2": target.programs_per_sm(w, fp8)}
+    if attn_launch(target, plan) and target.attn_launch_slots(plan.local.head_dim):
+        want["ka"] = target.attn_launch_slots(plan.local.head_dim)
+    return want
+
+
+def residency_misfits(target: Target, plan: LayerPlan, fp8: bool, resident: dict[str, int]) -> list[str]:
+    """The launches of one width that hold fewer programs per SM (``resident``: kernel -> programs,
+    from the compiled code) than they are planned for. K1 / K2: the cooperative launch refuses
+    the grid (the step falls back). The attention launch: its splits run in more waves than
+    planned, exact but slower, so a timing of that build measures a plan that does not fit."""
+    return [
+        f"width {plan.width} {kernel}: {resident[kernel]} programs per SM, planned for {n}"
+        for kernel, n in assumed_programs_per_sm(target, plan, fp8).items()
+        if kernel in resident and resident[kernel] < n
+    ]
 
 
 def plan_for(

@@ -22,9 +22,11 @@ from monodecode.kernels.triton.config import (
     check_dims,
     compile_options,
     constexprs,
+    cuda_programs_per_sm,
     k2_arrive_counters,
     plan_for,
     prof_grid,
+    residency_misfits,
 )
 
 # A volatile poll of an L2-resident word takes roughly half a microsecond; the spin budget is
@@ -94,6 +96,7 @@ class TritonKernels(TwoLaunchKernels):
         }
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._compiled = {} if self.interpret else self._compile(req)
+        self.residency = self._residency()
         from monodecode.kernels.triton.k1 import k1_kernel
         from monodecode.kernels.triton.k2 import k2_kernel
         from monodecode.kernels.triton.ka import ka_kernel
@@ -123,6 +126,7 @@ class TritonKernels(TwoLaunchKernels):
             for w in self.widths
         }
         self._compiled = self._compile(self.req, prof=on)
+        self.residency = self._residency()
 
     def timeline(self, num_layers: int, rows: int):
         """The stamps of the last step of ``rows`` rows as ``[layer, kernel, program, stage,
@@ -148,6 +152,34 @@ class TritonKernels(TwoLaunchKernels):
                 for name, src in srcs
             )
         return out
+
+    def _residency(self) -> dict[int, dict[str, int]]:
+        """Programs per SM each compiled launch of each width holds on this GPU (k1, k2, ka),
+        from its registers, warps and shared memory (CUDA only; {} otherwise)."""
+        if self.interpret or self.target.kind != "cuda":
+            return {}
+        props = torch.cuda.get_device_properties(self.device)
+        regs = getattr(props, "regs_per_multiprocessor", 0)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 0)
+        out = {}
+        for w, compiled in self._compiled.items():
+            out[w] = {}
+            for name, k in zip(("k1", "k2", "ka"), compiled):
+                k._init_handles()  # loads the binary (as the first launch would): its register count
+                per_sm = [k.n_regs, k.metadata.num_warps, k.metadata.shared] + ([regs, smem] if regs and smem else [])
+                out[w][name] = cuda_programs_per_sm(*per_sm)
+        return out
+
+    def residency_misfits(self, width: int | None = None) -> list[str]:
+        """Launches (of ``width``, or of every width) that hold fewer programs per SM on this GPU
+        than their plan is made for (``config.residency_misfits``); [] where all fit or nothing
+        was compiled."""
+        return [
+            m
+            for w, resident in self.residency.items()
+            if width in (None, w)
+            for m in residency_misfits(self.target, self.plan.layers[w], self.fp8, resident)
+        ]
 
     def _run(self, which: int, width: int, args: list, grid: int = 0) -> None:
         """Launch kernel ``which`` (0 K1, 1 K2, 2 the attention launch) on ``grid`` programs

@@ -14,17 +14,15 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from monodecode.kernels.triton.config import Target, compile_options, plan_for
+from monodecode.kernels.triton.config import Target, compile_options, cuda_programs_per_sm, plan_for
 from monodecode.kernels.triton.sources import kernel_sources
 from monodecode.model.dims import ModelDims
 
 # LDS per CU / shared memory per SM that one workgroup may use.
 LDS_LIMIT = {"gfx942": 64 * 1024, "gfx950": 160 * 1024, "sm_90": 227 * 1024}
 # Registers: CDNA3/4 have 512 VGPRs (arch + acc) per SIMD lane; a wave64 workgroup of 4 waves
-# puts one wave on each of the 4 SIMDs. Hopper: 64K 32-bit registers per SM.
+# puts one wave on each of the 4 SIMDs. Hopper: ``config.cuda_programs_per_sm``.
 VGPRS_PER_SIMD = 512
-REGS_PER_SM = 65536
-SMEM_PER_SM = 228 * 1024
 
 
 @dataclass
@@ -86,13 +84,8 @@ def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resourc
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info))
     stack = int(re.search(r"(\d+) bytes stack frame", info).group(1)) if "stack frame" in info else 0
     lds = int(compiled.metadata.shared)
-    # registers go to warps in blocks of 256 (8 per thread); each program's shared memory has
-    # 1 KiB reserved for the system beside it, out of the SM's 228 KiB
-    by_regs = REGS_PER_SM // (-(-regs // 8) * 8 * 32 * num_warps)
-    by_lds = SMEM_PER_SM // (lds + 1024)
-    return Resources(
-        kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"], min(by_regs, by_lds), spill
-    )
+    per_sm = cuda_programs_per_sm(regs, num_warps, lds)
+    return Resources(kernel, "sm_90", width, num_warps, regs, 0, spill, stack, lds, LDS_LIMIT["sm_90"], per_sm, spill)
 
 
 def compile_width(

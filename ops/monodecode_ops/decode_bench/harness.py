@@ -328,6 +328,9 @@ def bench_config(
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
+    for name, tk in kernels.items():  # a build whose launches do not fit its plan times another plan
+        for misfit in tk.residency_misfits():
+            log(f"  ! {name}: {misfit} (registers / shared memory); its timings are of a plan that does not fit")
     stock_path = base.fp8_path if base else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
@@ -428,6 +431,9 @@ def _row(ctx, rows, context, backend, times, error, rel, capture_s, skipped=Fals
         "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
         if backend.startswith("triton")
         else None,
+        # programs per SM each launch of this width held (k1, k2, ka), and where that is fewer than planned
+        "triton_programs_per_sm": ctx["kernels"][backend].residency.get(rows) if backend in ctx["kernels"] else None,
+        "triton_misfits": ctx["kernels"][backend].residency_misfits(rows) if backend in ctx["kernels"] else None,
     }
 
 

@@ -13,11 +13,13 @@ from monodecode.errors import ConfigError
 from monodecode.kernels.plan import plan_model
 from monodecode.kernels.triton.config import (
     CUDA,
+    cuda_programs_per_sm,
     gemv_chunk,
     k1_constexprs,
     k2_constexprs,
     ka_constexprs,
     plan_for,
+    residency_misfits,
     target_for,
 )
 from monodecode.model.profiles import profile_dims
@@ -159,8 +161,8 @@ def test_pdl_and_maxnreg_are_refused_in_one_line_and_never_reach_hip():
 def test_attention_launch_splits_keep_a_task_s_bytes_per_position():
     """Run 52: 1B (64-dimension heads) was faster at batch 8 with half the splits 8B (128) needs;
     the split count follows the head's bytes, so only narrower heads get fewer, longer tasks (the
-    power-of-two rule, without ``attn_launch_slots_per_sm``)."""
-    pow2 = dataclasses.replace(CUDA, attn_launch_slots_per_sm=())
+    power-of-two rule, without ``attn_launch_slots_per_sm`` and the per-head caps)."""
+    pow2 = dataclasses.replace(CUDA, attn_launch_slots_per_sm=(), attn_launch_max_splits_per_head=())
 
     def splits(profile, width, target=pow2):
         dims = profile_dims(profile)
@@ -376,3 +378,53 @@ def test_attention_launch_splits_fill_one_wave_where_the_slots_are_known():
             ConfigError, match=r"^triton kernels: attn_launch_slots_per_sm must be \(head_dim, programs\) pairs"
         ):
             dataclasses.replace(CUDA, attn_launch_slots_per_sm=bad).attn_launch_splits(8, 8, 132, 128)
+        with pytest.raises(
+            ConfigError, match=r"^triton kernels: attn_launch_max_splits_per_head must be \(head_dim, splits\) pairs"
+        ):
+            dataclasses.replace(CUDA, attn_launch_max_splits_per_head=bad).attn_launch_splits(8, 8, 132, 128)
+
+
+def test_64_wide_heads_split_up_to_64_ways():
+    """``attn_launch_max_splits_per_head`` (run 77): 1B's 64-dimensional heads (4 attention
+    programs per SM) take 64 splits at batch 1, 512 tasks in the one wave of 528, where the
+    common cap of 32 left half of it idle; 33 at batch 2 (one full wave); batches 4-8 and
+    128-dimensional heads as before."""
+    assert [CUDA.attn_launch_splits(w, 8, 132, 64) for w in (1, 2, 4, 8)] == [64, 33, 16, 8]
+    common = dataclasses.replace(CUDA, attn_launch_max_splits_per_head=())
+    assert [common.attn_launch_splits(w, 8, 132, 64) for w in (1, 2, 4, 8)] == [32, 32, 16, 8]
+    assert [CUDA.attn_launch_splits(w, 8, 132, 128) for w in (1, 2, 4, 8)] == [32, 24, 12, 6]
+    dims = profile_dims("llama3-1b")
+    c = ka_constexprs(dims, plan_for(dims, [1], 132, CUDA).layers[1], CUDA, 16)
+    assert (c["S"], c["SP"]) == (64, 64)
+
+
+def test_programs_per_sm_follow_registers_shared_memory_and_threads():
+    """Hopper's residency rule (``cuda_programs_per_sm``), each limit binding once: the attention
+    launch of 1B at 124 registers holds 4 programs of 4 warps, at 156 only 3 (run 74: a
+    refactor that took it there made 1B 32k x 8 27 % slower); 8B's at 168 registers and 74 KB of
+    shared memory 3 (both limits); FP8 K1's 8 warps with 116 KiB of shared memory 1; 16-warp
+    programs of 16 registers are bound by the SM's 2048 threads, not their registers."""
+    assert cuda_programs_per_sm(124, 4, 39424) == 4
+    assert cuda_programs_per_sm(156, 4, 39424) == 3
+    assert cuda_programs_per_sm(168, 4, 74240) == 3
+    assert cuda_programs_per_sm(128, 8, 118784) == 1
+    assert cuda_programs_per_sm(16, 16, 0) == 4
+    assert cuda_programs_per_sm(124, 4, 39424, regs_per_sm=32768) == 2  # the GPU's own register file
+
+
+def test_launches_holding_fewer_programs_than_planned_are_named():
+    """``residency_misfits``: what the benchmark logs beside a build's timings and the launcher
+    reports on the GPU. The attention launch of 1B at batch 8 is planned for 4 programs per SM
+    (``attn_launch_slots_per_sm``), FP8 K2 at batch 8 for 2; holding those (or more) is no misfit."""
+    dims = profile_dims("llama3-1b")
+    plan = plan_for(dims, [8], 132, CUDA).layers[8]
+    assert residency_misfits(CUDA, plan, False, {"k1": 1, "k2": 1, "ka": 4}) == []
+    assert residency_misfits(CUDA, plan, False, {"k1": 1, "k2": 2, "ka": 5}) == []
+    assert residency_misfits(CUDA, plan, False, {"k1": 1, "k2": 1, "ka": 3}) == [
+        "width 8 ka: 3 programs per SM, planned for 4"
+    ]
+    fp8 = plan_for(dims, [8], 132, CUDA, fp8=True).layers[8]
+    assert residency_misfits(CUDA, fp8, True, {"k1": 1, "k2": 1}) == ["width 8 k2: 1 programs per SM, planned for 2"]
+    # a head size without a count in the slots table: the power-of-two rule plans no residency
+    pow2 = dataclasses.replace(CUDA, attn_launch_slots_per_sm=())
+    assert residency_misfits(pow2, plan, False, {"k1": 1, "k2": 1, "ka": 1}) == []

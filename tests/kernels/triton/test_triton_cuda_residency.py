@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is installed by the project's 'triton' extra (make test)")
 
-from monodecode.kernels.triton.config import CUDA  # noqa: E402
+from monodecode.kernels.triton.config import CUDA, assumed_programs_per_sm, plan_for, residency_misfits  # noqa: E402
 from monodecode.kernels.triton.offline import compile_width  # noqa: E402
 from monodecode.model.profiles import profile_dims  # noqa: E402
 
@@ -24,13 +24,14 @@ SMS = 132  # the H200
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
 def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
-    for r in compile_width(profile_dims(profile), "fp8", width, "sm_90", CUDA, num_programs=SMS):
+    """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile."""
+    dims = profile_dims(profile)
+    plan = plan_for(dims, [width], SMS, CUDA, fp8=True).layers[width]
+    for r in compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS):
         if r.kernel == "ka":  # a plain grid, not persistent
             continue
-        per_sm = CUDA.programs_per_sm(width, fp8=True, kernel=r.kernel)
-        assert r.workgroups_per_cu >= per_sm, (
-            f"{profile} width {width} {r.kernel}: {r.regs} registers x {r.num_warps} warps, "
-            f"{r.lds_bytes} B shared: {r.workgroups_per_cu} program(s) per SM, the plan puts {per_sm}"
+        assert residency_misfits(CUDA, plan, True, {r.kernel: r.workgroups_per_cu}) == [], (
+            f"{profile} width {width} {r.kernel}: {r.regs} registers x {r.num_warps} warps, {r.lds_bytes} B shared"
         )
 
 
@@ -41,7 +42,7 @@ def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width):
     one wave of that many programs per SM: its registers and shared memory must let exactly that
     many reside (fewer: a part-full second wave; more: idle room in the one wave)."""
     dims = profile_dims(profile)
-    want = CUDA.attn_launch_slots(dims.head_dim)
+    want = assumed_programs_per_sm(CUDA, plan_for(dims, [width], SMS, CUDA).layers[width], False).get("ka")
     assert want  # every head size of the benchmark's profiles has its count
     (r,) = compile_width(dims, "bf16", width, "sm_90", CUDA, num_programs=SMS, kernels=("ka",))
     assert r.workgroups_per_cu == want, (

@@ -81,7 +81,7 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, early_down_waves=0 if "_whole_down" in name else 1)
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16, attn_launch_tile=16,
-                                         attn_launch_max_splits=2)
+                                         attn_launch_max_splits=2, attn_launch_max_splits_per_head=())
         if "_ka" in name:  # the attention always in a launch of its own (``Target.attn_launch``)
             target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more

@@ -173,6 +173,30 @@ def test_attention_launch_on_long_steps_and_k1_on_short_ones(profile, width):
     assert tk.health() == 0, decode_health(tk.health())
 
 
+def test_every_launch_holds_the_programs_per_sm_it_is_planned_for():
+    """On this GPU, from the loaded binaries (``TritonKernels.residency``): K1 and K2 hold their
+    persistent grids' programs per SM and the attention launch its whole waves' (no
+    ``residency_misfits``). A target that plans the attention launch for 8 programs of 128-wide
+    heads per SM, more than its registers allow, is named at every width."""
+    import dataclasses
+
+    from monodecode.kernels.triton.config import CUDA
+    from monodecode.kernels.triton.launch import TritonKernels
+
+    for build in GPU_BUILDS[:5]:
+        tk = _build(*build)[2]
+        assert sorted(tk.residency) == sorted(build[2]), build
+        assert all({"k1", "k2"} <= set(r) for r in tk.residency.values()), tk.residency
+        assert tk.residency_misfits() == [], (build, tk.residency)
+    build = next(b for b in GPU_BUILDS if b[:2] == ("llama3-8b", "bf16"))
+    dims, weights, base = _build(*build)
+    target = dataclasses.replace(CUDA, attn_launch_slots_per_sm=((128, 8),))
+    tk = TritonKernels(base.req, weights, target, base.num_programs, _gpu(), share=base)
+    assert tk.residency_misfits() == [
+        f"width {w} ka: {tk.residency[w]['ka']} programs per SM, planned for 8" for w in build[2]
+    ]
+
+
 def _interleaved(kv: PagedKVCache) -> PagedKVCache:
     """The same K/V as vLLM 0.33 holds them (token-major LBNHC, K|V side by side per head):
     key/value are strided views of one buffer per layer (``vllm_plugin.step.kv_views``)."""
