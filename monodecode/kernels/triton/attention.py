@@ -239,3 +239,56 @@ def combine_task(
     num = tl.sum(wts[:, None] * a, axis=0)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     tl.store(out_ptr + r * Q + h * D + d, out.to(tl.bfloat16))
+
+
+@triton.jit
+def combine_group(
+    pair,
+    acc_mb,
+    ml_mb,
+    out_ptr,
+    tag,
+    health_ptr,
+    bad_code,
+    Q: tl.constexpr,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GQ: tl.constexpr,
+    KVH: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    DC: tl.constexpr,
+    BF16MB: tl.constexpr,
+):
+    """``combine_task`` for all ``G`` query heads of (row, KV head) ``pair`` at once (``GQ``: G
+    rounded up to a power of two): one load of their splits' (m, l), then one of each
+    ``DC``-wide slice of their partial outputs, instead of G merges one after another, each
+    waiting for its own loads. Each head's sums are combine_task's."""
+    r = pair // KVH
+    g = pair % KVH
+    hh = tl.arange(0, GQ)
+    si = tl.arange(0, SP)
+    hm = hh < G
+    live = hm[:, None] & (si < S)[None, :]
+    row = r * H + g * G + hh  # the heads' rows of the partials, S splits each
+    ml = ml_mb + (row[:, None] * S + si[None, :]) * 2
+    m = tl.where(live, fetch(ml, live, tag, health_ptr, bad_code, BF16MB), float("-inf"))
+    l = fetch(ml + 1, live, tag, health_ptr, bad_code, BF16MB)
+    big = tl.where(hm, tl.max(m, axis=1), 0.0)  # padded heads: no inf - inf
+    wts = tl.exp(m - big[:, None])
+    den = tl.sum(wts * l, axis=1)[:, None]
+    for c in tl.static_range(D // DC):
+        d = c * DC + tl.arange(0, DC)
+        a = fetch(
+            acc_mb + (row[:, None, None] * S + si[None, :, None]) * D + d[None, None, :],
+            live[:, :, None] & (d[None, None, :] >= 0),
+            tag,
+            health_ptr,
+            bad_code,
+            BF16MB,
+        )
+        num = tl.sum(wts[:, :, None] * a, axis=1)
+        out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
+        om = hm[:, None] & (d[None, :] >= 0)
+        tl.store(out_ptr + r * Q + (g * G + hh)[:, None] * D + d[None, :], out.to(tl.bfloat16), mask=om)

@@ -146,6 +146,14 @@ class Target:
     # ``(head_dim, splits)`` pairs: the most splits for heads of that size where it is not
     # ``attn_launch_max_splits``.
     attn_launch_max_splits_per_head: tuple = ()
+    # The last split of a (row, KV head) merges the group's query heads in one pass
+    # (``attention.combine_group``: one load of every head's partials, in head_dim slices of at
+    # most ``attn_launch_merge_elements`` fp32 values, (head_dim, values) pairs; 4096 for other
+    # heads) instead of one head after another, each waiting for its own loads on the launch's
+    # critical path. The sizes keep the launch's registers (sm_90 on the CPU: 8192 took 1B's
+    # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). Not timed yet: off.
+    attn_launch_group_merge: bool = False
+    attn_launch_merge_elements: tuple = ((64, 4096), (128, 8192))
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -241,7 +249,7 @@ class Target:
         bad = not isinstance(pairs, (list, tuple)) or any(
             not isinstance(p, (list, tuple))
             or len(p) != 2
-            or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1024 for v in p)
+            or any(not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 65536 for v in p)
             for p in pairs
         )
         if bad:
@@ -680,7 +688,23 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
         PDL=pdl_mode(target),
+        **_group_merge(target, L, splits),
     )
+
+
+def _group_merge(target: Target, L, splits: int) -> dict:
+    """The attention launch's group merge (``Target.attn_launch_group_merge``): the group's
+    heads rounded up to a power of two (``GQ``) and the head_dim slice merged at once (``DC``,
+    a power of two: GQ x SP x DC fp32 values within the head size's ``attn_launch_merge_elements``);
+    0 when off."""
+    if not target.attn_launch_group_merge:
+        return dict(GQ=0, DC=0)
+    n = target._per_head("attn_launch_merge_elements", "values", L.head_dim) or 4096
+    gq = _pow2(L.group)
+    dc = L.head_dim
+    while dc > 1 and gq * _pow2(splits) * dc > n:
+        dc //= 2
+    return dict(GQ=gq, DC=dc)
 
 
 def k2_constexprs(

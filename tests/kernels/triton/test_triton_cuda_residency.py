@@ -35,16 +35,22 @@ def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
         )
 
 
+@pytest.mark.parametrize("group_merge", [False, True])
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "gemma3-27b"])
-def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width):
+def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, group_merge):
     """``Target.attn_launch_slots_per_sm`` splits the context so the attention launch's tasks fill
     one wave of that many programs per SM: its registers and shared memory must let exactly that
-    many reside (fewer: a part-full second wave; more: idle room in the one wave)."""
+    many reside (fewer: a part-full second wave; more: idle room in the one wave). So must the
+    group merge's build (``attn_launch_group_merge``, to be timed: 8192 values per slice took 1B's
+    registers from 124 to 154)."""
+    import dataclasses
+
+    target = dataclasses.replace(CUDA, attn_launch_group_merge=group_merge)
     dims = profile_dims(profile)
-    want = assumed_programs_per_sm(CUDA, plan_for(dims, [width], SMS, CUDA).layers[width], False).get("ka")
+    want = assumed_programs_per_sm(target, plan_for(dims, [width], SMS, target).layers[width], False).get("ka")
     assert want  # every head size of the benchmark's profiles has its count
-    (r,) = compile_width(dims, "bf16", width, "sm_90", CUDA, num_programs=SMS, kernels=("ka",))
+    (r,) = compile_width(dims, "bf16", width, "sm_90", target, num_programs=SMS, kernels=("ka",))
     assert r.workgroups_per_cu == want, (
         f"{profile} width {width}: {r.regs} registers x {r.num_warps} warps, {r.lds_bytes} B shared: "
         f"{r.workgroups_per_cu} attention programs per SM, attn_launch_slots_per_sm says {want}"

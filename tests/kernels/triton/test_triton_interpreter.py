@@ -47,7 +47,9 @@ CHILD = textwrap.dedent(
     # (no post norms: K2's residual add sits in down's epilogue)
     llama = dict(profile_config("llama3-1b"), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama)}
+    # "llama_g3": 6 query heads on 2 KV heads, a group of 3 (padded to 4 in the group merge)
+    DIMS = {"tiny": profile_dims("tiny"), "llama": dims_from_hf_config(llama),
+            "llama_g3": dims_from_hf_config(dict(llama, num_attention_heads=6))}
     out = {}
     def interleaved(ref_k, ref_v, head_major=False):
         # vLLM 0.33's per-layer cache, token-major (LBNHC) or head-major (LBHNC, the AITER pairs):
@@ -86,6 +88,8 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
             target = dataclasses.replace(target, attn_launch_min_context=64)
+        if "_gm" in name:  # the attention launch's last split merges its group's heads in one pass
+            target = dataclasses.replace(target, attn_launch_group_merge=True)
         if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
             target = dataclasses.replace(target, attn_launch_slots_per_sm=((dims.head_dim, 3),), attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
@@ -133,7 +137,7 @@ CHILD = textwrap.dedent(
         k2c = tk.consts[widths[0]][1]
         # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
         # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
-        no_post = arch == "llama" and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
+        no_post = arch.startswith("llama") and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
         assert k2c["NO_POST"] == no_post and k2c["O_MERGE"] == k2c["D_MERGE"] == merge, (name, k2c["NO_POST"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1) == split_k, k2c
         assert k2c["FINAL"] == (k2c["POST_NORMS"] or (split_k and not merge)), k2c
@@ -217,7 +221,9 @@ CHILD = textwrap.dedent(
 # "*_kah" build both and pick per step (``attn_launch_min_context`` 64: w1_kah's 37 positions stay
 # in K1, llama_w2_kah_bt16's 150 go to the attention launch). FP8 runs at widths > 1 have K1 on a
 # grid of half K2's (``Target.fp8_wide_k1_programs_per_sm``: 8 programs, K2 16); "*_k1shared" on
-# K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two).
+# K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two);
+# "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); "*_gm" merge each
+# group's heads in one pass in the attention launch (``Target.attn_launch_group_merge``).
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -254,6 +260,9 @@ RUNS = [
     ("w3_fp8_k1shared", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_bt16_waves", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
+    ("g3_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
+    ("g3_w2_ka_bt16_gm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
+    ("w3_fp8_ka_gm", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
@@ -435,6 +444,16 @@ def test_each_step_runs_its_attention_in_exactly_one_launch(results):
     for hybrid, twin in (("w1_kah", "w1"), ("llama_w2_kah_bt16", "llama_w2_ka_bt16")):
         assert results[hybrid]["health"] == 0
         assert results[hybrid]["bits"] == results[twin]["bits"], f"{hybrid} differs from {twin}"
+
+
+def test_group_merge_gives_the_per_head_merge_s_bits(results):
+    """``Target.attn_launch_group_merge``: the last split merges its group's heads in one pass
+    (``attention.combine_group``), each head's sums as ``combine_task`` forms them, so the bits
+    equal the per-head merge's, with a group of 3 padded to 4 (g3) and tiny's FP8 layers. A split
+    left out of the merge, or a head merged into another's row, moves them."""
+    for gm in ("g3_w2_ka_bt16_gm", "w3_fp8_ka_gm"):
+        assert results[gm]["health"] == 0
+        assert results[gm]["bits"] == results[gm.removesuffix("_gm")]["bits"], gm
 
 
 def test_attention_launch_wait_expires_into_the_health_word(results):
