@@ -153,6 +153,11 @@ class Target:
     # critical path. The sizes keep the launch's registers (sm_90 on the CPU: 8192 took 1B's
     # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). Not timed yet: off.
     attn_launch_group_merge: bool = False
+    # Every attention task (K1's and the attention launch's): the split holding the newest
+    # position attends to it from registers after its tiles and stores it to the cache without a
+    # barrier, instead of storing it, waiting on a barrier and reading it back with its tile: the
+    # tile loads then depend on nothing of this step. Not timed yet: off.
+    attn_newest_in_registers: bool = False
     attn_launch_merge_elements: tuple = ((64, 4096), (128, 8192))
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
@@ -633,6 +638,7 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
+        NEWEST_REGS=target.attn_newest_in_registers,
     )
 
 
@@ -689,6 +695,7 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         KA_MIN_CTX=target.attn_launch_min_context,
         PDL=pdl_mode(target),
         **_group_merge(target, L, splits),
+        NEWEST_REGS=target.attn_newest_in_registers,
     )
 
 

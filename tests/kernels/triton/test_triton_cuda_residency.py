@@ -35,18 +35,18 @@ def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
         )
 
 
-@pytest.mark.parametrize("group_merge", [False, True])
+@pytest.mark.parametrize("change", ["default", "attn_launch_group_merge", "attn_newest_in_registers"])
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "gemma3-27b"])
-def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, group_merge):
+def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, change):
     """``Target.attn_launch_slots_per_sm`` splits the context so the attention launch's tasks fill
     one wave of that many programs per SM: its registers and shared memory must let exactly that
     many reside (fewer: a part-full second wave; more: idle room in the one wave). So must the
-    group merge's build (``attn_launch_group_merge``, to be timed: 8192 values per slice took 1B's
-    registers from 124 to 154)."""
+    builds prepared for timing (the group merge: 8192 values per slice took 1B's registers from
+    124 to 154; the newest position held in registers across the tiles took 8B's to 202)."""
     import dataclasses
 
-    target = dataclasses.replace(CUDA, attn_launch_group_merge=group_merge)
+    target = CUDA if change == "default" else dataclasses.replace(CUDA, **{change: True})
     dims = profile_dims(profile)
     want = assumed_programs_per_sm(target, plan_for(dims, [width], SMS, target).layers[width], False).get("ka")
     assert want  # every head size of the benchmark's profiles has its count
