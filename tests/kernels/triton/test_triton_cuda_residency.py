@@ -24,10 +24,17 @@ SMS = 132  # the H200
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
 def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
-    """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile."""
+    """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile;
+    K1 also with its attention's newest position after the tiles (``attn_newest_in_registers``,
+    prepared for timing: 8B's width-1 K1 then takes 168 registers, 3 programs' room for 2)."""
+    import dataclasses
+
     dims = profile_dims(profile)
     plan = plan_for(dims, [width], SMS, CUDA, fp8=True).layers[width]
-    for r in compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS):
+    nr = dataclasses.replace(CUDA, attn_newest_in_registers=True)
+    builds = compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS)
+    builds += compile_width(dims, "fp8", width, "sm_90", nr, num_programs=SMS, kernels=("k1",))
+    for r in builds:
         if r.kernel == "ka":  # a plain grid, not persistent
             continue
         assert residency_misfits(CUDA, plan, True, {r.kernel: r.workgroups_per_cu}) == [], (

@@ -266,6 +266,7 @@ RUNS = [
     ("g3_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
     ("g3_w2_ka_bt16_gm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
     ("w3_fp8_ka_gm", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("llama_w2_ka_bt16_waves_gm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("w1_nr", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_bt16_nr", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_bt16_nr", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
@@ -455,9 +456,10 @@ def test_each_step_runs_its_attention_in_exactly_one_launch(results):
 def test_group_merge_gives_the_per_head_merge_s_bits(results):
     """``Target.attn_launch_group_merge``: the last split merges its group's heads in one pass
     (``attention.combine_group``), each head's sums as ``combine_task`` forms them, so the bits
-    equal the per-head merge's, with a group of 3 padded to 4 (g3) and tiny's FP8 layers. A split
-    left out of the merge, or a head merged into another's row, moves them."""
-    for gm in ("g3_w2_ka_bt16_gm", "w3_fp8_ka_gm"):
+    equal the per-head merge's, with a group of 3 padded to 4 (g3), tiny's FP8 layers and 6
+    splits masked to 8 (waves). A split left out of the merge, or a head merged into another's
+    row, moves them."""
+    for gm in ("g3_w2_ka_bt16_gm", "w3_fp8_ka_gm", "llama_w2_ka_bt16_waves_gm"):
         assert results[gm]["health"] == 0
         assert results[gm]["bits"] == results[gm.removesuffix("_gm")]["bits"], gm
 
