@@ -102,16 +102,21 @@ def _softmax_tile(q1, q2, ka, kb, vv, jm, scale, m_i, l_i, acc, GP: tl.constexpr
 
 
 @triton.jit
+def _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS: tl.constexpr):
+    """Element offsets of KV head ``g`` at cache ``slot`` in the K and the V cache."""
+    sblk = (slot // BS).to(tl.int64)
+    soff = (slot % BS).to(tl.int64)
+    return sblk * k_sb + soff * k_st + g * k_sh, sblk * v_sb + soff * v_st + g * v_sh
+
+
+@triton.jit
 def _store_newest(
     kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, k1, k2, v, BS: tl.constexpr, D: tl.constexpr
 ):
     """This step's k (as its two halves) and v of KV head ``g`` into the paged cache at ``slot``."""
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
-    sblk = (slot // BS).to(tl.int64)
-    soff = (slot % BS).to(tl.int64)
-    kdst = sblk * k_sb + soff * k_st + g * k_sh
-    vdst = sblk * v_sb + soff * v_st + g * v_sh
+    kdst, vdst = _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS)
     tl.store(kc_ptr + kdst + dh[None, :], k1)
     tl.store(kc_ptr + kdst + HALF + dh[None, :], k2)
     tl.store(vc_ptr + vdst + tl.arange(0, D), v)
@@ -127,12 +132,10 @@ def _newest_after_tiles(
     rounded to bf16 as ``_softmax_tile`` rounds p for its PV product."""
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
-    sblk = (slot // BS).to(tl.int64)
-    soff = (slot % BS).to(tl.int64)
-    kp = kc_ptr + sblk * k_sb + soff * k_st + g * k_sh
-    k1 = tl.load(kp + dh[None, :], cache_modifier=".cg").to(tl.float32)
-    k2 = tl.load(kp + HALF + dh[None, :], cache_modifier=".cg").to(tl.float32)
-    v = tl.load(vc_ptr + sblk * v_sb + soff * v_st + g * v_sh + tl.arange(0, D), cache_modifier=".cg")
+    koff, voff = _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS)
+    k1 = tl.load(kc_ptr + koff + dh[None, :], cache_modifier=".cg").to(tl.float32)
+    k2 = tl.load(kc_ptr + koff + HALF + dh[None, :], cache_modifier=".cg").to(tl.float32)
+    v = tl.load(vc_ptr + voff + tl.arange(0, D), cache_modifier=".cg")
     sc = (tl.sum(q1.to(tl.float32) * k1, axis=1) + tl.sum(q2.to(tl.float32) * k2, axis=1)) * scale
     m_new = tl.maximum(m_i, sc)
     alpha = tl.exp(m_i - m_new)
@@ -161,7 +164,7 @@ def attn_task(
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
-    NEWEST_REGS: tl.constexpr = False,
+    NEWEST_AFTER: tl.constexpr = False,
 ):
     """One (row, KV head, split) task; the caller has waited for the qkv stage. Its kernel's
     arguments come grouped (K1, the attention launch and ``benchmarks/attention_probe.py`` pass
@@ -169,10 +172,10 @@ def attn_task(
     V cache, their block / token / head strides), ``step`` = (positions, slots, block table, its
     row stride, sequence lengths, sliding window), ``SHAPE`` = (NQKV, Q, KV, D, G, GP, KVH, H, S,
     BS, BT) as in ``config._attention_shape``. ``ATTN_STAGES``: software-pipelining depth of the
-    context loop (block-table, K and V loads in flight). ``NEWEST_REGS``
-    (``Target.attn_newest_in_registers``): the split holding the newest position attends to it
-    from registers after its tiles, and writes it to the cache without a barrier, so no tile load
-    waits for this step's k and v (``_newest_from_registers``)."""
+    context loop (block-table, K and V loads in flight). ``NEWEST_AFTER``
+    (``Target.attn_newest_after_tiles``): the split holding the newest position writes it to the
+    cache without a barrier, leaves it out of its tiles and attends to it after them, read back
+    once (``_newest_after_tiles``), so no tile load waits for this step's k and v."""
     qnorm_ptr, knorm_ptr, inv_freq_ptr = head
     kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step
@@ -229,7 +232,7 @@ def attn_task(
     tile_hi = hi
     if holds_newest:
         _store_newest(kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, k1, k2, v, BS, D)
-        if NEWEST_REGS:
+        if NEWEST_AFTER:
             tile_hi = newest  # the tiles stop short of it: it joins after them
         else:
             tl.debug_barrier()  # this program's own tile loads below read them back
@@ -242,7 +245,7 @@ def attn_task(
         blk = _block_ids(bt_ptr, r, bt_stride, t0, tile_hi, BS, BT)
         ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, tile_hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
         m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, t0 + jt < tile_hi, scale, m_i, l_i, acc, GP, BT)
-    if NEWEST_REGS:
+    if NEWEST_AFTER:
         if holds_newest:  # read back once every thread's store is done (none held across the loop)
             tl.debug_barrier()
             m_i, l_i, acc = _newest_after_tiles(

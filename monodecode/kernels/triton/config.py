@@ -153,12 +153,12 @@ class Target:
     # critical path. The sizes keep the launch's registers (sm_90 on the CPU: 8192 took 1B's
     # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). Not timed yet: off.
     attn_launch_group_merge: bool = False
-    # Every attention task (K1's and the attention launch's): the split holding the newest
-    # position attends to it from registers after its tiles and stores it to the cache without a
-    # barrier, instead of storing it, waiting on a barrier and reading it back with its tile: the
-    # tile loads then depend on nothing of this step. Not timed yet: off.
-    attn_newest_in_registers: bool = False
     attn_launch_merge_elements: tuple = ((64, 4096), (128, 8192))
+    # Every attention task (K1's and the attention launch's): the split holding the newest
+    # position stores it to the cache without a barrier, leaves it out of its tiles and attends
+    # to it after them (read back once), instead of storing it, waiting on a barrier and reading
+    # it back with its tile: the tile loads then depend on nothing of this step. Not timed yet: off.
+    attn_newest_after_tiles: bool = False
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -638,7 +638,7 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
-        NEWEST_REGS=target.attn_newest_in_registers,
+        NEWEST_AFTER=target.attn_newest_after_tiles,
     )
 
 
@@ -694,22 +694,22 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
         PDL=pdl_mode(target),
-        **_group_merge(target, L, splits),
-        NEWEST_REGS=target.attn_newest_in_registers,
+        **_group_merge(target, L, _pow2(splits)),
+        NEWEST_AFTER=target.attn_newest_after_tiles,
     )
 
 
-def _group_merge(target: Target, L, splits: int) -> dict:
+def _group_merge(target: Target, L, sp: int) -> dict:
     """The attention launch's group merge (``Target.attn_launch_group_merge``): the group's
     heads rounded up to a power of two (``GQ``) and the head_dim slice merged at once (``DC``,
-    a power of two: GQ x SP x DC fp32 values within the head size's ``attn_launch_merge_elements``);
-    0 when off."""
+    a power of two: GQ x ``sp`` (the splits' SP) x DC fp32 values within the head size's
+    ``attn_launch_merge_elements``); 0 when off."""
     if not target.attn_launch_group_merge:
         return dict(GQ=0, DC=0)
     n = target._per_head("attn_launch_merge_elements", "values", L.head_dim) or 4096
     gq = _pow2(L.group)
     dc = L.head_dim
-    while dc > 1 and gq * _pow2(splits) * dc > n:
+    while dc > 1 and gq * sp * dc > n:
         dc //= 2
     return dict(GQ=gq, DC=dc)
 

@@ -18,6 +18,8 @@ from monodecode.kernels.padded import TwoLaunchKernels
 from monodecode.kernels.plan import K1, K2
 from monodecode.kernels.triton.args import k1_args, k2_args, ka_args, kv_strides, pack_layer
 from monodecode.kernels.triton.config import (
+    REGS_PER_SM,
+    SMEM_PER_SM,
     Target,
     check_dims,
     compile_options,
@@ -159,15 +161,14 @@ class TritonKernels(TwoLaunchKernels):
         if self.interpret or self.target.kind != "cuda":
             return {}
         props = torch.cuda.get_device_properties(self.device)
-        regs = getattr(props, "regs_per_multiprocessor", 0)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 0)
+        regs = getattr(props, "regs_per_multiprocessor", 0) or REGS_PER_SM
+        smem = getattr(props, "shared_memory_per_multiprocessor", 0) or SMEM_PER_SM
         out = {}
         for w, compiled in self._compiled.items():
             out[w] = {}
             for name, k in zip(("k1", "k2", "ka"), compiled):
                 k._init_handles()  # loads the binary (as the first launch would): its register count
-                per_sm = [k.n_regs, k.metadata.num_warps, k.metadata.shared] + ([regs, smem] if regs and smem else [])
-                out[w][name] = cuda_programs_per_sm(*per_sm)
+                out[w][name] = cuda_programs_per_sm(k.n_regs, k.metadata.num_warps, k.metadata.shared, regs, smem)
         return out
 
     def residency_misfits(self, width: int | None = None) -> list[str]:

@@ -25,15 +25,15 @@ SMS = 132  # the H200
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
 def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
     """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile;
-    K1 also with its attention's newest position after the tiles (``attn_newest_in_registers``,
+    K1 also with its attention's newest position after the tiles (``attn_newest_after_tiles``,
     prepared for timing: 8B's width-1 K1 then takes 168 registers, 3 programs' room for 2)."""
     import dataclasses
 
     dims = profile_dims(profile)
     plan = plan_for(dims, [width], SMS, CUDA, fp8=True).layers[width]
-    nr = dataclasses.replace(CUDA, attn_newest_in_registers=True)
+    after = dataclasses.replace(CUDA, attn_newest_after_tiles=True)
     builds = compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS)
-    builds += compile_width(dims, "fp8", width, "sm_90", nr, num_programs=SMS, kernels=("k1",))
+    builds += compile_width(dims, "fp8", width, "sm_90", after, num_programs=SMS, kernels=("k1",))
     for r in builds:
         if r.kernel == "ka":  # a plain grid, not persistent
             continue
@@ -42,7 +42,7 @@ def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
         )
 
 
-@pytest.mark.parametrize("change", ["default", "attn_launch_group_merge", "attn_newest_in_registers"])
+@pytest.mark.parametrize("change", ["default", "attn_launch_group_merge", "attn_newest_after_tiles"])
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "gemma3-27b"])
 def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, change):
