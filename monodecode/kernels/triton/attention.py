@@ -123,29 +123,6 @@ def _store_newest(
 
 
 @triton.jit
-def _newest_after_tiles(
-    q1, q2, kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, m_i, l_i, acc,
-    BS: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
-    """The online-softmax step of the group over the newest position alone (this step's k and v,
-    read back from the cache at ``slot``): its score in fp32 from the bf16 values, its weight
-    rounded to bf16 as ``_softmax_tile`` rounds p for its PV product."""
-    HALF: tl.constexpr = D // 2
-    dh = tl.arange(0, HALF)
-    koff, voff = _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS)
-    k1 = tl.load(kc_ptr + koff + dh[None, :], cache_modifier=".cg").to(tl.float32)
-    k2 = tl.load(kc_ptr + koff + HALF + dh[None, :], cache_modifier=".cg").to(tl.float32)
-    v = tl.load(vc_ptr + voff + tl.arange(0, D), cache_modifier=".cg")
-    sc = (tl.sum(q1.to(tl.float32) * k1, axis=1) + tl.sum(q2.to(tl.float32) * k2, axis=1)) * scale
-    m_new = tl.maximum(m_i, sc)
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(sc - m_new)
-    l_i = l_i * alpha + p
-    pv = p.to(tl.bfloat16).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
 def attn_task(
     t,
     qkv_mb,
@@ -164,7 +141,6 @@ def attn_task(
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
-    NEWEST_AFTER: tl.constexpr = False,
 ):
     """One (row, KV head, split) task; the caller has waited for the qkv stage. Its kernel's
     arguments come grouped (K1, the attention launch and ``benchmarks/attention_probe.py`` pass
@@ -172,10 +148,7 @@ def attn_task(
     V cache, their block / token / head strides), ``step`` = (positions, slots, block table, its
     row stride, sequence lengths, sliding window), ``SHAPE`` = (NQKV, Q, KV, D, G, GP, KVH, H, S,
     BS, BT) as in ``config._attention_shape``. ``ATTN_STAGES``: software-pipelining depth of the
-    context loop (block-table, K and V loads in flight). ``NEWEST_AFTER``
-    (``Target.attn_newest_after_tiles``): the split holding the newest position writes it to the
-    cache without a barrier, leaves it out of its tiles and attends to it after them, read back
-    once (``_newest_after_tiles``), so no tile load waits for this step's k and v."""
+    context loop (block-table, K and V loads in flight)."""
     qnorm_ptr, knorm_ptr, inv_freq_ptr = head
     kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step
@@ -228,29 +201,18 @@ def attn_task(
     q1, q2 = _rope(q1, q2, cos, sin)
     k1, k2 = _rope(k1, k2, cos, sin)
 
-    holds_newest = live & (lo <= newest) & (newest < hi)
-    tile_hi = hi
-    if holds_newest:
+    if live & (lo <= newest) & (newest < hi):
         _store_newest(kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, k1, k2, v, BS, D)
-        if NEWEST_AFTER:
-            tile_hi = newest  # the tiles stop short of it: it joins after them
-        else:
-            tl.debug_barrier()  # this program's own tile loads below read them back
+        tl.debug_barrier()  # this program's own tile loads below read them back
 
     m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     jt = tl.arange(0, BT)
-    for t0 in tl.range(lo, tile_hi, BT, num_stages=ATTN_STAGES):
-        blk = _block_ids(bt_ptr, r, bt_stride, t0, tile_hi, BS, BT)
-        ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, tile_hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
-        m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, t0 + jt < tile_hi, scale, m_i, l_i, acc, GP, BT)
-    if NEWEST_AFTER:
-        if holds_newest:  # read back once every thread's store is done (none held across the loop)
-            tl.debug_barrier()
-            m_i, l_i, acc = _newest_after_tiles(
-                q1, q2, kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, scale, m_i, l_i, acc, BS, D
-            )
+    for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
+        blk = _block_ids(bt_ptr, r, bt_stride, t0, hi, BS, BT)
+        ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+        m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, t0 + jt < hi, scale, m_i, l_i, acc, GP, BT)
 
     hrow = (r * H + g * G + jq) * S + s
     publish(acc_mb + hrow[:, None] * D + d[None, :], acc, qrow[:, None] & (d[None, :] >= 0), tag, BF16MB, True)

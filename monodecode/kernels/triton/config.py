@@ -151,14 +151,9 @@ class Target:
     # most ``attn_launch_merge_elements`` fp32 values, (head_dim, values) pairs; 4096 for other
     # heads) instead of one head after another, each waiting for its own loads on the launch's
     # critical path. The sizes keep the launch's registers (sm_90 on the CPU: 8192 took 1B's
-    # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). Not timed yet: off.
+    # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). On for CUDA (run 78).
     attn_launch_group_merge: bool = False
     attn_launch_merge_elements: tuple = ((64, 4096), (128, 8192))
-    # Every attention task (K1's and the attention launch's): the split holding the newest
-    # position stores it to the cache without a barrier, leaves it out of its tiles and attends
-    # to it after them (read back once), instead of storing it, waiting on a barrier and reading
-    # it back with its tile: the tile loads then depend on nothing of this step. Not timed yet: off.
-    attn_newest_after_tiles: bool = False
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
     # scaled).
@@ -374,6 +369,11 @@ CUDA = Target(
     # 32k b1 0.66 -> 0.61 ms, 8k b1 0.51 both, b8 unchanged (8 splits). 128-wide heads keep 32:
     # 8B at 49 (one wave of 3) was 3 % slower at 8k b1 and the same at 32k (run 71).
     attn_launch_max_splits_per_head=((64, 64),),
+    # Runs 78-81 (8 layers): the group's heads merged in one pass, 1-3 % faster wherever the
+    # attention launch runs (8B 8k b1 1.15 -> 1.13 ms, b4 1.37 -> 1.34; FP8 8k b1 0.80 -> 0.77,
+    # 32k b4 1.93 -> 1.89; 1B and 27B within 1 %), the same at 1k. Storing the newest position
+    # without a barrier and attending to it after the tiles (run 78) was not faster: dropped.
+    attn_launch_group_merge=True,
     # Run 50, widths 2-8 at 1k (8 layers): 64-row tiles with o_proj / down split along K and merged by
     # their last slice: 1B b2 0.57 -> 0.46 ms, b8 0.63 -> 0.53; 8B b2 1.15 -> 1.07, b8 1.25 -> 1.16;
     # FP8 b8 1.25 -> 1.18 (``benchmarks/gemv_probe.py``, run 48: 32-row tiles stream at 2.5-3.1 TB/s,
@@ -638,7 +638,6 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
-        NEWEST_AFTER=target.attn_newest_after_tiles,
     )
 
 
@@ -695,7 +694,6 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         KA_MIN_CTX=target.attn_launch_min_context,
         PDL=pdl_mode(target),
         **_group_merge(target, L, _pow2(splits)),
-        NEWEST_AFTER=target.attn_newest_after_tiles,
     )
 
 

@@ -108,7 +108,6 @@ def k1_kernel(
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
-    NEWEST_AFTER: tl.constexpr = False,
 ):
     # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
     # nothing is read before the previous launch has completed
@@ -224,7 +223,6 @@ def k1_kernel(
                 ONE_PLUS,
                 BF16MB,
                 ATTN_STAGES,
-                NEWEST_AFTER,
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, PROF_GRID, PROF)

@@ -94,7 +94,6 @@ def ka_kernel(
     PDL: tl.constexpr = 0,
     GQ: tl.constexpr = 0,
     DC: tl.constexpr = 0,
-    NEWEST_AFTER: tl.constexpr = False,
 ):
     launch_next(PDL, 1)  # ``overlap.py``: K2 dispatched now, or (2) as this program ends
     await_previous(PDL)
@@ -135,7 +134,6 @@ def ka_kernel(
             ONE_PLUS,
             True,
             ATTN_STAGES,
-            NEWEST_AFTER,
         )
         pair = t // S  # (row, KV head)
         tl.debug_barrier()  # every thread's partials stored before the release below

@@ -431,13 +431,12 @@ def test_launches_holding_fewer_programs_than_planned_are_named():
 
 
 def test_group_merge_slices_fit_the_head_size_s_budget():
-    """``Target.attn_launch_group_merge`` (off by default): the merge's slice of head_dim halves
+    """``Target.attn_launch_group_merge`` (on for CUDA): the merge's slice of head_dim halves
     until the group's partials in one slice fit the head size's ``attn_launch_merge_elements``
     (8B at batch 1: 4 heads x 32 splits x 64 = 8192 values; 1B: 4 x 64 x 16 = 4096), so the
     attention launch keeps its registers (``test_triton_cuda_residency``)."""
-    on = dataclasses.replace(CUDA, attn_launch_group_merge=True)
 
-    def merge(profile, width, target=on):
+    def merge(profile, width, target=CUDA):
         dims = profile_dims(profile)
         c = ka_constexprs(dims, plan_for(dims, [width], 132, target).layers[width], target, 16)
         return c["GQ"], c["DC"], c["SP"]
@@ -446,6 +445,7 @@ def test_group_merge_slices_fit_the_head_size_s_budget():
     assert merge("llama3-8b", 8) == (4, 128, 8)
     assert merge("llama3-1b", 1) == (4, 16, 64)
     assert merge("gemma3-27b", 1)[:2] == (2, 128)
-    assert merge("llama3-8b", 1, CUDA)[:2] == (0, 0)  # off: the per-head merge
+    off = dataclasses.replace(CUDA, attn_launch_group_merge=False)
+    assert merge("llama3-8b", 1, off)[:2] == (0, 0)  # the per-head merge
     with pytest.raises(ConfigError, match=r"^triton kernels: attn_launch_merge_elements must be \(head_dim, values\)"):
-        merge("llama3-8b", 1, dataclasses.replace(on, attn_launch_merge_elements=((128, 0),)))
+        merge("llama3-8b", 1, dataclasses.replace(CUDA, attn_launch_merge_elements=((128, 0),)))

@@ -24,17 +24,10 @@ SMS = 132  # the H200
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "qwen3-8b", "gemma3-27b"])
 def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
-    """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile;
-    K1 also with its attention's newest position after the tiles (``attn_newest_after_tiles``,
-    prepared for timing: 8B's width-1 K1 then takes 168 registers, 3 programs' room for 2)."""
-    import dataclasses
-
+    """What the launcher checks on the GPU (``residency_misfits``), here from the sm_90 compile."""
     dims = profile_dims(profile)
     plan = plan_for(dims, [width], SMS, CUDA, fp8=True).layers[width]
-    after = dataclasses.replace(CUDA, attn_newest_after_tiles=True)
-    builds = compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS)
-    builds += compile_width(dims, "fp8", width, "sm_90", after, num_programs=SMS, kernels=("k1",))
-    for r in builds:
+    for r in compile_width(dims, "fp8", width, "sm_90", CUDA, num_programs=SMS):
         if r.kernel == "ka":  # a plain grid, not persistent
             continue
         assert residency_misfits(CUDA, plan, True, {r.kernel: r.workgroups_per_cu}) == [], (
@@ -42,18 +35,18 @@ def test_fp8_persistent_launches_fit_their_programs_per_sm(profile, width):
         )
 
 
-@pytest.mark.parametrize("change", ["default", "attn_launch_group_merge", "attn_newest_after_tiles"])
+@pytest.mark.parametrize("group_merge", [True, False])
 @pytest.mark.parametrize("width", [1, 8])
 @pytest.mark.parametrize("profile", ["llama3-1b", "llama3-8b", "gemma3-27b"])
-def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, change):
+def test_attention_launch_fits_the_programs_its_splits_count_on(profile, width, group_merge):
     """``Target.attn_launch_slots_per_sm`` splits the context so the attention launch's tasks fill
     one wave of that many programs per SM: its registers and shared memory must let exactly that
-    many reside (fewer: a part-full second wave; more: idle room in the one wave). So must the
-    builds prepared for timing (the group merge: 8192 values per slice took 1B's registers from
-    124 to 154; the newest position held in registers across the tiles took 8B's to 202)."""
+    many reside (fewer: a part-full second wave; more: idle room in the one wave). With the
+    group merge (the default: 8192 values per slice took 1B's registers from 124 to 154) and
+    without it."""
     import dataclasses
 
-    target = CUDA if change == "default" else dataclasses.replace(CUDA, **{change: True})
+    target = dataclasses.replace(CUDA, attn_launch_group_merge=group_merge)
     dims = profile_dims(profile)
     want = assumed_programs_per_sm(target, plan_for(dims, [width], SMS, target).layers[width], False).get("ka")
     assert want  # every head size of the benchmark's profiles has its count

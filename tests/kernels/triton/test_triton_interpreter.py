@@ -88,10 +88,8 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
             target = dataclasses.replace(target, attn_launch_min_context=64)
-        if "_nat" in name:  # the newest position attended to after the tiles, read back once
-            target = dataclasses.replace(target, attn_newest_after_tiles=True)
-        if "_gm" in name:  # the attention launch's last split merges its group's heads in one pass
-            target = dataclasses.replace(target, attn_launch_group_merge=True)
+        if "_pm" in name:  # the attention launch's last split merges its group's heads one by one
+            target = dataclasses.replace(target, attn_launch_group_merge=False)
         if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
             target = dataclasses.replace(target, attn_launch_slots_per_sm=((dims.head_dim, 3),), attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
@@ -224,9 +222,9 @@ CHILD = textwrap.dedent(
 # in K1, llama_w2_kah_bt16's 150 go to the attention launch). FP8 runs at widths > 1 have K1 on a
 # grid of half K2's (``Target.fp8_wide_k1_programs_per_sm``: 8 programs, K2 16); "*_k1shared" on
 # K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two);
-# "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); "*_gm" merge each
-# group's heads in one pass in the attention launch (``Target.attn_launch_group_merge``); "*_nat"
-# attend to the newest position after the tiles (``Target.attn_newest_after_tiles``).
+# "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); the attention
+# launch merges each group's heads in one pass (``Target.attn_launch_group_merge``), "*_pm" one
+# head after another.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -264,12 +262,9 @@ RUNS = [
     ("llama_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_bt16_waves", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("g3_w2_ka_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
-    ("g3_w2_ka_bt16_gm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
-    ("w3_fp8_ka_gm", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("llama_w2_ka_bt16_waves_gm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("w1_nat", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
-    ("llama_w2_bt16_nat", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("llama_w2_ka_bt16_nat", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
+    ("g3_w2_ka_bt16_pm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
+    ("w3_fp8_ka_pm", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
+    ("llama_w2_ka_bt16_waves_pm", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
@@ -459,29 +454,10 @@ def test_group_merge_gives_the_per_head_merge_s_bits(results):
     equal the per-head merge's, with a group of 3 padded to 4 (g3), tiny's FP8 layers and 6
     splits masked to 8 (waves). A split left out of the merge, or a head merged into another's
     row, moves them."""
-    for gm in ("g3_w2_ka_bt16_gm", "w3_fp8_ka_gm", "llama_w2_ka_bt16_waves_gm"):
+    for pm in ("g3_w2_ka_bt16_pm", "w3_fp8_ka_pm", "llama_w2_ka_bt16_waves_pm"):
+        gm = pm.removesuffix("_pm")
         assert results[gm]["health"] == 0
-        assert results[gm]["bits"] == results[gm.removesuffix("_gm")]["bits"], gm
-
-
-def test_newest_position_after_the_tiles_moves_only_its_rounding(results):
-    """``Target.attn_newest_after_tiles``: the split holding the newest position leaves it out
-    of its tiles and adds it after them, read back from the cache it stored (K1's attention at
-    width 1 over sliding and global layers, at width 2 over 16-position tiles, and the attention
-    launch): within a quarter of bf16's spacing of the build that reads it with its tile (the
-    order of one sum changes), K/V written where the reference writes them (``k``, ``v``,
-    ``untouched``). The position dropped or counted twice moves the output by far more."""
-    import torch
-
-    for nat in ("w1_nat", "llama_w2_bt16_nat", "llama_w2_ka_bt16_nat"):
-        run, twin = results[nat], results[nat.removesuffix("_nat")]
-        assert run["health"] == 0
-        for layer, (a, b) in enumerate(zip(run["bits"], twin["bits"], strict=True)):
-            got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
-            want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
-            rel = float((got - want).norm() / want.norm())
-            assert rel <= 1e-3, f"{nat} layer {layer}: {rel:.2e} from the tile-read build"
-        assert all(l["untouched"] and l["k"][0] <= 1e-2 and l["v"][0] <= 1e-2 for l in run["layers"]), nat
+        assert results[gm]["bits"] == results[pm]["bits"], gm
 
 
 def test_attention_launch_wait_expires_into_the_health_word(results):
