@@ -338,9 +338,11 @@ def _shipped_rules_with_short_for(tmp: Path) -> Path:
 
 
 class Load:
-    """Bounded background traffic: ``rows`` concurrent streams, each repeating short completions."""
+    """Bounded background traffic: ``rows`` concurrent streams, each repeating completions of
+    ``tokens`` tokens."""
 
-    def __init__(self, server: VllmServer, model: str, rows: int, max_s: float = 240):
+    def __init__(self, server: VllmServer, model: str, rows: int, max_s: float = 240, tokens: int = 48):
+        self.tokens = tokens
         self.stop_at = time.monotonic() + max_s
         self._stop = threading.Event()
         self.client = client_for(server)
@@ -352,7 +354,7 @@ class Load:
     def _loop(self, model: str, i: int) -> None:
         while not self._stop.is_set() and time.monotonic() < self.stop_at:
             try:
-                _stream(self.client, model, PROMPTS[i % len(PROMPTS)], 48)
+                _stream(self.client, model, PROMPTS[i % len(PROMPTS)], self.tokens)
             except Exception as e:  # surfaced by the test
                 self.errors.append(repr(e))
                 return
@@ -388,13 +390,17 @@ def test_prometheus_fallback_alert_fires_only_when_steps_fall_back(fleet, tmp_pa
         load.stop()
         assert not load.errors, load.errors
 
-        load = Load(mono, model, rows=WIDTHS[-1] * 2)
+        # more streams than the server runs at once (--max-num-seqs 8), each long: the queue refills
+        # a finished row in the scheduler, not after the client's round trip, so the running rows
+        # stay above the widest width on a loaded machine too (with 8 short streams, starved
+        # client threads left steps at <= 4 rows: mono, and the alert never fired)
+        load = Load(mono, model, rows=WIDTHS[-1] * 3, tokens=128)
         t0 = time.monotonic()
         firing = wait_for(
             f"{ALERT} to fire",
             lambda: [a for a in prom.alerts(ALERT) if a["state"] == "firing"],
             150,
-            on_timeout=lambda: f"{prom.alerts(ALERT)}\n{steps(mono)}\n{prom.tail()}",
+            on_timeout=lambda: f"{prom.alerts(ALERT)}\n{steps(mono)}\nload errors: {load.errors}\n{prom.tail()}",
         )
         MEASURED["fallback_alert_fired_after_s"] = time.monotonic() - t0
         assert float(firing[0]["value"]) > 0.5
