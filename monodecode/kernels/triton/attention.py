@@ -102,21 +102,16 @@ def _softmax_tile(q1, q2, ka, kb, vv, jm, scale, m_i, l_i, acc, GP: tl.constexpr
 
 
 @triton.jit
-def _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS: tl.constexpr):
-    """Element offsets of KV head ``g`` at cache ``slot`` in the K and the V cache."""
-    sblk = (slot // BS).to(tl.int64)
-    soff = (slot % BS).to(tl.int64)
-    return sblk * k_sb + soff * k_st + g * k_sh, sblk * v_sb + soff * v_st + g * v_sh
-
-
-@triton.jit
 def _store_newest(
     kc_ptr, vc_ptr, slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, k1, k2, v, BS: tl.constexpr, D: tl.constexpr
 ):
     """This step's k (as its two halves) and v of KV head ``g`` into the paged cache at ``slot``."""
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
-    kdst, vdst = _slot_offsets(slot, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS)
+    sblk = (slot // BS).to(tl.int64)
+    soff = (slot % BS).to(tl.int64)
+    kdst = sblk * k_sb + soff * k_st + g * k_sh
+    vdst = sblk * v_sb + soff * v_st + g * v_sh
     tl.store(kc_ptr + kdst + dh[None, :], k1)
     tl.store(kc_ptr + kdst + HALF + dh[None, :], k2)
     tl.store(vc_ptr + vdst + tl.arange(0, D), v)
