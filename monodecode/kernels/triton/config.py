@@ -118,12 +118,6 @@ class Target:
     # streams the first half of its down tiles (gate/up's first half of rows is done by then)
     # instead of waiting for the grid's last gate/up task.
     early_down_waves: int = 0
-    # Weights in flight across every wait: each program loads the first K chunks of its first
-    # task of a GEMV stage (about this many bytes, ``preload_chunks``) into registers before the
-    # stage's wait (the completion counter it polls, or at a launch's entry the previous launch's
-    # end), so the stage starts on data already on chip instead of a pipeline ramp after the
-    # wait. Weights never change during a step, so reading them early is always safe. 0: off.
-    preload_bytes: int = 0
     # Width 1: GEMV tasks cut to fill whole waves (``plan.even_wave_rows``: ``wide_even_waves``'
     # rule at width 1; where it cuts gate/up's tasks, down runs whole instead of in halves).
     narrow_even_waves: bool = False
@@ -519,21 +513,6 @@ def gemv_chunk(target: Target, width: int, stage: Stage, fp8: bool) -> int:
     return k_chunk(k, preferred)
 
 
-def preload_chunks(target: Target, stage: Stage, fp8: bool, bk: int, split: int, matrices: int = 1) -> int:
-    """K chunks of a stage's first task that ``Target.preload_bytes`` loads before the stage's
-    wait: a power of two (a Triton range), a multiple of the K loop's ``split``, at most half
-    the task's K (the pipelined loop keeps the rest); 0 when even ``split`` chunks do not fit."""
-    if not target.preload_bytes:
-        return 0
-    chunk = stage.tile * bk * (1 if fp8 else 2) * matrices
-    pre = 0
-    n = split
-    while n * chunk <= target.preload_bytes and 2 * n * bk <= stage.k_per_task:
-        pre = n
-        n *= 2
-    return pre
-
-
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -632,7 +611,6 @@ def k1_constexprs(
         BK=bk,
         NUM_STAGES=target.stages(W, target.knob_fp8(W, K1, fp8)),
         SPLIT=target.split(W, fp8, L.hidden, bk),
-        QKV_PRE=preload_chunks(target, qkv, fp8, bk, target.split(W, fp8, L.hidden, bk)),
         QKV_TASKS=qkv.num_tasks,
         QKV_OFF=qkv.offset,
         ATTN_TASKS=attn.num_tasks,
@@ -776,9 +754,6 @@ def k2_constexprs(
         O_SPLIT=target.split(W, fp8, L.q, o_bk),
         GU_SPLIT=target.split(W, fp8, L.hidden, gu_bk),
         D_SPLIT=target.split(W, fp8, dn.k_per_task, d_bk),  # down's halves are equal: one split for both
-        O_PRE=preload_chunks(target, o, fp8, o_bk, target.split(W, fp8, L.q, o_bk)),
-        GU_PRE=preload_chunks(target, gu, fp8, gu_bk, target.split(W, fp8, L.hidden, gu_bk), 2),
-        D_PRE=preload_chunks(target, dn, fp8, d_bk, target.split(W, fp8, dn.k_per_task, d_bk)),
         O_TASKS=o.num_tasks,
         O_KS=o.k_splits,
         O_OFF=o.offset,

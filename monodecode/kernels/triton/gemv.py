@@ -184,26 +184,6 @@ def row_rstd(
 
 
 @triton.jit
-def gemv_preload(
-    w_ptr, n0, N, valid,
-    K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRE: tl.constexpr,
-    W_STRIDE: tl.constexpr = 0, ROWS: tl.constexpr = 0,
-):  # fmt: skip
-    """K chunks ``[0, PRE)`` of a task's weight rows (what ``gemv_task``'s first ``PRE`` chunks
-    would load), loaded before the task's input is ready (``Target.preload_bytes``); nothing
-    is loaded where ``valid`` is false (a program without a task in the stage). ``PRE`` 0: a
-    placeholder scalar."""
-    if PRE == 0:
-        return 0.0
-    else:
-        n, nmask = task_rows(n0, N, BN, ROWS)
-        ROW: tl.constexpr = W_STRIDE if W_STRIDE else K
-        k = tl.arange(0, PRE * BK)
-        m = (nmask & valid)[:, None] & (k < K)[None, :]
-        return tl.load(w_ptr + n[:, None].to(tl.int64) * ROW + k[None, :], mask=m, other=0.0)
-
-
-@triton.jit
 def gemv_task(
     w1_ptr,
     s1_ptr,
@@ -233,18 +213,13 @@ def gemv_task(
     FP8_PAIR: tl.constexpr = False,
     W_STRIDE: tl.constexpr = 0,
     ROWS: tl.constexpr = 0,
-    pre1=0.0,
-    pre2=0.0,
-    PRE: tl.constexpr = 0,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
     weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
     > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
     over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``.
-    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``). ``PRE`` > 0:
-    ``pre1`` / ``pre2`` hold the first ``PRE`` K chunks of the weights (``gemv_preload``), used
-    as one wide chunk before the pipelined loop takes the rest."""
+    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
     n, nmask = task_rows(n0, N, BN, ROWS)
@@ -262,34 +237,7 @@ def gemv_task(
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
     ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
-    if PRE > 0:  # the preloaded chunks as one: K columns [0, PRE * BK)
-        KP: tl.constexpr = PRE * BK
-        xp, bad_pre, ss_pre = _input_chunk(
-            x_ptr,
-            x_stride,
-            0,
-            rows,
-            rmask,
-            norm_ptr,
-            rstd,
-            tag,
-            tl.zeros([WP, KP], dtype=tl.int32),
-            tl.zeros([WP, KP], dtype=tl.float32),
-            KP,
-            SRC,
-            ONE_PLUS,
-            K,
-        )
-        y_pre2 = 0.0
-        if DOT:
-            acc1 = _mac(acc1, pre1, xp, DOT, FP8_PAIR)
-            if TWO:
-                acc2 = _mac(acc2, pre2, xp, DOT, FP8_PAIR)
-        else:
-            y_pre1 = tl.sum(pre1.to(tl.float32) * xp.to(tl.float32), axis=1)
-            if TWO:
-                y_pre2 = tl.sum(pre2.to(tl.float32) * xp.to(tl.float32), axis=1)
-    for kk in tl.range(PRE // SPLIT, NK, num_stages=NUM_STAGES):
+    for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
             if K % BK == 0:
@@ -305,27 +253,17 @@ def gemv_task(
             acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
                 acc2 = _mac(acc2, w2, xb, DOT, FP8_PAIR)
-    # the preloaded chunks' tag misses, (width 1) row sums and squares join the loop's
     if SRC == 2:  # every word must carry this launch's tag (the stage waited for its producers)
-        misses = tl.sum(tl.ravel(bad), axis=0)
-        if PRE > 0:
-            misses += tl.sum(tl.ravel(bad_pre), axis=0)
-        if misses > 0:
+        if tl.sum(tl.ravel(bad), axis=0) > 0:
             tl.atomic_cas(health_ptr, 0, bad_code)
     if DOT:
         y1 = acc1
         y2 = acc2
-    elif PRE > 0:
-        y1 = (tl.sum(acc1, axis=1) + y_pre1)[:, None]
-        y2 = (tl.sum(acc2, axis=1) + y_pre2)[:, None]
     else:
         y1 = tl.sum(acc1, axis=1)[:, None]
         y2 = tl.sum(acc2, axis=1)[:, None]
     if SRC == 4 or SRC == 5:  # the pre-norm's rstd, as ``row_rstd`` computes it
-        sq = tl.sum(ss, axis=1)
-        if PRE > 0:
-            sq += tl.sum(ss_pre, axis=1)
-        r = 1.0 / tl.sqrt_rn(sq / K + eps)
+        r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
         y1 = y1 * r[None, :]
         y2 = y2 * r[None, :]
     if FP8:

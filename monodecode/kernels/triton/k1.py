@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from monodecode.kernels.triton.attention import attn_task, combine_task
-from monodecode.kernels.triton.gemv import gemv_preload, gemv_task, row_rstd, task_rows
+from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.ka import long_context
 from monodecode.kernels.triton.mailbox import (
     finish_launch,
@@ -28,66 +28,6 @@ from monodecode.kernels.triton.mailbox import (
 )
 from monodecode.kernels.triton.overlap import await_previous, launch_next
 from monodecode.kernels.triton.timeline import stamp
-
-
-@triton.jit
-def _qkv_task(
-    t, pre, w_ptr, s_ptr, x_ptr, norm_ptr, rstd, eps, qkv_mb, stall, tag, health_ptr, bad_code,
-    HIDDEN: tl.constexpr, NQKV: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, QKV_ROWS: tl.constexpr, QKV_SRC: tl.constexpr, FP8: tl.constexpr,
-    FP8_PAIR: tl.constexpr, ONE_PLUS: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT: tl.constexpr,
-    STORE_1D: tl.constexpr, BF16MB: tl.constexpr, PRE: tl.constexpr = 0,
-):  # fmt: skip
-    """QKV task ``t``: its rows of the fused pre-norm + QKV GEMV, published (``pre``: its first
-    ``PRE`` weight chunks, ``gemv.gemv_preload``)."""
-    rows = tl.arange(0, WP)
-    rmask = rows < W
-    n0 = t * QKV_ROWS
-    y, _y = gemv_task(
-        w_ptr,
-        s_ptr,
-        w_ptr,
-        s_ptr,
-        n0,
-        NQKV,
-        x_ptr,
-        HIDDEN,
-        norm_ptr,
-        rstd,
-        eps,
-        tag,
-        health_ptr,
-        bad_code,
-        HIDDEN,
-        W,
-        WP,
-        BN,
-        BK,
-        QKV_SRC,
-        False,
-        FP8,
-        ONE_PLUS,
-        NUM_STAGES,
-        SPLIT,
-        FP8_PAIR,
-        0,
-        QKV_ROWS,
-        pre,
-        pre,
-        PRE,
-    )
-    n, own = task_rows(n0, NQKV, BN, QKV_ROWS)
-    # fault injection (stall != 0): never publish, so the waits below expire
-    if STORE_1D and WP == 1:  # a 1-D store: its layout cannot leak back into the FMA tile
-        publish(qkv_mb + n, tl.sum(y, axis=1), own & (stall == 0), tag, BF16MB)
-    else:
-        publish(
-            qkv_mb + rows[None, :] * NQKV + n[:, None],
-            y,
-            own[:, None] & rmask[None, :] & (stall == 0),
-            tag,
-            BF16MB,
-        )
 
 
 @triton.jit
@@ -168,15 +108,9 @@ def k1_kernel(
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
-    QKV_PRE: tl.constexpr = 0,
 ):
     # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
-    # nothing but weights is read before the previous launch has completed. QKV_PRE > 0
-    # (``Target.preload_bytes``): the first chunks of this program's first QKV task are loaded
-    # before that (the interpreter's programs load theirs in the stage)
-    if QKV_PRE > 0 and VP == 1:
-        first0 = (tl.program_id(0) - QKV_OFF + NPROG) % NPROG
-        pre = gemv_preload(w_ptr, first0 * QKV_ROWS, NQKV, first0 < QKV_TASKS, HIDDEN, BN, BK, QKV_PRE, 0, QKV_ROWS)
+    # nothing is read before the previous launch has completed
     launch_next(PDL, 1)
     await_previous(PDL)
     epoch_ptr = mbox_ptr + EPOCH_W
@@ -214,21 +148,50 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - QKV_OFF + NPROG) % NPROG
-        start = first
-        if QKV_PRE > 0:  # the first task apart, on its preloaded chunks (compiled: loaded at entry)
-            if VP > 1:
-                pre = gemv_preload(
-                    w_ptr, first * QKV_ROWS, NQKV, first < QKV_TASKS, HIDDEN, BN, BK, QKV_PRE, 0, QKV_ROWS
+        for t in tl.range(first, QKV_TASKS, NPROG, flatten=FLAT):
+            n0 = t * QKV_ROWS
+            y, _y = gemv_task(
+                w_ptr,
+                s_ptr,
+                w_ptr,
+                s_ptr,
+                n0,
+                NQKV,
+                x_ptr,
+                HIDDEN,
+                norm_ptr,
+                rstd,
+                eps,
+                tag,
+                health_ptr,
+                bad_code,
+                HIDDEN,
+                W,
+                WP,
+                BN,
+                BK,
+                QKV_SRC,
+                False,
+                FP8,
+                ONE_PLUS,
+                NUM_STAGES,
+                SPLIT,
+                FP8_PAIR,
+                0,
+                QKV_ROWS,
+            )
+            n, own = task_rows(n0, NQKV, BN, QKV_ROWS)
+            # fault injection (stall != 0): never publish, so the waits below expire
+            if STORE_1D and WP == 1:  # a 1-D store: its layout cannot leak back into the FMA tile
+                publish(qkv_mb + n, tl.sum(y, axis=1), own & (stall == 0), tag, BF16MB)
+            else:
+                publish(
+                    qkv_mb + rows[None, :] * NQKV + n[:, None],
+                    y,
+                    own[:, None] & rmask[None, :] & (stall == 0),
+                    tag,
+                    BF16MB,
                 )
-            if first < QKV_TASKS:
-                _qkv_task(first, pre, w_ptr, s_ptr, x_ptr, norm_ptr, rstd, eps, qkv_mb, stall, tag, health_ptr,
-                          bad_code, HIDDEN, NQKV, W, WP, BN, BK, QKV_ROWS, QKV_SRC, FP8, FP8_PAIR, ONE_PLUS,
-                          NUM_STAGES, SPLIT, STORE_1D, BF16MB, QKV_PRE)  # fmt: skip
-            start = first + NPROG
-        for t in tl.range(start, QKV_TASKS, NPROG, flatten=FLAT):
-            _qkv_task(t, 0.0, w_ptr, s_ptr, x_ptr, norm_ptr, rstd, eps, qkv_mb, stall, tag, health_ptr, bad_code,
-                      HIDDEN, NQKV, W, WP, BN, BK, QKV_ROWS, QKV_SRC, FP8, FP8_PAIR, ONE_PLUS, NUM_STAGES, SPLIT,
-                      STORE_1D, BF16MB)  # fmt: skip
         if stall == 0:
             signal_tasks(done_qkv, first, QKV_TASKS, NPROG)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 0, 2, PROF_GRID, PROF)

@@ -11,7 +11,7 @@ copy of its task loop, a program's first down half as soon as gate/up's first ha
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_preload, gemv_task, rms_apply, task_rows
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply, task_rows
 from monodecode.kernels.triton.mailbox import (
     fetch,
     finish_launch,
@@ -96,134 +96,6 @@ def _row_sum(
     for s in tl.static_range(1, KS):
         v += fetch(mb + (s * W + r) * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
     return v
-
-
-@triton.jit
-def _o_preload(
-    t, wo_ptr, HIDDEN: tl.constexpr, Q: tl.constexpr, O_TASKS: tl.constexpr, O_TILES: tl.constexpr,
-    O_ROWS: tl.constexpr, O_K: tl.constexpr, O_KS: tl.constexpr, O_BN: tl.constexpr, O_BK: tl.constexpr,
-    PRE: tl.constexpr,
-):  # fmt: skip
-    """The first ``PRE`` weight chunks of o_proj task ``t`` (``gemv.gemv_preload``)."""
-    n0, k0, _r = _tile_slice(t, tl.arange(0, 1), O_TILES, O_ROWS, O_K, O_KS, 1)
-    return gemv_preload(wo_ptr + k0, n0, HIDDEN, t < O_TASKS, O_K, O_BN, O_BK, PRE, Q, O_ROWS)
-
-
-@triton.jit
-def _o_task(
-    t, pre, x_ptr, attn_ptr, wo_ptr, so_ptr, post_w_ptr, o_mb, h_mb, zero, tag, health_ptr, bad_code,
-    HIDDEN: tl.constexpr, Q: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, O_BN: tl.constexpr,
-    O_BK: tl.constexpr, O_TILES: tl.constexpr, O_ROWS: tl.constexpr, O_K: tl.constexpr, O_KS: tl.constexpr,
-    O_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, FP8: tl.constexpr, FP8_PAIR: tl.constexpr,
-    ONE_PLUS: tl.constexpr, NO_POST: tl.constexpr, BF16MB: tl.constexpr, PRE: tl.constexpr = 0,
-):  # fmt: skip
-    """o_proj task ``t`` (``pre``: its first ``PRE`` weight chunks): its rows of o, or with
-    NO_POST (unsplit) of h = bf16(x + bf16(o)), published."""
-    rows = tl.arange(0, WP)
-    rmask = rows < W
-    n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
-    y, _y = gemv_task(
-        wo_ptr + k0,
-        so_ptr,
-        wo_ptr + k0,
-        so_ptr,
-        n0,
-        HIDDEN,
-        attn_ptr + k0,
-        Q,
-        post_w_ptr,
-        zero,
-        0.0,
-        tag,
-        health_ptr,
-        bad_code,
-        O_K,
-        W,
-        WP,
-        O_BN,
-        O_BK,
-        1,
-        False,
-        FP8,
-        ONE_PLUS,
-        NUM_STAGES,
-        O_SPLIT,
-        FP8_PAIR,
-        Q,
-        O_ROWS,
-        pre,
-        pre,
-        PRE,
-    )
-    n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
-    om = own[:, None] & rmask[None, :]
-    if NO_POST and O_KS == 1:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
-        xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
-        publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
-    else:
-        publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
-
-
-@triton.jit
-def _down_task(
-    t, part, lo, pre, wd_ptr, sd_ptr, post_w_ptr, act_mb, dlo_mb, d_mb, h_mb, out_ptr, zero, nan_fault, tag,
-    health_ptr, bad_code, nf_code, HIDDEN: tl.constexpr, I: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-    D_BN: tl.constexpr, D_BK: tl.constexpr, D_TILES: tl.constexpr, D_ROWS: tl.constexpr, D_K: tl.constexpr,
-    D_KS: tl.constexpr, D_K0: tl.constexpr, D_SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr, MB_SRC: tl.constexpr,
-    FP8: tl.constexpr, FP8_PAIR: tl.constexpr, ONE_PLUS: tl.constexpr, HALVES: tl.constexpr, FINAL: tl.constexpr,
-    D_MERGE: tl.constexpr, BF16MB: tl.constexpr, PRE: tl.constexpr = 0,
-):  # fmt: skip
-    """Down task ``t`` over K half ``part`` (``lo``: the first of two, an fp32 partial in d_lo;
-    ``pre``: its first ``PRE`` weight chunks): d, or the layer's output rows bf16(h + bf16(d))."""
-    rows = tl.arange(0, WP)
-    rmask = rows < W
-    n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
-    k0 += part * D_K0
-    y, _y = gemv_task(
-        wd_ptr + k0,
-        sd_ptr,
-        wd_ptr + k0,
-        sd_ptr,
-        n0,
-        HIDDEN,
-        act_mb + k0,
-        I,
-        post_w_ptr,
-        zero,
-        0.0,
-        tag,
-        health_ptr,
-        bad_code,
-        D_K,
-        W,
-        WP,
-        D_BN,
-        D_BK,
-        MB_SRC,
-        False,
-        FP8,
-        ONE_PLUS,
-        NUM_STAGES,
-        D_SPLIT,
-        FP8_PAIR,
-        I,
-        D_ROWS,
-        pre,
-        pre,
-        PRE,
-    )
-    n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
-    om = own[:, None] & rmask[None, :]
-    lo_rows = dlo_mb + rows[None, :] * HIDDEN + n[:, None]
-    if lo:
-        publish(lo_rows, y, om, tag, BF16MB, True)
-    else:
-        if HALVES == 2:
-            y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
-        if FINAL or D_MERGE:
-            publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
-        else:
-            _residual_out(h_mb, out_ptr, y, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code, HIDDEN, BF16MB)
 
 
 @triton.jit
@@ -358,79 +230,49 @@ def _gate_up_tasks(
     ONE_PLUS: tl.constexpr,
     GELU: tl.constexpr,
     BF16MB: tl.constexpr,
-    use_pre=False,
-    pre_g=0.0,
-    pre_u=0.0,
-    PRE: tl.constexpr = 0,
 ):
     """This program's gate/up tasks ``first, first + NPROG, ...`` below ``tasks``, task t on
-    rows ``row0 + t * GU_ROWS``: act = bf16(act(bf16(g)) * bf16(u)) published to ``act_mb``.
-    ``use_pre``: the first of them runs on ``pre_g`` / ``pre_u``, its first ``PRE`` weight
-    chunks (``gemv.gemv_preload``)."""
-    start = first
-    if PRE > 0:
-        if use_pre & (first < tasks):
-            _gate_up_task(first, row0, wg_ptr, sg_ptr, wu_ptr, su_ptr, gu_in, mlp_w_ptr, act_mb, zero, eps, tag,
-                          health_ptr, bad_code, HIDDEN, I, W, WP, GU_BN, GU_BK, GU_ROWS, GU_SRC, GU_SPLIT,
-                          NUM_STAGES, FP8, FP8_PAIR, ONE_PLUS, GELU, BF16MB, pre_g, pre_u, PRE)  # fmt: skip
-            start = first + NPROG
-    for t in tl.range(start, tasks, NPROG, flatten=FLAT):
-        _gate_up_task(t, row0, wg_ptr, sg_ptr, wu_ptr, su_ptr, gu_in, mlp_w_ptr, act_mb, zero, eps, tag,
-                      health_ptr, bad_code, HIDDEN, I, W, WP, GU_BN, GU_BK, GU_ROWS, GU_SRC, GU_SPLIT, NUM_STAGES,
-                      FP8, FP8_PAIR, ONE_PLUS, GELU, BF16MB)  # fmt: skip
-
-
-@triton.jit
-def _gate_up_task(
-    t, row0, wg_ptr, sg_ptr, wu_ptr, su_ptr, gu_in, mlp_w_ptr, act_mb, zero, eps, tag, health_ptr, bad_code,
-    HIDDEN: tl.constexpr, I: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, GU_BN: tl.constexpr,
-    GU_BK: tl.constexpr, GU_ROWS: tl.constexpr, GU_SRC: tl.constexpr, GU_SPLIT: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FP8: tl.constexpr, FP8_PAIR: tl.constexpr, ONE_PLUS: tl.constexpr,
-    GELU: tl.constexpr, BF16MB: tl.constexpr, pre_g=0.0, pre_u=0.0, PRE: tl.constexpr = 0,
-):  # fmt: skip
-    """Gate/up task ``t`` (rows ``row0 + t * GU_ROWS``): act = bf16(act(bf16(g)) * bf16(u)), published."""
+    rows ``row0 + t * GU_ROWS``: act = bf16(act(bf16(g)) * bf16(u)) published to ``act_mb``."""
     rows = tl.arange(0, WP)
     rmask = rows < W
-    n0 = row0 + t * GU_ROWS
-    g, u = gemv_task(
-        wg_ptr,
-        sg_ptr,
-        wu_ptr,
-        su_ptr,
-        n0,
-        I,
-        gu_in,
-        HIDDEN,
-        mlp_w_ptr,
-        zero,
-        eps,
-        tag,
-        health_ptr,
-        bad_code,
-        HIDDEN,
-        W,
-        WP,
-        GU_BN,
-        GU_BK,
-        GU_SRC,
-        True,
-        FP8,
-        ONE_PLUS,
-        NUM_STAGES,
-        GU_SPLIT,
-        FP8_PAIR,
-        0,
-        GU_ROWS,
-        pre_g,
-        pre_u,
-        PRE,
-    )
-    gb = g.to(tl.bfloat16).to(tl.float32)
-    ub = u.to(tl.bfloat16).to(tl.float32)
-    a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
-    m = (a * ub).to(tl.bfloat16).to(tl.float32)
-    n, own = task_rows(n0, I, GU_BN, GU_ROWS)
-    publish(act_mb + rows[None, :] * I + n[:, None], m, own[:, None] & rmask[None, :], tag, BF16MB)
+    for t in tl.range(first, tasks, NPROG, flatten=FLAT):
+        n0 = row0 + t * GU_ROWS
+        g, u = gemv_task(
+            wg_ptr,
+            sg_ptr,
+            wu_ptr,
+            su_ptr,
+            n0,
+            I,
+            gu_in,
+            HIDDEN,
+            mlp_w_ptr,
+            zero,
+            eps,
+            tag,
+            health_ptr,
+            bad_code,
+            HIDDEN,
+            W,
+            WP,
+            GU_BN,
+            GU_BK,
+            GU_SRC,
+            True,
+            FP8,
+            ONE_PLUS,
+            NUM_STAGES,
+            GU_SPLIT,
+            FP8_PAIR,
+            0,
+            GU_ROWS,
+        )
+        gb = g.to(tl.bfloat16).to(tl.float32)
+        ub = u.to(tl.bfloat16).to(tl.float32)
+        a = _activation(gb, GELU).to(tl.bfloat16).to(tl.float32)
+        m = (a * ub).to(tl.bfloat16).to(tl.float32)
+        n, own = task_rows(n0, I, GU_BN, GU_ROWS)
+        publish(act_mb + rows[None, :] * I + n[:, None], m, own[:, None] & rmask[None, :], tag, BF16MB)
 
 
 @triton.jit
@@ -514,9 +356,6 @@ def k2_kernel(
     O_MERGE: tl.constexpr = False,
     D_MERGE: tl.constexpr = False,
     PDL: tl.constexpr = 0,
-    O_PRE: tl.constexpr = 0,
-    GU_PRE: tl.constexpr = 0,
-    D_PRE: tl.constexpr = 0,
 ):
     # FINAL: a final row stage (Gemma's post-MLP norm, or the residual add after a split down).
     # O_KS / D_KS > 1: o_proj / down split along K (task t: row tile t % *_TILES, K slice
@@ -533,13 +372,6 @@ def k2_kernel(
     O_TILES: tl.constexpr = O_TASKS // O_KS
     D_TILES: tl.constexpr = D_TASKS // D_KS
     D_ARRIVE: tl.constexpr = O_TILES if O_MERGE else 0  # down's arrival counters follow o_proj's
-    O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
-    # O_PRE > 0 (``Target.preload_bytes``): the first chunks of this program's first o_proj task
-    # are loaded before the previous launch has completed (weights only; the interpreter's
-    # programs load theirs in the stage)
-    if O_PRE > 0 and VP == 1:
-        pre_o = _o_preload((tl.program_id(0) - O_OFF + NPROG) % NPROG, wo_ptr, HIDDEN, Q, O_TASKS, O_TILES, O_ROWS,
-                           O_K, O_KS, O_BN, O_BK, O_PRE)  # fmt: skip
     launch_next(PDL, 1)
     await_previous(PDL)
     epoch_ptr = mbox_ptr + EPOCH_W
@@ -581,6 +413,7 @@ def k2_kernel(
         d_mb = mbox_ptr + D_W
         dlo_mb = mbox_ptr + D_LO_W
     MB_SRC: tl.constexpr = 3 if BF16MB else 2  # gemv input: bf16 mailbox or tagged words
+    O_K: tl.constexpr = Q // O_KS  # the reduction length of one o_proj / down task
     D_K: tl.constexpr = (I - D_K0) // D_KS  # with HALVES, each half's (the plan cuts I in two)
     me = tl.program_id(0)
     rows = tl.arange(0, WP)
@@ -593,19 +426,45 @@ def k2_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - O_OFF + NPROG) % NPROG
-        start = first
-        if O_PRE > 0:  # the first task apart, on its preloaded chunks (compiled: loaded at entry)
-            if VP > 1:
-                pre_o = _o_preload(first, wo_ptr, HIDDEN, Q, O_TASKS, O_TILES, O_ROWS, O_K, O_KS, O_BN, O_BK, O_PRE)
-            if first < O_TASKS:
-                _o_task(first, pre_o, x_ptr, attn_ptr, wo_ptr, so_ptr, post_w_ptr, o_mb, h_mb, zero, tag, health_ptr,
-                        bad_code, HIDDEN, Q, W, WP, O_BN, O_BK, O_TILES, O_ROWS, O_K, O_KS, O_SPLIT, NUM_STAGES, FP8,
-                        FP8_PAIR, ONE_PLUS, NO_POST, BF16MB, O_PRE)  # fmt: skip
-            start = first + NPROG
-        for t in tl.range(start, O_TASKS, NPROG, flatten=FLAT):
-            _o_task(t, 0.0, x_ptr, attn_ptr, wo_ptr, so_ptr, post_w_ptr, o_mb, h_mb, zero, tag, health_ptr, bad_code,
-                    HIDDEN, Q, W, WP, O_BN, O_BK, O_TILES, O_ROWS, O_K, O_KS, O_SPLIT, NUM_STAGES, FP8, FP8_PAIR,
-                    ONE_PLUS, NO_POST, BF16MB)  # fmt: skip
+        for t in tl.range(first, O_TASKS, NPROG, flatten=FLAT):
+            n0, k0, o_rows = _tile_slice(t, rows, O_TILES, O_ROWS, O_K, O_KS, W)
+            y, _y = gemv_task(
+                wo_ptr + k0,
+                so_ptr,
+                wo_ptr + k0,
+                so_ptr,
+                n0,
+                HIDDEN,
+                attn_ptr + k0,
+                Q,
+                post_w_ptr,
+                zero,
+                0.0,
+                tag,
+                health_ptr,
+                bad_code,
+                O_K,
+                W,
+                WP,
+                O_BN,
+                O_BK,
+                1,
+                False,
+                FP8,
+                ONE_PLUS,
+                NUM_STAGES,
+                O_SPLIT,
+                FP8_PAIR,
+                Q,
+                O_ROWS,
+            )
+            n, own = task_rows(n0, HIDDEN, O_BN, O_ROWS)
+            om = own[:, None] & rmask[None, :]
+            if NO_POST and O_KS == 1:  # the residual add of the post stage, h = bf16(x + bf16(o)), done here
+                xr = tl.load(x_ptr + rows[None, :] * HIDDEN + n[:, None], mask=om, other=0.0).to(tl.float32)
+                publish(h_mb + rows[None, :] * HIDDEN + n[:, None], _residual(xr, y), om, tag, BF16MB)
+            else:
+                publish(o_mb + o_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, O_KS > 1)
         if O_MERGE:  # h = bf16(x + bf16(o)) by each tile's last slice (after the K loop,
             # which then pipelines as without it: no barrier or atomic inside)
             tl.debug_barrier()  # every thread's partials stored before the releases below
@@ -665,17 +524,6 @@ def k2_kernel(
         pid = tl.program_id(0) * VP + v
         first_lo = (pid - GU_LO_OFF + NPROG) % NPROG
         first_hi = (pid - GU_OFF + NPROG) % NPROG
-        pre_g = 0.0
-        pre_u = 0.0
-        if GU_PRE > 0:  # the first chunks of the program's first task (of the first half) before the wait
-            if HALVES == 2:
-                pre_n0 = first_lo * GU_ROWS
-                pre_valid = first_lo < GU_LO_TASKS
-            else:
-                pre_n0 = GU_ROW0 + first_hi * GU_ROWS
-                pre_valid = first_hi < GU_TASKS
-            pre_g = gemv_preload(wg_ptr, pre_n0, I, pre_valid, HIDDEN, GU_BN, GU_BK, GU_PRE, 0, GU_ROWS)
-            pre_u = gemv_preload(wu_ptr, pre_n0, I, pre_valid, HIDDEN, GU_BN, GU_BK, GU_PRE, 0, GU_ROWS)
         if (first_lo < GU_LO_TASKS) | (first_hi < GU_TASKS):
             budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, me, 1, 2, 1, PROF_GRID, PROF)
@@ -716,10 +564,6 @@ def k2_kernel(
                 ONE_PLUS,
                 GELU,
                 BF16MB,
-                part == 0,
-                pre_g,
-                pre_u,
-                GU_PRE,
             )
             signal_tasks(tl.where(lo, gu_lo_ctr, done_gu), first, tasks, NPROG)
     stamp(prof_ptr, layer, me, 1, 2, 2, PROF_GRID, PROF)
@@ -733,9 +577,6 @@ def k2_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - D_OFF + NPROG) % NPROG
-        if D_PRE > 0:  # the first chunks of the program's first task (of the first half) before the wait
-            pre_n0, pre_k0, _pre_rows = _tile_slice(first, tl.arange(0, 1), D_TILES, D_ROWS, D_K, D_KS, 1)
-            pre_d = gemv_preload(wd_ptr + pre_k0, pre_n0, HIDDEN, first < D_TASKS, D_K, D_BN, D_BK, D_PRE, I, D_ROWS)
         for part in range(HALVES):
             lo = (HALVES == 2) & (part == 0)
             if first < D_TASKS:
@@ -748,19 +589,52 @@ def k2_kernel(
                 stamp(prof_ptr, layer, me, 1, 3, 1, PROF_GRID, PROF)
             else:
                 tl.debug_barrier()  # d_lo is read back by this program's threads, whichever wrote it
-            start = first
-            if D_PRE > 0:
-                if (part == 0) & (first < D_TASKS):
-                    _down_task(first, part, lo, pre_d, wd_ptr, sd_ptr, post_w_ptr, act_mb, dlo_mb, d_mb, h_mb,
-                               out_ptr, zero, nan_fault, tag, health_ptr, bad_code, nf_code, HIDDEN, I, W, WP, D_BN,
-                               D_BK, D_TILES, D_ROWS, D_K, D_KS, D_K0, D_SPLIT, NUM_STAGES, MB_SRC, FP8, FP8_PAIR,
-                               ONE_PLUS, HALVES, FINAL, D_MERGE, BF16MB, D_PRE)  # fmt: skip
-                    start = first + NPROG
-            for t in tl.range(start, D_TASKS, NPROG, flatten=FLAT):
-                _down_task(t, part, lo, 0.0, wd_ptr, sd_ptr, post_w_ptr, act_mb, dlo_mb, d_mb, h_mb, out_ptr,
-                           zero, nan_fault, tag, health_ptr, bad_code, nf_code, HIDDEN, I, W, WP, D_BN, D_BK, D_TILES,
-                           D_ROWS, D_K, D_KS, D_K0, D_SPLIT, NUM_STAGES, MB_SRC, FP8, FP8_PAIR, ONE_PLUS, HALVES,
-                           FINAL, D_MERGE, BF16MB)  # fmt: skip
+            for t in tl.range(first, D_TASKS, NPROG, flatten=FLAT):
+                n0, k0, d_rows = _tile_slice(t, rows, D_TILES, D_ROWS, D_K, D_KS, W)
+                k0 += part * D_K0
+                y, _y = gemv_task(
+                    wd_ptr + k0,
+                    sd_ptr,
+                    wd_ptr + k0,
+                    sd_ptr,
+                    n0,
+                    HIDDEN,
+                    act_mb + k0,
+                    I,
+                    post_w_ptr,
+                    zero,
+                    0.0,
+                    tag,
+                    health_ptr,
+                    bad_code,
+                    D_K,
+                    W,
+                    WP,
+                    D_BN,
+                    D_BK,
+                    MB_SRC,
+                    False,
+                    FP8,
+                    ONE_PLUS,
+                    NUM_STAGES,
+                    D_SPLIT,
+                    FP8_PAIR,
+                    I,
+                    D_ROWS,
+                )
+                n, own = task_rows(n0, HIDDEN, D_BN, D_ROWS)
+                om = own[:, None] & rmask[None, :]
+                lo_rows = dlo_mb + rows[None, :] * HIDDEN + n[:, None]
+                if lo:
+                    publish(lo_rows, y, om, tag, BF16MB, True)
+                else:
+                    if HALVES == 2:
+                        y = fetch(lo_rows, om, tag, health_ptr, bad_code, BF16MB) + y
+                    if FINAL or D_MERGE:
+                        publish(d_mb + d_rows[None, :] * HIDDEN + n[:, None], y, om, tag, BF16MB, D_KS > 1)
+                    else:
+                        _residual_out(h_mb, out_ptr, y, n, rows, om, nan_fault, tag, health_ptr, bad_code, nf_code,
+                                      HIDDEN, BF16MB)  # fmt: skip
         if D_MERGE:  # out = bf16(h + bf16(d)) by each tile's last slice (as o_proj's)
             tl.debug_barrier()
             for t in range(first, D_TASKS, NPROG):

@@ -90,10 +90,6 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_launch_min_context=64)
         if "_pm" in name:  # the attention launch's last split merges its group's heads one by one
             target = dataclasses.replace(target, attn_launch_group_merge=False)
-        if "_pre" in name:  # each stage's first task starts on preloaded weight chunks (half its K)
-            target = dataclasses.replace(target, preload_bytes=1 << 20, bk_narrow=min(target.bk_narrow, 64),
-                                         bk_wide=32, wide_inflight_bytes=0, qkv_inflight_bytes=0,
-                                         fp8_wide_inflight_bytes=0)
         if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
             target = dataclasses.replace(target, attn_launch_slots_per_sm=((dims.head_dim, 3),), attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
@@ -190,8 +186,7 @@ CHILD = textwrap.dedent(
                         "v": rel(at(kv_tri.value[l], s), at(kv_ref.value[l], s)),
                         "untouched": untouched})
             x = y_ref
-        pre = [tk.consts[widths[0]][0]["QKV_PRE"]] + [k2c[k] for k in ("O_PRE", "GU_PRE", "D_PRE")]
-        out[name] = {"layers": res, "health": tk.health(), "bits": ys, "pre": pre}
+        out[name] = {"layers": res, "health": tk.health(), "bits": ys}
     print(json.dumps(out))
     """
 )
@@ -229,9 +224,7 @@ CHILD = textwrap.dedent(
 # K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two);
 # "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); the attention
 # launch merges each group's heads in one pass (``Target.attn_launch_group_merge``), "*_pm" one
-# head after another; "*_pre" start each stage's first task on weight chunks loaded before its
-# wait (``Target.preload_bytes``, here half the task's K, on 64-column chunks at width 1 and
-# 32-column ones at wider widths).
+# head after another.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -275,11 +268,6 @@ RUNS = [
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("llama_w1_pre", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
-    ("llama_w1_post_tagged_pre", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "tagged"),
-    ("w1_fp8_split_pre", "fp8", [1], 1, 2, [52], "planes", 64, "tiny", "bf16"),
-    ("llama_w2_splitk_merge_pre", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
-    ("w3_fp8_pre", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
 ]
 
 
@@ -559,22 +547,3 @@ def test_fp8_pair_represents_bf16_inputs_exactly():
     assert out["small"] > 0 and out["small_abs_err"] <= 2.0**-12, out
     for r, amax in enumerate(out["amax_range"]):
         assert amax == 0.0 if r == 3 else 128 <= amax < 256, (r, amax)
-
-
-@pytest.mark.parametrize("pre", [r[0] for r in RUNS if r[0].endswith("_pre")])
-def test_preloaded_weights_change_only_the_summation_order(results, pre):
-    """``Target.preload_bytes``: each program's first task of a GEMV stage takes its first K chunks
-    from registers filled before the stage's wait (at width 1 summed apart, then added). Every
-    stage of these runs preloads, and each layer's output stays within a few bf16 ulps of the
-    same build without it (width 1 also on other K chunks). A preloaded chunk counted twice or
-    left out, or taken from another task's rows, moves the outputs by far more."""
-    import torch
-
-    run, twin = results[pre], results[pre.removesuffix("_pre")]
-    assert run["health"] == 0
-    assert all(p > 0 for p in run["pre"]), f"{pre}: chunks preloaded per stage {run['pre']}"
-    for layer, (a, b) in enumerate(zip(run["bits"], twin["bits"], strict=True)):
-        got = torch.tensor(a, dtype=torch.int16).view(torch.bfloat16).float()
-        want = torch.tensor(b, dtype=torch.int16).view(torch.bfloat16).float()
-        rel = float((got - want).norm() / want.norm())
-        assert rel <= 3.9e-3, f"{pre} layer {layer}: preloaded vs not {rel:.2e}"
