@@ -118,6 +118,7 @@ def kernel_sources(
         scratch,
         health,
         scratch,
+        health,
         0,
         1000,
         0,
