@@ -153,10 +153,6 @@ class Target:
     # critical path. The sizes keep the launch's registers (sm_90 on the CPU: 8192 took 1B's
     # from 124 to 154, 3 programs per SM; 16384 8B's from 168 to 210). On for CUDA (run 78).
     attn_launch_group_merge: bool = False
-    # K1's own attention (short contexts): the last split of a (row, KV head) to finish merges
-    # its group's heads as the attention launch does (an arrival counter per pair,
-    # ``attention.combine_group``), instead of a combine stage that waits for every split.
-    k1_split_merge: bool = False
     attn_launch_merge_elements: tuple = ((64, 4096), (128, 8192))
     # The tasks per SM above are for heads of this many dimensions; narrower heads get
     # proportionally fewer (longer) tasks, so a task's K/V bytes per position stay the same (0: not
@@ -167,10 +163,6 @@ class Target:
     # the device for its end, instead of the stream starting the next launch after this one has
     # drained ("": off).
     pdl: str = ""
-    # The same for the attention launch alone ("": ``pdl``): with "entry", K2 is dispatched as
-    # the attention launch starts (its programs take SMs as the attention's end, which at short
-    # contexts is at once, and wait there for its end) instead of after its programs end.
-    attn_launch_pdl: str = ""
     # Registers per thread ptxas may use in the attention launch (CUDA; 0: its own choice): its
     # programs run in waves of as many as fit an SM, so registers set the waves' size.
     attn_launch_maxnreg: int = 0
@@ -565,15 +557,12 @@ def _fp8_pair(target: Target, fp8: bool) -> bool:
     return fp8 and target.fp8_wide == "pair"
 
 
-def pdl_mode(target: Target, attn_launch: bool = False) -> int:
+def pdl_mode(target: Target) -> int:
     """``overlap.py``'s ``PDL`` constant: 0 off, 1 "entry", 2 "exit" (CUDA only; the interpreter
-    ignores it); ``attn_launch``: the attention launch's (``Target.attn_launch_pdl``)."""
-    for field in ("pdl", "attn_launch_pdl"):
-        if getattr(target, field) not in ("", "entry", "exit"):
-            raise ConfigError(f"triton kernels: {field} must be '', 'entry' or 'exit', got {getattr(target, field)!r}")
-    # the attention launch's own mode only where every launch is made with PDL (``compile_options``)
-    mode = target.pdl and ((target.attn_launch_pdl if attn_launch else "") or target.pdl)
-    return {"": 0, "entry": 1, "exit": 2}[mode] if target.kind == "cuda" else 0
+    ignores it)."""
+    if target.pdl not in ("", "entry", "exit"):
+        raise ConfigError(f"triton kernels: pdl must be '', 'entry' or 'exit', got {target.pdl!r}")
+    return {"": 0, "entry": 1, "exit": 2}[target.pdl] if target.kind == "cuda" else 0
 
 
 def _stage(plan: LayerPlan, kernel: str, name: str):
@@ -649,7 +638,6 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
-        **_group_merge(target, L, plan.attn_splits, target.k1_split_merge),
     )
 
 
@@ -704,18 +692,17 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ONE_PLUS=dims.norm_one_plus,
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
-        PDL=pdl_mode(target, attn_launch=True),
-        **_group_merge(target, L, _pow2(splits), target.attn_launch_group_merge),
+        PDL=pdl_mode(target),
+        **_group_merge(target, L, _pow2(splits)),
     )
 
 
-def _group_merge(target: Target, L, sp: int, on: bool) -> dict:
-    """The group merge of the attention launch (``Target.attn_launch_group_merge``) or of K1's
-    last split (``Target.k1_split_merge``), ``on`` saying which: the group's heads rounded up
-    to a power of two (``GQ``) and the head_dim slice merged at once (``DC``, a power of two:
-    GQ x ``sp`` (the splits' SP) x DC fp32 values within the head size's
+def _group_merge(target: Target, L, sp: int) -> dict:
+    """The attention launch's group merge (``Target.attn_launch_group_merge``): the group's
+    heads rounded up to a power of two (``GQ``) and the head_dim slice merged at once (``DC``,
+    a power of two: GQ x ``sp`` (the splits' SP) x DC fp32 values within the head size's
     ``attn_launch_merge_elements``); 0 when off."""
-    if not on:
+    if not target.attn_launch_group_merge:
         return dict(GQ=0, DC=0)
     n = target._per_head("attn_launch_merge_elements", "values", L.head_dim) or 4096
     gq = _pow2(L.group)

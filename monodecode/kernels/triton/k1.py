@@ -8,15 +8,13 @@ are the block, token and head strides (elements) of the layer's K and V caches. 
 selects the bf16 mailbox format (``plan.MAILBOX_FORMATS``); ``PROF`` compiles in the stage
 timestamps (``timeline.py``) written to ``prof_ptr``. ``ATTN_LAUNCH``: the attention and combine
 stages run in a launch of their own (``ka.py``; K1 then skips them), or with ``KA_MIN_CTX`` > 0
-there only in steps where a row's context reaches it, here otherwise. ``DC`` > 0: no combine
-stage; the last split of each (row, KV head) merges its group's heads (``arrive_ptr``: one
-arrival counter per pair, back at zero after every launch).
+there only in steps where a row's context reaches it, here otherwise.
 """
 
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.attention import attn_task, combine_group, combine_task
+from monodecode.kernels.triton.attention import attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.ka import long_context
 from monodecode.kernels.triton.mailbox import (
@@ -58,7 +56,6 @@ def k1_kernel(
     mbox_ptr,
     health_ptr,
     prof_ptr,
-    arrive_ptr,
     window,
     layer,
     spin_limit,
@@ -111,8 +108,6 @@ def k1_kernel(
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
-    GQ: tl.constexpr = 0,
-    DC: tl.constexpr = 0,
 ):
     # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
     # nothing is read before the previous launch has completed
@@ -125,7 +120,7 @@ def k1_kernel(
     else:
         here = tl.zeros([], dtype=tl.int32) == (1 if ATTN_LAUNCH else 0)
     attn_tasks = tl.where(here, ATTN_TASKS, 0)
-    comb_tasks = tl.where(here & (DC == 0), COMB_TASKS, 0)  # DC > 0: the last split merges instead
+    comb_tasks = tl.where(here, COMB_TASKS, 0)
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
     code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
@@ -229,17 +224,7 @@ def k1_kernel(
                 BF16MB,
                 ATTN_STAGES,
             )
-            if DC > 0:  # ``Target.k1_split_merge``: the last split of its (row, KV head) merges the group
-                pair = t // S
-                tl.debug_barrier()  # every thread's partials stored before the release below
-                old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
-                if old % S == S - 1:
-                    tl.atomic_add(arrive_ptr + pair, -S, sem="relaxed", scope="gpu")  # back at zero
-                    combine_group(
-                        pair, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, G, GQ, KVH, S, S, DC, BF16MB
-                    )
-            else:
-                signal_done(done_attn)
+            signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, PROF_GRID, PROF)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)

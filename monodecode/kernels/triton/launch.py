@@ -96,10 +96,6 @@ class TritonKernels(TwoLaunchKernels):
             )
             for w in req.widths
         }
-        # K1's arrival counters per (row, KV head) (``Target.k1_split_merge``; each launch leaves them at zero)
-        self.k1_arrive = {
-            w: torch.zeros(w * dims.num_kv_heads, dtype=torch.int32, device=self.device) for w in req.widths
-        }
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self._compiled = {} if self.interpret else self._compile(req)
         self.residency = self._residency()
@@ -233,7 +229,6 @@ class TritonKernels(TwoLaunchKernels):
             self.scratch,
             self.health_word,
             self.prof,
-            self.k1_arrive[width],
             layer,
             self.spin_limit,
             stall,
@@ -272,4 +267,3 @@ class TritonKernels(TwoLaunchKernels):
         self.attn = {}
         self.ka_bufs = {}
         self.k2_arrive = {}
-        self.k1_arrive = {}

@@ -90,8 +90,6 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_launch_min_context=64)
         if "_pm" in name:  # the attention launch's last split merges its group's heads one by one
             target = dataclasses.replace(target, attn_launch_group_merge=False)
-        if "_k1m" in name:  # K1's last split of each (row, KV head) merges its group (no combine stage)
-            target = dataclasses.replace(target, k1_split_merge=True)
         if "_waves" in name:  # splits in whole waves of 3 per "SM" (``attn_launch_slots_per_sm``): 6 here
             target = dataclasses.replace(target, attn_launch_slots_per_sm=((dims.head_dim, 3),), attn_launch_max_splits=8)
         # (the default builds it too, for 4096 positions or more: every run here stays in K1)
@@ -180,8 +178,7 @@ CHILD = textwrap.dedent(
                 untouched = untouched and torch.equal(rest, b)
             # split-K merges' and the attention launch's arrival counters: back at zero after every
             # launch, so they never grow toward int32 overflow on a long-running server
-            counters = [tk.k2_arrive[widths[0]], tk.k1_arrive[widths[0]]]
-            counters += [b[1] for w_, b in tk.ka_bufs.items() if w_ == widths[0]]
+            counters = [tk.k2_arrive[widths[0]]] + [b[1] for w_, b in tk.ka_bufs.items() if w_ == widths[0]]
             left = sum(int(c.abs().sum()) for c in counters)
             res.append({"arrivals_left": left,
                         "y": rel(y_tri, y_ref),
@@ -227,8 +224,7 @@ CHILD = textwrap.dedent(
 # K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two);
 # "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); the attention
 # launch merges each group's heads in one pass (``Target.attn_launch_group_merge``), "*_pm" one
-# head after another; "*_k1m" merge K1's splits the same way, by the last split of each (row, KV
-# head) to finish, with no combine stage (``Target.k1_split_merge``).
+# head after another.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -272,11 +268,6 @@ RUNS = [
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("w1_k1m", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
-    ("llama_w2_bt16_k1m", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
-    ("w3_fp8_tagged_k1m", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
-    ("g3_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
-    ("g3_w2_bt16_k1m", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama_g3", "bf16"),
 ]
 
 
@@ -556,16 +547,3 @@ def test_fp8_pair_represents_bf16_inputs_exactly():
     assert out["small"] > 0 and out["small_abs_err"] <= 2.0**-12, out
     for r, amax in enumerate(out["amax_range"]):
         assert amax == 0.0 if r == 3 else 128 <= amax < 256, (r, amax)
-
-
-@pytest.mark.parametrize("merged", [r[0] for r in RUNS if r[0].endswith("_k1m")])
-def test_k1_split_merge_gives_the_combine_stage_s_bits(results, merged):
-    """``Target.k1_split_merge``: K1's last split of each (row, KV head) merges its group's heads
-    (``attention.combine_group``, each head's sums as the combine stage's ``combine_task`` forms
-    them), so every layer's bits equal the combine stage's: one head (tiny, 4 layers), several
-    splits of 16-position tiles (llama), the tagged mailbox with FP8 weights, and a group of 3
-    padded to 4. A merge before the last split has stored, or a split left out, moves them; the
-    arrival counters are back at zero after every launch (``test_interpreted_kernels_match_reference``)."""
-    twin = merged.removesuffix("_k1m")
-    assert results[merged]["health"] == 0
-    assert results[merged]["bits"] == results[twin]["bits"], merged
