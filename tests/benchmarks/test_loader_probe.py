@@ -1,0 +1,63 @@
+"""``benchmarks/loader_probe.py`` compiles for the H200 on this CPU, both rings, every size it times.
+
+The probe's Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
+outgrows shared memory would only show on a GPU machine, where device time is scarce. Here both
+kernels (``cp.async`` and TMA) compile for sm_90 at the probe's default ring sizes; ptxas reports
+no spills and the shared memory fits one program per SM. The probe checks its own output against
+torch on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's most shared memory for one program
+
+
+def _compile(name: str, nbuf: int):
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    sys.path[:0] = [str(ROOT / "benchmarks")]
+    import loader_probe as probe
+
+    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T1": 8}
+    tail = {"x_ptr": "*bf16", "act_ptr": "*fp32", "ctr_ptr": "*i32", "epoch_ptr": "*i32"}
+    if name == "tma":
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        d2 = TensorDescriptor.from_tensor(torch.empty(64, probe.H_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
+        d8 = TensorDescriptor.from_tensor(torch.empty(64, probe.I_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
+        sig = {"d2": mangle_type(d2), "d8": mangle_type(d8), **tail}
+        fn = probe.tma_chain
+    else:
+        sig = {"w_ptr": "*bf16", **tail}
+        consts["CUT"] = 0
+        fn = probe.loader_chain
+    sig.update({k: "constexpr" for k in consts})
+    # torch's buffers are 16-byte aligned, as the launcher specialises them on the GPU
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+@pytest.mark.parametrize("name", ["cp_async", "tma"])
+@pytest.mark.parametrize("nbuf", [2, 3, 6])
+def test_loader_probe_compiles_for_the_h200(name, nbuf):
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    compiled = _compile(name, nbuf)
+    res = cuda_resources(name, 1, 8, compiled)
+    assert res.spills == 0, res
+    # the ring and the stage input: nbuf 32 KiB slots + 32 KiB, one program per SM
+    assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
