@@ -19,18 +19,20 @@ a stage's own software pipeline starts after its wait. Each stage's input (at mo
 is copied into shared memory once, after its wait.
 
 ``tma_chain`` fills the same ring with the bulk copy engine (TMA boxes, one mbarrier per slot)
-instead of every thread's ``cp.async``; ``CUT`` (diagnostics) drops the waits, then the
-arithmetic too, to see what the ring alone streams.
+instead of every thread's ``cp.async``; ``ws_chain`` gives that loader a warp of its own
+(``gl.warp_specialize``: it waits only for free slots, the compute hands slots back through
+mbarriers), item 7's loader; ``CUT`` (diagnostics) drops the waits, then the arithmetic too, to
+see what the ring alone streams.
 
 Bars, measured in the same run: the read probe (``decode_bench.probes``), and what the kernels
 spend on these bytes today (Llama-3-1B K2 at batch 1: 36.8 µs a layer in run 84's timeline, for
 the same 109 MB). Output checked against torch in fp32 (relative error).
 
-Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``): 68-84 µs a layer with ``cp.async``
-(ring 2 / 3 / 6: 84 / 69 / 69-73), 84-93 with TMA, 49 with the waits and the arithmetic cut out:
-this single-partition loop (a wait on the slot, two CTA barriers and the chunk's index arithmetic
-per 32 KiB) streams at 1.2-2.2 TB/s, below the two-launch kernels' 3.0 TB/s on the same bytes. A
-loader of item 7 has to be a partition of its own that never joins the compute's barriers.
+Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer: ``cp.async`` ring of
+3 / 6 slots 68-73, TMA 84-87, the loader warp 75-79; the ``cp.async`` ring with the waits cut
+out 57, with the arithmetic too 48 (2.3 TB/s). None reaches the two-launch kernels' 36.8 (3.0
+TB/s) on the same bytes: the per-chunk cost of this loop, not the loader, sets the rate, and
+the next step is a profile of it (Nsight Compute on the GPU machine).
 
 Usage (GPU machine, repository root): ``python benchmarks/loader_probe.py --layers 8
 --rings 2,3,6 [--out DIR]``.
@@ -259,6 +261,99 @@ def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG
     gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
 
 
+@gluon.jit
+def _ws_loader(ring, ready, empty, d2, d8, total, pid, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
+               T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+    """The loader partition (one warp): every chunk of the step into the ring by TMA, waiting only
+    for a free slot (the compute's arrival on ``empty``), never for an activation."""
+    for i in range(total):
+        slot = i % NBUF
+        mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)  # a fresh barrier passes parity 1
+        _tma_issue(ring, ready, d2, d8, i, total, pid, C, C0, C1, T1, NPROG, NBUF)
+
+
+@gluon.jit
+def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total, pid, C: gl.constexpr,
+                C0: gl.constexpr, C1: gl.constexpr, T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+    """The compute partition: ``tma_chain``'s loop without the copies; a slot is handed back
+    through its ``empty`` mbarrier once every compute thread has read it."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    col: gl.constexpr = gl.SliceLayout(0, lay)
+    row: gl.constexpr = gl.SliceLayout(1, lay)
+    Q: gl.constexpr = BK // 256
+    rr = gl.arange(0, ROWS, layout=row)
+    cc = gl.arange(0, 256, layout=col)
+    acc = gl.zeros([ROWS], gl.float32, row)
+    for i in range(total):
+        layer, s, j, k, nk, tiles, kdim = _chunk(i, C, C0, C1, T1, NPROG)
+        tile = pid + j * NPROG
+        if (j == 0) & (k == 0):
+            if (layer > 0) | (s > 0):
+                _wait(ctr_ptr + layer * 3 + s - 1, target)
+            gl.thread_barrier()
+            if (s == 0) & (layer == 0):
+                for c in gl.static_range(XMAX * Q):
+                    m = (cc >= 0) & (c < nk * Q)
+                    xbuf.index(c).store(gl.load(x_ptr + c * 256 + cc, mask=m, other=0.0).to(gl.float32))
+            else:
+                src = gl.where(s == 0, (layer - 1) * 3 + 2, layer * 3 + s - 1)
+                base = act_ptr + src * 2 * INTER
+                for c in gl.static_range(XMAX * Q):
+                    m = (cc >= 0) & (c < nk * Q)
+                    v = gl.load(base + c * 256 + cc, mask=m, other=0.0, cache_modifier=".cg")
+                    u = gl.load(base + INTER + c * 256 + cc, mask=m & (s == 2), other=1.0, cache_modifier=".cg")
+                    xbuf.index(c).store(v * u)
+            gl.thread_barrier()
+        if k == 0:
+            acc = gl.zeros([ROWS], gl.float32, row)
+        slot = i % NBUF
+        mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
+        for q in gl.static_range(Q):
+            w = ring.index(slot * Q + q).load(lay).to(gl.float32)
+            xv = xbuf.index(k * Q + q).load(col)
+            acc += gl.sum(w * xv[None, :], axis=1)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot))
+        if k == nk - 1:
+            if tile < tiles:
+                gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, acc)
+            if j == gl.where(s == 1, T1 - 1, 0):
+                gl.thread_barrier()
+                gl.atomic_add(ctr_ptr + layer * 3 + s, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def ws_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG: gl.constexpr,
+             NBUF: gl.constexpr, T1: gl.constexpr):  # fmt: skip
+    """``tma_chain`` with the loader a warp of its own (``gl.warp_specialize``): item 7's loader."""
+    Q: gl.constexpr = BK // 256
+    pid = gl.program_id(0)
+    epoch = gl.load(epoch_ptr, volatile=True) // NPROG + 1
+    target = epoch * NPROG
+    C0: gl.constexpr = HIDDEN // BK
+    C1: gl.constexpr = T1 * (HIDDEN // BK)
+    C: gl.constexpr = C0 + C1 + INTER // BK
+    total = L * C
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF * Q, ROWS, 256], d2.layout)
+    xbuf = gl.allocate_shared_memory(gl.float32, [XMAX * Q, 256], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NBUF):
+        mbarrier.init(ready.index(b), count=1)
+        mbarrier.init(empty.index(b), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_ws_compute, (ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total, pid, C, C0, C1, T1,
+                           NPROG, NBUF)),
+            (_ws_loader, (ring, ready, empty, d2, d8, total, pid, C, C0, C1, T1, NPROG, NBUF)),
+        ],
+        [1],
+        [48],
+    )  # fmt: skip
+    gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
+
+
 def _tma_descriptors(w: torch.Tensor, layers: int):
     """The weights of ``loader_chain``'s layout re-packed as ``tma_chain`` reads them, and its two
     descriptors ([16, 256] boxes, no swizzle)."""
@@ -314,11 +409,12 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog, "bytes_per_layer": per * 2,
            "read_probes_bytes_per_s": probes, "kernels_k2_us_per_layer_run84": 36.8, "rings": []}  # fmt: skip
     keep, d2, d8 = _tma_descriptors(w, layers)
-    for nbuf, cut in [(n, 0) for n in rings] + [(rings[-1], 1), (rings[-1], 2)] + [(n, -1) for n in rings]:
+    variants = [(n, 0) for n in rings] + [(rings[-1], 1), (rings[-1], 2)]
+    for nbuf, cut in variants + [(n, -1) for n in rings] + [(n, -2) for n in rings]:
         act = torch.zeros(layers * 3 * 2 * I_, dtype=torch.float32, device=dev)
         ctr = torch.zeros(layers * 3, dtype=torch.int32, device=dev)
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        kernel = tma_chain if cut < 0 else loader_chain  # cut -1: the TMA ring
+        kernel = {-2: ws_chain, -1: tma_chain}.get(cut, loader_chain)  # -1: the TMA ring, -2: its own loader warp
         args = (d2, d8, x, act, ctr, epoch) if cut < 0 else (w, x, act, ctr, epoch)
         consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T1=t1)
         if cut >= 0:
@@ -346,7 +442,7 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
             times.append((time.perf_counter() - t0) / 10)
         us = sorted(times)[len(times) // 2] * 1e6
         per_layer = us / layers
-        row = {"ring": nbuf, "cut": cut, "ring_kib": nbuf * ROWS_ * BK_ * 2 // 1024, "us_per_step": round(us, 2),
+        row = {"ring": nbuf, "kernel": kernel.__name__, "cut": max(cut, 0), "ring_kib": nbuf * ROWS_ * BK_ * 2 // 1024, "us_per_step": round(us, 2),
                "us_per_layer": round(per_layer, 2), "gbs": round(per * 2 / per_layer / 1e3, 1),
                "fraction_of_probe": round(per * 2 / (per_layer * 1e-6) / best, 3), "rel_error": rel}  # fmt: skip
         out["rings"].append(row)

@@ -1,9 +1,10 @@
-"""``benchmarks/loader_probe.py`` compiles for the H200 on this CPU, both rings, every size it times.
+"""``benchmarks/loader_probe.py`` compiles for the H200 on this CPU: its three rings, every size it times.
 
 The probe's Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
-outgrows shared memory would only show on a GPU machine, where device time is scarce. Here both
-kernels (``cp.async`` and TMA) compile for sm_90 at the probe's default ring sizes; ptxas reports
-no spills and the shared memory fits one program per SM. The probe checks its own output against
+outgrows shared memory would only show on a GPU machine, where device time is scarce. Here all
+three kernels (``cp.async``, TMA, and TMA from a loader warp of its own) compile for sm_90 at
+the probe's default ring sizes; ptxas reports no spills and the shared memory fits one program
+per SM (a ring of 7 slots does not: 262148 bytes). The probe checks its own output against
 torch on the GPU.
 """
 
@@ -34,12 +35,12 @@ def _compile(name: str, nbuf: int):
 
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T1": 8}
     tail = {"x_ptr": "*bf16", "act_ptr": "*fp32", "ctr_ptr": "*i32", "epoch_ptr": "*i32"}
-    if name == "tma":
+    if name in ("tma", "ws"):
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         d2 = TensorDescriptor.from_tensor(torch.empty(64, probe.H_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
         d8 = TensorDescriptor.from_tensor(torch.empty(64, probe.I_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
         sig = {"d2": mangle_type(d2), "d8": mangle_type(d8), **tail}
-        fn = probe.tma_chain
+        fn = probe.tma_chain if name == "tma" else probe.ws_chain
     else:
         sig = {"w_ptr": "*bf16", **tail}
         consts["CUT"] = 0
@@ -51,7 +52,7 @@ def _compile(name: str, nbuf: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
-@pytest.mark.parametrize("name", ["cp_async", "tma"])
+@pytest.mark.parametrize("name", ["cp_async", "tma", "ws"])
 @pytest.mark.parametrize("nbuf", [2, 3, 6])
 def test_loader_probe_compiles_for_the_h200(name, nbuf):
     from monodecode.kernels.triton.offline import cuda_resources
