@@ -31,8 +31,10 @@ the same 109 MB). Output checked against torch in fp32 (relative error).
 Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer: ``cp.async`` ring of
 3 / 6 slots 68-73, TMA 84-87, the loader warp 75-79; the ``cp.async`` ring with the waits cut
 out 57, with the arithmetic too 48 (2.3 TB/s). None reaches the two-launch kernels' 36.8 (3.0
-TB/s) on the same bytes: the per-chunk cost of this loop, not the loader, sets the rate, and
-the next step is a profile of it (Nsight Compute on the GPU machine).
+TB/s) on the same bytes. Nsight Compute: 0.2 instructions issued per scheduler per cycle, HBM
+about 28 % busy; the compute's 8 warps wait on CTA barriers and shared memory, so the per-chunk
+chain, not the loader, sets the rate (more consumer warps per SM and no CTA barrier per chunk
+are the next things to try).
 
 Usage (GPU machine, repository root): ``python benchmarks/loader_probe.py --layers 8
 --rings 2,3,6 [--out DIR]``.
@@ -125,7 +127,7 @@ def loader_chain(w_ptr, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPR
     cc = gl.arange(0, BK, layout=col)
     for i in range(NBUF - 1):  # the ring's first chunks (the last slot is filled in the loop)
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C1, T1, NPROG, NBUF)
-    acc = gl.zeros([ROWS], gl.float32, row)
+    acc = gl.zeros([ROWS, BK], gl.float32, lay)  # reduced once per task
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim = _chunk(i, C, C0, C1, T1, NPROG)
         tile = pid + j * NPROG
@@ -149,18 +151,18 @@ def loader_chain(w_ptr, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPR
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
-            acc = gl.zeros([ROWS], gl.float32, row)
+            acc = gl.zeros([ROWS, BK], gl.float32, lay)
         # this chunk's copy has landed once at most NBUF - 2 younger groups are pending
         async_copy.wait_group(NBUF - 2)
         gl.thread_barrier()
         if CUT < 2:
             w = ring.index(i % NBUF).load(lay).to(gl.float32)
             xv = xbuf.index(k).load(col)
-            acc += gl.sum(w * xv[None, :], axis=1)
+            acc += w * xv[None, :]
         gl.thread_barrier()  # every thread is done with the slot of chunk i - 1 ... and i's own
         _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C1, T1, NPROG, NBUF)
         if k == nk - 1:  # the task's rows are done
-            y = acc
+            y = gl.sum(acc, axis=1)
             if tile < tiles:
                 gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, y)
             last = gl.where(s == 1, T1 - 1, 0)
@@ -221,7 +223,7 @@ def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG
     cc = gl.arange(0, 256, layout=col)
     for i in range(NBUF - 1):
         _tma_issue(ring, bars, d2, d8, i, total, pid, C, C0, C1, T1, NPROG, NBUF)
-    acc = gl.zeros([ROWS], gl.float32, row)
+    acc = gl.zeros([ROWS, 256], gl.float32, lay)  # reduced once per task
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim = _chunk(i, C, C0, C1, T1, NPROG)
         tile = pid + j * NPROG
@@ -243,18 +245,18 @@ def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
-            acc = gl.zeros([ROWS], gl.float32, row)
+            acc = gl.zeros([ROWS, 256], gl.float32, lay)
         slot = i % NBUF
         mbarrier.wait(bars.index(slot), (i // NBUF) & 1)
         for q in gl.static_range(Q):
             w = ring.index(slot * Q + q).load(lay).to(gl.float32)
             xv = xbuf.index(k * Q + q).load(col)
-            acc += gl.sum(w * xv[None, :], axis=1)
+            acc += w * xv[None, :]
         gl.thread_barrier()  # every thread is done with slot i - 1's chunk (and i's)
         _tma_issue(ring, bars, d2, d8, i + NBUF - 1, total, pid, C, C0, C1, T1, NPROG, NBUF)
         if k == nk - 1:
             if tile < tiles:
-                gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, acc)
+                gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, gl.sum(acc, axis=1))
             if j == gl.where(s == 1, T1 - 1, 0):
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + layer * 3 + s, 1, sem="release", scope="gpu")
@@ -283,7 +285,7 @@ def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total
     Q: gl.constexpr = BK // 256
     rr = gl.arange(0, ROWS, layout=row)
     cc = gl.arange(0, 256, layout=col)
-    acc = gl.zeros([ROWS], gl.float32, row)
+    acc = gl.zeros([ROWS, 256], gl.float32, lay)  # reduced once per task
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim = _chunk(i, C, C0, C1, T1, NPROG)
         tile = pid + j * NPROG
@@ -305,18 +307,18 @@ def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
-            acc = gl.zeros([ROWS], gl.float32, row)
+            acc = gl.zeros([ROWS, 256], gl.float32, lay)
         slot = i % NBUF
         mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
         for q in gl.static_range(Q):
             w = ring.index(slot * Q + q).load(lay).to(gl.float32)
             xv = xbuf.index(k * Q + q).load(col)
-            acc += gl.sum(w * xv[None, :], axis=1)
+            acc += w * xv[None, :]
         gl.thread_barrier()
         mbarrier.arrive(empty.index(slot))
         if k == nk - 1:
             if tile < tiles:
-                gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, acc)
+                gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, gl.sum(acc, axis=1))
             if j == gl.where(s == 1, T1 - 1, 0):
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + layer * 3 + s, 1, sem="release", scope="gpu")
