@@ -31,10 +31,10 @@ the same 109 MB). Output checked against torch in fp32 (relative error).
 Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer: ``cp.async`` ring of
 3 / 6 slots 68-73, TMA 84-87, the loader warp 75-79; the ``cp.async`` ring with the waits cut
 out 57, with the arithmetic too 48 (2.3 TB/s). None reaches the two-launch kernels' 36.8 (3.0
-TB/s) on the same bytes. Nsight Compute: 0.2 instructions issued per scheduler per cycle, HBM
-about 28 % busy; the compute's 8 warps wait on CTA barriers and shared memory, so the per-chunk
-chain, not the loader, sets the rate (more consumer warps per SM and no CTA barrier per chunk
-are the next things to try).
+TB/s) on the same bytes, and 16 warps are slower than 8 in every form. Nsight Compute: 0.2
+instructions issued per scheduler per cycle, HBM about 28 % busy. The per-thread work of every
+chunk (decoding its place in the schedule, 64-bit addresses, two CTA barriers) sets the rate,
+not the loader; the next form compiles the schedule into per-stage loops that advance pointers.
 
 Usage (GPU machine, repository root): ``python benchmarks/loader_probe.py --layers 8
 --rings 2,3,6 [--out DIR]``.
@@ -106,12 +106,12 @@ def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr
 
 @gluon.jit
 def loader_chain(w_ptr, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG: gl.constexpr,
-                 NBUF: gl.constexpr, T1: gl.constexpr, CUT: gl.constexpr = 0):  # fmt: skip
+                 NBUF: gl.constexpr, T1: gl.constexpr, CUT: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """One step of ``L`` layers of the o_proj -> gate/up -> down chain, one program per SM.
     ``act_ptr``: fp32 [L, 3, 16384] stage outputs; ``ctr_ptr``: int32 [L, 3] completion counters
     (one count per program and stage); ``epoch_ptr``: the launch counter (targets never reset).
     ``CUT`` (diagnostics; the output is then wrong): 1 skips the waits, 2 also the arithmetic."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
     pid = gl.program_id(0)
@@ -198,11 +198,11 @@ def _tma_issue(ring, bars, d2, d8, i, total, pid, C: gl.constexpr, C0: gl.conste
 
 @gluon.jit
 def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG: gl.constexpr,
-              NBUF: gl.constexpr, T1: gl.constexpr):  # fmt: skip
+              NBUF: gl.constexpr, T1: gl.constexpr, NW: gl.constexpr = 8):  # fmt: skip
     """``loader_chain`` with the ring filled by the bulk copy engine (TMA): one thread starts each
     chunk's copies and the slot's mbarrier says when they have landed, instead of every thread
     copying 16 bytes at a time and waiting on its own copy groups."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
     Q: gl.constexpr = BK // 256
@@ -276,10 +276,11 @@ def _ws_loader(ring, ready, empty, d2, d8, total, pid, C: gl.constexpr, C0: gl.c
 
 @gluon.jit
 def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total, pid, C: gl.constexpr,
-                C0: gl.constexpr, C1: gl.constexpr, T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+                C0: gl.constexpr, C1: gl.constexpr, T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
+                NW: gl.constexpr):  # fmt: skip
     """The compute partition: ``tma_chain``'s loop without the copies; a slot is handed back
     through its ``empty`` mbarrier once every compute thread has read it."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
     Q: gl.constexpr = BK // 256
@@ -326,7 +327,7 @@ def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total
 
 @gluon.jit
 def ws_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG: gl.constexpr,
-             NBUF: gl.constexpr, T1: gl.constexpr):  # fmt: skip
+             NBUF: gl.constexpr, T1: gl.constexpr, NW: gl.constexpr = 8):  # fmt: skip
     """``tma_chain`` with the loader a warp of its own (``gl.warp_specialize``): item 7's loader."""
     Q: gl.constexpr = BK // 256
     pid = gl.program_id(0)
@@ -347,7 +348,7 @@ def ws_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG:
     gl.warp_specialize(
         [
             (_ws_compute, (ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total, pid, C, C0, C1, T1,
-                           NPROG, NBUF)),
+                           NPROG, NBUF, NW)),
             (_ws_loader, (ring, ready, empty, d2, d8, total, pid, C, C0, C1, T1, NPROG, NBUF)),
         ],
         [1],
@@ -411,18 +412,20 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog, "bytes_per_layer": per * 2,
            "read_probes_bytes_per_s": probes, "kernels_k2_us_per_layer_run84": 36.8, "rings": []}  # fmt: skip
     keep, d2, d8 = _tma_descriptors(w, layers)
-    variants = [(n, 0) for n in rings] + [(rings[-1], 1), (rings[-1], 2)]
-    for nbuf, cut in variants + [(n, -1) for n in rings] + [(n, -2) for n in rings]:
+    deep = rings[-1]
+    variants = [(n, 0, 8) for n in rings] + [(deep, 1, 8), (deep, 2, 8), (deep, 0, 16), (deep, 2, 16)]
+    variants += [(n, -1, 8) for n in rings] + [(deep, -1, 16)] + [(n, -2, 8) for n in rings] + [(deep, -2, 16)]
+    for nbuf, cut, nw in variants:
         act = torch.zeros(layers * 3 * 2 * I_, dtype=torch.float32, device=dev)
         ctr = torch.zeros(layers * 3, dtype=torch.int32, device=dev)
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
         kernel = {-2: ws_chain, -1: tma_chain}.get(cut, loader_chain)  # -1: the TMA ring, -2: its own loader warp
         args = (d2, d8, x, act, ctr, epoch) if cut < 0 else (w, x, act, ctr, epoch)
-        consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T1=t1)
+        consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T1=t1, NW=nw)
         if cut >= 0:
             consts["CUT"] = cut
         try:
-            kernel[(nprog,)](*args, **consts, num_warps=8)
+            kernel[(nprog,)](*args, **consts, num_warps=nw)
             torch.cuda.synchronize()
         except Exception as e:  # a ring that does not fit or compile: one line, go on
             out["rings"].append({"ring": nbuf, "error": str(e).splitlines()[0][:200]})
@@ -433,7 +436,7 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(10):
-                kernel[(nprog,)](*args, **consts, num_warps=8)
+                kernel[(nprog,)](*args, **consts, num_warps=nw)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -444,7 +447,7 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
             times.append((time.perf_counter() - t0) / 10)
         us = sorted(times)[len(times) // 2] * 1e6
         per_layer = us / layers
-        row = {"ring": nbuf, "kernel": kernel.__name__, "cut": max(cut, 0), "ring_kib": nbuf * ROWS_ * BK_ * 2 // 1024, "us_per_step": round(us, 2),
+        row = {"ring": nbuf, "kernel": kernel.__name__, "warps": nw, "cut": max(cut, 0), "ring_kib": nbuf * ROWS_ * BK_ * 2 // 1024, "us_per_step": round(us, 2),
                "us_per_layer": round(per_layer, 2), "gbs": round(per * 2 / per_layer / 1e3, 1),
                "fraction_of_probe": round(per * 2 / (per_layer * 1e-6) / best, 3), "rel_error": rel}  # fmt: skip
         out["rings"].append(row)
