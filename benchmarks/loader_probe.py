@@ -21,7 +21,7 @@ is copied into shared memory once, after its wait.
 ``tma_chain`` fills the same ring with the bulk copy engine (TMA boxes, one mbarrier per slot)
 instead of every thread's ``cp.async``; ``ws_chain`` gives that loader a warp of its own
 (``gl.warp_specialize``: it waits only for free slots, the compute hands slots back through
-mbarriers), item 7's loader; ``CUT`` (diagnostics) drops the waits, then the arithmetic too, to
+mbarriers), item 7's loader, and ``nested_chain`` compiles its schedule in; ``CUT`` (diagnostics) drops the waits, then the arithmetic too, to
 see what the ring alone streams.
 
 Bars, measured in the same run: the read probe (``decode_bench.probes``), and what the kernels
@@ -31,10 +31,12 @@ the same 109 MB). Output checked against torch in fp32 (relative error).
 Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer: ``cp.async`` ring of
 3 / 6 slots 68-73, TMA 84-87, the loader warp 75-79; the ``cp.async`` ring with the waits cut
 out 57, with the arithmetic too 48 (2.3 TB/s). None reaches the two-launch kernels' 36.8 (3.0
-TB/s) on the same bytes, and 16 warps are slower than 8 in every form. Nsight Compute: 0.2
-instructions issued per scheduler per cycle, HBM about 28 % busy. The per-thread work of every
-chunk (decoding its place in the schedule, 64-bit addresses, two CTA barriers) sets the rate,
-not the loader; the next form compiles the schedule into per-stage loops that advance pointers.
+TB/s) on the same bytes, 16 warps are slower than 8 in every form, and ``nested_chain`` (the
+loader warp with the schedule compiled into nested loops, no chunk index to decode) runs 68-73.
+Nsight Compute: 0.2 instructions issued per scheduler per cycle, HBM about 28 % busy. One 8-warp
+compute partition per SM waiting on a slot, reading it through shared memory and crossing a CTA
+barrier per 32 KiB sets the rate, not the loader: the next form is the compute side (several
+consumer warp groups on alternate slots, slots released per warp group).
 
 Usage (GPU machine, repository root): ``python benchmarks/loader_probe.py --layers 8
 --rings 2,3,6 [--out DIR]``.
@@ -357,6 +359,134 @@ def ws_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG:
     gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
 
 
+@gluon.constexpr_function
+def _stage_geometry(s, t1, field):
+    """One compiled-in figure of stage ``s`` (0 o_proj, 1 gate/up, 2 down): ``field`` 0 its K
+    chunks, 1 its task slots, 2 its output tiles, 3 the weight rows before it in its layer's
+    block (``d2``; down has ``d8`` to itself)."""
+    s, t1 = int(s), int(t1)
+    figures = {
+        0: (H_ // BK_, 1, H_ // ROWS_, 0),
+        1: (H_ // BK_, t1, 2 * I_ // ROWS_, H_),
+        2: (I_ // BK_, 1, H_ // ROWS_, 0),
+    }
+    return figures[s][int(field)]
+
+
+@gluon.jit
+def _nested_loader(ring, ready, empty, d2, d8, pid, L: gl.constexpr, T1: gl.constexpr, NPROG: gl.constexpr,
+                   NBUF: gl.constexpr):  # fmt: skip
+    """``_ws_loader`` with the schedule compiled in: nested loops over layers, stages (unrolled),
+    tasks and K chunks, each box's coordinates a few additions; no chunk index to decode."""
+    Q: gl.constexpr = BK // 256
+    i = 0
+    for layer in range(L):
+        for s in gl.static_range(3):
+            NK = _stage_geometry(s, T1, 0)
+            TS = _stage_geometry(s, T1, 1)
+            ROW0 = _stage_geometry(s, T1, 3)
+            for j in range(TS):
+                tile = pid + j * NPROG
+                if s == 2:
+                    row = layer * HIDDEN + tile * ROWS
+                else:
+                    row = layer * (HIDDEN + 2 * INTER) + ROW0 + tile * ROWS
+                for k in range(NK):
+                    slot = i % NBUF
+                    bar = ready.index(slot)
+                    mbarrier.wait(empty.index(slot), ((i // NBUF) & 1) ^ 1)
+                    mbarrier.expect(bar, ROWS * BK * 2)
+                    for q in gl.static_range(Q):
+                        if s == 2:
+                            tma.async_copy_global_to_shared(d8, [row, k * BK + q * 256], bar, ring.index(slot * Q + q))
+                        else:
+                            tma.async_copy_global_to_shared(d2, [row, k * BK + q * 256], bar, ring.index(slot * Q + q))
+                    i += 1
+
+
+@gluon.jit
+def _nested_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, pid, L: gl.constexpr,
+                    T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """``_ws_compute`` with the same compiled schedule."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    col: gl.constexpr = gl.SliceLayout(0, lay)
+    row: gl.constexpr = gl.SliceLayout(1, lay)
+    Q: gl.constexpr = BK // 256
+    rr = gl.arange(0, ROWS, layout=row)
+    cc = gl.arange(0, 256, layout=col)
+    i = 0
+    for layer in range(L):
+        for s in gl.static_range(3):
+            NK = _stage_geometry(s, T1, 0)
+            TS = _stage_geometry(s, T1, 1)
+            TILES = _stage_geometry(s, T1, 2)
+            if (layer > 0) | (s > 0):
+                _wait(ctr_ptr + layer * 3 + s - 1, target)
+            gl.thread_barrier()
+            if s == 0:
+                if layer == 0:
+                    for c in gl.static_range(_stage_geometry(s, T1, 0) * Q):
+                        xbuf.index(c).store(gl.load(x_ptr + c * 256 + cc).to(gl.float32))
+                else:
+                    base = act_ptr + ((layer - 1) * 3 + 2) * 2 * INTER
+                    for c in gl.static_range(_stage_geometry(s, T1, 0) * Q):
+                        xbuf.index(c).store(gl.load(base + c * 256 + cc, cache_modifier=".cg"))
+            elif s == 1:
+                base = act_ptr + (layer * 3) * 2 * INTER
+                for c in gl.static_range(_stage_geometry(s, T1, 0) * Q):
+                    xbuf.index(c).store(gl.load(base + c * 256 + cc, cache_modifier=".cg"))
+            else:
+                base = act_ptr + (layer * 3 + 1) * 2 * INTER
+                for c in gl.static_range(_stage_geometry(s, T1, 0) * Q):
+                    g = gl.load(base + c * 256 + cc, cache_modifier=".cg")
+                    xbuf.index(c).store(g * gl.load(base + INTER + c * 256 + cc, cache_modifier=".cg"))
+            gl.thread_barrier()
+            for j in range(TS):
+                tile = pid + j * NPROG
+                acc = gl.zeros([ROWS, 256], gl.float32, lay)
+                for k in range(NK):
+                    slot = i % NBUF
+                    mbarrier.wait(ready.index(slot), (i // NBUF) & 1)
+                    for q in gl.static_range(Q):
+                        w = ring.index(slot * Q + q).load(lay).to(gl.float32)
+                        acc += w * xbuf.index(k * Q + q).load(col)[None, :]
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index(slot))
+                    i += 1
+                if tile < TILES:
+                    gl.store(act_ptr + (layer * 3 + s) * 2 * INTER + tile * ROWS + rr, gl.sum(acc, axis=1))
+            gl.thread_barrier()
+            gl.atomic_add(ctr_ptr + layer * 3 + s, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def nested_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG: gl.constexpr,
+                 NBUF: gl.constexpr, T1: gl.constexpr, NW: gl.constexpr = 8):  # fmt: skip
+    """``ws_chain`` with the schedule compiled into nested loops in both partitions."""
+    Q: gl.constexpr = BK // 256
+    pid = gl.program_id(0)
+    epoch = gl.load(epoch_ptr, volatile=True) // NPROG + 1
+    target = epoch * NPROG
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF * Q, ROWS, 256], d2.layout)
+    xbuf = gl.allocate_shared_memory(gl.float32, [XMAX * Q, 256], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(NBUF):
+        mbarrier.init(ready.index(b), count=1)
+        mbarrier.init(empty.index(b), count=1)
+    fence_async_shared()
+    gl.warp_specialize(
+        [
+            (_nested_compute, (ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, pid, L, T1, NPROG, NBUF,
+                               NW)),
+            (_nested_loader, (ring, ready, empty, d2, d8, pid, L, T1, NPROG, NBUF)),
+        ],
+        [1],
+        [48],
+    )  # fmt: skip
+    gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
+
+
 def _tma_descriptors(w: torch.Tensor, layers: int):
     """The weights of ``loader_chain``'s layout re-packed as ``tma_chain`` reads them, and its two
     descriptors ([16, 256] boxes, no swizzle)."""
@@ -415,11 +545,14 @@ def run(layers: int, rings: list[int], reps: int) -> dict:
     deep = rings[-1]
     variants = [(n, 0, 8) for n in rings] + [(deep, 1, 8), (deep, 2, 8), (deep, 0, 16), (deep, 2, 16)]
     variants += [(n, -1, 8) for n in rings] + [(deep, -1, 16)] + [(n, -2, 8) for n in rings] + [(deep, -2, 16)]
+    variants += [(n, -3, 8) for n in rings]
     for nbuf, cut, nw in variants:
         act = torch.zeros(layers * 3 * 2 * I_, dtype=torch.float32, device=dev)
         ctr = torch.zeros(layers * 3, dtype=torch.int32, device=dev)
         epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-        kernel = {-2: ws_chain, -1: tma_chain}.get(cut, loader_chain)  # -1: the TMA ring, -2: its own loader warp
+        kernel = {-3: nested_chain, -2: ws_chain, -1: tma_chain}.get(
+            cut, loader_chain
+        )  # -1: the TMA ring, -2: its own loader warp
         args = (d2, d8, x, act, ctr, epoch) if cut < 0 else (w, x, act, ctr, epoch)
         consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T1=t1, NW=nw)
         if cut >= 0:

@@ -1,8 +1,9 @@
-"""``benchmarks/loader_probe.py`` compiles for the H200 on this CPU: its three rings, every size it times.
+"""``benchmarks/loader_probe.py`` compiles for the H200 on this CPU: its four kernels, every ring size it times.
 
 The probe's Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
 outgrows shared memory would only show on a GPU machine, where device time is scarce. Here all
-three kernels (``cp.async``, TMA, and TMA from a loader warp of its own) compile for sm_90 at
+four kernels (``cp.async``, TMA, TMA from a loader warp of its own, and that with the schedule
+compiled in) compile for sm_90 at
 the probe's default ring sizes; ptxas reports no spills and the shared memory fits one program
 per SM (a ring of 7 slots does not: 262148 bytes). The probe checks its own output against
 torch on the GPU.
@@ -33,14 +34,14 @@ def _compile(name: str, nbuf: int):
     sys.path[:0] = [str(ROOT / "benchmarks")]
     import loader_probe as probe
 
-    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T1": 8}
+    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T1": 8, "NW": 8}
     tail = {"x_ptr": "*bf16", "act_ptr": "*fp32", "ctr_ptr": "*i32", "epoch_ptr": "*i32"}
-    if name in ("tma", "ws"):
+    if name in ("tma", "ws", "nested"):
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         d2 = TensorDescriptor.from_tensor(torch.empty(64, probe.H_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
         d8 = TensorDescriptor.from_tensor(torch.empty(64, probe.I_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
         sig = {"d2": mangle_type(d2), "d8": mangle_type(d8), **tail}
-        fn = probe.tma_chain if name == "tma" else probe.ws_chain
+        fn = {"tma": probe.tma_chain, "ws": probe.ws_chain, "nested": probe.nested_chain}[name]
     else:
         sig = {"w_ptr": "*bf16", **tail}
         consts["CUT"] = 0
@@ -52,7 +53,7 @@ def _compile(name: str, nbuf: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
-@pytest.mark.parametrize("name", ["cp_async", "tma", "ws"])
+@pytest.mark.parametrize("name", ["cp_async", "tma", "ws", "nested"])
 @pytest.mark.parametrize("nbuf", [2, 3, 6])
 def test_loader_probe_compiles_for_the_h200(name, nbuf):
     from monodecode.kernels.triton.offline import cuda_resources
