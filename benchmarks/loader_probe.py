@@ -28,15 +28,13 @@ Bars, measured in the same run: the read probe (``decode_bench.probes``), and wh
 spend on these bytes today (Llama-3-1B K2 at batch 1: 36.8 µs a layer in run 84's timeline, for
 the same 109 MB). Output checked against torch in fp32 (relative error).
 
-Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer: ``cp.async`` ring of
-3 / 6 slots 68-73, TMA 84-87, the loader warp 75-79; the ``cp.async`` ring with the waits cut
-out 57, with the arithmetic too 48 (2.3 TB/s). None reaches the two-launch kernels' 36.8 (3.0
-TB/s) on the same bytes, 16 warps are slower than 8 in every form, and ``nested_chain`` (the
-loader warp with the schedule compiled into nested loops, no chunk index to decode) runs 68-73.
-Nsight Compute: 0.2 instructions issued per scheduler per cycle, HBM about 28 % busy. One 8-warp
-compute partition per SM waiting on a slot, reading it through shared memory and crossing a CTA
-barrier per 32 KiB sets the rate, not the loader: the next form is the compute side (several
-consumer warp groups on alternate slots, slots released per warp group).
+Measured (H200, 8 layers, run 85 in ``benchmarks/README.md``), µs a layer at rings 2 / 3 / 6:
+``loader_chain`` 49.1 / 34.7 / 34.5 (3.16 TB/s, 0.73 of the probe; 32.2 without the waits),
+``tma_chain`` 55.4 / 42.4 / 40.9, ``ws_chain`` 39.7 / 38.9 / 38.9, ``nested_chain`` 37.8 / 37.0 /
+36.7: the ring with lookahead across the waits streams the chain faster than the two-launch
+kernels' K2 (36.8, before its launch boundaries), and ring 2 (one chunk ahead) shows what the
+lookahead buys. Each program stages a stage's input one element per thread: with every warp
+loading all of it, 132 programs hit the same L2 lines at once and every form ran 68-140.
 
 Usage (GPU machine, repository root): ``python benchmarks/loader_probe.py --layers 8
 --rings 2,3,6 [--out DIR]``.
@@ -127,6 +125,9 @@ def loader_chain(w_ptr, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPR
     xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     rr = gl.arange(0, ROWS, layout=row)
     cc = gl.arange(0, BK, layout=col)
+    # the stage input is staged without copies across warps (one element a thread: every warp
+    # loading all of it put 8 requests a line from each of 132 programs on L2 at once)
+    cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))
     for i in range(NBUF - 1):  # the ring's first chunks (the last slot is filled in the loop)
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C1, T1, NPROG, NBUF)
     acc = gl.zeros([ROWS, BK], gl.float32, lay)  # reduced once per task
@@ -141,15 +142,20 @@ def loader_chain(w_ptr, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPR
             # every chunk's loads at once (one L2 round trip; the acquire above orders them)
             if (s == 0) & (layer == 0):  # the step's input (bf16)
                 for c in gl.static_range(XMAX):
-                    m = (cc >= 0) & (c < nk)
-                    xbuf.index(c).store(gl.load(x_ptr + c * BK + cc, mask=m, other=0.0).to(gl.float32))
+                    xbuf.index(c).store(
+                        gl.load(x_ptr + c * BK + cf, mask=(cf >= 0) & (c < nk), other=0.0).to(gl.float32)
+                    )
             else:  # the previous stage's output; down's input is act = g * u of gate/up's
                 src = gl.where(s == 0, (layer - 1) * 3 + 2, layer * 3 + s - 1)
                 base = act_ptr + src * 2 * INTER
                 for c in gl.static_range(XMAX):
-                    m = (cc >= 0) & (c < nk)
-                    v = gl.load(base + c * BK + cc, mask=m, other=0.0, cache_modifier=".cg")
-                    u = gl.load(base + INTER + c * BK + cc, mask=m & (s == 2), other=1.0, cache_modifier=".cg")
+                    v = gl.load(base + c * BK + cf, mask=(cf >= 0) & (c < nk), other=0.0, cache_modifier=".cg")
+                    u = gl.load(
+                        base + INTER + c * BK + cf,
+                        mask=(cf >= 0) & (c < nk) & (s == 2),
+                        other=1.0,
+                        cache_modifier=".cg",
+                    )
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
@@ -222,7 +228,7 @@ def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG
         mbarrier.init(bars.index(b), count=1)
     fence_async_shared()
     rr = gl.arange(0, ROWS, layout=row)
-    cc = gl.arange(0, 256, layout=col)
+    cf = gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [NW], [0]))  # staging: no copies across warps
     for i in range(NBUF - 1):
         _tma_issue(ring, bars, d2, d8, i, total, pid, C, C0, C1, T1, NPROG, NBUF)
     acc = gl.zeros([ROWS, 256], gl.float32, lay)  # reduced once per task
@@ -235,15 +241,20 @@ def tma_chain(d2, d8, x_ptr, act_ptr, ctr_ptr, epoch_ptr, L: gl.constexpr, NPROG
             gl.thread_barrier()
             if (s == 0) & (layer == 0):
                 for c in gl.static_range(XMAX * Q):
-                    m = (cc >= 0) & (c < nk * Q)
-                    xbuf.index(c).store(gl.load(x_ptr + c * 256 + cc, mask=m, other=0.0).to(gl.float32))
+                    xbuf.index(c).store(
+                        gl.load(x_ptr + c * 256 + cf, mask=(cf >= 0) & (c < nk * Q), other=0.0).to(gl.float32)
+                    )
             else:
                 src = gl.where(s == 0, (layer - 1) * 3 + 2, layer * 3 + s - 1)
                 base = act_ptr + src * 2 * INTER
                 for c in gl.static_range(XMAX * Q):
-                    m = (cc >= 0) & (c < nk * Q)
-                    v = gl.load(base + c * 256 + cc, mask=m, other=0.0, cache_modifier=".cg")
-                    u = gl.load(base + INTER + c * 256 + cc, mask=m & (s == 2), other=1.0, cache_modifier=".cg")
+                    v = gl.load(base + c * 256 + cf, mask=(cf >= 0) & (c < nk * Q), other=0.0, cache_modifier=".cg")
+                    u = gl.load(
+                        base + INTER + c * 256 + cf,
+                        mask=(cf >= 0) & (c < nk * Q) & (s == 2),
+                        other=1.0,
+                        cache_modifier=".cg",
+                    )
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
@@ -287,7 +298,7 @@ def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total
     row: gl.constexpr = gl.SliceLayout(1, lay)
     Q: gl.constexpr = BK // 256
     rr = gl.arange(0, ROWS, layout=row)
-    cc = gl.arange(0, 256, layout=col)
+    cf = gl.arange(0, 256, layout=gl.BlockedLayout([1], [32], [NW], [0]))  # staging: no copies across warps
     acc = gl.zeros([ROWS, 256], gl.float32, lay)  # reduced once per task
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim = _chunk(i, C, C0, C1, T1, NPROG)
@@ -298,15 +309,20 @@ def _ws_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, total
             gl.thread_barrier()
             if (s == 0) & (layer == 0):
                 for c in gl.static_range(XMAX * Q):
-                    m = (cc >= 0) & (c < nk * Q)
-                    xbuf.index(c).store(gl.load(x_ptr + c * 256 + cc, mask=m, other=0.0).to(gl.float32))
+                    xbuf.index(c).store(
+                        gl.load(x_ptr + c * 256 + cf, mask=(cf >= 0) & (c < nk * Q), other=0.0).to(gl.float32)
+                    )
             else:
                 src = gl.where(s == 0, (layer - 1) * 3 + 2, layer * 3 + s - 1)
                 base = act_ptr + src * 2 * INTER
                 for c in gl.static_range(XMAX * Q):
-                    m = (cc >= 0) & (c < nk * Q)
-                    v = gl.load(base + c * 256 + cc, mask=m, other=0.0, cache_modifier=".cg")
-                    u = gl.load(base + INTER + c * 256 + cc, mask=m & (s == 2), other=1.0, cache_modifier=".cg")
+                    v = gl.load(base + c * 256 + cf, mask=(cf >= 0) & (c < nk * Q), other=0.0, cache_modifier=".cg")
+                    u = gl.load(
+                        base + INTER + c * 256 + cf,
+                        mask=(cf >= 0) & (c < nk * Q) & (s == 2),
+                        other=1.0,
+                        cache_modifier=".cg",
+                    )
                     xbuf.index(c).store(v * u)
             gl.thread_barrier()
         if k == 0:
@@ -407,13 +423,17 @@ def _nested_loader(ring, ready, empty, d2, d8, pid, L: gl.constexpr, T1: gl.cons
 @gluon.jit
 def _nested_compute(ring, ready, empty, xbuf, x_ptr, act_ptr, ctr_ptr, target, pid, L: gl.constexpr,
                     T1: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """``_ws_compute`` with the same compiled schedule."""
+    """``_ws_compute`` with the same compiled schedule; each warp stages its own share of the stage
+    input (``_ws_compute``'s column layout had every warp load all of it: 8 requests per line
+    from each of 132 programs at once)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
     Q: gl.constexpr = BK // 256
+    # the stage input is staged once per program without copies across warps: one element a thread
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     rr = gl.arange(0, ROWS, layout=row)
-    cc = gl.arange(0, 256, layout=col)
+    cc = gl.arange(0, 256, layout=flat)
     i = 0
     for layer in range(L):
         for s in gl.static_range(3):
