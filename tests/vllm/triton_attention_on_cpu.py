@@ -177,11 +177,14 @@ def _options(tmp: str, fault: str) -> dict:
         sys.path.insert(0, str(Path(__file__).parents[1]))
         from fake_backends import SlowAtTwo, SlowAtTwoBackend, register
 
-        SlowAtTwo.delay_s = 1.0  # vLLM's interpreted Triton layers take ~0.3 s each at width 2: 3x slower still
+        # vLLM's interpreted Triton layers take 0.3 s (AVX-512 host) to 1.5 s (a slower AVX2 host) each
+        # at width 2: 5 s loses by 3x on either, and only one such step is timed (the longest context)
+        SlowAtTwo.delay_s = 5.0
         register(SlowAtTwoBackend)
         from monodecode.runtime import width_policy
 
         width_policy.BUDGET_S = 0.5  # interpreted steps take ~0.5 s: one replay of each is enough here
+        width_policy.TOTAL_BUDGET_S = 900.0  # every pair is reached, however slow the host
         options.update(backend=SlowAtTwoBackend.name, widths=[1, 2])
     return options
 
