@@ -1,0 +1,413 @@
+"""Issue 26's item 7 with a whole decoder layer: every stage of a batch-1 step in ONE launch (one GPU).
+
+``loader_probe.py`` measured the weight ring on K2's chain alone (o_proj -> gate/up -> down). This
+probe runs Llama-3-1B's whole decoder layer the same way, ``--layers`` distinct layers in one
+persistent launch of one program per SM, with every piece the two-launch kernels run at batch 1:
+RMSNorm (its rstd deferred to each row's sum: the staged input carries the norm weight), QKV,
+RoPE (rotate-half, from a cos/sin row as vLLM passes it), the new position's K/V written into a
+bf16 cache, split-KV attention over the cached context (GQA: one task per KV head and split, the
+last split of a head to arrive merges the head's partials in fixed split order), o_proj plus the
+residual, the second norm, gate/up, SiLU(g)·u and down plus the residual. Residual and stage
+outputs are fp32.
+
+Each program walks one fixed sequence of [16 rows, 1024 columns] weight chunks (its row tiles of
+QKV, o_proj, gate/up and down of every layer) through a ring of ``--ring`` 32 KiB shared-memory
+slots filled by ``cp.async`` (``loader_probe``'s fastest form), always ``ring - 1`` chunks ahead of
+the compute, across every wait and the attention task: while a program waits for QKV, attends
+and waits for the merges, its first o_proj and gate/up chunks are already on chip. Stages wait on
+completion counters (one count per program, or per merged KV head), as the kernels' mailbox does.
+
+Not the product kernel: one shape (1B, batch 1), attention re-reads a block's K/V once per query
+head of its group (L1/L2 hits), no health word, no fallbacks. It answers whether the one-launch
+design reaches issue 26's batch-1 target (1B at 1k: 0.70 of the read probe) with the whole layer,
+side by side with the kernels and the strongest stock in the same device command.
+
+Output checked against a torch fp32 reference of the same layer (relative error of the last
+layer's residual, and the new position's K/V in the cache).
+
+Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
+1024,8192 --rings 3,6 [--out DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1]),
+    str(Path(__file__).resolve().parents[1] / "ops"),
+    str(Path(__file__).resolve().parent),
+]
+
+from attention_probe import _replay_us  # noqa: E402
+from loader_probe import _epoch_target, _wait  # noqa: E402
+
+# Llama-3-1B
+H_, I_, QH_, KVH_, D_ = 2048, 8192, 32, 8, 64
+ROWS_, BK_, BLK_ = 16, 1024, 64  # a weight chunk: 16 rows x 1024 columns (32 KiB); 64 positions a KV block
+QKV_ = (QH_ + 2 * KVH_) * D_
+EPS = 1e-5
+HIDDEN = gl.constexpr(H_)
+INTER = gl.constexpr(I_)
+QH = gl.constexpr(QH_)
+KVH = gl.constexpr(KVH_)
+D = gl.constexpr(D_)
+G = gl.constexpr(QH_ // KVH_)
+ROWS = gl.constexpr(ROWS_)
+BK = gl.constexpr(BK_)
+BLK = gl.constexpr(BLK_)
+XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
+# a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
+OFF_O_ = QKV_ * H_
+OFF_GU_ = OFF_O_ + H_ * H_
+OFF_D_ = OFF_GU_ + 2 * I_ * H_
+LAYER_W_ = OFF_D_ + H_ * I_
+OFF_O = gl.constexpr(OFF_O_)
+OFF_GU = gl.constexpr(OFF_GU_)
+OFF_D = gl.constexpr(OFF_D_)
+LAYER_W = gl.constexpr(LAYER_W_)
+# a layer's fp32 activations: [qkv | attention out | h1 = h + o | gate/up | h2 = h1 + down]
+A_QKV_, A_ATT_, A_H1_, A_GU_, A_H2_ = 0, QKV_, QKV_ + H_, QKV_ + 2 * H_, QKV_ + 2 * H_ + 2 * I_
+LAYER_A_ = A_H2_ + H_
+A_ATT = gl.constexpr(A_ATT_)
+A_H1 = gl.constexpr(A_H1_)
+A_GU = gl.constexpr(A_GU_)
+A_H2 = gl.constexpr(A_H2_)
+LAYER_A = gl.constexpr(LAYER_A_)
+SCALE = gl.constexpr(D_**-0.5)  # softmax scale
+NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+
+
+@gluon.jit
+def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr):
+    """Chunk ``i`` of this program's sequence -> (layer, weight stage, task slot, k chunk, K chunks,
+    output tiles, K, the stage's first weight). Weight stages: 0 qkv (C0 // 2 slots of 2 chunks),
+    1 o_proj (1 slot, 2 chunks), 2 gate/up (C2 // 2 slots, 2 chunks), 3 down (1 slot, 8 chunks)."""
+    layer = i // C
+    r = i % C
+    s = gl.where(r < C0, 0, gl.where(r < C0 + 2, 1, gl.where(r < C0 + 2 + C2, 2, 3)))
+    rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + 2, C0 + 2 + C2)))
+    nk = gl.where(s == 3, INTER // BK, HIDDEN // BK)
+    tiles = gl.where(s == 0, (QH + 2 * KVH) * D // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
+    kdim = gl.where(s == 3, INTER, HIDDEN)
+    base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
+    return layer, s, rs // nk, rs % nk, nk, tiles, kdim, base
+
+
+@gluon.jit
+def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
+           NPROG: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+    """Start copying chunk ``i`` into its ring slot (a zero-byte group past the end or the tiles)."""
+    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C2)
+    tile = pid + j * NPROG
+    ok = (i < total) & (tile < tiles)
+    off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr[:, None]).to(gl.int64) * kdim + k * BK + cc[None, :]
+    m = ok & (rr[:, None] >= 0) & (cc[None, :] >= 0)
+    async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=m)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _normed_input(xbuf, src, g_ptr, cf):
+    """Stage ``src`` (HIDDEN fp32) times the norm weight into ``xbuf``; returns its rstd, which each
+    row's sum takes at the end (one pass: no second read of the input)."""
+    ss = 0.0
+    for c in gl.static_range(HIDDEN // BK):
+        v = gl.load(src + c * BK + cf, cache_modifier=".cg")
+        ss += gl.sum(v * v, axis=0)
+        xbuf.index(c).store(v * gl.load(g_ptr + c * BK + cf).to(gl.float32))
+    return gl.rsqrt(ss / HIDDEN + 1e-5)
+
+
+@gluon.jit
+def _rope(base, cs_ptr, d):
+    """``base[d]`` rotated (rotate-half pairs (d, d + D/2)) by the position's cos/sin row."""
+    partner = (d + D // 2) % D
+    sign = gl.where(d < D // 2, -1.0, 1.0)
+    return gl.load(base + d, cache_modifier=".cg") * gl.load(cs_ptr + d) + sign * gl.load(
+        base + partner, cache_modifier=".cg"
+    ) * gl.load(cs_ptr + D + d)
+
+
+@gluon.jit
+def _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
+            NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """This program's attention task: KV head ``pid // NSPLIT``, split ``pid % NSPLIT`` of the cached
+    context (the last split also writes and attends to the new position), its G query heads one
+    after another; the partials are stored and the last split of the head to arrive merges them in
+    split order into the attention output, then counts the head (release)."""
+    kv_lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    dcol: gl.constexpr = gl.SliceLayout(0, kv_lay)
+    prow: gl.constexpr = gl.SliceLayout(1, kv_lay)
+    kvh = pid // NSPLIT
+    sp = pid % NSPLIT
+    d = gl.arange(0, D, layout=dcol)
+    pp = gl.arange(0, BLK, layout=prow)
+    span = ((ctx + NSPLIT - 1) // NSPLIT + BLK - 1) // BLK * BLK
+    start = sp * span
+    end = gl.minimum(start + span, ctx)
+    head_k = kc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
+    head_v = vc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
+    last = sp == NSPLIT - 1
+    kn = _rope(act + QH * D + kvh * D, cs_ptr, d)
+    vn = gl.load(act + (QH + KVH) * D + kvh * D + d, cache_modifier=".cg")
+    if last:  # the new position into the cache (this step attends to it from registers)
+        gl.store(head_k + ctx * D + d, kn.to(gl.bfloat16))
+        gl.store(head_v + ctx * D + d, vn.to(gl.bfloat16))
+    for h in gl.static_range(G):
+        q = _rope(act + (kvh * G + h) * D, cs_ptr, d) * SCALE
+        s_new = gl.sum(kn * q, axis=0)
+        m = gl.where(last, s_new, -1e30)
+        lsum = gl.where(last, 1.0, 0.0)
+        o = gl.where(last, vn, 0.0)
+        for b in range(start, end, BLK):
+            p = b + pp
+            ok = p < end
+            kt = gl.load(head_k + p[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(gl.float32)
+            sc = gl.where(ok, gl.sum(kt * q[None, :], axis=1), -1e30)
+            m2 = gl.maximum(m, gl.max(sc, axis=0))
+            e = gl.exp(sc - m2)
+            alpha = gl.exp(m - m2)
+            vt = gl.load(head_v + p[:, None] * D + d[None, :], mask=ok[:, None], other=0.0).to(gl.float32)
+            o = o * alpha + gl.sum(vt * e[:, None], axis=0)
+            lsum = lsum * alpha + gl.sum(e, axis=0)
+            m = m2
+        slot = part_ptr + ((kvh * NSPLIT + sp) * G + h) * (D + 2)
+        gl.store(slot + d, o)
+        gl.store(slot + D, m)
+        gl.store(slot + D + 1, lsum)
+    gl.thread_barrier()
+    old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+    if old == epoch * NSPLIT - 1:  # the head's last split: merge its partials in split order
+        ss = gl.arange(0, NSPLIT, layout=prow)
+        for h in gl.static_range(G):
+            rows = part_ptr + ((kvh * NSPLIT + ss) * G + h) * (D + 2)
+            ms = gl.load(rows + D, cache_modifier=".cg")
+            w = gl.exp(ms - gl.max(ms, axis=0))
+            total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+            os = gl.load(rows[:, None] + d[None, :], cache_modifier=".cg")
+            gl.store(act + A_ATT + (kvh * G + h) * D + d, gl.sum(os * w[:, None], axis=0) / total)
+        gl.thread_barrier()
+        gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
+               epoch_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr,
+               T1: gl.constexpr, NSPLIT: gl.constexpr, NW: gl.constexpr = 8):  # fmt: skip
+    """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
+    residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
+    [L, KVH, maxctx, D] holding ``ctx`` positions (the step writes position ``ctx``);
+    ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
+    counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
+    The last layer's output residual is ``act[L - 1, A_H2:]``."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    col: gl.constexpr = gl.SliceLayout(0, lay)
+    row: gl.constexpr = gl.SliceLayout(1, lay)
+    pid = gl.program_id(0)
+    target = _epoch_target(epoch_ptr, NPROG)
+    epoch = target // NPROG
+    C0: gl.constexpr = T0 * (HIDDEN // BK)
+    C2: gl.constexpr = T1 * (HIDDEN // BK)
+    C: gl.constexpr = C0 + 2 + C2 + INTER // BK
+    total = L * C
+    ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    rr = gl.arange(0, ROWS, layout=row)
+    cc = gl.arange(0, BK, layout=col)
+    cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
+    for i in range(NBUF - 1):
+        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF)
+    acc = gl.zeros([ROWS, BK], gl.float32, lay)
+    rstd = 1.0
+    for i in range(total):
+        layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C2)
+        tile = pid + j * NPROG
+        act = act_ptr + layer * LAYER_A
+        h_in = act_ptr + (layer - 1) * LAYER_A + A_H2
+        if layer == 0:
+            h_in = x_ptr
+        if (j == 0) & (k == 0):  # a stage starts: wait for its input, stage it
+            if s == 0:
+                if layer > 0:
+                    _wait(ctr_ptr + (layer - 1) * NCTR + 4, target)
+                gl.thread_barrier()
+                rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
+            elif s == 1:
+                _wait(ctr_ptr + layer * NCTR, target)
+                if pid < KVH * NSPLIT:
+                    _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
+                            NSPLIT, NW)  # fmt: skip
+                _wait(ctr_ptr + layer * NCTR + 1, epoch * KVH)
+                gl.thread_barrier()
+                for c in gl.static_range(HIDDEN // BK):
+                    xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
+            elif s == 2:
+                _wait(ctr_ptr + layer * NCTR + 2, target)
+                gl.thread_barrier()
+                rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
+            else:
+                _wait(ctr_ptr + layer * NCTR + 3, target)
+                gl.thread_barrier()
+                for c in gl.static_range(INTER // BK):
+                    g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
+                    u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
+                    xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
+            gl.thread_barrier()
+        if k == 0:
+            acc = gl.zeros([ROWS, BK], gl.float32, lay)
+        async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
+        gl.thread_barrier()
+        acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col)[None, :]
+        gl.thread_barrier()  # every thread is done with the slot the next issue refills
+        _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF)
+        if k == nk - 1:  # the task's rows are done
+            y = gl.sum(acc, axis=1)
+            rows = tile * ROWS + rr
+            if tile < tiles:
+                if s == 0:
+                    gl.store(act + rows, y * rstd)
+                elif s == 1:
+                    gl.store(act + A_H1 + rows, y + gl.load(h_in + rows, cache_modifier=".cg"))
+                elif s == 2:
+                    gl.store(act + A_GU + rows, y * rstd)
+                else:
+                    gl.store(act + A_H2 + rows, y + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+            if j == gl.where(s == 0, T0 - 1, gl.where(s == 2, T1 - 1, 0)):  # the program's part is stored
+                gl.thread_barrier()
+                gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
+    async_copy.wait_group(0)
+    gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
+
+
+def _rope_ref(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cs[0] + rot * cs[1]
+
+
+def reference(w, gin, gpost, x, kc, vc, cs, ctx: int, layers: int):
+    """The same layers in fp32 with torch: (the last layer's residual, each layer's new K and V)."""
+    h = x.float()
+    news = []
+    for layer in range(layers):
+        p = w[layer * LAYER_W_ : (layer + 1) * LAYER_W_].float()
+        wqkv = p[:OFF_O_].view(QKV_, H_)
+        wo = p[OFF_O_:OFF_GU_].view(H_, H_)
+        wgu = p[OFF_GU_:OFF_D_].view(2 * I_, H_)
+        wd = p[OFF_D_:].view(H_, I_)
+        xn = h * torch.rsqrt(h.pow(2).mean() + EPS) * gin[layer].float()
+        qkv = wqkv @ xn
+        q = _rope_ref(qkv[: QH_ * D_].view(QH_, D_), cs)
+        k_new = _rope_ref(qkv[QH_ * D_ : (QH_ + KVH_) * D_].view(KVH_, D_), cs)
+        v_new = qkv[(QH_ + KVH_) * D_ :].view(KVH_, D_)
+        news.append((k_new, v_new))
+        k = torch.cat([kc[layer, :, :ctx].float(), k_new.to(torch.bfloat16).float()[:, None]], dim=1)
+        v = torch.cat([vc[layer, :, :ctx].float(), v_new.to(torch.bfloat16).float()[:, None]], dim=1)
+        k = k.repeat_interleave(QH_ // KVH_, dim=0)
+        v = v.repeat_interleave(QH_ // KVH_, dim=0)
+        att = torch.softmax((k @ q[:, :, None])[..., 0] / math.sqrt(D_), dim=-1)
+        o = (att[:, None, :] @ v)[:, 0].reshape(-1)
+        h = h + wo @ o
+        xn = h * torch.rsqrt(h.pow(2).mean() + EPS) * gpost[layer].float()
+        gu = wgu @ xn
+        h = h + wd @ (torch.nn.functional.silu(gu[:I_]) * gu[I_:])
+    return h, news
+
+
+def _cos_sin(pos: int, device) -> torch.Tensor:
+    inv = 500000.0 ** (-torch.arange(0, D_, 2, dtype=torch.float64) / D_)
+    ang = torch.cat([pos * inv, pos * inv])
+    return torch.stack([ang.cos(), ang.sin()]).float().to(device)
+
+
+def run(layers: int, contexts: list[int], rings: list[int], nsplit: int, reps: int) -> dict:
+    from monodecode_ops.decode_bench.probes import read_probes
+
+    dev = torch.device("cuda")
+    nprog = torch.cuda.get_device_properties(dev).multi_processor_count
+    assert nprog >= H_ // ROWS_ and nprog >= KVH_ * nsplit, "one o_proj/down tile and one attention task a program"
+    t0 = -(-(QKV_ // ROWS_) // nprog)
+    t1 = -(-(2 * I_ // ROWS_) // nprog)
+    torch.manual_seed(0)
+    w = torch.empty(layers * LAYER_W_, dtype=torch.bfloat16, device=dev)
+    for layer in range(layers):  # scaled so the residual stays near 1 through the layers
+        p = w[layer * LAYER_W_ : (layer + 1) * LAYER_W_]
+        p[:OFF_D_].normal_(0, H_**-0.5)
+        p[OFF_O_:OFF_GU_].mul_(0.5)
+        p[OFF_D_:].normal_(0, 0.5 * I_**-0.5)
+    gin = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
+    gpost = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
+    x = torch.randn(H_, device=dev)
+    probes = read_probes(dev)
+    best = max(probes.values())
+    out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog, "splits": nsplit,
+           "weight_bytes_per_layer": LAYER_W_ * 2, "read_probes_bytes_per_s": probes, "cells": []}  # fmt: skip
+    for ctx in contexts:
+        maxctx = ctx + 1
+        kc = torch.randn(layers, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
+        vc = torch.randn(layers, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
+        cs = _cos_sin(ctx, dev)
+        want, news = reference(w, gin, gpost, x, kc, vc, cs, ctx, layers)
+        step_bytes = LAYER_W_ * 2 + 2 * KVH_ * (ctx + 1) * D_ * 2
+        for nbuf in rings:
+            act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
+            part = torch.zeros(KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
+            ctr = torch.zeros(layers * 5, dtype=torch.int32, device=dev)
+            hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
+            epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+            args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ctx, maxctx)
+            consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T0=t0, T1=t1, NSPLIT=nsplit, NW=8)
+            cell = {"context": ctx, "ring": nbuf}
+            try:
+                step_chain[(nprog,)](*args, **consts, num_warps=8)
+                torch.cuda.synchronize()
+            except Exception as e:  # a ring that does not fit or compile: one line, go on
+                cell["error"] = str(e).splitlines()[0][:200]
+                out["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+                continue
+            got = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
+            cell["rel_error"] = float((got - want).norm() / want.norm())
+            cell["kv_rel_error"] = max(
+                float((kc[n, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm()) for n, (k, _) in enumerate(news)
+            )  # fmt: skip
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):  # what ``_replay_us`` divides by
+                    step_chain[(nprog,)](*args, **consts, num_warps=8)
+            us = _replay_us(graph, reps)
+            cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
+                        fraction_of_probe=round(step_bytes / (us / layers * 1e-6) / best, 3),
+                        rel_error_after_replays=float((act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_] - want).norm() / want.norm()))  # fmt: skip
+            out["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--rings", default="3,6", help="ring slots of 32 KiB to time, comma-separated")
+    ap.add_argument("--splits", type=int, default=16, help="attention splits per KV head (8 heads x splits <= SMs)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="", help="folder for step_probe.json")
+    a = ap.parse_args()
+    res = run(a.layers, [int(c) for c in a.contexts.split(",")], [int(r) for r in a.rings.split(",")], a.splits, a.reps)
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The weight-ring probes compile for the H200 on this CPU: ``benchmarks/loader_probe.py``'s four
+kernels and ``benchmarks/step_probe.py``'s whole-layer step, at every ring size they time.
+
+The probes' Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
+outgrows shared memory would only show on a GPU machine, where device time is scarce. Here the
+loader probe's four kernels (``cp.async``, TMA, TMA from a loader warp of its own, and that with
+the schedule compiled in) and the step probe's kernel compile for sm_90 at the probes' default
+ring sizes; ptxas reports no spills and the shared memory fits one program per SM (a loader ring
+of 7 slots does not: 262148 bytes). The probes check their own output against torch on the GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's most shared memory for one program
+
+
+def _compile(fn, sig: dict, consts: dict):
+    """``fn`` compiled for sm_90 with 8 warps (pointer arguments 16-byte aligned, as torch's
+    buffers are and the launcher specialises them on the GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def _probe(name: str):
+    import importlib
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+
+    return importlib.import_module(name)
+
+
+def _compile_loader(name: str, nbuf: int):
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    probe = _probe("loader_probe")
+    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T1": 8, "NW": 8}
+    tail = {"x_ptr": "*bf16", "act_ptr": "*fp32", "ctr_ptr": "*i32", "epoch_ptr": "*i32"}
+    if name in ("tma", "ws", "nested"):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        d2 = TensorDescriptor.from_tensor(torch.empty(64, probe.H_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
+        d8 = TensorDescriptor.from_tensor(torch.empty(64, probe.I_, dtype=torch.bfloat16), [probe.ROWS_, 256], layout)
+        sig = {"d2": mangle_type(d2), "d8": mangle_type(d8), **tail}
+        fn = {"tma": probe.tma_chain, "ws": probe.ws_chain, "nested": probe.nested_chain}[name]
+    else:
+        sig = {"w_ptr": "*bf16", **tail}
+        consts["CUT"] = 0
+        fn = probe.loader_chain
+    return _compile(fn, sig, consts)
+
+
+@pytest.mark.parametrize("name", ["cp_async", "tma", "ws", "nested"])
+@pytest.mark.parametrize("nbuf", [2, 3, 6])
+def test_loader_probe_compiles_for_the_h200(name, nbuf):
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    compiled = _compile_loader(name, nbuf)
+    res = cuda_resources(name, 1, 8, compiled)
+    assert res.spills == 0, res
+    # the ring and the stage input: nbuf 32 KiB slots + 32 KiB, one program per SM
+    assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("nbuf", [3, 6])
+def test_step_probe_compiles_for_the_h200(nbuf):
+    """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times."""
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    probe = _probe("step_probe")
+    ptrs = ["w", "gin", "gpost", "x", "act", "kc", "vc", "cs", "part", "ctr", "hctr", "epoch"]
+    kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3
+    sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
+    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "NW": 8}
+    compiled = _compile(probe.step_chain, sig, consts)
+    res = cuda_resources("step_chain", 1, 8, compiled)
+    assert res.spills == 0, res
+    assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
