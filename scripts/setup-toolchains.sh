@@ -6,5 +6,7 @@ cd "$(dirname "$0")/.."
 for step in scripts/toolchains.d/*.sh; do
   [ -e "$step" ] || continue
   echo "toolchain: $step"
+  t=$SECONDS
   bash "$step" "$VENV"
+  echo "toolchain: $step took $((SECONDS - t)) s"
 done

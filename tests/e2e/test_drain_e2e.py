@@ -16,7 +16,8 @@ import time
 import pytest
 from servers import MODEL, REPO, VllmServer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+# the first test pays for the servers' start (servers.READY_TIMEOUT_S a server on a slow host)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TOKENS = 300  # long enough to still be decoding when SIGTERM arrives
 # The cut-off case asks for most of the tiny model's 4096 positions (its server's context raised

@@ -34,7 +34,8 @@ import yaml
 from rescore import generate, rescore
 from servers import MODEL, REPO, VllmServer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+# the first test pays for the servers' start (servers.READY_TIMEOUT_S a server on a slow host)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MEASURED: dict[str, float] = {}
 WIDTHS = [1, 2, 4]
