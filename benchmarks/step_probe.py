@@ -55,7 +55,7 @@ from loader_probe import _epoch_target, _wait  # noqa: E402
 H_, I_, QH_, KVH_, D_ = 2048, 8192, 32, 8, 64
 ROWS_, BK_, BLK_ = 16, 1024, 64  # a weight chunk: 16 rows x 1024 columns (32 KiB); 64 positions a KV block
 QKV_ = (QH_ + 2 * KVH_) * D_
-EPS = 1e-5
+EPS_ = 1e-5  # RMSNorm's epsilon, the kernel's and the reference's
 HIDDEN = gl.constexpr(H_)
 INTER = gl.constexpr(I_)
 QH = gl.constexpr(QH_)
@@ -83,6 +83,7 @@ A_H1 = gl.constexpr(A_H1_)
 A_GU = gl.constexpr(A_GU_)
 A_H2 = gl.constexpr(A_H2_)
 LAYER_A = gl.constexpr(LAYER_A_)
+EPS = gl.constexpr(EPS_)
 SCALE = gl.constexpr(D_**-0.5)  # softmax scale
 NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
 
@@ -125,7 +126,7 @@ def _normed_input(xbuf, src, g_ptr, cf):
         v = gl.load(src + c * BK + cf, cache_modifier=".cg")
         ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store(v * gl.load(g_ptr + c * BK + cf).to(gl.float32))
-    return gl.rsqrt(ss / HIDDEN + 1e-5)
+    return gl.rsqrt(ss / HIDDEN + EPS)
 
 
 @gluon.jit
@@ -305,7 +306,7 @@ def reference(w, gin, gpost, x, kc, vc, cs, ctx: int, layers: int):
         wo = p[OFF_O_:OFF_GU_].view(H_, H_)
         wgu = p[OFF_GU_:OFF_D_].view(2 * I_, H_)
         wd = p[OFF_D_:].view(H_, I_)
-        xn = h * torch.rsqrt(h.pow(2).mean() + EPS) * gin[layer].float()
+        xn = h * torch.rsqrt(h.pow(2).mean() + EPS_) * gin[layer].float()
         qkv = wqkv @ xn
         q = _rope_ref(qkv[: QH_ * D_].view(QH_, D_), cs)
         k_new = _rope_ref(qkv[QH_ * D_ : (QH_ + KVH_) * D_].view(KVH_, D_), cs)
@@ -318,7 +319,7 @@ def reference(w, gin, gpost, x, kc, vc, cs, ctx: int, layers: int):
         att = torch.softmax((k @ q[:, :, None])[..., 0] / math.sqrt(D_), dim=-1)
         o = (att[:, None, :] @ v)[:, 0].reshape(-1)
         h = h + wo @ o
-        xn = h * torch.rsqrt(h.pow(2).mean() + EPS) * gpost[layer].float()
+        xn = h * torch.rsqrt(h.pow(2).mean() + EPS_) * gpost[layer].float()
         gu = wgu @ xn
         h = h + wd @ (torch.nn.functional.silu(gu[:I_]) * gu[I_:])
     return h, news
