@@ -86,6 +86,10 @@ LAYER_A = gl.constexpr(LAYER_A_)
 EPS = gl.constexpr(EPS_)
 SCALE = gl.constexpr(D_**-0.5)  # softmax scale
 NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+# timeline events of a layer on a program (``--timeline``): stage entries, waits done, parts counted
+EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_ready", "o_done", "o_ready",
+          "gu_done", "gu_ready", "down_done")  # fmt: skip
+NEV = gl.constexpr(len(EVENTS))
 
 
 @gluon.jit
@@ -202,14 +206,112 @@ def _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epo
 
 
 @gluon.jit
+def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
+                    NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """``_attend`` with the group's G query heads together: each K/V block is read once for all of
+    them (a [G, BLK, D] product), the next block's loads are in flight while this one is scored,
+    and the last split merges all G heads in one pass ([NSPLIT, G, D])."""
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, NW, 1], [2, 1, 0])  # [G, BLK, D]
+    kv2: gl.constexpr = gl.SliceLayout(0, l3)  # [BLK, D]
+    q2: gl.constexpr = gl.SliceLayout(1, l3)  # [G, D]
+    s2: gl.constexpr = gl.SliceLayout(2, l3)  # [G, BLK]
+    kvh = pid // NSPLIT
+    sp = pid % NSPLIT
+    span = ((ctx + NSPLIT - 1) // NSPLIT + BLK - 1) // BLK * BLK
+    start = sp * span
+    end = gl.minimum(start + span, ctx)
+    head_k = kc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
+    head_v = vc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
+    pk = gl.arange(0, BLK, layout=gl.SliceLayout(1, kv2))
+    dk = gl.arange(0, D, layout=gl.SliceLayout(0, kv2))
+    ps = gl.arange(0, BLK, layout=gl.SliceLayout(0, s2))
+    gq = gl.arange(0, G, layout=gl.SliceLayout(1, q2))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q2))
+    # the first block's loads go out before q, k and v are read and rotated
+    ok = start + pk < end
+    kt = gl.load(head_k + (start + pk)[:, None] * D + dk[None, :], mask=ok[:, None], other=0.0)
+    vt = gl.load(head_v + (start + pk)[:, None] * D + dk[None, :], mask=ok[:, None], other=0.0)
+    last = sp == NSPLIT - 1
+    qoff = (kvh * G + gq)[:, None] * D
+    partner = (dq + D // 2) % D
+    sign = gl.where(dq < D // 2, -1.0, 1.0)
+    cos = gl.load(cs_ptr + dq)
+    sin = gl.load(cs_ptr + D + dq)
+    q = (gl.load(act + qoff + dq[None, :], cache_modifier=".cg") * cos[None, :]
+         + (sign * sin)[None, :] * gl.load(act + qoff + partner[None, :], cache_modifier=".cg")) * SCALE  # fmt: skip
+    kbase = act + QH * D + kvh * D
+    kn = gl.load(kbase + dq, cache_modifier=".cg") * cos + sign * sin * gl.load(kbase + partner, cache_modifier=".cg")
+    vn = gl.load(act + (QH + KVH) * D + kvh * D + dq, cache_modifier=".cg")
+    if last:  # the new position into the cache (this step attends to it from registers)
+        gl.store(head_k + ctx * D + dq, kn.to(gl.bfloat16))
+        gl.store(head_v + ctx * D + dq, vn.to(gl.bfloat16))
+    s_new = gl.convert_layout(gl.sum(q * kn[None, :], axis=1), gl.SliceLayout(1, s2))
+    m = gl.where(last, s_new, -1e30)
+    lsum = gl.where(last, 1.0, 0.0) + 0.0 * s_new
+    o = gl.where(last, 1.0, 0.0) * (vn[None, :] + 0.0 * q)
+    for b in range(start, end, BLK):
+        nb = b + BLK + pk  # the next block's loads, in flight while this one is scored
+        nok = nb < end
+        kn_t = gl.load(head_k + nb[:, None] * D + dk[None, :], mask=nok[:, None], other=0.0)
+        vn_t = gl.load(head_v + nb[:, None] * D + dk[None, :], mask=nok[:, None], other=0.0)
+        sc = gl.sum(q[:, None, :] * kt.to(gl.float32)[None, :, :], axis=2)
+        sc = gl.where((b + ps < end)[None, :], sc, -1e30)
+        m2 = gl.maximum(m, gl.max(sc, axis=1))
+        e = gl.exp(sc - m2[:, None])
+        alpha = gl.exp(m - m2)
+        pv = gl.sum(e[:, :, None] * vt.to(gl.float32)[None, :, :], axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, q2))[:, None] + pv
+        lsum = lsum * alpha + gl.sum(e, axis=1)
+        m = m2
+        kt = kn_t
+        vt = vn_t
+    slot = part_ptr + ((kvh * NSPLIT + sp) * G + gq) * (D + 2)
+    gl.store(slot[:, None] + dq[None, :], o)
+    gm = gl.arange(0, G, layout=gl.SliceLayout(1, s2))
+    sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gm) * (D + 2)
+    gl.store(sslot + D, m)
+    gl.store(sslot + D + 1, lsum)
+    gl.thread_barrier()
+    old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+    if old == epoch * NSPLIT - 1:  # the head's last split: merge the group's partials in split order
+        lm: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [NW, 1, 1], [2, 1, 0])  # [NSPLIT, G, D]
+        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
+        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
+        ms = gl.load(rows + D, cache_modifier=".cg")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        gl.store(act + A_ATT + (kvh * G + go)[:, None] * D + d3[None, :], att)
+        gl.thread_barrier()
+        gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
+    """Event ``ev`` of ``layer`` on this program: ``%globaltimer`` ns (only when ``PROF``)."""
+    if PROF:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(ts_ptr + (layer * NPROG + pid) * NEV + ev, t)
+
+
+@gluon.jit
 def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
-               epoch_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr,
-               T1: gl.constexpr, NSPLIT: gl.constexpr, NW: gl.constexpr = 8):  # fmt: skip
+               epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
+               T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, PROF: gl.constexpr,
+               NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
     [L, KVH, maxctx, D] holding ``ctx`` positions (the step writes position ``ctx``);
     ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
     counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
+    ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64
+    [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
@@ -239,25 +341,36 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
             h_in = x_ptr
         if (j == 0) & (k == 0):  # a stage starts: wait for its input, stage it
             if s == 0:
+                _stamp(ts_ptr, layer, pid, 0, NPROG, PROF)
                 if layer > 0:
                     _wait(ctr_ptr + (layer - 1) * NCTR + 4, target)
+                _stamp(ts_ptr, layer, pid, 1, NPROG, PROF)
                 gl.thread_barrier()
                 rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
             elif s == 1:
                 _wait(ctr_ptr + layer * NCTR, target)
+                _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
                 if pid < KVH * NSPLIT:
-                    _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
-                            NSPLIT, NW)  # fmt: skip
+                    if ATT == 1:
+                        _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
+                                        maxctx, NSPLIT, NW)  # fmt: skip
+                    else:
+                        _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
+                                NSPLIT, NW)  # fmt: skip
+                _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
                 _wait(ctr_ptr + layer * NCTR + 1, epoch * KVH)
+                _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
                 gl.thread_barrier()
                 for c in gl.static_range(HIDDEN // BK):
                     xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
             elif s == 2:
                 _wait(ctr_ptr + layer * NCTR + 2, target)
+                _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
                 gl.thread_barrier()
                 rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
             else:
                 _wait(ctr_ptr + layer * NCTR + 3, target)
+                _stamp(ts_ptr, layer, pid, 9, NPROG, PROF)
                 gl.thread_barrier()
                 for c in gl.static_range(INTER // BK):
                     g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
@@ -286,6 +399,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 2, T1 - 1, 0)):  # the program's part is stored
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
+                _stamp(ts_ptr, layer, pid, 2 + 2 * s + (s > 0).to(gl.int32) * 2, NPROG, PROF)
     async_copy.wait_group(0)
     gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
 
@@ -331,7 +445,71 @@ def _cos_sin(pos: int, device) -> torch.Tensor:
     return torch.stack([ang.cos(), ang.sin()]).float().to(device)
 
 
-def run(layers: int, contexts: list[int], rings: list[int], nsplit: int, reps: int) -> dict:
+def _timeline(ts: torch.Tensor, nattend: int) -> dict:
+    """Mean µs of each stage's busy and wait spans over the programs and layers 1.. (layer 0 is the
+    launch's ramp), from the ``EVENTS`` stamps [L, NPROG, NEV]; attention over its ``nattend``
+    programs; ``layer`` is the mean time between the layers' last down parts."""
+    t = (ts - ts[:, :, 0].min()).double() / 1e3
+    ev = {n: t[1:, :, i] for i, n in enumerate(EVENTS)}
+    spans = {"wait_in": ("enter", "in_ready"), "qkv": ("in_ready", "qkv_done"), "wait_qkv": ("qkv_done", "qkv_ready"),
+             "attn": ("qkv_ready", "attn_done"), "wait_heads": ("attn_done", "heads_ready"),
+             "o_proj": ("heads_ready", "o_done"), "wait_o": ("o_done", "o_ready"), "gate_up": ("o_ready", "gu_done"),
+             "wait_gu": ("gu_done", "gu_ready"), "down": ("gu_ready", "down_done")}  # fmt: skip
+    out = {}
+    for name, (a, b) in spans.items():
+        d = ev[b] - ev[a]
+        out[name] = round(float((d[:, :nattend] if name == "attn" else d).mean()), 2)
+    out["attn_slowest"] = round(float((ev["attn_done"] - ev["qkv_ready"])[:, :nattend].max(dim=1).values.mean()), 2)
+    ends = t[:, :, EVENTS.index("down_done")].max(dim=1).values
+    out["layer"] = round(float((ends[1:] - ends[:-1]).mean()), 2)
+    return out
+
+
+def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, att, nsplit, t0, t1, reps,
+          timeline) -> dict:  # fmt: skip
+    """One variant: checked against the reference, timed over graph replays, and (``timeline``) one
+    stamped launch's per-stage spans."""
+    dev = w.device
+    kc[:, :, ctx] = 0  # the step writes this position: a variant must not pass on its predecessor's
+    vc[:, :, ctx] = 0
+    act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
+    part = torch.zeros(KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
+    ctr = torch.zeros(layers * 5, dtype=torch.int32, device=dev)
+    hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
+    epoch = torch.zeros(1, dtype=torch.int32, device=dev)
+    ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
+    args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
+    consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T0=t0, T1=t1, NSPLIT=nsplit, ATT=att, PROF=False, NW=8)
+    cell = {"context": ctx, "ring": nbuf, "attention": ("per_head", "grouped")[att]}
+    out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
+    try:
+        step_chain[(nprog,)](*args, **consts, num_warps=8)
+        torch.cuda.synchronize()
+    except Exception as e:  # a ring that does not fit or compile: one line, go on
+        return {**cell, "error": str(e).splitlines()[0][:200]}
+    cell["rel_error"] = float((out_res - want).norm() / want.norm())
+    cell["kv_rel_error"] = max(
+        float((kc[n, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm()) for n, (k, _) in enumerate(news)
+    )  # fmt: skip
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):  # what ``_replay_us`` divides by
+            step_chain[(nprog,)](*args, **consts, num_warps=8)
+    us = _replay_us(graph, reps)
+    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
+                rel_error_after_replays=float((out_res - want).norm() / want.norm()))  # fmt: skip
+    if timeline:  # a separate build: the stamps cost time of their own
+        consts["PROF"] = True
+        step_chain[(nprog,)](*args, **consts, num_warps=8)  # compile and warm
+        step_chain[(nprog,)](*args, **consts, num_warps=8)
+        torch.cuda.synchronize()
+        cell["timeline_us"] = _timeline(ts.view(layers, nprog, len(EVENTS)), KVH_ * nsplit)
+        cell["rel_error_timeline_build"] = float((out_res - want).norm() / want.norm())
+    return cell
+
+
+def run(layers: int, contexts: list[int], rings: list[int], attentions: list[int], nsplit: int, reps: int,
+        timeline: bool) -> dict:  # fmt: skip
     from monodecode_ops.decode_bench.probes import read_probes
 
     dev = torch.device("cuda")
@@ -361,37 +539,14 @@ def run(layers: int, contexts: list[int], rings: list[int], nsplit: int, reps: i
         want, news = reference(w, gin, gpost, x, kc, vc, cs, ctx, layers)
         step_bytes = LAYER_W_ * 2 + 2 * KVH_ * (ctx + 1) * D_ * 2
         for nbuf in rings:
-            act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
-            part = torch.zeros(KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
-            ctr = torch.zeros(layers * 5, dtype=torch.int32, device=dev)
-            hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
-            epoch = torch.zeros(1, dtype=torch.int32, device=dev)
-            args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ctx, maxctx)
-            consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T0=t0, T1=t1, NSPLIT=nsplit, NW=8)
-            cell = {"context": ctx, "ring": nbuf}
-            try:
-                step_chain[(nprog,)](*args, **consts, num_warps=8)
-                torch.cuda.synchronize()
-            except Exception as e:  # a ring that does not fit or compile: one line, go on
-                cell["error"] = str(e).splitlines()[0][:200]
+            for att in attentions:
+                cell = _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, att, nsplit, t0, t1,
+                             reps, timeline)  # fmt: skip
+                cell["fraction_of_probe"] = (
+                    round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
+                )
                 out["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
-                continue
-            got = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
-            cell["rel_error"] = float((got - want).norm() / want.norm())
-            cell["kv_rel_error"] = max(
-                float((kc[n, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm()) for n, (k, _) in enumerate(news)
-            )  # fmt: skip
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):  # what ``_replay_us`` divides by
-                    step_chain[(nprog,)](*args, **consts, num_warps=8)
-            us = _replay_us(graph, reps)
-            cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
-                        fraction_of_probe=round(step_bytes / (us / layers * 1e-6) / best, 3),
-                        rel_error_after_replays=float((act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_] - want).norm() / want.norm()))  # fmt: skip
-            out["cells"].append(cell)
-            print(json.dumps(cell), flush=True)
     return out
 
 
@@ -401,10 +556,13 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--rings", default="3,6", help="ring slots of 32 KiB to time, comma-separated")
     ap.add_argument("--splits", type=int, default=16, help="attention splits per KV head (8 heads x splits <= SMs)")
+    ap.add_argument("--attention", default="0,1", help="attention tasks to time: 0 per query head, 1 grouped")
+    ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
-    res = run(a.layers, [int(c) for c in a.contexts.split(",")], [int(r) for r in a.rings.split(",")], a.splits, a.reps)
+    ints = lambda v: [int(c) for c in v.split(",")]  # noqa: E731
+    res = run(a.layers, ints(a.contexts), ints(a.rings), ints(a.attention), a.splits, a.reps, a.timeline)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))
