@@ -32,6 +32,7 @@ Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -65,6 +66,7 @@ G = gl.constexpr(QH_ // KVH_)
 ROWS = gl.constexpr(ROWS_)
 BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
+PW = gl.constexpr(8)  # positions a warp scores per step of ``_attend_warps`` (8 warps: one 64-position block)
 XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
 # a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
 OFF_O_ = QKV_ * H_
@@ -90,13 +92,17 @@ NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up
 EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_ready", "o_done", "o_ready",
           "gu_done", "gu_ready", "down_done")  # fmt: skip
 NEV = gl.constexpr(len(EVENTS))
+ATTENTION = ("per_head", "grouped", "warps")  # the attention tasks, by ``ATT``
 
 
 @gluon.jit
-def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr):
-    """Chunk ``i`` of this program's sequence -> (layer, weight stage, task slot, k chunk, K chunks,
-    output tiles, K, the stage's first weight). Weight stages: 0 qkv (C0 // 2 slots of 2 chunks),
-    1 o_proj (1 slot, 2 chunks), 2 gate/up (C2 // 2 slots, 2 chunks), 3 down (1 slot, 8 chunks)."""
+def _chunk(i, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, ROT: gl.constexpr):
+    """Chunk ``i`` of this program's sequence -> (layer, weight stage, task slot, chunk's place in
+    its task, its K chunk, K chunks, output tiles, K, the stage's first weight). Weight stages: 0 qkv
+    (C0 // 2 slots of 2 chunks), 1 o_proj (1 slot, 2 chunks), 2 gate/up (C2 // 2 slots, 2 chunks),
+    3 down (1 slot, 8 chunks). ``ROT``: a task walks its K chunks starting at ``pid % K chunks``, so
+    the programs' concurrent reads spread over every column block of a stage instead of all
+    striding through the same one (each tile's order is still fixed)."""
     layer = i // C
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + 2, 1, gl.where(r < C0 + 2 + C2, 2, 3)))
@@ -105,14 +111,14 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr):
     tiles = gl.where(s == 0, (QH + 2 * KVH) * D // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
     kdim = gl.where(s == 3, INTER, HIDDEN)
     base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
-    return layer, s, rs // nk, rs % nk, nk, tiles, kdim, base
+    return layer, s, rs // nk, rs % nk, (rs + pid * ROT) % nk, nk, tiles, kdim, base
 
 
 @gluon.jit
 def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
-           NPROG: gl.constexpr, NBUF: gl.constexpr):  # fmt: skip
+           NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
     """Start copying chunk ``i`` into its ring slot (a zero-byte group past the end or the tiles)."""
-    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C2)
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr[:, None]).to(gl.int64) * kdim + k * BK + cc[None, :]
@@ -206,6 +212,32 @@ def _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epo
 
 
 @gluon.jit
+def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: gl.constexpr, NW: gl.constexpr):
+    """Count this split's partials of KV head ``kvh`` (stored by the caller); the head's last split
+    to arrive merges the group's partials in split order ([NSPLIT, G, D], one pass) into the
+    attention output and counts the head (release)."""
+    gl.thread_barrier()
+    old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+    if old == epoch * NSPLIT - 1:  # the head's last split: merge the group's partials in split order
+        lm: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [NW, 1, 1], [2, 1, 0])  # [NSPLIT, G, D]
+        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
+        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
+        ms = gl.load(rows + D, cache_modifier=".cg")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        gl.store(act + A_ATT + (kvh * G + go)[:, None] * D + d3[None, :], att)
+        gl.thread_barrier()
+        gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
 def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
                     NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """``_attend`` with the group's G query heads together: each K/V block is read once for all of
@@ -271,25 +303,113 @@ def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, la
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gm) * (D + 2)
     gl.store(sslot + D, m)
     gl.store(sslot + D + 1, lsum)
-    gl.thread_barrier()
-    old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
-    if old == epoch * NSPLIT - 1:  # the head's last split: merge the group's partials in split order
-        lm: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [NW, 1, 1], [2, 1, 0])  # [NSPLIT, G, D]
-        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
-        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
-        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
-        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
-        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
-        ms = gl.load(rows + D, cache_modifier=".cg")
-        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
-        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
-        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-        gl.store(act + A_ATT + (kvh * G + go)[:, None] * D + d3[None, :], att)
-        gl.thread_barrier()
-        gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+    _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT, NW)
+
+
+@gluon.jit
+def _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr, P: gl.constexpr):
+    """Issue the loads of K and V at positions ``b + w * P + p`` (< ``end``) for warp ``w``: [NW, P, D]
+    tiles in ``_attend_warps``' layout (consumed later: the loads are in flight meanwhile)."""
+    l4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0])  # [NW, G, P, D]
+    t3: gl.constexpr = gl.SliceLayout(1, l4)
+    w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
+    p = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, t3)))
+    pos = b + w[:, None] * P + p[None, :]  # [NW, P]
+    off = (layer * KVH + kvh).to(gl.int64) * maxctx * D + pos[:, :, None] * D + gl.expand_dims(d[None, :], 1)
+    ok = (pos < end)[:, :, None]
+    return gl.load(kc_ptr + off, mask=ok, other=0.0), gl.load(vc_ptr + off, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _kv_span(pid, ctx, NSPLIT: gl.constexpr):
+    """This program's attention task: (KV head, split, first position, end) of the cached context."""
+    sp = pid % NSPLIT
+    span = ((ctx + NSPLIT - 1) // NSPLIT + BLK - 1) // BLK * BLK
+    return pid // NSPLIT, sp, sp * span, gl.minimum(sp * span + span, ctx)
+
+
+@gluon.jit
+def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx, kt, vt,
+                  NSPLIT: gl.constexpr, NW: gl.constexpr, P: gl.constexpr):  # fmt: skip
+    """``_attend_grouped`` with each warp running its own online softmax over its own positions (a
+    [NW, G, P, D] tile: every reduction stays inside a warp, every warp's loads are in flight at
+    once) and one cross-warp merge at the end. ``kt``/``vt``: the first tile's K/V, issued by the
+    caller before q, k and v were ready (the cached context does not depend on them); the next
+    tile's loads are in flight while one is scored."""
+    l4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0])  # [NW, G, P, D]
+    s3: gl.constexpr = gl.SliceLayout(3, l4)  # [NW, G, P] scores
+    o3: gl.constexpr = gl.SliceLayout(2, l4)  # [NW, G, D] per-warp outputs
+    q2: gl.constexpr = gl.SliceLayout(0, o3)  # [G, D]
+    kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
+    gq = gl.arange(0, G, layout=gl.SliceLayout(1, q2))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, q2))
+    last = sp == NSPLIT - 1
+    qoff = (kvh * G + gq)[:, None] * D
+    partner = (dq + D // 2) % D
+    sign = gl.where(dq < D // 2, -1.0, 1.0)
+    cos = gl.load(cs_ptr + dq)
+    sin = gl.load(cs_ptr + D + dq)
+    q = (gl.load(act + qoff + dq[None, :], cache_modifier=".cg") * cos[None, :]
+         + (sign * sin)[None, :] * gl.load(act + qoff + partner[None, :], cache_modifier=".cg")) * SCALE  # fmt: skip
+    kbase = act + QH * D + kvh * D
+    kn = gl.load(kbase + dq, cache_modifier=".cg") * cos + sign * sin * gl.load(kbase + partner, cache_modifier=".cg")
+    vn = gl.load(act + (QH + KVH) * D + kvh * D + dq, cache_modifier=".cg")
+    if last:  # the new position into the cache (this step attends to it from registers)
+        head = (layer * KVH + kvh).to(gl.int64) * maxctx * D + ctx * D
+        gl.store(kc_ptr + head + dq, kn.to(gl.bfloat16))
+        gl.store(vc_ptr + head + dq, vn.to(gl.bfloat16))
+    q4 = gl.expand_dims(gl.expand_dims(q, 0), 2)  # [1, G, 1, D]
+    wp = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, s3)))
+    pp = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(1, s3)))
+    rel = gl.expand_dims(wp[:, None] * P + pp[None, :], 1)  # [NW, 1, P]: a position's offset in the tile
+    m = gl.full([NW, G], -1e30, gl.float32, gl.SliceLayout(2, s3))
+    lsum = gl.zeros([NW, G], gl.float32, gl.SliceLayout(2, s3))
+    o = gl.zeros([NW, G, D], gl.float32, o3)
+    for b in range(start, end, NW * P):
+        kn_t, vn_t = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b + NW * P, end, maxctx, NW, P)
+        ok = b + rel < end
+        sc = gl.where(ok, gl.sum(q4 * gl.expand_dims(kt, 1).to(gl.float32), axis=3), -1e30)
+        m2 = gl.maximum(m, gl.max(sc, axis=2))
+        e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
+        alpha = gl.exp(m - m2)
+        pv = gl.sum(gl.expand_dims(e, 3) * gl.expand_dims(vt, 1).to(gl.float32), axis=2)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(2, o3))[:, :, None] + pv
+        lsum = lsum * alpha + gl.sum(e, axis=2)
+        m = m2
+        kt = kn_t
+        vt = vn_t
+    # the warps' partials merged (the only cross-warp step), then the new position (last split)
+    mw = gl.max(m, axis=0)  # [G]
+    s_new = gl.convert_layout(gl.sum(q * kn[None, :], axis=1), mw.type.layout)
+    mt = gl.where(last, gl.maximum(mw, s_new), mw)
+    wgt = gl.exp(m - mt[None, :])
+    e_new = gl.where(last, gl.exp(s_new - mt), 0.0)
+    lt = gl.sum(lsum * wgt, axis=0) + e_new
+    ot = gl.sum(o * gl.convert_layout(wgt, gl.SliceLayout(2, o3))[:, :, None], axis=0)
+    ot = ot + gl.convert_layout(e_new, gl.SliceLayout(1, q2))[:, None] * vn[None, :]
+    slot = part_ptr + ((kvh * NSPLIT + sp) * G + gq) * (D + 2)
+    gl.store(slot[:, None] + dq[None, :], ot)
+    gs = gl.arange(0, G, layout=mt.type.layout)
+    sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
+    gl.store(sslot + D, mt)
+    gl.store(sslot + D + 1, lt)
+    _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT, NW)
+
+
+@gluon.jit
+def _wait_for(ctr_ptr, target, POLL: gl.constexpr):
+    """Wait until the counter reaches ``target`` (acquire). ``POLL`` 0: ``loader_probe``'s polls,
+    atomic read-modify-writes of the counter's line (the waiters' polls queue with the producers'
+    increments at L2); 1: ``ld.acquire.gpu`` loads (plain reads, each with acquire ordering)."""
+    if POLL == 1:
+        seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ctr_ptr], dtype=gl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+        while seen < target:
+            seen = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ctr_ptr], dtype=gl.int32,
+                                             is_pure=False, pack=1)  # fmt: skip
+    else:
+        _wait(ctr_ptr, target)
 
 
 @gluon.jit
@@ -303,15 +423,16 @@ def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
 @gluon.jit
 def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
-               T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, PROF: gl.constexpr,
+               T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
+               POLL: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
     [L, KVH, maxctx, D] holding ``ctx`` positions (the step writes position ``ctx``);
     ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
     counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
-    ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64
-    [L, NPROG, NEV]).
+    ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``, 2 ``_attend_warps``; ``ROT``: see ``_chunk``;
+    ``POLL``: see ``_wait_for``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
@@ -329,62 +450,70 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     cc = gl.arange(0, BK, layout=col)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF)
+        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
     acc = gl.zeros([ROWS, BK], gl.float32, lay)
     rstd = 1.0
+    kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW)  # no bytes: all masked
     for i in range(total):
-        layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C2)
+        layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
         tile = pid + j * NPROG
         act = act_ptr + layer * LAYER_A
         h_in = act_ptr + (layer - 1) * LAYER_A + A_H2
         if layer == 0:
             h_in = x_ptr
-        if (j == 0) & (k == 0):  # a stage starts: wait for its input, stage it
-            if s == 0:
-                _stamp(ts_ptr, layer, pid, 0, NPROG, PROF)
-                if layer > 0:
-                    _wait(ctr_ptr + (layer - 1) * NCTR + 4, target)
-                _stamp(ts_ptr, layer, pid, 1, NPROG, PROF)
+        if kq == 0:  # a task starts (the old sums are dead here, so not live across a stage's waits)
+            if j == 0:  # a stage starts: wait for its input, stage it
+                if s == 0:
+                    _stamp(ts_ptr, layer, pid, 0, NPROG, PROF)
+                    if layer > 0:
+                        _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, POLL)
+                    _stamp(ts_ptr, layer, pid, 1, NPROG, PROF)
+                    if ATT == 2:  # the attention task's first K/V tile: in flight through the QKV stage
+                        if pid < KVH * NSPLIT:
+                            kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
+                            kt, vt = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW)
+                    gl.thread_barrier()
+                    rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
+                elif s == 1:
+                    _wait_for(ctr_ptr + layer * NCTR, target, POLL)
+                    _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
+                    if pid < KVH * NSPLIT:
+                        if ATT == 2:
+                            _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
+                                          maxctx, kt, vt, NSPLIT, NW, PW)  # fmt: skip
+                        elif ATT == 1:
+                            _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
+                                            maxctx, NSPLIT, NW)  # fmt: skip
+                        else:
+                            _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
+                                    NSPLIT, NW)  # fmt: skip
+                    _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
+                    _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH, POLL)
+                    _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
+                    gl.thread_barrier()
+                    for c in gl.static_range(HIDDEN // BK):
+                        xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
+                elif s == 2:
+                    _wait_for(ctr_ptr + layer * NCTR + 2, target, POLL)
+                    _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
+                    gl.thread_barrier()
+                    rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
+                else:
+                    _wait_for(ctr_ptr + layer * NCTR + 3, target, POLL)
+                    _stamp(ts_ptr, layer, pid, 9, NPROG, PROF)
+                    gl.thread_barrier()
+                    for c in gl.static_range(INTER // BK):
+                        g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
+                        u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
+                        xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
                 gl.thread_barrier()
-                rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
-            elif s == 1:
-                _wait(ctr_ptr + layer * NCTR, target)
-                _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
-                if pid < KVH * NSPLIT:
-                    if ATT == 1:
-                        _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
-                                        maxctx, NSPLIT, NW)  # fmt: skip
-                    else:
-                        _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
-                                NSPLIT, NW)  # fmt: skip
-                _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
-                _wait(ctr_ptr + layer * NCTR + 1, epoch * KVH)
-                _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
-                gl.thread_barrier()
-                for c in gl.static_range(HIDDEN // BK):
-                    xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
-            elif s == 2:
-                _wait(ctr_ptr + layer * NCTR + 2, target)
-                _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
-                gl.thread_barrier()
-                rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
-            else:
-                _wait(ctr_ptr + layer * NCTR + 3, target)
-                _stamp(ts_ptr, layer, pid, 9, NPROG, PROF)
-                gl.thread_barrier()
-                for c in gl.static_range(INTER // BK):
-                    g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
-                    u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
-                    xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
-            gl.thread_barrier()
-        if k == 0:
             acc = gl.zeros([ROWS, BK], gl.float32, lay)
         async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
         acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col)[None, :]
         gl.thread_barrier()  # every thread is done with the slot the next issue refills
-        _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF)
-        if k == nk - 1:  # the task's rows are done
+        _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+        if kq == nk - 1:  # the task's rows are done
             y = gl.sum(acc, axis=1)
             rows = tile * ROWS + rr
             if tile < tiles:
@@ -465,11 +594,11 @@ def _timeline(ts: torch.Tensor, nattend: int) -> dict:
     return out
 
 
-def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, att, nsplit, t0, t1, reps,
-          timeline) -> dict:  # fmt: skip
-    """One variant: checked against the reference, timed over graph replays, and (``timeline``) one
-    stamped launch's per-stage spans."""
+def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps, timeline) -> dict:
+    """One variant ``v`` (ring, attention, rot, splits, poll): checked against the reference, timed over
+    graph replays, and (``timeline``) one stamped launch's per-stage spans."""
     dev = w.device
+    nsplit = v["splits"]
     kc[:, :, ctx] = 0  # the step writes this position: a variant must not pass on its predecessor's
     vc[:, :, ctx] = 0
     act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
@@ -479,8 +608,10 @@ def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, at
     epoch = torch.zeros(1, dtype=torch.int32, device=dev)
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
-    consts = dict(L=layers, NPROG=nprog, NBUF=nbuf, T0=t0, T1=t1, NSPLIT=nsplit, ATT=att, PROF=False, NW=8)
-    cell = {"context": ctx, "ring": nbuf, "attention": ("per_head", "grouped")[att]}
+    consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
+                  POLL=v["poll"],
+                  PROF=False, NW=8)  # fmt: skip
+    cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
     try:
         step_chain[(nprog,)](*args, **consts, num_warps=8)
@@ -508,13 +639,15 @@ def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, at
     return cell
 
 
-def run(layers: int, contexts: list[int], rings: list[int], attentions: list[int], nsplit: int, reps: int,
-        timeline: bool) -> dict:  # fmt: skip
+def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: int, timeline: bool) -> dict:
+    """Every combination of ``variants`` (ring, attention, rot, splits, poll) at every context."""
     from monodecode_ops.decode_bench.probes import read_probes
 
     dev = torch.device("cuda")
     nprog = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert nprog >= H_ // ROWS_ and nprog >= KVH_ * nsplit, "one o_proj/down tile and one attention task a program"
+    assert nprog >= H_ // ROWS_ and nprog >= KVH_ * max(variants["splits"]), (
+        "one o_proj/down tile, attention task a program"
+    )
     t0 = -(-(QKV_ // ROWS_) // nprog)
     t1 = -(-(2 * I_ // ROWS_) // nprog)
     torch.manual_seed(0)
@@ -529,7 +662,7 @@ def run(layers: int, contexts: list[int], rings: list[int], attentions: list[int
     x = torch.randn(H_, device=dev)
     probes = read_probes(dev)
     best = max(probes.values())
-    out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog, "splits": nsplit,
+    out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog,
            "weight_bytes_per_layer": LAYER_W_ * 2, "read_probes_bytes_per_s": probes, "cells": []}  # fmt: skip
     for ctx in contexts:
         maxctx = ctx + 1
@@ -538,15 +671,14 @@ def run(layers: int, contexts: list[int], rings: list[int], attentions: list[int
         cs = _cos_sin(ctx, dev)
         want, news = reference(w, gin, gpost, x, kc, vc, cs, ctx, layers)
         step_bytes = LAYER_W_ * 2 + 2 * KVH_ * (ctx + 1) * D_ * 2
-        for nbuf in rings:
-            for att in attentions:
-                cell = _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, nbuf, att, nsplit, t0, t1,
-                             reps, timeline)  # fmt: skip
-                cell["fraction_of_probe"] = (
-                    round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
-                )
-                out["cells"].append(cell)
-                print(json.dumps(cell), flush=True)
+        for combo in itertools.product(*variants.values()):
+            v = dict(zip(variants, combo))
+            cell = _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
+            cell["fraction_of_probe"] = (
+                round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
+            )
+            out["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
     return out
 
 
@@ -555,14 +687,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--rings", default="3,6", help="ring slots of 32 KiB to time, comma-separated")
-    ap.add_argument("--splits", type=int, default=16, help="attention splits per KV head (8 heads x splits <= SMs)")
-    ap.add_argument("--attention", default="0,1", help="attention tasks to time: 0 per query head, 1 grouped")
+    ap.add_argument("--splits", default="16", help="attention splits per KV head to time (8 heads x splits <= SMs)")
+    ap.add_argument("--poll", default="0,1", help="counter polls: 0 atomic, 1 ld.acquire (see _wait_for)")
+    ap.add_argument("--rot", default="0,1", help="K chunk order: 0 every task from chunk 0, 1 rotated by program")
+    ap.add_argument("--attention", default="0,1", help="attention tasks to time (0, 1, 2: ATTENTION)")
     ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
     ints = lambda v: [int(c) for c in v.split(",")]  # noqa: E731
-    res = run(a.layers, ints(a.contexts), ints(a.rings), ints(a.attention), a.splits, a.reps, a.timeline)
+    variants = {"ring": ints(a.rings), "attention": ints(a.attention), "rot": ints(a.rot), "splits": ints(a.splits),
+                "poll": ints(a.poll)}  # fmt: skip
+    res = run(a.layers, ints(a.contexts), variants, a.reps, a.timeline)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))

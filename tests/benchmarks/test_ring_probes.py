@@ -78,8 +78,10 @@ def test_loader_probe_compiles_for_the_h200(name, nbuf):
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
 
 
-@pytest.mark.parametrize(("nbuf", "att", "prof"), [(3, 0, False), (5, 1, False), (5, 1, True)])
-def test_step_probe_compiles_for_the_h200(nbuf, att, prof):
+@pytest.mark.parametrize(
+    ("nbuf", "att", "rot", "prof"), [(3, 0, 0, False), (5, 1, 1, False), (5, 2, 1, False), (5, 2, 0, True)]
+)
+def test_step_probe_compiles_for_the_h200(nbuf, att, rot, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
     with either attention task, and the stamped build its timeline runs."""
     from monodecode.kernels.triton.offline import cuda_resources
@@ -88,7 +90,18 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, prof):
     ptrs = ["w", "gin", "gpost", "x", "act", "kc", "vc", "cs", "part", "ctr", "hctr", "epoch", "ts"]
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
-    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
+    consts = {
+        "L": 2,
+        "NPROG": 132,
+        "NBUF": nbuf,
+        "T0": 2,
+        "T1": 8,
+        "NSPLIT": 16,
+        "ATT": att,
+        "ROT": rot,
+        "PROF": prof,
+        "NW": 8,
+    }
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
