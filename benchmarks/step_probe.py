@@ -26,7 +26,8 @@ Output checked against a torch fp32 reference of the same layer (relative error 
 layer's residual, and the new position's K/V in the cache).
 
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
-1024,8192 --rings 3,6 [--out DIR]``.
+1024,8192 [--ring 3,6 --attention 1,2 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
+every combination of the knobs' values is checked and timed, side by side in one process.
 """
 
 from __future__ import annotations
@@ -90,9 +91,20 @@ SCALE = gl.constexpr(D_**-0.5)  # softmax scale
 NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
 # timeline events of a layer on a program (``--timeline``): stage entries, waits done, parts counted
 EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_ready", "o_done", "o_ready",
-          "gu_done", "gu_ready", "down_done")  # fmt: skip
+          "gu_done", "gu_ready", "down_done", "qkv_staged", "attn_partial", "o_staged", "gu_staged",
+          "down_staged")  # fmt: skip
 NEV = gl.constexpr(len(EVENTS))
 ATTENTION = ("per_head", "grouped", "warps")  # the attention tasks, by ``ATT``
+# the knobs a run times every combination of: default values, meaning (``step_chain``'s constexprs)
+VARIANTS = {
+    "ring": ("3,6", "ring slots of 32 KiB (NBUF)"),
+    "attention": ("0,1", "attention task: 0 per query head, 1 grouped, 2 per-warp (ATT)"),
+    "rot": ("0", "K chunk order: 0 every task from chunk 0, 1 rotated by program (ROT)"),
+    "splits": ("16", "attention splits per KV head, 8 heads x splits <= SMs (NSPLIT)"),
+    "poll": ("0", "counter polls: 0 atomic, 1 ld.acquire (POLL)"),
+    "early": ("0", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
+    "gu": ("0", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
+}
 
 
 @gluon.jit
@@ -303,7 +315,6 @@ def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, la
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gm) * (D + 2)
     gl.store(sslot + D, m)
     gl.store(sslot + D + 1, lsum)
-    _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT, NW)
 
 
 @gluon.jit
@@ -394,7 +405,6 @@ def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, laye
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt)
     gl.store(sslot + D + 1, lt)
-    _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT, NW)
 
 
 @gluon.jit
@@ -424,7 +434,7 @@ def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
 def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
-               POLL: gl.constexpr, PROF: gl.constexpr,
+               POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -432,7 +442,11 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
     counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
     ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``, 2 ``_attend_warps``; ``ROT``: see ``_chunk``;
-    ``POLL``: see ``_wait_for``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    ``POLL``: see ``_wait_for``; ``EARLY``: a chunk's refill issued before its arithmetic (one CTA
+    barrier a chunk, one more chunk in flight during it) instead of after; ``GU``: 1 when gate/up's
+    rows come in tiles of 8 gate rows then their 8 up rows (``interleave_gate_up``), so each task
+    stores SiLU(g)·u and down stages half the bytes without the SiLU; ``PROF``: stamp ``EVENTS``
+    into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
     col: gl.constexpr = gl.SliceLayout(0, lay)
@@ -446,6 +460,8 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     total = L * C
     ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
     xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
+    hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     rr = gl.arange(0, ROWS, layout=row)
     cc = gl.arange(0, BK, layout=col)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
@@ -487,6 +503,9 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                         else:
                             _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
                                     NSPLIT, NW)  # fmt: skip
+                        _stamp(ts_ptr, layer, pid, 12, NPROG, PROF)
+                        if ATT > 0:  # (``_attend`` merges inside)
+                            _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid // NSPLIT, NSPLIT, NW)
                     _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
                     _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH, POLL)
                     _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
@@ -503,16 +522,23 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                     _stamp(ts_ptr, layer, pid, 9, NPROG, PROF)
                     gl.thread_barrier()
                     for c in gl.static_range(INTER // BK):
-                        g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
-                        u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
-                        xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
+                        if GU == 1:  # the gate/up tasks stored SiLU(g)·u
+                            xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg"))
+                        else:
+                            g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
+                            u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
+                            xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
                 gl.thread_barrier()
+                _stamp(ts_ptr, layer, pid, gl.where(s == 0, 11, 12 + s), NPROG, PROF)
             acc = gl.zeros([ROWS, BK], gl.float32, lay)
         async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
+        if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
+            _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
         acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col)[None, :]
-        gl.thread_barrier()  # every thread is done with the slot the next issue refills
-        _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+        if not EARLY:
+            gl.thread_barrier()  # every thread is done with the slot the next issue refills
+            _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
         if kq == nk - 1:  # the task's rows are done
             y = gl.sum(acc, axis=1)
             rows = tile * ROWS + rr
@@ -522,7 +548,15 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                 elif s == 1:
                     gl.store(act + A_H1 + rows, y + gl.load(h_in + rows, cache_modifier=".cg"))
                 elif s == 2:
-                    gl.store(act + A_GU + rows, y * rstd)
+                    if GU == 1:  # rows: the tile's 8 gate rows, then their 8 up rows -> 8 SiLU(g)·u
+                        gbuf.store(y * rstd)
+                        gl.thread_barrier()
+                        gv = gbuf.slice(0, ROWS // 2).load(hl)
+                        uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
+                        hh = gl.arange(0, ROWS // 2, layout=hl)
+                        gl.store(act + A_GU + tile * (ROWS // 2) + hh, gv / (1.0 + gl.exp(-gv)) * uv)
+                    else:
+                        gl.store(act + A_GU + rows, y * rstd)
                 else:
                     gl.store(act + A_H2 + rows, y + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 2, T1 - 1, 0)):  # the program's part is stored
@@ -574,6 +608,18 @@ def _cos_sin(pos: int, device) -> torch.Tensor:
     return torch.stack([ang.cos(), ang.sin()]).float().to(device)
 
 
+def interleave_gate_up(w: torch.Tensor, layers: int) -> torch.Tensor:
+    """A copy of the weights whose gate/up rows come in tiles of 8 gate rows then the same 8 up rows
+    (the layout ``GU`` reads); the other stages unchanged."""
+    out = w.clone()
+    half = ROWS_ // 2
+    for layer in range(layers):
+        gu = out[layer * LAYER_W_ + OFF_GU_ : layer * LAYER_W_ + OFF_D_].view(2 * I_, H_)
+        g, u = gu[:I_].view(I_ // half, half, H_), gu[I_:].view(I_ // half, half, H_)
+        gu.copy_(torch.stack([g, u], dim=1).reshape(2 * I_, H_))
+    return out
+
+
 def _timeline(ts: torch.Tensor, nattend: int) -> dict:
     """Mean µs of each stage's busy and wait spans over the programs and layers 1.. (layer 0 is the
     launch's ramp), from the ``EVENTS`` stamps [L, NPROG, NEV]; attention over its ``nattend``
@@ -583,20 +629,27 @@ def _timeline(ts: torch.Tensor, nattend: int) -> dict:
     spans = {"wait_in": ("enter", "in_ready"), "qkv": ("in_ready", "qkv_done"), "wait_qkv": ("qkv_done", "qkv_ready"),
              "attn": ("qkv_ready", "attn_done"), "wait_heads": ("attn_done", "heads_ready"),
              "o_proj": ("heads_ready", "o_done"), "wait_o": ("o_done", "o_ready"), "gate_up": ("o_ready", "gu_done"),
-             "wait_gu": ("gu_done", "gu_ready"), "down": ("gu_ready", "down_done")}  # fmt: skip
+             "wait_gu": ("gu_done", "gu_ready"), "down": ("gu_ready", "down_done"),
+             # parts of the above: each stage's input staging, the attention task before its merge
+             "qkv_staging": ("in_ready", "qkv_staged"), "o_staging": ("heads_ready", "o_staged"),
+             "gu_staging": ("o_ready", "gu_staged"), "down_staging": ("gu_ready", "down_staged"),
+             "attn_partials": ("qkv_ready", "attn_partial")}  # fmt: skip
     out = {}
     for name, (a, b) in spans.items():
         d = ev[b] - ev[a]
-        out[name] = round(float((d[:, :nattend] if name == "attn" else d).mean()), 2)
+        out[name] = round(float((d[:, :nattend] if name.startswith("attn") else d).mean()), 2)
     out["attn_slowest"] = round(float((ev["attn_done"] - ev["qkv_ready"])[:, :nattend].max(dim=1).values.mean()), 2)
+    out["merge_slowest"] = round(float((ev["attn_done"] - ev["attn_partial"])[:, :nattend].max(dim=1).values.mean()), 2)
     ends = t[:, :, EVENTS.index("down_done")].max(dim=1).values
     out["layer"] = round(float((ends[1:] - ends[:-1]).mean()), 2)
     return out
 
 
-def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps, timeline) -> dict:
-    """One variant ``v`` (ring, attention, rot, splits, poll): checked against the reference, timed over
-    graph replays, and (``timeline``) one stamped launch's per-stage spans."""
+def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps, timeline) -> dict:
+    """One variant ``v`` (a value of each ``VARIANTS`` knob): checked against the reference, timed
+    over graph replays, and (``timeline``) one stamped launch's per-stage spans. ``ws``: the
+    weights by ``gu`` (0 as loaded, 1 ``interleave_gate_up``)."""
+    w = ws[v["gu"]]
     dev = w.device
     nsplit = v["splits"]
     kc[:, :, ctx] = 0  # the step writes this position: a variant must not pass on its predecessor's
@@ -609,8 +662,7 @@ def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict,
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
-                  POLL=v["poll"],
-                  PROF=False, NW=8)  # fmt: skip
+                  POLL=v["poll"], EARLY=v["early"], GU=v["gu"], PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
     try:
@@ -640,7 +692,7 @@ def _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict,
 
 
 def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: int, timeline: bool) -> dict:
-    """Every combination of ``variants`` (ring, attention, rot, splits, poll) at every context."""
+    """Every combination of ``variants`` (``VARIANTS``' knobs) at every context."""
     from monodecode_ops.decode_bench.probes import read_probes
 
     dev = torch.device("cuda")
@@ -660,6 +712,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
     gin = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
     gpost = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
     x = torch.randn(H_, device=dev)
+    ws = {0: w, 1: interleave_gate_up(w, layers) if 1 in variants["gu"] else None}
     probes = read_probes(dev)
     best = max(probes.values())
     out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog,
@@ -673,7 +726,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
         step_bytes = LAYER_W_ * 2 + 2 * KVH_ * (ctx + 1) * D_ * 2
         for combo in itertools.product(*variants.values()):
             v = dict(zip(variants, combo))
-            cell = _cell(w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
+            cell = _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
             cell["fraction_of_probe"] = (
                 round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
             )
@@ -686,18 +739,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--contexts", default="1024,8192")
-    ap.add_argument("--rings", default="3,6", help="ring slots of 32 KiB to time, comma-separated")
-    ap.add_argument("--splits", default="16", help="attention splits per KV head to time (8 heads x splits <= SMs)")
-    ap.add_argument("--poll", default="0,1", help="counter polls: 0 atomic, 1 ld.acquire (see _wait_for)")
-    ap.add_argument("--rot", default="0,1", help="K chunk order: 0 every task from chunk 0, 1 rotated by program")
-    ap.add_argument("--attention", default="0,1", help="attention tasks to time (0, 1, 2: ATTENTION)")
+    for knob, (default, what) in VARIANTS.items():
+        ap.add_argument(f"--{knob}", default=default, help=f"{what} (comma-separated values to time)")
     ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
     ints = lambda v: [int(c) for c in v.split(",")]  # noqa: E731
-    variants = {"ring": ints(a.rings), "attention": ints(a.attention), "rot": ints(a.rot), "splits": ints(a.splits),
-                "poll": ints(a.poll)}  # fmt: skip
+    variants = {knob: ints(getattr(a, knob)) for knob in VARIANTS}
     res = run(a.layers, ints(a.contexts), variants, a.reps, a.timeline)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -78,30 +78,19 @@ def test_loader_probe_compiles_for_the_h200(name, nbuf):
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
 
 
-@pytest.mark.parametrize(
-    ("nbuf", "att", "rot", "prof"), [(3, 0, 0, False), (5, 1, 1, False), (5, 2, 1, False), (5, 2, 0, True)]
-)
-def test_step_probe_compiles_for_the_h200(nbuf, att, rot, prof):
+# rings and attention tasks it times; "knobs": ROT, POLL, EARLY and GU all on; the stamped build
+@pytest.mark.parametrize(("nbuf", "att", "knobs", "prof"), [(3, 0, 0, False), (5, 1, 1, False), (5, 2, 1, False), (5, 2, 0, True)])  # fmt: skip
+def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
-    with either attention task, and the stamped build its timeline runs."""
+    with every attention task and variant knob, and the stamped build its timeline runs."""
     from monodecode.kernels.triton.offline import cuda_resources
 
     probe = _probe("step_probe")
     ptrs = ["w", "gin", "gpost", "x", "act", "kc", "vc", "cs", "part", "ctr", "hctr", "epoch", "ts"]
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
-    consts = {
-        "L": 2,
-        "NPROG": 132,
-        "NBUF": nbuf,
-        "T0": 2,
-        "T1": 8,
-        "NSPLIT": 16,
-        "ATT": att,
-        "ROT": rot,
-        "PROF": prof,
-        "NW": 8,
-    }
+    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
+    consts |= {knob: knobs for knob in ("ROT", "POLL", "EARLY", "GU")}
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
