@@ -104,6 +104,7 @@ VARIANTS = {
     "poll": ("0", "counter polls: 0 atomic, 1 ld.acquire (POLL)"),
     "early": ("0", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
     "gu": ("0", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
+    "depth": ("1", "K/V tiles in flight in the per-warp attention task: 1 or 2 (DEPTH)"),
 }
 
 
@@ -342,17 +343,18 @@ def _kv_span(pid, ctx, NSPLIT: gl.constexpr):
 
 @gluon.jit
 def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx, kt, vt,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr, P: gl.constexpr):  # fmt: skip
+                  NSPLIT: gl.constexpr, NW: gl.constexpr, P: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
     """``_attend_grouped`` with each warp running its own online softmax over its own positions (a
     [NW, G, P, D] tile: every reduction stays inside a warp, every warp's loads are in flight at
     once) and one cross-warp merge at the end. ``kt``/``vt``: the first tile's K/V, issued by the
     caller before q, k and v were ready (the cached context does not depend on them); the next
-    tile's loads are in flight while one is scored."""
+    ``DEPTH`` (1 or 2) tiles' loads are in flight while one is scored."""
     l4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0])  # [NW, G, P, D]
     s3: gl.constexpr = gl.SliceLayout(3, l4)  # [NW, G, P] scores
     o3: gl.constexpr = gl.SliceLayout(2, l4)  # [NW, G, D] per-warp outputs
     q2: gl.constexpr = gl.SliceLayout(0, o3)  # [G, D]
     kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
+    k1, v1 = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start + NW * P, gl.where(DEPTH == 2, end, 0), maxctx, NW, P)
     gq = gl.arange(0, G, layout=gl.SliceLayout(1, q2))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, q2))
     last = sp == NSPLIT - 1
@@ -378,7 +380,7 @@ def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, laye
     lsum = gl.zeros([NW, G], gl.float32, gl.SliceLayout(2, s3))
     o = gl.zeros([NW, G, D], gl.float32, o3)
     for b in range(start, end, NW * P):
-        kn_t, vn_t = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b + NW * P, end, maxctx, NW, P)
+        kn_t, vn_t = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b + DEPTH * NW * P, end, maxctx, NW, P)
         ok = b + rel < end
         sc = gl.where(ok, gl.sum(q4 * gl.expand_dims(kt, 1).to(gl.float32), axis=3), -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
@@ -388,8 +390,10 @@ def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, laye
         o = o * gl.convert_layout(alpha, gl.SliceLayout(2, o3))[:, :, None] + pv
         lsum = lsum * alpha + gl.sum(e, axis=2)
         m = m2
-        kt = kn_t
-        vt = vn_t
+        if DEPTH == 2:
+            kt, vt, k1, v1 = k1, v1, kn_t, vn_t
+        else:
+            kt, vt = kn_t, vn_t
     # the warps' partials merged (the only cross-warp step), then the new position (last split)
     mw = gl.max(m, axis=0)  # [G]
     s_new = gl.convert_layout(gl.sum(q * kn[None, :], axis=1), mw.type.layout)
@@ -434,7 +438,8 @@ def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
 def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
-               POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, PROF: gl.constexpr,
+               POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
+               PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -445,7 +450,8 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     ``POLL``: see ``_wait_for``; ``EARLY``: a chunk's refill issued before its arithmetic (one CTA
     barrier a chunk, one more chunk in flight during it) instead of after; ``GU``: 1 when gate/up's
     rows come in tiles of 8 gate rows then their 8 up rows (``interleave_gate_up``), so each task
-    stores SiLU(g)·u and down stages half the bytes without the SiLU; ``PROF``: stamp ``EVENTS``
+    stores SiLU(g)·u and down stages half the bytes without the SiLU; ``DEPTH``: K/V tiles in flight
+    in ``_attend_warps``; ``PROF``: stamp ``EVENTS``
     into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -496,7 +502,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                     if pid < KVH * NSPLIT:
                         if ATT == 2:
                             _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
-                                          maxctx, kt, vt, NSPLIT, NW, PW)  # fmt: skip
+                                          maxctx, kt, vt, NSPLIT, NW, PW, DEPTH)  # fmt: skip
                         elif ATT == 1:
                             _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
                                             maxctx, NSPLIT, NW)  # fmt: skip
@@ -662,7 +668,8 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
-                  POLL=v["poll"], EARLY=v["early"], GU=v["gu"], PROF=False, NW=8)  # fmt: skip
+                  POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
+                  PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
     try:

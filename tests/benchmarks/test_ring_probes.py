@@ -78,7 +78,7 @@ def test_loader_probe_compiles_for_the_h200(name, nbuf):
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
 
 
-# rings and attention tasks it times; "knobs": ROT, POLL, EARLY and GU all on; the stamped build
+# rings and attention tasks it times; "knobs": ROT, POLL, EARLY, GU on and DEPTH 2; the stamped build
 @pytest.mark.parametrize(("nbuf", "att", "knobs", "prof"), [(3, 0, 0, False), (5, 1, 1, False), (5, 2, 1, False), (5, 2, 0, True)])  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
@@ -90,7 +90,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
-    consts |= {knob: knobs for knob in ("ROT", "POLL", "EARLY", "GU")}
+    consts |= {knob: knobs for knob in ("ROT", "POLL", "EARLY", "GU")} | {"DEPTH": 1 + knobs}
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
