@@ -67,7 +67,6 @@ G = gl.constexpr(QH_ // KVH_)
 ROWS = gl.constexpr(ROWS_)
 BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
-PW = gl.constexpr(8)  # positions a warp scores per step of ``_attend_warps`` (8 warps: one 64-position block)
 XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
 # a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
 OFF_O_ = QKV_ * H_
@@ -105,6 +104,8 @@ VARIANTS = {
     "early": ("0", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
     "gu": ("0", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
     "depth": ("1", "K/V tiles in flight in the per-warp attention task: 1 or 2 (DEPTH)"),
+    "pw": ("8", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
+    "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
 }
 
 
@@ -248,6 +249,29 @@ def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: g
         gl.store(act + A_ATT + (kvh * G + go)[:, None] * D + d3[None, :], att)
         gl.thread_barrier()
         gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _stage_merged(xbuf, part_ptr, NSPLIT: gl.constexpr, NW: gl.constexpr):
+    """o_proj's input staged straight from the attention partials: every program merges all heads'
+    NSPLIT partials in split order (the same sums as ``_merge_splits``), one [NSPLIT, 16 heads, D]
+    block per 1024-column chunk, instead of waiting for a merge by the last split of each head."""
+    HC: gl.constexpr = BK // D  # heads a chunk holds
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [NSPLIT, HC, D]
+    w2: gl.constexpr = gl.SliceLayout(2, l3)  # [NSPLIT, HC]
+    o2: gl.constexpr = gl.SliceLayout(0, l3)  # [HC, D]
+    ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+    hh = gl.arange(0, HC, layout=gl.SliceLayout(0, w2))
+    d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+    for c in gl.static_range(HIDDEN // BK):
+        h = c * HC + hh  # query head
+        rows = part_ptr + (((h // G)[None, :] * NSPLIT + ss[:, None]) * G + (h % G)[None, :]) * (D + 2)
+        ms = gl.load(rows + D, cache_modifier=".cg")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        xbuf.index(c).reshape([HC, D]).store(att)
 
 
 @gluon.jit
@@ -439,7 +463,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
-               PROF: gl.constexpr,
+               MERGE: gl.constexpr, PW: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -451,7 +475,9 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     barrier a chunk, one more chunk in flight during it) instead of after; ``GU``: 1 when gate/up's
     rows come in tiles of 8 gate rows then their 8 up rows (``interleave_gate_up``), so each task
     stores SiLU(g)·u and down stages half the bytes without the SiLU; ``DEPTH``: K/V tiles in flight
-    in ``_attend_warps``; ``PROF``: stamp ``EVENTS``
+    in ``_attend_warps``; ``MERGE``: 0 the last split of a head merges it, 1 o_proj's programs merge
+    every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
+    step of ``_attend_warps``; ``PROF``: stamp ``EVENTS``
     into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -511,13 +537,23 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                                     NSPLIT, NW)  # fmt: skip
                         _stamp(ts_ptr, layer, pid, 12, NPROG, PROF)
                         if ATT > 0:  # (``_attend`` merges inside)
-                            _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid // NSPLIT, NSPLIT, NW)
+                            if MERGE == 1:  # the partials are o_proj's input: count them
+                                gl.thread_barrier()
+                                gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+                            else:
+                                _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid // NSPLIT, NSPLIT, NW)
                     _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
-                    _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH, POLL)
+                    if MERGE == 1:
+                        _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH * NSPLIT, POLL)
+                    else:
+                        _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH, POLL)
                     _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
                     gl.thread_barrier()
-                    for c in gl.static_range(HIDDEN // BK):
-                        xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
+                    if MERGE == 1:
+                        _stage_merged(xbuf, part_ptr, NSPLIT, NW)
+                    else:
+                        for c in gl.static_range(HIDDEN // BK):
+                            xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
                 elif s == 2:
                     _wait_for(ctr_ptr + layer * NCTR + 2, target, POLL)
                     _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
@@ -669,8 +705,10 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  PROF=False, NW=8)  # fmt: skip
+                  MERGE=v["merge"], PW=v["pw"], PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
+    if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
+        return {**cell, "error": "merge 1 needs attention 1 or 2"}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
     try:
         step_chain[(nprog,)](*args, **consts, num_warps=8)

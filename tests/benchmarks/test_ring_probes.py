@@ -78,8 +78,16 @@ def test_loader_probe_compiles_for_the_h200(name, nbuf):
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
 
 
-# rings and attention tasks it times; "knobs": ROT, POLL, EARLY, GU on and DEPTH 2; the stamped build
-@pytest.mark.parametrize(("nbuf", "att", "knobs", "prof"), [(3, 0, 0, False), (5, 1, 1, False), (5, 2, 1, False), (5, 2, 0, True)])  # fmt: skip
+ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's on/off knobs
+
+
+# the rings and attention tasks it times, every knob (with 2 K/V tiles or 16-position warp steps,
+# the pairings it times), and the stamped build its timeline runs
+@pytest.mark.parametrize(
+    ("nbuf", "att", "knobs", "prof"),
+    [(3, 0, {}, False), (5, 1, ALL_ON, False), (5, 2, ALL_ON | {"DEPTH": 2}, False),
+     (5, 2, {"EARLY": 1, "GU": 1, "MERGE": 1, "PW": 16}, True)],
+)  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
     with every attention task and variant knob, and the stamped build its timeline runs."""
@@ -90,7 +98,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
-    consts |= {knob: knobs for knob in ("ROT", "POLL", "EARLY", "GU")} | {"DEPTH": 1 + knobs}
+    consts |= {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8} | knobs
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
