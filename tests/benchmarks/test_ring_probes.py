@@ -81,12 +81,12 @@ def test_loader_probe_compiles_for_the_h200(name, nbuf):
 ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's on/off knobs
 
 
-# the rings and attention tasks it times, every knob (with 2 K/V tiles or 16-position warp steps,
-# the pairings it times), and the stamped build its timeline runs
+# the rings and attention tasks it times (the tensor-core one with its 16-position warp steps), every
+# knob (with 2 K/V tiles or 16-position steps, the pairings it times), and the stamped build
 @pytest.mark.parametrize(
     ("nbuf", "att", "knobs", "prof"),
     [(3, 0, {}, False), (5, 1, ALL_ON, False), (5, 2, ALL_ON | {"DEPTH": 2}, False),
-     (5, 2, {"EARLY": 1, "GU": 1, "MERGE": 1, "PW": 16}, True)],
+     (5, 2, {"EARLY": 1, "GU": 1, "MERGE": 1, "PW": 16}, True), (5, 3, {"EARLY": 1, "GU": 1, "PW": 16}, False)],
 )  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
