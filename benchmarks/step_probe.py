@@ -272,10 +272,10 @@ def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, 
     ``mma.sync`` products (the group's G query heads padded to 16 rows, q and P in bf16 as flash
     kernels keep them): S = Q·Kᵀ [16, 16], the online softmax over the warp's positions, O += P·V
     [16, D]; one cross-warp merge at the end. ``kt``/``vt``: the first [NW, 16, D] tile (issued by
-    the caller during QKV); the next tile's loads are in flight while one is multiplied."""
+    the caller); the next tile's loads are in flight while one is multiplied."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 8)
-    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 8)
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)  # k_width: bf16 elements per 32 bits
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     bl: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])  # [NW, 16, D]
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
     o2: gl.constexpr = gl.SliceLayout(0, mma)  # [16, D] the merged output
@@ -561,7 +561,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
     acc = gl.zeros([ROWS, BK], gl.float32, lay)
     rstd = 1.0
-    kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, ATT == 3)  # no bytes: all masked
+    kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, False)  # no bytes: all masked
     for i in range(total):
         layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
         tile = pid + j * NPROG
@@ -576,19 +576,21 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                     if layer > 0:
                         _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, POLL)
                     _stamp(ts_ptr, layer, pid, 1, NPROG, PROF)
-                    if ATT >= 2:  # the attention task's first K/V tile: in flight through the QKV stage
+                    if ATT == 2:  # the attention task's first K/V tile: in flight through the QKV stage
                         if pid < KVH * NSPLIT:
                             kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
-                            kt, vt = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, ATT == 3)
+                            kt, vt = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, False)
                     gl.thread_barrier()
                     rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
                 elif s == 1:
                     _wait_for(ctr_ptr + layer * NCTR, target, POLL)
                     _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
                     if pid < KVH * NSPLIT:
-                        if ATT == 3:
+                        if ATT == 3:  # its first tile issued here (held through QKV, the tiles would spill)
+                            kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
+                            k0, v0 = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, True)
                             _attend_mma(
-                                act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, NSPLIT, NW
+                                act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, k0, v0, NSPLIT, NW
                             )
                         elif ATT == 2:
                             _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
