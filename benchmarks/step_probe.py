@@ -93,11 +93,15 @@ EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_read
           "gu_done", "gu_ready", "down_done", "qkv_staged", "attn_partial", "o_staged", "gu_staged",
           "down_staged")  # fmt: skip
 NEV = gl.constexpr(len(EVENTS))
-ATTENTION = ("per_head", "grouped", "warps", "mma")  # the attention tasks, by ``ATT``
+ATTENTION = ("per_head", "grouped", "warps", "mma", "mma_ring")  # the attention tasks, by ``ATT``
 # the knobs a run times every combination of: default values, meaning (``step_chain``'s constexprs)
 VARIANTS = {
     "ring": ("3,6", "ring slots of 32 KiB (NBUF)"),
-    "attention": ("0,1", "attention task: 0 per query head, 1 grouped, 2 per-warp, 3 per-warp mma, pw 16 (ATT)"),
+    "attention": (
+        "0,1",
+        "attention task: 0 per query head, 1 grouped, 2 per-warp, 3 per-warp mma (pw 16), 4 the same "
+        "through a K/V ring in shared memory (ATT)",
+    ),
     "rot": ("0", "K chunk order: 0 every task from chunk 0, 1 rotated by program (ROT)"),
     "splits": ("16", "attention splits per KV head, 8 heads x splits <= SMs (NSPLIT)"),
     "poll": ("0", "counter polls: 0 atomic, 1 ld.acquire (POLL)"),
@@ -105,6 +109,7 @@ VARIANTS = {
     "gu": ("0", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
     "depth": ("1", "K/V tiles in flight in the per-warp attention task: 1 or 2 (DEPTH)"),
     "pw": ("8", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
+    "kvs": ("3", "slots of attention 4's K/V ring, 2 or 3 (KVS)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
 }
 
@@ -247,7 +252,8 @@ def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: g
     gl.thread_barrier()
     old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
     if old == epoch * NSPLIT - 1:  # the head's last split: merge the group's partials in split order
-        lm: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 1, 8], [NW, 1, 1], [2, 1, 0])  # [NSPLIT, G, D]
+        # [NSPLIT, G, D], the splits in registers: the sums over them need no shared memory
+        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
         w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
         o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
         ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
@@ -266,19 +272,21 @@ def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: g
 
 
 @gluon.jit
-def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, NSPLIT: gl.constexpr,
-                NW: gl.constexpr):  # fmt: skip
+def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, kvs, NSPLIT: gl.constexpr,
+                NW: gl.constexpr, KVS: gl.constexpr):  # fmt: skip
     """``_attend_warps`` on tensor cores: each warp its own 16 positions a step as a batch of
     ``mma.sync`` products (the group's G query heads padded to 16 rows, q and P in bf16 as flash
     kernels keep them): S = Q·Kᵀ [16, 16], the online softmax over the warp's positions, O += P·V
-    [16, D]; one cross-warp merge at the end. ``kt``/``vt``: the first [NW, 16, D] tile (issued by
-    the caller); the next tile's loads are in flight while one is multiplied."""
+    [16, D]; one cross-warp merge at the end. ``KVS`` 0: ``kt``/``vt`` hold the first [NW, 16, D]
+    tile (issued by the caller) and the next tile's loads are in flight in registers while one is
+    multiplied; ``KVS`` >= 2: the tiles stream through ``kvs``, a ring of ``KVS`` shared-memory
+    slots filled by ``cp.async`` (``KVS`` - 1 tiles in flight, no registers held for them), and the
+    operands load from it (``kt``/``vt`` unused)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)  # k_width: bf16 elements per 32 bits
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     bl: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])  # [NW, 16, D]
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
-    o2: gl.constexpr = gl.SliceLayout(0, mma)  # [16, D] the merged output
     kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
     last = sp == NSPLIT - 1
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1), 2)
@@ -287,7 +295,12 @@ def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, 
     d3 = gl.expand_dims(d1[None, :], 1)
     # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero)
     qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, cs_ptr, d3), 0.0) * SCALE
-    qa = gl.convert_layout(qf.to(gl.bfloat16), a_l)
+    if KVS > 0:  # into the operand layout through the ring's last slot (first filled in step 0)
+        kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
+        gl.thread_barrier()
+        qa = kvs.index(2 * (KVS - 1)).load(a_l)
+    else:
+        qa = gl.convert_layout(qf.to(gl.bfloat16), a_l)
     kn, vn = _new_kv(act, kc_ptr, vc_ptr, cs_ptr, layer, kvh, ctx, maxctx, last, d1)
     s_new = gl.convert_layout(
         gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0), gl.SliceLayout(0, r2)
@@ -297,31 +310,57 @@ def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, 
     m = gl.full([NW, 16], -1e30, gl.float32, r2)
     lsum = gl.zeros([NW, 16], gl.float32, r2)
     o = gl.zeros([NW, 16, D], gl.float32, mma)
+    if KVS > 0:
+        for t in gl.static_range(KVS - 1):
+            _kv_copy(kvs, t, kc_ptr, vc_ptr, layer, kvh, start + t * NW * 16, end, maxctx, NW)
+    i = 0
     for b in range(start, end, NW * 16):
-        kn_t, vn_t = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b + NW * 16, end, maxctx, NW, 16, True)
-        sc = mma_v2(qa, gl.convert_layout(gl.permute(kt, [0, 2, 1]), b_l), gl.zeros([NW, 16, 16], gl.float32, mma))
+        if KVS > 0:
+            async_copy.wait_group(KVS - 2)  # tile i has landed
+            gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
+            _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, layer, kvh, b + (KVS - 1) * NW * 16, end, maxctx, NW)
+            kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
+            vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
+        else:
+            kn_t, vn_t = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b + NW * 16, end, maxctx, NW, 16, True)
+            kb = gl.convert_layout(gl.permute(kt, [0, 2, 1]), b_l)
+            vb = gl.convert_layout(vt, b_l)
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma))
         ok = b + wm * 16 + pm < end
         sc = gl.where(ok, sc, -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
         e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
         alpha = gl.exp(m - m2)
         lsum = lsum * alpha + gl.sum(e, axis=2)
-        o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), gl.convert_layout(vt, b_l), o * alpha[:, :, None])
+        o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), vb, o * alpha[:, :, None])
         m = m2
-        kt, vt = kn_t, vn_t
+        if KVS == 0:
+            kt, vt = kn_t, vn_t
+        i += 1
+    if KVS > 0:
+        async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
     # the warps' partials merged, then the new position (last split); rows past G are not stored
     mw = gl.max(m, axis=0)  # [16]
     mt = gl.where(last, gl.maximum(mw, s_new), mw)
     wgt = gl.exp(m - mt[None, :])
     e_new = gl.where(last, gl.exp(s_new - mt), 0.0)
     lt = gl.sum(lsum * wgt, axis=0) + e_new
-    ot = gl.sum(o * wgt[:, :, None], axis=0)
-    ro = gl.arange(0, 16, layout=gl.SliceLayout(1, o2))
-    do = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+    if KVS > 0:  # the warps' sum through the drained K/V ring (a reduction's own 32 KiB would not fit)
+        gl.thread_barrier()
+        red = kvs._reinterpret(gl.float32, [NW, 16, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        red.store(o * wgt[:, :, None])
+        gl.thread_barrier()
+        red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
+        ot = gl.sum(red.load(red_l), axis=0)
+    else:
+        ot = gl.sum(o * wgt[:, :, None], axis=0)
+    ol: gl.constexpr = ot.type.layout
+    ro = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
     ot = (
         ot
-        + gl.convert_layout(e_new, gl.SliceLayout(1, o2))[:, None]
-        * gl.convert_layout(vn, gl.SliceLayout(0, o2))[None, :]
+        + gl.convert_layout(e_new, gl.SliceLayout(1, ol))[:, None]
+        * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
     )
     slot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
     gl.store(slot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
@@ -420,13 +459,33 @@ def _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr, P: g
         t3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
     else:
         t3: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0]))
+    off, ok = _kv_offsets(layer, kvh, b, end, maxctx, NW, P, t3)
+    return gl.load(kc_ptr + off, mask=ok, other=0.0), gl.load(vc_ptr + off, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _kv_offsets(layer, kvh, b, end, maxctx, NW: gl.constexpr, P: gl.constexpr, t3: gl.constexpr):
+    """Cache offsets [NW, P, D] (layout ``t3``) of positions ``b + w * P + p`` for warp ``w``, and
+    which are below ``end`` (broadcast over D)."""
     w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
     p = gl.arange(0, P, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, t3)))
     pos = b + w[:, None] * P + p[None, :]  # [NW, P]
-    off = (layer * KVH + kvh).to(gl.int64) * maxctx * D + pos[:, :, None] * D + gl.expand_dims(d[None, :], 1)
-    ok = (pos < end)[:, :, None]
-    return gl.load(kc_ptr + off, mask=ok, other=0.0), gl.load(vc_ptr + off, mask=ok, other=0.0)
+    d3 = gl.expand_dims(d[None, :], 1)
+    off = (layer * KVH + kvh).to(gl.int64) * maxctx * D + pos[:, :, None] * D + d3
+    return off, (pos[:, :, None] < end) & (d3 >= 0)
+
+
+@gluon.jit
+def _kv_copy(kvs, slot, kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr):
+    """Start copying the [NW, 16, D] K and V tiles at ``b`` into ``kvs`` slot ``slot`` (one commit
+    group; positions from ``end`` on are zero-filled)."""
+    off, ok = _kv_offsets(
+        layer, kvh, b, end, maxctx, NW, 16, gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+    )
+    async_copy.async_copy_global_to_shared(kvs.index(2 * slot), kc_ptr + off, mask=ok)
+    async_copy.async_copy_global_to_shared(kvs.index(2 * slot + 1), vc_ptr + off, mask=ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -523,21 +582,22 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
-               MERGE: gl.constexpr, PW: gl.constexpr, PROF: gl.constexpr,
+               MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
     [L, KVH, maxctx, D] holding ``ctx`` positions (the step writes position ``ctx``);
     ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
     counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
-    ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``, 2 ``_attend_warps``, 3 ``_attend_mma`` (``PW`` 16); ``ROT``: see ``_chunk``;
+    ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``, 2 ``_attend_warps``, 3 ``_attend_mma`` (``PW`` 16),
+    4 the same through a shared-memory K/V ring; ``ROT``: see ``_chunk``;
     ``POLL``: see ``_wait_for``; ``EARLY``: a chunk's refill issued before its arithmetic (one CTA
     barrier a chunk, one more chunk in flight during it) instead of after; ``GU``: 1 when gate/up's
     rows come in tiles of 8 gate rows then their 8 up rows (``interleave_gate_up``), so each task
     stores SiLU(g)·u and down stages half the bytes without the SiLU; ``DEPTH``: K/V tiles in flight
     in ``_attend_warps``; ``MERGE``: 0 the last split of a head merges it, 1 o_proj's programs merge
     every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
-    step of ``_attend_warps``; ``PROF``: stamp ``EVENTS``
+    step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``PROF``: stamp ``EVENTS``
     into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
@@ -551,6 +611,10 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     C: gl.constexpr = C0 + 2 + C2 + INTER // BK
     total = L * C
     ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    if ATT == 4:  # the attention task's K/V ring: KVS slots of a [NW, 16, D] K tile and its V tile
+        kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0]))
+    else:
+        kvs = ring
     xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
     hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
@@ -586,12 +650,14 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                     _wait_for(ctr_ptr + layer * NCTR, target, POLL)
                     _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
                     if pid < KVH * NSPLIT:
-                        if ATT == 3:  # its first tile issued here (held through QKV, the tiles would spill)
+                        if ATT == 4:
+                            _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, kvs,
+                                        NSPLIT, NW, KVS)  # fmt: skip
+                        elif ATT == 3:  # its first tile issued here (held through QKV, the tiles would spill)
                             kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
                             k0, v0 = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, True)
-                            _attend_mma(
-                                act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, k0, v0, NSPLIT, NW
-                            )
+                            _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, k0, v0, ring,
+                                        NSPLIT, NW, 0)  # fmt: skip
                         elif ATT == 2:
                             _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
                                           maxctx, kt, vt, NSPLIT, NW, PW, DEPTH)  # fmt: skip
@@ -771,12 +837,12 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  MERGE=v["merge"], PW=v["pw"], PROF=False, NW=8)  # fmt: skip
+                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
         return {**cell, "error": "merge 1 needs attention 1, 2 or 3"}
-    if v["attention"] == 3 and v["pw"] != 16:  # its tiles are 16 positions a warp
-        return {**cell, "error": "attention 3 needs pw 16"}
+    if v["attention"] >= 3 and v["pw"] != 16:  # its tiles are 16 positions a warp
+        return {**cell, "error": "attention 3 and 4 need pw 16"}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
     try:
         step_chain[(nprog,)](*args, **consts, num_warps=8)
