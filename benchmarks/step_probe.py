@@ -110,6 +110,7 @@ VARIANTS = {
     "depth": ("1", "K/V tiles in flight in the per-warp attention task: 1 or 2 (DEPTH)"),
     "pw": ("8", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
     "kvs": ("3", "slots of attention 4's K/V ring, 2 or 3 (KVS)"),
+    "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
 }
 
@@ -582,7 +583,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
-               MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, PROF: gl.constexpr,
+               MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -597,10 +598,15 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     stores SiLU(g)·u and down stages half the bytes without the SiLU; ``DEPTH``: K/V tiles in flight
     in ``_attend_warps``; ``MERGE``: 0 the last split of a head merges it, 1 o_proj's programs merge
     every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
-    step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``PROF``: stamp ``EVENTS``
+    step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``LAY``: the
+    GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``PROF``: stamp ``EVENTS``
     into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
+    cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
+    if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
+        lay: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [1, NW], [1, 0])
+    else:  # two rows a warp, each warp reading the whole staged chunk
+        lay: gl.constexpr = cp_lay
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
     pid = gl.program_id(0)
@@ -618,8 +624,9 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
     hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    rr = gl.arange(0, ROWS, layout=row)
-    cc = gl.arange(0, BK, layout=col)
+    rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, cp_lay))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, cp_lay))
+    ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
@@ -715,7 +722,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
             _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
         if kq == nk - 1:  # the task's rows are done
             y = gl.sum(acc, axis=1)
-            rows = tile * ROWS + rr
+            rows = tile * ROWS + ry
             if tile < tiles:
                 if s == 0:
                     gl.store(act + rows, y * rstd)
@@ -837,7 +844,8 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], PROF=False, NW=8)  # fmt: skip
+                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"],
+                  PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
         return {**cell, "error": "merge 1 needs attention 1, 2 or 3"}
