@@ -17,17 +17,24 @@ the compute, across every wait and the attention task: while a program waits for
 and waits for the merges, its first o_proj and gate/up chunks are already on chip. Stages wait on
 completion counters (one count per program, or per merged KV head), as the kernels' mailbox does.
 
-Not the product kernel: one shape (1B, batch 1), attention re-reads a block's K/V once per query
-head of its group (L1/L2 hits), no health word, no fallbacks. It answers whether the one-launch
-design reaches issue 26's batch-1 target (1B at 1k: 0.70 of the read probe) with the whole layer,
-side by side with the kernels and the strongest stock in the same device command.
+The attention task comes in five forms (``ATTENTION``, runs 86-96): one query head after another;
+the group's heads together; each warp its own online softmax over its own positions; that on
+tensor cores (``mma.sync``, q and P in bf16); and that fed by a ``cp.async`` K/V ring in shared
+memory, the fastest (run 97: 1.06-1.12x the strongest stock at 1k-32k). Each other choice the runs
+compared is a knob too (``VARIANTS``), so any two forms can be timed side by side.
+
+Not the product kernel: one shape (1B, batch 1), fp32 activations, a contiguous cache, no health
+word, no fallbacks. It answers how far the one-launch design goes on the whole layer against
+issue 26's batch-1 target (1B at 1k: 0.70 of the read probe), side by side with the kernels and
+the strongest stock in the same device command.
 
 Output checked against a torch fp32 reference of the same layer (relative error of the last
 layer's residual, and the new position's K/V in the cache).
 
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
-1024,8192 [--ring 3,6 --attention 1,2 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
-every combination of the knobs' values is checked and timed, side by side in one process.
+1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
+every combination of the knobs' values is checked and timed, side by side in one process; the
+defaults are the fastest form measured (run 97).
 """
 
 from __future__ import annotations
@@ -94,21 +101,22 @@ EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_read
           "down_staged")  # fmt: skip
 NEV = gl.constexpr(len(EVENTS))
 ATTENTION = ("per_head", "grouped", "warps", "mma", "mma_ring")  # the attention tasks, by ``ATT``
-# the knobs a run times every combination of: default values, meaning (``step_chain``'s constexprs)
+# the knobs a run times every combination of: default values (the fastest form measured, run 97),
+# meaning (``step_chain``'s constexprs)
 VARIANTS = {
-    "ring": ("3,6", "ring slots of 32 KiB (NBUF)"),
+    "ring": ("3", "ring slots of 32 KiB (NBUF)"),
     "attention": (
-        "0,1",
+        "4",
         "attention task: 0 per query head, 1 grouped, 2 per-warp, 3 per-warp mma (pw 16), 4 the same "
         "through a K/V ring in shared memory (ATT)",
     ),
     "rot": ("0", "K chunk order: 0 every task from chunk 0, 1 rotated by program (ROT)"),
     "splits": ("16", "attention splits per KV head, 8 heads x splits <= SMs (NSPLIT)"),
     "poll": ("0", "counter polls: 0 atomic, 1 ld.acquire (POLL)"),
-    "early": ("0", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
-    "gu": ("0", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
+    "early": ("1", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
+    "gu": ("1", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
     "depth": ("1", "K/V tiles in flight in the per-warp attention task: 1 or 2 (DEPTH)"),
-    "pw": ("8", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
+    "pw": ("16", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
     "kvs": ("3", "slots of attention 4's K/V ring, 2 or 3 (KVS)"),
     "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
@@ -928,7 +936,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--contexts", default="1024,8192")
+    ap.add_argument("--contexts", default="1024,8192,32768")
     for knob, (default, what) in VARIANTS.items():
         ap.add_argument(f"--{knob}", default=default, help=f"{what} (comma-separated values to time)")
     ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
