@@ -119,6 +119,7 @@ VARIANTS = {
     "pw": ("16", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
     "kvs": ("3", "slots of attention 4's K/V ring, 2 or 3 (KVS)"),
     "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
+    "xbf": ("0", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
 }
 
@@ -163,7 +164,7 @@ def _normed_input(xbuf, src, g_ptr, cf):
     for c in gl.static_range(HIDDEN // BK):
         v = gl.load(src + c * BK + cf, cache_modifier=".cg")
         ss += gl.sum(v * v, axis=0)
-        xbuf.index(c).store(v * gl.load(g_ptr + c * BK + cf).to(gl.float32))
+        xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
@@ -399,7 +400,7 @@ def _stage_merged(xbuf, part_ptr, NSPLIT: gl.constexpr, NW: gl.constexpr):
         total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
         os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
         att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-        xbuf.index(c).reshape([HC, D]).store(att)
+        xbuf.index(c).reshape([HC, D]).store(att.to(xbuf.dtype))
 
 
 @gluon.jit
@@ -591,7 +592,8 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
-               MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, PROF: gl.constexpr,
+               MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, XBF: gl.constexpr,
+               PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -607,7 +609,8 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     in ``_attend_warps``; ``MERGE``: 0 the last split of a head merges it, 1 o_proj's programs merge
     every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
     step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``LAY``: the
-    GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``PROF``: stamp ``EVENTS``
+    GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``XBF``: the staged input
+    in bf16; ``PROF``: stamp ``EVENTS``
     into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
@@ -629,7 +632,10 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
         kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0]))
     else:
         kvs = ring
-    xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if XBF:  # the staged stage input in bf16 (as the kernels' mailbox holds it): half its loads
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
     hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, cp_lay))
@@ -700,7 +706,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                         _stage_merged(xbuf, part_ptr, NSPLIT, NW)
                     else:
                         for c in gl.static_range(HIDDEN // BK):
-                            xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg"))
+                            xbuf.index(c).store(gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(xbuf.dtype))
                 elif s == 2:
                     _wait_for(ctr_ptr + layer * NCTR + 2, target, POLL)
                     _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
@@ -712,11 +718,11 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                     gl.thread_barrier()
                     for c in gl.static_range(INTER // BK):
                         if GU == 1:  # the gate/up tasks stored SiLU(g)·u
-                            xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg"))
+                            xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(xbuf.dtype))
                         else:
                             g = gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg")
                             u = gl.load(act + A_GU + INTER + c * BK + cf, cache_modifier=".cg")
-                            xbuf.index(c).store(g / (1.0 + gl.exp(-g)) * u)
+                            xbuf.index(c).store((g / (1.0 + gl.exp(-g)) * u).to(xbuf.dtype))
                 gl.thread_barrier()
                 _stamp(ts_ptr, layer, pid, gl.where(s == 0, 11, 12 + s), NPROG, PROF)
             acc = gl.zeros([ROWS, BK], gl.float32, lay)
@@ -724,7 +730,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
             _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
-        acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col)[None, :]
+        acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
             _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
@@ -852,7 +858,7 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"],
+                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"],
                   PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials

@@ -88,7 +88,7 @@ ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's 
     ("nbuf", "att", "knobs", "prof"),
     [(3, 0, {}, False), (5, 1, ALL_ON, False), (5, 2, ALL_ON | {"DEPTH": 2}, False),
      (5, 2, {"EARLY": 1, "GU": 1, "MERGE": 1, "PW": 16}, True), (5, 3, {"EARLY": 1, "GU": 1, "PW": 16}, False),
-     (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "LAY": 1}, False)],
+     (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "LAY": 1, "XBF": 1}, False)],
 )  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
@@ -100,7 +100,18 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
-    consts |= {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0} | knobs
+    consts |= {
+        "ROT": 0,
+        "POLL": 0,
+        "EARLY": 0,
+        "GU": 0,
+        "MERGE": 0,
+        "DEPTH": 1,
+        "PW": 8,
+        "KVS": 0,
+        "LAY": 0,
+        "XBF": 0,
+    } | knobs
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
