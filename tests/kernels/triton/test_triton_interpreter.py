@@ -73,8 +73,6 @@ CHILD = textwrap.dedent(
         target = dataclasses.replace(target, mailbox=mailbox, narrow_mailbox=mailbox, narrow_store_1d=store_1d)
         if "_widen" in name:
             target = dataclasses.replace(target, fp8_wide="widen")
-        if "_deferred" in name:  # rstd applied to the QKV result on these narrow wide tiles too
-            target = dataclasses.replace(target, deferred_rstd_min_rows=0)
         if "_rowpass" in name:
             target = dataclasses.replace(target, deferred_rstd=False)
         if "_post" in name:
@@ -128,10 +126,10 @@ CHILD = textwrap.dedent(
         assert bool(cut) == even and all(st.rows_per_task % 16 for st in cut), cut
         pair = wd == "fp8" and widths[0] > 1 and "_widen" not in name
         assert all(c["FP8_PAIR"] == pair for c in tk.consts[widths[0]][:2])
-        # the pre-norm: rstd deferred to the QKV result at width 1, on wide tiles of 64 rows and
-        # where forced, else a pass over the row first
+        # the pre-norm: rstd deferred to the QKV result at width 1 and on wide tiles of 64 rows,
+        # else a pass over the row first
         c1 = tk.consts[widths[0]][0]
-        deferred = widths[0] == 1 or c1["BN"] >= 64 or "_deferred" in name
+        deferred = widths[0] == 1 or c1["BN"] >= 64
         assert c1["QKV_SRC"] == (4 if deferred and "_rowpass" not in name else 0), (name, c1["BN"])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         k2c = tk.consts[widths[0]][1]
@@ -201,8 +199,8 @@ CHILD = textwrap.dedent(
 # to bf16 (``Target.fp8_wide``) instead of the exact FP8 pair of the default; "*_bt16" take
 # 16-position attention tiles (several per split, and a Llama-style layer sees its whole context:
 # tiny's layers are all sliding, two tiles at most); the pre-norm's rstd goes to the QKV result
-# (``Target.deferred_rstd``) at width 1 and on 64-row tiles, "*_deferred" also on narrower ones
-# (llama_w2_splitk's 16 rows), "*_rowpass" never (a pass over the row first); Llama-style runs
+# (``Target.deferred_rstd``) at width 1 and on 64-row tiles (every wide tile here: CUDA's
+# ``wide_min_rows`` is 64), "*_rowpass" never (a pass over the row first); Llama-style runs
 # with an unsplit o_proj and the bf16 mailbox have no post stage (``Target.fused_post``: o_proj
 # adds the residual, gate/up normalises h on the way), "*_post" keep it (so does the tagged
 # mailbox); "*_splitk" split o_proj and down along K (``Target.wide_split_k``: fp32 partials
@@ -247,7 +245,6 @@ RUNS = [
     ("llama_w2_even", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("w3_fp8_widen_even", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
     ("llama_w3_fp8_widen_even_splitk", "fp8", [3], 3, 1, [5, 40, 17], "planes", 0, "llama", "bf16"),
-    ("llama_w2_splitk_deferred", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_merge", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_merge_pps2", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
