@@ -20,10 +20,11 @@ completion counters (one count per program, or per merged KV head), as the kerne
 The attention task comes in five forms (``ATTENTION``, runs 86-96): one query head after another;
 the group's heads together; each warp its own online softmax over its own positions; that on
 tensor cores (``mma.sync``, q and P in bf16); and that fed by a ``cp.async`` K/V ring in shared
-memory, the fastest (run 97: 1.06-1.12x the strongest stock at 1k-32k). Each other choice the runs
+memory, the fastest (run 100: 1.12-1.14x the strongest stock at 1k-32k, with the staged inputs
+in bf16). Each other choice the runs
 compared is a knob too (``VARIANTS``), so any two forms can be timed side by side.
 
-Not the product kernel: one shape (1B, batch 1), fp32 activations, a contiguous cache, no health
+Not the product kernel: one shape (1B, batch 1), fp32 stage outputs, a contiguous cache, no health
 word, no fallbacks. It answers how far the one-launch design goes on the whole layer against
 issue 26's batch-1 target (1B at 1k: 0.70 of the read probe), side by side with the kernels and
 the strongest stock in the same device command.
@@ -34,7 +35,7 @@ layer's residual, and the new position's K/V in the cache).
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
 1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
 every combination of the knobs' values is checked and timed, side by side in one process; the
-defaults are the fastest form measured (run 97).
+defaults are the fastest form measured (run 100).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_read
           "down_staged")  # fmt: skip
 NEV = gl.constexpr(len(EVENTS))
 ATTENTION = ("per_head", "grouped", "warps", "mma", "mma_ring")  # the attention tasks, by ``ATT``
-# the knobs a run times every combination of: default values (the fastest form measured, run 97),
+# the knobs a run times every combination of: default values (the fastest form measured, run 100),
 # meaning (``step_chain``'s constexprs)
 VARIANTS = {
     "ring": ("3", "ring slots of 32 KiB (NBUF)"),
@@ -119,7 +120,7 @@ VARIANTS = {
     "pw": ("16", "positions a warp scores per step of the per-warp attention task: 8 or 16 (PW)"),
     "kvs": ("3", "slots of attention 4's K/V ring, 2 or 3 (KVS)"),
     "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
-    "xbf": ("0", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
+    "xbf": ("1", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
 }
 
