@@ -6,8 +6,8 @@
 # torch 2.13.0. Why this recipe: the full dependency set pulls a multi-GB CUDA torch 2.14.0 from
 # PyPI plus GPU-only kernel packages (flashinfer, tilelang, cutlass-dsl, ...) that cannot run on
 # a CPU machine anyway. Instead:
-#   1. torch==2.14.1 (same minor as vLLM's pin; pip on these machines takes it and its CUDA
-#      runtime wheels from local disk, no download),
+#   1. torch==2.14.1 (same minor as vLLM's pin; with its CUDA runtime wheels, about 3 GB, from
+#      PyPI or pip's cache),
 #   2. vllm==0.33.0 --no-deps (the real package from PyPI, one 336 MB wheel),
 #   3. every other requirement vLLM declares, read from its own metadata, except the
 #      GPU-kernel packages listed in GPU_ONLY (they are imported lazily by GPU code paths),
