@@ -95,7 +95,8 @@ A_H2 = gl.constexpr(A_H2_)
 LAYER_A = gl.constexpr(LAYER_A_)
 EPS = gl.constexpr(EPS_)
 SCALE = gl.constexpr(D_**-0.5)  # softmax scale
-NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+NCTR_ = 5  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+NCTR = gl.constexpr(NCTR_)
 # timeline events of a layer on a program (``--timeline``): stage entries, waits done, parts counted
 EVENTS = ("enter", "in_ready", "qkv_done", "qkv_ready", "attn_done", "heads_ready", "o_done", "o_ready",
           "gu_done", "gu_ready", "down_done", "qkv_staged", "attn_partial", "o_staged", "gu_staged",
@@ -203,21 +204,13 @@ def _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epo
     kv_lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     dcol: gl.constexpr = gl.SliceLayout(0, kv_lay)
     prow: gl.constexpr = gl.SliceLayout(1, kv_lay)
-    kvh = pid // NSPLIT
-    sp = pid % NSPLIT
+    kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
     d = gl.arange(0, D, layout=dcol)
     pp = gl.arange(0, BLK, layout=prow)
-    span = ((ctx + NSPLIT - 1) // NSPLIT + BLK - 1) // BLK * BLK
-    start = sp * span
-    end = gl.minimum(start + span, ctx)
     head_k = kc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
     head_v = vc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
     last = sp == NSPLIT - 1
-    kn = _rope(act + QH * D + kvh * D, cs_ptr, d)
-    vn = gl.load(act + (QH + KVH) * D + kvh * D + d, cache_modifier=".cg")
-    if last:  # the new position into the cache (this step attends to it from registers)
-        gl.store(head_k + ctx * D + d, kn.to(gl.bfloat16))
-        gl.store(head_v + ctx * D + d, vn.to(gl.bfloat16))
+    kn, vn = _new_kv(act, kc_ptr, vc_ptr, cs_ptr, layer, kvh, ctx, maxctx, last, d)
     for h in gl.static_range(G):
         q = _rope(act + (kvh * G + h) * D, cs_ptr, d) * SCALE
         s_new = gl.sum(kn * q, axis=0)
@@ -296,7 +289,7 @@ def _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)  # k_width: bf16 elements per 32 bits
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
-    bl: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])  # [NW, 16, D]
+    bl: gl.constexpr = _tile_layout(NW)
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
     kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
     last = sp == NSPLIT - 1
@@ -405,20 +398,16 @@ def _stage_merged(xbuf, part_ptr, NSPLIT: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
-def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
-                    NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+def _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, NSPLIT: gl.constexpr,
+                    NW: gl.constexpr):  # fmt: skip
     """``_attend`` with the group's G query heads together: each K/V block is read once for all of
     them (a [G, BLK, D] product), the next block's loads are in flight while this one is scored,
-    and the last split merges all G heads in one pass ([NSPLIT, G, D])."""
+    and the caller's ``_merge_splits`` merges all G heads in one pass ([NSPLIT, G, D])."""
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, NW, 1], [2, 1, 0])  # [G, BLK, D]
     kv2: gl.constexpr = gl.SliceLayout(0, l3)  # [BLK, D]
     q2: gl.constexpr = gl.SliceLayout(1, l3)  # [G, D]
     s2: gl.constexpr = gl.SliceLayout(2, l3)  # [G, BLK]
-    kvh = pid // NSPLIT
-    sp = pid % NSPLIT
-    span = ((ctx + NSPLIT - 1) // NSPLIT + BLK - 1) // BLK * BLK
-    start = sp * span
-    end = gl.minimum(start + span, ctx)
+    kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
     head_k = kc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
     head_v = vc_ptr + (layer * KVH + kvh).to(gl.int64) * maxctx * D
     pk = gl.arange(0, BLK, layout=gl.SliceLayout(1, kv2))
@@ -467,11 +456,18 @@ def _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr, P: g
     tiles in ``_attend_warps``' layout, or (``MMA``) in 16-byte rows for ``_attend_mma`` to convert
     (consumed later: the loads are in flight meanwhile)."""
     if MMA:
-        t3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+        t3: gl.constexpr = _tile_layout(NW)
     else:
         t3: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0]))
     off, ok = _kv_offsets(layer, kvh, b, end, maxctx, NW, P, t3)
     return gl.load(kc_ptr + off, mask=ok, other=0.0), gl.load(vc_ptr + off, mask=ok, other=0.0)
+
+
+@gluon.constexpr_function
+def _tile_layout(NW):
+    """``_attend_mma``'s [NW, 16, D] K/V and q tiles in registers: 16-byte rows, a warp's 16
+    positions in its own lanes."""
+    return gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
@@ -491,9 +487,7 @@ def _kv_offsets(layer, kvh, b, end, maxctx, NW: gl.constexpr, P: gl.constexpr, t
 def _kv_copy(kvs, slot, kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr):
     """Start copying the [NW, 16, D] K and V tiles at ``b`` into ``kvs`` slot ``slot`` (one commit
     group; positions from ``end`` on are zero-filled)."""
-    off, ok = _kv_offsets(
-        layer, kvh, b, end, maxctx, NW, 16, gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
-    )
+    off, ok = _kv_offsets(layer, kvh, b, end, maxctx, NW, 16, _tile_layout(NW))
     async_copy.async_copy_global_to_shared(kvs.index(2 * slot), kc_ptr + off, mask=ok)
     async_copy.async_copy_global_to_shared(kvs.index(2 * slot + 1), vc_ptr + off, mask=ok)
     async_copy.commit_group()
@@ -508,8 +502,8 @@ def _kv_span(pid, ctx, NSPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx, kt, vt,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr, P: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
+def _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, NSPLIT: gl.constexpr,
+                  NW: gl.constexpr, P: gl.constexpr, DEPTH: gl.constexpr):  # fmt: skip
     """``_attend_grouped`` with each warp running its own online softmax over its own positions (a
     [NW, G, P, D] tile: every reduction stays inside a warp, every warp's loads are in flight at
     once) and one cross-warp merge at the end. ``kt``/``vt``: the first tile's K/V, issued by the
@@ -611,8 +605,7 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
     step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``LAY``: the
     GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``XBF``: the staged input
-    in bf16; ``PROF``: stamp ``EVENTS``
-    into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    in bf16; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
     if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
@@ -681,11 +674,11 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                             _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, k0, v0, ring,
                                         NSPLIT, NW, 0)  # fmt: skip
                         elif ATT == 2:
-                            _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
-                                          maxctx, kt, vt, NSPLIT, NW, PW, DEPTH)  # fmt: skip
+                            _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, NSPLIT,
+                                          NW, PW, DEPTH)  # fmt: skip
                         elif ATT == 1:
-                            _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx,
-                                            maxctx, NSPLIT, NW)  # fmt: skip
+                            _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, NSPLIT,
+                                            NW)  # fmt: skip
                         else:
                             _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
                                     NSPLIT, NW)  # fmt: skip
@@ -852,7 +845,7 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     vc[:, :, ctx] = 0
     act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
     part = torch.zeros(KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
-    ctr = torch.zeros(layers * 5, dtype=torch.int32, device=dev)
+    ctr = torch.zeros(layers * NCTR_, dtype=torch.int32, device=dev)
     hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
     epoch = torch.zeros(1, dtype=torch.int32, device=dev)
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
@@ -863,7 +856,7 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
                   PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
-        return {**cell, "error": "merge 1 needs attention 1, 2 or 3"}
+        return {**cell, "error": "merge 1 needs attention 1 to 4"}
     if v["attention"] >= 3 and v["pw"] != 16:  # its tiles are 16 positions a warp
         return {**cell, "error": "attention 3 and 4 need pw 16"}
     out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]

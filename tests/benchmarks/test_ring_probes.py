@@ -82,8 +82,8 @@ ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's 
 
 
 # the rings and attention tasks it times (the tensor-core ones with their 16-position warp steps, the
-# K/V ring's beside the 3-slot weight ring), every
-# knob (with 2 K/V tiles or 16-position steps, the pairings it times), and the stamped build
+# K/V ring's beside the 3-slot weight ring), every knob (with 2 K/V tiles or 16-position steps, the
+# pairings it times), and the stamped build
 @pytest.mark.parametrize(
     ("nbuf", "att", "knobs", "prof"),
     [(3, 0, {}, False), (5, 1, ALL_ON, False), (5, 2, ALL_ON | {"DEPTH": 2}, False),
@@ -100,18 +100,8 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
-    consts |= {
-        "ROT": 0,
-        "POLL": 0,
-        "EARLY": 0,
-        "GU": 0,
-        "MERGE": 0,
-        "DEPTH": 1,
-        "PW": 8,
-        "KVS": 0,
-        "LAY": 0,
-        "XBF": 0,
-    } | knobs
+    off = {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0, "XBF": 0}
+    consts |= off | knobs
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
