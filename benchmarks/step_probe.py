@@ -933,19 +933,31 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
     return out
 
 
+def _ints(text: str) -> list[int]:
+    """argparse type: comma-separated non-negative integers (anything else: argparse's one line)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"negative value in {text!r}")
+    return values
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--contexts", type=_ints, default="1024,8192,32768")
     for knob, (default, what) in VARIANTS.items():
-        ap.add_argument(f"--{knob}", default=default, help=f"{what} (comma-separated values to time)")
+        ap.add_argument(f"--{knob}", type=_ints, default=default, help=f"{what} (comma-separated values to time)")
     ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
-    ints = lambda v: [int(c) for c in v.split(",")]  # noqa: E731
-    variants = {knob: ints(getattr(a, knob)) for knob in VARIANTS}
-    res = run(a.layers, ints(a.contexts), variants, a.reps, a.timeline)
+    if max(a.attention) >= len(ATTENTION):
+        ap.error(f"argument --attention: {max(a.attention)} is not one of 0-{len(ATTENTION) - 1}")
+    variants = {knob: getattr(a, knob) for knob in VARIANTS}
+    res = run(a.layers, a.contexts, variants, a.reps, a.timeline)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))

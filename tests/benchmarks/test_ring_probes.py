@@ -7,6 +7,7 @@ loader probe's four kernels (``cp.async``, TMA, TMA from a loader warp of its ow
 the schedule compiled in) and the step probe's kernel compile for sm_90 at the probes' default
 ring sizes; ptxas reports no spills and the shared memory fits one program per SM (a loader ring
 of 7 slots does not: 262148 bytes). The probes check their own output against torch on the GPU.
+The step probe's command line refuses garbage in one line before any GPU work.
 """
 
 from __future__ import annotations
@@ -106,3 +107,22 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--ring", "3,x"], "--ring: not comma-separated integers: '3,x'"),
+     (["--attention", "9"], "--attention: 9 is not one of 0-4"),
+     (["--contexts", "-1"], "--contexts: negative value in '-1'")],
+)  # fmt: skip
+def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
+    """The step probe's command line: garbage ends in argparse's one error line (exit 2) before any
+    GPU work, not a traceback."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_probe.py"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(says), done.stderr
