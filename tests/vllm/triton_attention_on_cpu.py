@@ -87,10 +87,12 @@ def enable() -> None:
     import triton
     import triton.language as tl
 
+    from monodecode.kernels.triton.interpret import skip_nested_lang_patches
     from monodecode.vllm_plugin.serving import serve_settings
 
     os.environ.update(serve_settings("rocm", ATTENTION).env)
     _interpreter_dot_widens_bf16()
+    skip_nested_lang_patches()
     import vllm.triton_utils as triton_utils
 
     triton_utils.triton, triton_utils.tl, triton_utils.HAS_TRITON = triton, tl, True
