@@ -28,7 +28,6 @@ except importlib.metadata.PackageNotFoundError:
 SERIAL_GROUP = "e2e-docker"
 SERIAL_MODULES = frozenset(
     {
-        "tests/e2e/test_drain_e2e.py",
         "tests/e2e/test_serve_e2e.py",
         "tests/ops/test_build_cli.py",
         "tests/ops/test_build_outputs.py",

@@ -214,14 +214,15 @@ def test_promtool_unit_tests_catch_a_broken_rule(tmp_path, what, good, bad, case
     (tmp_path / RULES.name).write_text(text.replace(good, bad))
     check = subprocess.run([promtool(), "check", "rules", str(tmp_path / RULES.name)], capture_output=True, text=True)
     assert check.returncode == 0, f"{what}: the broken rules do not even load: {check.stdout}{check.stderr}"
+    # only the groups named like the case (promtool spends about 9 s of CPU on all 26 groups)
     for t in RULE_TESTS:
-        shutil.copy(t, tmp_path / "tests" / t.name)
-    proc = subprocess.run(
-        [promtool(), "test", "rules", *[str(tmp_path / "tests" / t.name) for t in RULE_TESTS]],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+        doc = yaml.safe_load(t.read_text())
+        doc["tests"] = [g for g in doc["tests"] if case in g.get("name", "")]
+        if doc["tests"]:
+            (tmp_path / "tests" / t.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+    picked = sorted((tmp_path / "tests").iterdir())
+    assert picked, f"{what}: no unit test group is named like {case!r}"
+    proc = subprocess.run([promtool(), "test", "rules", *map(str, picked)], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0, f"{what}: the unit tests still pass"
     failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip().startswith("name:")]
     assert any(case in line for line in failed), f"{what}: expected {case!r} to fail, failed: {failed}"

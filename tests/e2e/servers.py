@@ -55,7 +55,8 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """One ``vllm serve`` of the tiny model; ``mono`` is the ``monodecode`` section (None: not given)."""
+    """One ``vllm serve`` of the tiny model; ``mono`` is the ``monodecode`` section (None: not given),
+    ``extra_args`` more ``vllm serve`` options."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class VllmServer:
         cpu: str = "0",
         env: dict[str, str] | None = None,
         max_num_seqs: int = 8,
+        extra_args: list[str] | None = None,
     ):
         self.name = name
         self.dir = workdir / name
@@ -82,6 +84,7 @@ class VllmServer:
         if not eager:
             self.argv.append("--compile")
         self.argv += ["--", "--max-num-seqs", str(max_num_seqs), "--seed", "0", "--disable-log-stats"]
+        self.argv += extra_args or []  # vllm serve's; after serve_cpu.py's own, so they win
         mp_dir = self.dir / "prometheus-multiproc"
         mp_dir.mkdir(exist_ok=True)
         for f in mp_dir.iterdir():

@@ -3,16 +3,20 @@
 
 Servers (started side by side once per module, eager unless said otherwise):
 
-- ``stock``: no monodecode config: the reference every continuation is re-scored against;
+- ``stock``: no monodecode config: the reference every continuation is re-scored against; it
+  takes the chart's drain (``--shutdown-timeout``), and the last tests SIGTERM it;
 - ``compiled``: stock with vLLM's default compilation (inductor): stock compiled vs stock eager is
-  the noise floor of the re-scoring check;
+  the noise floor of the re-scoring check; with vLLM's default drain (none) and room for a long
+  completion, for the last test, which SIGTERMs it too;
 - ``mono``: mono decode on (``on_refusal: raise``, widths 1, 2, 4) with the plugin's CPU attention
   backend / KV layout pair;
 - ``wrong_kv``: as ``mono``, with a test-only fault that reads K in the wrong layout (kv_fault/);
 - ``drill``: mono decode on (``on_refusal: degrade``, one fail-stop allowed) with
   ``MONODECODE_FAULT=stall``; its test then restarts it, which must serve degraded.
 
-All go through scripts/serve_cpu.py, the launcher of the README's ``make serve``.
+All go through scripts/serve_cpu.py, the launcher of the README's ``make serve``. The drain tests
+share the fleet's stock servers instead of starting two of their own (a server start costs about
+80 s of CPU here).
 
 What each test guards is in its docstring; measured numbers go to ``MEASURED`` (printed at the
 end of the run by tests/conftest.py).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -53,6 +58,12 @@ OPS = Path(sys.executable).parent / "monodecode-ops"
 KV_FAULT = Path(__file__).parent / "kv_fault"  # a sitecustomize that makes mono decode misread K
 STALL_STEP = 6  # the fail-stop drill stalls this mono step
 DRILL_CONFIG = {"max_failstops": 1, "wait_timeout_s": 2.0, "on_refusal": "degrade"}
+DRAIN_TOKENS = 300  # long enough to still be decoding when SIGTERM arrives
+# The cut-off case asks for most of the tiny model's 4096 positions (its server's context raised
+# from serve_cpu.py's 512): on 2 busy cores (a test on the other pytest worker) the client once
+# read its 5th chunk only after the server had produced all 300 tokens, so SIGTERM found nothing
+# in flight to cut.
+ABORT_TOKENS = 3500
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +85,25 @@ def mono_config(tmp: Path, **extra) -> dict:
     }
 
 
+def chart_drain_args(tmp_path) -> list[str]:
+    """`--shutdown-timeout N` as the chart renders it by default."""
+    sys.path.insert(0, str(REPO / "tests" / "helm"))
+    from test_helm_chart import arg_after, one, render
+
+    args = one(render(tmp_path, {}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    return ["--shutdown-timeout", arg_after(args, "--shutdown-timeout")]
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("serve")
     fault_path = os.pathsep.join(filter(None, [str(KV_FAULT), os.environ.get("PYTHONPATH")]))
     servers = {
-        "stock": VllmServer("stock", tmp, cpu="0"),
+        "stock": VllmServer("stock", tmp, cpu="0", extra_args=chart_drain_args(tmp)),
         # the shadow check on: every 8th mono step one layer is recomputed by vLLM's own layer
         "mono": VllmServer("mono", tmp, cpu="1", mono=mono_config(tmp / "mono", shadow_check_every=8)),
-        "compiled": VllmServer("compiled", tmp, cpu="0", eager=False),
+        # the last one counts: room for ABORT_TOKENS
+        "compiled": VllmServer("compiled", tmp, cpu="0", eager=False, extra_args=["--max-model-len", "4096"]),
         "wrong_kv": VllmServer(
             "wrong-kv",
             tmp,
@@ -548,3 +569,71 @@ def test_failstop_drill_stops_the_server_and_a_restart_serves_degraded(fleet, tm
         again.stop()
     # last, so a wrong exit status does not hide what the checks above found
     assert code == 70, f"vllm serve exited with {code} after the fail-stop, not 70\n{drill.tail(1500)}"
+
+
+# ---- drain (last: these stop the stock servers) ----------------------------------------------
+
+
+def stream_then_sigterm(server: VllmServer, max_tokens: int = DRAIN_TOKENS) -> dict:
+    """Stream one completion; after its first tokens, SIGTERM the API server process (the
+    container's PID 1), then try a new request while it drains."""
+    from openai import OpenAI
+
+    # a cut-off stream just stops: 30 s without a chunk ends the wait (the drain case takes ~10 s)
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=30, max_retries=0)
+    # "chunks" counts stream chunks (a loaded server may put several tokens in one); "tokens" is the
+    # server's own count from the closing usage chunk, which only a finished stream carries
+    out = {"chunks": 0, "tokens": None, "finish_reason": None, "error": None, "new_request": None}
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    signalled = threading.Event()
+    try:
+        for chunk in stream:
+            if chunk.usage is not None:
+                out["tokens"] = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            out["chunks"] += 1
+            out["finish_reason"] = chunk.choices[0].finish_reason or out["finish_reason"]
+            if out["chunks"] == 5 and not signalled.is_set():
+                server.proc.send_signal(signal.SIGTERM)
+                signalled.set()
+                time.sleep(0.5)
+                try:
+                    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+                    out["new_request"] = "served"
+                except Exception as e:  # refused or connection error: either way not served
+                    out["new_request"] = type(e).__name__
+    except Exception as e:
+        out["error"] = type(e).__name__
+    return out
+
+
+def test_sigterm_drains_the_request_in_flight_with_the_charts_timeout(fleet):
+    """The chart's drain on a real `vllm serve`: SIGTERM, as the kubelet sends it to the
+    container's PID 1 after the preStop hook, lets the completion in flight finish with
+    `--shutdown-timeout` set to the chart's lifecycle.drainSeconds, and refuses new requests
+    meanwhile."""
+    result = stream_then_sigterm(fleet["stock"])
+    assert result["error"] is None and result["finish_reason"] == "length", result
+    assert result["tokens"] == DRAIN_TOKENS, result
+    assert result["new_request"] != "served", "a draining server took a new request"
+    assert fleet["stock"].wait_exit(60) is not None
+    print(f"drained: {result}")
+
+
+def test_without_a_drain_timeout_sigterm_cuts_the_request_off(fleet):
+    """With vLLM's default (the chart's drain off: drainSeconds 0) the same completion is cut off."""
+    result = stream_then_sigterm(fleet["compiled"], ABORT_TOKENS)
+    # cut off: the stream just stops (no usage chunk), or, on a loaded server, vLLM closes it as
+    # aborted with a usage chunk of fewer tokens than asked for; never the full completion
+    cut = result["tokens"] is None or result["tokens"] < ABORT_TOKENS
+    assert result["finish_reason"] != "length" and cut, result
+    print(f"aborted: {result}")
