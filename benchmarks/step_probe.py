@@ -16,6 +16,9 @@ slots filled by ``cp.async`` (``loader_probe``'s fastest form), always ``ring - 
 the compute, across every wait and the attention task: while a program waits for QKV, attends
 and waits for the merges, its first o_proj and gate/up chunks are already on chip. Stages wait on
 completion counters (one count per program, or per merged KV head), as the kernels' mailbox does.
+``--tma 1`` fills the same slots by TMA instead: one [16, 4, 256] box a chunk on the slot's
+mbarrier, one instruction where cp.async takes 2048 (the lever the run-97 instruction count
+points at; compile-checked, not yet timed).
 
 The attention task comes in five forms (``ATTENTION``, runs 86-96): one query head after another;
 the group's heads together; each warp its own online softmax over its own positions; that on
@@ -51,6 +54,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path[:0] = [
     str(Path(__file__).resolve().parents[1]),
@@ -64,6 +69,7 @@ from loader_probe import _epoch_target, _wait  # noqa: E402
 # Llama-3-1B
 H_, I_, QH_, KVH_, D_ = 2048, 8192, 32, 8, 64
 ROWS_, BK_, BLK_ = 16, 1024, 64  # a weight chunk: 16 rows x 1024 columns (32 KiB); 64 positions a KV block
+TB_ = 256  # ``TMA`` 1: a chunk is one [16, 4, 256] box (TMA's boxes are at most 256 elements a side)
 QKV_ = (QH_ + 2 * KVH_) * D_
 EPS_ = 1e-5  # RMSNorm's epsilon, the kernel's and the reference's
 HIDDEN = gl.constexpr(H_)
@@ -75,6 +81,7 @@ G = gl.constexpr(QH_ // KVH_)
 ROWS = gl.constexpr(ROWS_)
 BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
+TB = gl.constexpr(TB_)
 XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
 # a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
 OFF_O_ = QKV_ * H_
@@ -123,7 +130,23 @@ VARIANTS = {
     "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
     "xbf": ("1", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
+    "tma": ("0", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
 }
+# TMA 1: the weights as boxes of a chunk's 16 rows x 4 blocks x 256 columns, unswizzled, so a slot
+# holds the same bytes in the same order as cp.async leaves them
+TMA_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+
+
+def weight_descriptors(w: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """``TMA`` 1's views of every layer's weights: rows of ``HIDDEN`` columns (qkv, o_proj,
+    gate/up) and rows of ``INTER`` (down), each row as blocks of ``TB`` (a layer's weights and every
+    stage's offset are whole rows of both)."""
+    assert LAYER_W_ % I_ == 0 and OFF_D_ % I_ == 0 and OFF_D_ % H_ == 0
+    box = [ROWS_, BK_ // TB_, TB_]
+    return (
+        TensorDescriptor.from_tensor(w.view(-1, H_ // TB_, TB_), box, TMA_LAYOUT),
+        TensorDescriptor.from_tensor(w.view(-1, I_ // TB_, TB_), box, TMA_LAYOUT),
+    )
 
 
 @gluon.jit
@@ -156,6 +179,26 @@ def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr
     m = ok & (rr[:, None] >= 0) & (cc[None, :] >= 0)
     async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=m)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
+               NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
+    """``_issue`` by TMA: chunk ``i`` as one box on its slot's barrier (one instruction, where
+    cp.async takes 2048). A chunk past the end or the tiles copies nothing and arrives on the
+    barrier itself, so every slot completes one phase per chunk and the waits stay in step."""
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+    tile = pid + j * NPROG
+    ok = (i < total) & (tile < tiles)
+    skip = (i >= total) | (tile >= tiles)
+    bar = bars.index(i % NBUF)
+    row = layer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
+    mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
+    if s == 3:
+        tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+    else:
+        tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+    mbarrier.arrive(bar, pred=skip)
 
 
 @gluon.jit
@@ -583,12 +626,12 @@ def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
 
 
 @gluon.jit
-def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr, hctr_ptr,
-               epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
+def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr,
+               hctr_ptr, epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
                MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, XBF: gl.constexpr,
-               PROF: gl.constexpr,
+               TMA: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
     residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
@@ -605,7 +648,8 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     every head as they stage their input (``_stage_merged``); ``PW``: positions a warp scores per
     step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``LAY``: the
     GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``XBF``: the staged input
-    in bf16; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    in bf16; ``TMA``: the weight ring filled by TMA from ``wh_desc``/``wi_desc`` (``weight_descriptors``)
+    instead of cp.async from ``w_ptr``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residual is ``act[L - 1, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
     if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
@@ -621,7 +665,18 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     C2: gl.constexpr = T1 * (HIDDEN // BK)
     C: gl.constexpr = C0 + 2 + C2 + INTER // BK
     total = L * C
-    ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
+    if TMA:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
+        boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
+        ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+        bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NBUF):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+    else:
+        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+        boxes = ring
+        bars = ring
     if ATT == 4:  # the attention task's K/V ring: KVS slots of a [NW, 16, D] K tile and its V tile
         kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0]))
     else:
@@ -637,7 +692,10 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+        if TMA:
+            _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
+        else:
+            _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
     acc = gl.zeros([ROWS, BK], gl.float32, lay)
     rstd = 1.0
     kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, False)  # no bytes: all masked
@@ -720,14 +778,23 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                 gl.thread_barrier()
                 _stamp(ts_ptr, layer, pid, gl.where(s == 0, 11, 12 + s), NPROG, PROF)
             acc = gl.zeros([ROWS, BK], gl.float32, lay)
-        async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
+        if TMA:  # chunk i is its slot's (i // NBUF)-th phase
+            mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
+        else:
+            async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
-            _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+            if TMA:
+                _issue_tma(boxes, bars, wh_desc, wi_desc, i + NBUF - 1, total, pid, C, C0, C2, NPROG, NBUF, ROT)
+            else:
+                _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
         acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
-            _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+            if TMA:
+                _issue_tma(boxes, bars, wh_desc, wi_desc, i + NBUF - 1, total, pid, C, C0, C2, NPROG, NBUF, ROT)
+            else:
+                _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
         if kq == nk - 1:  # the task's rows are done
             y = gl.sum(acc, axis=1)
             rows = tile * ROWS + ry
@@ -753,6 +820,9 @@ def step_chain(w_ptr, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr
                 gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(ts_ptr, layer, pid, 2 + 2 * s + (s > 0).to(gl.int32) * 2, NPROG, PROF)
     async_copy.wait_group(0)
+    if TMA:  # every chunk's phase was waited for in the loop: none is in flight
+        for b in gl.static_range(NBUF):
+            mbarrier.invalidate(bars.index(b))
     gl.atomic_add(epoch_ptr, 1, sem="relaxed", scope="gpu")
 
 
@@ -849,10 +919,10 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
     hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
     epoch = torch.zeros(1, dtype=torch.int32, device=dev)
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
-    args = (w, gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
+    args = (w, *weight_descriptors(w), gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"],
+                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"], TMA=v["tma"],
                   PROF=False, NW=8)  # fmt: skip
     cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
     if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
