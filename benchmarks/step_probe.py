@@ -132,6 +132,7 @@ VARIANTS = {
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
     "tma": ("0", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
 }
+SWITCHES = ("rot", "poll", "early", "gu", "lay", "xbf", "merge", "tma")  # the knobs that are off (0) or on (1)
 # TMA 1: the weights as boxes of a chunk's 16 rows x 4 blocks x 256 columns, unswizzled, so a slot
 # holds the same bytes in the same order as cp.async leaves them
 TMA_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
@@ -1026,6 +1027,9 @@ def main() -> None:
     a = ap.parse_args()
     if max(a.attention) >= len(ATTENTION):
         ap.error(f"argument --attention: {max(a.attention)} is not one of 0-{len(ATTENTION) - 1}")
+    for knob in SWITCHES:
+        if max(getattr(a, knob)) > 1:
+            ap.error(f"argument --{knob}: {max(getattr(a, knob))} is not 0 (off) or 1 (on)")
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
     res = run(a.layers, a.contexts, variants, a.reps, a.timeline)
     if a.out:
