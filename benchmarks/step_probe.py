@@ -191,7 +191,6 @@ def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0
     layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
-    skip = (i >= total) | (tile >= tiles)
     bar = bars.index(i % NBUF)
     row = layer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
     mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
@@ -199,7 +198,17 @@ def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0
         tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
     else:
         tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
-    mbarrier.arrive(bar, pred=skip)
+    mbarrier.arrive(bar, pred=~ok)
+
+
+@gluon.jit
+def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr,
+            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
+    """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``."""
+    if TMA:
+        _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
+    else:
+        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
 
 
 @gluon.jit
@@ -693,10 +702,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        if TMA:
-            _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
-        else:
-            _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA)
     acc = gl.zeros([ROWS, BK], gl.float32, lay)
     rstd = 1.0
     kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, False)  # no bytes: all masked
@@ -785,17 +791,13 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
-            if TMA:
-                _issue_tma(boxes, bars, wh_desc, wi_desc, i + NBUF - 1, total, pid, C, C0, C2, NPROG, NBUF, ROT)
-            else:
-                _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
+                    ROT, TMA)  # fmt: skip
         acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
-            if TMA:
-                _issue_tma(boxes, bars, wh_desc, wi_desc, i + NBUF - 1, total, pid, C, C0, C2, NPROG, NBUF, ROT)
-            else:
-                _issue(ring, w_ptr, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
+                    ROT, TMA)  # fmt: skip
         if kq == nk - 1:  # the task's rows are done
             y = gl.sum(acc, axis=1)
             rows = tile * ROWS + ry
@@ -1028,8 +1030,8 @@ def main() -> None:
     if max(a.attention) >= len(ATTENTION):
         ap.error(f"argument --attention: {max(a.attention)} is not one of 0-{len(ATTENTION) - 1}")
     for knob in SWITCHES:
-        if max(getattr(a, knob)) > 1:
-            ap.error(f"argument --{knob}: {max(getattr(a, knob))} is not 0 (off) or 1 (on)")
+        if (top := max(getattr(a, knob))) > 1:
+            ap.error(f"argument --{knob}: {top} is not 0 (off) or 1 (on)")
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
     res = run(a.layers, a.contexts, variants, a.reps, a.timeline)
     if a.out:

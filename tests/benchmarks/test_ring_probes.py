@@ -105,8 +105,8 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     box = f"tensordesc<bf16[{probe.ROWS_}, {probe.BK_ // probe.TB_}, {probe.TB_}],{probe.TMA_LAYOUT!r}>"
     sig = {"w_ptr": sig.pop("w_ptr"), "wh_desc": box, "wi_desc": box} | sig  # the kernel's argument order
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
-    off = {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0, "XBF": 0}
-    off |= {"TMA": 0}
+    off = {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0, "XBF": 0,
+           "TMA": 0}  # fmt: skip
     consts |= off | knobs
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)

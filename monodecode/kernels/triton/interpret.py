@@ -21,9 +21,9 @@ def skip_nested_lang_patches() -> None:
     """Patch ``triton.language`` once per grid, not again at every nested ``@triton.jit`` call.
 
     Triton 3.6's interpreter re-patches the language modules on each device-function call: an
-    ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math`` and the tensor class, 37 % of an
-    interpreted K1/K2 layer's time (measured: two of test_triton_interpreter's runs took 33.6 s
-    before, 21.1 s with this). Inside a grid whose
+    ``inspect.getmembers`` over ``tl``, ``tl.core``, ``tl.math`` and the tensor class: 27.8 of 76 s
+    of two interpreted test_triton_interpreter runs under cProfile (on the 2-core host, those two
+    runs took 33.6 s before, 21-29 s with this, the spread being the host's). Inside a grid whose
     patch is live, the repeat installs the same wrappers over the same interpreter builder, so it
     is skipped; a nested call whose module sees a language module the grid did not patch still
     patches it, as before. The grid restores everything when it ends, as before.
@@ -36,7 +36,7 @@ def skip_nested_lang_patches() -> None:
 
     original = interp._patch_lang
     langs_of = (tl, tl.core)
-    live: list[frozenset[int]] = []  # the language modules the running grid has patched (one grid at a time)
+    patched: frozenset[int] | None = None  # the language modules the running grid has patched (one at a time)
     seen: dict[object, frozenset[int]] = {}  # a function's language modules (its globals' modules stay)
 
     def langs(fn) -> frozenset[int]:
@@ -45,18 +45,20 @@ def skip_nested_lang_patches() -> None:
         return seen[fn]
 
     def patch_lang(fn):
+        nonlocal patched
         wanted = langs(fn)
-        if live:  # a device-function call inside a running grid (the grid's own call comes first)
-            if wanted <= live[0]:
+        if patched is not None:  # a device-function call inside a running grid (its own call comes first)
+            if wanted <= patched:
                 return interp._LangPatchScope()  # nothing to undo: the grid's patch covers it
-            live[0] |= wanted
+            patched |= wanted
             return original(fn)
         scope = original(fn)
-        live.append(wanted)
+        patched = wanted
         restore = scope.restore
 
         def restore_and_end_grid() -> None:
-            live.clear()
+            nonlocal patched
+            patched = None
             restore()
 
         scope.restore = restore_and_end_grid
