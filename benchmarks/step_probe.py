@@ -1,4 +1,4 @@
-"""Issue 26's item 7 with a whole decoder layer: every stage of a batch-1 step in ONE launch (one GPU).
+"""Issue 26's item 7 with a whole decoder layer: every stage of a decode step in ONE launch (one GPU).
 
 ``loader_probe.py`` measured the weight ring on K2's chain alone (o_proj -> gate/up -> down). This
 probe runs Llama-3-1B's whole decoder layer the same way, ``--layers`` distinct layers in one
@@ -17,8 +17,13 @@ the compute, across every wait and the attention task: while a program waits for
 and waits for the merges, its first o_proj and gate/up chunks are already on chip. Stages wait on
 completion counters (one count per program, or per merged KV head), as the kernels' mailbox does.
 ``--tma 1`` fills the same slots by TMA instead: one [16, 4, 256] box a chunk on the slot's
-mbarrier, one instruction where cp.async takes 2048 (the lever the run-97 instruction count
-points at; compile-checked, not yet timed).
+mbarrier, one instruction where cp.async takes 2048 (run 101: 1-2 % faster, the default).
+
+``--batch`` decodes 1 to 8 rows at once, each with its own context (the served shape: several rows,
+thousands of positions). Above 1 it needs ``--mmav 1``: the GEMV on tensor cores, each warp's 128
+columns of a chunk as ``mma.sync`` W[16, 128] @ X[128, 8] (the rows padded to mma's 8 columns,
+the warps' products summed once a task), so a weight chunk costs the same instructions at every
+batch; the staged input, 8 rows of up to 8192 bf16, also holds the attention task's K/V ring.
 
 The attention task comes in five forms (``ATTENTION``, runs 86-96): one query head after another;
 the group's heads together; each warp its own online softmax over its own positions; that on
@@ -27,13 +32,14 @@ memory, the fastest (run 100: 1.12-1.14x the strongest stock at 1k-32k, with the
 in bf16). Each other choice the runs
 compared is a knob too (``VARIANTS``), so any two forms can be timed side by side.
 
-Not the product kernel: one shape (1B, batch 1), fp32 stage outputs, a contiguous cache, no health
-word, no fallbacks. It answers how far the one-launch design goes on the whole layer against
-issue 26's batch-1 target (1B at 1k: 0.70 of the read probe), side by side with the kernels and
-the strongest stock in the same device command.
+Not the product kernel: one shape (1B), every row at the same position, fp32 stage outputs, a
+contiguous cache, no health word, no fallbacks. It answers how far the one-launch design goes on
+the whole layer against issue 26's targets (1B at 1k: 0.70 of the read probe; >= 1.00x the
+strongest stock at batch 1-8), side by side with the kernels and the strongest stock in the same
+device command.
 
-Output checked against a torch fp32 reference of the same layer (relative error of the last
-layer's residual, and the new position's K/V in the cache).
+Output checked against a torch fp32 reference of the same layers, row by row (relative error of
+the last layer's residuals, and the new position's K/V in the cache).
 
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
 1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
@@ -83,6 +89,7 @@ BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
 TB = gl.constexpr(TB_)
 XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
+NPAD = gl.constexpr(8)  # ``MMAV`` 1: the rows padded to mma.sync's 8 columns (m16n8k16: W[16, K] @ X[K, 8])
 # a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
 OFF_O_ = QKV_ * H_
 OFF_GU_ = OFF_O_ + H_ * H_
@@ -120,7 +127,11 @@ VARIANTS = {
         "through a K/V ring in shared memory (ATT)",
     ),
     "rot": ("0", "K chunk order: 0 every task from chunk 0, 1 rotated by program (ROT)"),
-    "splits": ("16", "attention splits per KV head, 8 heads x splits <= SMs (NSPLIT)"),
+    "splits": (
+        "0",
+        "attention splits per KV head and row, batch x 8 heads x splits <= SMs; 0: the most that fit, a "
+        "power of two (16 at batch 1) (NSPLIT)",
+    ),
     "poll": ("0", "counter polls: 0 atomic, 1 ld.acquire (POLL)"),
     "early": ("1", "refill issued 0 after, 1 before a chunk's arithmetic (EARLY)"),
     "gu": ("1", "gate/up rows 0 as loaded, 1 interleaved by 8 with SiLU(g)*u in the task (GU)"),
@@ -130,9 +141,15 @@ VARIANTS = {
     "lay": ("0", "GEMV arithmetic: 0 two rows a warp over the whole chunk, 1 16 rows x 4 columns a thread (LAY)"),
     "xbf": ("1", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
-    "tma": ("0", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
+    "tma": ("1", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
+    "batch": ("1", "rows decoded at once, 1 to 8, each with its own context; above 1 needs mmav 1 (NB)"),
+    "mmav": (
+        "0",
+        "GEMV arithmetic: 0 FMA (batch 1), 1 tensor cores: each warp's 128 columns of a chunk as "
+        "mma.sync W[16, 128] @ X[128, 8], the rows padded to 8 columns (MMAV)",
+    ),
 }
-SWITCHES = ("rot", "poll", "early", "gu", "lay", "xbf", "merge", "tma")  # the knobs that are off (0) or on (1)
+SWITCHES = ("rot", "poll", "early", "gu", "lay", "xbf", "merge", "tma", "mmav")  # the knobs that are off (0) or on (1)
 # TMA 1: the weights as boxes of a chunk's 16 rows x 4 blocks x 256 columns, unswizzled, so a slot
 # holds the same bytes in the same order as cp.async leaves them
 TMA_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
@@ -172,12 +189,14 @@ def _chunk(i, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, ROT: gl.
 @gluon.jit
 def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
            NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
-    """Start copying chunk ``i`` into its ring slot (a zero-byte group past the end or the tiles)."""
+    """Start copying chunk ``i`` into its ring slot (a zero-byte group past the end or the tiles).
+    ``rr``/``cc``: each copied element's row and column in the chunk, broadcast to the slot's shape
+    ([ROWS, BK], or ``MMAV``'s [NW, ROWS, BK // NW] with the column block first)."""
     layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
-    off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr[:, None]).to(gl.int64) * kdim + k * BK + cc[None, :]
-    m = ok & (rr[:, None] >= 0) & (cc[None, :] >= 0)
+    off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
+    m = ok & (rr >= 0) & (cc >= 0)
     async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=m)
     async_copy.commit_group()
 
@@ -221,6 +240,56 @@ def _normed_input(xbuf, src, g_ptr, cf):
         ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
+
+
+@gluon.jit
+def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, NB: gl.constexpr, NORM: gl.constexpr,
+                NW: gl.constexpr):  # fmt: skip
+    """``MMAV`` 1's staging: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into
+    ``xbuf``'s last ``NCH`` chunks, each chunk as [NW column blocks, NPAD rows, BK // NW] (the
+    mma's X operand, rows past ``NB`` zero), times the norm weight ``g_ptr`` when ``NORM``.
+    Returns the rows' rstd ([NPAD], 1 past ``NB`` or without ``NORM``), which each output column
+    takes at the end."""
+    KW: gl.constexpr = BK // NW
+    st: gl.constexpr = _stage_layout(NW)
+    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
+    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
+    k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
+    ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
+    for c in gl.static_range(NCH):
+        col = c * BK + w3 * KW + k3  # [NW, 1, KW]
+        v = gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg")
+        if NORM:
+            ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
+            v = v * gl.load(g_ptr + col).to(gl.float32)
+        xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
+    if NORM:
+        return gl.rsqrt(ss / HIDDEN + EPS)
+    else:
+        return ss + 1.0
+
+
+@gluon.constexpr_function
+def _stage_layout(NW):
+    """``_stage_rows``' [NW, NPAD, BK // NW] tiles: 4 columns a thread, a warp's column block in its lanes."""
+    return gl.BlockedLayout([1, 1, 4], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _stage_rstd_layout(NW):
+    """The layout of ``_stage_rows``' [NPAD] rstd."""
+    return gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW)))
+
+
+@gluon.jit
+def _warps_summed(acc, red, NW: gl.constexpr):
+    """``MMAV`` 1's task result: the warps' [NW, ROWS, NPAD] partial products (each warp its own
+    column blocks) summed over the warps in fixed order through ``red`` -> [ROWS, NPAD]."""
+    gl.thread_barrier()  # every warp is past the task's last chunk (``red`` aliases staged input)
+    red.store(acc)
+    gl.thread_barrier()
+    rl: gl.constexpr = gl.BlockedLayout([NW, 1, 1], [1, 8, 4], [1, 2, 4], [2, 1, 0])  # warps in registers
+    return gl.sum(red.load(rl), axis=0)
 
 
 @gluon.jit
@@ -302,12 +371,12 @@ def _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epo
 
 
 @gluon.jit
-def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: gl.constexpr, NW: gl.constexpr):
-    """Count this split's partials of KV head ``kvh`` (stored by the caller); the head's last split
-    to arrive merges the group's partials in split order ([NSPLIT, G, D], one pass) into the
-    attention output and counts the head (release)."""
+def _merge_splits(act, part_ptr, hctr, done, epoch, kvh, NSPLIT: gl.constexpr, NW: gl.constexpr):
+    """Count this split's partials of KV head ``kvh`` (stored by the caller) on the head's counter
+    ``hctr``; the head's last split to arrive merges the group's partials in split order ([NSPLIT,
+    G, D], one pass) into the attention output and counts the head on ``done`` (release)."""
     gl.thread_barrier()
-    old = gl.atomic_add(hctr_ptr + layer * KVH + kvh, 1, sem="acq_rel", scope="gpu")
+    old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
     if old == epoch * NSPLIT - 1:  # the head's last split: merge the group's partials in split order
         # [NSPLIT, G, D], the splits in registers: the sums over them need no shared memory
         lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
@@ -325,7 +394,7 @@ def _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, kvh, NSPLIT: g
         go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
         gl.store(act + A_ATT + (kvh * G + go)[:, None] * D + d3[None, :], att)
         gl.thread_barrier()
-        gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
+        gl.atomic_add(done, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -636,18 +705,72 @@ def _stamp(ts_ptr, layer, pid, ev, NPROG: gl.constexpr, PROF: gl.constexpr):
 
 
 @gluon.jit
+def _store_row(y, rstd, gbuf, act, h_in, s, rows, tile, GU: gl.constexpr, hl: gl.constexpr):
+    """Batch 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
+    times rstd; o_proj plus the residual; gate/up times rstd (``GU`` 1: the tile's 8 gate then 8
+    up rows -> 8 SiLU(g)·u, through ``gbuf``); down plus the residual."""
+    if s == 0:
+        gl.store(act + rows, y * rstd)
+    elif s == 1:
+        gl.store(act + A_H1 + rows, y + gl.load(h_in + rows, cache_modifier=".cg"))
+    elif s == 2:
+        if GU == 1:
+            gbuf.store(y * rstd)
+            gl.thread_barrier()
+            gv = gbuf.slice(0, ROWS // 2).load(hl)
+            uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
+            hh = gl.arange(0, ROWS // 2, layout=hl)
+            gl.store(act + A_GU + tile * (ROWS // 2) + hh, gv / (1.0 + gl.exp(-gv)) * uv)
+        else:
+            gl.store(act + A_GU + rows, y * rstd)
+    else:
+        gl.store(act + A_H2 + rows, y + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+
+
+@gluon.jit
+def _store_rows(y, rstd, gbuf, act, h_in, hs, s, tile, tiles, NB: gl.constexpr, NW: gl.constexpr):
+    """``_store_row`` for ``MMAV`` 1's [ROWS, NPAD] result: column b is row b's (rows ``LAYER_A``
+    apart in ``act``, ``hs`` apart in ``h_in``; columns from ``NB`` on are padding). Gate/up's
+    rows as ``GU`` 1 has them."""
+    yl: gl.constexpr = y.type.layout
+    yr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, yl))
+    yb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, yl))
+    rows = tile * ROWS + yr[:, None]
+    ok = (yb[None, :] < NB) & (tile < tiles) & (rows >= 0)
+    a = act + yb[None, :] * LAYER_A
+    rs = gl.convert_layout(rstd, gl.SliceLayout(0, yl))[None, :]
+    if s == 0:
+        gl.store(a + rows, y * rs, mask=ok)
+    elif s == 1:
+        gl.store(a + A_H1 + rows, y + gl.load(h_in + yb[None, :] * hs + rows, mask=ok, cache_modifier=".cg"), mask=ok)
+    elif s == 2:  # the tile's 8 gate rows, then their 8 up rows -> 8 SiLU(g)·u a row
+        gbuf.store(y * rs)
+        gl.thread_barrier()
+        hl: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [2, NW // 2], [1, 0])  # [ROWS // 2, NPAD]
+        gv = gbuf.slice(0, ROWS // 2).load(hl)
+        uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
+        hh = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, hl))[:, None]
+        hb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, hl))[None, :]
+        gl.store(act + hb * LAYER_A + A_GU + tile * (ROWS // 2) + hh, gv / (1.0 + gl.exp(-gv)) * uv,
+                 mask=(hb < NB) & (tile < tiles) & (hh >= 0))  # fmt: skip
+    else:
+        gl.store(a + A_H2 + rows, y + gl.load(a + A_H1 + rows, mask=ok, cache_modifier=".cg"), mask=ok)
+
+
+@gluon.jit
 def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr,
                hctr_ptr, epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
                MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, XBF: gl.constexpr,
-               TMA: gl.constexpr, PROF: gl.constexpr,
+               TMA: gl.constexpr, NB: gl.constexpr, MMAV: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
-    """One batch-1 decode step of ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``: the step's
-    residual input (fp32 [HIDDEN]); ``act_ptr``: fp32 [L, LAYER_A]; ``kc_ptr``/``vc_ptr``: bf16
-    [L, KVH, maxctx, D] holding ``ctx`` positions (the step writes position ``ctx``);
-    ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32 [KVH, NSPLIT, G, D + 2];
-    counters int32 [L, NCTR] and [L, KVH]; ``epoch_ptr``: the launch counter (targets never reset).
+    """One decode step of ``NB`` rows through ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``:
+    the step's residual input (fp32 [NB, HIDDEN]); ``act_ptr``: fp32 [L, NB, LAYER_A];
+    ``kc_ptr``/``vc_ptr``: bf16 [L, NB, KVH, maxctx, D], each row holding ``ctx`` positions (the
+    step writes position ``ctx``); ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32
+    [NB, KVH, NSPLIT, G, D + 2]; counters int32 [L, NCTR] and [L, NB, KVH]; ``epoch_ptr``: the launch
+    counter (targets never reset). The attention tasks: one per row, KV head and split.
     ``ATT``: 0 ``_attend``, 1 ``_attend_grouped``, 2 ``_attend_warps``, 3 ``_attend_mma`` (``PW`` 16),
     4 the same through a shared-memory K/V ring; ``ROT``: see ``_chunk``;
     ``POLL``: see ``_wait_for``; ``EARLY``: a chunk's refill issued before its arithmetic (one CTA
@@ -659,8 +782,10 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     step of ``_attend_warps``; ``KVS``: ``_attend_mma``'s K/V ring slots (``ATT`` 4); ``LAY``: the
     GEMV arithmetic's layout (1: a thread holds all 16 rows of 4 columns); ``XBF``: the staged input
     in bf16; ``TMA``: the weight ring filled by TMA from ``wh_desc``/``wi_desc`` (``weight_descriptors``)
-    instead of cp.async from ``w_ptr``; ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
-    The last layer's output residual is ``act[L - 1, A_H2:]``."""
+    instead of cp.async from ``w_ptr``; ``MMAV``: the GEMV on tensor cores (each warp's 128 columns of
+    a chunk as ``mma.sync`` W[16, 128] @ X[128, NPAD], the warps' products summed at the task's end;
+    ``NB`` above 1 needs it); ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    The last layer's output residuals are ``act[L - 1, :, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
     if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
         lay: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [1, NW], [1, 0])
@@ -668,6 +793,11 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         lay: gl.constexpr = cp_lay
     col: gl.constexpr = gl.SliceLayout(0, lay)
     row: gl.constexpr = gl.SliceLayout(1, lay)
+    KW: gl.constexpr = BK // NW  # ``MMAV``: a warp's column block of a chunk
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)  # k_width: bf16 elements per 32 bits
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])  # 16-byte columns XOR row: ldmatrix's rows
     pid = gl.program_id(0)
     target = _epoch_target(epoch_ptr, NPROG)
     epoch = target // NPROG
@@ -683,36 +813,68 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         for b in gl.static_range(NBUF):
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
+    elif MMAV:  # a slot as [NW column blocks, ROWS, KW]: warp w's A operand is block w
+        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, NW, ROWS, KW], mma_sw)
+        boxes = ring
+        bars = ring
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
         boxes = ring
         bars = ring
-    if ATT == 4:  # the attention task's K/V ring: KVS slots of a [NW, 16, D] K tile and its V tile
-        kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0]))
-    else:
-        kvs = ring
-    if XBF:  # the staged stage input in bf16 (as the kernels' mailbox holds it): half its loads
+    if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XMAX, NW, NPAD, KW], mma_sw)
+        # a task's products summed over the warps through the first chunk: stages of K = HIDDEN
+        # stage into the last chunks, and down (all chunks) has one task a program
+        red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        gbuf = gl.allocate_shared_memory(gl.float32, [ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    elif XBF:  # the staged stage input in bf16 (as the kernels' mailbox holds it): half its loads
         xbuf = gl.allocate_shared_memory(gl.bfloat16, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
+    if not MMAV:
+        gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
+        red = gbuf
+    if ATT == 4:  # the attention task's K/V ring: KVS slots of a [NW, 16, D] K tile and its V tile
+        if MMAV:  # in the staged input's first chunks (dead from QKV's end to o_proj's staging)
+            kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
+        else:
+            kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
+    else:
+        kvs = ring
     hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, cp_lay))
-    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, cp_lay))
+    if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
+        cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
+        rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
+        wc = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3)))
+        kc3 = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, cp3)))
+        cc = gl.expand_dims(gl.expand_dims(wc, 1), 2) * KW + gl.expand_dims(gl.expand_dims(kc3, 0), 0)
+    else:
+        rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, cp_lay))[:, None]
+        cc = gl.arange(0, BK, layout=gl.SliceLayout(0, cp_lay))[None, :]
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA)
-    acc = gl.zeros([ROWS, BK], gl.float32, lay)
-    rstd = 1.0
+    if MMAV:
+        acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+        rstd = gl.full([NPAD], 1.0, gl.float32, _stage_rstd_layout(NW))
+    else:
+        acc = gl.zeros([ROWS, BK], gl.float32, lay)
+        rstd = 1.0
+    # the attention task of this program (rows past NB * KVH * NSPLIT have none): its row, its
+    # cache's (layer, row) index less the layer's, its task within the row
+    arow = pid // (KVH * NSPLIT)
+    task = pid % (KVH * NSPLIT)
     kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, False)  # no bytes: all masked
     for i in range(total):
         layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
         tile = pid + j * NPROG
-        act = act_ptr + layer * LAYER_A
-        h_in = act_ptr + (layer - 1) * LAYER_A + A_H2
+        act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
+        h_in = act_ptr + (layer - 1) * (NB * LAYER_A) + A_H2  # the layer's input rows, hs apart
+        hs = gl.where(layer == 0, HIDDEN, LAYER_A)
         if layer == 0:
             h_in = x_ptr
+        cl = layer * NB + arow  # the attention task's cache: [L, NB] flattened
         if kq == 0:  # a task starts (the old sums are dead here, so not live across a stage's waits)
             if j == 0:  # a stage starts: wait for its input, stage it
                 if s == 0:
@@ -721,30 +883,34 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                         _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, POLL)
                     _stamp(ts_ptr, layer, pid, 1, NPROG, PROF)
                     if ATT == 2:  # the attention task's first K/V tile: in flight through the QKV stage
-                        if pid < KVH * NSPLIT:
-                            kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
-                            kt, vt = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, False)
+                        if pid < NB * KVH * NSPLIT:
+                            kvh, sp, start, end = _kv_span(task, ctx, NSPLIT)
+                            kt, vt = _kv_tiles(kc_ptr, vc_ptr, cl, kvh, start, end, maxctx, NW, PW, False)
                     gl.thread_barrier()
-                    rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
+                    if MMAV:
+                        rstd = _stage_rows(xbuf, h_in, hs, gin_ptr + layer * HIDDEN, HIDDEN // BK, NB, True, NW)
+                    else:
+                        rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
                 elif s == 1:
                     _wait_for(ctr_ptr + layer * NCTR, target, POLL)
                     _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
-                    if pid < KVH * NSPLIT:
+                    if pid < NB * KVH * NSPLIT:
+                        ab = act + arow * LAYER_A  # the task's row
+                        pb = part_ptr + arow * (KVH * NSPLIT * G * (D + 2))
                         if ATT == 4:
-                            _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, kvs,
-                                        NSPLIT, NW, KVS)  # fmt: skip
+                            _attend_mma(ab, kc_ptr, vc_ptr, cs_ptr, pb, cl, task, ctx, maxctx, kt, vt, kvs, NSPLIT, NW,
+                                        KVS)  # fmt: skip
                         elif ATT == 3:  # its first tile issued here (held through QKV, the tiles would spill)
-                            kvh, sp, start, end = _kv_span(pid, ctx, NSPLIT)
-                            k0, v0 = _kv_tiles(kc_ptr, vc_ptr, layer, kvh, start, end, maxctx, NW, PW, True)
-                            _attend_mma(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, k0, v0, ring,
-                                        NSPLIT, NW, 0)  # fmt: skip
+                            kvh, sp, start, end = _kv_span(task, ctx, NSPLIT)
+                            k0, v0 = _kv_tiles(kc_ptr, vc_ptr, cl, kvh, start, end, maxctx, NW, PW, True)
+                            _attend_mma(ab, kc_ptr, vc_ptr, cs_ptr, pb, cl, task, ctx, maxctx, k0, v0, ring, NSPLIT,
+                                        NW, 0)  # fmt: skip
                         elif ATT == 2:
-                            _attend_warps(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, kt, vt, NSPLIT,
-                                          NW, PW, DEPTH)  # fmt: skip
+                            _attend_warps(ab, kc_ptr, vc_ptr, cs_ptr, pb, cl, task, ctx, maxctx, kt, vt, NSPLIT, NW, PW,
+                                          DEPTH)  # fmt: skip
                         elif ATT == 1:
-                            _attend_grouped(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, layer, pid, ctx, maxctx, NSPLIT,
-                                            NW)  # fmt: skip
-                        else:
+                            _attend_grouped(ab, kc_ptr, vc_ptr, cs_ptr, pb, cl, task, ctx, maxctx, NSPLIT, NW)
+                        else:  # (batch 1)
                             _attend(act, kc_ptr, vc_ptr, cs_ptr, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid, ctx, maxctx,
                                     NSPLIT, NW)  # fmt: skip
                         _stamp(ts_ptr, layer, pid, 12, NPROG, PROF)
@@ -753,15 +919,18 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                                 gl.thread_barrier()
                                 gl.atomic_add(ctr_ptr + layer * NCTR + 1, 1, sem="release", scope="gpu")
                             else:
-                                _merge_splits(act, part_ptr, hctr_ptr, ctr_ptr, layer, epoch, pid // NSPLIT, NSPLIT, NW)
+                                _merge_splits(ab, pb, hctr_ptr + cl * KVH + task // NSPLIT, ctr_ptr + layer * NCTR + 1,
+                                              epoch, task // NSPLIT, NSPLIT, NW)  # fmt: skip
                     _stamp(ts_ptr, layer, pid, 4, NPROG, PROF)
                     if MERGE == 1:
                         _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH * NSPLIT, POLL)
                     else:
-                        _wait_for(ctr_ptr + layer * NCTR + 1, epoch * KVH, POLL)
+                        _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), POLL)
                     _stamp(ts_ptr, layer, pid, 5, NPROG, PROF)
                     gl.thread_barrier()
-                    if MERGE == 1:
+                    if MMAV:
+                        _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, NB, False, NW)
+                    elif MERGE == 1:
                         _stage_merged(xbuf, part_ptr, NSPLIT, NW)
                     else:
                         for c in gl.static_range(HIDDEN // BK):
@@ -770,12 +939,18 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                     _wait_for(ctr_ptr + layer * NCTR + 2, target, POLL)
                     _stamp(ts_ptr, layer, pid, 7, NPROG, PROF)
                     gl.thread_barrier()
-                    rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
+                    if MMAV:
+                        rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + layer * HIDDEN, HIDDEN // BK, NB, True,
+                                           NW)  # fmt: skip
+                    else:
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + layer * HIDDEN, cf)
                 else:
                     _wait_for(ctr_ptr + layer * NCTR + 3, target, POLL)
                     _stamp(ts_ptr, layer, pid, 9, NPROG, PROF)
                     gl.thread_barrier()
-                    for c in gl.static_range(INTER // BK):
+                    if MMAV:  # (gate/up's tasks stored SiLU(g)·u: ``GU`` 1)
+                        _stage_rows(xbuf, act + A_GU, LAYER_A, gin_ptr, INTER // BK, NB, False, NW)
+                    for c in gl.static_range(INTER // BK * (1 - MMAV)):
                         if GU == 1:  # the gate/up tasks stored SiLU(g)·u
                             xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(xbuf.dtype))
                         else:
@@ -784,7 +959,10 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                             xbuf.index(c).store((g / (1.0 + gl.exp(-g)) * u).to(xbuf.dtype))
                 gl.thread_barrier()
                 _stamp(ts_ptr, layer, pid, gl.where(s == 0, 11, 12 + s), NPROG, PROF)
-            acc = gl.zeros([ROWS, BK], gl.float32, lay)
+            if MMAV:
+                acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+            else:
+                acc = gl.zeros([ROWS, BK], gl.float32, lay)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
         else:
@@ -793,31 +971,21 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
                     ROT, TMA)  # fmt: skip
-        acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
+        if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
+            xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
+            acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
+        else:
+            acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
                     ROT, TMA)  # fmt: skip
         if kq == nk - 1:  # the task's rows are done
-            y = gl.sum(acc, axis=1)
-            rows = tile * ROWS + ry
-            if tile < tiles:
-                if s == 0:
-                    gl.store(act + rows, y * rstd)
-                elif s == 1:
-                    gl.store(act + A_H1 + rows, y + gl.load(h_in + rows, cache_modifier=".cg"))
-                elif s == 2:
-                    if GU == 1:  # rows: the tile's 8 gate rows, then their 8 up rows -> 8 SiLU(g)·u
-                        gbuf.store(y * rstd)
-                        gl.thread_barrier()
-                        gv = gbuf.slice(0, ROWS // 2).load(hl)
-                        uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
-                        hh = gl.arange(0, ROWS // 2, layout=hl)
-                        gl.store(act + A_GU + tile * (ROWS // 2) + hh, gv / (1.0 + gl.exp(-gv)) * uv)
-                    else:
-                        gl.store(act + A_GU + rows, y * rstd)
-                else:
-                    gl.store(act + A_H2 + rows, y + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+            if MMAV:
+                _store_rows(_warps_summed(acc, red, NW), rstd, gbuf, act, h_in, hs, s, tile, tiles, NB, NW)
+            else:
+                if tile < tiles:
+                    _store_row(gl.sum(acc, axis=1), rstd, gbuf, act, h_in, s, tile * ROWS + ry, tile, GU, hl)
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 2, T1 - 1, 0)):  # the program's part is stored
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
@@ -907,32 +1075,62 @@ def _timeline(ts: torch.Tensor, nattend: int) -> dict:
     return out
 
 
-def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps, timeline) -> dict:
+def splits_for(v: dict, nprog: int) -> int:
+    """The attention splits per KV head and row: ``v["splits"]``, or (0) the most a power of two
+    that gives every row's every split a program, at most 16."""
+    if v["splits"]:
+        return v["splits"]
+    n = 16
+    while n > 1 and v["batch"] * KVH_ * n > nprog:
+        n //= 2
+    return n
+
+
+def _refusal(v: dict, nsplit: int, nprog: int) -> str:
+    """Why the kernel cannot run variant ``v`` ('' when it can)."""
+    a = v["attention"]
+    why = [
+        (v["merge"] == 1 and a == 0, "merge 1 needs attention 1 to 4"),  # ``_attend`` merges inside
+        (a >= 3 and v["pw"] != 16, "attention 3 and 4 need pw 16"),  # their tiles are 16 positions a warp
+        (v["batch"] > 1 and not v["mmav"], "batch above 1 needs mmav 1"),
+        (v["batch"] > 1 and (a == 0 or v["merge"] == 1), "batch above 1 needs attention 1 to 4 and merge 0"),
+        (v["mmav"] == 1 and (v["tma"] == 1 or v["gu"] == 0), "mmav 1 needs tma 0 (a cp.async ring) and gu 1"),
+        (v["batch"] * KVH_ * nsplit > nprog, f"batch x {KVH_} heads x {nsplit} splits exceeds {nprog} programs"),
+    ]
+    return next((text for bad, text in why if bad), "")
+
+
+def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps,
+          timeline) -> dict:  # fmt: skip
     """One variant ``v`` (a value of each ``VARIANTS`` knob): checked against the reference, timed
     over graph replays, and (``timeline``) one stamped launch's per-stage spans. ``ws``: the
-    weights by ``gu`` (0 as loaded, 1 ``interleave_gate_up``)."""
+    weights by ``gu`` (0 as loaded, 1 ``interleave_gate_up``); ``x``, ``kc_all``, ``vc_all``,
+    ``want``, ``news``: every row's, of which the variant decodes its batch's first."""
     w = ws[v["gu"]]
     dev = w.device
-    nsplit = v["splits"]
-    kc[:, :, ctx] = 0  # the step writes this position: a variant must not pass on its predecessor's
-    vc[:, :, ctx] = 0
-    act = torch.zeros(layers * LAYER_A_, dtype=torch.float32, device=dev)
-    part = torch.zeros(KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
+    nb = v["batch"]
+    nsplit = splits_for(v, nprog)
+    cell = {"context": ctx, **v, "splits": nsplit, "attention": ATTENTION[v["attention"]]}
+    if why := _refusal(v, nsplit, nprog):
+        return {**cell, "error": why}
+    kc = kc_all[:, :nb].contiguous()  # [L, NB, KVH, maxctx, D]; the step writes position ctx
+    vc = vc_all[:, :nb].contiguous()
+    kc[:, :, :, ctx] = 0  # a variant must not pass on its predecessor's
+    vc[:, :, :, ctx] = 0
+    x = x[:nb].contiguous()
+    want = want[:nb]
+    act = torch.zeros(layers * nb * LAYER_A_, dtype=torch.float32, device=dev)
+    part = torch.zeros(nb * KVH_ * nsplit * (QH_ // KVH_) * (D_ + 2), dtype=torch.float32, device=dev)
     ctr = torch.zeros(layers * NCTR_, dtype=torch.int32, device=dev)
-    hctr = torch.zeros(layers * KVH_, dtype=torch.int32, device=dev)
+    hctr = torch.zeros(layers * nb * KVH_, dtype=torch.int32, device=dev)
     epoch = torch.zeros(1, dtype=torch.int32, device=dev)
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
-    args = (w, *weight_descriptors(w), gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[2])
+    args = (w, *weight_descriptors(w), gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[3])
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
-                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"], TMA=v["tma"],
-                  PROF=False, NW=8)  # fmt: skip
-    cell = {"context": ctx, **v, "attention": ATTENTION[v["attention"]]}
-    if v["merge"] == 1 and v["attention"] == 0:  # ``_attend`` merges inside: nothing would count the partials
-        return {**cell, "error": "merge 1 needs attention 1 to 4"}
-    if v["attention"] >= 3 and v["pw"] != 16:  # its tiles are 16 positions a warp
-        return {**cell, "error": "attention 3 and 4 need pw 16"}
-    out_res = act[(layers - 1) * LAYER_A_ + A_H2_ :][:H_]
+                  MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"], TMA=v["tma"], NB=nb,
+                  MMAV=v["mmav"], PROF=False, NW=8)  # fmt: skip
+    out_res = act.view(layers, nb, LAYER_A_)[-1, :, A_H2_ : A_H2_ + H_]
     try:
         step_chain[(nprog,)](*args, **consts, num_warps=8)
         torch.cuda.synchronize()
@@ -940,8 +1138,10 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
         return {**cell, "error": str(e).splitlines()[0][:200]}
     cell["rel_error"] = float((out_res - want).norm() / want.norm())
     cell["kv_rel_error"] = max(
-        float((kc[n, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm()) for n, (k, _) in enumerate(news)
-    )  # fmt: skip
+        float((kc[n, b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
+        for b in range(nb)
+        for n, (k, _) in enumerate(news[b])
+    )
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(20):  # what ``_replay_us`` divides by
@@ -957,7 +1157,7 @@ def _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v: dict
             torch.cuda.synchronize()
         except Exception as e:  # the stamps' registers or shared memory may not fit: one line, go on
             return {**cell, "timeline_error": str(e).splitlines()[0][:200]}
-        cell["timeline_us"] = _timeline(ts.view(layers, nprog, len(EVENTS)), KVH_ * nsplit)
+        cell["timeline_us"] = _timeline(ts.view(layers, nprog, len(EVENTS)), nb * KVH_ * nsplit)
         cell["rel_error_timeline_build"] = float((out_res - want).norm() / want.norm())
     return cell
 
@@ -968,9 +1168,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
 
     dev = torch.device("cuda")
     nprog = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert nprog >= H_ // ROWS_ and nprog >= KVH_ * max(variants["splits"]), (
-        "one o_proj/down tile, attention task a program"
-    )
+    assert nprog >= H_ // ROWS_, "one o_proj and one down tile a program"
     t0 = -(-(QKV_ // ROWS_) // nprog)
     t1 = -(-(2 * I_ // ROWS_) // nprog)
     torch.manual_seed(0)
@@ -982,7 +1180,8 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
         p[OFF_D_:].normal_(0, 0.5 * I_**-0.5)
     gin = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
     gpost = (1 + 0.1 * torch.randn(layers, H_, device=dev)).to(torch.bfloat16)
-    x = torch.randn(H_, device=dev)
+    rows = max(variants["batch"])
+    x = torch.randn(rows, H_, device=dev)  # each row its own residual and context
     ws = {0: w, 1: interleave_gate_up(w, layers) if 1 in variants["gu"] else None}
     probes = read_probes(dev)
     best = max(probes.values())
@@ -990,14 +1189,16 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
            "weight_bytes_per_layer": LAYER_W_ * 2, "read_probes_bytes_per_s": probes, "cells": []}  # fmt: skip
     for ctx in contexts:
         maxctx = ctx + 1
-        kc = torch.randn(layers, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
-        vc = torch.randn(layers, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
+        kc = torch.randn(layers, rows, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
+        vc = torch.randn(layers, rows, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
         cs = _cos_sin(ctx, dev)
-        want, news = reference(w, gin, gpost, x, kc, vc, cs, ctx, layers)
-        step_bytes = LAYER_W_ * 2 + 2 * KVH_ * (ctx + 1) * D_ * 2
+        refs = [reference(w, gin, gpost, x[b], kc[:, b], vc[:, b], cs, ctx, layers) for b in range(rows)]
+        want = torch.stack([h for h, _ in refs])
+        news = [n for _, n in refs]
         for combo in itertools.product(*variants.values()):
             v = dict(zip(variants, combo))
             cell = _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
+            step_bytes = LAYER_W_ * 2 + v["batch"] * 2 * KVH_ * (ctx + 1) * D_ * 2
             cell["fraction_of_probe"] = (
                 round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
             )
@@ -1032,6 +1233,8 @@ def main() -> None:
     for knob in SWITCHES:
         if (top := max(getattr(a, knob))) > 1:
             ap.error(f"argument --{knob}: {top} is not 0 (off) or 1 (on)")
+    if bad := [b for b in a.batch if not 1 <= b <= 8]:
+        ap.error(f"argument --batch: {bad[0]} is not 1 to 8 (mma.sync's 8 columns)")
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
     res = run(a.layers, a.contexts, variants, a.reps, a.timeline)
     if a.out:
