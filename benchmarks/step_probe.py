@@ -142,6 +142,7 @@ VARIANTS = {
     "xbf": ("1", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
     "tma": ("1", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
+    "pf": ("0", "chunks asked of L2 (prefetch.global.L2) ahead of the ring, so HBM streams through the waits (PF)"),
     "batch": ("1", "rows decoded at once, 1 to 8, each with its own context; above 1 needs mmav 1 (NB)"),
     "mmav": (
         "0",
@@ -222,12 +223,34 @@ def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0
 
 @gluon.jit
 def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr,
-            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
-    """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``."""
+            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr,
+            PF: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``; with
+    ``PF`` > 0, chunk ``i + PF`` into L2 (``_prefetch_l2``)."""
     if TMA:
         _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
     else:
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+    if PF > 0:
+        _prefetch_l2(w_ptr, i + PF, total, pid, C, C0, C2, NPROG, ROT, NW)
+
+
+@gluon.jit
+def _prefetch_l2(w_ptr, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, NPROG: gl.constexpr,
+                 ROT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Ask L2 for chunk ``i``'s 256 lines of 128 bytes (``prefetch.global.L2``, one line a thread
+    for 8 warps: no registers or shared memory held), so the ring's later refill of it reads L2
+    and HBM keeps streaming through the waits. Past the end or the tiles: nothing."""
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+    tile = pid + j * NPROG
+    ok = (i < total) & (tile < tiles)
+    LINES: gl.constexpr = ROWS * BK * 2 // 128
+    ln = gl.arange(0, LINES, layout=gl.BlockedLayout([LINES // (32 * NW)], [32], [NW], [0]))
+    off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + ln // (LINES // ROWS)).to(gl.int64) * kdim + k * BK
+    off += (ln % (LINES // ROWS)) * 64  # 64 bf16 a line
+    if ok:
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + off],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -763,7 +786,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
                MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, XBF: gl.constexpr,
-               TMA: gl.constexpr, NB: gl.constexpr, MMAV: gl.constexpr, PROF: gl.constexpr,
+               TMA: gl.constexpr, NB: gl.constexpr, MMAV: gl.constexpr, PF: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
     """One decode step of ``NB`` rows through ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``:
     the step's residual input (fp32 [NB, HIDDEN]); ``act_ptr``: fp32 [L, NB, LAYER_A];
@@ -784,7 +807,8 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     in bf16; ``TMA``: the weight ring filled by TMA from ``wh_desc``/``wi_desc`` (``weight_descriptors``)
     instead of cp.async from ``w_ptr``; ``MMAV``: the GEMV on tensor cores (each warp's 128 columns of
     a chunk as ``mma.sync`` W[16, 128] @ X[128, NPAD], the warps' products summed at the task's end;
-    ``NB`` above 1 needs it); ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    ``NB`` above 1 needs it); ``PF``: chunks asked of L2 ahead of the ring (``_prefetch_l2``), so the
+    weight stream runs on through the waits (the attention section above all); ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residuals are ``act[L - 1, :, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
     if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
@@ -854,7 +878,10 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA)
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA, 0,
+                NW)  # fmt: skip
+    for i in range(NBUF - 1, NBUF - 1 + PF):  # the L2 window's start; each refill extends it by one chunk
+        _prefetch_l2(w_ptr, i, total, pid, C, C0, C2, NPROG, ROT, NW)
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         rstd = gl.full([NPAD], 1.0, gl.float32, _stage_rstd_layout(NW))
@@ -970,7 +997,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
-                    ROT, TMA)  # fmt: skip
+                    ROT, TMA, PF, NW)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
             acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
@@ -979,7 +1006,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
-                    ROT, TMA)  # fmt: skip
+                    ROT, TMA, PF, NW)  # fmt: skip
         if kq == nk - 1:  # the task's rows are done
             if MMAV:
                 _store_rows(_warps_summed(acc, red, NW), rstd, gbuf, act, h_in, hs, s, tile, tiles, NB, NW)
@@ -1129,7 +1156,7 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
     consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
                   MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"], TMA=v["tma"], NB=nb,
-                  MMAV=v["mmav"], PROF=False, NW=8)  # fmt: skip
+                  MMAV=v["mmav"], PF=v["pf"], PROF=False, NW=8)  # fmt: skip
     out_res = act.view(layers, nb, LAYER_A_)[-1, :, A_H2_ : A_H2_ + H_]
     try:
         step_chain[(nprog,)](*args, **consts, num_warps=8)

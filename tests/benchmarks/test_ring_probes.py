@@ -90,13 +90,13 @@ ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's 
     [(3, 0, {}, False), (5, 1, ALL_ON, False), (5, 2, ALL_ON | {"DEPTH": 2}, False),
      (5, 2, {"EARLY": 1, "GU": 1, "MERGE": 1, "PW": 16}, True), (5, 3, {"EARLY": 1, "GU": 1, "PW": 16}, False),
      (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "LAY": 1, "XBF": 1}, False),
-     (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "XBF": 1, "TMA": 1}, False),
+     (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "XBF": 1, "TMA": 1, "PF": 4}, False),
      (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "XBF": 1, "MMAV": 1}, False),
      (3, 4, {"EARLY": 1, "GU": 1, "PW": 16, "KVS": 3, "XBF": 1, "MMAV": 1, "NB": 8, "NSPLIT": 2}, True)],
 )  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
-    with every attention task and variant knob (the weight ring filled by TMA too; the GEMV on
+    with every attention task and variant knob (the weight ring filled by TMA with an L2 window ahead; the GEMV on
     tensor cores at batch 1 and 8, whose staged input holds the K/V ring), and the stamped build
     its timeline runs."""
     from monodecode.kernels.triton.offline import cuda_resources
@@ -109,7 +109,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     sig = {"w_ptr": sig.pop("w_ptr"), "wh_desc": box, "wi_desc": box} | sig  # the kernel's argument order
     consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
     off = {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0, "XBF": 0,
-           "TMA": 0, "NB": 1, "MMAV": 0}  # fmt: skip
+           "TMA": 0, "NB": 1, "MMAV": 0, "PF": 0}  # fmt: skip
     consts |= off | knobs
     compiled = _compile(probe.step_chain, sig, consts)
     res = cuda_resources("step_chain", 1, 8, compiled)
