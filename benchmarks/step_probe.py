@@ -41,8 +41,14 @@ device command.
 Output checked against a torch fp32 reference of the same layers, row by row (relative error of
 the last layer's residuals, and the new position's K/V in the cache).
 
+``--stock fullgraph,fullgraph-cdt`` also runs the benchmark harness's strongest stock steps over
+the same weights, caches and rows, timed the same way (``probe_stock.py``), and prints per context
+and batch the fastest of each within the harness's error bound and their ratio: the one honest
+comparison of the probe with the stock, where the harness's ratios mix two timing methods.
+
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
-1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--timeline] [--out DIR]``:
+1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--stock KINDS] [--timeline]
+[--out DIR]``:
 every combination of the knobs' values is checked and timed, side by side in one process; the
 defaults are the fastest form measured (run 100).
 """
@@ -69,6 +75,7 @@ sys.path[:0] = [
     str(Path(__file__).resolve().parent),
 ]
 
+import probe_stock  # noqa: E402
 from attention_probe import _replay_us  # noqa: E402
 from loader_probe import _epoch_target, _wait  # noqa: E402
 
@@ -1030,16 +1037,24 @@ def _rope_ref(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
     return x * cs[0] + rot * cs[1]
 
 
+def layer_weights(w: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
+    """Views of ``layer``'s weights in ``w`` (as loaded: gate rows, then up rows): QKV [QKV, H], o_proj
+    [H, H], gate/up [2I, H], down [H, I]."""
+    p = w[layer * LAYER_W_ : (layer + 1) * LAYER_W_]
+    return (
+        p[:OFF_O_].view(QKV_, H_),
+        p[OFF_O_:OFF_GU_].view(H_, H_),
+        p[OFF_GU_:OFF_D_].view(2 * I_, H_),
+        p[OFF_D_:].view(H_, I_),
+    )
+
+
 def reference(w, gin, gpost, x, kc, vc, cs, ctx: int, layers: int):
     """The same layers in fp32 with torch: (the last layer's residual, each layer's new K and V)."""
     h = x.float()
     news = []
     for layer in range(layers):
-        p = w[layer * LAYER_W_ : (layer + 1) * LAYER_W_].float()
-        wqkv = p[:OFF_O_].view(QKV_, H_)
-        wo = p[OFF_O_:OFF_GU_].view(H_, H_)
-        wgu = p[OFF_GU_:OFF_D_].view(2 * I_, H_)
-        wd = p[OFF_D_:].view(H_, I_)
+        wqkv, wo, wgu, wd = (t.float() for t in layer_weights(w, layer))
         xn = h * torch.rsqrt(h.pow(2).mean() + EPS_) * gin[layer].float()
         qkv = wqkv @ xn
         q = _rope_ref(qkv[: QH_ * D_].view(QH_, D_), cs)
@@ -1189,8 +1204,34 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
     return cell
 
 
-def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: int, timeline: bool) -> dict:
-    """Every combination of ``variants`` (``VARIANTS``' knobs) at every context."""
+def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nb, reps) -> dict:
+    """The harness's stock step ``kind`` (``probe_stock.KINDS``) over the same weights, caches and
+    rows as the probe's cells at batch ``nb``, checked against the same reference and timed the
+    same way."""
+    cell = {"context": ctx, "batch": nb, "stock": kind}
+    kc = [kc_all[n, :nb].clone() for n in range(layers)]  # one tensor a layer, as the harness's caches
+    vc = [vc_all[n, :nb].clone() for n in range(layers)]
+    for c in kc + vc:
+        c[:, :, ctx] = 0
+    lw = [layer_weights(w, n) for n in range(layers)]
+    step, out = probe_stock.build_step(kind, lw, gin, gpost, x[:nb], kc, vc, cs, ctx, nq=QH_, eps=EPS_)
+    try:
+        timed = probe_stock.time_step(step, reps)
+    except Exception as e:  # a compile that fails: one line, go on
+        return {**cell, "error": str(e).splitlines()[0][:200]}
+    us = timed["us_per_step"]
+    want = want[:nb]
+    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2), compile_s=timed["compile_s"],
+                rel_error=float((out.float() - want).norm() / want.norm()),
+                kv_rel_error=max(float((kc[n][b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
+                                 for b in range(nb) for n, (k, _) in enumerate(news[b])))  # fmt: skip
+    return cell
+
+
+def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: int, timeline: bool,
+        stock: list[str] = ()) -> dict:  # fmt: skip
+    """Every combination of ``variants`` (``VARIANTS``' knobs) at every context; then each ``stock``
+    step (``probe_stock.KINDS``) at every batch, and the two side by side."""
     from monodecode_ops.decode_bench.probes import read_probes
 
     dev = torch.device("cuda")
@@ -1222,15 +1263,27 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
         refs = [reference(w, gin, gpost, x[b], kc[:, b], vc[:, b], cs, ctx, layers) for b in range(rows)]
         want = torch.stack([h for h, _ in refs])
         news = [n for _, n in refs]
-        for combo in itertools.product(*variants.values()):
-            v = dict(zip(variants, combo))
-            cell = _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
-            step_bytes = LAYER_W_ * 2 + v["batch"] * 2 * KVH_ * (ctx + 1) * D_ * 2
+        combos = [dict(zip(variants, combo)) for combo in itertools.product(*variants.values())]
+        cells = (
+            _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
+            for v in combos
+        )
+        stocks = (
+            _stock_cell(kind, w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nb, reps)
+            for nb in sorted(set(variants["batch"]))
+            for kind in stock
+        )
+        for cell in itertools.chain(cells, stocks):
+            step_bytes = LAYER_W_ * 2 + cell["batch"] * 2 * KVH_ * (ctx + 1) * D_ * 2
             cell["fraction_of_probe"] = (
                 round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
             )
             out["cells"].append(cell)
             print(json.dumps(cell), flush=True)
+        del kc, vc  # before the next context's caches
+    out["side_by_side"] = probe_stock.side_by_side(out["cells"])
+    for row in out["side_by_side"]:
+        print(json.dumps({"side_by_side": row}), flush=True)
     return out
 
 
@@ -1245,6 +1298,14 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _stock_kinds(text: str) -> list[str]:
+    """argparse type: comma-separated ``probe_stock.KINDS`` names (others: argparse's one line)."""
+    kinds = [k for k in text.split(",") if k]
+    if bad := [k for k in kinds if k not in probe_stock.KINDS]:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(probe_stock.KINDS)}")
+    return kinds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -1252,6 +1313,12 @@ def main() -> None:
     for knob, (default, what) in VARIANTS.items():
         ap.add_argument(f"--{knob}", type=_ints, default=default, help=f"{what} (comma-separated values to time)")
     ap.add_argument("--timeline", action="store_true", help="also one stamped launch per cell: per-stage µs")
+    ap.add_argument(
+        "--stock",
+        type=_stock_kinds,
+        default="",
+        help=f"stock steps timed beside the probe: {', '.join(probe_stock.KINDS)}",
+    )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
@@ -1263,7 +1330,7 @@ def main() -> None:
     if bad := [b for b in a.batch if not 1 <= b <= 8]:
         ap.error(f"argument --batch: {bad[0]} is not 1 to 8 (mma.sync's 8 columns)")
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
-    res = run(a.layers, a.contexts, variants, a.reps, a.timeline)
+    res = run(a.layers, a.contexts, variants, a.reps, a.timeline, a.stock)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))

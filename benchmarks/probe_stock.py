@@ -1,0 +1,107 @@
+"""The strongest stock decode step over a probe's own weights and caches, timed the probe's way.
+
+``step_probe.py`` times its one-launch layer as 20 launches in one CUDA graph
+(``attention_probe._replay_us``); the benchmark harness times each step as one graph replay after
+a synchronize. A ratio of the two mixes methods and processes. Here the harness's strongest stock
+step (``decode_bench.fullgraph.fullgraph_layer``: each layer one ``torch.compile(fullgraph=True,
+dynamic=False)`` function, attention inside; optionally with inductor's coordinate-descent tuning,
+the strongest at batch 1) runs over the probe's own bf16 weights, norms, K/V caches and position,
+and is timed exactly as the probe is: 20 whole steps in one graph, the same replays. So the
+stock/probe ratio comes from one process, one method and the same bytes.
+
+The stock step does the math of the harness's stock (bf16 residual between layers, RoPE with the
+sign folded into sin); the probe keeps fp32 residuals. Both are checked against the probe's fp32
+torch reference (``step_probe.reference``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from monodecode_ops.decode_bench.fullgraph import fullgraph_layer
+from monodecode_ops.decode_bench.report import STACK_REL_FRO
+from monodecode_ops.decode_bench.stock import raise_recompile_limit
+
+KINDS = {"fullgraph": None, "fullgraph-cdt": {"coordinate_descent_tuning": True}}  # name -> inductor options
+
+
+def build_step(kind: str | None, layer_weights, gin, gpost, x, kc, vc, cs, ctx: int, *, nq: int, eps: float):
+    """The stock step of ``len(layer_weights)`` layers at position ``ctx`` for every row of ``x``.
+
+    ``layer_weights``: per layer (wqkv [nq*hd + 2*nkv*hd, H], wo [H, nq*hd], wgu [2I, H] gate rows
+    first, wd [H, I]) bf16; ``gin``/``gpost``: the norms' weights [L, H]; ``x``: the rows' residuals
+    [rows, H]; ``kc``/``vc``: per layer bf16 [rows, nkv, >ctx, hd] (one tensor each, as the harness's
+    caches are), written at ``ctx`` by the step; ``cs``:
+    fp32 [2, hd] cos and sin at ``ctx`` in rotate-half order. ``kind``: a ``KINDS`` name, compiled;
+    None: the same function eager (the CPU check). Returns ``(step, out)``: ``step()`` writes the
+    last layer's residuals into ``out`` (bf16 [rows, H])."""
+    rows, hd = x.shape[0], cs.shape[1]
+    nkv = kc[0].shape[1]
+    inter = layer_weights[0][3].shape[1]
+    consts = dict(eps=eps, one_plus=False, nq=nq, nkv=nkv, hd=hd, inter=inter, gelu=False, scale=hd**-0.5, start=0)
+    layer = functools.partial(fullgraph_layer, **consts)
+    if kind is not None:
+        raise_recompile_limit()
+        layer = torch.compile(layer, fullgraph=True, dynamic=False, options=KINDS[kind])
+    positions = ctx + 1
+    half = torch.ones(hd, device=x.device)
+    half[: hd // 2] = -1.0  # rotate-half's sign, folded into sin as the stock's tables have it
+    cos_t = cs[0].expand(positions, hd).contiguous()
+    sin_t = (cs[1] * half).expand(positions, hd).contiguous()
+    pos = torch.full((rows,), ctx, dtype=torch.long, device=x.device)
+    xb = x.to(torch.bfloat16)
+    out = torch.empty_like(xb)
+
+    def step() -> None:
+        h = xb
+        for l, (wqkv, wo, wgu, wd) in enumerate(layer_weights):
+            h = layer(h, pos, kc[l], vc[l], cos_t, sin_t, gin[l], wqkv, None, None, None, wo, None, None, gpost[l],
+                      wgu, None, wd, None, None)  # fmt: skip
+        out.copy_(h)
+
+    return step, out
+
+
+def time_step(step, reps: int) -> dict:
+    """``step`` warmed (compiled, tuned), then the median µs of one of 20 steps captured in one CUDA
+    graph over ``reps`` replays (``_replay_us``, as the probe times its launch)."""
+    from attention_probe import _replay_us
+
+    t = time.perf_counter()
+    step()
+    step()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):  # what ``_replay_us`` divides by
+            step()
+    return {"us_per_step": _replay_us(graph, reps), "compile_s": round(compile_s, 1)}
+
+
+def side_by_side(cells: list[dict], tolerance: float = STACK_REL_FRO) -> list[dict]:
+    """Per (context, batch): the fastest probe cell and the fastest stock cell whose output is
+    within ``tolerance`` of the fp32 reference (the harness's bound on a whole step), and stock µs /
+    probe µs."""
+    best: dict[tuple, dict] = {}
+    for c in cells:
+        if "us_per_layer" not in c or c.get("rel_error", 1.0) > tolerance:
+            continue
+        key = (c["context"], c["batch"], "stock" if "stock" in c else "probe")
+        if key not in best or c["us_per_layer"] < best[key]["us_per_layer"]:
+            best[key] = c
+    out = []
+    for ctx, batch in sorted({k[:2] for k in best}):
+        p, s = best.get((ctx, batch, "probe")), best.get((ctx, batch, "stock"))
+        row = {"context": ctx, "batch": batch}
+        if p:
+            row["probe_us_per_layer"] = p["us_per_layer"]
+        if s:
+            row.update(stock=s["stock"], stock_us_per_layer=s["us_per_layer"])
+        if p and s:
+            row["stock_over_probe"] = round(s["us_per_layer"] / p["us_per_layer"], 3)
+        out.append(row)
+    return out
