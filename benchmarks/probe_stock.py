@@ -105,3 +105,40 @@ def side_by_side(cells: list[dict], tolerance: float = STACK_REL_FRO) -> list[di
             row["stock_over_probe"] = round(s["us_per_layer"] / p["us_per_layer"], 3)
         out.append(row)
     return out
+
+
+def plot(rows: list[dict], title: str, path) -> None:
+    """``side_by_side`` rows as µs a layer per batch, one panel per context (probe and stock bars,
+    the ratio above each pair); written whole or not at all."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 4.2), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        mine = sorted((r for r in rows if r["context"] == ctx), key=lambda r: r["batch"])
+        xs = range(len(mine))
+        probe = [r.get("probe_us_per_layer", 0.0) for r in mine]
+        stock = [r.get("stock_us_per_layer", 0.0) for r in mine]
+        ax.bar([x - 0.2 for x in xs], probe, 0.4, label="one-launch probe")
+        ax.bar([x + 0.2 for x in xs], stock, 0.4, label="strongest stock (fastest kind)")
+        for x, r in zip(xs, mine):
+            if "stock_over_probe" in r:
+                ax.annotate(f"{r['stock_over_probe']:.2f}x", (x, max(probe[x], stock[x])), ha="center", va="bottom")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"b{r['batch']}" for r in mine])
+        ax.set_title(f"context {ctx}")
+        ax.set_ylabel("µs a layer (20 steps a graph)")
+        ax.set_ylim(0, 1.15 * max(probe + stock))
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

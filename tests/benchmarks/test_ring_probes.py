@@ -137,3 +137,15 @@ def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith(says), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("batch", "ctx", "splits", "want"),
+    [(1, 1024, 0, 8), (1, 8192, 0, 16), (1, 32768, 0, 16), (8, 32768, 0, 2), (4, 1024, 0, 4), (1, 100, 0, 1),
+     (1, 1024, 16, 16)],
+)  # fmt: skip
+def test_step_probe_splits_fill_the_programs_with_whole_tile_passes(batch, ctx, splits, want):
+    """Splits per row and KV head: every split its own program of 132, each at least 128 positions
+    (one pass of the 8 warps' 16-position tiles), a power of two up to 16; a given value stands."""
+    probe = _probe("step_probe")
+    assert probe.splits_for({"splits": splits, "batch": batch}, 132, ctx) == want
