@@ -22,6 +22,7 @@ from monodecode_ops.decode_bench import harness
         (["tiny"], [], [1], [1 << 20], {}, "context 1048576 exceeds tiny's max_position_embeddings"),
         (["tiny"], [], [1], [64], {"stock": ["fullgraph", "nope"]}, "unknown stock path 'nope'; known: eager,"),
         (["tiny"], [], [1], [64], {"w8a16_batches": [0]}, "--w8a16-batches must be >= 1"),
+        (["tiny"], [], [1], [64], {"tuning_draws": 0}, "--tuning-draws must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, extra, fragment):
@@ -39,6 +40,7 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--replays", "0"], "error: --replays must be >= 1, got 0"),
         (["--deadline-s", "-5"], "error: --deadline-s must be > 0, got -5.0"),
         (["--variants", "[1]"], "error: --variants must be a JSON object"),
+        (["--tuning-draws", "0"], "error: --tuning-draws must be >= 1, got 0"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, capsys, argv, fragment):
@@ -82,3 +84,12 @@ def test_each_fp8_profile_runs_right_after_its_bf16_one():
         ("gemma3-27b", "bf16"),
         ("qwen3-8b", "fp8"),
     ]
+
+
+def test_a_tuned_stock_is_timed_at_its_fastest_draw():
+    """Of several compiles of a tuned stock, the one with the lowest median counts (a lucky fastest
+    replay does not), its output and capture time with it; the first of equal medians."""
+    slow_with_one_fast_replay = ([1.0e-3, 2.0e-3, 2.1e-3], "out-a", 9.0)
+    steady = ([1.5e-3, 1.5e-3, 1.6e-3], "out-b", 4.0)
+    same_median = ([1.4e-3, 1.5e-3, 1.5e-3], "out-c", 3.0)
+    assert harness._fastest_draw([slow_with_one_fast_replay, steady, same_median]) == steady
