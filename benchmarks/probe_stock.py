@@ -21,11 +21,14 @@ import time
 
 import torch
 
-from monodecode_ops.decode_bench.fullgraph import fullgraph_layer
+from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, fullgraph_layer, inductor_options
 from monodecode_ops.decode_bench.report import STACK_REL_FRO
 from monodecode_ops.decode_bench.stock import raise_recompile_limit
 
-KINDS = {"fullgraph": None, "fullgraph-cdt": {"coordinate_descent_tuning": True}}  # name -> inductor options
+# the harness's fullgraph stocks over BF16 weights, by ``--stock`` name -> torch.compile options
+KINDS = {
+    name.removeprefix("stock-"): inductor_options(**kw) for name, kw in FULLGRAPH_STOCKS.items() if "splitk" not in kw
+}
 
 
 def build_step(kind: str | None, layer_weights, gin, gpost, x, kc, vc, cs, ctx: int, *, nq: int, eps: float):

@@ -93,3 +93,17 @@ def test_a_tuned_stock_is_timed_at_its_fastest_draw():
     steady = ([1.5e-3, 1.5e-3, 1.6e-3], "out-b", 4.0)
     same_median = ([1.4e-3, 1.5e-3, 1.5e-3], "out-c", 3.0)
     assert harness._fastest_draw([slow_with_one_fast_replay, steady, same_median]) == steady
+
+
+def test_every_stock_path_is_wired_through_to_the_verdict_and_the_plots():
+    """A stock the command line takes is built (a fullgraph kind or another path), counts in the
+    verdict's "strongest stock" and has a plot label; a tuned one is compiled, so it can be drawn."""
+    from monodecode_ops.decode_bench import report
+    from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS
+
+    for backend in harness.STOCK_PATHS.values():
+        assert backend in report.LABELS, backend
+        if backend.startswith("stock-") and backend != "stock-gemm-floor":
+            assert backend in report.STOCK_BACKENDS, backend
+    assert set(FULLGRAPH_STOCKS) <= set(harness.COMPILED)
+    assert set(harness.TUNED) <= set(FULLGRAPH_STOCKS)

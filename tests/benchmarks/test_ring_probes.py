@@ -124,7 +124,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
      (["--contexts", "-1"], "--contexts: negative value in '-1'"),
      (["--tma", "0,2"], "--tma: 2 is not 0 (off) or 1 (on)"),
      (["--batch", "1,9"], "--batch: 9 is not 1 to 8 (mma.sync's 8 columns)"),
-     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt")],
+     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-max")],
 )  # fmt: skip
 def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
     """The step probe's command line: garbage ends in argparse's one error line (exit 2) before any

@@ -37,6 +37,22 @@ from monodecode_ops.decode_bench.stock import (
 )
 from monodecode_ops.decode_bench.w8a16 import w8a16_linear
 
+# The fullgraph stocks by backend name: ``FullgraphStockDecode``'s keyword arguments.
+FULLGRAPH_STOCKS = {
+    "stock-fullgraph": {},
+    "stock-fullgraph-cdt": {"tuning": True},
+    "stock-fullgraph-max": {"tuning": True, "max_autotune": True},
+    "stock-fullgraph-splitk": {"splitk": True},
+}
+
+
+def inductor_options(tuning: bool = False, max_autotune: bool = False) -> dict | None:
+    """``torch.compile`` options of a fullgraph stock: inductor's coordinate descent (``tuning``)
+    and its GEMM template search (``max_autotune``)."""
+    return ({"coordinate_descent_tuning": True} if tuning else {}) | (
+        {"max_autotune": True} if max_autotune else {}
+    ) or None
+
 
 def linear_widened(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """bf16 ``F.linear``, or W8A16: the e4m3 weight widened to bf16 in the GEMM, times the
@@ -83,7 +99,8 @@ def fullgraph_layer(
 class FullgraphStockDecode(ContiguousStockDecode):
     """``forward_layer(l, x, meta, kv)`` like a kernel backend, over this path's ``ContiguousKV``
     (``load_cache``). ``tuning=True``: compiled with inductor's ``coordinate_descent_tuning`` (that
-    compile only). ``splitk=True``: FP8 projections through ``w8a16.w8a16_linear`` (one read of the
+    compile only); ``max_autotune=True`` as well with ``max_autotune`` (inductor times its Triton
+    GEMM templates against cuBLAS for each projection's shape and keeps the fastest). ``splitk=True``: FP8 projections through ``w8a16.w8a16_linear`` (one read of the
     e4m3 weights at any batch). ``prepare`` takes the step's positions and builds nothing."""
 
     def __init__(
@@ -93,6 +110,7 @@ class FullgraphStockDecode(ContiguousStockDecode):
         context: int,
         device,
         tuning: bool = False,
+        max_autotune: bool = False,
         share: StockDecode | None = None,
         splitk: bool = False,
     ):
@@ -132,7 +150,7 @@ class FullgraphStockDecode(ContiguousStockDecode):
             functools.partial(fullgraph_layer, **consts),
             fullgraph=True,
             dynamic=False,
-            options={"coordinate_descent_tuning": True} if tuning else None,
+            options=inductor_options(tuning, max_autotune),
         )
 
     def prepare(self, meta, block_size: int) -> None:

@@ -23,6 +23,9 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        one compile to the next by up to 20 %: ``--tuning-draws N`` compiles it N
                        times a cell (tuned afresh after the first) and times the fastest, each
                        draw's median in ``tuning_draws_ms``
+  stock-fullgraph-max  (``--stock fullgraph-max``, BF16) the same with inductor's ``max_autotune`` too:
+                       each projection's GEMM is its fastest of Triton templates and cuBLAS
+                       (the skinny batch 2-8 GEMMs above all); tuned, so drawn like the cdt stock
   stock-fullgraph-splitk  FP8 only: the fullgraph step with its projections through a split-K
                        W8A16 Triton GEMM that reads the e4m3 weights once at any batch (``w8a16.py``)
   stock-gemm-floor     only the stock GEMMs, from one CUDA graph (first context only)
@@ -74,7 +77,7 @@ from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
-from monodecode_ops.decode_bench.fullgraph import FullgraphStockDecode
+from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode
 from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
@@ -101,6 +104,7 @@ STOCK_PATHS = {
     "compiled": "stock-compiled-graph",
     "fullgraph": "stock-fullgraph",
     "fullgraph-cdt": "stock-fullgraph-cdt",
+    "fullgraph-max": "stock-fullgraph-max",
     "fullgraph-splitk": "stock-fullgraph-splitk",
     "floor": "stock-gemm-floor",
 }
@@ -108,18 +112,25 @@ STOCK_PATHS = {
 # per-op step (its gather copies every row's KV each layer: slower than the contiguous per-op step
 # in every cell of runs 40-43, and at long contexts device time for nothing) and the compiled
 # halves (the fullgraph step is the same compile without the break at attention; its two or three
-# compiles per cell are the largest share of a run's device time).
+# compiles per cell are the largest share of a run's device time), and the max-autotune step (its
+# GEMM template search takes the longest compiles of all; not yet timed against the others).
 DEFAULT_STOCK = ("contig", "fullgraph", "fullgraph-cdt", "fullgraph-splitk", "floor")
 DEFAULT_W8A16_BATCHES = (1,)
 # Batches timed at the contexts after the first by default: the corners of the long-context
 # cells, so that one default run stays inside the ~420 s bench phase of device_run.sh
 # (``--long-context-batches 1,2,4,8`` times the whole matrix).
 DEFAULT_LONG_BATCHES = (1, 8)
-COMPILED = ("stock-compiled-graph", "stock-fullgraph", "stock-fullgraph-cdt", "stock-fullgraph-splitk")
+COMPILED = (
+    "stock-compiled-graph",
+    "stock-fullgraph",
+    "stock-fullgraph-cdt",
+    "stock-fullgraph-max",
+    "stock-fullgraph-splitk",
+)
 # Stocks whose compile searches kernel configurations by timing them: coordinate descent lands on
 # different ones from one compile to the next (run 104, 1B at 1k batch 1: 53.7, 62.2 and 64.8 µs a
 # layer in three fresh tunings, the untuned step within 0.5 %), so one draw is not the strongest.
-TUNED = ("stock-fullgraph-cdt",)
+TUNED = ("stock-fullgraph-cdt", "stock-fullgraph-max")
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
@@ -243,7 +254,7 @@ def _triton_kernels(req, weights, change: dict, device, share=None):
 def stock_runs(backend: str, fp8: bool, rows: int | None, w8a16_batches) -> bool:
     """Whether a selected stock ``backend`` is timed in a cell of this weight dtype and batch
     (``rows`` None: in any batch)."""
-    if backend == "stock-fullgraph":
+    if backend in ("stock-fullgraph", "stock-fullgraph-max"):
         return not fp8  # W8A16 without coordinate descent widens every weight first
     if backend == "stock-fullgraph-splitk":
         return fp8
@@ -277,12 +288,7 @@ def _stock_paths(dims, weights, stock: tuple[str, ...], max_context: int, device
         paths["stock-compiled-graph"] = ContiguousStockDecode(
             dims, weights, max_context, device, compiled=True, share=base
         )
-    fullgraphs = {
-        "stock-fullgraph": {},
-        "stock-fullgraph-cdt": {"tuning": True},
-        "stock-fullgraph-splitk": {"splitk": True},
-    }
-    for b, kw in fullgraphs.items():
+    for b, kw in FULLGRAPH_STOCKS.items():
         if b in want and stock_runs(b, fp8, None, ()):
             paths[b] = FullgraphStockDecode(dims, weights, max_context, device, share=base, **kw)
         elif b in want:

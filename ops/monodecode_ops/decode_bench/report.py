@@ -29,6 +29,7 @@ STOCK_BACKENDS = (
     "stock-compiled-graph",
     "stock-fullgraph",
     "stock-fullgraph-cdt",
+    "stock-fullgraph-max",
     "stock-fullgraph-splitk",
 )
 # The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row) and the split-K Triton GEMM.
@@ -41,6 +42,7 @@ LABELS = {
     "stock-compiled-graph": "stock compiled halves around attention, one graph",
     "stock-fullgraph": "stock whole-layer fullgraph compile, one graph",
     "stock-fullgraph-cdt": "stock whole-layer fullgraph + coordinate descent tuning",
+    "stock-fullgraph-max": "stock whole-layer fullgraph + max-autotune GEMMs",
     "stock-fullgraph-splitk": "stock whole-layer fullgraph, split-K W8A16 GEMMs",
     "stock-gemm-floor": "stock GEMMs only (floor)",
     "triton": "triton K1/K2",
