@@ -149,7 +149,11 @@ VARIANTS = {
     "xbf": ("1", "each stage's staged input: 0 fp32, 1 bf16 (XBF)"),
     "merge": ("0", "the splits merged 0 by the last of each head, 1 by o_proj's programs staging (MERGE)"),
     "tma": ("1", "weight ring filled 0 by cp.async, 1 by TMA, one box a chunk on the slot's mbarrier (TMA)"),
-    "pf": ("0", "chunks asked of L2 (prefetch.global.L2) ahead of the ring, so HBM streams through the waits (PF)"),
+    "pf": (
+        "0",
+        "chunks after the ring's window asked of L2 (prefetch.global.L2) as a program enters the QKV wait and the "
+        "attention, so HBM streams on through them (PF)",
+    ),
     "batch": ("1", "rows decoded at once, 1 to 8, each with its own context; above 1 needs mmav 1 (NB)"),
     "mmav": (
         "0",
@@ -230,24 +234,20 @@ def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0
 
 @gluon.jit
 def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr,
-            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr,
-            PF: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``; with
-    ``PF`` > 0, chunk ``i + PF`` into L2 (``_prefetch_l2``)."""
+            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
+    """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``."""
     if TMA:
         _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
     else:
         _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
-    if PF > 0:
-        _prefetch_l2(w_ptr, i + PF, total, pid, C, C0, C2, NPROG, ROT, NW)
 
 
 @gluon.jit
 def _prefetch_l2(w_ptr, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, NPROG: gl.constexpr,
                  ROT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Ask L2 for chunk ``i``'s 256 lines of 128 bytes (``prefetch.global.L2``, one line a thread
-    for 8 warps: no registers or shared memory held), so the ring's later refill of it reads L2
-    and HBM keeps streaming through the waits. Past the end or the tiles: nothing."""
+    for 8 warps: no registers or shared memory held), so the ring's later refill of it reads L2.
+    Past the end or the tiles: nothing."""
     layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
@@ -814,8 +814,9 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     in bf16; ``TMA``: the weight ring filled by TMA from ``wh_desc``/``wi_desc`` (``weight_descriptors``)
     instead of cp.async from ``w_ptr``; ``MMAV``: the GEMV on tensor cores (each warp's 128 columns of
     a chunk as ``mma.sync`` W[16, 128] @ X[128, NPAD], the warps' products summed at the task's end;
-    ``NB`` above 1 needs it); ``PF``: chunks asked of L2 ahead of the ring (``_prefetch_l2``), so the
-    weight stream runs on through the waits (the attention section above all); ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
+    ``NB`` above 1 needs it); ``PF``: the chunks after the ring's window asked of L2 (``_prefetch_l2``)
+    as a program enters the QKV wait and the attention, so the weight stream runs on through them
+    (per refill instead, run 102 measured it 4-6 µs a layer slower); ``PROF``: stamp ``EVENTS`` into ``ts_ptr`` (int64 [L, NPROG, NEV]).
     The last layer's output residuals are ``act[L - 1, :, A_H2:]``."""
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # the copies: 16 bytes a thread
     if LAY == 1:  # the arithmetic: every row of 4 columns a thread (each staged input read once a chunk)
@@ -885,10 +886,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA, 0,
-                NW)  # fmt: skip
-    for i in range(NBUF - 1, NBUF - 1 + PF):  # the L2 window's start; each refill extends it by one chunk
-        _prefetch_l2(w_ptr, i, total, pid, C, C0, C2, NPROG, ROT, NW)
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA)
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         rstd = gl.full([NPAD], 1.0, gl.float32, _stage_rstd_layout(NW))
@@ -926,6 +924,10 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                     else:
                         rstd = _normed_input(xbuf, h_in, gin_ptr + layer * HIDDEN, cf)
                 elif s == 1:
+                    # HBM would idle from here to o_proj (the ring is full, the K/V bytes few): the
+                    # chunks after the ring's window go to L2 meanwhile, and their refills read L2
+                    for q in gl.static_range(PF):
+                        _prefetch_l2(w_ptr, i + NBUF - 1 + q, total, pid, C, C0, C2, NPROG, ROT, NW)
                     _wait_for(ctr_ptr + layer * NCTR, target, POLL)
                     _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
                     if pid < NB * KVH * NSPLIT:
@@ -1004,7 +1006,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
-                    ROT, TMA, PF, NW)  # fmt: skip
+                    ROT, TMA)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
             acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
@@ -1013,7 +1015,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
             _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
-                    ROT, TMA, PF, NW)  # fmt: skip
+                    ROT, TMA)  # fmt: skip
         if kq == nk - 1:  # the task's rows are done
             if MMAV:
                 _store_rows(_warps_summed(acc, red, NW), rstd, gbuf, act, h_in, hs, s, tile, tiles, NB, NW)

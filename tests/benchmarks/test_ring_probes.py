@@ -96,7 +96,7 @@ ALL_ON = {"ROT": 1, "POLL": 1, "EARLY": 1, "GU": 1, "MERGE": 1}  # step_probe's 
 )  # fmt: skip
 def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     """The whole-layer step (ring, stage staging, attention task and merge) at the rings it times,
-    with every attention task and variant knob (the weight ring filled by TMA with an L2 window ahead; the GEMV on
+    with every attention task and variant knob (the weight ring filled by TMA with chunks asked of L2 through the attention; the GEMV on
     tensor cores at batch 1 and 8, whose staged input holds the K/V ring), and the stamped build
     its timeline runs."""
     from monodecode.kernels.triton.offline import cuda_resources
@@ -115,6 +115,8 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+    # PF chunks asked of L2 at the attention's entry: one prefetch a thread per chunk, PF sites
+    assert compiled.asm["ptx"].count("prefetch.global.L2") == consts["PF"]
 
 
 @pytest.mark.parametrize(
