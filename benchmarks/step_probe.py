@@ -1,7 +1,7 @@
 """Issue 26's item 7 with a whole decoder layer: every stage of a decode step in ONE launch (one GPU).
 
 ``loader_probe.py`` measured the weight ring on K2's chain alone (o_proj -> gate/up -> down). This
-probe runs Llama-3-1B's whole decoder layer the same way, ``--layers`` distinct layers in one
+probe runs Llama-3-1B's whole decoder layer (``--model llama3-8b``: 8B's) the same way, ``--layers`` distinct layers in one
 persistent launch of one program per SM, with every piece the two-launch kernels run at batch 1:
 RMSNorm (its rstd deferred to each row's sum: the staged input carries the norm weight), QKV,
 RoPE (rotate-half, from a cos/sin row as vLLM passes it), the new position's K/V written into a
@@ -32,7 +32,8 @@ memory, the fastest (run 100: 1.12-1.14x the strongest stock at 1k-32k, with the
 in bf16). Each other choice the runs
 compared is a knob too (``VARIANTS``), so any two forms can be timed side by side.
 
-Not the product kernel: one shape (1B), every row at the same position, fp32 stage outputs, a
+Not the product kernel: Llama's shapes (1B; 8B at batch 1: the tensor-core GEMV's 8-row staged
+input of down would not fit at 14336 columns), every row at the same position, fp32 stage outputs, a
 contiguous cache, no health word, no fallbacks. It answers how far the one-launch design goes on
 the whole layer against issue 26's targets (1B at 1k: 0.70 of the read probe; >= 1.00x the
 strongest stock at batch 1-8), side by side with the kernels and the strongest stock in the same
@@ -59,6 +60,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -79,8 +81,16 @@ import probe_stock  # noqa: E402
 from attention_probe import _replay_us  # noqa: E402
 from loader_probe import _epoch_target, _wait  # noqa: E402
 
-# Llama-3-1B
-H_, I_, QH_, KVH_, D_ = 2048, 8192, 32, 8, 64
+from monodecode.model.profiles import profile_dims  # noqa: E402
+
+# The model profile whose decoder layer the probe runs: Gluon reads the shapes below as module
+# constants, so a process runs one model (``--model`` runs the script again with it set).
+MODELS = ("llama3-1b", "llama3-8b")  # the Llama-shaped profiles: no q/k-norm, no post norms, SiLU
+MODEL = os.environ.get("STEP_PROBE_MODEL", "llama3-1b")
+if MODEL not in MODELS:
+    sys.exit(f"error: STEP_PROBE_MODEL={MODEL!r} is not one of {', '.join(MODELS)}")
+_dims = profile_dims(MODEL)
+H_, I_, QH_, KVH_, D_ = _dims.hidden_size, _dims.intermediate_size, _dims.num_heads, _dims.num_kv_heads, _dims.head_dim
 ROWS_, BK_, BLK_ = 16, 1024, 64  # a weight chunk: 16 rows x 1024 columns (32 KiB); 64 positions a KV block
 TB_ = 256  # ``TMA`` 1: a chunk is one [16, 4, 256] box (TMA's boxes are at most 256 elements a side)
 QKV_ = (QH_ + 2 * KVH_) * D_
@@ -95,13 +105,16 @@ ROWS = gl.constexpr(ROWS_)
 BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
 TB = gl.constexpr(TB_)
-XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: up to 8192 fp32 as [8, 1024]
+XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: down's input as [INTER // BK, BK]
 NPAD = gl.constexpr(8)  # ``MMAV`` 1: the rows padded to mma.sync's 8 columns (m16n8k16: W[16, K] @ X[K, 8])
-# a layer's weights, one bf16 block: [qkv 3072x2048 | o 2048x2048 | gate/up 16384x2048 | down 2048x8192]
+# a layer's weights, one bf16 block: [qkv (QKV, H) | o (H, H) | gate/up (2I, H) | down (H, I)], down and
+# the next layer starting at whole rows of both H and I (TMA's row views; 1B needs no padding)
+WEIGHTS_ = (QKV_ + H_ + 2 * I_) * H_ + H_ * I_  # a layer's weights, padding left out
+_ROW_ = math.lcm(H_, I_)
 OFF_O_ = QKV_ * H_
 OFF_GU_ = OFF_O_ + H_ * H_
-OFF_D_ = OFF_GU_ + 2 * I_ * H_
-LAYER_W_ = OFF_D_ + H_ * I_
+OFF_D_ = -(-(OFF_GU_ + 2 * I_ * H_) // _ROW_) * _ROW_
+LAYER_W_ = -(-(OFF_D_ + H_ * I_) // _ROW_) * _ROW_
 OFF_O = gl.constexpr(OFF_O_)
 OFF_GU = gl.constexpr(OFF_GU_)
 OFF_D = gl.constexpr(OFF_D_)
@@ -180,17 +193,17 @@ def weight_descriptors(w: torch.Tensor) -> tuple[TensorDescriptor, TensorDescrip
 
 
 @gluon.jit
-def _chunk(i, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, ROT: gl.constexpr):
+def _chunk(i, pid, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, ROT: gl.constexpr):
     """Chunk ``i`` of this program's sequence -> (layer, weight stage, task slot, chunk's place in
-    its task, its K chunk, K chunks, output tiles, K, the stage's first weight). Weight stages: 0 qkv
-    (C0 // 2 slots of 2 chunks), 1 o_proj (1 slot, 2 chunks), 2 gate/up (C2 // 2 slots, 2 chunks),
-    3 down (1 slot, 8 chunks). ``ROT``: a task walks its K chunks starting at ``pid % K chunks``, so
+    its task, its K chunk, K chunks, output tiles, K, the stage's first weight). Weight stages, each
+    a number of task slots of HIDDEN // BK chunks (down: INTER // BK): 0 qkv (``C0`` chunks), 1
+    o_proj (``C1``), 2 gate/up (``C2``), 3 down (the rest of ``C``). ``ROT``: a task walks its K chunks starting at ``pid % K chunks``, so
     the programs' concurrent reads spread over every column block of a stage instead of all
     striding through the same one (each tile's order is still fixed)."""
     layer = i // C
     r = i % C
-    s = gl.where(r < C0, 0, gl.where(r < C0 + 2, 1, gl.where(r < C0 + 2 + C2, 2, 3)))
-    rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + 2, C0 + 2 + C2)))
+    s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
+    rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + C1, C0 + C1 + C2)))
     nk = gl.where(s == 3, INTER // BK, HIDDEN // BK)
     tiles = gl.where(s == 0, (QH + 2 * KVH) * D // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
     kdim = gl.where(s == 3, INTER, HIDDEN)
@@ -199,12 +212,12 @@ def _chunk(i, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, ROT: gl.
 
 
 @gluon.jit
-def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
+def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr,
            NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
     """Start copying chunk ``i`` into its ring slot (a zero-byte group past the end or the tiles).
     ``rr``/``cc``: each copied element's row and column in the chunk, broadcast to the slot's shape
     ([ROWS, BK], or ``MMAV``'s [NW, ROWS, BK // NW] with the column block first)."""
-    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C1, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     off = layer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
@@ -214,12 +227,12 @@ def _issue(ring, w_ptr, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr
 
 
 @gluon.jit
-def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr,
+def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr,
                NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr):  # fmt: skip
     """``_issue`` by TMA: chunk ``i`` as one box on its slot's barrier (one instruction, where
     cp.async takes 2048). A chunk past the end or the tiles copies nothing and arrives on the
     barrier itself, so every slot completes one phase per chunk and the waits stay in step."""
-    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C1, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     bar = bars.index(i % NBUF)
@@ -234,21 +247,21 @@ def _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C: gl.constexpr, C0
 
 @gluon.jit
 def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C: gl.constexpr, C0: gl.constexpr,
-            C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
+            C1: gl.constexpr, C2: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, ROT: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its slot the way ``TMA`` says: ``_issue_tma`` or ``_issue``."""
     if TMA:
-        _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C2, NPROG, NBUF, ROT)
+        _issue_tma(boxes, bars, wh_desc, wi_desc, i, total, pid, C, C0, C1, C2, NPROG, NBUF, ROT)
     else:
-        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT)
+        _issue(ring, w_ptr, i, total, pid, rr, cc, C, C0, C1, C2, NPROG, NBUF, ROT)
 
 
 @gluon.jit
-def _prefetch_l2(w_ptr, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C2: gl.constexpr, NPROG: gl.constexpr,
+def _prefetch_l2(w_ptr, i, total, pid, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, NPROG: gl.constexpr,
                  ROT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Ask L2 for chunk ``i``'s 256 lines of 128 bytes (``prefetch.global.L2``, one line a thread
     for 8 warps: no registers or shared memory held), so the ring's later refill of it reads L2.
     Past the end or the tiles: nothing."""
-    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+    layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C1, C2, ROT)
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     LINES: gl.constexpr = ROWS * BK * 2 // 128
@@ -790,12 +803,13 @@ def _store_rows(y, rstd, gbuf, act, h_in, hs, s, tile, tiles, NB: gl.constexpr, 
 @gluon.jit
 def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_ptr, vc_ptr, cs_ptr, part_ptr, ctr_ptr,
                hctr_ptr, epoch_ptr, ts_ptr, ctx, maxctx, L: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr,
-               T0: gl.constexpr, T1: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
+               T0: gl.constexpr, TO: gl.constexpr, T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, ATT: gl.constexpr, ROT: gl.constexpr,
                POLL: gl.constexpr, EARLY: gl.constexpr, GU: gl.constexpr, DEPTH: gl.constexpr,
                MERGE: gl.constexpr, PW: gl.constexpr, KVS: gl.constexpr, LAY: gl.constexpr, XBF: gl.constexpr,
                TMA: gl.constexpr, NB: gl.constexpr, MMAV: gl.constexpr, PF: gl.constexpr, PROF: gl.constexpr,
                NW: gl.constexpr = 8):  # fmt: skip
-    """One decode step of ``NB`` rows through ``L`` Llama-3-1B layers, one program per SM. ``x_ptr``:
+    """One decode step of ``NB`` rows through ``L`` layers of ``MODEL``, one program per SM; each weight stage
+    ``T0`` (QKV), ``TO`` (o_proj), ``T1`` (gate/up) and ``TD`` (down) 16-row tiles a program. ``x_ptr``:
     the step's residual input (fp32 [NB, HIDDEN]); ``act_ptr``: fp32 [L, NB, LAYER_A];
     ``kc_ptr``/``vc_ptr``: bf16 [L, NB, KVH, maxctx, D], each row holding ``ctx`` positions (the
     step writes position ``ctx``); ``cs_ptr``: fp32 [2, D] cos, sin at ``ctx``; ``part_ptr``: fp32
@@ -834,8 +848,9 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     target = _epoch_target(epoch_ptr, NPROG)
     epoch = target // NPROG
     C0: gl.constexpr = T0 * (HIDDEN // BK)
+    C1: gl.constexpr = TO * (HIDDEN // BK)
     C2: gl.constexpr = T1 * (HIDDEN // BK)
-    C: gl.constexpr = C0 + 2 + C2 + INTER // BK
+    C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
     total = L * C
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
     if TMA:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
@@ -860,14 +875,17 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
         red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     elif XBF:  # the staged stage input in bf16 (as the kernels' mailbox holds it): half its loads
-        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # with ATT 4 as long as the K/V ring too, which it holds from QKV's end to o_proj's staging
+        # (8B's 128-wide heads: 128 KiB of ring beside 28 KiB of input would not fit)
+        XR: gl.constexpr = XMAX if ATT != 4 else max(XMAX, 2 * KVS * NW * 16 * D // BK)
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     else:
         xbuf = gl.allocate_shared_memory(gl.float32, [XMAX, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if not MMAV:
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # GU's row pairs
         red = gbuf
     if ATT == 4:  # the attention task's K/V ring: KVS slots of a [NW, 16, D] K tile and its V tile
-        if MMAV:  # in the staged input's first chunks (dead from QKV's end to o_proj's staging)
+        if MMAV or XBF:  # in the staged input's first chunks (dead from QKV's end to o_proj's staging)
             kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
         else:
             kvs = gl.allocate_shared_memory(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
@@ -886,7 +904,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C2, NPROG, NBUF, ROT, TMA)
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, rr, cc, C, C0, C1, C2, NPROG, NBUF, ROT, TMA)
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         rstd = gl.full([NPAD], 1.0, gl.float32, _stage_rstd_layout(NW))
@@ -899,7 +917,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
     task = pid % (KVH * NSPLIT)
     kt, vt = _kv_tiles(kc_ptr, vc_ptr, pid * 0, pid * 0, pid, 0, maxctx, NW, PW, False)  # no bytes: all masked
     for i in range(total):
-        layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C2, ROT)
+        layer, s, j, kq, k, nk, tiles, kdim, base = _chunk(i, pid, C, C0, C1, C2, ROT)
         tile = pid + j * NPROG
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
         h_in = act_ptr + (layer - 1) * (NB * LAYER_A) + A_H2  # the layer's input rows, hs apart
@@ -927,7 +945,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
                     # HBM would idle from here to o_proj (the ring is full, the K/V bytes few): the
                     # chunks after the ring's window go to L2 meanwhile, and their refills read L2
                     for q in gl.static_range(PF):
-                        _prefetch_l2(w_ptr, i + NBUF - 1 + q, total, pid, C, C0, C2, NPROG, ROT, NW)
+                        _prefetch_l2(w_ptr, i + NBUF - 1 + q, total, pid, C, C0, C1, C2, NPROG, ROT, NW)
                     _wait_for(ctr_ptr + layer * NCTR, target, POLL)
                     _stamp(ts_ptr, layer, pid, 3, NPROG, PROF)
                     if pid < NB * KVH * NSPLIT:
@@ -1005,7 +1023,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
         if EARLY:  # refill the slot chunk i - 1 left (every thread is past it: the barrier above)
-            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
+            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C1, C2, NPROG, NBUF,
                     ROT, TMA)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
@@ -1014,7 +1032,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
             acc += ring.index(i % NBUF).load(lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if not EARLY:
             gl.thread_barrier()  # every thread is done with the slot the next issue refills
-            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C2, NPROG, NBUF,
+            _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, rr, cc, C, C0, C1, C2, NPROG, NBUF,
                     ROT, TMA)  # fmt: skip
         if kq == nk - 1:  # the task's rows are done
             if MMAV:
@@ -1022,7 +1040,7 @@ def step_chain(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, x_ptr, act_ptr, kc_p
             else:
                 if tile < tiles:
                     _store_row(gl.sum(acc, axis=1), rstd, gbuf, act, h_in, s, tile * ROWS + ry, tile, GU, hl)
-            if j == gl.where(s == 0, T0 - 1, gl.where(s == 2, T1 - 1, 0)):  # the program's part is stored
+            if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 gl.thread_barrier()
                 gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(ts_ptr, layer, pid, 2 + 2 * s + (s > 0).to(gl.int32) * 2, NPROG, PROF)
@@ -1046,8 +1064,8 @@ def layer_weights(w: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
     return (
         p[:OFF_O_].view(QKV_, H_),
         p[OFF_O_:OFF_GU_].view(H_, H_),
-        p[OFF_GU_:OFF_D_].view(2 * I_, H_),
-        p[OFF_D_:].view(H_, I_),
+        p[OFF_GU_ : OFF_GU_ + 2 * I_ * H_].view(2 * I_, H_),
+        p[OFF_D_ : OFF_D_ + H_ * I_].view(H_, I_),
     )
 
 
@@ -1088,7 +1106,7 @@ def interleave_gate_up(w: torch.Tensor, layers: int) -> torch.Tensor:
     out = w.clone()
     half = ROWS_ // 2
     for layer in range(layers):
-        gu = out[layer * LAYER_W_ + OFF_GU_ : layer * LAYER_W_ + OFF_D_].view(2 * I_, H_)
+        gu = layer_weights(out, layer)[2]
         g, u = gu[:I_].view(I_ // half, half, H_), gu[I_:].view(I_ // half, half, H_)
         gu.copy_(torch.stack([g, u], dim=1).reshape(2 * I_, H_))
     return out
@@ -1119,6 +1137,12 @@ def _timeline(ts: torch.Tensor, nattend: int) -> dict:
     return out
 
 
+def tiles_for(nprog: int) -> dict:
+    """Each weight stage's 16-row output tiles a program of ``nprog`` (``step_chain``'s ``T0``, ``TO``,
+    ``T1``, ``TD``), the last round part-filled."""
+    return {name: -(-(rows // ROWS_) // nprog) for name, rows in (("T0", QKV_), ("TO", H_), ("T1", 2 * I_), ("TD", H_))}
+
+
 def splits_for(v: dict, nprog: int, ctx: int) -> int:
     """The attention splits per KV head and row: ``v["splits"]``, or (0) the most, a power of two at
     most 16, that gives every row's every split a program and every split at least one pass of
@@ -1132,7 +1156,7 @@ def splits_for(v: dict, nprog: int, ctx: int) -> int:
     return n
 
 
-def _refusal(v: dict, nsplit: int, nprog: int) -> str:
+def _refusal(v: dict, nsplit: int, nprog: int, tiles: dict) -> str:
     """Why the kernel cannot run variant ``v`` ('' when it can)."""
     a = v["attention"]
     why = [
@@ -1141,23 +1165,26 @@ def _refusal(v: dict, nsplit: int, nprog: int) -> str:
         (v["batch"] > 1 and not v["mmav"], "batch above 1 needs mmav 1"),
         (v["batch"] > 1 and (a == 0 or v["merge"] == 1), "batch above 1 needs attention 1 to 4 and merge 0"),
         (v["mmav"] == 1 and (v["tma"] == 1 or v["gu"] == 0), "mmav 1 needs tma 0 (a cp.async ring) and gu 1"),
+        # the warps' sums go through the staged input's first chunk, which down's second tile still reads
+        (v["mmav"] == 1 and tiles["TD"] > 1, f"mmav 1 needs one down tile a program ({MODEL}: {tiles['TD']})"),
         (v["batch"] * KVH_ * nsplit > nprog, f"batch x {KVH_} heads x {nsplit} splits exceeds {nprog} programs"),
     ]
     return next((text for bad, text in why if bad), "")
 
 
-def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog, v: dict, t0, t1, reps,
+def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog, v: dict, tiles: dict, reps,
           timeline) -> dict:  # fmt: skip
     """One variant ``v`` (a value of each ``VARIANTS`` knob): checked against the reference, timed
     over graph replays, and (``timeline``) one stamped launch's per-stage spans. ``ws``: the
     weights by ``gu`` (0 as loaded, 1 ``interleave_gate_up``); ``x``, ``kc_all``, ``vc_all``,
-    ``want``, ``news``: every row's, of which the variant decodes its batch's first."""
+    ``want``, ``news``: every row's, of which the variant decodes its batch's first; ``tiles``: each
+    stage's output tiles a program (``T0``, ``TO``, ``T1``, ``TD``)."""
     w = ws[v["gu"]]
     dev = w.device
     nb = v["batch"]
     nsplit = splits_for(v, nprog, ctx)
     cell = {"context": ctx, **v, "splits": nsplit, "attention": ATTENTION[v["attention"]]}
-    if why := _refusal(v, nsplit, nprog):
+    if why := _refusal(v, nsplit, nprog, tiles):
         return {**cell, "error": why}
     kc = kc_all[:, :nb].contiguous()  # [L, NB, KVH, maxctx, D]; the step writes position ctx
     vc = vc_all[:, :nb].contiguous()
@@ -1172,7 +1199,7 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
     epoch = torch.zeros(1, dtype=torch.int32, device=dev)
     ts = torch.zeros(layers * nprog * len(EVENTS), dtype=torch.int64, device=dev)
     args = (w, *weight_descriptors(w), gin, gpost, x, act, kc, vc, cs, part, ctr, hctr, epoch, ts, ctx, kc.shape[3])
-    consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], T0=t0, T1=t1, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
+    consts = dict(L=layers, NPROG=nprog, NBUF=v["ring"], **tiles, NSPLIT=nsplit, ATT=v["attention"], ROT=v["rot"],
                   POLL=v["poll"], EARLY=v["early"], GU=v["gu"], DEPTH=v["depth"],
                   MERGE=v["merge"], PW=v["pw"], KVS=v["kvs"], LAY=v["lay"], XBF=v["xbf"], TMA=v["tma"], NB=nb,
                   MMAV=v["mmav"], PF=v["pf"], PROF=False, NW=8)  # fmt: skip
@@ -1240,9 +1267,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
 
     dev = torch.device("cuda")
     nprog = torch.cuda.get_device_properties(dev).multi_processor_count
-    assert nprog >= H_ // ROWS_, "one o_proj and one down tile a program"
-    t0 = -(-(QKV_ // ROWS_) // nprog)
-    t1 = -(-(2 * I_ // ROWS_) // nprog)
+    tiles = tiles_for(nprog)
     torch.manual_seed(0)
     w = torch.empty(layers * LAYER_W_, dtype=torch.bfloat16, device=dev)
     for layer in range(layers):  # scaled so the residual stays near 1 through the layers
@@ -1258,7 +1283,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
     probes = read_probes(dev)
     best = max(probes.values())
     out = {"gpu": torch.cuda.get_device_name(), "layers": layers, "programs": nprog,
-           "weight_bytes_per_layer": LAYER_W_ * 2, "read_probes_bytes_per_s": probes, "cells": []}  # fmt: skip
+           "model": MODEL, "weight_bytes_per_layer": WEIGHTS_ * 2, "read_probes_bytes_per_s": probes, "cells": []}  # fmt: skip
     for ctx in contexts:
         maxctx = ctx + 1
         kc = torch.randn(layers, rows, KVH_, maxctx, D_, device=dev).to(torch.bfloat16)
@@ -1269,7 +1294,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
         news = [n for _, n in refs]
         combos = [dict(zip(variants, combo)) for combo in itertools.product(*variants.values())]
         cells = (
-            _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, t0, t1, reps, timeline)
+            _cell(ws, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nprog, v, tiles, reps, timeline)
             for v in combos
         )
         stocks = (
@@ -1278,7 +1303,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
             for kind in stock
         )
         for cell in itertools.chain(cells, stocks):
-            step_bytes = LAYER_W_ * 2 + cell["batch"] * 2 * KVH_ * (ctx + 1) * D_ * 2
+            step_bytes = WEIGHTS_ * 2 + cell["batch"] * 2 * KVH_ * (ctx + 1) * D_ * 2
             cell["fraction_of_probe"] = (
                 round(step_bytes / (cell["us_per_layer"] * 1e-6) / best, 3) if "us_per_layer" in cell else None
             )
@@ -1312,6 +1337,7 @@ def _stock_kinds(text: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default=MODEL, help="the profile whose decoder layer runs")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--contexts", type=_ints, default="1024,8192,32768")
     for knob, (default, what) in VARIANTS.items():
@@ -1333,6 +1359,9 @@ def main() -> None:
             ap.error(f"argument --{knob}: {top} is not 0 (off) or 1 (on)")
     if bad := [b for b in a.batch if not 1 <= b <= 8]:
         ap.error(f"argument --batch: {bad[0]} is not 1 to 8 (mma.sync's 8 columns)")
+    if a.model != MODEL:  # the shapes are module constants: the same command in a process of that model
+        script = str(Path(__file__).resolve())
+        os.execve(sys.executable, [sys.executable, script, *sys.argv[1:]], {**os.environ, "STEP_PROBE_MODEL": a.model})
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
     res = run(a.layers, a.contexts, variants, a.reps, a.timeline, a.stock)
     if a.out:

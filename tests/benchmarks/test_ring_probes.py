@@ -107,7 +107,19 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
     box = f"tensordesc<bf16[{probe.ROWS_}, {probe.BK_ // probe.TB_}, {probe.TB_}],{probe.TMA_LAYOUT!r}>"
     sig = {"w_ptr": sig.pop("w_ptr"), "wh_desc": box, "wi_desc": box} | sig  # the kernel's argument order
-    consts = {"L": 2, "NPROG": 132, "NBUF": nbuf, "T0": 2, "T1": 8, "NSPLIT": 16, "ATT": att, "PROF": prof, "NW": 8}
+    consts = {
+        "L": 2,
+        "NPROG": 132,
+        "NBUF": nbuf,
+        "T0": 2,
+        "TO": 1,
+        "T1": 8,
+        "TD": 1,
+        "NSPLIT": 16,
+        "ATT": att,
+        "PROF": prof,
+        "NW": 8,
+    }
     off = {"ROT": 0, "POLL": 0, "EARLY": 0, "GU": 0, "MERGE": 0, "DEPTH": 1, "PW": 8, "KVS": 0, "LAY": 0, "XBF": 0,
            "TMA": 0, "NB": 1, "MMAV": 0, "PF": 0}  # fmt: skip
     consts |= off | knobs
@@ -126,7 +138,8 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
      (["--contexts", "-1"], "--contexts: negative value in '-1'"),
      (["--tma", "0,2"], "--tma: 2 is not 0 (off) or 1 (on)"),
      (["--batch", "1,9"], "--batch: 9 is not 1 to 8 (mma.sync's 8 columns)"),
-     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-max")],
+     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-max"),
+     (["--model", "qwen3-8b"], "--model: invalid choice: 'qwen3-8b' (choose from 'llama3-1b', 'llama3-8b')")],
 )  # fmt: skip
 def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
     """The step probe's command line: garbage ends in argparse's one error line (exit 2) before any
@@ -151,3 +164,45 @@ def test_step_probe_splits_fill_the_programs_with_whole_tile_passes(batch, ctx, 
     (one pass of the 8 warps' 16-position tiles), a power of two up to 16; a given value stands."""
     probe = _probe("step_probe")
     assert probe.splits_for({"splits": splits, "batch": batch}, 132, ctx) == want
+
+
+def _probe_of_model(model: str, monkeypatch):
+    """``step_probe`` as a module object of its own whose shapes are ``model``'s (they are module
+    constants, read when the kernel compiles)."""
+    import importlib.util
+
+    monkeypatch.setenv("STEP_PROBE_MODEL", model)
+    spec = importlib.util.spec_from_file_location(f"step_probe_{model}", ROOT / "benchmarks" / "step_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Llama-3-8B's batch-1 layer: the weight ring by TMA with the K/V ring of its 128-wide heads in the
+# staged input's bytes (apart, the two would not fit: 258648 bytes), and the plain per-head task
+@pytest.mark.parametrize(("att", "kvs", "tma"), [(4, 2, 1), (0, 0, 0)])
+def test_step_probe_compiles_llama3_8b_layers(att, kvs, tma, monkeypatch):
+    """The probe at 8B's shapes: two o_proj and two down tiles a program, 14 chunks of down's
+    staged input, the weights laid out at whole rows of both K (TMA's row views), compiled for
+    sm_90 within one program per SM and without spills."""
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    probe = _probe_of_model("llama3-8b", monkeypatch)
+    assert (probe.H_, probe.I_, probe.D_) == (4096, 14336, 128)
+    for k in (probe.H_, probe.I_):  # weight_descriptors' row views
+        assert probe.OFF_D_ % k == 0 and probe.LAYER_W_ % k == 0, k
+    assert probe.LAYER_W_ - probe.WEIGHTS_ < probe.H_ * probe.I_  # padding, not a second copy
+    tiles = probe.tiles_for(132)
+    assert tiles == {"T0": 3, "TO": 2, "T1": 14, "TD": 2}
+    ptrs = ["w", "gin", "gpost", "x", "act", "kc", "vc", "cs", "part", "ctr", "hctr", "epoch", "ts"]
+    kinds = ["*bf16"] * 3 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*i32"] * 3 + ["*i64"]
+    sig = {f"{n}_ptr": t for n, t in zip(ptrs, kinds)} | {"ctx": "i32", "maxctx": "i32"}
+    box = f"tensordesc<bf16[{probe.ROWS_}, {probe.BK_ // probe.TB_}, {probe.TB_}],{probe.TMA_LAYOUT!r}>"
+    sig = {"w_ptr": sig.pop("w_ptr"), "wh_desc": box, "wi_desc": box} | sig
+    consts = {"L": 2, "NPROG": 132, "NBUF": 3, **tiles, "NSPLIT": 16, "ATT": att, "PROF": False, "NW": 8, "ROT": 0,
+              "POLL": 0, "EARLY": 1, "GU": 1, "MERGE": 0, "DEPTH": 1, "PW": 16, "KVS": kvs, "LAY": 0, "XBF": 1,
+              "TMA": tma, "NB": 1, "MMAV": 0, "PF": 0}  # fmt: skip
+    compiled = _compile(probe.step_chain, sig, consts)
+    res = cuda_resources("step_chain_8b", 1, 8, compiled)
+    assert res.spills == 0, res
+    assert compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared

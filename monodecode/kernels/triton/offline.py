@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,13 +73,17 @@ def amd_resources(kernel: str, arch: str, width: int, num_warps: int, compiled) 
 def cuda_resources(kernel: str, width: int, num_warps: int, compiled) -> Resources:
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptx = compiled.asm["ptx"]
-    tmp = Path(f"/tmp/monodecode-{kernel}-{width}.ptx")
-    tmp.write_text(ptx)
     ptxas = get_ptxas(90).path
-    res = subprocess.run(
-        [ptxas, "--gpu-name", "sm_90a", "-v", str(tmp), "-o", "/dev/null"], capture_output=True, text=True, check=True
-    )
+    # a file of this call's own: compiles of the same kernel run side by side (test workers)
+    with tempfile.TemporaryDirectory(prefix="monodecode-ptxas-") as tmp:
+        src = Path(tmp) / f"{kernel}-{width}.ptx"
+        src.write_text(compiled.asm["ptx"])
+        res = subprocess.run(
+            [ptxas, "--gpu-name", "sm_90a", "-v", str(src), "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     info = res.stderr + res.stdout
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info))
