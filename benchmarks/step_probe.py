@@ -1146,12 +1146,12 @@ def tiles_for(nprog: int) -> dict:
 def splits_for(v: dict, nprog: int, ctx: int) -> int:
     """The attention splits per KV head and row: ``v["splits"]``, or (0) the most, a power of two at
     most 16, that gives every row's every split a program and every split at least one pass of
-    the 8 warps' 16-position tiles (run 103 at batch 1: 1k 47.7 µs a layer with 8 splits, 48.7
+    the 8 warps' ``pw``-position tiles (run 103 at batch 1, pw 16: 1k 47.7 µs a layer with 8 splits, 48.7
     with 16; 8k 53.2 and 52.7; 32k 71.2 and 64.0)."""
     if v["splits"]:
         return v["splits"]
     n = 16
-    while n > 1 and (v["batch"] * KVH_ * n > nprog or n * 16 * 8 > ctx):
+    while n > 1 and (v["batch"] * KVH_ * n > nprog or n * v["pw"] * 8 > ctx):
         n //= 2
     return n
 
@@ -1235,10 +1235,10 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
     return cell
 
 
-def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nb, reps) -> dict:
+def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nb, reps, draws) -> dict:
     """The harness's stock step ``kind`` (``probe_stock.KINDS``) over the same weights, caches and
     rows as the probe's cells at batch ``nb``, checked against the same reference and timed the
-    same way."""
+    same way; a tuned kind ``draws`` times, the fastest kept."""
     cell = {"context": ctx, "batch": nb, "stock": kind}
     kc = [kc_all[n, :nb].clone() for n in range(layers)]  # one tensor a layer, as the harness's caches
     vc = [vc_all[n, :nb].clone() for n in range(layers)]
@@ -1247,12 +1247,12 @@ def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx
     lw = [layer_weights(w, n) for n in range(layers)]
     step, out = probe_stock.build_step(kind, lw, gin, gpost, x[:nb], kc, vc, cs, ctx, nq=QH_, eps=EPS_)
     try:
-        timed = probe_stock.time_step(step, reps)
+        timed, out = probe_stock.time_step(step, out, reps, draws if kind in probe_stock.TUNED_KINDS else 1)
     except Exception as e:  # a compile that fails: one line, go on
         return {**cell, "error": str(e).splitlines()[0][:200]}
-    us = timed["us_per_step"]
+    us = timed.pop("us_per_step")
     want = want[:nb]
-    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2), compile_s=timed["compile_s"],
+    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2), **timed,
                 rel_error=float((out.float() - want).norm() / want.norm()),
                 kv_rel_error=max(float((kc[n][b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
                                  for b in range(nb) for n, (k, _) in enumerate(news[b])))  # fmt: skip
@@ -1260,7 +1260,7 @@ def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx
 
 
 def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: int, timeline: bool,
-        stock: list[str] = ()) -> dict:  # fmt: skip
+        stock: list[str] = (), stock_draws: int = 1) -> dict:  # fmt: skip
     """Every combination of ``variants`` (``VARIANTS``' knobs) at every context; then each ``stock``
     step (``probe_stock.KINDS``) at every batch, and the two side by side."""
     from monodecode_ops.decode_bench.probes import read_probes
@@ -1298,7 +1298,7 @@ def run(layers: int, contexts: list[int], variants: dict[str, list[int]], reps: 
             for v in combos
         )
         stocks = (
-            _stock_cell(kind, w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nb, reps)
+            _stock_cell(kind, w, gin, gpost, x, kc, vc, cs, want, news, ctx, layers, nb, reps, stock_draws)
             for nb in sorted(set(variants["batch"]))
             for kind in stock
         )
@@ -1327,6 +1327,17 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer of at least 1 (anything else: argparse's one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
 def _stock_kinds(text: str) -> list[str]:
     """argparse type: comma-separated ``probe_stock.KINDS`` names (others: argparse's one line)."""
     kinds = [k for k in text.split(",") if k]
@@ -1349,6 +1360,13 @@ def main() -> None:
         default="",
         help=f"stock steps timed beside the probe: {', '.join(probe_stock.KINDS)}",
     )
+    ap.add_argument(
+        "--stock-draws",
+        type=_positive,
+        default=1,
+        help=f"compiles of each tuned stock ({', '.join(probe_stock.TUNED_KINDS)}), tuned afresh after the first; "
+        "the fastest counts (their tunings vary by 20 %%)",
+    )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="", help="folder for step_probe.json")
     a = ap.parse_args()
@@ -1363,7 +1381,7 @@ def main() -> None:
         script = str(Path(__file__).resolve())
         os.execve(sys.executable, [sys.executable, script, *sys.argv[1:]], {**os.environ, "STEP_PROBE_MODEL": a.model})
     variants = {knob: getattr(a, knob) for knob in VARIANTS}
-    res = run(a.layers, a.contexts, variants, a.reps, a.timeline, a.stock)
+    res = run(a.layers, a.contexts, variants, a.reps, a.timeline, a.stock, a.stock_draws)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "step_probe.json").write_text(json.dumps(res, indent=1))

@@ -89,10 +89,44 @@ def test_each_fp8_profile_runs_right_after_its_bf16_one():
 def test_a_tuned_stock_is_timed_at_its_fastest_draw():
     """Of several compiles of a tuned stock, the one with the lowest median counts (a lucky fastest
     replay does not), its output and capture time with it; the first of equal medians."""
+    from monodecode_ops.decode_bench.fullgraph import fastest_draw
+
     slow_with_one_fast_replay = ([1.0e-3, 2.0e-3, 2.1e-3], "out-a", 9.0)
     steady = ([1.5e-3, 1.5e-3, 1.6e-3], "out-b", 4.0)
     same_median = ([1.4e-3, 1.5e-3, 1.5e-3], "out-c", 3.0)
-    assert harness._fastest_draw([slow_with_one_fast_replay, steady, same_median]) == steady
+    assert fastest_draw([slow_with_one_fast_replay, steady, same_median]) == steady
+
+
+@pytest.mark.parametrize("callers_setting", [False, True])
+def test_draws_after_the_first_compile_with_inductors_caches_off(callers_setting):
+    """Each draw runs once; the first under the caller's cache setting (as
+    TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 sets it: not forced back on), the later ones with
+    inductor's caches off so they tune afresh; the setting is as it was after; a later draw that
+    fails is one line and leaves the others, a failing first draw raises."""
+    import torch._inductor.config as inductor_config
+
+    from monodecode_ops.decode_bench.fullgraph import tuning_draws
+
+    seen = []
+
+    def draw():
+        seen.append(inductor_config.force_disable_caches)
+        if len(seen) == 3:
+            raise RuntimeError("out of memory\nthe rest")
+        return len(seen)
+
+    with inductor_config.patch(force_disable_caches=callers_setting):
+        got, failed = tuning_draws(draw, 4)
+        assert inductor_config.force_disable_caches == callers_setting
+    assert seen == [callers_setting, True, True, True]
+    assert got == [1, 2, 4]
+    assert failed == ["draw 2: RuntimeError: out of memory"]
+
+    def broken():
+        raise ValueError("no compiler")
+
+    with pytest.raises(ValueError):
+        tuning_draws(broken, 3)
 
 
 def test_every_stock_path_is_wired_through_to_the_verdict_and_the_plots():
@@ -105,5 +139,15 @@ def test_every_stock_path_is_wired_through_to_the_verdict_and_the_plots():
         assert backend in report.LABELS, backend
         if backend.startswith("stock-") and backend != "stock-gemm-floor":
             assert backend in report.STOCK_BACKENDS, backend
-    assert set(FULLGRAPH_STOCKS) <= set(harness.COMPILED)
+    assert set(FULLGRAPH_STOCKS) <= set(harness.COMPILED) & set(harness.STOCK_PATHS.values())
     assert set(harness.TUNED) <= set(FULLGRAPH_STOCKS)
+    assert not harness.stock_runs("stock-fullgraph-max", True, 1, (1,))  # FP8 W8A16 would widen every weight
+
+
+def test_the_prewarm_leaves_stocks_that_tune_while_compiling_to_the_benchmark():
+    """max-autotune picks its GEMMs while it compiles: warmed on the prewarm's busy GPU, the cached
+    graph would carry those choices into the benchmark."""
+    from monodecode_ops.decode_bench import prewarm
+
+    jobs = prewarm.jobs(["llama3-1b"], [], [1], [1024], None, ("fullgraph", "fullgraph-cdt", "fullgraph-max"), ())
+    assert jobs and all(job[4] == ["stock-fullgraph", "stock-fullgraph-cdt"] for job in jobs)

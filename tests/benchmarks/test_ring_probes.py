@@ -139,7 +139,8 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
      (["--tma", "0,2"], "--tma: 2 is not 0 (off) or 1 (on)"),
      (["--batch", "1,9"], "--batch: 9 is not 1 to 8 (mma.sync's 8 columns)"),
      (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-max"),
-     (["--model", "qwen3-8b"], "--model: invalid choice: 'qwen3-8b' (choose from 'llama3-1b', 'llama3-8b')")],
+     (["--model", "qwen3-8b"], "--model: invalid choice: 'qwen3-8b' (choose from 'llama3-1b', 'llama3-8b')"),
+     (["--stock-draws", "0"], "--stock-draws: 0 is not 1 or more")],
 )  # fmt: skip
 def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
     """The step probe's command line: garbage ends in argparse's one error line (exit 2) before any
@@ -155,15 +156,16 @@ def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
 
 
 @pytest.mark.parametrize(
-    ("batch", "ctx", "splits", "want"),
-    [(1, 1024, 0, 8), (1, 8192, 0, 16), (1, 32768, 0, 16), (8, 32768, 0, 2), (4, 1024, 0, 4), (1, 100, 0, 1),
-     (1, 1024, 16, 16)],
+    ("batch", "ctx", "splits", "pw", "want"),
+    [(1, 1024, 0, 16, 8), (1, 8192, 0, 16, 16), (1, 32768, 0, 16, 16), (8, 32768, 0, 16, 2), (4, 1024, 0, 16, 4),
+     (1, 100, 0, 16, 1), (1, 1024, 16, 16, 16), (1, 1024, 0, 8, 16)],
 )  # fmt: skip
-def test_step_probe_splits_fill_the_programs_with_whole_tile_passes(batch, ctx, splits, want):
-    """Splits per row and KV head: every split its own program of 132, each at least 128 positions
-    (one pass of the 8 warps' 16-position tiles), a power of two up to 16; a given value stands."""
+def test_step_probe_splits_fill_the_programs_with_whole_tile_passes(batch, ctx, splits, pw, want):
+    """Splits per row and KV head: every split its own program of 132, each at least one pass of
+    the 8 warps' ``pw``-position tiles (128 positions at pw 16), a power of two up to 16; a given
+    value stands."""
     probe = _probe("step_probe")
-    assert probe.splits_for({"splits": splits, "batch": batch}, 132, ctx) == want
+    assert probe.splits_for({"splits": splits, "batch": batch, "pw": pw}, 132, ctx) == want
 
 
 def _probe_of_model(model: str, monkeypatch):

@@ -20,6 +20,7 @@ bf16 weight first (slow: the BF16 stock is then the honest bar for FP8).
 from __future__ import annotations
 
 import functools
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,37 @@ def inductor_options(tuning: bool = False, max_autotune: bool = False) -> dict |
     return ({"coordinate_descent_tuning": True} if tuning else {}) | (
         {"max_autotune": True} if max_autotune else {}
     ) or None
+
+
+def tuning_draws(run_draw, draws: int, reset: bool = True) -> tuple[list, list[str]]:
+    """``run_draw()`` (compile, capture, time: a tuned stock's one draw) ``draws`` times, dynamo's
+    compiled code dropped before each (``reset``); the draws after the first with inductor's caches
+    off, so each compiles and tunes afresh (coordinate descent and max-autotune land on different
+    configurations from one tuning to the next). The first keeps the caller's cache setting (a
+    prewarmed cache, ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``). Returns (each draw's result, each
+    later draw's failure in one line); a failing first draw raises."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+
+    got, failed = [], []
+    for d in range(draws):
+        if reset:
+            torch._dynamo.reset()
+        try:
+            with inductor_config.patch(force_disable_caches=True) if d else contextlib.nullcontext():
+                got.append(run_draw())
+        except Exception as e:  # noqa: BLE001 - a later draw that fails leaves the earlier ones' numbers
+            if d == 0:
+                raise
+            failed.append(f"draw {d}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return got, failed
+
+
+def fastest_draw(draws: list[tuple]) -> tuple:
+    """Of ``(times, ...)`` per draw of one stock, the one with the lowest median time (the first of
+    equals): a tuned stock's bar is its best tuning, not whichever came first."""
+    return min(draws, key=lambda d: statistics.median(d[0]))
 
 
 def linear_widened(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -21,8 +21,8 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        GEMMs become fused reductions; FP8: W8A16 with the dequant fused, run at
                        ``--w8a16-batches`` only: wider, it does not fuse); its tuning differs from
                        one compile to the next by up to 20 %: ``--tuning-draws N`` compiles it N
-                       times a cell (tuned afresh after the first) and times the fastest, each
-                       draw's median in ``tuning_draws_ms``
+                       times a cell (tuned afresh after the first: ``fullgraph.tuning_draws``) and
+                       times the fastest, each draw's median in ``tuning_draws_ms``
   stock-fullgraph-max  (``--stock fullgraph-max``, BF16) the same with inductor's ``max_autotune`` too:
                        each projection's GEMM is its fastest of Triton templates and cuBLAS
                        (the skinny batch 2-8 GEMMs above all); tuned, so drawn like the cdt stock
@@ -77,7 +77,7 @@ from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
-from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode
+from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode, fastest_draw, tuning_draws
 from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
@@ -131,6 +131,9 @@ COMPILED = (
 # different ones from one compile to the next (run 104, 1B at 1k batch 1: 53.7, 62.2 and 64.8 µs a
 # layer in three fresh tunings, the untuned step within 0.5 %), so one draw is not the strongest.
 TUNED = ("stock-fullgraph-cdt", "stock-fullgraph-max")
+# Tuned stocks whose choices are made while compiling (max-autotune's GEMMs): the prewarm leaves them
+# to the benchmark's process, whose idle GPU times the candidates (prewarm.py: tuning stays there).
+TUNED_WHILE_COMPILING = ("stock-fullgraph-max",)
 
 
 # Launch-target changes measured next to the current target in the same run: "before" is the
@@ -217,12 +220,6 @@ def _time_graph(graph: torch.cuda.CUDAGraph, replays: int, warmup: int = 3) -> l
 
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
-
-
-def _fastest_draw(draws: list[tuple]) -> tuple:
-    """Of ``(times, ...)`` per compile of one backend, the one with the lowest median time (the
-    first of equals): a tuned stock's bar is its best tuning, not whichever came first."""
-    return min(draws, key=lambda d: statistics.median(d[0]))
 
 
 def _measure(name: str, fn, log) -> tuple[Any, str | None]:
@@ -521,26 +518,23 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
         n, warm = (3, 1) if name == "reference-graph" else (replays, 3)
 
         def one(fn=fn, name=name, n=n, warm=warm):
-            import torch._inductor.config as inductor_config
-
-            got = []
-            for d in range(ctx["tuning_draws"] if name in TUNED else 1):
-                if name in COMPILED:
-                    torch._dynamo.reset()  # this path's own compiles (and no stale entry of another)
-                # a later draw compiles and tunes afresh (the first may load the prewarmed cache)
-                with inductor_config.patch(force_disable_caches=d > 0):
-                    t0 = time.monotonic()
-                    g, out = capture_graph(fn)
-                    torch.cuda.synchronize()
+            def draw():
+                t0 = time.monotonic()
+                g, out = capture_graph(fn)
+                torch.cuda.synchronize()
                 capture_s = time.monotonic() - t0
                 ts = _time_graph(g, n, warm)
                 g.replay()  # leave this backend's output of the same KV state for the error check
                 torch.cuda.synchronize()
-                got.append((ts, out.clone(), capture_s))
-                del g, out
-            if len(got) > 1:
+                return ts, out.clone(), capture_s
+
+            # a compiled path's own compiles (and no stale entry of another); a tuned one drawn
+            got, failed = tuning_draws(draw, ctx["tuning_draws"] if name in TUNED else 1, reset=name in COMPILED)
+            for why in failed:
+                log(f"  ! {name} {why}")
+            if len(got) > 1 or failed:
                 draws[name] = [round(_median_ms(ts), 4) for ts, _, _ in got]
-            ts, out, capture[name] = _fastest_draw(got)
+            ts, out, capture[name] = fastest_draw(got)
             return ts, out, None
 
         got, why = _measure(name, one, log)

@@ -10,7 +10,9 @@ FX-graph cache and Triton's cache on disk then hold every graph, and the benchma
 Tuning stays in the benchmark: the workers run their kernels on a shared, busy GPU, so they
 save no autotuning or coordinate-descent result (``AutotuneCache.save`` is a no-op in them, and
 any ``*.best_config`` written during the warm-up is deleted after it); the benchmark's process
-tunes each kernel on its first run, on an idle GPU, as it would without the warm-up.
+tunes each kernel on its first run, on an idle GPU, as it would without the warm-up. A stock that
+tunes while it compiles (max-autotune's GEMM choice, ``harness.TUNED_WHILE_COMPILING``) is not
+warmed at all: its choices would be the busy GPU's, baked into the cached graph.
 """
 
 from __future__ import annotations
@@ -79,9 +81,16 @@ def warm_cell(job) -> tuple[str, float, str | None]:
 
 def jobs(profiles, fp8_profiles, batches, contexts, long_batches, stock, w8a16_batches, device="cuda") -> list:
     """One job per cell that has a compiled stock path, in the benchmark's order."""
-    from monodecode_ops.decode_bench.harness import COMPILED, STOCK_PATHS, cell_plan, config_order, stock_runs
+    from monodecode_ops.decode_bench.harness import (
+        COMPILED,
+        STOCK_PATHS,
+        TUNED_WHILE_COMPILING,
+        cell_plan,
+        config_order,
+        stock_runs,
+    )
 
-    chosen = tuple(s for s in stock if STOCK_PATHS[s] in COMPILED)
+    chosen = tuple(s for s in stock if STOCK_PATHS[s] in COMPILED and STOCK_PATHS[s] not in TUNED_WHILE_COMPILING)
     out = []
     for p, dtype in config_order(profiles, fp8_profiles):
         fp8 = dtype != "bf16"
