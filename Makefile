@@ -27,8 +27,10 @@ SERVE_ARGS ?=
 
 .PHONY: run serve test lint venv test-deps system-deps clean
 
+# pip 26.3 resolves several times faster than the 23.2 that Python 3.11's venv brings.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip --disable-pip-version-check -q install 'pip==26.3'
 
 # What `make run` installs, and nothing else: the runtime, the CLI, triton (on a machine without
 # a GPU, verify runs the Triton kernels in Triton's interpreter) and matplotlib for the plots of
@@ -68,9 +70,11 @@ lint: test-deps
 	cd $(CURDIR) && PYTHONPATH=ops $(BIN)/lint-imports
 
 # Both suites always run (the main one skips tests/vllm); the target fails if either fails.
+# Without PYTHONDONTWRITEBYTECODE: the vLLM venvs are installed without .pyc
+# (scripts/lib/vllm-venv.sh), so the first process to import a module writes its .pyc.
 test: test-deps lint
 	MONODECODE_VLLM_CPU_PYTHON=$(VLLM_CPU_BIN)/python \
-	scripts/with-services.sh bash -c 'rc=0; t=$$SECONDS; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
+	env -u PYTHONDONTWRITEBYTECODE scripts/with-services.sh bash -c 'rc=0; t=$$SECONDS; "$$1" -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS) || rc=1; \
 	  echo "make test: main suite took $$((SECONDS - t)) s"; t=$$SECONDS; \
 	  "$$2" -m pytest tests/vllm $(PYTEST_XDIST) $(VLLM_PYTEST_ARGS) || rc=1; \
 	  echo "make test: tests/vllm on vllm took $$((SECONDS - t)) s"; t=$$SECONDS; \

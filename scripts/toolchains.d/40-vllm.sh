@@ -32,7 +32,8 @@ humming-kernels"
 stamp_file="$VENV/.monodecode-vllm-stamp"
 want_stamp=$(cat "$0" scripts/lib/vllm-venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 check() {
-  "$VENV/bin/python" - <<'EOF'
+  # writes .pyc for what it imports (pip installed with --no-compile: scripts/lib/vllm-venv.sh)
+  env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 import vllm.plugins, vllm.config, vllm.engine.arg_utils  # noqa: F401  (the parts the tests use)
 import monodecode.vllm_plugin  # noqa: F401

