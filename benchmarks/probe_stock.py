@@ -17,6 +17,7 @@ torch reference (``step_probe.reference``).
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import torch
@@ -77,11 +78,24 @@ def build_step(kind: str | None, layer_weights, gin, gpost, x, kc, vc, cs, ctx: 
     return step, out
 
 
+def one_step_us(step, reps: int) -> float:
+    """The harness's way, as a served step runs: ``step`` alone captured in a CUDA graph, the median
+    µs of ``reps`` replays, each between device events and followed by a synchronize, so each
+    includes the graph's launch (a stock step is some 80 kernels a step at 8 layers, the probe one)."""
+    from monodecode_ops.decode_bench.probes import time_calls
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return statistics.median(time_calls(graph.replay, reps)) * 1e6
+
+
 def time_step(step, out, reps: int, draws: int = 1) -> tuple[dict, torch.Tensor]:
     """``step`` warmed (compiled, tuned), then the median µs of one of 20 steps captured in one CUDA
-    graph over ``reps`` replays (``_replay_us``, as the probe times its launch); ``draws`` times,
-    tuned afresh after the first (``tuning_draws``), the fastest kept. Returns (its µs, compile
-    seconds, every draw's µs and any failed draw's line; its output ``out``)."""
+    graph over ``reps`` replays (``_replay_us``, as the probe times its launch) and of one step a
+    replay (``one_step_us``); ``draws`` times, tuned afresh after the first (``tuning_draws``),
+    the fastest by the first kept. Returns (its µs both ways, compile seconds, every draw's µs and
+    any failed draw's line; its output ``out``)."""
     from attention_probe import _replay_us
 
     def draw():
@@ -94,11 +108,11 @@ def time_step(step, out, reps: int, draws: int = 1) -> tuple[dict, torch.Tensor]
         with torch.cuda.graph(graph):
             for _ in range(20):  # what ``_replay_us`` divides by
                 step()
-        return [_replay_us(graph, reps)], out.clone(), compile_s
+        return [_replay_us(graph, reps)], out.clone(), compile_s, one_step_us(step, reps)
 
     got, failed = tuning_draws(draw, draws)
-    (us,), best, compile_s = fastest_draw(got)
-    timed = {"us_per_step": us, "compile_s": round(compile_s, 1)}
+    (us,), best, compile_s, one = fastest_draw(got)
+    timed = {"us_per_step": us, "us_per_step_one_replay": one, "compile_s": round(compile_s, 1)}
     if draws > 1:
         timed.update(draws_us=[round(g[0][0], 2) for g in got], failed_draws=failed)
     return timed, best
@@ -117,7 +131,8 @@ def counts(c: dict, tolerance: float = STACK_REL_FRO) -> bool:
 
 def side_by_side(cells: list[dict], tolerance: float = STACK_REL_FRO) -> list[dict]:
     """Per (context, batch): the fastest probe cell and the fastest stock cell that count
-    (``counts``), and stock µs / probe µs."""
+    (``counts``), and stock µs / probe µs; also timed one step a replay (``one_step_us``) where
+    both cells were."""
     best: dict[tuple, dict] = {}
     for c in cells:
         if not counts(c, tolerance):
@@ -135,6 +150,10 @@ def side_by_side(cells: list[dict], tolerance: float = STACK_REL_FRO) -> list[di
             row.update(stock=s["stock"], stock_us_per_layer=s["us_per_layer"])
         if p and s:
             row["stock_over_probe"] = round(s["us_per_layer"] / p["us_per_layer"], 3)
+            if "us_per_layer_one_replay" in p and "us_per_layer_one_replay" in s:
+                row["stock_over_probe_one_replay"] = round(
+                    s["us_per_layer_one_replay"] / p["us_per_layer_one_replay"], 3
+                )
         out.append(row)
     return out
 

@@ -45,7 +45,9 @@ the last layer's residuals, and the new position's K/V in the cache).
 ``--stock fullgraph,fullgraph-cdt`` also runs the benchmark harness's strongest stock steps over
 the same weights, caches and rows, timed the same way (``probe_stock.py``), and prints per context
 and batch the fastest of each within the harness's error bound and their ratio: the one honest
-comparison of the probe with the stock, where the harness's ratios mix two timing methods.
+comparison of the probe with the stock, where the harness's ratios mix two timing methods. Every
+cell, probe and stock, is also timed the harness's way, one step a graph replay after a
+synchronize (``us_per_layer_one_replay``: what a served step pays, its graph's launch included).
 
 Usage (GPU machine, repository root): ``python benchmarks/step_probe.py --layers 8 --contexts
 1024,8192,32768 [--ring 3,5 --attention 2,4 ... (every ``VARIANTS`` knob)] [--stock KINDS] [--timeline]
@@ -1220,7 +1222,9 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
         for _ in range(20):  # what ``_replay_us`` divides by
             step_chain[(nprog,)](*args, **consts, num_warps=8)
     us = _replay_us(graph, reps)
+    one = probe_stock.one_step_us(lambda: step_chain[(nprog,)](*args, **consts, num_warps=8), reps)
     cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
+                us_per_layer_one_replay=round(one / layers, 2),
                 rel_error_after_replays=float((out_res - want).norm() / want.norm()))  # fmt: skip
     if timeline:  # a separate build: the stamps cost time of their own
         consts["PROF"] = True
@@ -1250,9 +1254,10 @@ def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx
         timed, out = probe_stock.time_step(step, out, reps, draws if kind in probe_stock.TUNED_KINDS else 1)
     except Exception as e:  # a compile that fails: one line, go on
         return {**cell, "error": str(e).splitlines()[0][:200]}
-    us = timed.pop("us_per_step")
+    us, one = timed.pop("us_per_step"), timed.pop("us_per_step_one_replay")
     want = want[:nb]
-    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2), **timed,
+    cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
+                us_per_layer_one_replay=round(one / layers, 2), **timed,
                 rel_error=float((out.float() - want).norm() / want.norm()),
                 kv_rel_error=max(float((kc[n][b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
                                  for b in range(nb) for n, (k, _) in enumerate(news[b])))  # fmt: skip
