@@ -108,7 +108,8 @@ BK = gl.constexpr(BK_)
 BLK = gl.constexpr(BLK_)
 TB = gl.constexpr(TB_)
 XMAX = gl.constexpr(I_ // BK_)  # the stage input buffer: down's input as [INTER // BK, BK]
-NPAD = gl.constexpr(8)  # ``MMAV`` 1: the rows padded to mma.sync's 8 columns (m16n8k16: W[16, K] @ X[K, 8])
+NPAD_ = 8
+NPAD = gl.constexpr(NPAD_)  # ``MMAV`` 1: the rows padded to mma.sync's 8 columns (m16n8k16: W[16, K] @ X[K, 8])
 # a layer's weights, one bf16 block: [qkv (QKV, H) | o (H, H) | gate/up (2I, H) | down (H, I)], down and
 # the next layer starting at whole rows of both H and I (TMA's row views; 1B needs no padding)
 WEIGHTS_ = (QKV_ + H_ + 2 * I_) * H_ + H_ * I_  # a layer's weights, padding left out
@@ -1158,6 +1159,20 @@ def splits_for(v: dict, nprog: int, ctx: int) -> int:
     return n
 
 
+SMEM_ = 227 * 1024  # sm_90's shared memory for one program
+
+
+def shared_bytes(v: dict) -> int:
+    """The shared memory ``step_chain`` allocates itself for variant ``v``: the weight ring, the
+    staged input (bf16, fp32, or the tensor-core path's 8 padded rows) and attention 4's K/V ring,
+    which the bf16 and tensor-core staged inputs hold in their own bytes. A lower bound: the
+    compiler adds barriers and its own scratch (attention 4: under 1.1 KiB; the others up to 8 KiB)."""
+    ring = v["ring"] * ROWS_ * BK_ * 2
+    staged = I_ * (2 if v["xbf"] or v["mmav"] else 4) * (NPAD_ if v["mmav"] else 1)
+    kv = 2 * v["kvs"] * 8 * 16 * D_ * 2 if v["attention"] == 4 else 0
+    return ring + (max(staged, kv) if v["mmav"] or v["xbf"] else staged + kv)
+
+
 def _refusal(v: dict, nsplit: int, nprog: int, tiles: dict) -> str:
     """Why the kernel cannot run variant ``v`` ('' when it can)."""
     a = v["attention"]
@@ -1170,6 +1185,11 @@ def _refusal(v: dict, nsplit: int, nprog: int, tiles: dict) -> str:
         # the warps' sums go through the staged input's first chunk, which down's second tile still reads
         (v["mmav"] == 1 and tiles["TD"] > 1, f"mmav 1 needs one down tile a program ({MODEL}: {tiles['TD']})"),
         (v["batch"] * KVH_ * nsplit > nprog, f"batch x {KVH_} heads x {nsplit} splits exceeds {nprog} programs"),
+        (a == 4 and v["kvs"] < 2, "attention 4 needs kvs 2 or more (its K/V ring)"),
+        (
+            shared_bytes(v) > SMEM_,
+            f"at least {shared_bytes(v)} bytes of shared memory, over {SMEM_} ({MODEL}: ring, xbf, mmav, kvs)",
+        ),
     ]
     return next((text for bad, text in why if bad), "")
 

@@ -127,6 +127,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
     res = cuda_resources("step_chain", 1, 8, compiled)
     assert res.spills == 0, res
     assert nbuf * 32 * 1024 + 32 * 1024 <= compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+    _shared_as_estimated(probe, consts, compiled)
     # PF chunks asked of L2 at the attention's entry: one prefetch a thread per chunk, PF sites
     assert compiled.asm["ptx"].count("prefetch.global.L2") == consts["PF"]
 
@@ -166,6 +167,15 @@ def test_step_probe_splits_fill_the_programs_with_whole_tile_passes(batch, ctx, 
     value stands."""
     probe = _probe("step_probe")
     assert probe.splits_for({"splits": splits, "batch": batch, "pw": pw}, 132, ctx) == want
+
+
+def _shared_as_estimated(probe, consts: dict, compiled) -> None:
+    """``shared_bytes`` (what ``_refusal`` checks before compiling) is a lower bound of the compiled
+    kernel's shared memory, within the small buffers (1.1 KiB) for attention 4's forms."""
+    v = {"ring": consts["NBUF"], "xbf": consts["XBF"], "mmav": consts["MMAV"], "attention": consts["ATT"],
+         "kvs": consts["KVS"]}  # fmt: skip
+    want, got = probe.shared_bytes(v), compiled.metadata.shared
+    assert want <= got and (consts["ATT"] != 4 or got <= want + 1100), (want, got)
 
 
 def _probe_of_model(model: str, monkeypatch):
@@ -208,3 +218,9 @@ def test_step_probe_compiles_llama3_8b_layers(att, kvs, tma, monkeypatch):
     res = cuda_resources("step_chain_8b", 1, 8, compiled)
     assert res.spills == 0, res
     assert compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+    _shared_as_estimated(probe, consts, compiled)
+    # what does not fit is refused in one line before any compile
+    v = {"ring": 3, "xbf": 1, "mmav": 0, "attention": 4, "kvs": 3, "merge": 0, "pw": 16, "batch": 1, "tma": 1, "gu": 1}
+    assert "shared memory" in probe._refusal(v, 16, 132, tiles)
+    assert "shared memory" in probe._refusal(v | {"kvs": 2, "xbf": 0}, 16, 132, tiles)
+    assert probe._refusal(v | {"kvs": 2}, 16, 132, tiles) == ""

@@ -413,7 +413,9 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
     return out + list(ctx["kernels"])
 
 
-def _row(ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None, draws=None) -> dict:
+def _row(
+    ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None, draws: dict | None = None
+) -> dict:
     dims, n_layers = ctx["dims"], ctx["n_layers"]
     kbytes = kv_bytes(dims, n_layers, context, rows)
     nbytes = ctx["wbytes"] + kbytes
@@ -434,7 +436,8 @@ def _row(ctx, rows, context, backend, times, error, rel, capture_s, skipped=Fals
         "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
         "replays": len(times) if times else 0,
         "capture_s": capture_s,
-        "tuning_draws_ms": draws,
+        "tuning_draws_ms": (draws or {}).get("ms"),
+        "tuning_draws_failed": (draws or {}).get("failed"),  # one line each (a sticky CUDA error spoils the rest)
         "error": error,
         "skipped": skipped or None,
         "weight_bytes": ctx["wbytes"],
@@ -502,7 +505,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
     errors: dict[str, str] = {}
     outs: dict[str, torch.Tensor] = {}
     capture: dict[str, float] = {}
-    draws: dict[str, list[float]] = {}  # tuned stock -> each draw's median ms (with tuning_draws > 1)
+    draws: dict[str, dict] = {}  # tuned stock -> each draw's median ms and failed draws (tuning_draws > 1)
     steps = {}
     for name in wanted:
         if name == "reference-eager":
@@ -533,7 +536,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             for why in failed:
                 log(f"  ! {name} {why}")
             if len(got) > 1 or failed:
-                draws[name] = [round(_median_ms(ts), 4) for ts, _, _ in got]
+                draws[name] = {"ms": [round(_median_ms(ts), 4) for ts, _, _ in got], "failed": failed}
             ts, out, capture[name] = fastest_draw(got)
             return ts, out, None
 
@@ -699,7 +702,7 @@ def run(
     ``deadline_s``: cells not started this many seconds
     after the start are recorded as skipped. ``baselines=False``: only the oracle and the triton
     builds (quick A/B). ``tuning_draws``: compiles of each tuned stock per cell (``TUNED``), the
-    fastest timed (``_fastest_draw``)."""
+    fastest timed (``fullgraph.fastest_draw``)."""
     contexts = [contexts] if isinstance(contexts, int) else list(contexts)
     stock = tuple(stock) if baselines else ()
     check_arguments(profiles, batches, contexts, fp8_profiles, stock, tuple(w8a16_batches), tuning_draws)
