@@ -78,6 +78,28 @@ def build_step(kind: str | None, layer_weights, gin, gpost, x, kc, vc, cs, ctx: 
     return step, out
 
 
+def twenty_steps_us(step, reps: int) -> float:
+    """The probe's way: 20 ``step``s captured in one CUDA graph, the median µs of one of them over
+    ``reps`` replays (``attention_probe._replay_us``: no launch between steps)."""
+    from attention_probe import _replay_us
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):  # what ``_replay_us`` divides by
+            step()
+    return _replay_us(graph, reps)
+
+
+def kv_rel_error(kc, ctx: int, news) -> float:
+    """The worst relative error of the new position's K in the caches ``kc`` (indexed [layer][row,
+    head, position]) against the reference's ``news`` (per row, per layer (k, v)), rounded to bf16."""
+    return max(
+        float((kc[n][b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
+        for b, row in enumerate(news)
+        for n, (k, _) in enumerate(row)
+    )
+
+
 def one_step_us(step, reps: int) -> float:
     """The harness's way, as a served step runs: ``step`` alone captured in a CUDA graph, the median
     µs of ``reps`` replays, each between device events and followed by a synchronize, so each
@@ -92,12 +114,11 @@ def one_step_us(step, reps: int) -> float:
 
 def time_step(step, out, reps: int, draws: int = 1) -> tuple[dict, torch.Tensor]:
     """``step`` warmed (compiled, tuned), then the median µs of one of 20 steps captured in one CUDA
-    graph over ``reps`` replays (``_replay_us``, as the probe times its launch) and of one step a
-    replay (``one_step_us``); ``draws`` times, tuned afresh after the first (``tuning_draws``),
+    graph (``twenty_steps_us``, as the probe times its launch) and of one step a replay
+    (``one_step_us``); ``draws`` times, tuned afresh after the first (``tuning_draws``),
     each way's fastest draw kept (as the harness keeps its). Returns (those µs, the first way's
     draw's compile seconds, every draw's µs both ways and any failed draw's line; that draw's
     output ``out``)."""
-    from attention_probe import _replay_us
 
     def draw():
         t = time.perf_counter()
@@ -105,11 +126,7 @@ def time_step(step, out, reps: int, draws: int = 1) -> tuple[dict, torch.Tensor]
         step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):  # what ``_replay_us`` divides by
-                step()
-        return [_replay_us(graph, reps)], out.clone(), compile_s, one_step_us(step, reps)
+        return [twenty_steps_us(step, reps)], out.clone(), compile_s, one_step_us(step, reps)
 
     got, failed = tuning_draws(draw, draws)
     (us,), best, compile_s, _ = fastest_draw(got)

@@ -80,7 +80,6 @@ sys.path[:0] = [
 ]
 
 import probe_stock  # noqa: E402
-from attention_probe import _replay_us  # noqa: E402
 from loader_probe import _epoch_target, _wait  # noqa: E402
 
 from monodecode.model.profiles import profile_dims  # noqa: E402
@@ -1232,17 +1231,13 @@ def _cell(ws, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx, layers, nprog,
     except Exception as e:  # a ring that does not fit or compile: one line, go on
         return {**cell, "error": str(e).splitlines()[0][:200]}
     cell["rel_error"] = float((out_res - want).norm() / want.norm())
-    cell["kv_rel_error"] = max(
-        float((kc[n, b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
-        for b in range(nb)
-        for n, (k, _) in enumerate(news[b])
-    )
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):  # what ``_replay_us`` divides by
-            step_chain[(nprog,)](*args, **consts, num_warps=8)
-    us = _replay_us(graph, reps)
-    one = probe_stock.one_step_us(lambda: step_chain[(nprog,)](*args, **consts, num_warps=8), reps)
+    cell["kv_rel_error"] = probe_stock.kv_rel_error(kc, ctx, news[:nb])
+
+    def launch():
+        step_chain[(nprog,)](*args, **consts, num_warps=8)
+
+    us = probe_stock.twenty_steps_us(launch, reps)
+    one = probe_stock.one_step_us(launch, reps)
     cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
                 us_per_layer_one_replay=round(one / layers, 2),
                 rel_error_after_replays=float((out_res - want).norm() / want.norm()))  # fmt: skip
@@ -1279,8 +1274,7 @@ def _stock_cell(kind: str, w, gin, gpost, x, kc_all, vc_all, cs, want, news, ctx
     cell.update(us_per_step=round(us, 2), us_per_layer=round(us / layers, 2),
                 us_per_layer_one_replay=round(one / layers, 2), **timed,
                 rel_error=float((out.float() - want).norm() / want.norm()),
-                kv_rel_error=max(float((kc[n][b, :, ctx].float() - k.to(torch.bfloat16).float()).norm() / k.norm())
-                                 for b in range(nb) for n, (k, _) in enumerate(news[b])))  # fmt: skip
+                kv_rel_error=probe_stock.kv_rel_error(kc, ctx, news[:nb]))  # fmt: skip
     return cell
 
 

@@ -25,6 +25,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from monodecode.errors import exception_line
 from monodecode.model import reference as R
 from monodecode.model.dims import ModelDims
 from monodecode_ops.decode_bench.stock import (
@@ -76,7 +77,7 @@ def tuning_draws(run_draw, draws: int, reset: bool = True) -> tuple[list, list[s
         except Exception as e:  # noqa: BLE001 - a later draw that fails leaves the earlier ones' numbers
             if d == 0:
                 raise
-            failed.append(f"draw {d}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            failed.append(f"draw {d}: {exception_line(e, 200)}")
     return got, failed
 
 

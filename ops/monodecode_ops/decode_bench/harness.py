@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from monodecode.errors import MonodecodeError
+from monodecode.errors import MonodecodeError, exception_line
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.health import decode_health
 from monodecode.model import reference as R
@@ -227,7 +227,7 @@ def _measure(name: str, fn, log) -> tuple[Any, str | None]:
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - one backend failing must not lose the others' numbers
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        why = exception_line(e, 300)
         log(f"  ! {name} failed: {why}")
         torch.cuda.synchronize()
         return None, why

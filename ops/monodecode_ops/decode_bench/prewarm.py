@@ -24,6 +24,8 @@ import types
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from monodecode.errors import exception_line
+
 _MODELS: dict = {}  # per worker: (profile, dtype, max context) -> (dims, weights, paths)
 
 
@@ -76,7 +78,7 @@ def warm_cell(job) -> tuple[str, float, str | None]:
             torch.cuda.synchronize()
         return name, time.monotonic() - t0, None
     except Exception as e:  # noqa: BLE001 - a graph that fails here compiles (or fails) in the run itself
-        return name, time.monotonic() - t0, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return name, time.monotonic() - t0, exception_line(e, 200)
 
 
 def jobs(profiles, fp8_profiles, batches, contexts, long_batches, stock, w8a16_batches, device="cuda") -> list:
