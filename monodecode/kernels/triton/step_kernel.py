@@ -1,0 +1,652 @@
+"""The step launch: decoder layers ``first .. first + nlayers - 1`` of a decode step in ONE persistent launch.
+
+Gluon (Triton's explicit-layout dialect) for NVIDIA sm_90: the weight ring is filled by TMA
+(width 1) or ``cp.async`` (widths 2-8) and the GEMV at widths 2-8 and the attention run on
+``mma.sync``. The plan is ``step_plan.py``'s; the design was measured first as
+``benchmarks/step_probe.py`` (runs 86-104), whose fastest form this is, with what serving needs
+added: vLLM's paged KV cache (block tables, slot mapping, per-layer caches), each row at its own
+position and context, inert padded rows (slot -1), bf16 residuals in and out, bounded waits and
+non-finite checks that set the health word, and one-shot fault injection.
+
+One program per SM walks one fixed sequence of [16 rows, 1024 columns] weight chunks (its row
+tiles of QKV, o_proj, gate/up and down, layer after layer) through ``NBUF`` 32 KiB shared-memory
+slots, ``NBUF - 1`` chunks ahead of the arithmetic across every wait and the attention task.
+Stages hand off through int64 completion counters (one count per program, or per merged KV head
+and row) that never reset: launch ``e`` waits for ``e * count`` (the epoch comes from a launch
+counter every program advances at exit). A wait polls at most ``spin`` times in all per program;
+an expired wait records ``wait_timeout`` in the health word and the launch runs on with whatever
+it reads, so it always ends.
+
+Numerics follow ``monodecode.model.reference`` (fp32 sums; bf16 where the reference rounds:
+q/k/v, RoPE's cos/sin and results, the attention output, each projection, SiLU(g)·u, both
+residual adds). One difference: RMSNorm's rstd multiplies each output row's sum (the staged input
+carries ``x · w``), where the reference rounds ``x̂`` before the weight.
+
+The weights of every layer are one bf16 block (``StepGeometry.layer_weights`` elements a layer):
+[qkv (QKV, H) | o (H, H) | gate/up (2I, H), rows interleaved 8 gate then their 8 up | pad |
+down (H, I) | pad]. Activations (fp32, ``act``): per local layer and row [qkv | att | h1 | SiLU(g)·u].
+Residuals leaving local layers 0 .. nlayers - 2 go to ``res`` (bf16 [nlayers, NB, H]); the last layer's to ``out``.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+ROWS = gl.constexpr(16)  # a weight chunk's rows
+BK = gl.constexpr(1024)  # a weight chunk's columns
+TB = gl.constexpr(256)  # TMA's box: a chunk is [16, 4, 256]
+NPAD = gl.constexpr(8)  # widths 2-8: rows padded to mma.sync's 8 columns
+MINSPAN = gl.constexpr(128)  # positions a context split holds at least (``step_plan.MIN_SPLIT``)
+NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+# health sites and kernels (``monodecode.kernels.health``): the attention half reports as k1
+WAIT_TIMEOUT = gl.constexpr(1)
+NONFINITE = gl.constexpr(2)
+
+
+@gluon.jit
+def _code(site, kid, glayer):
+    """``health.health_code(site, layer, kernel)`` on device."""
+    return site + kid * 256 + (glayer + 1) * 1024
+
+
+@gluon.jit
+def _wait_for(ctr_ptr, target, spin, health_ptr, code):
+    """Wait (acquire) until a completion counter reaches ``target``; at most ``spin`` polls left
+    for this program (returned less those used). Expired: the health word gets ``code`` (the first
+    failure wins) and the caller carries on."""
+    seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    while (seen < target) & (spin > 0):
+        seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+        spin -= 1
+    if seen < target:
+        gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+    return spin
+
+
+@gluon.jit
+def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
+           INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr):  # fmt: skip
+    """Chunk ``i`` of a program's sequence -> (local layer, stage, task slot, its K chunk, K chunks,
+    output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
+    o_proj, 2 gate/up, 3 down (the rest of ``C``)."""
+    layer = i // C
+    r = i % C
+    s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
+    rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + C1, C0 + C1 + C2)))
+    nk = gl.where(s == 3, INTER // BK, HIDDEN // BK)
+    tiles = gl.where(s == 0, QKVR // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
+    kdim = gl.where(s == 3, INTER, HIDDEN)
+    base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
+    return layer, s, rs // nk, rs % nk, nk, tiles, kdim, base
+
+
+@gluon.jit
+def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
+            C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
+            QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
+            LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
+    """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
+    the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
+    chunk), or by ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``:
+    each copied element's row and column in the chunk, broadcast to the slot's shape."""
+    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
+    tile = pid + j * NPROG
+    ok = (i < total) & (tile < tiles)
+    glayer = first + layer
+    if TMA:
+        bar = bars.index(i % NBUF)
+        row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
+        mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
+        if s == 3:
+            tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+        else:
+            tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+        mbarrier.arrive(bar, pred=~ok)
+    else:
+        off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
+        async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0))
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
+    """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf``; returns its
+    rstd, which each output row's sum takes at the end."""
+    ss = 0.0
+    for c in gl.static_range(HIDDEN // BK):
+        v = gl.load(src + c * BK + cf, cache_modifier=".cg").to(gl.float32)
+        ss += gl.sum(v * v, axis=0)
+        xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
+    return gl.rsqrt(ss / HIDDEN + EPS)
+
+
+@gluon.constexpr_function
+def _stage_layout(NW):
+    """Widths 2-8's staged [NW, NPAD, BK // NW] tiles: 4 columns a thread, a warp's column block in its lanes."""
+    return gl.BlockedLayout([1, 1, 4], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
+                NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
+    ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
+    zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``)."""
+    KW: gl.constexpr = BK // NW
+    st: gl.constexpr = _stage_layout(NW)
+    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
+    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
+    k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
+    ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
+    for c in gl.static_range(NCH):
+        col = c * BK + w3 * KW + k3  # [NW, 1, KW]
+        v = gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg")
+        v = v.to(gl.float32)
+        if NORM:
+            ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
+            v = v * gl.load(g_ptr + col).to(gl.float32)
+        xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
+    if NORM:
+        return gl.rsqrt(ss / HIDDEN + EPS)
+    else:
+        return ss + 1.0
+
+
+@gluon.jit
+def _warps_summed(acc, red, NW: gl.constexpr):
+    """Widths 2-8: the warps' [NW, ROWS, NPAD] partial products (each warp its own column blocks)
+    summed over the warps in fixed order through ``red`` -> [ROWS, NPAD]."""
+    gl.thread_barrier()  # every warp is past the task's last chunk (``red`` aliases the staged input)
+    red.store(acc)
+    gl.thread_barrier()
+    rl: gl.constexpr = gl.BlockedLayout([NW, 1, 1], [1, 8, 4], [1, 2, 4], [2, 1, 0])  # warps in registers
+    return gl.sum(red.load(rl), axis=0)
+
+
+@gluon.jit
+def _bf(v):
+    """``v`` rounded to bf16, kept in fp32 (where the reference rounds)."""
+    return v.to(gl.bfloat16).to(gl.float32)
+
+
+@gluon.jit
+def _rope(base, d, pos, inv_ptr, D: gl.constexpr):
+    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by position ``pos``:
+    cos/sin of ``pos * inv_freq`` rounded to bf16 as the reference's caches are; the result rounded
+    to bf16 (``base``, ``d`` and ``pos`` broadcast)."""
+    partner = (d + D // 2) % D
+    sign = gl.where(d < D // 2, -1.0, 1.0)
+    f = pos.to(gl.float32) * gl.load(inv_ptr + d % (D // 2))
+    a = _bf(gl.load(base + d, cache_modifier=".cg"))
+    b = _bf(gl.load(base + partner, cache_modifier=".cg"))
+    return _bf(a * _bf(gl.cos(f)) + sign * b * _bf(gl.sin(f)))
+
+
+@gluon.constexpr_function
+def _tile_layout(NW):
+    """The attention's [NW, 16, D] K/V and q tiles in registers: 16-byte rows, a warp's 16
+    positions in its own lanes."""
+    return gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _kv_blocks(bt_row, b, end, BS: gl.constexpr, NW: gl.constexpr):
+    """The cache blocks ([NW, 16], ``_tile_layout``'s rows) of positions ``b + w * 16 + p``; 0 from ``end`` on."""
+    t3: gl.constexpr = _tile_layout(NW)
+    w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
+    p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
+    pos = b + w[:, None] * 16 + p[None, :]
+    return gl.load(bt_row + pos // BS, mask=pos < end, other=0)
+
+
+@gluon.jit
+def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+             BS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Start copying the [NW, 16, D] K and V tiles at positions ``b ..`` (their cache ``blocks``)
+    into ``kvs`` slot ``slot`` (one commit group; positions from ``end`` on are zero-filled)."""
+    t3: gl.constexpr = _tile_layout(NW)
+    w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
+    p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, t3)))
+    pos = b + w[:, None] * 16 + p[None, :]  # [NW, 16]
+    d3 = gl.expand_dims(d[None, :], 1)
+    ok = (pos[:, :, None] < end) & (d3 >= 0)
+    blk = blocks.to(gl.int64)[:, :, None]
+    tok = (pos % BS)[:, :, None]
+    ko = koff + blk * k_sb + tok * k_st + kvh * k_sh + d3
+    vo = voff + blk * v_sb + tok * v_st + kvh * v_sh + d3
+    async_copy.async_copy_global_to_shared(kvs.index(2 * slot), kc_ptr + ko, mask=ok)
+    async_copy.async_copy_global_to_shared(kvs.index(2 * slot + 1), vc_ptr + vo, mask=ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
+    """An attention task -> (KV head, split, first position, end) of its row's cached context:
+    spans of at least ``MINSPAN`` positions, whole K/V tiles; a short context leaves later splits empty."""
+    sp = task % NSPLIT
+    span = gl.maximum((ctx + NSPLIT - 1) // NSPLIT, MINSPAN)
+    span = (span + NW * 16 - 1) // (NW * 16) * (NW * 16)
+    start = gl.minimum(sp * span, ctx)
+    return task // NSPLIT, sp, start, gl.minimum(start + span, ctx)
+
+
+@gluon.jit
+def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ctx, pos, slot, kvs,
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
+    ``ctx`` cached positions on tensor cores: each warp its own 16 positions a step as ``mma.sync``
+    products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
+    softmax, O += P·V; the tiles stream through ``kvs``, a ring of ``KVS`` shared-memory slots
+    filled by ``cp.async`` ``KVS - 1`` tiles ahead, their blocks read one tile earlier still.
+    The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
+    G: gl.constexpr = QH // KVH
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    bl: gl.constexpr = _tile_layout(NW)
+    r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
+    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW)
+    last = sp == NSPLIT - 1
+    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1), 2)
+    r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl))), 0), 2)
+    d1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, bl)))
+    d3 = gl.expand_dims(d1[None, :], 1)
+    # the first tiles' blocks, then their copies, before q is read: the cached context does not need it
+    bnext = _kv_blocks(bt_row, start, end, BS, NW)
+    for t in gl.static_range(KVS - 1):
+        _kv_copy(kvs, t, kc_ptr, vc_ptr, koff, voff, bnext, kvh, start + t * NW * 16, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
+    # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero), into the
+    # operand layout through the ring's last slot (its first copy is issued in step 0)
+    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, pos, inv_ptr, D), 0.0) * SCALE
+    kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
+    gl.thread_barrier()
+    qa = kvs.index(2 * (KVS - 1)).load(a_l)
+    kn = _rope(act + QH * D + kvh * D, d1, pos, inv_ptr, D)
+    vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
+    if last & (slot >= 0):  # the new position into the paged cache
+        blk = (slot // BS).to(gl.int64)
+        gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
+        gl.store(vc_ptr + voff + blk * v_sb + (slot % BS) * v_st + kvh * v_sh + d1, vn.to(gl.bfloat16))
+    s_new = gl.convert_layout(
+        gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0), gl.SliceLayout(0, r2)
+    )
+    wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
+    pm = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
+    m = gl.full([NW, 16], -1e30, gl.float32, r2)
+    lsum = gl.zeros([NW, 16], gl.float32, r2)
+    o = gl.zeros([NW, 16, D], gl.float32, mma)
+    i = 0
+    for b in range(start, end, NW * 16):
+        async_copy.wait_group(KVS - 2)  # tile i has landed
+        gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
+        nb = b + (KVS - 1) * NW * 16
+        _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, nb + NW * 16, end, BS, NW)
+        kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
+        vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma))
+        ok = b + wm * 16 + pm < end
+        sc = gl.where(ok, sc, -1e30)
+        m2 = gl.maximum(m, gl.max(sc, axis=2))
+        e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
+        alpha = gl.exp(m - m2)
+        lsum = lsum * alpha + gl.sum(e, axis=2)
+        o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), vb, o * alpha[:, :, None])
+        m = m2
+        i += 1
+    async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
+    # the warps' partials merged, then the new position (last split); rows past G are not stored
+    mw = gl.max(m, axis=0)  # [16]
+    mt = gl.where(last, gl.maximum(mw, s_new), mw)
+    wgt = gl.exp(m - mt[None, :])
+    e_new = gl.where(last, gl.exp(s_new - mt), 0.0)
+    lt = gl.sum(lsum * wgt, axis=0) + e_new
+    gl.thread_barrier()  # the warps' sum through the drained K/V ring
+    red = kvs._reinterpret(gl.float32, [NW, 16, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    red.store(o * wgt[:, :, None])
+    gl.thread_barrier()
+    red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
+    ot = gl.sum(red.load(red_l), axis=0)
+    ol: gl.constexpr = ot.type.layout
+    ro = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
+    ot = (
+        ot
+        + gl.convert_layout(e_new, gl.SliceLayout(1, ol))[:, None]
+        * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
+    )
+    pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
+    gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
+    gs = gl.arange(0, 16, layout=gl.SliceLayout(0, r2))
+    sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
+    gl.store(sslot + D, mt, mask=gs < G)
+    gl.store(sslot + D + 1, lt, mask=gs < G)
+
+
+@gluon.jit
+def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D: gl.constexpr,
+                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
+    arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
+    attention output (rounded to bf16) and counts the head on ``done`` (release)."""
+    gl.thread_barrier()
+    old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
+    if old == epoch * NSPLIT - 1:
+        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
+        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
+        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
+        ms = gl.load(rows + D, cache_modifier=".cg")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
+        gl.thread_barrier()
+        gl.atomic_add(done, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, layer, nlayers):
+    """A layer's outgoing residual ``v`` (bf16-rounded fp32): into ``res`` for the next layer, or
+    ``out`` after the last; a non-finite value in a live row sets the health word."""
+    if layer == nlayers - 1:
+        gl.store(out_dst, v.to(gl.bfloat16), mask=mask)
+    else:
+        gl.store(res_dst, v.to(gl.bfloat16), mask=mask)
+    # per element, predicated (a reduction here costs ~20 registers at widths 4-8 and spills): a
+    # non-finite value raises the health word to this code unless an earlier failure left a higher one
+    bad = mask & ((v != v) | (gl.abs(v) == float("inf")))
+    gl.atomic_max(health_ptr + gl.zeros_like(v).to(gl.int32), gl.zeros_like(v).to(gl.int32) + code, mask=bad,
+                  sem="relaxed", scope="gpu")  # fmt: skip
+
+
+@gluon.jit
+def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
+               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr):  # fmt: skip
+    """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
+    times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
+    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual."""
+    if s == 0:
+        gl.store(act + rows, _bf(y * rstd))
+    elif s == 1:
+        gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
+    elif s == 2:
+        hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        gbuf.store(_bf(y * rstd))
+        gl.thread_barrier()
+        gv = gbuf.slice(0, ROWS // 2).load(hl)
+        uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
+        hh = gl.arange(0, ROWS // 2, layout=hl)
+        gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
+    else:
+        v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+        _residual_out(v[:, None], res_dst + rows[:, None], out_dst + rows[:, None], health_ptr, code,
+                      live & (rows >= 0)[:, None], layer, nlayers)  # fmt: skip
+
+
+@gluon.jit
+def _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live_ptr, layer, s, tile, tiles,
+                HIDDEN: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
+                nlayers, NB: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """``_store_row`` for widths 2-8's [ROWS, NPAD] result: column b is row b's (rows ``LAYER_A``
+    apart in ``act``, ``HIDDEN`` in ``h_in``, ``res`` and ``out``; columns from ``NB`` on are padding)."""
+    yl: gl.constexpr = y.type.layout
+    yr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, yl))
+    yb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, yl))
+    rows = tile * ROWS + yr[:, None]
+    ok = (yb[None, :] < NB) & (tile < tiles) & (rows >= 0)
+    a = act + yb[None, :] * LAYER_A
+    rs = gl.convert_layout(rstd, gl.SliceLayout(0, yl))[None, :]
+    if s == 0:
+        gl.store(a + rows, _bf(y * rs), mask=ok)
+    elif s == 1:
+        h = gl.load(h_in + yb[None, :] * HIDDEN + rows, mask=ok, cache_modifier=".cg").to(gl.float32)
+        gl.store(a + A_H1 + rows, _bf(_bf(y) + h), mask=ok)
+    elif s == 2:  # the tile's 8 gate rows, then their 8 up rows -> 8 SiLU(g)·u a row
+        gbuf.store(_bf(y * rs))
+        gl.thread_barrier()
+        hl: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [2, NW // 2], [1, 0])  # [ROWS // 2, NPAD]
+        gv = gbuf.slice(0, ROWS // 2).load(hl)
+        uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
+        hh = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, hl))[:, None]
+        hb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, hl))[None, :]
+        gl.store(act + hb * LAYER_A + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv),
+                 mask=(hb < NB) & (tile < tiles) & (hh >= 0))  # fmt: skip
+    else:
+        v = _bf(_bf(y) + gl.load(a + A_H1 + rows, mask=ok, cache_modifier=".cg"))
+        live = gl.load(live_ptr + yb, mask=yb < NB, other=-1)[None, :] >= 0
+        o = yb[None, :] * HIDDEN + rows
+        _residual_out(v, res_dst + o, out_dst + o, health_ptr, code, ok & live, layer, nlayers)
+
+
+@gluon.jit
+def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
+                kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
+                bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, first, nlayers, spin, fault_layer, fault_kind,
+                HIDDEN: gl.constexpr, INTER: gl.constexpr, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+                OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr, LAYER_W: gl.constexpr,
+                A_ATT: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
+                NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
+                T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
+                MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
+                NW: gl.constexpr = 8):  # fmt: skip
+    """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
+
+    ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
+    HIDDEN and of INTER, width 1); ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
+    inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
+    [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32
+    [NB, KVH, NSPLIT, G, D + 2]. K/V: layer l's caches start ``koff[l]``/``voff[l]`` elements past
+    ``kc_ptr``/``vc_ptr`` (int64 [layers]), blocks/tokens/heads strided by ``*_sb``, ``*_st``,
+    ``*_sh``; ``pos``/``slot`` int64 [NB], ``bt`` int32 [NB, bt_stride], ``seq`` int32 [NB] (the
+    row's context including the new position). Counters int64: ``ctr`` [nlayers, NCTR], ``hctr``
+    [nlayers, NB, KVH], ``epoch`` [1]; ``health`` int32. ``spin``: polls a program may spend waiting.
+    ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
+    non-finite (its outgoing residual is NaN)."""
+    G: gl.constexpr = QH // KVH
+    QKVR: gl.constexpr = (QH + 2 * KVH) * D
+    XMAX: gl.constexpr = INTER // BK  # the staged input: down's input as [INTER // BK, BK]
+    cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # copies and width 1's arithmetic
+    col: gl.constexpr = gl.SliceLayout(0, cp_lay)
+    row: gl.constexpr = gl.SliceLayout(1, cp_lay)
+    KW: gl.constexpr = BK // NW  # widths 2-8: a warp's column block of a chunk
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])  # 16-byte columns XOR row: ldmatrix's rows
+    pid = gl.program_id(0)
+    target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
+    epoch = target // NPROG
+    C0: gl.constexpr = T0 * (HIDDEN // BK)
+    C1: gl.constexpr = TO * (HIDDEN // BK)
+    C2: gl.constexpr = T1 * (HIDDEN // BK)
+    C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
+    total = nlayers * C
+    ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
+    if TMA:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
+        boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
+        ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+        bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NBUF):
+            mbarrier.init(bars.index(b), count=1)
+        fence_async_shared()
+    elif MMAV:  # a slot as [NW column blocks, ROWS, KW]: warp w's A operand is block w
+        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, NW, ROWS, KW], mma_sw)
+        boxes = ring
+        bars = ring
+    else:
+        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+        boxes = ring
+        bars = ring
+    if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // (BK * NPAD))
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
+        # a task's products summed over the warps through the first chunk: stages of K = HIDDEN
+        # stage into the last chunks, and down (all chunks) has one task a program
+        red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        gbuf = gl.allocate_shared_memory(gl.float32, [ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    else:  # bf16 staged input, as long as the attention's K/V ring too (held from QKV's end to o_proj's staging)
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // BK)
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        red = gbuf
+    kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)  # the attention's K/V ring
+    if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
+        cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
+        rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
+        wc = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3)))
+        kc3 = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, cp3)))
+        cc = gl.expand_dims(gl.expand_dims(wc, 1), 2) * KW + gl.expand_dims(gl.expand_dims(kc3, 0), 0)
+    else:
+        rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, cp_lay))[:, None]
+        cc = gl.arange(0, BK, layout=gl.SliceLayout(0, cp_lay))[None, :]
+    ry = gl.arange(0, ROWS, layout=row)
+    cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
+    for i in range(NBUF - 1):
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA)  # fmt: skip
+    if MMAV:
+        acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+        rstd = gl.full([NPAD], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW))))
+    else:
+        acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
+        rstd = 1.0
+    # this program's attention task (programs past NB * KVH * NSPLIT have none): its row and task
+    arow = pid // (KVH * NSPLIT)
+    task = pid % (KVH * NSPLIT)
+    has_task = pid < NB * KVH * NSPLIT
+    arow_c = gl.minimum(arow, NB - 1)
+    aslot = gl.load(slot_ptr + arow_c)
+    apos = gl.load(pos_ptr + arow_c)
+    actx = gl.where(aslot >= 0, gl.maximum(gl.load(seq_ptr + arow_c) - 1, 0), 0)  # cached positions before the new one
+    bt_row = bt_ptr + arow_c.to(gl.int64) * bt_stride
+    live1 = gl.load(slot_ptr) >= 0  # width 1's row
+    for i in range(total):
+        layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
+        tile = pid + j * NPROG
+        glayer = first + layer
+        act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
+        h_in = res_ptr + (layer - 1) * (NB * HIDDEN)  # the layer's incoming residuals
+        if layer == 0:
+            h_in = x_ptr
+        res_dst = res_ptr + layer * (NB * HIDDEN)
+        if k == 0:  # a task starts (the old sums are dead here)
+            if j == 0:  # a stage starts: wait for its input, stage it
+                if s == 0:
+                    if layer > 0:
+                        spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
+                                         _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
+                    gl.thread_barrier()
+                    if MMAV:
+                        rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
+                                           HIDDEN, EPS, NW)  # fmt: skip
+                    else:
+                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                elif s == 1:
+                    spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
+                    if has_task:
+                        koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
+                        voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
+                        ab = act + arow_c * LAYER_A  # the task's row
+                        pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
+                        _attend(ab, kc_ptr, vc_ptr, koff, voff, inv_ptr, pb, bt_row, task, actx, apos, aslot, kvs,
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
+                        _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
+                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
+                    spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
+                                     _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
+                    gl.thread_barrier()
+                    if MMAV:
+                        _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
+                    else:
+                        for c in gl.static_range(HIDDEN // BK):
+                            xbuf.index(c).store(
+                                gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16)
+                            )
+                elif s == 2:
+                    spin = _wait_for(
+                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                    )
+                    gl.thread_barrier()
+                    if MMAV:
+                        rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
+                                           NB, True, HIDDEN, EPS, NW)  # fmt: skip
+                    else:
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                else:
+                    spin = _wait_for(
+                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                    )
+                    gl.thread_barrier()
+                    if MMAV:  # (gate/up's tasks stored SiLU(g)·u)
+                        _stage_rows(xbuf, act + A_GU, LAYER_A, gin_ptr, INTER // BK, XMAX, NB, False, HIDDEN, EPS, NW)
+                    else:
+                        for c in gl.static_range(INTER // BK):
+                            xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
+                gl.thread_barrier()
+            if MMAV:
+                acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+            else:
+                acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
+        if TMA:  # chunk i is its slot's (i // NBUF)-th phase
+            mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
+        else:
+            async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
+        gl.thread_barrier()
+        # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
+                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA)  # fmt: skip
+        if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
+            xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
+            acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
+        else:
+            acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
+        if k == nk - 1:  # the task's rows are done
+            nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
+            code = _code(NONFINITE, 2, glayer)
+            if MMAV:
+                y = _warps_summed(acc, red, NW)
+                if nan:
+                    y = y + float("nan")
+                _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, slot_ptr, layer, s, tile,
+                            tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, NW)  # fmt: skip
+            elif tile < tiles:
+                y = gl.sum(acc, axis=1)
+                if nan:
+                    y = y + float("nan")
+                _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
+                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
+            if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
+                stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
+                gl.thread_barrier()
+                if not stall:
+                    gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
+    async_copy.wait_group(0)
+    if TMA:  # every chunk's phase was waited for in the loop: none is in flight
+        for b in gl.static_range(NBUF):
+            mbarrier.invalidate(bars.index(b))
+    old = gl.atomic_add(epoch_ptr, 1, sem="acq_rel", scope="gpu")
+    if (old + 1) % NPROG == 0:  # the last program out: after a failed launch, settle every counter
+        if gl.load(health_ptr, volatile=True) != 0:  # at its healthy value, so the next launch starts consistent
+            cl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+            n = gl.arange(0, 32 * NW, layout=cl)
+            for c0 in range(0, nlayers * NCTR, 32 * NW):
+                cc0 = c0 + n
+                want = gl.where(cc0 % NCTR == 1, epoch * (KVH * NB), target).to(gl.int64)
+                gl.atomic_max(ctr_ptr + cc0, want, mask=cc0 < nlayers * NCTR, sem="relaxed", scope="gpu")
+            for c0 in range(0, nlayers * NB * KVH, 32 * NW):
+                cc0 = c0 + n
+                want = cc0.to(gl.int64) * 0 + epoch * NSPLIT
+                gl.atomic_max(hctr_ptr + cc0, want, mask=cc0 < nlayers * NB * KVH, sem="relaxed", scope="gpu")

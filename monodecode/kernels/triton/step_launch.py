@@ -1,0 +1,242 @@
+"""Host side of the step launch (``step_kernel.py``): packed weights, buffers, arguments, launches.
+
+``StepKernels`` runs a whole decode step's decoder layers in one launch (``forward_step``) or one
+layer in one launch (``forward_layer``, the per-layer interface every backend has). Every buffer a
+launch touches has a fixed address after build, and nothing on the host depends on device values,
+so both can be captured in a CUDA graph and replayed. The launch counter and completion counters
+of each (width, layers a launch) pair are its own: the kernel's targets count launches of that
+shape only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from monodecode.errors import ConfigError
+from monodecode.kernels.base import BuildRequest
+from monodecode.kernels.padded import PaddedKernels
+from monodecode.kernels.triton.args import kv_strides
+from monodecode.kernels.triton.launch import _POLL_SECONDS, _Meta
+from monodecode.kernels.triton.step_plan import BK, NCTR, NUM_WARPS, ROWS, TB, StepGeometry, step_refusals
+
+KV_OFFSET_MULTIPLE = 16  # the kernel tells the compiler each layer's cache offset is a multiple of this
+
+
+def pack_step_weights(g: StepGeometry, weights: Any, device) -> torch.Tensor:
+    """Every layer's weights as the kernel streams them (``StepGeometry``'s layout): one bf16 block
+    a layer, gate/up rows interleaved 8 gate then their 8 up (each task stores SiLU(g)·u)."""
+    d = g.dims
+    h, i = d.hidden_size, d.intermediate_size
+    blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=torch.bfloat16, device=device)
+    for n, lw in enumerate(weights.layers):
+        p = blob[n * g.layer_weights : (n + 1) * g.layer_weights]
+        qkv = torch.cat([lw.q_proj.weight, lw.k_proj.weight, lw.v_proj.weight], dim=0)
+        p[: g.off_o].copy_(qkv.reshape(-1))
+        p[g.off_o : g.off_gu].copy_(lw.o_proj.weight.reshape(-1))
+        gu = torch.stack([lw.gate_proj.weight.view(i // 8, 8, h), lw.up_proj.weight.view(i // 8, 8, h)], dim=1)
+        p[g.off_gu : g.off_gu + 2 * i * h].copy_(gu.reshape(-1))
+        p[g.off_down : g.off_down + h * i].copy_(lw.down_proj.weight.reshape(-1))
+    return blob
+
+
+def weight_descriptors(blob: torch.Tensor, dims) -> tuple[Any, Any]:
+    """TMA's two views of the packed weights: rows of ``hidden`` columns (qkv, o_proj, gate/up) and
+    rows of ``intermediate`` (down), each row as boxes of [16 rows, 4, 256] (unswizzled: a ring slot
+    holds the same bytes in the same order as ``cp.async`` leaves them)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    box = [ROWS, BK // TB, TB]
+    h, i = dims.hidden_size, dims.intermediate_size
+    return (
+        TensorDescriptor.from_tensor(blob.view(-1, h // TB, TB), box, layout),
+        TensorDescriptor.from_tensor(blob.view(-1, i // TB, TB), box, layout),
+    )
+
+
+class _Buffers:
+    """One (width, layers a launch) pair's device buffers."""
+
+    def __init__(self, g: StepGeometry, layers: int, device):
+        d = g.dims
+        self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
+        group = d.num_heads // d.num_kv_heads
+        self.part = torch.zeros(
+            g.width * d.num_kv_heads * g.splits * group * (d.head_dim + 2), dtype=torch.float32, device=device
+        )
+        self.res = torch.zeros(max(1, layers - 1) * g.width * d.hidden_size, dtype=torch.bfloat16, device=device)
+        self.ctr = torch.zeros(layers * NCTR, dtype=torch.int64, device=device)
+        self.hctr = torch.zeros(layers * g.width * d.num_kv_heads, dtype=torch.int64, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+
+
+class StepKernels(PaddedKernels):
+    """The step launch of every built width of one model on one device."""
+
+    kernel_label = "triton step launch"
+
+    def __init__(self, req: BuildRequest, weights: Any, num_programs: int, device):
+        why = step_refusals(req.dims, req.weight_dtype, req.tp_size, req.widths, num_programs)
+        if why:
+            raise ConfigError(f"{self.kernel_label}: {why[0]}")
+        self.req = req
+        self.dims = req.dims
+        self.widths = req.widths
+        self.device = torch.device(device)
+        self.num_layers = len(weights.layers)
+        self.geometry = {w: StepGeometry(req.dims, w, num_programs) for w in req.widths}
+        self.weights = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
+        self.descriptors = weight_descriptors(self.weights, req.dims)
+        self.gin = torch.stack([lw.attn_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
+        self.gpost = torch.stack([lw.mlp_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
+        rope = req.dims.rope_for_layer(0)
+        self.inv_freq = torch.tensor(rope.inv_freq(req.dims.head_dim), dtype=torch.float32, device=self.device)
+        self.health_word = torch.zeros(4, dtype=torch.int32, device=self.device)[:1]
+        self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
+        self.programs = num_programs
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._kv_key: tuple | None = None
+        self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- the cache -----------------------------------------------------------------------------
+
+    def _strides(self, kv) -> list[int]:
+        if kv.block_size != self.req.block_size:
+            raise ConfigError(
+                f"{self.kernel_label}: built for KV block size {self.req.block_size}, cache has {kv.block_size}"
+            )
+        strides = [kv_strides(kv.key[n], kv.value[n], self.dims, kv.block_size) for n in range(len(kv.key))]
+        if any(s != strides[0] for s in strides):
+            raise ConfigError(f"{self.kernel_label}: the layers' KV caches must share one layout, got {strides}")
+        return strides[0]
+
+    def check_kv(self, kv) -> None:
+        self._strides(kv)
+        self._offsets(kv)
+
+    def _offsets(self, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's K and V cache as an element offset from layer 0's (int64 on the device),
+        computed once per binding of the cache (a replayed graph reads the same tensors)."""
+        key = tuple(t.data_ptr() for t in (*kv.key, *kv.value))
+        if key != self._kv_key:
+            offs = []
+            for caches in (kv.key, kv.value):
+                base = caches[0].data_ptr()
+                diffs = [(t.data_ptr() - base) for t in caches]
+                if any(d % (2 * KV_OFFSET_MULTIPLE) for d in diffs):
+                    raise ConfigError(
+                        f"{self.kernel_label}: the layers' KV caches must start {2 * KV_OFFSET_MULTIPLE} bytes "
+                        "apart or a multiple of that"
+                    )
+                offs.append(torch.tensor([d // 2 for d in diffs], dtype=torch.int64, device=self.device))
+            self._kv_key, self._kv_offsets = key, (offs[0], offs[1])
+        return self._kv_offsets
+
+    # -- launches ------------------------------------------------------------------------------
+
+    def _buffers_for(self, width: int, layers: int) -> _Buffers:
+        key = (width, layers)
+        if key not in self._buffers:
+            self._buffers[key] = _Buffers(self.geometry[width], layers, self.device)
+        return self._buffers[key]
+
+    def _launch(self, first: int, layers: int, x: torch.Tensor, meta: Any, kv) -> torch.Tensor:
+        """Layers ``first .. first + layers - 1`` over ``x`` (any rows up to the widest width)."""
+        from monodecode.kernels.triton.step_kernel import step_kernel
+
+        rows = x.shape[0]
+        xp, mp, width = self._pad(x.to(torch.bfloat16), meta)
+        fault_layer, fault_kind = 0, 0
+        for kind, code in (("stall", 1), ("nonfinite", 2)):
+            for n in range(first, first + layers):
+                if self._take_fault(n, kind):
+                    fault_layer, fault_kind = n - first + 1, code
+        out = torch.empty(width, self.dims.hidden_size, dtype=torch.bfloat16, device=self.device)
+        args, consts = self.arguments(first, layers, xp, _Meta(mp, self.device), kv, out, fault_layer, fault_kind)
+        step_kernel[(self.programs,)](*args, **consts, num_warps=NUM_WARPS)
+        return out if rows == width else out[:rows]
+
+    def arguments(self, first, layers, x, meta, kv, out, fault_layer=0, fault_kind=0) -> tuple[list, dict]:
+        """The kernel's runtime arguments in signature order, and its constexprs."""
+        width = x.shape[0]
+        g = self.geometry[width]
+        b = self._buffers_for(width, layers)
+        st = self._strides(kv)
+        koff, voff = self._offsets(kv)
+        wh, wi = self.descriptors
+        args = [
+            self.weights, wh, wi, self.gin, self.gpost, self.inv_freq, x, b.res, out, b.act, b.part,
+            kv.key[0], kv.value[0], koff, voff, *st,
+            meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
+            b.ctr, b.hctr, b.epoch, self.health_word, first, layers, self.spin_limit, fault_layer, fault_kind,
+        ]  # fmt: skip
+        return args, g.constexprs(self.req.block_size)
+
+    def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
+        return self._launch(layer, 1, x, meta, kv)
+
+    def forward_step(self, x: torch.Tensor, metas: list, kv: Any) -> torch.Tensor | None:
+        """Every layer in one launch; None when the layers' metadata differ (one launch reads one
+        block table: the caller then runs ``forward_layer`` per layer)."""
+        if any(m is not metas[0] for m in metas):
+            return None
+        return self._launch(0, self.num_layers, x, metas[0], kv)
+
+    def close(self) -> None:
+        self.weights = torch.zeros(1, dtype=torch.bfloat16)
+        self._buffers = {}
+        self._kv_key = self._kv_offsets = None
+
+
+# -- compiled without a GPU (the CPU checks; same argument order as ``arguments``) ---------------
+
+_SIG = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
+
+
+def step_source(dims, width: int, programs: int, block_size: int):
+    """The kernel's ``GluonASTSource`` for one width and launch shape, typed as ``arguments`` types
+    it (pointers 16-byte aligned, as torch's buffers are and the launcher specialises them)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from monodecode.kernels.triton.step_kernel import step_kernel
+
+    g = StepGeometry(dims, width, programs)
+    consts = g.constexprs(block_size)
+    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=torch.bfloat16)
+    wh, wi = weight_descriptors(blob, dims)
+    t = lambda dt: torch.empty(1, dtype=dt, device="meta")  # noqa: E731
+    bf, f32, i64, i32 = t(torch.bfloat16), t(torch.float32), t(torch.int64), t(torch.int32)
+    runtime = [
+        bf, wh, wi, bf, bf, f32, bf, bf, bf, f32, f32, bf, bf, i64, i64, 16, 16, 16, 16, 16, 16,
+        i64, i64, i32, 16, i32, i64, i64, i64, i32, 0, 2, 1000, 0, 0,
+    ]  # fmt: skip
+    sig, attrs = {}, {}
+    it = iter(runtime)
+    for n, name in enumerate(step_kernel.arg_names):
+        if name in consts or name == "NW":
+            sig[name] = "constexpr"
+            continue
+        v = next(it)
+        if isinstance(v, torch.Tensor):
+            sig[name] = _SIG[v.dtype]
+            attrs[(n,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, int):
+            sig[name] = "i32"
+            if v == 16:  # the KV strides and the block table's row stride: multiples of 16 (checked at launch)
+                attrs[(n,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = mangle_type(v)
+    return GluonASTSource(step_kernel, sig, constexprs={**consts, "NW": NUM_WARPS}, attrs=attrs)
+
+
+def compile_step(dims, width: int, programs: int, block_size: int):
+    """The kernel compiled for sm_90 on any machine (ptxas included): resources and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = step_source(dims, width, programs, block_size)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

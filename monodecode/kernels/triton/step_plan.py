@@ -1,0 +1,238 @@
+"""The step launch's geometry: what ``step_kernel.py`` is compiled for, in plain Python.
+
+The step launch runs decoder layers ``first .. first + count - 1`` of a decode step in ONE
+persistent launch of one program per SM (issue 26's item 7, measured as ``benchmarks/step_probe.py``
+before it was ported here). Each program walks one fixed sequence of weight chunks (16 rows x 1024
+columns, 32 KiB: its row tiles of QKV, o_proj, gate/up and down of every layer) through a ring of
+shared-memory slots that is always ``ring - 1`` chunks ahead of the arithmetic, across every wait
+and the attention task, so HBM keeps streaming weights while a program waits for activations.
+
+This module holds everything about that plan that needs no GPU: the packed weight layout, the
+tiles a program owns in each stage, the activation and counter layouts, the attention's context
+splits, the shared-memory budget and the refusals. The kernel reads it as constexprs
+(``StepGeometry.constexprs``); the CPU tests check it against the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from monodecode.model.dims import ModelDims
+
+ROWS = 16  # a weight chunk's rows (one output tile)
+BK = 1024  # a weight chunk's columns
+TB = 256  # TMA's widest box side: a chunk is one [16, 4, 256] box
+NPAD = 8  # widths 2-8: the rows padded to mma.sync's 8 columns (W[16, K] @ X[K, 8])
+NUM_WARPS = 8
+MAX_WIDTH = 8
+NCTR = 5  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, down
+SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
+KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
+WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
+MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def step_refusals(
+    dims: ModelDims, weight_dtype: str, tp_size: int, widths: tuple[int, ...], programs: int | None = None
+) -> list[str]:
+    """Every reason the step launch cannot serve this model and these widths ("code: sentence");
+    [] when it can. The platform's part (sm_90 or newer) is the backend's; ``programs`` (the SMs,
+    when known) adds the reasons that depend on them."""
+    why = []
+    if dims.family != "llama" or dims.qk_norm or dims.post_norms or dims.norm_one_plus:
+        why.append(
+            f"model_dims: the step launch runs Llama-style layers only (no q/k-norm, no post norms); {dims.family} has them"
+        )
+    if dims.activation != "silu":
+        why.append(f"model_dims: the step launch's MLP is SiLU-gated, the model uses {dims.activation}")
+    if dims.sliding_window or any(dims.is_sliding(l) for l in range(dims.num_layers)):
+        why.append("model_dims: the step launch has no sliding-window attention")
+    if dims.hidden_size % BK or dims.intermediate_size % BK:
+        why.append(
+            f"model_dims: hidden ({dims.hidden_size}) and intermediate ({dims.intermediate_size}) sizes must be "
+            f"multiples of {BK} (the weight chunk's columns)"
+        )
+    if dims.q_size != dims.hidden_size:
+        why.append(
+            f"model_dims: the step launch needs heads x head_dim == hidden ({dims.q_size} != {dims.hidden_size})"
+        )
+    if dims.head_dim not in (64, 128):
+        why.append(f"model_dims: the step launch's attention takes head_dim 64 or 128, not {dims.head_dim}")
+    group = dims.num_heads // dims.num_kv_heads
+    if dims.num_heads % dims.num_kv_heads or group > 16 or group & (group - 1):
+        why.append(
+            f"model_dims: {dims.num_heads} query heads over {dims.num_kv_heads} KV heads is not a group of "
+            "1, 2, 4, 8 or 16 (the attention pads a group to mma's 16 rows)"
+        )
+    if (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim % ROWS:
+        why.append(f"model_dims: the fused QKV rows are not a multiple of {ROWS}")
+    if weight_dtype != "bf16":
+        why.append(f"weight_dtype: the step launch streams bf16 weights, asked for {weight_dtype}")
+    if tp_size != 1:
+        why.append(f"tp_size: the step launch runs TP 1 only, asked for {tp_size}")
+    if over := [w for w in widths if w > MAX_WIDTH]:
+        why.append(f"widths: the step launch decodes 1-{MAX_WIDTH} rows (mma.sync's 8 columns), asked for {over[0]}")
+    if any(w > 1 for w in widths) and dims.intermediate_size > 8192:
+        why.append(
+            f"widths: above 1 row the step launch stages down's whole input of up to 8 rows in shared memory, "
+            f"which {dims.intermediate_size} columns do not fit (at most 8192); build widths (1,)"
+        )
+    if programs is not None and not why:
+        for w in widths:
+            try:
+                StepGeometry(dims, w, programs).check()
+            except ValueError as e:
+                why.append(f"widths: {e}")
+    return why
+
+
+@dataclass(frozen=True)
+class StepGeometry:
+    """The step launch of one model at one width on ``programs`` SMs."""
+
+    dims: ModelDims
+    width: int
+    programs: int
+
+    # -- weights ------------------------------------------------------------------------------
+    @property
+    def qkv_rows(self) -> int:
+        d = self.dims
+        return (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+
+    @property
+    def _row(self) -> int:
+        return math.lcm(self.dims.hidden_size, self.dims.intermediate_size)
+
+    @property
+    def off_o(self) -> int:
+        return self.qkv_rows * self.dims.hidden_size
+
+    @property
+    def off_gu(self) -> int:
+        return self.off_o + self.dims.hidden_size**2
+
+    @property
+    def off_down(self) -> int:
+        """down starts at whole rows of both hidden and intermediate (TMA's two row views)."""
+        end = self.off_gu + 2 * self.dims.intermediate_size * self.dims.hidden_size
+        return _ceil(end, self._row) * self._row
+
+    @property
+    def layer_weights(self) -> int:
+        """A layer's packed weights in elements, padding included (whole rows of both views)."""
+        end = self.off_down + self.dims.hidden_size * self.dims.intermediate_size
+        return _ceil(end, self._row) * self._row
+
+    # -- tiles a program owns per stage -------------------------------------------------------
+    def stage_tiles(self) -> tuple[int, int, int, int]:
+        """16-row tiles of QKV, o_proj, gate/up and down."""
+        h, i = self.dims.hidden_size, self.dims.intermediate_size
+        return self.qkv_rows // ROWS, h // ROWS, 2 * i // ROWS, h // ROWS
+
+    def tiles_per_program(self) -> tuple[int, int, int, int]:
+        return tuple(_ceil(t, self.programs) for t in self.stage_tiles())  # type: ignore[return-value]
+
+    def chunks_per_layer(self) -> int:
+        t0, to, t1, td = self.tiles_per_program()
+        kh, ki = self.dims.hidden_size // BK, self.dims.intermediate_size // BK
+        return (t0 + to + t1) * kh + td * ki
+
+    # -- activations and counters -------------------------------------------------------------
+    @property
+    def act_offsets(self) -> dict[str, int]:
+        """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u."""
+        h, i = self.dims.hidden_size, self.dims.intermediate_size
+        q = self.qkv_rows
+        return {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
+
+    # -- attention ----------------------------------------------------------------------------
+    @property
+    def splits(self) -> int:
+        """Context splits of a (row, KV head): the most that keep one attention task a program,
+        a power of two (each row's own context is then cut into at most this many spans of at
+        least ``MIN_SPLIT`` positions; a short context leaves the later splits empty)."""
+        tasks = self.width * self.dims.num_kv_heads
+        s = 1
+        while 2 * s * tasks <= self.programs and 2 * s <= 64:
+            s *= 2
+        return s
+
+    @property
+    def kv_slots(self) -> int:
+        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile)."""
+        return 3 if self.dims.head_dim <= 64 else 2
+
+    @property
+    def tma(self) -> bool:
+        """Width 1 fills the weight ring by TMA (run 101: 1-2 % faster); widths 2-8 by cp.async
+        into mma.sync's operand layout."""
+        return self.width == 1
+
+    def shared_bytes(self) -> int:
+        """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
+        i, d = self.dims.intermediate_size, self.dims.head_dim
+        ring = WEIGHT_RING * ROWS * BK * 2
+        kv = 2 * self.kv_slots * KV_TILE * d * 2
+        if self.width == 1:
+            stage = max(i * 2, kv)  # bf16 staged input; the K/V ring lives in it from QKV's end to o_proj
+            return ring + stage + ROWS * 4 + WEIGHT_RING * 8
+        stage = max(i // BK * BK * NPAD * 2, kv)
+        return ring + stage + ROWS * NPAD * 4
+
+    def check(self) -> None:
+        """Raise ValueError when this geometry cannot run (a planning error, not a user's)."""
+        if self.programs < self.width * self.dims.num_kv_heads:
+            raise ValueError(
+                f"step launch: {self.programs} programs cannot hold one attention task per row and KV head "
+                f"({self.width} x {self.dims.num_kv_heads})"
+            )
+        if self.width > 1 and self.tiles_per_program()[3] > 1:
+            raise ValueError(
+                f"step launch: above 1 row a program sums down's warps through its staged input, so it takes one "
+                f"down tile at most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
+                f"{self.tiles_per_program()[3]}"
+            )
+        if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
+            raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
+
+    def constexprs(self, block_size: int) -> dict[str, int | float]:
+        """The kernel's compile-time constants over a paged cache of ``block_size`` positions a
+        block (the layers a launch runs are a runtime argument: one build serves both launch shapes)."""
+        d = self.dims
+        t0, to, t1, td = self.tiles_per_program()
+        a = self.act_offsets
+        return {
+            "HIDDEN": d.hidden_size,
+            "INTER": d.intermediate_size,
+            "QH": d.num_heads,
+            "KVH": d.num_kv_heads,
+            "D": d.head_dim,
+            "OFF_O": self.off_o,
+            "OFF_GU": self.off_gu,
+            "OFF_D": self.off_down,
+            "LAYER_W": self.layer_weights,
+            "A_ATT": a["att"],
+            "A_H1": a["h1"],
+            "A_GU": a["gu"],
+            "LAYER_A": a["end"],
+            "NPROG": self.programs,
+            "NBUF": WEIGHT_RING,
+            "T0": t0,
+            "TO": to,
+            "T1": t1,
+            "TD": td,
+            "NSPLIT": self.splits,
+            "KVS": self.kv_slots,
+            "NB": self.width,
+            "MMAV": int(self.width > 1),
+            "TMA": int(self.tma),
+            "BS": block_size,
+            "EPS": d.rms_norm_eps,
+            "SCALE": d.attn_scale,
+        }
