@@ -60,3 +60,65 @@ class MisfitBackend(ReferenceBackend):
 
     def build(self, req, weights, artifacts, allow_jit):
         return Misfit(req, weights)
+
+
+class StepReference(ReferenceKernels):
+    """The reference math with a whole-step launch: ``forward_step`` runs the reference layers
+    (``decode_layer``) over every layer in one call, like ``triton-step``'s one launch; each
+    entry point counts its calls (``calls``)."""
+
+    def __init__(self, req, weights):
+        super().__init__(req, weights)
+        self.calls = {"forward_layer": 0, "forward_step": 0}
+
+    def forward_layer(self, layer, x, meta, kv):
+        self.calls["forward_layer"] += 1
+        return super().forward_layer(layer, x, meta, kv)
+
+    def forward_step(self, x, metas, kv):
+        from monodecode.model.reference import decode_layer
+
+        self.calls["forward_step"] += 1
+        assert len(metas) == len(self.weights.layers)
+        for layer, lw in enumerate(self.weights.layers):
+            x = decode_layer(self.dims, layer, lw, x, metas[layer], kv)
+        return x
+
+
+class NoStepReference(StepReference):
+    """Counts like ``StepReference`` but has no whole-step launch after all: ``forward_step``
+    returns None (the caller runs ``forward_layer`` per layer)."""
+
+    def forward_step(self, x, metas, kv):
+        self.calls["forward_step"] += 1
+        return None
+
+
+class StepSkipsLayer(StepReference):
+    """Every layer right one at a time, but the whole-step launch skips the last layer."""
+
+    def forward_step(self, x, metas, kv):
+        self.calls["forward_step"] += 1
+        from monodecode.model.reference import decode_layer
+
+        for layer, lw in enumerate(self.weights.layers[:-1]):
+            x = decode_layer(self.dims, layer, lw, x, metas[layer], kv)
+        return x
+
+
+class StepReferenceBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_step_reference"
+    kernels: ClassVar[type[StepReference]] = StepReference
+
+    def build(self, req, weights, artifacts, allow_jit):
+        return self.kernels(req, weights)
+
+
+class NoStepReferenceBackend(StepReferenceBackend):
+    name: ClassVar[str] = "test_no_step_reference"
+    kernels: ClassVar[type[StepReference]] = NoStepReference
+
+
+class StepSkipsLayerBackend(StepReferenceBackend):
+    name: ClassVar[str] = "test_step_skips_layer"
+    kernels: ClassVar[type[StepReference]] = StepSkipsLayer

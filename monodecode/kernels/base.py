@@ -74,7 +74,8 @@ def smallest_width(widths: tuple[int, ...], rows: int) -> int | None:
 
 
 class DecodeKernels(ABC):
-    """Built kernels of one model on one rank: one ``forward_layer`` per decode-step layer."""
+    """Built kernels of one model on one rank: one ``forward_layer`` per decode-step layer (and,
+    where the backend has one, ``forward_step`` over every layer in one launch)."""
 
     widths: tuple[int, ...]
 
@@ -87,6 +88,13 @@ class DecodeKernels(ABC):
         failure it sets the health word and returns (wrong) data rather than raising: the
         runner's check before logits stops the step.
         """
+
+    def forward_step(self, x: torch.Tensor, metas: list[Any], kv: Any) -> torch.Tensor | None:
+        """Optional whole-step launch: the residual stream through every decoder layer at once
+        (``metas[layer]`` is ``layer``'s ``DecodeMetadata``), with ``forward_layer``'s contract
+        for rows, K/V writes and health. Default None: this backend has no whole-step launch,
+        and the caller runs ``forward_layer`` per layer (as it also does when this returns None)."""
+        return None
 
     def k1(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         """Optional per-launch entry point (tests): attention output before o_proj."""

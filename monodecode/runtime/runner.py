@@ -14,7 +14,8 @@
    ``monodecode_enabled 0`` and one ``monodecode_refusal_info{reason}`` per reason.
 
 Per step: ``begin_step(StepInfo)`` decides from metadata identical on all ranks and counts the
-step; the caller runs ``forward_layer`` per layer on the mono path (stock layers otherwise),
+step; the caller runs the mono path as one ``forward_step`` where the kernels have a whole-step
+launch, else ``forward_layer`` per layer (stock layers otherwise),
 calls ``check_health_before_logits`` (fail-stop) and ``end_step``. ``decode_step`` is that loop
 for the reference model (what ``monodecode-ops verify`` and the tests drive).
 
@@ -98,10 +99,18 @@ class WidthCheck:
     duration_s: float
     health: int = 0
     within_tolerance: bool = True  # every layer within its own tolerance
+    # the kernels' whole-step launch (``forward_step``) over every layer against the reference
+    # step, where they have one: its error (final residual and every layer's K/V) and tolerance
+    step_error: float | None = None
+    step_tolerance: float = 0.0
+
+    @property
+    def step_within_tolerance(self) -> bool:
+        return self.step_error is None or self.step_error <= self.step_tolerance
 
     @property
     def passed(self) -> bool:
-        return self.health == 0 and self.within_tolerance
+        return self.health == 0 and self.within_tolerance and self.step_within_tolerance
 
 
 @dataclass
@@ -122,10 +131,15 @@ class WarmupReport:
             if w.health:
                 fault = decode_health(w.health)
                 return f"warmup_failed: width {w.width} set the health word ({fault.describe() if fault else w.health})"
-            if not w.passed:
+            if not w.within_tolerance:
                 return (
                     f"warmup_failed: width {w.width} differs from the reference by {w.max_abs_error:.4g} "
                     f"at layer {w.worst_layer} (tolerance {w.tolerance:.4g})"
+                )
+            if not w.step_within_tolerance:
+                return (
+                    f"warmup_failed: width {w.width}'s one launch over every layer (forward_step) differs from "
+                    f"the reference step by {w.step_error:.4g} (tolerance {w.step_tolerance:.4g})"
                 )
         return None
 
@@ -349,7 +363,8 @@ class Runner:
                 f"torch cannot launch on the {self._platform.arch} GPU (CPU build of torch?); decoding runs on the reference"
             )
             statuses = [s for s in statuses if s.name == "reference"]
-        candidates = [s for s in statuses if s.available and (s.name != "reference" or not on_gpu)]
+        # an opt-in backend (registry.OPT_IN) runs only when named
+        candidates = [s for s in statuses if s.available and not s.opt_in and (s.name != "reference" or not on_gpu)]
         if not candidates:
             why = "; ".join(f"{s.name}: {s.reason}" for s in statuses if not s.available)
             return (
@@ -629,6 +644,7 @@ class Runner:
             len(self._weights.layers),
             self._max_model_len - 1,
             kv_budget_bytes(self.device) // per_token,
+            forward_step=self._kernels.forward_step,
         )
         return bench, None
 
@@ -708,11 +724,48 @@ class Runner:
                 if err - tol > worst_margin:
                     worst_margin, worst_layer, tol_at_worst = err - tol, layer, tol
                 x = ref_out
+            step_error, step_tol = self._golden_step(width)
             health = kernels.health()
             report.widths.append(
-                WidthCheck(width, max_err, tol_at_worst, worst_layer, time.perf_counter() - t0, health, ok)
+                WidthCheck(
+                    width,
+                    max_err,
+                    tol_at_worst,
+                    worst_layer,
+                    time.perf_counter() - t0,
+                    health,
+                    ok,
+                    step_error,
+                    step_tol,
+                )
             )
         return report
+
+    def _golden_step(self, width: int) -> tuple[float | None, float]:
+        """Where the kernels have a whole-step launch (``forward_step``, what a mono step serves):
+        one step of ``width`` rows through every layer against the reference step, on inputs of
+        its own; its max abs error over the final residual and every layer's K/V, and the
+        tolerance on the final residual. (None, 0) where the kernels have none."""
+        import torch
+
+        from monodecode.model.reference import decode_layer
+
+        if type(self._kernels).forward_step is DecodeKernels.forward_step:
+            return None, 0.0  # the interface's default: no whole-step launch
+        gen = torch.Generator(device="cpu").manual_seed(20261102 + width)
+        meta, kv_ref, kv_mono, x = self._warmup_inputs(width, gen)
+        layers = self._weights.layers
+        out = self._kernels.forward_step(x, [meta] * len(layers), kv_mono)
+        if out is None:
+            return None, 0.0
+        ref = x
+        for layer, lw in enumerate(layers):
+            ref = decode_layer(self._dims, layer, lw, ref, meta, kv_ref)
+        err = (out.float() - ref.float()).abs().max().item()
+        for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True):
+            err = max(err, (a.float() - b.float()).abs().max().item())
+        tol = self._config.warmup_atol + self._config.warmup_rtol * ref.float().abs().max().item()
+        return (float("inf") if err != err else err), tol
 
     # ---- after start: refusals and rank-local wishes, folded in by vote -----------------------
 
@@ -837,6 +890,16 @@ class Runner:
             self._shadow.capture(layer, x, out, meta, kv)
         return out
 
+    def forward_step(self, x: Any, metas: list[Any], kv: Any) -> Any | None:
+        """Every layer of a mono step in one launch (``DecodeKernels.forward_step``; ``metas[layer]``
+        is that layer's metadata). None where the kernels have no whole-step launch, or where this
+        step's shadow check needs one layer's input and output (``forward_layer`` captures them):
+        the caller then runs ``forward_layer`` per layer. Fault drills were armed by ``begin_step``
+        either way; the health check before logits stays the caller's."""
+        if self._shadow_layer is not None:
+            return None
+        return self._kernels.forward_step(x, metas, kv)
+
     def _shadow_verdicts(self) -> None:
         """Finished shadow checks -> metrics; past the tolerance: degrade or fail-stop."""
         for result in self._shadow.results():
@@ -933,11 +996,15 @@ class Runner:
         info = info or StepInfo(num_rows=rows)
         decision = self.begin_step(info, real=real)
         x = embed(self._weights, ids, dtype=kv.dtype)
-        for layer, lw in enumerate(self._weights.layers):
-            if decision:
-                x = self.forward_layer(layer, x, meta, kv)
-            else:
-                x = decode_layer(self._dims, layer, lw, x, meta, kv)
+        step = self.forward_step(x, [meta] * len(self._weights.layers), kv) if decision else None
+        if step is not None:  # every layer in one launch
+            x = step
+        else:
+            for layer, lw in enumerate(self._weights.layers):
+                if decision:
+                    x = self.forward_layer(layer, x, meta, kv)
+                else:
+                    x = decode_layer(self._dims, layer, lw, x, meta, kv)
         self.check_health_before_logits(decision, x)
         logits = final_logits(self._weights, x)
         self.end_step(decision)

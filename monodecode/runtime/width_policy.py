@@ -165,8 +165,9 @@ def kv_budget_bytes(device: Any) -> int:
 
 class LayerBench:
     """The stock side outside vLLM: ``stock_layer`` (the runner's: the reference unless one is
-    given) against ``forward_layer`` (the kernels), on the runner's plain paged KV; each side
-    gets its own copy of the same random context (``inputs(width, context)``)."""
+    given) against ``forward_layer`` (the kernels; their ``forward_step`` where they launch
+    every layer at once, as a mono step serves), on the runner's plain paged KV; each side gets
+    its own copy of the same random context (``inputs(width, context)``)."""
 
     def __init__(
         self,
@@ -177,9 +178,11 @@ class LayerBench:
         num_layers: int,
         max_context: int,
         budget_tokens: int,
+        forward_step: Callable[[Any, list[Any], Any], Any] | None = None,
     ):
         self.name = name
         self._inputs, self._forward, self._stock = inputs, forward_layer, stock_layer
+        self._forward_step = forward_step  # the kernels' whole-step launch, where they have one
         self._n, self._max_context, self._budget_tokens = num_layers, max_context, budget_tokens
 
     def contexts(self, width: int) -> tuple[int, ...]:
@@ -189,6 +192,10 @@ class LayerBench:
         meta, kv_stock, kv_mono, x = self._inputs(width, context)
 
         def mono():
+            if self._forward_step is not None:  # as a mono step serves: one launch where there is one
+                out = self._forward_step(x, [meta] * self._n, kv_mono)
+                if out is not None:
+                    return out
             y = x
             for layer in range(self._n):
                 y = self._forward(layer, y, meta, kv_mono)

@@ -370,6 +370,7 @@ class MonoDecode:
                     runner.kernels.forward_layer,
                     self.dims.hidden_size,
                     int(self.vllm_config.model_config.max_model_len),
+                    forward_step=runner.kernels.forward_step,
                 )
             except Exception as e:
                 unavailable = f"vLLM's decoder layers could not be set up for timing ({exception_line(e, 200)})"
@@ -423,7 +424,10 @@ class MonoDecode:
 
     def run_layers(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
         """The residual stream through every decoder layer on the kernels."""
-        return run_kernel_layers(self.runner.forward_layer, x, plan.metas, plan.kv, plan.staged)
+        runner = self.runner
+        return run_kernel_layers(
+            runner.forward_layer, x, plan.metas, plan.kv, plan.staged, forward_step=runner.forward_step
+        )
 
     def before_logits(self, hidden_states: torch.Tensor) -> None:
         """Accounting + fail-stop, once per step, before any logits exist."""

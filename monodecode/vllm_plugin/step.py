@@ -125,12 +125,20 @@ def run_kernel_layers(
     kv: PagedKVCache | None,
     staged: Any = None,
     count: int | None = None,
+    forward_step: Callable[[torch.Tensor, list[DecodeMetadata], PagedKVCache], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The residual stream through decoder layers ``0 .. count - 1`` (default: all) on the kernels,
     as a mono step runs them: on vLLM's cache in place (``kv``), or on vLLM's CPU platform staged
-    per layer (``staged``, a ``cpu_kv.StagedKV``: the layer's blocks copied out, new rows back)."""
+    per layer (``staged``, a ``cpu_kv.StagedKV``: the layer's blocks copied out, new rows back).
+    With ``forward_step`` (``Runner.forward_step``), every layer on the cache in place is first
+    offered to it as one launch; where it returns None (no whole-step launch) the layers run one
+    ``forward_layer`` at a time."""
     n = len(metas) if count is None else count
     if staged is None:
+        if forward_step is not None and n == len(metas):
+            out = forward_step(x, metas, kv)
+            if out is not None:
+                return out
         for layer in range(n):
             x = forward_layer(layer, x, metas[layer], kv)
         return x

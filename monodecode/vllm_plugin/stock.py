@@ -224,7 +224,9 @@ def stock_check(
 
     def kernels(last: int) -> torch.Tensor:
         kv, staged = stock.kernel_kv([c.clone() for c in caches], meta)
-        return run_kernel_layers(runner.forward_layer, x0, [meta] * num_layers, kv, staged, last + 1)
+        return run_kernel_layers(
+            runner.forward_layer, x0, [meta] * num_layers, kv, staged, last + 1, forward_step=runner.forward_step
+        )
 
     def vllm_layers(last: int) -> torch.Tensor:
         x = x0
@@ -258,9 +260,12 @@ class VllmStockBench:
 
     name = "vllm_layers"
 
-    def __init__(self, stock: VllmStockLayer, forward_layer: Any, hidden_size: int, max_model_len: int):
+    def __init__(
+        self, stock: VllmStockLayer, forward_layer: Any, hidden_size: int, max_model_len: int, forward_step: Any = None
+    ):
         self._stock = stock
         self._forward = forward_layer
+        self._forward_step = forward_step  # the kernels' whole-step launch, where they have one
         self._hidden = hidden_size
         self._max_context = max_model_len - 1  # the context of a row whose next token is the last
         bound = stock._attn[0].kv_cache
@@ -299,7 +304,7 @@ class VllmStockBench:
         @torch.no_grad()
         def mono() -> torch.Tensor:
             step_kv, step_staged = (kv, None) if staged is None else stock.kernel_kv(caches, meta)  # staged per step
-            return run_kernel_layers(self._forward, x, metas, step_kv, step_staged)
+            return run_kernel_layers(self._forward, x, metas, step_kv, step_staged, forward_step=self._forward_step)
 
         @torch.no_grad()
         def vllm_layers() -> torch.Tensor:

@@ -440,3 +440,82 @@ def test_refusal_error_pickles_with_its_reasons():
     assert (
         e.reasons == ["a: one", "b: two"] and e.codes == ["a", "b"] and str(e) == "mono decode refused: a: one; b: two"
     )
+
+
+# ---- the whole-step launch (DecodeKernels.forward_step) ----------------------------------------
+
+
+def _step_started(weights, tmp_path, backend, cls, **cfg):
+    r, reg = make(weights, tmp_path, backend=backend(cls), **cfg)
+    r.start()
+    assert r.state == "mono", r.reasons
+    return r
+
+
+def test_decode_step_runs_one_forward_step_where_the_kernels_have_one(weights, tmp_path, backend):
+    from fake_backends import StepReferenceBackend
+
+    r = _step_started(weights, tmp_path, backend, StepReferenceBackend)
+    # warm-up checked the whole-step launch of every width against the reference step
+    assert [w.step_error for w in r.warmup.widths] == [0.0, 0.0]
+    r.kernels.calls.update(forward_layer=0, forward_step=0)
+    meta, kv, ids = _one_row()
+    kv_ref = PagedKVCache(key=[t.clone() for t in kv.key], value=[t.clone() for t in kv.value], block_size=16)
+    out = r.decode_step(ids, meta, kv, StepInfo(num_rows=1))
+    assert r.last_decision.path == "mono"
+    assert r.kernels.calls == {"forward_layer": 0, "forward_step": 1}
+    assert torch.equal(out, reference_decode_step(weights, ids, meta, kv_ref))
+    # a fallback step runs the stock layers, never the kernels
+    r.decode_step(ids, meta, kv, StepInfo(num_rows=1, num_prefill_rows=1))
+    assert r.last_decision.reason == "prefill" and r.kernels.calls == {"forward_layer": 0, "forward_step": 1}
+
+
+def test_decode_step_falls_back_to_forward_layer_when_forward_step_returns_none(weights, tmp_path, backend):
+    from fake_backends import NoStepReferenceBackend
+
+    r = _step_started(weights, tmp_path, backend, NoStepReferenceBackend)
+    assert [w.step_error for w in r.warmup.widths] == [None, None]
+    r.kernels.calls.update(forward_layer=0, forward_step=0)
+    meta, kv, ids = _one_row()
+    kv_ref = PagedKVCache(key=[t.clone() for t in kv.key], value=[t.clone() for t in kv.value], block_size=16)
+    out = r.decode_step(ids, meta, kv, StepInfo(num_rows=1))
+    assert r.kernels.calls == {"forward_layer": DIMS.num_layers, "forward_step": 1}
+    assert torch.equal(out, reference_decode_step(weights, ids, meta, kv_ref))
+
+
+def test_a_shadow_checked_step_runs_layer_by_layer(weights, tmp_path, backend):
+    """The shadow check compares one layer's output: that step runs ``forward_layer`` per layer
+    (the whole-step launch has no layer boundary to capture); the other steps one launch."""
+    from fake_backends import StepReferenceBackend
+
+    r = _step_started(weights, tmp_path, backend, StepReferenceBackend, shadow_check_every=2)
+    r.kernels.calls.update(forward_layer=0, forward_step=0)
+    meta, kv, ids = _one_row()
+    r.decode_step(ids, meta, kv, StepInfo(num_rows=1))  # mono step 0: not checked
+    assert r.kernels.calls == {"forward_layer": 0, "forward_step": 1}
+    r.decode_step(ids, meta, kv, StepInfo(num_rows=1))  # mono step 1: checked
+    assert r.kernels.calls == {"forward_layer": DIMS.num_layers, "forward_step": 1}
+
+
+def test_warmup_checks_the_whole_step_launch(weights, tmp_path, backend):
+    from fake_backends import StepSkipsLayerBackend
+
+    r, _ = make(weights, tmp_path, backend=backend(StepSkipsLayerBackend), on_refusal="degrade")
+    r.start()
+    assert r.state == "degraded"
+    assert r.reasons[0].startswith(
+        "warmup_failed: width 1's one launch over every layer (forward_step) differs from the reference step by"
+    )
+    assert r.warmup.widths[0].within_tolerance and not r.warmup.widths[0].passed
+
+
+def test_width_timing_times_the_whole_step_launch(weights, tmp_path, backend):
+    from fake_backends import StepReferenceBackend
+
+    r = _step_started(weights, tmp_path, backend, StepReferenceBackend)
+    bench, why = r._layer_bench()
+    assert why is None
+    mono, _ = bench.steps(1, 20)
+    r.kernels.calls.update(forward_layer=0, forward_step=0)
+    mono()
+    assert r.kernels.calls == {"forward_layer": 0, "forward_step": 1}
