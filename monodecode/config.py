@@ -16,7 +16,7 @@ from typing import Any
 from monodecode.errors import ConfigError
 from monodecode.jsonio import parse_json
 
-BACKENDS = ("auto", "flydsl", "triton", "reference")
+BACKENDS = ("auto", "flydsl", "triton", "triton-step", "reference")
 ON_REFUSAL = ("raise", "degrade")
 WIDTH_POLICIES = ("auto", "force")
 SHADOW_ON_FAIL = ("degrade", "failstop")
@@ -32,7 +32,8 @@ DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 @dataclass(frozen=True)
 class MonoConfig:
     enabled: bool = False
-    # kernel backend; auto = best available (flydsl on gfx942/gfx950, triton on GPUs, reference)
+    # kernel backend; auto = best available (flydsl on gfx942/gfx950, triton on GPUs, reference);
+    # triton-step (one launch a step, NVIDIA sm_90+) only when named
     backend: str = "auto"
     # raise: refuse to start listing every reason; degrade: start with stock decode, export why
     on_refusal: str = "raise"

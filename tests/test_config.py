@@ -25,7 +25,7 @@ def test_from_dict_normalizes_and_roundtrips():
         ({"enabeld": True}, "unknown key 'enabeld'"),
         ({"enabled": "yes"}, "'enabled' must be true or false"),
         ({"enabled": 1}, "'enabled' must be true or false"),
-        ({"backend": "cuda"}, "'backend' must be one of auto, flydsl, triton, reference"),
+        ({"backend": "cuda"}, "'backend' must be one of auto, flydsl, triton, triton-step, reference"),
         ({"on_refusal": "ignore"}, "'on_refusal' must be one of raise, degrade"),
         ({"widths": []}, "'widths' must be a non-empty list"),
         ({"widths": "1,2"}, "'widths' must be a non-empty list"),

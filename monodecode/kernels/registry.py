@@ -5,7 +5,8 @@ FlyDSL (they are heavy, and absent from some images). A backend's module is impo
 it is asked for; an import failure becomes that backend's unavailability reason.
 
 Preference (``backends_for``): flydsl on gfx942/gfx950, then triton on CUDA/ROCm GPUs, then the
-reference, which runs everywhere.
+reference, which runs everywhere. Opt-in backends (``OPT_IN``: triton-step) run only when a
+deployment names them; ``backend: auto`` never picks one.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from monodecode.services.platform import Platform
 _LAZY: dict[str, str] = {
     "flydsl": "monodecode.kernels.flydsl.backend:FlyDSLBackend",
     "triton": "monodecode.kernels.triton.backend:TritonBackend",
+    "triton-step": "monodecode.kernels.triton.step_backend:TritonStepBackend",
     "reference": "monodecode.kernels.reference_backend:ReferenceBackend",
 }
 _LOADED: dict[str, type[KernelBackend]] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 BACKEND_NAMES = tuple(_LAZY)
+# Backends that run only when named (``backend: <name>``), never chosen by ``backend: auto``: the
+# step launch stays opt-in until it beats the two-launch triton kernels in every benchmark cell.
+OPT_IN: frozenset[str] = frozenset({"triton-step"})
 
 
 def register_backend(cls: type[KernelBackend]) -> type[KernelBackend]:
@@ -86,6 +91,7 @@ class BackendStatus:
     name: str
     available: bool
     reason: str | None  # why not, when unavailable
+    opt_in: bool = False  # runs only when named: ``backend: auto`` passes it over (``OPT_IN``)
 
 
 def _platform_order(platform: Platform) -> list[str]:
@@ -95,29 +101,34 @@ def _platform_order(platform: Platform) -> list[str]:
     if platform.is_gpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         order.append("triton")  # on a CPU: Triton's interpreter runs the real kernels (verify)
     order.append("reference")
-    return order + [n for n in _LAZY if n not in order and n not in ("flydsl", "triton", "reference")]
+    return order + [
+        n for n in _LAZY if n not in order and n not in ("flydsl", "triton", "reference") and n not in OPT_IN
+    ]
 
 
 def backend_status(platform: Platform) -> list[BackendStatus]:
     """Every known backend with whether it can run on ``platform`` and why not (preference order
-    first, then the rest)."""
+    first, then the opt-in ones, then the rest). An opt-in backend is available wherever it can
+    run, and marked ``opt_in``: only a deployment that names it uses it."""
     preferred = _platform_order(platform)
+    opt_in = [n for n in _LAZY if n in OPT_IN]
     out = []
-    for name in preferred + [n for n in _LAZY if n not in preferred]:
+    for name in preferred + opt_in + [n for n in _LAZY if n not in preferred and n not in OPT_IN]:
         cls = _load(name)
         if cls is None:
-            out.append(BackendStatus(name, False, _IMPORT_ERRORS[name]))
+            out.append(BackendStatus(name, False, _IMPORT_ERRORS[name], name in OPT_IN))
             continue
         try:
             why = cls.unavailable_reason(platform)  # each backend says why not in its own words
         except Exception as e:  # a probe that crashes means "not usable here"
             why = f"availability probe failed: {type(e).__name__}: {e}"
-        if why is None and name not in preferred:
+        if why is None and name not in preferred and name not in OPT_IN:
             why = f"{name} is not used on {platform.label}"
-        out.append(BackendStatus(name, why is None, why))
+        out.append(BackendStatus(name, why is None, why, name in OPT_IN))
     return out
 
 
 def backends_for(platform: Platform) -> list[type[KernelBackend]]:
-    """Backend classes that can run on ``platform``, most preferred first (reference last)."""
-    return [get_backend(s.name) for s in backend_status(platform) if s.available]
+    """Backend classes ``backend: auto`` may use on ``platform``, most preferred first (reference
+    last); opt-in backends are left out (they run only when named)."""
+    return [get_backend(s.name) for s in backend_status(platform) if s.available and not s.opt_in]

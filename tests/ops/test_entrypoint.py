@@ -153,7 +153,11 @@ def test_verify_and_other_commands():
     "args,env,expected",
     [
         ([], {}, "no model: pass it as the first argument of serve or set MONODECODE_MODEL"),
-        (["serve", "m"], {"MONODECODE_BACKEND": "cuda"}, "'backend' must be one of auto, flydsl, triton, reference"),
+        (
+            ["serve", "m"],
+            {"MONODECODE_BACKEND": "cuda"},
+            "'backend' must be one of auto, flydsl, triton, triton-step, reference",
+        ),
         (["serve", "m"], {"MONODECODE_ENABLED": "maybe"}, "MONODECODE_ENABLED must be true or false"),
         (["serve", "m"], {"MONODECODE_WIDTHS": "1,x"}, "MONODECODE_WIDTHS must be comma-separated integers"),
         (["serve", "m"], {"MONODECODE_WIDTHS": "4,2"}, "'widths' must be strictly ascending"),

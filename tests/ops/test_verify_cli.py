@@ -182,7 +182,7 @@ def _busy_port():
         (["--widths", "1,1"], "'--widths': must be strictly ascending without duplicates"),
         (["--widths", "1,\u0663"], "'--widths': must be a comma-separated list of integers"),
         (["--block-size", "99999999"], "--block-size must be between 1 and 1024"),
-        (["--backend", "cuda"], "'backend' must be one of auto, flydsl, triton, reference"),
+        (["--backend", "cuda"], "'backend' must be one of auto, flydsl, triton, triton-step, reference"),
         (["--metrics-port", "70000"], "metrics port must be an integer between 0 and 65535"),
         (["--endpoint", "ftp://host/metrics"], "--endpoint must be an http(s) URL"),
         (["--endpoint", "not a url"], "--endpoint must be an http(s) URL"),

@@ -519,3 +519,22 @@ def test_width_timing_times_the_whole_step_launch(weights, tmp_path, backend):
     r.kernels.calls.update(forward_layer=0, forward_step=0)
     mono()
     assert r.kernels.calls == {"forward_layer": 0, "forward_step": 1}
+
+
+def test_auto_never_picks_an_opt_in_backend(weights, tmp_path, monkeypatch):
+    """``triton-step`` runs only when named: on an H100 auto takes triton; where triton cannot
+    run, auto refuses rather than fall to the step launch, which still runs when named."""
+    from monodecode.kernels.triton.backend import TritonBackend
+
+    h100 = Platform(kind="cuda", arch="sm_90", name="H100", compute_units=132, torch_usable=True)
+
+    def runner(name):
+        conf = MonoConfig(enabled=True, backend=name, failstop_dir=str(tmp_path), widths=(1,))
+        return Runner(conf, profile_dims("llama3-1b"), weights, h100, faults=())
+
+    assert runner("auto")._choose_backend()[0].name == "triton"
+    assert runner("triton-step")._choose_backend()[0].name == "triton-step"
+    monkeypatch.setattr(TritonBackend, "unavailable_reason", classmethod(lambda cls, p: "triton is switched off"))
+    backend, why = runner("auto")._choose_backend()
+    assert backend is None and why.startswith("backend_unavailable: no kernel backend can run on cuda sm_90")
+    assert runner("triton-step")._choose_backend()[0].name == "triton-step"

@@ -418,7 +418,11 @@ def register(app: typer.Typer) -> None:
         self_test_on: bool = typer.Option(
             True, "--self-test/--no-self-test", help="Run the runner lifecycle and decode self-test."
         ),
-        backend: str = typer.Option("auto", "--backend", help="Kernel backend: auto, flydsl, triton or reference."),
+        backend: str = typer.Option(
+            "auto",
+            "--backend",
+            help="Kernel backend: auto, flydsl, triton, triton-step (only when named) or reference.",
+        ),
         widths: WidthsOpt = None,
         weight_dtype: WeightDtypeOpt = WeightDtype("bf16"),
         block_size: BlockSizeOpt = 16,
