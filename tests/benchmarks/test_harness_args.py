@@ -23,6 +23,7 @@ from monodecode_ops.decode_bench import harness
         (["tiny"], [], [1], [64], {"stock": ["fullgraph", "nope"]}, "unknown stock path 'nope'; known: eager,"),
         (["tiny"], [], [1], [64], {"w8a16_batches": [0]}, "--w8a16-batches must be >= 1"),
         (["tiny"], [], [1], [64], {"tuning_draws": 0}, "--tuning-draws must be >= 1, got 0"),
+        (["tiny"], [], [1], [64], {"variants": {"step": {}}}, "variant 'step': its name is the step launch's"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, extra, fragment):
@@ -151,3 +152,147 @@ def test_the_prewarm_leaves_stocks_that_tune_while_compiling_to_the_benchmark():
 
     jobs = prewarm.jobs(["llama3-1b"], [], [1], [1024], None, ("fullgraph", "fullgraph-cdt", "fullgraph-max"), ())
     assert jobs and all(job[4] == ["stock-fullgraph", "stock-fullgraph-cdt"] for job in jobs)
+
+
+def test_no_step_leaves_the_step_launch_out(monkeypatch, tmp_path):
+    """The step launch is timed unless ``--no-step`` is given (``run(step=...)``)."""
+    seen = []
+
+    def fake_run(*args, **kw):
+        seen.append(kw["step"])
+        raise harness.MonodecodeError("stop")
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    harness.main(["--out", str(tmp_path)])
+    harness.main(["--no-step", "--out", str(tmp_path)])
+    assert seen == [True, False]
+
+
+def _platform(kind="cuda", arch="sm_90", usable=True):
+    from monodecode.services.platform import Platform
+
+    return Platform(kind=kind, arch=arch, name="GPU", compute_units=132, source="torch", torch_usable=usable)
+
+
+def _request(profile, widths, platform, weight_dtype="bf16"):
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.model.profiles import profile_dims
+
+    return BuildRequest(
+        dims=profile_dims(profile),
+        weight_dtype=weight_dtype,
+        tp_size=1,
+        widths=widths,
+        block_size=harness.BLOCK,
+        platform=platform,
+    )
+
+
+def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
+    """The harness asks the ``triton-step`` backend, width by width: on CUDA sm_90+ it serves 1B at
+    widths 1-8 and 8B only at 1 (down's input does not fit shared memory wider); any other
+    platform, FP8 weights, Gemma's layers and widths over 8 are refused, each with its reason."""
+    by_width = harness.step_refusals_by_width
+    assert by_width(_request("llama3-1b", (1, 2, 4, 8), _platform())) == {}
+    assert by_width(_request("llama3-1b", (1, 8), _platform(arch="sm_100"))) == {}
+    refused = by_width(_request("llama3-8b", (1, 2, 8), _platform()))
+    assert sorted(refused) == [2, 8] and all("widths: above 1 row" in why for why in refused.values())
+    over = by_width(_request("llama3-1b", (8, 16), _platform()))
+    assert list(over) == [16] and "widths: the step launch decodes 1-8 rows" in over[16]
+    for platform in (_platform("cpu", "cpu", False), _platform(arch="sm_80"), _platform("rocm", "gfx942")):
+        refused = by_width(_request("llama3-1b", (1, 8), platform))
+        assert sorted(refused) == [1, 8] and all(why.startswith("no_gpu: ") for why in refused.values()), refused
+    assert "torch cannot launch" in by_width(_request("llama3-1b", (1,), _platform(usable=False)))[1]
+    assert "weight_dtype: the step launch streams bf16" in by_width(_request("llama3-8b", (1,), _platform(), "fp8"))[1]
+    assert "model_dims: " in by_width(_request("gemma3-27b", (1,), _platform()))[1]
+
+
+def _ctx(profile, step_not_run, kernels=None, step=True):
+    """The part of ``bench_config``'s cell context that a cell's backends and rows read."""
+    from monodecode.model.profiles import profile_dims
+
+    return {
+        "profile": profile,
+        "weight_dtype": "bf16",
+        "dims": profile_dims(profile),
+        "n_layers": 2,
+        "wbytes": 1 << 30,
+        "bandwidth": 4e12,
+        "spec": 4.8e12,
+        "variants": {},
+        "stock": ("fullgraph",),
+        "paths": {"stock-fullgraph": object()},
+        "stock_path": "bf16",
+        "kernels": {"triton": object()} if kernels is None else kernels,
+        "step": step,
+        "step_not_run": step_not_run,
+    }
+
+
+def test_a_refused_width_records_why_in_its_cell(monkeypatch):
+    """8B at width 8 (and any width on a CPU): the cell times every other backend and records the
+    step launch as skipped with the refusal's reason; at a width it runs it is timed like triton;
+    ``--no-step``: it is not in the cell at all."""
+    logs = []
+    req = _request("llama3-8b", (1, 8), _platform())
+    built = []
+
+    class FakeStep:
+        widths = (1,)
+
+        def residency_misfits(self, width=None):
+            return []
+
+    def fake_build(req_, widths, weights):
+        built.append(widths)
+        return FakeStep()
+
+    monkeypatch.setattr(harness, "_step_kernels", fake_build)
+    tk, not_run = harness._build_step(req, None, logs.append)
+    assert built == [(1,)] and isinstance(tk, FakeStep)
+    why, skipped = not_run[8]
+    assert skipped and why.startswith("skipped: the step launch refuses width 8: ") and "widths: above 1 row" in why
+    assert 1 not in not_run
+    assert any("not timed at width 8" in line for line in logs)
+
+    ctx = _ctx("llama3-8b", not_run, kernels={"triton": FakeStep(), harness.STEP_BACKEND: tk})
+    for rows, timed_step in ((1, True), (8, False)):
+        wanted = harness._cell_backends(ctx, rows, floor=False, w8a16_batches=())
+        assert wanted == ["reference-graph", "stock-fullgraph", "triton", harness.STEP_BACKEND]
+        timed, recorded = harness._step_refused(ctx, rows, 1024, wanted)
+        assert (harness.STEP_BACKEND in timed) == timed_step and len(recorded) == (not timed_step)
+    (row,) = recorded
+    assert row["backend"] == harness.STEP_BACKEND and row["batch"] == 8 and row["skipped"] is True
+    assert row["error"] == why and row["step_ms"] is None and row["triton_programs_per_sm"] is None
+
+    # CPU: refused at every width, never built; still one row a cell saying why
+    cpu_tk, cpu = harness._build_step(_request("llama3-1b", (1, 8), _platform("cpu", "cpu", False)), None, print)
+    assert cpu_tk is None and all(skipped and "no_gpu: " in why for why, skipped in cpu.values())
+    ctx = _ctx("llama3-1b", cpu)
+    wanted = harness._cell_backends(ctx, 1, floor=False, w8a16_batches=())
+    assert wanted[-1] == harness.STEP_BACKEND
+    timed, (row,) = harness._step_refused(ctx, 1, 1024, wanted)
+    assert harness.STEP_BACKEND not in timed and row["skipped"] is True
+    assert row["error"].startswith(
+        "skipped: the step launch refuses width 1: no_gpu: the step launch is a Gluon kernel"
+    )
+
+    ctx = _ctx("llama3-1b", {}, step=False)
+    wanted = harness._cell_backends(ctx, 1, floor=False, w8a16_batches=())
+    assert harness.STEP_BACKEND not in wanted and harness._step_refused(ctx, 1, 1024, wanted) == (wanted, [])
+
+
+def test_a_step_build_that_fails_fails_its_cells_without_ending_the_run(monkeypatch):
+    """A build that raises (e.g. the kernel does not compile) is one logged line; the widths it was
+    for record the error as failed (not skipped) cells, the refused ones stay skipped."""
+
+    def broken(*args):
+        raise RuntimeError("gluon compile failed\ndetails")
+
+    monkeypatch.setattr(harness, "_step_kernels", broken)
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
+    logs = []
+    tk, not_run = harness._build_step(_request("llama3-8b", (1, 4), _platform()), None, logs.append)
+    assert tk is None and not_run[1] == ("build failed: RuntimeError: gluon compile failed", False)
+    assert not_run[4][1] is True
+    assert any(f"! {harness.STEP_BACKEND} build failed" in line for line in logs)

@@ -194,3 +194,50 @@ def test_report_merges_saved_runs_and_prints_the_summary_table_last(tmp_path, ca
     bad.write_text("[1, 2]")
     assert harness.main(["--report", str(bad)]) == 2
     assert "not a decode_latency result document" in capsys.readouterr().err
+
+
+def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
+    """The step launch (``STEP_BACKEND``) counts only within the kernels' bound, against the same
+    strongest stock as triton in its cell; a width it refused (a skipped cell) is left out of its
+    verdict instead of failing it; the summary table, the printed verdict and the plots show it."""
+    from monodecode_ops.decode_bench import harness
+
+    step = RP.STEP_BACKEND
+    refused = "skipped: the step launch refuses width 8: widths: above 1 row ..."
+    rows = [
+        rec("stock-fullgraph", 4.6),
+        rec("triton", 4.4),
+        rec(step, 4.0),  # faster than the stock: 1.15x, batch 1 at 1k: the 1.10x target met
+        rec("stock-fullgraph", 4.6, batch=2),
+        rec("triton", 4.4, batch=2),
+        rec(step, 3.0, batch=2, err=6e-2),  # fastest but outside the bound: does not count
+        rec("stock-fullgraph", 4.6, batch=8),
+        rec("triton", 4.4, batch=8),
+        rec(step, None, batch=8, error=refused, skipped=True),
+    ]
+    d = doc_of(rows)
+    b1, b2, b8 = (per_cell(d, batch=b) for b in (1, 2, 8))
+    assert b1["stock_over_step"] == pytest.approx(4.6 / 4.0) and b1["step_speed_target_met"] is True
+    assert b1["stock_backend"] == "stock-fullgraph"  # the step launch is never the bar
+    assert b2["step_counts"] is False and "relative error 6.00e-02 > tolerance 5e-02" in b2["step_not_counted_because"]
+    assert b2["stock_over_step"] is None and b2["step_not_slower_than_stock"] is None
+    assert b8["step_run"] is False and b8["step_not_counted_because"] == refused
+    # batch 2 ran and did not count: the step launch's verdict is not proven; batch 8 is not in it
+    assert d["summary"]["step_never_slower_than_stock"] is False
+    d2 = doc_of(rows[:3] + rows[6:])
+    assert d2["summary"]["step_never_slower_than_stock"] is True and d2["summary"]["step_speed_targets_met"] is True
+    assert doc_of(rows[:2])["summary"]["step_never_slower_than_stock"] is None  # no step launch in the run
+
+    table = RP.summary_table(d).splitlines()
+    assert f"| triton ms | {step} ms | stock-fullgraph ms |" in table[0] and "| stock / step |" in table[0]
+    assert len({line.count("|") for line in table}) == 1  # every row has the header's columns
+    assert "| 1.05x (not met >= 1.10x) | 1.15x (met >= 1.10x) |" in table[2]
+    assert "| skipped |" in table[4]
+    assert "stock / step" not in RP.summary_table(doc_of(rows[:2]))
+    assert step in RP.LABELS
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(d))
+    assert harness.main(["--report", str(path), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"{step} (the cells it ran) never slower than the strongest stock: False" in out

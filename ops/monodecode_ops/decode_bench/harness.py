@@ -30,7 +30,12 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        W8A16 Triton GEMM that reads the e4m3 weights once at any batch (``w8a16.py``)
   stock-gemm-floor     only the stock GEMMs, from one CUDA graph (first context only)
   triton               the persistent K1/K2 per layer (current launch target), one CUDA graph
-  triton-<variant>     the same with a changed launch target (``--variants``)
+  triton-step          the step launch: every layer in one persistent launch
+                       (``kernels/triton/step_launch.py``, ``forward_step``), one CUDA graph; at
+                       the widths the ``triton-step`` backend serves (CUDA sm_90+, the model's
+                       ``step_plan.step_refusals``; a refused width's cell records why);
+                       ``--no-step`` leaves it out
+  triton-<variant>     the same as triton with a changed launch target (``--variants``)
 
 "Stock" in every verdict is the fastest stock step of the cell that is within its error tolerance;
 for FP8 also the BF16 stock of the same cell (``report.py``). Roofline: the bytes a step must read
@@ -81,6 +86,7 @@ from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphSto
 from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
+    STEP_BACKEND,
     STOCK_BACKENDS,
     TARGETS,
     fp8_table,
@@ -248,6 +254,61 @@ def _triton_kernels(req, weights, change: dict, device, share=None):
     return TritonKernels(req, weights, target, req.platform.compute_units, device, share=share)
 
 
+def step_refusals_by_width(req: BuildRequest) -> dict[int, str]:
+    """Width -> why the step launch (``STEP_BACKEND``) is not timed at it: the ``triton-step``
+    backend's refusals of ``req`` at that width (the platform: CUDA sm_90 or newer; the model:
+    ``step_plan.step_refusals``; the plan on this GPU's SMs); {} when it serves every width."""
+    import dataclasses
+
+    from monodecode.kernels.triton.step_backend import TritonStepBackend
+
+    backend = TritonStepBackend()
+    out = {}
+    for w in req.widths:
+        if why := backend.refusals(dataclasses.replace(req, widths=(w,))):
+            out[w] = "; ".join(why)
+    return out
+
+
+def _step_kernels(req, widths: tuple[int, ...], weights):
+    """The step launch of ``req``'s model at ``widths``, built as the ``triton-step`` backend builds it."""
+    import dataclasses
+
+    from monodecode.kernels.triton.step_backend import TritonStepBackend
+
+    return TritonStepBackend().build(dataclasses.replace(req, widths=widths), weights, None, allow_jit=True)
+
+
+def _build_step(req, weights, log) -> tuple[Any, dict[int, tuple[str, bool]]]:
+    """(the step launch's kernels or None, width -> (the error its cells record, whether that is a
+    skip)): refused widths are skipped cells; a failed build (or refusal check) fails the cells of
+    the widths it was for, without ending the run."""
+    refused, why = _measure(f"{STEP_BACKEND} refusals", lambda: step_refusals_by_width(req), log)
+    if refused is None:
+        return None, {w: (f"build failed: {why}", False) for w in req.widths}
+    for w, reason in refused.items():
+        log(f"  {STEP_BACKEND} not timed at width {w}: {reason}")
+    out = {w: (f"skipped: the step launch refuses width {w}: {reason}", True) for w, reason in refused.items()}
+    widths = tuple(w for w in req.widths if w not in refused)
+    if not widths:
+        return None, out
+    tk, why = _measure(f"{STEP_BACKEND} build", lambda: _step_kernels(req, widths, weights), log)
+    if tk is None:
+        out.update({w: (f"build failed: {why}", False) for w in widths})
+    return tk, out
+
+
+def _step_refused(ctx, rows: int, context: int, wanted: list[str]) -> tuple[list[str], list[dict]]:
+    """(the backends of ``wanted`` to time, the rows recording why the step launch is not timed at
+    this width)."""
+    got = ctx["step_not_run"].get(rows)
+    if STEP_BACKEND not in wanted or got is None:
+        return wanted, []
+    error, skipped = got
+    row = _row(ctx, rows, context, STEP_BACKEND, None, error, None, None, skipped=skipped)
+    return [b for b in wanted if b != STEP_BACKEND], [row]
+
+
 def stock_runs(backend: str, fp8: bool, rows: int | None, w8a16_batches) -> bool:
     """Whether a selected stock ``backend`` is timed in a cell of this weight dtype and batch
     (``rows`` None: in any batch)."""
@@ -318,10 +379,13 @@ def bench_config(
     results: list | None = None,
     on_cell=None,
     tuning_draws: int = 1,
+    step: bool = True,
 ) -> list[dict]:
     """Result rows of one model profile and weight dtype, every context and batch (at contexts after
     the first only the batches also in ``long_batches``, when given), appended to ``results``
-    (``on_cell()`` after each cell); timeline summaries are appended to ``timelines``."""
+    (``on_cell()`` after each cell); timeline summaries are appended to ``timelines``. ``step``:
+    the step launch is timed too (``STEP_BACKEND``) at the widths it runs, and records why not at
+    the others."""
     from monodecode.services.platform import detect_platform
 
     results = [] if results is None else results
@@ -345,6 +409,11 @@ def bench_config(
     kernels = {"triton": _triton_kernels(req, weights, {}, device)}
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
+    step_not_run: dict[int, tuple[str, bool]] = {}
+    if step:
+        step_kernels, step_not_run = _build_step(req, weights, log)
+        if step_kernels is not None:
+            kernels[STEP_BACKEND] = step_kernels
     for name, tk in kernels.items():  # a build whose launches do not fit its plan times another plan
         for misfit in tk.residency_misfits():
             log(f"  ! {name}: {misfit} (registers / shared memory); its timings are of a plan that does not fit")
@@ -372,6 +441,8 @@ def bench_config(
         "device": device,
         "log": log,
         "tuning_draws": tuning_draws,
+        "step": step,
+        "step_not_run": step_not_run,
     }
     for context, rows in cell_plan(contexts, batches, long_batches):
         wanted = _cell_backends(ctx, rows, floor=context == contexts[0], w8a16_batches=w8a16_batches)
@@ -390,7 +461,8 @@ def bench_config(
             results += [_row(ctx, rows, context, b, None, why, None, None, skipped=True) for b in wanted]
         else:
             tl = rows in timeline_batches and context in timeline_contexts
-            results += _bench_cell(ctx, rows, context, wanted, tl, out_dir, stem, timelines)
+            timed, refused = _step_refused(ctx, rows, context, wanted)
+            results += _bench_cell(ctx, rows, context, timed, tl, out_dir, stem, timelines) + refused
         if on_cell:
             on_cell()
     for tk in kernels.values():
@@ -410,7 +482,10 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
     out += [b for b in ctx["paths"] if stock_runs(b, ctx["weight_dtype"] != "bf16", rows, w8a16_batches)]
     if "floor" in ctx["stock"] and floor:
         out.append("stock-gemm-floor")
-    return out + list(ctx["kernels"])
+    out += list(ctx["kernels"])
+    if ctx.get("step") and STEP_BACKEND not in out:  # refused or failed at every width: its cells say why
+        out.append(STEP_BACKEND)
+    return out
 
 
 def _row(
@@ -423,6 +498,9 @@ def _row(
     med = statistics.median(times) if times else None
     spec = ctx["spec"]
     variants = ctx["variants"]
+    tk = ctx["kernels"].get(backend)
+    if tk is not None and rows not in tk.widths:  # a build without this width (the step launch's refused ones)
+        tk = None
     return {
         "profile": ctx["profile"],
         "weight_dtype": ctx["weight_dtype"],
@@ -450,12 +528,12 @@ def _row(
         if backend.startswith("stock")
         else None,
         "triton_health": (decode_health(health).describe() if health else "ok") if health is not None else None,
-        "triton_change": ({} if backend == "triton" else variants.get(backend[7:]))
+        "triton_change": ({} if backend in ("triton", STEP_BACKEND) else variants.get(backend[7:]))
         if backend.startswith("triton")
         else None,
         # programs per SM each launch of this width held (k1, k2, ka), and where that is fewer than planned
-        "triton_programs_per_sm": ctx["kernels"][backend].residency.get(rows) if backend in ctx["kernels"] else None,
-        "triton_misfits": ctx["kernels"][backend].residency_misfits(rows) if backend in ctx["kernels"] else None,
+        "triton_programs_per_sm": (getattr(tk, "residency", None) or {}).get(rows) if tk is not None else None,
+        "triton_misfits": tk.residency_misfits(rows) if tk is not None else None,
     }
 
 
@@ -490,6 +568,9 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             x_i = torch.randn(rows, dims.intermediate_size, device=device).to(torch.bfloat16)
             base = ctx["base"]
             return lambda: [base.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1]
+        if backend == STEP_BACKEND:  # every layer in one launch
+            tk, metas = kernels[backend], [meta] * n_layers
+            return lambda: tk.forward_step(x, metas, kv)
         if backend in kernels:
             tk = kernels[backend]
             return lambda: R.run_layers(weights, x, m, kv, layer_fn=tk.forward_layer)
@@ -628,13 +709,17 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
     }
 
 
-def _check_variants(variants: dict) -> None:
+def _check_variants(variants: dict, step: bool = False) -> None:
     import dataclasses
 
     from monodecode.kernels.triton.config import CUDA
 
     fields = {f.name for f in dataclasses.fields(CUDA)}
     for name, change in variants.items():
+        if step and f"triton-{name}" == STEP_BACKEND:
+            raise MonodecodeError(
+                f"variant {name!r}: its name is the step launch's ({STEP_BACKEND}); name it otherwise"
+            )
         if not isinstance(change, dict) or set(change) - fields:
             raise MonodecodeError(
                 f"variant {name!r}: expected an object of launch-target fields ({', '.join(sorted(fields))})"
@@ -689,6 +774,7 @@ def run(
     timeline_contexts=None,
     long_batches=DEFAULT_LONG_BATCHES,
     tuning_draws: int = 1,
+    step: bool = True,
 ) -> dict:
     """Run the benchmark; returns the result document (also written as JSON after every cell, and
     a PNG per context, under ``out_dir``).
@@ -702,12 +788,14 @@ def run(
     ``deadline_s``: cells not started this many seconds
     after the start are recorded as skipped. ``baselines=False``: only the oracle and the triton
     builds (quick A/B). ``tuning_draws``: compiles of each tuned stock per cell (``TUNED``), the
-    fastest timed (``fullgraph.fastest_draw``)."""
+    fastest timed (``fullgraph.fastest_draw``). ``step``: the step launch is timed beside triton
+    (``STEP_BACKEND``; on CUDA sm_90+ at the widths it accepts, a skipped cell with the reason at
+    the others); False leaves it out."""
     contexts = [contexts] if isinstance(contexts, int) else list(contexts)
     stock = tuple(stock) if baselines else ()
     check_arguments(profiles, batches, contexts, fp8_profiles, stock, tuple(w8a16_batches), tuning_draws)
     variants = DEFAULT_VARIANTS if variants is None else variants
-    _check_variants(variants)
+    _check_variants(variants, step)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
     start = time.monotonic()
@@ -736,6 +824,7 @@ def run(
         "backends": dict(LABELS),
         "stock": list(stock),
         "variants": variants,
+        "step": step,
         "results": [],
         "timelines": [],
     }
@@ -781,6 +870,7 @@ def run(
             results=doc["results"],
             on_cell=save,
             tuning_draws=tuning_draws,
+            step=step,
         )
     save()
     doc["paths"] = [str(jpath)] + write_plots(doc, out_dir, stem)
@@ -847,6 +937,11 @@ def print_report(doc: dict) -> None:
         print(f"\nnot run (time budget): {', '.join(doc['skipped_configs'])}")
     print(f"\ntriton never slower than the strongest stock: {s['never_slower_than_stock']}")
     print(f"speed targets (>= 1.00x every cell, >= 1.10x at batch 1 up to 8k) met: {s['speed_targets_met']}")
+    if s.get("step_never_slower_than_stock") is not None:
+        print(
+            f"{STEP_BACKEND} (the cells it ran) never slower than the strongest stock: "
+            f"{s['step_never_slower_than_stock']}; speed targets met: {s['step_speed_targets_met']}"
+        )
     print("\n".join(doc.get("paths", [])))
     print()
     print(summary_table(doc))
@@ -905,6 +1000,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeline-contexts", default=None, help="contexts of the timelines (default: the first)")
     ap.add_argument("--deadline-s", type=float, default=None, help="record cells not started by then as skipped")
     ap.add_argument("--no-baselines", action="store_true", help="triton builds and the oracle only (quick A/B)")
+    ap.add_argument(
+        "--no-step",
+        action="store_true",
+        help=f"leave out the step launch ({STEP_BACKEND}: every layer one launch; on CUDA sm_90+ at the widths it accepts)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs (merged) and exit")
     ap.add_argument(
@@ -951,6 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
             long_batches=None if a.long_context_batches == "all" else _csv(a.long_context_batches, int),
             timeline_contexts=None if a.timeline_contexts is None else _csv(a.timeline_contexts, int),
             tuning_draws=a.tuning_draws,
+            step=not a.no_step,
         )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)

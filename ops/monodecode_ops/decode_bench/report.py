@@ -13,6 +13,9 @@ Verdict rules:
 - "Stock" is the fastest counted stock step of the cell (``STOCK_BACKENDS``). For FP8 cells
   the BF16 stock of the same profile, context and batch is a candidate too: a user with the
   model can run it in BF16, and the W8A8 stock is slower than the BF16 GEMMs.
+- The step launch (``STEP_BACKEND``, one launch a step over every layer) is held to triton's
+  rules beside it in each cell: it counts only within the same bound, against the same stock;
+  the cells it did not run (a width it refuses, a skipped cell) are left out of its verdict.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ STOCK_BACKENDS = (
 )
 # The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row) and the split-K Triton GEMM.
 W8A16_BACKENDS = ("stock-fullgraph-cdt", "stock-fullgraph-splitk")
+# The step launch (``kernels/triton/step_launch.py``), timed beside ``triton`` where it runs.
+STEP_BACKEND = "triton-step"
 LABELS = {
     "reference-eager": "reference (oracle) eager",
     "reference-graph": "reference (oracle) graph",
@@ -46,6 +51,7 @@ LABELS = {
     "stock-fullgraph-splitk": "stock whole-layer fullgraph, split-K W8A16 GEMMs",
     "stock-gemm-floor": "stock GEMMs only (floor)",
     "triton": "triton K1/K2",
+    STEP_BACKEND: "triton step launch (every layer one launch)",
 }
 # Issue 26, "Done when": fraction of the read probe at batch 1, context 1024 ...
 TARGETS = {
@@ -115,22 +121,48 @@ def _ratio(base: dict | None, r: dict | None) -> float | None:
     return base["step_ms"] / r["step_ms"]
 
 
+def against_stock(rows: list[dict], r: dict) -> tuple[bool, str, dict | None, float | None, float]:
+    """A kernel backend's row ``r`` in its cell's verdict: (whether it counts, why not, the
+    strongest stock, stock ms / its ms where it counts, the cell's speed target)."""
+    ok, why = counts(r)
+    stock = strongest_stock(rows, r)
+    ratio = _ratio(stock, r) if ok else None
+    speed_target = SPEED_TARGET
+    if r["batch"] == 1 and (r.get("context") or 0) <= SPEED_TARGET_B1_MAX_CONTEXT:
+        speed_target = SPEED_TARGET_B1
+    return ok, why, stock, ratio, speed_target
+
+
+def _step_verdict(rows: list[dict], r: dict) -> dict:
+    """The step launch's row of ``r``'s cell against the same stock (empty: not in this cell)."""
+    step = find(rows, r, STEP_BACKEND)
+    if step is None:
+        return {}
+    ok, why, _, ratio, speed_target = against_stock(rows, step)
+    return {
+        "step_ms": step.get("step_ms"),
+        "step_run": not step.get("skipped"),
+        "step_counts": ok,
+        "step_not_counted_because": why or None,
+        "stock_over_step": ratio,
+        "step_not_slower_than_stock": (ratio >= 1.0) if ratio else None,
+        "step_speed_target_met": (ratio >= speed_target) if ratio else None,
+        "step_fraction_of_roofline": step.get("fraction_of_roofline") if ok else None,
+    }
+
+
 def summary(doc: dict) -> dict:
-    """Per cell: triton against the strongest stock, and the issue's targets."""
+    """Per cell: triton (and the step launch, where timed) against the strongest stock, and the
+    issue's targets."""
     rows = doc["results"]
     out = []
     for r in rows:
         if r["backend"] != "triton":
             continue
-        ok, why = counts(r)
-        stock = strongest_stock(rows, r)
-        ratio = _ratio(stock, r) if ok else None
+        ok, why, stock, ratio, speed_target = against_stock(rows, r)
         target = None
         if r["batch"] == 1 and r.get("context") == TARGET_CONTEXT:
             target = TARGETS.get((r["profile"], r["weight_dtype"]))
-        speed_target = SPEED_TARGET
-        if r["batch"] == 1 and (r.get("context") or 0) <= SPEED_TARGET_B1_MAX_CONTEXT:
-            speed_target = SPEED_TARGET_B1
         frac = r.get("fraction_of_roofline") if ok else None
         item = {
             "profile": r["profile"],
@@ -151,6 +183,7 @@ def summary(doc: dict) -> dict:
             "triton_fraction_of_spec": r.get("fraction_of_spec") if ok else None,
             "roofline_target": target,
             "roofline_target_met": (frac >= target) if target and frac else (False if target else None),
+            **_step_verdict(rows, r),
         }
         if r["weight_dtype"] != "bf16":  # the two FP8 bars, side by side
             got = [x for b in W8A16_BACKENDS if (x := find(rows, r, b)) and counts(x)[0]]
@@ -162,10 +195,13 @@ def summary(doc: dict) -> dict:
             item["stock_bf16_backend"] = (bf16 or {}).get("backend")
         out.append(item)
     verdicts = [x["triton_not_slower_than_stock"] for x in out]
+    ran = [x for x in out if x.get("step_run")]  # cells the step launch was built for and not skipped
     return {
         "per_config": out,
         "never_slower_than_stock": all(v is True for v in verdicts) if verdicts else None,
         "speed_targets_met": all(x["speed_target_met"] is True for x in out) if out else None,
+        "step_never_slower_than_stock": all(x["step_not_slower_than_stock"] is True for x in ran) if ran else None,
+        "step_speed_targets_met": all(x["step_speed_target_met"] is True for x in ran) if ran else None,
     }
 
 
@@ -229,23 +265,31 @@ def report_rows(doc: dict) -> list[tuple]:
     return rows
 
 
+def _kernel_backends(present: set[str]) -> list[str]:
+    """The triton builds among ``present``: triton first, the step launch next, then the variants."""
+    return sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b != STEP_BACKEND, b))
+
+
 def _backends(rows: list[dict]) -> list[str]:
     present = {r["backend"] for r in rows}
-    tri = sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b))
-    return tri + [b for b in STOCK_BACKENDS if b in present]
+    return _kernel_backends(present) + [b for b in STOCK_BACKENDS if b in present]
 
 
 def summary_table(doc: dict) -> str:
     """The table printed last: per (profile, context, batch) the roofline, every triton build's and
-    stock step's ms, the strongest stock (name and ms), triton's speed-up over it and its fraction
-    of the read probe (and of the datasheet bandwidth)."""
+    stock step's ms, the strongest stock (name and ms), triton's speed-up over it (and the step
+    launch's, where it was timed) and its fraction of the read probe (and of the datasheet
+    bandwidth)."""
     rows = doc["results"]
     cols = _backends(rows)
+    step = STEP_BACKEND in cols
     lines = [
         "| model | weights | context | batch | roofline ms | "
         + " | ".join(f"{c} ms" for c in cols)
-        + " | strongest stock | stock / triton | triton % of probe | triton % of spec |",
-        "| " + " | ".join(["---"] * (9 + len(cols))) + " |",
+        + " | strongest stock | stock / triton"
+        + (" | stock / step" if step else "")
+        + " | triton % of probe | triton % of spec |",
+        "| " + " | ".join(["---"] * (9 + len(cols) + step)) + " |",
     ]
     summ = {cell(s): s for s in summary(doc)["per_config"]}
     for r in rows:
@@ -265,6 +309,10 @@ def summary_table(doc: dict) -> str:
         verdict = _x(s["stock_over_triton"])
         if s["speed_target_met"] is not None:
             verdict += f" ({'met' if s['speed_target_met'] else 'not met'} >= {s['speed_target']:.2f}x)"
+        if step:
+            verdict += f" | {_x(s.get('stock_over_step'))}"
+            if s.get("step_speed_target_met") is not None:
+                verdict += f" ({'met' if s['step_speed_target_met'] else 'not met'} >= {s['speed_target']:.2f}x)"
         frac = _pct(s["triton_fraction_of_roofline"])
         if s["roofline_target"]:
             frac += f" ({'met' if s['roofline_target_met'] else 'not met'} >= {100 * s['roofline_target']:.0f} %)"
@@ -324,8 +372,8 @@ def plot(doc: dict, path: Path, context: int | None = None) -> None:
         key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[1], k[2]),
     )
     present = {r["backend"] for r in rows}
-    tri = sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b))
-    shown = [b for b in ("reference-graph", *STOCK_BACKENDS, "stock-gemm-floor") if b in present] + tri
+    shown = [b for b in ("reference-graph", *STOCK_BACKENDS, "stock-gemm-floor") if b in present]
+    shown += _kernel_backends(present)
     fig, ax = plt.subplots(figsize=(max(8, 0.25 * len(shown) * len(groups) + 2), 5.2))
     width = 0.8 / max(1, len(shown))
     for i, backend in enumerate(shown):
