@@ -5,11 +5,12 @@
 # everything is packed into $OUT/run.tgz and the main log + JSON are copied to $OUT (the device
 # tool returns at most 8 files).
 # Usage (repository root, GPU machine): benchmarks/device_run.sh [all | PHASE[,PHASE...]]
-#   phases: tests (Triton GPU tests), bench (decode benchmark), gpu_all (every GPU-marked test in the
-#   tree but tests/vllm), experiments (experiments.py)
+#   phases: tests (Triton GPU tests, the step launch's included), bench (decode benchmark), gpu_all
+#   (every GPU-marked test in the tree but tests/vllm), experiments (experiments.py)
 # BUDGET_S (default 540) bounds the whole run: each phase gets at most what is left of it.
 # BENCH_ARGS: extra decode_latency.py arguments (e.g. --profiles llama3-1b --batches 1,8 --contexts 1024);
 #   the prewarm (compiles the compiled stock steps in parallel first) takes the same arguments.
+# STEP_TESTS_TIMEOUT (default 240) bounds the step launch's tests (after the Triton ones).
 # PREWARM_TIMEOUT (default 150), BENCH_TIMEOUT (default 420), BENCH_RESERVE_S (default 75) bound the bench.
 # TIMELINE_BATCHES: batches drawn as per-stage timelines (default 1,8; set but empty: none).
 set -uo pipefail
@@ -59,6 +60,13 @@ if want tests; then
   echo "[${SECONDS}s] triton GPU tests rc=$?" | tee -a "$RUN/summary.log"
   grep -E "passed|failed|error" "$RUN/numerics.log" | tail -3 | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)" "$RUN/numerics.log" | head -20 | tee -a "$RUN/summary.log"
+  # the step launch's GPU tests (Gluon, sm_90+; skipped elsewhere), in a run of their own so that
+  # their compiles cannot cut the tests above short (STEP_TESTS_TIMEOUT, default 240)
+  timeout "$(left "${STEP_TESTS_TIMEOUT:-240}")" python3 -m pytest tests/kernels/triton/test_step_gpu.py \
+    -q -p no:cacheprovider -rA > "$RUN/step_tests.log" 2>&1
+  echo "[${SECONDS}s] step launch GPU tests rc=$?" | tee -a "$RUN/summary.log"
+  grep -E "passed|failed|error|skipped" "$RUN/step_tests.log" | tail -3 | tee -a "$RUN/summary.log"
+  grep -E "^(FAILED|ERROR)" "$RUN/step_tests.log" | head -20 | tee -a "$RUN/summary.log"
 fi
 if want bench; then
   # the compiled stock steps' graphs, compiled in parallel into inductor's and Triton's caches

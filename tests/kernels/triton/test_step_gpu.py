@@ -1,0 +1,311 @@
+"""GPU numerics and behaviour of the step launch (``kernels/triton/step_launch.py``, ``StepKernels``:
+one persistent Gluon launch runs a range of decoder layers) against the reference decode.
+
+Marked ``gpu``: skipped with a printed reason where torch sees no CUDA GPU of sm_90 or newer (CI,
+this project's CPU machines, AMD). On an H100/H200: ``PYTHONPATH=. python -m pytest -x
+tests/kernels/triton/test_step_gpu.py`` (``benchmarks/device_run.sh tests`` runs it). ``step_launch``
+is imported only once a GPU is there, so the module collects on any machine.
+
+Tolerances are the Triton kernels' (``test_triton_numerics.py``): per layer (``forward_layer``, fed
+the reference's input each layer) ||out - ref|| / ||ref|| <= 1e-2 and max |out - ref| <= 3 % of
+max |ref|, the K/V a layer writes at the slot mapping to the same bound; the whole stack
+(``forward_step``, every layer in one launch) <= 5e-2, its K/V of the first layer to the per-layer
+bound (they depend on the step's input only) and of every later layer to the whole-stack bound.
+Every K/V entry outside the slot mapping stays bit for bit what it was.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import pytest
+import torch
+from test_triton_numerics import BLOCK, MAX_FRAC, REL_FRO, STACK_REL_FRO, _close, _context
+
+from monodecode.kernels.base import BuildRequest
+from monodecode.kernels.health import decode_health
+from monodecode.model import reference as R
+from monodecode.model.profiles import profile_dims
+from monodecode.model.weights import random_weights
+from monodecode.runtime.width_policy import capture_graph
+
+pytestmark = pytest.mark.gpu
+
+# (profile, widths, layers built): Llama-3-1B's layers at every width the step launch serves
+# above 1 row, and Llama-3-8B's at the one width it serves (its down's input does not fit shared
+# memory wider: step_plan.step_refusals)
+B1 = ("llama3-1b", (1, 2, 4, 8), 4)
+B8 = ("llama3-8b", (1,), 2)
+FAULT_TIMEOUT_S = 0.05  # the fault drills' bound on every in-kernel wait
+
+# each row's context (seq_lens: the new token included); fewer rows than a width run padded to it
+CONTEXTS = {
+    "w1": [3000],
+    "w1-first-token": [1],
+    "w2": [1, 700],
+    "w4-3rows": [17, 3000, 1],
+    "w4": [700, 1, 3000, 17],
+    "w8-5rows": [3000, 17, 1, 700, 2048],
+    "w8": [1, 17, 700, 3000, 16, 1025, 33, 2048],
+}
+
+
+def _gpu() -> torch.device:
+    if not torch.cuda.is_available() or torch.version.hip:
+        pytest.skip("no CUDA GPU visible to torch: the step launch runs on NVIDIA sm_90+ (H100/H200 run these)")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        pytest.skip(f"the step launch needs sm_90 or newer; this GPU is sm_{major}{minor}")
+    return torch.device("cuda")
+
+
+_CACHE: dict = {}
+
+
+def _request(profile: str, widths, wait_timeout_s: float) -> BuildRequest:
+    from monodecode.services.platform import detect_platform
+
+    return BuildRequest(
+        dims=profile_dims(profile),
+        weight_dtype="bf16",
+        tp_size=1,
+        widths=tuple(widths),
+        block_size=BLOCK,
+        platform=detect_platform(),
+        wait_timeout_s=wait_timeout_s,
+    )
+
+
+def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0):
+    """(dims, weights, StepKernels) of one build (cached per session; a fault drill's build has
+    its own short wait bound but the same weights and compiled kernels)."""
+    key = (profile, tuple(widths), layers, wait_timeout_s)
+    if key in _CACHE:
+        return _CACHE[key]
+    from monodecode.kernels.triton.step_launch import StepKernels
+    from monodecode.kernels.triton.step_plan import step_refusals
+
+    dev = _gpu()
+    dims = profile_dims(profile)
+    assert step_refusals(dims, "bf16", 1, tuple(widths)) == [], "a build these tests time is refused"
+    weights = _weights(profile, layers)
+    req = _request(profile, widths, wait_timeout_s)
+    tk = StepKernels(req, weights, req.platform.compute_units, dev)
+    assert tuple(tk.widths) == tuple(widths)
+    _CACHE[key] = (dims, weights, tk)
+    return _CACHE[key]
+
+
+def _weights(profile: str, layers: int):
+    key = ("weights", profile, layers)
+    if key not in _CACHE:
+        seed = zlib.crc32(repr(key).encode()) % 1000
+        _CACHE[key] = random_weights(profile_dims(profile), seed=seed, device=_gpu(), num_layers=layers)
+    return _CACHE[key]
+
+
+def _input(dims, rows: int, seed: int) -> torch.Tensor:
+    dev = _gpu()
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return torch.randn(rows, dims.hidden_size, generator=g, device=dev).to(torch.bfloat16)
+
+
+def _check_kv(dims, l: int, meta, kv_ref, kv_before, kv_out, what: str, rel: float, frac: float | None):
+    """Layer ``l``'s new K/V entries (at the slot mapping) within (rel, frac) of the reference's;
+    every other entry bit for bit as it was (inert padded rows write nothing)."""
+    slots = meta.slot_mapping
+    for name, c_ref, c_before, c_out in (
+        ("K", kv_ref.key[l], kv_before.key[l], kv_out.key[l]),
+        ("V", kv_ref.value[l], kv_before.value[l], kv_out.value[l]),
+    ):
+        flat_r = c_ref.view(-1, dims.num_kv_heads, dims.head_dim)
+        flat_o = c_out.view(-1, dims.num_kv_heads, dims.head_dim)
+        _close(flat_o[slots], flat_r[slots], f"{what}: layer {l} new {name} entries", rel=rel, frac=frac)
+        rest = flat_o.clone()
+        rest[slots] = c_before.view(-1, dims.num_kv_heads, dims.head_dim)[slots]
+        assert torch.equal(rest, c_before.view_as(rest)), (
+            f"{what}: layer {l} {name} entries outside the new slots changed"
+        )
+
+
+def _snapshot(kv):
+    from monodecode.model.paged_kv import PagedKVCache
+
+    return PagedKVCache([k.clone() for k in kv.key], [v.clone() for v in kv.value], kv.block_size)
+
+
+def _layer_by_layer(build, ctx: list[int], seed: int, what: str) -> None:
+    dims, weights, tk = _build(*build)
+    dev = _gpu()
+    layers = build[2]
+    rows = len(ctx)
+    alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=seed)
+    before = _snapshot(kv_out)
+    meta = alloc.decode_metadata(list(range(rows)), device=dev)
+    x = _input(dims, rows, seed)
+    for l in range(layers):
+        y_ref = R.decode_layer(dims, l, weights.layers[l], x, meta, kv_ref)
+        y = tk.forward_layer(l, x, meta, kv_out)
+        assert y.shape == (rows, dims.hidden_size) and y.dtype == torch.bfloat16
+        _close(y, y_ref, f"{what} layer {l} output")
+        _check_kv(dims, l, meta, kv_ref, before, kv_out, what, rel=REL_FRO, frac=MAX_FRAC)
+        x = y_ref
+    assert tk.health() == 0, decode_health(tk.health())
+
+
+def _whole_step(build, ctx: list[int], seed: int, what: str) -> None:
+    dims, weights, tk = _build(*build)
+    dev = _gpu()
+    layers = build[2]
+    rows = len(ctx)
+    alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=seed)
+    before = _snapshot(kv_out)
+    meta = alloc.decode_metadata(list(range(rows)), device=dev)
+    x = _input(dims, rows, seed)
+    h_ref = R.run_layers(weights, x, meta, kv_ref)
+    h = tk.forward_step(x, [meta] * layers, kv_out)
+    assert h is not None, "forward_step declined one metadata shared by every layer"
+    assert h.shape == (rows, dims.hidden_size) and h.dtype == torch.bfloat16
+    _close(h, h_ref, f"{what} whole step", rel=STACK_REL_FRO, frac=None)
+    for l in range(layers):
+        first = l == 0  # its K/V depend on the step's input only
+        _check_kv(
+            dims,
+            l,
+            meta,
+            kv_ref,
+            before,
+            kv_out,
+            what,
+            rel=REL_FRO if first else STACK_REL_FRO,
+            frac=MAX_FRAC if first else None,
+        )
+    assert tk.health() == 0, decode_health(tk.health())
+
+
+@pytest.mark.parametrize("case", list(CONTEXTS))
+def test_forward_layer_matches_reference_llama3_1b(case):
+    """One launch a layer (``forward_layer``) at widths 1-8, rows of different contexts over
+    shuffled 16-token blocks, fewer rows than the width (inert padded rows): each layer's output
+    and the K/V it writes at the slot mapping within the per-layer bounds, nothing else written."""
+    _layer_by_layer(B1, CONTEXTS[case], seed=len(CONTEXTS[case]) + 10, what=f"1B {case}")
+
+
+@pytest.mark.parametrize("case", list(CONTEXTS))
+def test_forward_step_matches_reference_llama3_1b(case):
+    """Every layer in one launch (``forward_step``), the same cases: the step's output within the
+    whole-stack bound, each layer's new K/V within its bound, nothing else written."""
+    _whole_step(B1, CONTEXTS[case], seed=len(CONTEXTS[case]) + 20, what=f"1B {case} step")
+
+
+@pytest.mark.parametrize("ctx", [[1], [3000]], ids=["first-token", "3000"])
+def test_llama3_8b_at_width_1(ctx):
+    """Llama-3-8B's layers (14336-wide MLP, 128-wide heads, groups of 4), the one width the step
+    launch serves for it: per layer and as one launch over both layers."""
+    _layer_by_layer(B8, ctx, seed=30 + ctx[0] % 7, what=f"8B ctx {ctx[0]}")
+    _whole_step(B8, ctx, seed=40 + ctx[0] % 7, what=f"8B ctx {ctx[0]} step")
+
+
+@pytest.mark.parametrize("case", ["w1", "w8"])
+def test_long_context_32k(case):
+    """Rows of 32768 positions (width 1; width 8 beside shorter rows, so each row's context
+    splits differ): per layer and whole step within the bounds."""
+    ctx = [32768] if case == "w1" else [32768, 17, 32768, 3000, 1, 20000, 32768, 700]
+    _layer_by_layer(B1, ctx, seed=50 + len(ctx), what=f"1B 32k {case}")
+    torch.cuda.empty_cache()
+    _whole_step(B1, ctx, seed=60 + len(ctx), what=f"1B 32k {case} step")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("case", ["w1", "w4-3rows", "w8"])
+def test_graph_of_forward_step_replays_bit_identical(case):
+    """``forward_step`` captured in a CUDA graph (as the runner and the benchmark replay it) and
+    replayed twice over the same inputs: the outputs and every K/V entry are bit for bit the same
+    after each replay (nothing in the launch depends on state a replay leaves behind), and the
+    replayed step is the reference's within the whole-stack bound."""
+    dims, weights, tk = _build(*B1)
+    dev = _gpu()
+    layers = B1[2]
+    ctx = CONTEXTS[case]
+    rows = len(ctx)
+    alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=70 + rows)
+    meta = alloc.decode_metadata(list(range(rows)), device=dev)
+    x = _input(dims, rows, 70 + rows)
+    metas = [meta] * layers
+    graph, out = capture_graph(lambda: tk.forward_step(x, metas, kv_out))
+    graph.replay()
+    torch.cuda.synchronize()
+    first, kv_first = out.clone(), _snapshot(kv_out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), first.view(torch.int16)), "the second replay's output differs"
+    for a, b in zip(kv_out.key + kv_out.value, kv_first.key + kv_first.value):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "the second replay's K/V differ"
+    assert tk.health() == 0, decode_health(tk.health())
+    h_ref = R.run_layers(weights, x, meta, kv_ref)
+    _close(first, h_ref, f"1B {case} replayed step vs reference", rel=STACK_REL_FRO, frac=None)
+
+
+@pytest.mark.parametrize("entry", ["forward_step", "forward_layer"])
+@pytest.mark.parametrize("kind,site", [("stall", "wait_timeout"), ("nonfinite", "nonfinite")])
+def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry):
+    """A stall (layer 1's results never published: every wait on them is bounded) and a NaN in
+    layer 1's output each set the sticky health word naming the site and layer 1 (the first
+    failure: the NaN reaches layers 2 and 3 too, and the runner reports the cause, not where it
+    spread), and the launch returns in bounded time with the GPU usable; a healthy step leaves
+    the word as it is; ``reset_health`` clears it and a healthy step after that sets nothing
+    (the failed launch left its counters consistent)."""
+    from monodecode.services.faults import Fault
+
+    dims, weights, tk = _build(*B1, wait_timeout_s=FAULT_TIMEOUT_S)
+    dev = _gpu()
+    layers = B1[2]
+    ctx = CONTEXTS["w2"]
+    alloc, _, kv = _context(dims, layers, ctx, dev, seed=80)
+    meta = alloc.decode_metadata(list(range(len(ctx))), device=dev)
+    x = _input(dims, len(ctx), 80)
+
+    def step():
+        if entry == "forward_step":
+            return tk.forward_step(x, [meta] * layers, kv)
+        return R.run_layers(weights, x, meta, kv, layer_fn=tk.forward_layer)
+
+    tk.reset_health()
+    assert tk.health() == 0
+    assert tk.arm_fault(Fault(kind=kind, layer=1)), f"{kind} could not be armed"
+    t0 = time.monotonic()
+    out = step()
+    torch.cuda.synchronize()  # the launch returned: no hang, no sticky CUDA error
+    elapsed = time.monotonic() - t0
+    assert out.shape == (len(ctx), dims.hidden_size)
+    code = tk.health()
+    fault = decode_health(code)
+    assert fault is not None and (fault.site, fault.layer) == (site, 1), fault
+    assert elapsed < 30, f"a faulted step took {elapsed:.1f}s (waits must be bounded)"
+    step()
+    torch.cuda.synchronize()
+    assert tk.health() == code, "a healthy step changed the sticky health word"
+    tk.reset_health()
+    assert tk.health() == 0
+    step()
+    torch.cuda.synchronize()
+    assert tk.health() == 0, f"a healthy step after reset_health set {decode_health(tk.health())}"
+
+
+def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
+    """``triton-step`` (``TritonStepBackend``) builds these tests' kernels on this GPU (1B widths
+    1-8) and refuses Llama-3-8B above width 1 with the widths reason."""
+    _gpu()
+    from monodecode.errors import RefusalError
+    from monodecode.kernels.base import DecodeKernels
+    from monodecode.kernels.triton.step_backend import TritonStepBackend
+
+    weights = _weights(B1[0], B1[2])
+    tk = TritonStepBackend().build(_request(B1[0], B1[1], 2.0), weights, None, allow_jit=True)
+    try:
+        assert isinstance(tk, DecodeKernels) and tuple(tk.widths) == B1[1]
+    finally:
+        tk.close()
+    with pytest.raises(RefusalError, match="widths"):
+        TritonStepBackend().build(_request("llama3-8b", (1, 8), 2.0), _weights(*B8[::2]), None, allow_jit=True)
