@@ -365,11 +365,18 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, layer, nlayers):
         gl.store(out_dst, v.to(gl.bfloat16), mask=mask)
     else:
         gl.store(res_dst, v.to(gl.bfloat16), mask=mask)
-    # per element, predicated (a reduction here costs ~20 registers at widths 4-8 and spills): a
-    # non-finite value raises the health word to this code unless an earlier failure left a higher one
-    bad = mask & ((v != v) | (gl.abs(v) == float("inf")))
-    gl.atomic_max(health_ptr + gl.zeros_like(v).to(gl.int32), gl.zeros_like(v).to(gl.int32) + code, mask=bad,
-                  sem="relaxed", scope="gpu")  # fmt: skip
+    # per element, a predicated compare-and-swap from 0 (the first failure wins, as every wait's);
+    # a reduction to one flag here costs ~20 registers at widths 4-8 and spills
+    bad = (mask & ((v != v) | (gl.abs(v) == float("inf")))).to(gl.int32)
+    zero = gl.zeros_like(bad)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p atom.relaxed.gpu.global.cas.b32 $0, [$1], 0, $3; @!p mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [health_ptr + zero, bad, zero + code],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
