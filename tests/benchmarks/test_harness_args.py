@@ -196,9 +196,9 @@ def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
     assert by_width(_request("llama3-1b", (1, 2, 4, 8), _platform())) == {}
     assert by_width(_request("llama3-1b", (1, 8), _platform(arch="sm_100"))) == {}
     refused = by_width(_request("llama3-8b", (1, 2, 8), _platform()))
-    assert sorted(refused) == [2, 8] and all("widths: above 1 row" in why for why in refused.values())
+    assert sorted(refused) == [2, 8] and all("model_dims: above 1 row" in why for why in refused.values())
     over = by_width(_request("llama3-1b", (8, 16), _platform()))
-    assert list(over) == [16] and "widths: the step launch decodes 1-8 rows" in over[16]
+    assert list(over) == [16] and "model_dims: the step launch decodes 1-8 rows" in over[16]
     for platform in (_platform("cpu", "cpu", False), _platform(arch="sm_80"), _platform("rocm", "gfx942")):
         refused = by_width(_request("llama3-1b", (1, 8), platform))
         assert sorted(refused) == [1, 8] and all(why.startswith("no_gpu: ") for why in refused.values()), refused
@@ -251,7 +251,7 @@ def test_a_refused_width_records_why_in_its_cell(monkeypatch):
     tk, not_run = harness._build_step(req, None, logs.append)
     assert built == [(1,)] and isinstance(tk, FakeStep)
     why, skipped = not_run[8]
-    assert skipped and why.startswith("skipped: the step launch refuses width 8: ") and "widths: above 1 row" in why
+    assert skipped and why.startswith("skipped: the step launch refuses width 8: ") and "model_dims: above 1 row" in why
     assert 1 not in not_run
     assert any("not timed at width 8" in line for line in logs)
 

@@ -203,7 +203,7 @@ def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     from monodecode_ops.decode_bench import harness
 
     step = RP.STEP_BACKEND
-    refused = "skipped: the step launch refuses width 8: widths: above 1 row ..."
+    refused = "skipped: the step launch refuses width 8: model_dims: above 1 row ..."
     rows = [
         rec("stock-fullgraph", 4.6),
         rec("triton", 4.4),

@@ -92,7 +92,7 @@ def test_tp2_is_refused_once():
 def test_width_16_is_refused():
     assert TritonBackend().refusals(req(widths=(1, 16))) == []
     reasons = refusals(widths=(1, 16))
-    assert reasons == ["model_dims: widths: the step launch decodes 1-8 rows (mma.sync's 8 columns), asked for 16"]
+    assert reasons == ["model_dims: the step launch decodes 1-8 rows (mma.sync's 8 columns), asked for 16"]
 
 
 def test_llama3_8b_above_one_row_is_refused():

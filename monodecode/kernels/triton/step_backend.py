@@ -23,7 +23,7 @@ from monodecode.errors import RefusalError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.triton.backend import TritonBackend
 from monodecode.kernels.triton.step_plan import MAX_WIDTH, step_refusals
-from monodecode.reasons import RefusalReason, reason_code
+from monodecode.reasons import reason_code
 from monodecode.services.platform import Platform
 from monodecode.spec import KernelSpec
 
@@ -31,18 +31,8 @@ if TYPE_CHECKING:
     from monodecode.kernels.base import DecodeKernels
 
 MIN_SM = 90  # TMA, mbarriers (Hopper)
-_KNOWN_CODES = {r.value for r in RefusalReason}
 # codes where the triton backend's reason and the step launch's say the same thing
 _SAME_THING = {"no_gpu", "tp_size", "weight_dtype", "kv_dtype"}
-
-
-def _known_code(why: str) -> str:
-    """A step-plan reason whose code is no ``RefusalReason`` (every code is a metric label), under
-    the code that says it: the plan's "widths: ..." are what the model and widths ask of the
-    kernel (``model_dims``, as the triton backend says of its widths), or too few SMs for one
-    attention task per row and KV head (``compute_units``)."""
-    code = RefusalReason.compute_units if "programs cannot hold" in why else RefusalReason.model_dims
-    return f"{code}: {why}"
 
 
 class TritonStepBackend(TritonBackend):
@@ -93,7 +83,7 @@ class TritonStepBackend(TritonBackend):
             code = reason_code(why)
             if code in _SAME_THING and code in said:
                 continue
-            reasons.append(why if code in _KNOWN_CODES else _known_code(why))
+            reasons.append(why)
         return reasons
 
     def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> DecodeKernels:

@@ -76,10 +76,12 @@ def step_refusals(
     if tp_size != 1:
         why.append(f"tp_size: the step launch runs TP 1 only, asked for {tp_size}")
     if over := [w for w in widths if w > MAX_WIDTH]:
-        why.append(f"widths: the step launch decodes 1-{MAX_WIDTH} rows (mma.sync's 8 columns), asked for {over[0]}")
+        why.append(
+            f"model_dims: the step launch decodes 1-{MAX_WIDTH} rows (mma.sync's 8 columns), asked for {over[0]}"
+        )
     if any(w > 1 for w in widths) and dims.intermediate_size > 8192:
         why.append(
-            f"widths: above 1 row the step launch stages down's whole input of up to 8 rows in shared memory, "
+            f"model_dims: above 1 row the step launch stages down's whole input of up to 8 rows in shared memory, "
             f"which {dims.intermediate_size} columns do not fit (at most 8192); build widths (1,)"
         )
     if programs is not None and not why:
@@ -87,7 +89,8 @@ def step_refusals(
             try:
                 StepGeometry(dims, w, programs).check()
             except ValueError as e:
-                why.append(f"widths: {e}")
+                code = "compute_units" if "programs cannot hold" in str(e) else "model_dims"
+                why.append(f"{code}: {e}")
     return why
 
 

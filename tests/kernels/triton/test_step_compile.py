@@ -68,7 +68,7 @@ def test_refusals_that_depend_on_the_programs():
     wide = dataclasses.replace(profile_dims("llama3-1b"), hidden_size=3072, num_heads=48, num_kv_heads=12)
     assert step_refusals(wide, "bf16", 1, (1,), H200_SMS) == []
     (why,) = step_refusals(wide, "bf16", 1, (1, 2), H200_SMS)
-    assert why.startswith("widths: ") and "one down tile" in why
+    assert why.startswith("model_dims: ") and "one down tile" in why
     (few,) = step_refusals(profile_dims("llama3-1b"), "bf16", 1, (8,), 60)
     assert "attention task" in few
 
