@@ -82,6 +82,7 @@ sys.path[:0] = [
 import probe_stock  # noqa: E402
 from loader_probe import _epoch_target, _wait  # noqa: E402
 
+from monodecode.kernels.triton.step_kernel import _stage_layout, _tile_layout, _warps_summed  # noqa: E402  (the product's port)
 from monodecode.model.profiles import profile_dims  # noqa: E402
 
 # The model profile whose decoder layer the probe runs: Gluon reads the shapes below as module
@@ -315,26 +316,9 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, NB: gl.constexpr, N
 
 
 @gluon.constexpr_function
-def _stage_layout(NW):
-    """``_stage_rows``' [NW, NPAD, BK // NW] tiles: 4 columns a thread, a warp's column block in its lanes."""
-    return gl.BlockedLayout([1, 1, 4], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
-
-
-@gluon.constexpr_function
 def _stage_rstd_layout(NW):
     """The layout of ``_stage_rows``' [NPAD] rstd."""
     return gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW)))
-
-
-@gluon.jit
-def _warps_summed(acc, red, NW: gl.constexpr):
-    """``MMAV`` 1's task result: the warps' [NW, ROWS, NPAD] partial products (each warp its own
-    column blocks) summed over the warps in fixed order through ``red`` -> [ROWS, NPAD]."""
-    gl.thread_barrier()  # every warp is past the task's last chunk (``red`` aliases staged input)
-    red.store(acc)
-    gl.thread_barrier()
-    rl: gl.constexpr = gl.BlockedLayout([NW, 1, 1], [1, 8, 4], [1, 2, 4], [2, 1, 0])  # warps in registers
-    return gl.sum(red.load(rl), axis=0)
 
 
 @gluon.jit
@@ -628,13 +612,6 @@ def _kv_tiles(kc_ptr, vc_ptr, layer, kvh, b, end, maxctx, NW: gl.constexpr, P: g
         t3: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1, 1, 4], [1, 1, 2, 16], [NW, 1, 1, 1], [3, 2, 1, 0]))
     off, ok = _kv_offsets(layer, kvh, b, end, maxctx, NW, P, t3)
     return gl.load(kc_ptr + off, mask=ok, other=0.0), gl.load(vc_ptr + off, mask=ok, other=0.0)
-
-
-@gluon.constexpr_function
-def _tile_layout(NW):
-    """``_attend_mma``'s [NW, 16, D] K/V and q tiles in registers: 16-byte rows, a warp's 16
-    positions in its own lanes."""
-    return gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
