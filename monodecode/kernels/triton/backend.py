@@ -81,12 +81,16 @@ class TritonBackend(KernelBackend):
             reasons.append(f"model_dims: {str(e).removeprefix('triton kernels: ')}")
         return reasons
 
-    def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> TritonKernels:
+    def refuse_unless_buildable(self, req: BuildRequest, allow_jit: bool) -> None:
+        """Raise ``RefusalError`` with every reason this build cannot go ahead (it compiles just in time)."""
         reasons = self.refusals(req)
         if not allow_jit:
-            reasons.append("no_artifact: the triton backend compiles just in time and allow_jit is off")
+            reasons.append(f"no_artifact: the {self.name} backend compiles just in time and allow_jit is off")
         if reasons:
             raise RefusalError(reasons)
+
+    def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> TritonKernels:
+        self.refuse_unless_buildable(req, allow_jit)
         on_cpu = not req.platform.is_gpu  # the interpreter plays the CUDA target's programs on the CPU
         target = target_for("cuda" if on_cpu else req.platform.kind)
         device = torch.device("cpu" if on_cpu else req.platform.torch_device)

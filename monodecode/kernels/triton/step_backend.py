@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from monodecode.errors import RefusalError
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.triton.backend import TritonBackend
 from monodecode.kernels.triton.step_plan import MAX_WIDTH, step_refusals
@@ -87,11 +86,7 @@ class TritonStepBackend(TritonBackend):
         return reasons
 
     def build(self, req: BuildRequest, weights: Any, artifacts: Any, allow_jit: bool) -> DecodeKernels:
-        reasons = self.refusals(req)
-        if not allow_jit:
-            reasons.append("no_artifact: the triton-step backend compiles just in time and allow_jit is off")
-        if reasons:
-            raise RefusalError(reasons)
+        self.refuse_unless_buildable(req, allow_jit)
         from monodecode.kernels.triton.step_launch import StepKernels  # lazy: Gluon and the kernel
 
         device = torch.device(req.platform.torch_device)

@@ -135,15 +135,19 @@ def _snapshot(kv):
     return PagedKVCache([k.clone() for k in kv.key], [v.clone() for v in kv.value], kv.block_size)
 
 
-def _layer_by_layer(build, ctx: list[int], seed: int, what: str) -> None:
+def _setup(build, ctx: list[int], seed: int):
+    """The build, both caches filled with ``ctx``'s contexts, a snapshot of the kernels' cache,
+    the step's metadata and input rows."""
     dims, weights, tk = _build(*build)
     dev = _gpu()
-    layers = build[2]
-    rows = len(ctx)
-    alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=seed)
-    before = _snapshot(kv_out)
-    meta = alloc.decode_metadata(list(range(rows)), device=dev)
-    x = _input(dims, rows, seed)
+    alloc, kv_ref, kv_out = _context(dims, build[2], ctx, dev, seed=seed)
+    meta = alloc.decode_metadata(list(range(len(ctx))), device=dev)
+    return dims, weights, tk, kv_ref, kv_out, _snapshot(kv_out), meta, _input(dims, len(ctx), seed)
+
+
+def _layer_by_layer(build, ctx: list[int], seed: int, what: str) -> None:
+    dims, weights, tk, kv_ref, kv_out, before, meta, x = _setup(build, ctx, seed)
+    rows, layers = len(ctx), build[2]
     for l in range(layers):
         y_ref = R.decode_layer(dims, l, weights.layers[l], x, meta, kv_ref)
         y = tk.forward_layer(l, x, meta, kv_out)
@@ -155,14 +159,8 @@ def _layer_by_layer(build, ctx: list[int], seed: int, what: str) -> None:
 
 
 def _whole_step(build, ctx: list[int], seed: int, what: str) -> None:
-    dims, weights, tk = _build(*build)
-    dev = _gpu()
-    layers = build[2]
-    rows = len(ctx)
-    alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=seed)
-    before = _snapshot(kv_out)
-    meta = alloc.decode_metadata(list(range(rows)), device=dev)
-    x = _input(dims, rows, seed)
+    dims, weights, tk, kv_ref, kv_out, before, meta, x = _setup(build, ctx, seed)
+    rows, layers = len(ctx), build[2]
     h_ref = R.run_layers(weights, x, meta, kv_ref)
     h = tk.forward_step(x, [meta] * layers, kv_out)
     assert h is not None, "forward_step declined one metadata shared by every layer"
