@@ -263,7 +263,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ct
         bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
     # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero), into the
     # operand layout through the ring's last slot (its first copy is issued in step 0)
-    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, pos, inv_ptr, D), 0.0) * SCALE
+    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, pos, inv_ptr, D), 0.0)
     kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
     gl.thread_barrier()
     qa = kvs.index(2 * (KVS - 1)).load(a_l)
@@ -274,7 +274,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ct
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
         gl.store(vc_ptr + voff + blk * v_sb + (slot % BS) * v_st + kvh * v_sh + d1, vn.to(gl.bfloat16))
     s_new = gl.convert_layout(
-        gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0), gl.SliceLayout(0, r2)
+        gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0) * SCALE, gl.SliceLayout(0, r2)
     )
     wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
     pm = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
@@ -291,7 +291,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ct
         bnext = _kv_blocks(bt_row, nb + NW * 16, end, BS, NW)
         kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
         vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
-        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma))
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
         ok = b + wm * 16 + pm < end
         sc = gl.where(ok, sc, -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
@@ -358,16 +358,17 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D:
 
 
 @gluon.jit
-def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, layer, nlayers):
+def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlayers):
     """A layer's outgoing residual ``v`` (bf16-rounded fp32): into ``res`` for the next layer, or
-    ``out`` after the last; a non-finite value in a live row sets the health word."""
+    ``out`` after the last (every row, inert ones too: nothing returned is left unwritten); a
+    non-finite value in a ``live`` row sets the health word."""
     if layer == nlayers - 1:
         gl.store(out_dst, v.to(gl.bfloat16), mask=mask)
     else:
         gl.store(res_dst, v.to(gl.bfloat16), mask=mask)
     # per element, a predicated compare-and-swap from 0 (the first failure wins, as every wait's);
     # a reduction to one flag here costs ~20 registers at widths 4-8 and spills
-    bad = (mask & ((v != v) | (gl.abs(v) == float("inf")))).to(gl.int32)
+    bad = (mask & live & ((v != v) | (gl.abs(v) == float("inf")))).to(gl.int32)
     zero = gl.zeros_like(bad)
     gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p atom.relaxed.gpu.global.cas.b32 $0, [$1], 0, $3; @!p mov.u32 $0, 0; }",
@@ -399,8 +400,9 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
         v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
-        _residual_out(v[:, None], res_dst + rows[:, None], out_dst + rows[:, None], health_ptr, code,
-                      live & (rows >= 0)[:, None], layer, nlayers)  # fmt: skip
+        m = (rows >= 0)[:, None]
+        _residual_out(v[:, None], res_dst + rows[:, None], out_dst + rows[:, None], health_ptr, code, m, live,
+                      layer, nlayers)  # fmt: skip
 
 
 @gluon.jit
@@ -435,7 +437,7 @@ def _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, li
         v = _bf(_bf(y) + gl.load(a + A_H1 + rows, mask=ok, cache_modifier=".cg"))
         live = gl.load(live_ptr + yb, mask=yb < NB, other=-1)[None, :] >= 0
         o = yb[None, :] * HIDDEN + rows
-        _residual_out(v, res_dst + o, out_dst + o, health_ptr, code, ok & live, layer, nlayers)
+        _residual_out(v, res_dst + o, out_dst + o, health_ptr, code, ok, live, layer, nlayers)
 
 
 @gluon.jit

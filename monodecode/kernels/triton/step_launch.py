@@ -100,6 +100,7 @@ class StepKernels(PaddedKernels):
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._kv_key: tuple | None = None
         self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- the cache -----------------------------------------------------------------------------
 
@@ -132,6 +133,8 @@ class StepKernels(PaddedKernels):
                         "apart or a multiple of that"
                     )
                 offs.append(torch.tensor([d // 2 for d in diffs], dtype=torch.int64, device=self.device))
+            if self._kv_offsets is not None:  # a graph captured on the old binding may still read them
+                self._retired.append(self._kv_offsets)
             self._kv_key, self._kv_offsets = key, (offs[0], offs[1])
         return self._kv_offsets
 
@@ -189,6 +192,7 @@ class StepKernels(PaddedKernels):
         self.weights = torch.zeros(1, dtype=torch.bfloat16)
         self._buffers = {}
         self._kv_key = self._kv_offsets = None
+        self._retired = []
 
 
 # -- compiled without a GPU (the CPU checks; same argument order as ``arguments``) ---------------
@@ -212,7 +216,7 @@ def step_source(dims, width: int, programs: int, block_size: int):
     bf, f32, i64, i32 = t(torch.bfloat16), t(torch.float32), t(torch.int64), t(torch.int32)
     runtime = [
         bf, wh, wi, bf, bf, f32, bf, bf, bf, f32, f32, bf, bf, i64, i64, 16, 16, 16, 16, 16, 16,
-        i64, i64, i32, 16, i32, i64, i64, i64, i32, 0, 2, 1000, 0, 0,
+        i64, i64, i32, 7, i32, i64, i64, i64, i32, 0, 2, 1000, 0, 0,
     ]  # fmt: skip
     sig, attrs = {}, {}
     it = iter(runtime)
@@ -226,7 +230,7 @@ def step_source(dims, width: int, programs: int, block_size: int):
             attrs[(n,)] = [["tt.divisibility", 16]]
         elif isinstance(v, int):
             sig[name] = "i32"
-            if v == 16:  # the KV strides and the block table's row stride: multiples of 16 (checked at launch)
+            if v == 16:  # the KV strides: multiples of 16 (``kv_strides`` checks them; the block table's need not be)
                 attrs[(n,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = mangle_type(v)

@@ -79,6 +79,12 @@ def step_refusals(
         why.append(
             f"model_dims: the step launch decodes 1-{MAX_WIDTH} rows (mma.sync's 8 columns), asked for {over[0]}"
         )
+    if any(w > 1 for w in widths) and dims.intermediate_size <= dims.hidden_size:
+        why.append(
+            f"model_dims: above 1 row the step launch sums a task's warps through the staged input's first "
+            f"chunk, which a hidden-sized input ({dims.hidden_size}) reaches unless intermediate "
+            f"({dims.intermediate_size}) is larger; build widths (1,)"
+        )
     if any(w > 1 for w in widths) and dims.intermediate_size > 8192:
         why.append(
             f"model_dims: above 1 row the step launch stages down's whole input of up to 8 rows in shared memory, "

@@ -64,13 +64,19 @@ def test_geometry_counts_tiles_splits_and_padding():
 def test_refusals_that_depend_on_the_programs():
     """Above 1 row a program sums down's warps through its staged input, so it may own one down
     tile only: a 3072-wide model (192 down tiles) on 132 SMs is refused at width 2, not at width 1;
-    and too few SMs for one attention task per row and KV head is refused."""
+    too few SMs for one attention task per row and KV head is refused, and so is an MLP no wider
+    than hidden above width 1."""
     wide = dataclasses.replace(profile_dims("llama3-1b"), hidden_size=3072, num_heads=48, num_kv_heads=12)
     assert step_refusals(wide, "bf16", 1, (1,), H200_SMS) == []
     (why,) = step_refusals(wide, "bf16", 1, (1, 2), H200_SMS)
     assert why.startswith("model_dims: ") and "one down tile" in why
     (few,) = step_refusals(profile_dims("llama3-1b"), "bf16", 1, (8,), 60)
-    assert "attention task" in few
+    assert few.startswith("compute_units: ") and "attention task" in few
+    # an MLP no wider than hidden: the warps' sum would overwrite the staged input above width 1
+    narrow = dataclasses.replace(profile_dims("llama3-1b"), intermediate_size=2048)
+    assert step_refusals(narrow, "bf16", 1, (1,), H200_SMS) == []
+    (why,) = step_refusals(narrow, "bf16", 1, (1, 4), H200_SMS)
+    assert why.startswith("model_dims: ") and "first chunk" in why
 
 
 def _weights(dims, seed=0):
