@@ -73,6 +73,19 @@ class _Buffers:
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
 
+def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
+    """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
+    norms, RoPE frequencies, health word and spin budget; ``b``, one launch shape's buffers; the
+    caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
+    wh, wi = k.descriptors
+    return [
+        k.weights, wh, wi, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
+        *caches, *offsets, *strides,
+        meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
+        b.ctr, b.hctr, b.epoch, k.health_word, first, layers, k.spin_limit, fault_layer, fault_kind,
+    ]  # fmt: skip
+
+
 class StepKernels(PaddedKernels):
     """The step launch of every built width of one model on one device."""
 
@@ -165,18 +178,11 @@ class StepKernels(PaddedKernels):
     def arguments(self, first, layers, x, meta, kv, out, fault_layer=0, fault_kind=0) -> tuple[list, dict]:
         """The kernel's runtime arguments in signature order, and its constexprs."""
         width = x.shape[0]
-        g = self.geometry[width]
-        b = self._buffers_for(width, layers)
-        st = self._strides(kv)
-        koff, voff = self._offsets(kv)
-        wh, wi = self.descriptors
-        args = [
-            self.weights, wh, wi, self.gin, self.gpost, self.inv_freq, x, b.res, out, b.act, b.part,
-            kv.key[0], kv.value[0], koff, voff, *st,
-            meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
-            b.ctr, b.hctr, b.epoch, self.health_word, first, layers, self.spin_limit, fault_layer, fault_kind,
-        ]  # fmt: skip
-        return args, g.constexprs(self.req.block_size)
+        args = kernel_arguments(
+            self, self._buffers_for(width, layers), first, layers, x, meta, (kv.key[0], kv.value[0]),
+            self._offsets(kv), self._strides(kv), out, fault_layer, fault_kind,
+        )  # fmt: skip
+        return args, self.geometry[width].constexprs(self.req.block_size)
 
     def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         return self._launch(layer, 1, x, meta, kv)
@@ -198,11 +204,15 @@ class StepKernels(PaddedKernels):
 # -- compiled without a GPU (the CPU checks; same argument order as ``arguments``) ---------------
 
 _SIG = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
+_STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16 (``kv_strides`` checks them)
 
 
 def step_source(dims, width: int, programs: int, block_size: int):
-    """The kernel's ``GluonASTSource`` for one width and launch shape, typed as ``arguments`` types
-    it (pointers 16-byte aligned, as torch's buffers are and the launcher specialises them)."""
+    """The kernel's ``GluonASTSource`` for one width, its signature typed from ``kernel_arguments``
+    over stand-in buffers of the launch's dtypes (pointers 16-byte aligned, as torch's buffers are
+    and the launcher specialises them; the KV strides multiples of 16, the block table's any)."""
+    from types import SimpleNamespace
+
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -210,27 +220,30 @@ def step_source(dims, width: int, programs: int, block_size: int):
 
     g = StepGeometry(dims, width, programs)
     consts = g.constexprs(block_size)
-    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=torch.bfloat16)
-    wh, wi = weight_descriptors(blob, dims)
-    t = lambda dt: torch.empty(1, dtype=dt, device="meta")  # noqa: E731
-    bf, f32, i64, i32 = t(torch.bfloat16), t(torch.float32), t(torch.int64), t(torch.int32)
-    runtime = [
-        bf, wh, wi, bf, bf, f32, bf, bf, bf, f32, f32, bf, bf, i64, i64, 16, 16, 16, 16, 16, 16,
-        i64, i64, i32, 7, i32, i64, i64, i64, i32, 0, 2, 1000, 0, 0,
-    ]  # fmt: skip
-    sig, attrs = {}, {}
-    it = iter(runtime)
-    for n, name in enumerate(step_kernel.arg_names):
-        if name in consts or name == "NW":
-            sig[name] = "constexpr"
-            continue
-        v = next(it)
+    t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
+    bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
+    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=bf)  # (TMA views want real strides)
+    k = SimpleNamespace(
+        weights=t(bf), descriptors=weight_descriptors(blob, dims), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
+        health_word=t(i32), spin_limit=1000,
+    )  # fmt: skip
+    meta = SimpleNamespace(positions=t(i64, width), slot_mapping=t(i64, width), block_tables=t(i32, width, 7),
+                           seq_lens=t(i32, width))  # fmt: skip
+    runtime = kernel_arguments(
+        k, _Buffers(g, 2, "meta"), 0, 2, t(bf), meta, (t(bf), t(bf)), (t(i64), t(i64)), [16] * 6, t(bf), 0, 0
+    )
+    names = [n for n in step_kernel.arg_names if n not in consts and n != "NW"]
+    if len(names) != len(runtime):
+        raise ValueError(f"step_kernel takes {len(names)} runtime arguments, kernel_arguments gives {len(runtime)}")
+    sig, attrs = {name: "constexpr" for name in step_kernel.arg_names}, {}
+    for name, v in zip(names, runtime):
+        n = step_kernel.arg_names.index(name)
         if isinstance(v, torch.Tensor):
             sig[name] = _SIG[v.dtype]
             attrs[(n,)] = [["tt.divisibility", 16]]
         elif isinstance(v, int):
             sig[name] = "i32"
-            if v == 16:  # the KV strides: multiples of 16 (``kv_strides`` checks them; the block table's need not be)
+            if name in _STRIDES:
                 attrs[(n,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = mangle_type(v)

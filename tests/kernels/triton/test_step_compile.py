@@ -111,3 +111,81 @@ def test_packed_weights_are_where_the_kernel_reads_them():
             assert torch.equal(tile[8:], lw.up_proj.weight[8 * t : 8 * t + 8])
         d0 = n * (g.layer_weights // i) + g.off_down // i
         assert torch.equal(rows_i[d0 : d0 + h], lw.down_proj.weight)
+
+
+def _small_build(widths=(1, 2)):
+    """``StepKernels`` of a 2-layer Llama-shaped model small enough for this CPU (hidden 1024,
+    intermediate 3072), built on the CPU: everything but the launch itself."""
+    from monodecode.kernels.base import BuildRequest
+    from monodecode.kernels.triton.step_launch import StepKernels
+    from monodecode.services.platform import Platform
+
+    dims = dataclasses.replace(
+        profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4, num_layers=2
+    )
+    platform = Platform(kind="cuda", arch="sm_90", name="NVIDIA H100", compute_units=H200_SMS, torch_usable=True)
+    req = BuildRequest(dims, "bf16", 1, widths, 16, platform)
+    return dims, StepKernels(req, _weights(dims), H200_SMS, "cpu")
+
+
+def test_launch_arguments_match_the_kernel_signature():
+    """The host's argument list for a whole step and for one layer has exactly the kernel's
+    runtime parameters, in order, with the buffers of that launch shape (each shape its own
+    counters) and every layer's cache as an element offset from layer 0's."""
+    from monodecode.kernels.triton.launch import _Meta
+    from monodecode.kernels.triton.step_kernel import step_kernel
+    from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+
+    dims, k = _small_build()
+    kv = PagedKVCache.allocate(dims, num_blocks=8, block_size=16)
+    alloc = BlockAllocator(8, 16)
+    alloc.append_slots(0, 20)
+    alloc.append_slots(1, 3)
+    meta = _Meta(alloc.decode_metadata([0, 1]), "cpu")
+    x = torch.zeros(2, dims.hidden_size, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    names = [n for n in step_kernel.arg_names if n != "NW"]
+    step_args, consts = k.arguments(0, 2, x, meta, kv, out)
+    layer_args, _ = k.arguments(1, 1, x, meta, kv, out)
+    runtime = [n for n in names if n not in consts]
+    assert len(step_args) == len(runtime) == len(layer_args)
+    a, b = dict(zip(runtime, step_args)), dict(zip(runtime, layer_args))
+    assert (a["first"], a["nlayers"], b["first"], b["nlayers"]) == (0, 2, 1, 1)
+    assert a["ctr_ptr"].numel() == 2 * 5 and b["ctr_ptr"].numel() == 5 and a["epoch_ptr"] is not b["epoch_ptr"]
+    for cache, offsets in (("kc_ptr", "koff_ptr"), ("vc_ptr", "voff_ptr")):
+        caches = kv.key if cache == "kc_ptr" else kv.value
+        assert a[cache] is caches[0]
+        want = [(t.data_ptr() - caches[0].data_ptr()) // 2 for t in caches]
+        assert a[offsets].tolist() == want and want[1] != 0
+    assert a["bt_stride"] == meta.block_tables.stride(0) and a["x_ptr"] is x and a["out_ptr"] is out
+
+
+def test_caches_the_kernel_cannot_address_are_refused_in_one_line():
+    """Layers whose caches differ in layout, or start at an offset the kernel's 16-element
+    alignment hint would lie about, are refused with one ConfigError line, before any launch."""
+    from monodecode.errors import ConfigError
+    from monodecode.model.paged_kv import PagedKVCache
+
+    dims, k = _small_build((1,))
+    good = PagedKVCache.allocate(dims, num_blocks=4, block_size=16)
+    k.check_kv(good)
+    wide = PagedKVCache.allocate(dims, num_blocks=4, block_size=16)
+    strided = PagedKVCache(
+        [good.key[0], torch.zeros(4, 16, 2 * dims.num_kv_heads, dims.head_dim, dtype=torch.bfloat16)[:, :, ::2]],
+        list(wide.value),
+        16,
+    )
+    with pytest.raises(ConfigError, match="share one layout") as e:
+        k.check_kv(strided)
+    assert "\n" not in str(e.value)
+    flat = torch.zeros(2 * 4 * 16 * dims.num_kv_heads * dims.head_dim + 8, dtype=torch.bfloat16)
+    n = 4 * 16 * dims.num_kv_heads * dims.head_dim
+    shifted = PagedKVCache(
+        [flat[:n].view(4, 16, dims.num_kv_heads, dims.head_dim), flat[8 : 8 + n].view(4, 16, dims.num_kv_heads, dims.head_dim)],
+        list(wide.value),
+        16,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="start 32 bytes apart"):
+        k.check_kv(shifted)
+    with pytest.raises(ConfigError, match="block size 16, cache has 32"):
+        k.check_kv(PagedKVCache.allocate(dims, num_blocks=4, block_size=32))
