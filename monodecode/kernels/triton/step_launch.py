@@ -98,9 +98,17 @@ class StepKernels(PaddedKernels):
         self.req = req
         self.dims = req.dims
         self.widths = req.widths
-        self.device = torch.device(device)
         self.num_layers = len(weights.layers)
         self.geometry = {w: StepGeometry(req.dims, w, num_programs) for w in req.widths}
+        self.device = torch.device(device)
+        if self.device.type == "cuda":  # an sm_90+ part with less shared memory a program (sm_120: 99 KiB)
+            props = torch.cuda.get_device_properties(self.device)
+            have = getattr(props, "shared_memory_per_block_optin", 0)
+            need = max(g.shared_bytes() for g in self.geometry.values())
+            if have and need > have:
+                raise ConfigError(
+                    f"{self.kernel_label}: needs {need} bytes of shared memory a program, {props.name} offers {have}"
+                )
         self.weights = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
         self.descriptors = weight_descriptors(self.weights, req.dims)
         self.gin = torch.stack([lw.attn_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
