@@ -76,6 +76,9 @@ def _level(reasons: list[str]) -> int:
 
 
 STEP_GRAPH_MODES_OK = ("none", "full", "full_decode_only")
+# warm-up's bound on a whole-step launch against the reference step (relative Frobenius error of
+# the final residual and of each layer's K/V): the kernels' numerics tests' bound on stacked layers
+STEP_REL_TOLERANCE = 5e-2
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class WidthCheck:
     health: int = 0
     within_tolerance: bool = True  # every layer within its own tolerance
     # the kernels' whole-step launch (``forward_step``) over every layer against the reference
-    # step, where they have one: its error (final residual and every layer's K/V) and tolerance
+    # step, where they have one: its relative error (final residual and every layer's K/V) and tolerance
     step_error: float | None = None
     step_tolerance: float = 0.0
 
@@ -139,7 +142,7 @@ class WarmupReport:
             if not w.step_within_tolerance:
                 return (
                     f"warmup_failed: width {w.width}'s one launch over every layer (forward_step) differs from "
-                    f"the reference step by {w.step_error:.4g} (tolerance {w.step_tolerance:.4g})"
+                    f"the reference step by {w.step_error:.4g} relative (tolerance {w.step_tolerance:.4g})"
                 )
         return None
 
@@ -744,8 +747,10 @@ class Runner:
     def _golden_step(self, width: int) -> tuple[float | None, float]:
         """Where the kernels have a whole-step launch (``forward_step``, what a mono step serves):
         one step of ``width`` rows through every layer against the reference step, on inputs of
-        its own; its max abs error over the final residual and every layer's K/V, and the
-        tolerance on the final residual. (None, 0) where the kernels have none."""
+        its own. Its error is relative (Frobenius) over the final residual and every layer's K/V,
+        against ``STEP_REL_TOLERANCE``: the layers' rounding differences stack up over a whole step,
+        so the per-layer absolute bound would refuse deep models that are right. (None, 0) where
+        the kernels have none."""
         import torch
 
         from monodecode.model.reference import decode_layer
@@ -761,11 +766,16 @@ class Runner:
         ref = x
         for layer, lw in enumerate(layers):
             ref = decode_layer(self._dims, layer, lw, ref, meta, kv_ref)
-        err = (out.float() - ref.float()).abs().max().item()
-        for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True):
-            err = max(err, (a.float() - b.float()).abs().max().item())
-        tol = self._config.warmup_atol + self._config.warmup_rtol * ref.float().abs().max().item()
-        return (float("inf") if err != err else err), tol
+
+        def rel(a, b) -> float:
+            a, b = a.float(), b.float()
+            return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+        err = max(
+            [rel(out, ref)]
+            + [rel(a, b) for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True)]
+        )
+        return (float("inf") if err != err else err), STEP_REL_TOLERANCE
 
     # ---- after start: refusals and rank-local wishes, folded in by vote -----------------------
 
