@@ -440,7 +440,10 @@ def _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, li
         _residual_out(v, res_dst + o, out_dst + o, health_ptr, code, ok, live, layer, nlayers)
 
 
-@gluon.jit
+# The runtime integers take every value in service (the first layer of a launch, the block table's
+# width, the drills): one compiled kernel a width and cache layout, never a compile inside vLLM's
+# graph capture for a value that differs from warm-up's
+@gluon.jit(do_not_specialize=["bt_stride", "first", "nlayers", "spin", "fault_layer", "fault_kind"])
 def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
                 kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
                 bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, first, nlayers, spin, fault_layer, fault_kind,
