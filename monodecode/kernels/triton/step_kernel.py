@@ -171,16 +171,28 @@ def _bf(v):
 
 
 @gluon.jit
-def _rope(base, d, pos, inv_ptr, D: gl.constexpr):
-    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by position ``pos``:
-    cos/sin of ``pos * inv_freq`` rounded to bf16 as the reference's caches are; the result rounded
-    to bf16 (``base``, ``d`` and ``pos`` broadcast)."""
+def _rope(base, d, cos, sin, D: gl.constexpr):
+    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by the row's ``cos`` and
+    ``sin`` at ``d`` (``_cos_sin``); the result rounded to bf16 (``base``, ``d``, ``cos`` and ``sin``
+    broadcast)."""
     partner = (d + D // 2) % D
     sign = gl.where(d < D // 2, -1.0, 1.0)
-    f = pos.to(gl.float32) * gl.load(inv_ptr + d % (D // 2))
     a = _bf(gl.load(base + d, cache_modifier=".cg"))
     b = _bf(gl.load(base + partner, cache_modifier=".cg"))
-    return _bf(a * _bf(gl.cos(f)) + sign * b * _bf(gl.sin(f)))
+    return _bf(a * cos + sign * b * sin)
+
+
+@gluon.jit
+def _cos_sin(cs, pos, inv_ptr, D: gl.constexpr, NW: gl.constexpr):
+    """RoPE's cos and sin of ``pos * inv_freq`` for dims 0..D-1 (rotate-half layout), rounded to
+    bf16 as the reference's caches are, into ``cs`` (fp32 [cos | sin]): once a launch, where every
+    layer's attention task reads them (computed per task they cost ~2500 instructions of code and
+    32 transcendental evaluations a thread on the attention's critical path, every layer)."""
+    dl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    d = gl.arange(0, D, layout=dl)
+    f = pos.to(gl.float32) * gl.load(inv_ptr + d % (D // 2))
+    cs.slice(0, D).store(_bf(gl.cos(f)))
+    cs.slice(D, D).store(_bf(gl.sin(f)))
 
 
 @gluon.constexpr_function
@@ -233,7 +245,7 @@ def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
-def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ctx, pos, slot, kvs,
+def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
@@ -263,11 +275,15 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, inv_ptr, part_ptr, bt_row, task, ct
         bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
     # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero), into the
     # operand layout through the ring's last slot (its first copy is issued in step 0)
-    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, pos, inv_ptr, D), 0.0)
+    c1 = cs.slice(0, D).load(d1.type.layout)
+    s1 = cs.slice(D, D).load(d1.type.layout)
+    c3 = gl.expand_dims(c1[None, :], 1)
+    s3 = gl.expand_dims(s1[None, :], 1)
+    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
     kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
     gl.thread_barrier()
     qa = kvs.index(2 * (KVS - 1)).load(a_l)
-    kn = _rope(act + QH * D + kvh * D, d1, pos, inv_ptr, D)
+    kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
     vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
@@ -544,6 +560,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     apos = gl.load(pos_ptr + arow_c)
     actx = gl.where(aslot >= 0, gl.maximum(gl.load(seq_ptr + arow_c) - 1, 0), 0)  # cached positions before the new one
     bt_row = bt_ptr + arow_c.to(gl.int64) * bt_stride
+    cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
@@ -573,7 +591,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        _attend(ab, kc_ptr, vc_ptr, koff, voff, inv_ptr, pb, bt_row, task, actx, apos, aslot, kvs,
+                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip

@@ -188,11 +188,12 @@ class StepGeometry:
         i, d = self.dims.intermediate_size, self.dims.head_dim
         ring = WEIGHT_RING * ROWS * BK * 2
         kv = 2 * self.kv_slots * KV_TILE * d * 2
+        rope = 2 * d * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(i * 2, kv)  # bf16 staged input; the K/V ring lives in it from QKV's end to o_proj
-            return ring + stage + ROWS * 4 + WEIGHT_RING * 8
+            return ring + stage + ROWS * 4 + WEIGHT_RING * 8 + rope
         stage = max(i // BK * BK * NPAD * 2, kv)
-        return ring + stage + ROWS * NPAD * 4
+        return ring + stage + ROWS * NPAD * 4 + rope
 
     def check(self) -> None:
         """Raise ValueError when this geometry cannot run (a planning error, not a user's)."""
