@@ -245,14 +245,30 @@ def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
-def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, task, ctx, slot, kvs,
+def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+              BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """An attention task's first ``KVS - 1`` K/V tiles into the ring (their blocks, then their
+    copies): issued before the task waits for QKV, since the cached context does not depend on it,
+    so the block table's and the cache's round trips run during the wait. Returns the blocks of
+    the next tile, which ``_attend``'s first step copies."""
+    bnext = _kv_blocks(bt_row, start, end, BS, NW)
+    for t in gl.static_range(KVS - 1):
+        _kv_copy(kvs, t, kc_ptr, vc_ptr, koff, voff, bnext, kvh, start + t * NW * 16, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
+    return bnext
+
+
+@gluon.jit
+def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own 16 positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
     softmax, O += P·V; the tiles stream through ``kvs``, a ring of ``KVS`` shared-memory slots
-    filled by ``cp.async`` ``KVS - 1`` tiles ahead, their blocks read one tile earlier still.
+    filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
+    ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
     G: gl.constexpr = QH // KVH
@@ -267,12 +283,6 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, task, ctx, sl
     r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl))), 0), 2)
     d1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, bl)))
     d3 = gl.expand_dims(d1[None, :], 1)
-    # the first tiles' blocks, then their copies, before q is read: the cached context does not need it
-    bnext = _kv_blocks(bt_row, start, end, BS, NW)
-    for t in gl.static_range(KVS - 1):
-        _kv_copy(kvs, t, kc_ptr, vc_ptr, koff, voff, bnext, kvh, start + t * NW * 16, end, k_sb, k_st, k_sh,
-                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
-        bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
     # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero), into the
     # operand layout through the ring's last slot (its first copy is issued in step 0)
     c1 = cs.slice(0, D).load(d1.type.layout)
@@ -585,13 +595,20 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     else:
                         rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 elif s == 1:
+                    # the task's first K/V tiles go out before the wait (every thread is past the QKV
+                    # stage's last use of the staged input they overwrite: its counting barrier)
+                    koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
+                    voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
+                    kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
+                    bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
+                    if has_task:
+                        bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
+                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
                     if has_task:
-                        koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
-                        voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, task, actx, aslot, kvs,
+                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
