@@ -182,6 +182,36 @@ def _whole_step(build, ctx: list[int], seed: int, what: str) -> None:
     assert tk.health() == 0, decode_health(tk.health())
 
 
+@pytest.mark.parametrize("case", ["w1", "w4-3rows"])
+def test_each_stage_of_a_layer_matches_the_reference(case):
+    """Where a layer goes wrong, stage by stage: after one ``forward_layer`` launch, the kernel's
+    own activations of that layer (``_Buffers.act``: q/k/v before RoPE, the merged attention
+    output, h1 = x + o_proj, SiLU(g)·u) against the reference's intermediates of the same input,
+    each within the per-layer bound. Runs first in the file (``-x`` stops at the stage that is
+    wrong, before the end-to-end tests say only that the output is)."""
+    import torch.nn.functional as F
+
+    dims, weights, tk, kv_ref, kv_out, before, meta, x = _setup(B1, CONTEXTS[case], 40)
+    rows, lw, eps = len(CONTEXTS[case]), weights.layers[0], dims.rms_norm_eps
+    tk.forward_layer(0, x, meta, kv_out)
+    torch.cuda.synchronize()
+    width = min(w for w in tk.widths if w >= rows)
+    a = tk.geometry[width].act_offsets
+    act = tk._buffers_for(width, 1).act.view(width, a["end"])[:rows]
+    h = R.rms_norm(x, lw.attn_norm, eps, False)
+    q, k, v = lw.q_proj(h), lw.k_proj(h), lw.v_proj(h)
+    _close(act[:, : a["att"]], torch.cat([q, k, v], dim=1), f"{case}: q/k/v before RoPE")
+    att = R.k1_reference(dims, 0, lw, x, meta, kv_ref)
+    live = meta.slot_mapping >= 0
+    _close(act[live, a["att"] : a["h1"]], att[live], f"{case}: merged attention output")
+    h1 = (x.float() + lw.o_proj(att).float()).to(x.dtype)
+    _close(act[:, a["h1"] : a["gu"]], h1, f"{case}: h1 = x + o_proj")
+    hn = R.rms_norm(h1, lw.mlp_norm, eps, False)
+    gu = (F.silu(lw.gate_proj(hn).float()).to(x.dtype).float() * lw.up_proj(hn).float()).to(x.dtype)
+    _close(act[:, a["gu"] : a["end"]], gu, f"{case}: SiLU(g)·u")
+    assert tk.health() == 0, decode_health(tk.health())
+
+
 @pytest.mark.parametrize("case", list(CONTEXTS))
 def test_forward_layer_matches_reference_llama3_1b(case):
     """One launch a layer (``forward_layer``) at widths 1-8, rows of different contexts over
