@@ -247,16 +247,24 @@ def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
 @gluon.jit
 def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
               BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """An attention task's first ``KVS - 1`` K/V tiles into the ring (their blocks, then their
-    copies): issued before the task waits for QKV, since the cached context does not depend on it,
+    """An attention task's first ``KVS - 1`` K/V tiles (``KVS`` 2 or 3) into the ring (their blocks,
+    then their copies): issued before the task waits for QKV, since the cached context does not depend on it,
     so the block table's and the cache's round trips run during the wait. Returns the blocks of
     the next tile, which ``_attend``'s first step copies."""
-    bnext = _kv_blocks(bt_row, start, end, BS, NW)
-    for t in gl.static_range(KVS - 1):
-        _kv_copy(kvs, t, kc_ptr, vc_ptr, koff, voff, bnext, kvh, start + t * NW * 16, end, k_sb, k_st, k_sh,
-                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
-        bnext = _kv_blocks(bt_row, start + (t + 1) * NW * 16, end, BS, NW)
-    return bnext
+    # every tile's blocks asked for at once (one round trip, not one a tile), then the copies
+    b0 = _kv_blocks(bt_row, start, end, BS, NW)
+    b1 = _kv_blocks(bt_row, start + NW * 16, end, BS, NW)
+    if KVS == 3:
+        b2 = _kv_blocks(bt_row, start + 2 * NW * 16, end, BS, NW)
+        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+                 BS, D, NW)  # fmt: skip
+        _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + NW * 16, end, k_sb, k_st, k_sh, v_sb, v_st,
+                 v_sh, BS, D, NW)  # fmt: skip
+        return b2
+    else:
+        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+                 BS, D, NW)  # fmt: skip
+        return b1
 
 
 @gluon.jit
@@ -426,9 +434,8 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
         v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
-        m = (rows >= 0)[:, None]
-        _residual_out(v[:, None], res_dst + rows[:, None], out_dst + rows[:, None], health_ptr, code, m, live,
-                      layer, nlayers)  # fmt: skip
+        # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
+        _residual_out(v, res_dst + rows, out_dst + rows, health_ptr, code, rows >= 0, live, layer, nlayers)
 
 
 @gluon.jit

@@ -21,6 +21,7 @@ from monodecode.kernels.triton.args import kv_strides
 from monodecode.kernels.triton.launch import _POLL_SECONDS, _Meta
 from monodecode.kernels.triton.step_plan import BK, NCTR, NUM_WARPS, ROWS, TB, StepGeometry, step_refusals
 
+SHARED_SCRATCH = 1126  # what the compiler adds to the plan's shared memory, at most (test_step_compile)
 KV_OFFSET_MULTIPLE = 16  # the kernel tells the compiler each layer's cache offset is a multiple of this
 
 
@@ -104,7 +105,7 @@ class StepKernels(PaddedKernels):
         if self.device.type == "cuda":  # an sm_90+ part with less shared memory a program (sm_120: 99 KiB)
             props = torch.cuda.get_device_properties(self.device)
             have = getattr(props, "shared_memory_per_block_optin", 0)
-            need = max(g.shared_bytes() for g in self.geometry.values())
+            need = max(g.shared_bytes() for g in self.geometry.values()) + SHARED_SCRATCH
             if have and need > have:
                 raise ConfigError(
                     f"{self.kernel_label}: needs {need} bytes of shared memory a program, {props.name} offers {have}"
