@@ -122,6 +122,7 @@ class StepKernels(PaddedKernels):
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._kv_key: tuple | None = None
         self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kv_strides: list[int] = []
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- the cache -----------------------------------------------------------------------------
@@ -137,14 +138,16 @@ class StepKernels(PaddedKernels):
         return strides[0]
 
     def check_kv(self, kv) -> None:
-        self._strides(kv)
-        self._offsets(kv)
+        self._binding(kv)
 
-    def _offsets(self, kv) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each layer's K and V cache as an element offset from layer 0's (int64 on the device),
-        computed once per binding of the cache (a replayed graph reads the same tensors)."""
-        key = tuple(t.data_ptr() for t in (*kv.key, *kv.value))
+    def _binding(self, kv) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int]]:
+        """The cache as the kernel addresses it: each layer's K and V as an element offset from
+        layer 0's (int64 on the device) and the strides every layer shares, checked and computed
+        once per binding of the cache (a step on the same cache checks nothing again; a replayed
+        graph reads the same tensors)."""
+        key = (kv.block_size, *((t.data_ptr(), *t.shape, *t.stride()) for t in (*kv.key, *kv.value)))
         if key != self._kv_key:
+            strides = self._strides(kv)
             offs = []
             for caches in (kv.key, kv.value):
                 base = caches[0].data_ptr()
@@ -157,8 +160,8 @@ class StepKernels(PaddedKernels):
                 offs.append(torch.tensor([d // 2 for d in diffs], dtype=torch.int64, device=self.device))
             if self._kv_offsets is not None:  # a graph captured on the old binding may still read them
                 self._retired.append(self._kv_offsets)
-            self._kv_key, self._kv_offsets = key, (offs[0], offs[1])
-        return self._kv_offsets
+            self._kv_key, self._kv_offsets, self._kv_strides = key, (offs[0], offs[1]), strides
+        return self._kv_offsets, self._kv_strides
 
     # -- launches ------------------------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class StepKernels(PaddedKernels):
         width = x.shape[0]
         args = kernel_arguments(
             self, self._buffers_for(width, layers), first, layers, x, meta, (kv.key[0], kv.value[0]),
-            self._offsets(kv), self._strides(kv), out, fault_layer, fault_kind,
+            *self._binding(kv), out, fault_layer, fault_kind,
         )  # fmt: skip
         return args, self.geometry[width].constexprs(self.req.block_size)
 
