@@ -13,6 +13,7 @@ before logits and fail-stops. The code packs (site, kernel, layer) so the cause 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -68,6 +69,25 @@ def smallest_width(widths: tuple[int, ...], rows: int) -> int | None:
         if rows <= w:
             return w
     return None
+
+
+def kernel_layers(
+    forward_layer: Callable[[int, Any, Any, Any], Any],
+    x: Any,
+    metas: list[Any],
+    kv: Any,
+    forward_step: Callable[[Any, list[Any], Any], Any] | None = None,
+) -> Any:
+    """The residual stream through layers ``0 .. len(metas) - 1`` on the kernels, as a mono step
+    runs them: one ``forward_step`` launch where there is one (``DecodeKernels.forward_step``;
+    None from it means none), else ``forward_layer`` one layer at a time."""
+    if forward_step is not None:
+        out = forward_step(x, metas, kv)
+        if out is not None:
+            return out
+    for layer, meta in enumerate(metas):
+        x = forward_layer(layer, x, meta, kv)
+    return x
 
 
 # ---- backend + kernels ---------------------------------------------------------------------

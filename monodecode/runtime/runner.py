@@ -37,7 +37,7 @@ import monodecode
 from monodecode.config import MonoConfig
 from monodecode.errors import ArtifactError, RefusalError, exception_line
 from monodecode.kernels import registry
-from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, smallest_width
+from monodecode.kernels.base import BuildRequest, DecodeKernels, KernelBackend, kernel_layers, smallest_width
 from monodecode.kernels.health import HealthFault, decode_health
 from monodecode.reasons import RefusalReason, reason_code
 from monodecode.runtime.failstop import FailStopEvent, FailStopRecorder
@@ -1006,15 +1006,11 @@ class Runner:
         info = info or StepInfo(num_rows=rows)
         decision = self.begin_step(info, real=real)
         x = embed(self._weights, ids, dtype=kv.dtype)
-        step = self.forward_step(x, [meta] * len(self._weights.layers), kv) if decision else None
-        if step is not None:  # every layer in one launch
-            x = step
+        if decision:
+            x = kernel_layers(self.forward_layer, x, [meta] * len(self._weights.layers), kv, self.forward_step)
         else:
             for layer, lw in enumerate(self._weights.layers):
-                if decision:
-                    x = self.forward_layer(layer, x, meta, kv)
-                else:
-                    x = decode_layer(self._dims, layer, lw, x, meta, kv)
+                x = decode_layer(self._dims, layer, lw, x, meta, kv)
         self.check_health_before_logits(decision, x)
         logits = final_logits(self._weights, x)
         self.end_step(decision)

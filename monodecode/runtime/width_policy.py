@@ -191,15 +191,10 @@ class LayerBench:
     def steps(self, width: int, context: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
         meta, kv_stock, kv_mono, x = self._inputs(width, context)
 
-        def mono():
-            if self._forward_step is not None:  # as a mono step serves: one launch where there is one
-                out = self._forward_step(x, [meta] * self._n, kv_mono)
-                if out is not None:
-                    return out
-            y = x
-            for layer in range(self._n):
-                y = self._forward(layer, y, meta, kv_mono)
-            return y
+        def mono():  # as a mono step serves: one launch where the kernels have one
+            from monodecode.kernels.base import kernel_layers
+
+            return kernel_layers(self._forward, x, [meta] * self._n, kv_mono, self._forward_step)
 
         def stock():
             y = x

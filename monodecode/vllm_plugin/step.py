@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from monodecode.errors import ConfigError, MonodecodeError
+from monodecode.kernels.base import kernel_layers
 from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
 from monodecode.runtime.vote import StepInfo
 
@@ -135,13 +136,7 @@ def run_kernel_layers(
     ``forward_layer`` at a time."""
     n = len(metas) if count is None else count
     if staged is None:
-        if forward_step is not None and n == len(metas):
-            out = forward_step(x, metas, kv)
-            if out is not None:
-                return out
-        for layer in range(n):
-            x = forward_layer(layer, x, metas[layer], kv)
-        return x
+        return kernel_layers(forward_layer, x, metas[:n], kv, forward_step if n == len(metas) else None)
     for layer in range(n):
         layer_kv = staged.stage(layer, len(staged.metas))
         x = forward_layer(layer, x, staged.metas[layer], layer_kv)
