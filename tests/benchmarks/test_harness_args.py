@@ -24,6 +24,9 @@ from monodecode_ops.decode_bench import harness
         (["tiny"], [], [1], [64], {"w8a16_batches": [0]}, "--w8a16-batches must be >= 1"),
         (["tiny"], [], [1], [64], {"tuning_draws": 0}, "--tuning-draws must be >= 1, got 0"),
         (["tiny"], [], [1], [64], {"variants": {"step": {}}}, "variant 'step': its name is the step launch's"),
+        (["tiny"], [], [1], [64], {"variants": {"step-pf4": {}}}, "variant 'step-pf4': its name is a step variant's"),
+        (["tiny"], [], [1], [64], {"step_variants": {"r": {"ring": 9}}}, "step variant 'r': step launch plan: ring"),
+        (["tiny"], [], [1], [64], {"step_variants": [1]}, "--step-variants must be a JSON object"),
     ],
 )
 def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, extra, fragment):
@@ -42,6 +45,29 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--deadline-s", "-5"], "error: --deadline-s must be > 0, got -5.0"),
         (["--variants", "[1]"], "error: --variants must be a JSON object"),
         (["--tuning-draws", "0"], "error: --tuning-draws must be >= 1, got 0"),
+        (["--step-variants", "{pf4: 1}"], "error: --step-variants is not JSON: Expecting property name"),
+        (["--step-variants", "[1]"], "error: --step-variants must be a JSON object (name -> step launch plan)"),
+        (["--step-variants", '{"a b": {}}'], "error: step variant 'a b': a name is letters, digits, '_' and inner '-'"),
+        (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
+        (
+            ["--step-variants", '{"x": 4}'],
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, pf)",
+        ),
+        (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
+        (
+            ["--step-variants", '{"x": {"pf": 17}}'],
+            "error: step variant 'x': step launch plan: pf must be an integer 0-16, got 17",
+        ),
+        (
+            ["--step-variants", '{"x": {"ring": 1}}'],
+            "error: step variant 'x': step launch plan: ring must be an integer 2-8",
+        ),
+        (
+            ["--step-variants", '{"x": {"ring": 4.0}}'],
+            "error: step variant 'x': step launch plan: ring must be an integer",
+        ),
+        # the prewarm takes the run's arguments (device_run.sh's BENCH_ARGS): a bad one fails it too
+        (["--prewarm-only", "--step-variants", '{"x": {"pf": -1}}'], "error: step variant 'x': step launch plan: pf"),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, capsys, argv, fragment):
@@ -296,3 +322,127 @@ def test_a_step_build_that_fails_fails_its_cells_without_ending_the_run(monkeypa
     assert tk is None and not_run[1] == ("build failed: RuntimeError: gluon compile failed", False)
     assert not_run[4][1] is True
     assert any(f"! {harness.STEP_BACKEND} build failed" in line for line in logs)
+
+
+def test_step_variants_reach_run_and_the_prewarm_takes_them(monkeypatch, tmp_path):
+    """``--step-variants`` JSON reaches ``run`` as given (default ``DEFAULT_STEP_VARIANTS``, ``{}``:
+    none); the prewarm (``--prewarm-only``, the same BENCH_ARGS in device_run.sh) accepts it."""
+    seen, warmed = [], []
+
+    def fake_run(*args, **kw):
+        seen.append(kw["step_variants"])
+        raise harness.MonodecodeError("stop")
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    monkeypatch.setattr(harness, "_prewarm", lambda a, contexts: warmed.append(a.step_variants) or 0)
+    harness.main(["--out", str(tmp_path)])
+    harness.main(["--step-variants", "{}", "--out", str(tmp_path)])
+    harness.main(
+        ["--step-variants", '{"ring4": {"ring": 4}, "ring4-pf8": {"ring": 4, "pf": 8}}', "--out", str(tmp_path)]
+    )
+    assert seen == [None, {}, {"ring4": {"ring": 4}, "ring4-pf8": {"ring": 4, "pf": 8}}]
+    assert harness.DEFAULT_STEP_VARIANTS == {"pf4": {"pf": 4}, "pf8": {"pf": 8}}
+    harness.check_step_variants(harness.DEFAULT_STEP_VARIANTS)
+    assert harness.main(["--prewarm-only", "--step-variants", '{"pf4":{"pf":4}}', "--out", str(tmp_path)]) == 0
+    assert warmed == ['{"pf4":{"pf":4}}']
+
+
+def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch_runs(monkeypatch, tmp_path):
+    """The result document's header holds the step variants (none with ``step=False``) and every
+    profile's build is given them."""
+    built = []
+
+    def fake_bench_config(*args, **kw):
+        built.append((kw["step"], kw["step_variants"]))
+        return []
+
+    monkeypatch.setattr(harness, "DEVICE", "cpu")
+    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(harness, "read_probes", lambda device: {"copy": 3e12})
+    monkeypatch.setattr(harness, "bench_config", fake_bench_config)
+    doc = harness.run(["llama3-1b"], [1], [64], 1, [], 1, tmp_path, log=lambda *a: None)
+    assert doc["step_variants"] == harness.DEFAULT_STEP_VARIANTS and doc["step"] is True
+    plan = {"ring4": {"ring": 4}}
+    doc = harness.run(["llama3-1b"], [1], [64], 1, [], 1, tmp_path, log=lambda *a: None, step_variants=plan)
+    assert doc["step_variants"] == plan
+    doc = harness.run(["llama3-1b"], [1], [64], 1, [], 1, tmp_path, log=lambda *a: None, step=False)
+    assert doc["step_variants"] == {}
+    assert built == [(True, harness.DEFAULT_STEP_VARIANTS), (True, plan), (False, harness.DEFAULT_STEP_VARIANTS)]
+
+
+def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
+    """The shared-memory budget of a longer weight ring: 1B fits ring 4 only at width 1 (widths
+    2-8 stage down's input beside the ring), prefetch 8 needs no shared memory and fits every
+    width; 8B at width 1 has no room for a fourth slot."""
+    from monodecode.model.profiles import profile_dims
+
+    one_b, eight_b = profile_dims("llama3-1b"), profile_dims("llama3-8b")
+    widths = tuple(range(1, 9))
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {"ring": 4})
+    assert fits == (1,) and sorted(why) == list(range(2, 9))
+    assert all("bytes of shared memory at width" in r for r in why.values()), why
+    assert harness.step_variant_widths(one_b, widths, 132, {"pf": 8}) == (widths, {})
+    assert harness.step_variant_widths(one_b, widths, 132, {}) == (widths, {})
+    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
+    assert fits == () and "shared memory at width 1" in why[1]
+    assert harness.step_variant_widths(eight_b, (1,), 132, {"pf": 8}) == ((1,), {})
+
+
+def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_run(monkeypatch):
+    """Each variant is built for the widths the step launch was built for that its plan fits; the
+    others are skipped cells saying why, a failed build fails its cells only; a variant is in a
+    cell only where the step launch is built, right after it; its rows carry its plan."""
+
+    class FakeStep:
+        def __init__(self, widths):
+            self.widths = widths
+
+        def residency_misfits(self, width=None):
+            return []
+
+    built, logs = [], []
+
+    def fake_variant(req_, widths, weights, plan, base):
+        built.append((widths, plan))
+        if plan.get("pf") == 16:
+            raise RuntimeError("gluon compile failed\ndetails")
+        return FakeStep(widths)
+
+    monkeypatch.setattr(harness, "_step_variant_kernels", fake_variant)
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
+    req = _request("llama3-1b", (1, 2, 8, 16), _platform())
+    step = FakeStep((1, 2, 8))  # 16 refused by the step launch
+    b = f"{harness.STEP_BACKEND}-ring4"
+    tk, not_run = harness._build_step_variant(req, None, step, b, {"ring": 4}, logs.append)
+    assert built == [((1,), {"ring": 4})] and tk.widths == (1,)
+    assert sorted(not_run) == [2, 8] and all(skipped for _, skipped in not_run.values())
+    assert not_run[2][0].startswith("skipped: the step plan {'ring': 4} does not fit width 2: step launch: ")
+    assert any(f"{b} not timed at width 8" in line for line in logs)
+    bad, failed = harness._build_step_variant(req, None, step, "triton-step-pf16", {"pf": 16}, logs.append)
+    assert bad is None and failed == {w: ("build failed: RuntimeError: gluon compile failed", False) for w in (1, 2, 8)}
+
+    kernels = {"triton": FakeStep((1, 2, 8, 16)), harness.STEP_BACKEND: step, b: tk}
+    ctx = _ctx("llama3-1b", {16: ("skipped: refused", True)}, kernels=kernels)
+    ctx["step_variants"] = {"ring4": {"ring": 4}, "pf16": {"pf": 16}}
+    ctx["step_variants_not_run"] = {b: not_run, "triton-step-pf16": failed}
+    step_cols = [harness.STEP_BACKEND, b, "triton-step-pf16"]
+    for rows, timed, recorded in (
+        (1, step_cols[:2], {"triton-step-pf16": False}),
+        (2, step_cols[:1], {b: True, "triton-step-pf16": False}),
+        (16, [], {harness.STEP_BACKEND: True}),
+    ):
+        wanted = harness._cell_backends(ctx, rows, floor=False, w8a16_batches=())
+        assert wanted[:3] == ["reference-graph", "stock-fullgraph", "triton"]
+        assert wanted[3:] == (step_cols if rows != 16 else [harness.STEP_BACKEND])
+        got, out = harness._step_refused(ctx, rows, 1024, wanted)
+        assert got == wanted[:3] + timed
+        assert {r["backend"]: r["skipped"] is True for r in out} == recorded
+    row = harness._row(ctx, 1, 1024, b, [1e-3], None, 1e-3, 1.0)
+    assert row["triton_change"] == {"ring": 4} and row["backend"] == b
+    assert harness._row(ctx, 1, 1024, harness.STEP_BACKEND, None, None, None, None)["triton_change"] == {}
+    assert harness._row(ctx, 1, 1024, "triton", None, None, None, None)["triton_change"] == {}
+    # a launch-target variant named like a step variant's backend is refused (run: _check_variants),
+    # so the lookup by name cannot mislabel one as the other
+    ctx["variants"] = {"before": {"pdl": ""}}
+    assert harness._row(ctx, 1, 1024, "triton-before", None, None, None, None)["triton_change"] == {"pdl": ""}
+    assert harness._row(ctx, 1, 1024, "triton-step-pf16", None, "x", None, None)["triton_change"] == {"pf": 16}

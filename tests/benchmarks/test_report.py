@@ -241,3 +241,37 @@ def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     assert harness.main(["--report", str(path), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert f"{step} (the cells it ran) never slower than the strongest stock: False" in out
+
+
+def test_step_variants_sit_after_the_step_launch_and_stay_out_of_its_verdict():
+    """The summary table's triton columns: triton, the step launch, its variants
+    (``triton-step-<name>``), then triton's variants, whatever their names; a faster step variant
+    changes no verdict (only ``triton-step`` is held to the stock)."""
+    step = RP.STEP_BACKEND
+    assert RP.is_step_backend(step) and RP.is_step_backend(f"{step}-pf8")
+    assert not RP.is_step_backend("triton") and not RP.is_step_backend("triton-stepwise")
+    present = {"triton-zeta", "triton-before", f"{step}-ring4", step, "triton", f"{step}-pf8", "stock-fullgraph"}
+    assert RP._kernel_backends(present) == [
+        "triton",
+        step,
+        f"{step}-pf8",
+        f"{step}-ring4",
+        "triton-before",
+        "triton-zeta",
+    ]
+    rows = [
+        rec("stock-fullgraph", 4.6),
+        rec("triton", 4.4),
+        rec(step, 5.0),  # slower than the stock
+        rec(f"{step}-pf8", 3.0),  # faster: informational only
+        rec("triton-zeta", 4.5),
+    ]
+    d = doc_of(rows)
+    cell1 = per_cell(d, batch=1)
+    assert cell1["stock_over_step"] == pytest.approx(4.6 / 5.0) and cell1["step_ms"] == 5.0
+    assert cell1["stock_backend"] == "stock-fullgraph"
+    assert d["summary"]["step_never_slower_than_stock"] is False
+    table = RP.summary_table(d).splitlines()
+    assert f"| triton ms | {step} ms | {step}-pf8 ms | triton-zeta ms | stock-fullgraph ms |" in table[0]
+    assert len({line.count("|") for line in table}) == 1
+    assert f"| {step}-pf8 |" in RP.markdown_table(d)  # every backend in the detailed table

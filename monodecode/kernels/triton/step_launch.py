@@ -19,7 +19,16 @@ from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import PaddedKernels
 from monodecode.kernels.triton.args import kv_strides
 from monodecode.kernels.triton.launch import _POLL_SECONDS, _Meta
-from monodecode.kernels.triton.step_plan import BK, NCTR, NUM_WARPS, ROWS, TB, StepGeometry, step_refusals
+from monodecode.kernels.triton.step_plan import (
+    BK,
+    NCTR,
+    NUM_WARPS,
+    ROWS,
+    TB,
+    StepGeometry,
+    checked_plan,
+    step_refusals,
+)
 
 SHARED_SCRATCH = 1126  # what the compiler adds to the plan's shared memory, at most (test_step_compile)
 KV_OFFSET_MULTIPLE = 16  # the kernel tells the compiler each layer's cache offset is a multiple of this
@@ -92,15 +101,27 @@ class StepKernels(PaddedKernels):
 
     kernel_label = "triton step launch"
 
-    def __init__(self, req: BuildRequest, weights: Any, num_programs: int, device):
+    def __init__(
+        self, req: BuildRequest, weights: Any, num_programs: int, device, plan: dict | None = None, share: Any = None
+    ):
+        """``plan``: knobs of the plan changed from their defaults (``step_plan.PLAN_KNOBS``; the
+        benchmark's step variants), checked with every width's geometry. ``share``: another
+        StepKernels of the same weights whose packed copy this one reads (the layout is the
+        model's, not the plan's: one copy on the GPU, not one a variant)."""
         why = step_refusals(req.dims, req.weight_dtype, req.tp_size, req.widths, num_programs)
         if why:
             raise ConfigError(f"{self.kernel_label}: {why[0]}")
+        try:
+            self.plan = checked_plan(plan)
+            self.geometry = {w: StepGeometry(req.dims, w, num_programs, **self.plan) for w in req.widths}
+            for g in self.geometry.values():
+                g.check()
+        except ValueError as e:
+            raise ConfigError(f"{self.kernel_label}: {e}") from None
         self.req = req
         self.dims = req.dims
         self.widths = req.widths
         self.num_layers = len(weights.layers)
-        self.geometry = {w: StepGeometry(req.dims, w, num_programs) for w in req.widths}
         self.device = torch.device(device)
         if self.device.type == "cuda":  # an sm_90+ part with less shared memory a program (sm_120: 99 KiB)
             props = torch.cuda.get_device_properties(self.device)
@@ -110,8 +131,11 @@ class StepKernels(PaddedKernels):
                 raise ConfigError(
                     f"{self.kernel_label}: needs {need} bytes of shared memory a program, {props.name} offers {have}"
                 )
-        self.weights = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
-        self.descriptors = weight_descriptors(self.weights, req.dims)
+        if share is not None:
+            self.weights, self.descriptors = share.weights, share.descriptors
+        else:
+            self.weights = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
+            self.descriptors = weight_descriptors(self.weights, req.dims)
         self.gin = torch.stack([lw.attn_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
         self.gpost = torch.stack([lw.mlp_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
         rope = req.dims.rope_for_layer(0)
@@ -219,7 +243,7 @@ _SIG = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", to
 _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16 (``kv_strides`` checks them)
 
 
-def step_source(dims, width: int, programs: int, block_size: int):
+def step_source(dims, width: int, programs: int, block_size: int, plan: dict | None = None):
     """The kernel's ``GluonASTSource`` for one width, its signature typed from ``kernel_arguments``
     over stand-in buffers of the launch's dtypes (pointers 16-byte aligned, as torch's buffers are
     and the launcher specialises them; the KV strides multiples of 16, the block table's any)."""
@@ -230,7 +254,7 @@ def step_source(dims, width: int, programs: int, block_size: int):
 
     from monodecode.kernels.triton.step_kernel import step_kernel
 
-    g = StepGeometry(dims, width, programs)
+    g = StepGeometry(dims, width, programs, **checked_plan(plan))
     consts = g.constexprs(block_size)
     t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
     bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
@@ -262,10 +286,10 @@ def step_source(dims, width: int, programs: int, block_size: int):
     return GluonASTSource(step_kernel, sig, constexprs={**consts, "NW": NUM_WARPS}, attrs=attrs)
 
 
-def compile_step(dims, width: int, programs: int, block_size: int):
+def compile_step(dims, width: int, programs: int, block_size: int, plan: dict | None = None):
     """The kernel compiled for sm_90 on any machine (ptxas included): resources and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = step_source(dims, width, programs, block_size)
+    src = step_source(dims, width, programs, block_size, plan)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -30,6 +30,10 @@ NCTR = 5  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, d
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
 WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
+# The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
+# name -> (default, least, most). ``ring``: the weight ring's slots; ``pf``: weight chunks past the
+# ring's window asked of L2 as a program enters each wait, so HBM streams on through it.
+PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "pf": (0, 0, NUM_WARPS * 32 // ROWS)}  # pf: one 2 KiB row a thread
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -100,13 +104,29 @@ def step_refusals(
     return why
 
 
+def checked_plan(plan: dict | None) -> dict[str, int]:
+    """``plan`` (knob -> value, ``PLAN_KNOBS``) checked; ValueError in one line naming the knob."""
+    out = {}
+    for name, value in (plan or {}).items():
+        if name not in PLAN_KNOBS:
+            raise ValueError(f"step launch plan: unknown knob {name!r} (known: {', '.join(PLAN_KNOBS)})")
+        _, lo, hi = PLAN_KNOBS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"step launch plan: {name} must be an integer {lo}-{hi}, got {value!r}")
+        out[name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class StepGeometry:
-    """The step launch of one model at one width on ``programs`` SMs."""
+    """The step launch of one model at one width on ``programs`` SMs, with the plan's knobs
+    (``PLAN_KNOBS``) at their defaults unless given."""
 
     dims: ModelDims
     width: int
     programs: int
+    ring: int = WEIGHT_RING
+    pf: int = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -186,12 +206,12 @@ class StepGeometry:
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
         i, d = self.dims.intermediate_size, self.dims.head_dim
-        ring = WEIGHT_RING * ROWS * BK * 2
+        ring = self.ring * ROWS * BK * 2
         kv = 2 * self.kv_slots * KV_TILE * d * 2
         rope = 2 * d * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(i * 2, kv)  # bf16 staged input; the K/V ring lives in it from QKV's end to o_proj
-            return ring + stage + ROWS * 4 + WEIGHT_RING * 8 + rope
+            return ring + stage + ROWS * 4 + self.ring * 8 + rope
         stage = max(i // BK * BK * NPAD * 2, kv)
         return ring + stage + ROWS * NPAD * 4 + rope
 
@@ -232,7 +252,8 @@ class StepGeometry:
             "A_GU": a["gu"],
             "LAYER_A": a["end"],
             "NPROG": self.programs,
-            "NBUF": WEIGHT_RING,
+            "NBUF": self.ring,
+            "PF": self.pf,
             "T0": t0,
             "TO": to,
             "T1": t1,

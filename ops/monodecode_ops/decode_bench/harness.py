@@ -35,6 +35,9 @@ layer (embedding, final norm and LM head excluded: they stay in vLLM) is timed f
                        the widths the ``triton-step`` backend serves (CUDA sm_90+, the model's
                        ``step_plan.step_refusals``; a refused width's cell records why);
                        ``--no-step`` leaves it out
+  triton-step-<name>   the step launch with a changed plan (``--step-variants``: name -> knobs of
+                       ``step_plan.PLAN_KNOBS``), in the cells where triton-step is timed; a width
+                       whose plan does not fit (shared memory) records why
   triton-<variant>     the same as triton with a changed launch target (``--variants``)
 
 "Stock" in every verdict is the fastest stock step of the cell that is within its error tolerance;
@@ -77,6 +80,7 @@ import torch
 from monodecode.errors import MonodecodeError, exception_line
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.health import decode_health
+from monodecode.kernels.triton.step_plan import PLAN_KNOBS, StepGeometry, checked_plan
 from monodecode.model import reference as R
 from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 from monodecode.model.profiles import profile_config, profile_dims
@@ -90,6 +94,7 @@ from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's p
     STOCK_BACKENDS,
     TARGETS,
     fp8_table,
+    is_step_backend,
     markdown_table,
     plot,
     probe_lines,
@@ -170,6 +175,12 @@ DEFAULT_VARIANTS = {
         "wide_even_waves": False,
     },
 }
+# Plan changes of the step launch measured next to its default plan (``--step-variants``): L2
+# prefetch of the 4 / 8 weight chunks after the weight ring's window as a program enters each wait
+# (``step_plan.PLAN_KNOBS["pf"]``), so HBM streams on through the waits; unmeasured until run 106.
+DEFAULT_STEP_VARIANTS = {"pf4": {"pf": 4}, "pf8": {"pf": 8}}
+# A step variant's name (its backend is ``triton-step-<name>``).
+STEP_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*(?:-[A-Za-z0-9_]+)*")
 BLOCK = 16
 DEVICE = "cuda"  # the device the benchmark runs on (a CPU smoke test sets "cpu")
 MEMORY_MARGIN = 4 << 30  # left free for the graphs' pools and the oracle's fp32 attention chunks
@@ -298,15 +309,75 @@ def _build_step(req, weights, log) -> tuple[Any, dict[int, tuple[str, bool]]]:
     return tk, out
 
 
+def step_variant_widths(dims, widths, programs: int, plan: dict) -> tuple[tuple[int, ...], dict[int, str]]:
+    """(the ``widths`` at which the step launch's geometry with ``plan`` fits on ``programs`` SMs,
+    width -> why not for the others): ``StepGeometry.check`` (e.g. a longer weight ring does not
+    fit shared memory above 1 row)."""
+    fits, why = [], {}
+    for w in widths:
+        try:
+            StepGeometry(dims, w, programs, **checked_plan(plan)).check()
+        except ValueError as e:
+            why[w] = str(e)
+        else:
+            fits.append(w)
+    return tuple(fits), why
+
+
+def _step_variant_kernels(req, widths: tuple[int, ...], weights, plan: dict, base):
+    """The step launch at ``widths`` with ``plan``, built as the ``triton-step`` backend builds it
+    (its refusals first), reading ``base``'s packed weights."""
+    import dataclasses
+
+    from monodecode.kernels.triton.step_backend import TritonStepBackend
+    from monodecode.kernels.triton.step_launch import StepKernels
+
+    req_w = dataclasses.replace(req, widths=widths)
+    TritonStepBackend().refuse_unless_buildable(req_w, allow_jit=True)
+    device = torch.device(req.platform.torch_device)
+    return StepKernels(req_w, weights, req.platform.compute_units, device, plan=plan, share=base)
+
+
+def _build_step_variant(req, weights, base, backend: str, plan: dict, log) -> tuple[Any, dict[int, tuple[str, bool]]]:
+    """(a step variant's kernels or None, width -> (the error its cells record, whether that is a
+    skip)) at the widths ``base`` (the ``triton-step`` build) serves: the widths its plan does not
+    fit are skipped cells; a failed build fails the cells of the others, without ending the run."""
+    got, why = _measure(
+        f"{backend} plan", lambda: step_variant_widths(req.dims, base.widths, req.platform.compute_units, plan), log
+    )
+    if got is None:
+        return None, {w: (f"build failed: {why}", False) for w in base.widths}
+    widths, misfits = got
+    for w, reason in misfits.items():
+        log(f"  {backend} not timed at width {w}: {reason}")
+    out = {w: (f"skipped: the step plan {plan} does not fit width {w}: {r}", True) for w, r in misfits.items()}
+    if not widths:
+        return None, out
+    tk, why = _measure(f"{backend} build", lambda: _step_variant_kernels(req, widths, weights, plan, base), log)
+    if tk is None:
+        out.update({w: (f"build failed: {why}", False) for w in widths})
+    return tk, out
+
+
+def _not_run(ctx, backend: str) -> dict[int, tuple[str, bool]]:
+    """Width -> (error, skipped) of a step-launch backend's cells that are not timed."""
+    if backend == STEP_BACKEND:
+        return ctx["step_not_run"]
+    return ctx.get("step_variants_not_run", {}).get(backend, {})
+
+
 def _step_refused(ctx, rows: int, context: int, wanted: list[str]) -> tuple[list[str], list[dict]]:
-    """(the backends of ``wanted`` to time, the rows recording why the step launch is not timed at
-    this width)."""
-    got = ctx["step_not_run"].get(rows)
-    if STEP_BACKEND not in wanted or got is None:
-        return wanted, []
-    error, skipped = got
-    row = _row(ctx, rows, context, STEP_BACKEND, None, error, None, None, skipped=skipped)
-    return [b for b in wanted if b != STEP_BACKEND], [row]
+    """(the backends of ``wanted`` to time, the rows recording why the step launch, or one of its
+    variants, is not timed at this width)."""
+    timed, recorded = [], []
+    for b in wanted:
+        got = _not_run(ctx, b).get(rows) if is_step_backend(b) else None
+        if got is None:
+            timed.append(b)
+            continue
+        error, skipped = got
+        recorded.append(_row(ctx, rows, context, b, None, error, None, None, skipped=skipped))
+    return timed, recorded
 
 
 def stock_runs(backend: str, fp8: bool, rows: int | None, w8a16_batches) -> bool:
@@ -366,6 +437,7 @@ def bench_config(
     log=print,
     *,
     variants: dict | None = None,
+    step_variants: dict | None = None,
     stock: tuple[str, ...] = DEFAULT_STOCK,
     w8a16_batches: tuple[int, ...] = DEFAULT_W8A16_BATCHES,
     timeline_batches: tuple[int, ...] = (),
@@ -385,11 +457,12 @@ def bench_config(
     the first only the batches also in ``long_batches``, when given), appended to ``results``
     (``on_cell()`` after each cell); timeline summaries are appended to ``timelines``. ``step``:
     the step launch is timed too (``STEP_BACKEND``) at the widths it runs, and records why not at
-    the others."""
+    the others; with each of ``step_variants`` (name -> plan) beside it, where it was built."""
     from monodecode.services.platform import detect_platform
 
     results = [] if results is None else results
     variants = DEFAULT_VARIANTS if variants is None else variants
+    step_variants = DEFAULT_STEP_VARIANTS if step_variants is None else step_variants
     dims = profile_dims(profile)
     n_layers = dims.num_layers if layers is None else min(layers, dims.num_layers)
     t0 = time.monotonic()
@@ -410,17 +483,26 @@ def bench_config(
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
     step_not_run: dict[int, tuple[str, bool]] = {}
+    tried: dict[str, dict] = {}  # the step variants built (or tried), by name
+    variants_not_run: dict[str, dict[int, tuple[str, bool]]] = {}
     if step:
         step_kernels, step_not_run = _build_step(req, weights, log)
         if step_kernels is not None:
             kernels[STEP_BACKEND] = step_kernels
+            for name, plan in step_variants.items():
+                b = f"{STEP_BACKEND}-{name}"
+                tk, variants_not_run[b] = _build_step_variant(req, weights, step_kernels, b, plan, log)
+                tried[name] = plan
+                if tk is not None:
+                    kernels[b] = tk
     for name, tk in kernels.items():  # a build whose launches do not fit its plan times another plan
         for misfit in tk.residency_misfits():
             log(f"  ! {name}: {misfit} (registers / shared memory); its timings are of a plan that does not fit")
     stock_path = base.fp8_path if base else None
     log(
         f"# {profile} {weight_dtype}: {n_layers}/{dims.num_layers} layers built in {time.monotonic() - t0:.1f}s; "
-        f"stock GEMMs: {stock_path}; stock steps: {', '.join(paths) or 'none'}; triton variants: {variants}"
+        f"stock GEMMs: {stock_path}; stock steps: {', '.join(paths) or 'none'}; triton variants: {variants}; "
+        f"step variants: {tried}"
     )
     ctx = {
         "profile": profile,
@@ -434,6 +516,8 @@ def bench_config(
         "stock": stock,
         "stock_path": stock_path,
         "variants": variants,
+        "step_variants": tried,
+        "step_variants_not_run": variants_not_run,
         "wbytes": weight_bytes(weights),
         "bandwidth": bandwidth,
         "spec": spec,
@@ -482,9 +566,12 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
     out += [b for b in ctx["paths"] if stock_runs(b, ctx["weight_dtype"] != "bf16", rows, w8a16_batches)]
     if "floor" in ctx["stock"] and floor:
         out.append("stock-gemm-floor")
-    out += list(ctx["kernels"])
+    out += [b for b in ctx["kernels"] if b == STEP_BACKEND or not is_step_backend(b)]
     if ctx.get("step") and STEP_BACKEND not in out:  # refused or failed at every width: its cells say why
         out.append(STEP_BACKEND)
+    step = ctx["kernels"].get(STEP_BACKEND)
+    if step is not None and rows in step.widths:  # its variants beside it (a misfit or failure says why)
+        out += [f"{STEP_BACKEND}-{name}" for name in ctx.get("step_variants", {})]
     return out
 
 
@@ -497,7 +584,6 @@ def _row(
     roof = nbytes / ctx["bandwidth"]
     med = statistics.median(times) if times else None
     spec = ctx["spec"]
-    variants = ctx["variants"]
     tk = ctx["kernels"].get(backend)
     if tk is not None and rows not in tk.widths:  # a build without this width (the step launch's refused ones)
         tk = None
@@ -528,13 +614,21 @@ def _row(
         if backend.startswith("stock")
         else None,
         "triton_health": (decode_health(health).describe() if health else "ok") if health is not None else None,
-        "triton_change": ({} if backend in ("triton", STEP_BACKEND) else variants.get(backend[7:]))
-        if backend.startswith("triton")
-        else None,
+        "triton_change": _triton_change(ctx, backend) if backend.startswith("triton") else None,
         # programs per SM each launch of this width held (k1, k2, ka), and where that is fewer than planned
         "triton_programs_per_sm": (getattr(tk, "residency", None) or {}).get(rows) if tk is not None else None,
         "triton_misfits": tk.residency_misfits(rows) if tk is not None else None,
     }
+
+
+def _triton_change(ctx, backend: str) -> dict | None:
+    """A triton build's change: {} for triton and the step launch, a variant's launch-target
+    change, a step variant's plan."""
+    if backend in ("triton", STEP_BACKEND):
+        return {}
+    if is_step_backend(backend):
+        return ctx.get("step_variants", {}).get(backend[len(STEP_BACKEND) + 1 :])
+    return ctx["variants"].get(backend.removeprefix("triton-"))
 
 
 def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool, out_dir, stem, timelines):
@@ -568,7 +662,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             x_i = torch.randn(rows, dims.intermediate_size, device=device).to(torch.bfloat16)
             base = ctx["base"]
             return lambda: [base.gemms_only(l, x, x_q, x_i) for l in range(n_layers)][-1]
-        if backend == STEP_BACKEND:  # every layer in one launch
+        if is_step_backend(backend):  # every layer in one launch (the step launch and its variants)
             tk, metas = kernels[backend], [meta] * n_layers
             return lambda: tk.forward_step(x, metas, kv)
         if backend in kernels:
@@ -720,10 +814,35 @@ def _check_variants(variants: dict, step: bool = False) -> None:
             raise MonodecodeError(
                 f"variant {name!r}: its name is the step launch's ({STEP_BACKEND}); name it otherwise"
             )
+        if is_step_backend(f"triton-{name}"):  # triton-step-<name>: a step variant's (timed with forward_step)
+            raise MonodecodeError(
+                f"variant {name!r}: its name is a step variant's ({STEP_BACKEND}-<name>); name it otherwise"
+            )
         if not isinstance(change, dict) or set(change) - fields:
             raise MonodecodeError(
                 f"variant {name!r}: expected an object of launch-target fields ({', '.join(sorted(fields))})"
             )
+
+
+def check_step_variants(step_variants) -> None:
+    """One ``MonodecodeError`` line for the first bad step variant (name -> plan: knobs of
+    ``step_plan.PLAN_KNOBS``, ``step_plan.checked_plan``'s check)."""
+    if not isinstance(step_variants, dict):
+        raise MonodecodeError("--step-variants must be a JSON object (name -> step launch plan)")
+    for name, plan in step_variants.items():
+        if not isinstance(name, str) or len(name) > 40 or not STEP_VARIANT_NAME.fullmatch(name):
+            raise MonodecodeError(
+                f"step variant {name!r}: a name is letters, digits, '_' and inner '-', at most 40 "
+                f"(the backend is {STEP_BACKEND}-<name>)"
+            )
+        if not isinstance(plan, dict):
+            raise MonodecodeError(
+                f"step variant {name!r}: expected an object of step launch plan knobs ({', '.join(PLAN_KNOBS)})"
+            )
+        try:
+            checked_plan(plan)
+        except ValueError as e:
+            raise MonodecodeError(f"step variant {name!r}: {e}") from None
 
 
 def _csv(text: str, kind=str) -> list:
@@ -775,6 +894,7 @@ def run(
     long_batches=DEFAULT_LONG_BATCHES,
     tuning_draws: int = 1,
     step: bool = True,
+    step_variants: dict | None = None,
 ) -> dict:
     """Run the benchmark; returns the result document (also written as JSON after every cell, and
     a PNG per context, under ``out_dir``).
@@ -790,12 +910,16 @@ def run(
     builds (quick A/B). ``tuning_draws``: compiles of each tuned stock per cell (``TUNED``), the
     fastest timed (``fullgraph.fastest_draw``). ``step``: the step launch is timed beside triton
     (``STEP_BACKEND``; on CUDA sm_90+ at the widths it accepts, a skipped cell with the reason at
-    the others); False leaves it out."""
+    the others); False leaves it out. ``step_variants``: name -> plan of the step launch
+    (``step_plan.PLAN_KNOBS``), each timed as ``triton-step-<name>`` where the step launch is
+    (default ``DEFAULT_STEP_VARIANTS``; ``{}`` for none)."""
     contexts = [contexts] if isinstance(contexts, int) else list(contexts)
     stock = tuple(stock) if baselines else ()
     check_arguments(profiles, batches, contexts, fp8_profiles, stock, tuple(w8a16_batches), tuning_draws)
     variants = DEFAULT_VARIANTS if variants is None else variants
     _check_variants(variants, step)
+    step_variants = DEFAULT_STEP_VARIANTS if step_variants is None else step_variants
+    check_step_variants(step_variants)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
     start = time.monotonic()
@@ -825,6 +949,7 @@ def run(
         "stock": list(stock),
         "variants": variants,
         "step": step,
+        "step_variants": step_variants if step else {},
         "results": [],
         "timelines": [],
     }
@@ -857,6 +982,7 @@ def run(
             device,
             log,
             variants=variants,
+            step_variants=step_variants,
             stock=stock,
             w8a16_batches=tuple(w8a16_batches),
             timeline_batches=tuple(timeline_batches),
@@ -996,6 +1122,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants", default=None, help="JSON: name -> launch-target change (default: the previous target as 'before')"
     )
+    ap.add_argument(
+        "--step-variants",
+        default=None,
+        help=f"JSON: name -> step launch plan ({', '.join(f'{k}: {lo}-{hi}' for k, (_, lo, hi) in PLAN_KNOBS.items())}), "
+        f"each timed as {STEP_BACKEND}-<name> beside {STEP_BACKEND} (default: {json.dumps(DEFAULT_STEP_VARIANTS)}; "
+        "{} for none)",
+    )
     ap.add_argument("--timeline-batches", default="", help="batches drawn as per-stage timelines, e.g. 1,8")
     ap.add_argument("--timeline-contexts", default=None, help="contexts of the timelines (default: the first)")
     ap.add_argument("--deadline-s", type=float, default=None, help="record cells not started by then as skipped")
@@ -1027,6 +1160,12 @@ def main(argv: list[str] | None = None) -> int:
             raise MonodecodeError(f"--variants is not JSON: {e}") from None
         if variants is not None and not isinstance(variants, dict):
             raise MonodecodeError("--variants must be a JSON object (name -> launch-target change)")
+        try:
+            step_variants = json.loads(a.step_variants) if a.step_variants else None
+        except json.JSONDecodeError as e:
+            raise MonodecodeError(f"--step-variants is not JSON: {e}") from None
+        if step_variants is not None:
+            check_step_variants(step_variants)  # the prewarm too: a bad one fails before any GPU work
         if a.replays < 1:
             raise MonodecodeError(f"--replays must be >= 1, got {a.replays}")
         if a.deadline_s is not None and not a.deadline_s > 0:
@@ -1052,6 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
             timeline_contexts=None if a.timeline_contexts is None else _csv(a.timeline_contexts, int),
             tuning_draws=a.tuning_draws,
             step=not a.no_step,
+            step_variants=step_variants,
         )
     except MonodecodeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,8 @@ Verdict rules:
   model can run it in BF16, and the W8A8 stock is slower than the BF16 GEMMs.
 - The step launch (``STEP_BACKEND``, one launch a step over every layer) is held to triton's
   rules beside it in each cell: it counts only within the same bound, against the same stock;
-  the cells it did not run (a width it refuses, a skipped cell) are left out of its verdict.
+  the cells it did not run (a width it refuses, a skipped cell) are left out of its verdict. Its
+  variants (``triton-step-<name>``), like triton's, are in no verdict: only in the tables.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ STOCK_BACKENDS = (
 )
 # The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row) and the split-K Triton GEMM.
 W8A16_BACKENDS = ("stock-fullgraph-cdt", "stock-fullgraph-splitk")
-# The step launch (``kernels/triton/step_launch.py``), timed beside ``triton`` where it runs.
+# The step launch (``kernels/triton/step_launch.py``), timed beside ``triton`` where it runs;
+# its variants (a changed plan, ``--step-variants``) as ``triton-step-<name>`` beside it.
 STEP_BACKEND = "triton-step"
 LABELS = {
     "reference-eager": "reference (oracle) eager",
@@ -67,6 +69,11 @@ SPEED_TARGET, SPEED_TARGET_B1, SPEED_TARGET_B1_MAX_CONTEXT = 1.00, 1.10, 8192
 
 def cell(r: dict) -> tuple:
     return (r["profile"], r["weight_dtype"], r.get("context"), r["batch"])
+
+
+def is_step_backend(backend: str) -> bool:
+    """Whether ``backend`` is the step launch or one of its variants (timed with ``forward_step``)."""
+    return backend == STEP_BACKEND or backend.startswith(STEP_BACKEND + "-")
 
 
 def tolerance(r: dict) -> float | None:
@@ -266,8 +273,12 @@ def report_rows(doc: dict) -> list[tuple]:
 
 
 def _kernel_backends(present: set[str]) -> list[str]:
-    """The triton builds among ``present``: triton first, the step launch next, then the variants."""
-    return sorted((b for b in present if b.startswith("triton")), key=lambda b: (b != "triton", b != STEP_BACKEND, b))
+    """The triton builds among ``present``: triton first, the step launch next, its variants, then
+    triton's variants."""
+    return sorted(
+        (b for b in present if b.startswith("triton")),
+        key=lambda b: (b != "triton", b != STEP_BACKEND, not is_step_backend(b), b),
+    )
 
 
 def _backends(rows: list[dict]) -> list[str]:

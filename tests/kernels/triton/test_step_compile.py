@@ -46,6 +46,62 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
     assert planned <= shared <= min(SMEM_PER_PROGRAM, planned + SHARED_SCRATCH), (planned, shared)
 
 
+@pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"pf": 8}), ("llama3-1b", 8, {"pf": 8}),
+                                                   ("llama3-1b", 1, {"ring": 4, "pf": 8})])  # fmt: skip
+def test_plan_variants_compile_without_spills(profile, width, plan):
+    """The benchmark's step variants (``PLAN_KNOBS``: L2 prefetch at the waits, a 4-slot ring where
+    it fits) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    from monodecode.kernels.triton.offline import cuda_resources
+    from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
+
+    dims = profile_dims(profile)
+    compiled = compile_step(dims, width, H200_SMS, 16, plan)
+    assert cuda_resources("step_kernel", width, 8, compiled).spills == 0
+    planned = StepGeometry(dims, width, H200_SMS, **plan).shared_bytes()
+    assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
+    if plan.get("pf"):
+        assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"]
+
+
+def test_bad_plans_are_refused_in_one_line():
+    """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
+    width's shared memory (a 4-slot ring at width 8) are one ConfigError line from the build."""
+    from monodecode.errors import ConfigError
+    from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
+
+    assert checked_plan(None) == {} and checked_plan({"pf": 8}) == {"pf": 8}
+    assert set(PLAN_KNOBS) == {"ring", "pf"}
+    for plan, msg in (({"depth": 2}, "unknown knob 'depth'"), ({"pf": 17}, "pf must be an integer 0-16"),
+                      ({"ring": 1}, "ring must be an integer 2-8"), ({"pf": True}, "pf must be"),
+                      ({"pf": "8"}, "pf must be")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            checked_plan(plan)
+    with pytest.raises(ValueError, match="exceed"):
+        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()
+    StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, ring=4).check()
+    with pytest.raises(ConfigError, match="unknown knob") as e:
+        _small_build((1,), plan={"depth": 2})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="exceed"):
+        _small_build((1, 2), plan={"ring": 6})
+    assert _small_build((1,), plan={"pf": 4})[1].geometry[1].pf == 4
+
+
+def test_a_variant_reads_the_packed_weights_it_shares():
+    """A build with ``share`` (the benchmark's step variants) reads the other build's packed
+    weights and TMA views, which are the model's layout whatever the plan: one copy on the GPU."""
+    import dataclasses
+
+    from monodecode.kernels.triton.step_launch import StepKernels
+
+    dims, base = _small_build((1,))
+    variant = StepKernels(base.req, _weights(dims), H200_SMS, "cpu", plan={"ring": 4}, share=base)
+    assert variant.weights is base.weights and variant.descriptors is base.descriptors
+    assert variant.geometry[1].ring == 4 and base.geometry[1].ring == 3
+    own = StepKernels(dataclasses.replace(base.req), _weights(dims), H200_SMS, "cpu", plan={"ring": 4})
+    assert own.weights is not base.weights and torch.equal(own.weights, base.weights)
+
+
 def test_geometry_counts_tiles_splits_and_padding():
     """Llama-3-1B at width 1 and 8 on 132 SMs, worked by hand: QKV 3072 rows = 192 tiles (2 a
     program), o_proj and down 128 (1), gate/up 16384 (125 -> 1); a layer's chunks 2x2 + 2 + 1x2 +
@@ -113,7 +169,7 @@ def test_packed_weights_are_where_the_kernel_reads_them():
         assert torch.equal(rows_i[d0 : d0 + h], lw.down_proj.weight)
 
 
-def _small_build(widths=(1, 2)):
+def _small_build(widths=(1, 2), plan=None):
     """``StepKernels`` of a 2-layer Llama-shaped model small enough for this CPU (hidden 1024,
     intermediate 3072), built on the CPU: everything but the launch itself."""
     from monodecode.kernels.base import BuildRequest
@@ -125,7 +181,7 @@ def _small_build(widths=(1, 2)):
     )
     platform = Platform(kind="cuda", arch="sm_90", name="NVIDIA H100", compute_units=H200_SMS, torch_usable=True)
     req = BuildRequest(dims, "bf16", 1, widths, 16, platform)
-    return dims, StepKernels(req, _weights(dims), H200_SMS, "cpu")
+    return dims, StepKernels(req, _weights(dims), H200_SMS, "cpu", plan=plan)
 
 
 def test_launch_arguments_match_the_kernel_signature():

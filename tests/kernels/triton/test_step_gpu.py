@@ -337,3 +337,29 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
         tk.close()
     with pytest.raises(RefusalError, match="widths"):
         TritonStepBackend().build(_request("llama3-8b", (1, 8), 2.0), _weights(*B8[::2]), None, allow_jit=True)
+
+
+@pytest.mark.parametrize(("plan", "widths", "case"), [({"pf": 8}, (1, 8), "w1"), ({"pf": 8}, (1, 8), "w8"),
+                                                      ({"ring": 4, "pf": 4}, (1,), "w1")])  # fmt: skip
+def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
+    """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots, the chunks asked of L2
+    at each wait) move bytes earlier, never change a sum: the whole step and the K/V it writes
+    are bit for bit the default plan's."""
+    from monodecode.kernels.triton.step_launch import StepKernels
+
+    dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS[case], seed=11)
+    req = _request(B1[0], widths, 2.0)
+    changed = StepKernels(req, weights, req.platform.compute_units, _gpu(), plan=plan)
+    try:
+        kv2 = _snapshot(before)
+        h = tk.forward_step(x, [meta] * B1[2], kv)
+        h2 = changed.forward_step(x, [meta] * B1[2], kv2)
+        torch.cuda.synchronize()
+        assert torch.equal(h, h2), f"plan {plan}: the step's output differs from the default plan's"
+        for l in range(B1[2]):
+            assert torch.equal(kv.key[l], kv2.key[l]) and torch.equal(kv.value[l], kv2.value[l]), (
+                f"plan {plan}: layer {l}'s K/V differ from the default plan's"
+            )
+        assert changed.health() == 0, decode_health(changed.health())
+    finally:
+        changed.close()
