@@ -525,7 +525,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
-                PF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                PF: gl.constexpr = 0, KV_EARLY: gl.constexpr = 1, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -538,7 +538,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     row's context including the new position). Counters int64: ``ctr`` [nlayers, NCTR], ``hctr``
     [nlayers, NB, KVH], ``epoch`` [1]; ``health`` int32. ``spin``: polls a program may spend waiting.
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
-    non-finite (its outgoing residual is NaN). ``PF``: chunks asked of L2 at each wait (``_prefetch_ahead``)."""
+    non-finite (its outgoing residual is NaN). ``PF``: chunks asked of L2 at each wait (``_prefetch_ahead``);
+    ``KV_EARLY``: the attention task's first K/V tiles issued before its QKV wait (1) or after (0)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     XMAX: gl.constexpr = INTER // BK  # the staged input: down's input as [INTER // BK, BK]
@@ -652,13 +653,16 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
                     bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    if has_task:
+                    if KV_EARLY and has_task:
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     if PF > 0:  # behind the K/V copies: the attention's first tiles go first
                         pf_at = _prefetch_ahead(w_ptr, pf_at, i, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR,
                                                 OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, PF, NW)  # fmt: skip
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
+                    if (not KV_EARLY) and has_task:  # the probe's order: the first K/V tiles after the wait
+                        bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
+                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))

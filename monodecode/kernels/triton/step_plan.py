@@ -32,8 +32,10 @@ KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
 WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
 # name -> (default, least, most). ``ring``: the weight ring's slots; ``pf``: weight chunks past the
-# ring's window asked of L2 as a program enters each wait, so HBM streams on through it.
-PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "pf": (0, 0, NUM_WARPS * 32 // ROWS)}  # pf: one 2 KiB row a thread
+# ring's window asked of L2 as a program enters each wait, so HBM streams on through it (one 2 KiB
+# row a thread); ``kv_early``: an attention task's first K/V tiles go out before its QKV wait (1)
+# or after it, as the probe had them (0).
+PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "pf": (0, 0, NUM_WARPS * 32 // ROWS), "kv_early": (1, 0, 1)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -127,6 +129,7 @@ class StepGeometry:
     programs: int
     ring: int = WEIGHT_RING
     pf: int = 0
+    kv_early: int = 1
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -254,6 +257,7 @@ class StepGeometry:
             "NPROG": self.programs,
             "NBUF": self.ring,
             "PF": self.pf,
+            "KV_EARLY": self.kv_early,
             "T0": t0,
             "TO": to,
             "T1": t1,

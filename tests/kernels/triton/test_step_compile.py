@@ -47,10 +47,11 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 
 
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"pf": 8}), ("llama3-1b", 8, {"pf": 8}),
-                                                   ("llama3-1b", 1, {"ring": 4, "pf": 8})])  # fmt: skip
+                                                   ("llama3-1b", 1, {"ring": 4, "pf": 8}),
+                                                   ("llama3-8b", 1, {"pf": 8, "kv_early": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: L2 prefetch at the waits, a 4-slot ring where
-    it fits) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    it fits, the first K/V copies after the QKV wait) compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -70,7 +71,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"pf": 8}) == {"pf": 8}
-    assert set(PLAN_KNOBS) == {"ring", "pf"}
+    assert set(PLAN_KNOBS) == {"ring", "pf", "kv_early"}
     for plan, msg in (({"depth": 2}, "unknown knob 'depth'"), ({"pf": 17}, "pf must be an integer 0-16"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"pf": True}, "pf must be"),
                       ({"pf": "8"}, "pf must be")):  # fmt: skip

@@ -340,10 +340,11 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
 
 
 @pytest.mark.parametrize(("plan", "widths", "case"), [({"pf": 8}, (1, 8), "w1"), ({"pf": 8}, (1, 8), "w8"),
-                                                      ({"ring": 4, "pf": 4}, (1,), "w1")])  # fmt: skip
+                                                      ({"ring": 4, "pf": 4}, (1,), "w1"),
+                                                      ({"pf": 8, "kv_early": 0}, (1, 8), "w8-5rows")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots, the chunks asked of L2
-    at each wait) move bytes earlier, never change a sum: the whole step and the K/V it writes
+    at each wait, when the first K/V copies go out) move bytes, never change a sum: the whole step and the K/V it writes
     are bit for bit the default plan's."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
