@@ -51,7 +51,7 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, pf)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, pf, kv_early)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
