@@ -51,12 +51,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, pf, kv_early)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
-            ["--step-variants", '{"x": {"pf": 17}}'],
-            "error: step variant 'x': step launch plan: pf must be an integer 0-16, got 17",
+            ["--step-variants", '{"x": {"pf": 8}}'],
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
@@ -67,7 +67,10 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
             "error: step variant 'x': step launch plan: ring must be an integer",
         ),
         # the prewarm takes the run's arguments (device_run.sh's BENCH_ARGS): a bad one fails it too
-        (["--prewarm-only", "--step-variants", '{"x": {"pf": -1}}'], "error: step variant 'x': step launch plan: pf"),
+        (
+            ["--prewarm-only", "--step-variants", '{"x": {"ring": -1}}'],
+            "error: step variant 'x': step launch plan: ring",
+        ),
     ],
 )
 def test_command_line_errors_are_one_line(tmp_path, capsys, argv, fragment):
@@ -337,14 +340,12 @@ def test_step_variants_reach_run_and_the_prewarm_takes_them(monkeypatch, tmp_pat
     monkeypatch.setattr(harness, "_prewarm", lambda a, contexts: warmed.append(a.step_variants) or 0)
     harness.main(["--out", str(tmp_path)])
     harness.main(["--step-variants", "{}", "--out", str(tmp_path)])
-    harness.main(
-        ["--step-variants", '{"ring4": {"ring": 4}, "ring4-pf8": {"ring": 4, "pf": 8}}', "--out", str(tmp_path)]
-    )
-    assert seen == [None, {}, {"ring4": {"ring": 4}, "ring4-pf8": {"ring": 4, "pf": 8}}]
-    assert harness.DEFAULT_STEP_VARIANTS == {"pf4": {"pf": 4}, "pf8": {"pf": 8}}
+    harness.main(["--step-variants", '{"ring4": {"ring": 4}, "ring2": {"ring": 2}}', "--out", str(tmp_path)])
+    assert seen == [None, {}, {"ring4": {"ring": 4}, "ring2": {"ring": 2}}]
+    assert harness.DEFAULT_STEP_VARIANTS == {}
     harness.check_step_variants(harness.DEFAULT_STEP_VARIANTS)
-    assert harness.main(["--prewarm-only", "--step-variants", '{"pf4":{"pf":4}}', "--out", str(tmp_path)]) == 0
-    assert warmed == ['{"pf4":{"pf":4}}']
+    assert harness.main(["--prewarm-only", "--step-variants", '{"r4":{"ring":4}}', "--out", str(tmp_path)]) == 0
+    assert warmed == ['{"r4":{"ring":4}}']
 
 
 def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch_runs(monkeypatch, tmp_path):
@@ -372,8 +373,8 @@ def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch
 
 def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     """The shared-memory budget of a longer weight ring: 1B fits ring 4 only at width 1 (widths
-    2-8 stage down's input beside the ring), prefetch 8 needs no shared memory and fits every
-    width; 8B at width 1 has no room for a fourth slot."""
+    2-8 stage down's input beside the ring), a 2-slot ring fits every width; 8B at width 1 has no
+    room for a fourth slot."""
     from monodecode.model.profiles import profile_dims
 
     one_b, eight_b = profile_dims("llama3-1b"), profile_dims("llama3-8b")
@@ -381,11 +382,11 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     fits, why = harness.step_variant_widths(one_b, widths, 132, {"ring": 4})
     assert fits == (1,) and sorted(why) == list(range(2, 9))
     assert all("bytes of shared memory at width" in r for r in why.values()), why
-    assert harness.step_variant_widths(one_b, widths, 132, {"pf": 8}) == (widths, {})
+    assert harness.step_variant_widths(one_b, widths, 132, {"ring": 2}) == (widths, {})
     assert harness.step_variant_widths(one_b, widths, 132, {}) == (widths, {})
     fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
     assert fits == () and "shared memory at width 1" in why[1]
-    assert harness.step_variant_widths(eight_b, (1,), 132, {"pf": 8}) == ((1,), {})
+    assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 2}) == ((1,), {})
 
 
 def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_run(monkeypatch):
@@ -404,7 +405,7 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
 
     def fake_variant(req_, widths, weights, plan, base):
         built.append((widths, plan))
-        if plan.get("pf") == 16:
+        if plan.get("ring") == 2:
             raise RuntimeError("gluon compile failed\ndetails")
         return FakeStep(widths)
 
@@ -418,17 +419,17 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
     assert sorted(not_run) == [2, 8] and all(skipped for _, skipped in not_run.values())
     assert not_run[2][0].startswith("skipped: the step plan {'ring': 4} does not fit width 2: step launch: ")
     assert any(f"{b} not timed at width 8" in line for line in logs)
-    bad, failed = harness._build_step_variant(req, None, step, "triton-step-pf16", {"pf": 16}, logs.append)
+    bad, failed = harness._build_step_variant(req, None, step, "triton-step-ring2", {"ring": 2}, logs.append)
     assert bad is None and failed == {w: ("build failed: RuntimeError: gluon compile failed", False) for w in (1, 2, 8)}
 
     kernels = {"triton": FakeStep((1, 2, 8, 16)), harness.STEP_BACKEND: step, b: tk}
     ctx = _ctx("llama3-1b", {16: ("skipped: refused", True)}, kernels=kernels)
-    ctx["step_variants"] = {"ring4": {"ring": 4}, "pf16": {"pf": 16}}
-    ctx["step_variants_not_run"] = {b: not_run, "triton-step-pf16": failed}
-    step_cols = [harness.STEP_BACKEND, b, "triton-step-pf16"]
+    ctx["step_variants"] = {"ring4": {"ring": 4}, "ring2": {"ring": 2}}
+    ctx["step_variants_not_run"] = {b: not_run, "triton-step-ring2": failed}
+    step_cols = [harness.STEP_BACKEND, b, "triton-step-ring2"]
     for rows, timed, recorded in (
-        (1, step_cols[:2], {"triton-step-pf16": False}),
-        (2, step_cols[:1], {b: True, "triton-step-pf16": False}),
+        (1, step_cols[:2], {"triton-step-ring2": False}),
+        (2, step_cols[:1], {b: True, "triton-step-ring2": False}),
         (16, [], {harness.STEP_BACKEND: True}),
     ):
         wanted = harness._cell_backends(ctx, rows, floor=False, w8a16_batches=())
@@ -445,4 +446,4 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
     # so the lookup by name cannot mislabel one as the other
     ctx["variants"] = {"before": {"pdl": ""}}
     assert harness._row(ctx, 1, 1024, "triton-before", None, None, None, None)["triton_change"] == {"pdl": ""}
-    assert harness._row(ctx, 1, 1024, "triton-step-pf16", None, "x", None, None)["triton_change"] == {"pf": 16}
+    assert harness._row(ctx, 1, 1024, "triton-step-ring2", None, "x", None, None)["triton_change"] == {"ring": 2}

@@ -110,45 +110,6 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
 
 
 @gluon.jit
-def _prefetch_l2(w_ptr, lo, hi, total, pid, first, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
-                 C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr,
-                 OFF_GU: gl.constexpr, OFF_D: gl.constexpr, LAYER_W: gl.constexpr, NPROG: gl.constexpr,
-                 NW: gl.constexpr):  # fmt: skip
-    """Ask L2 for chunks ``lo .. hi - 1`` (at most ``32 * NW // ROWS``) of the program's sequence,
-    one 2 KiB row a thread (``cp.async.bulk.prefetch.L2``: no registers, shared memory or barrier
-    held), so that their refills read L2 while HBM, otherwise idle behind a full ring in a wait,
-    has streamed them meanwhile. Chunks past the end or the program's tiles: nothing."""
-    q = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-    i = lo + q // ROWS
-    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
-    tile = pid + j * NPROG
-    ok = (i < hi) & (i < total) & (tile < tiles)
-    row = (tile * ROWS + q % ROWS).to(gl.int64)
-    off = (first + layer).to(gl.int64) * LAYER_W + base + row * kdim + k * BK
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [w_ptr + off, ok.to(gl.int32)],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
-def _prefetch_ahead(w_ptr, pf_at, i, total, pid, first, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
-                    C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr, QKVR: gl.constexpr,
-                    OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr, LAYER_W: gl.constexpr,
-                    NPROG: gl.constexpr, NBUF: gl.constexpr, PF: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """A program entering a wait at chunk ``i``: the ``PF`` chunks after the ring's window asked of
-    L2, less those asked already (``pf_at``: the end of the last window asked); returns the new end."""
-    hi = i + NBUF - 1 + PF
-    _prefetch_l2(w_ptr, gl.maximum(pf_at, i + NBUF - 1), hi, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR,
-                 OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NW)  # fmt: skip
-    return hi
-
-
-@gluon.jit
 def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
     """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf``; returns its
     rstd, which each output row's sum takes at the end."""
@@ -287,9 +248,8 @@ def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
 def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
               BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """An attention task's first ``KVS - 1`` K/V tiles (``KVS`` 2 or 3) into the ring (their blocks,
-    then their copies): issued before the task waits for QKV, since the cached context does not depend on it,
-    so the block table's and the cache's round trips run during the wait. Returns the blocks of
-    the next tile, which ``_attend``'s first step copies."""
+    then their copies), right after the task's QKV wait. Returns the blocks of the next tile, which
+    ``_attend``'s first step copies."""
     # every tile's blocks asked for at once (one round trip, not one a tile), then the copies
     b0 = _kv_blocks(bt_row, start, end, BS, NW)
     b1 = _kv_blocks(bt_row, start + NW * 16, end, BS, NW)
@@ -525,7 +485,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
-                PF: gl.constexpr = 0, KV_EARLY: gl.constexpr = 1, NW: gl.constexpr = 8):  # fmt: skip
+                NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -538,8 +498,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     row's context including the new position). Counters int64: ``ctr`` [nlayers, NCTR], ``hctr``
     [nlayers, NB, KVH], ``epoch`` [1]; ``health`` int32. ``spin``: polls a program may spend waiting.
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
-    non-finite (its outgoing residual is NaN). ``PF``: chunks asked of L2 at each wait (``_prefetch_ahead``);
-    ``KV_EARLY``: the attention task's first K/V tiles issued before its QKV wait (1) or after (0)."""
+    non-finite (its outgoing residual is NaN)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     XMAX: gl.constexpr = INTER // BK  # the staged input: down's input as [INTER // BK, BK]
@@ -620,7 +579,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
-    pf_at = 0  # the end of the chunks asked of L2 so far (PF)
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
         tile = pid + j * NPROG
@@ -632,10 +590,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         res_dst = res_ptr + layer * (NB * HIDDEN)
         if k == 0:  # a task starts (the old sums are dead here)
             if j == 0:  # a stage starts: wait for its input, stage it
-                if PF > 0:  # every wait but the attention's (below, after its K/V copies) and layer 0's QKV (none)
-                    if (s != 1) & ((s != 0) | (layer > 0)):
-                        pf_at = _prefetch_ahead(w_ptr, pf_at, i, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR,
-                                                OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, PF, NW)  # fmt: skip
                 if s == 0:
                     if layer > 0:
                         spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
@@ -647,20 +601,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     else:
                         rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 elif s == 1:
-                    # the task's first K/V tiles go out before the wait (every thread is past the QKV
-                    # stage's last use of the staged input they overwrite: its counting barrier)
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
                     bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    if KV_EARLY and has_task:
-                        bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
-                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
-                    if PF > 0:  # behind the K/V copies: the attention's first tiles go first
-                        pf_at = _prefetch_ahead(w_ptr, pf_at, i, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR,
-                                                OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, PF, NW)  # fmt: skip
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
-                    if (not KV_EARLY) and has_task:  # the probe's order: the first K/V tiles after the wait
+                    # the task's first K/V tiles after the wait, not before it: run 106 timed them before
+                    # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
+                    if has_task:
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     if has_task:

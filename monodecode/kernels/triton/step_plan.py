@@ -31,11 +31,10 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
 WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
-# name -> (default, least, most). ``ring``: the weight ring's slots; ``pf``: weight chunks past the
-# ring's window asked of L2 as a program enters each wait, so HBM streams on through it (one 2 KiB
-# row a thread); ``kv_early``: an attention task's first K/V tiles go out before its QKV wait (1)
-# or after it, as the probe had them (0).
-PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "pf": (0, 0, NUM_WARPS * 32 // ROWS), "kv_early": (1, 0, 1)}
+# name -> (default, least, most). ``ring``: the weight ring's slots. (Run 106 timed two more and
+# dropped them: weight chunks asked of L2 at each wait, 4-8 % slower, and the attention's first K/V
+# copies before its QKV wait, 0.4-1.2 % slower.)
+PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -128,8 +127,6 @@ class StepGeometry:
     width: int
     programs: int
     ring: int = WEIGHT_RING
-    pf: int = 0
-    kv_early: int = 1
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -256,8 +253,6 @@ class StepGeometry:
             "LAYER_A": a["end"],
             "NPROG": self.programs,
             "NBUF": self.ring,
-            "PF": self.pf,
-            "KV_EARLY": self.kv_early,
             "T0": t0,
             "TO": to,
             "T1": t1,

@@ -175,10 +175,9 @@ DEFAULT_VARIANTS = {
         "wide_even_waves": False,
     },
 }
-# Plan changes of the step launch measured next to its default plan (``--step-variants``): L2
-# prefetch of the 4 / 8 weight chunks after the weight ring's window as a program enters each wait
-# (``step_plan.PLAN_KNOBS["pf"]``), so HBM streams on through the waits; unmeasured until run 106.
-DEFAULT_STEP_VARIANTS = {"pf4": {"pf": 4}, "pf8": {"pf": 8}}
+# Plan changes of the step launch measured next to its default plan (``--step-variants``): none by
+# default, since run 106 settled the ones it had (the default plan now holds what won).
+DEFAULT_STEP_VARIANTS: dict[str, dict[str, int]] = {}
 # A step variant's name (its backend is ``triton-step-<name>``).
 STEP_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*(?:-[A-Za-z0-9_]+)*")
 BLOCK = 16

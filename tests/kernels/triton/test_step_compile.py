@@ -46,12 +46,11 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
     assert planned <= shared <= min(SMEM_PER_PROGRAM, planned + SHARED_SCRATCH), (planned, shared)
 
 
-@pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"pf": 8}), ("llama3-1b", 8, {"pf": 8}),
-                                                   ("llama3-1b", 1, {"ring": 4, "pf": 8}),
-                                                   ("llama3-8b", 1, {"pf": 8, "kv_early": 0})])  # fmt: skip
+@pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
+                                                   ("llama3-8b", 1, {"ring": 2})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
-    """The benchmark's step variants (``PLAN_KNOBS``: L2 prefetch at the waits, a 4-slot ring where
-    it fits, the first K/V copies after the QKV wait) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one)
+    compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -60,8 +59,6 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert cuda_resources("step_kernel", width, 8, compiled).spills == 0
     planned = StepGeometry(dims, width, H200_SMS, **plan).shared_bytes()
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
-    if plan.get("pf"):
-        assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"]
 
 
 def test_bad_plans_are_refused_in_one_line():
@@ -70,11 +67,11 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.errors import ConfigError
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
-    assert checked_plan(None) == {} and checked_plan({"pf": 8}) == {"pf": 8}
-    assert set(PLAN_KNOBS) == {"ring", "pf", "kv_early"}
-    for plan, msg in (({"depth": 2}, "unknown knob 'depth'"), ({"pf": 17}, "pf must be an integer 0-16"),
-                      ({"ring": 1}, "ring must be an integer 2-8"), ({"pf": True}, "pf must be"),
-                      ({"pf": "8"}, "pf must be")):  # fmt: skip
+    assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
+    assert set(PLAN_KNOBS) == {"ring"}
+    for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
+                      ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
+                      ({"ring": "4"}, "ring must be")):  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             checked_plan(plan)
     with pytest.raises(ValueError, match="exceed"):
@@ -85,7 +82,7 @@ def test_bad_plans_are_refused_in_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="exceed"):
         _small_build((1, 2), plan={"ring": 6})
-    assert _small_build((1,), plan={"pf": 4})[1].geometry[1].pf == 4
+    assert _small_build((1,), plan={"ring": 2})[1].geometry[1].ring == 2
 
 
 def test_a_variant_reads_the_packed_weights_it_shares():

@@ -339,13 +339,11 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
         TritonStepBackend().build(_request("llama3-8b", (1, 8), 2.0), _weights(*B8[::2]), None, allow_jit=True)
 
 
-@pytest.mark.parametrize(("plan", "widths", "case"), [({"pf": 8}, (1, 8), "w1"), ({"pf": 8}, (1, 8), "w8"),
-                                                      ({"ring": 4, "pf": 4}, (1,), "w1"),
-                                                      ({"pf": 8, "kv_early": 0}, (1, 8), "w8-5rows")])  # fmt: skip
+@pytest.mark.parametrize(("plan", "widths", "case"), [({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"),
+                                                      ({"ring": 2}, (1, 8), "w8-5rows")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
-    """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots, the chunks asked of L2
-    at each wait, when the first K/V copies go out) move bytes, never change a sum: the whole step and the K/V it writes
-    are bit for bit the default plan's."""
+    """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots) move bytes, never
+    change a sum: the whole step and the K/V it writes are bit for bit the default plan's."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
     dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS[case], seed=11)
