@@ -51,12 +51,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
@@ -218,14 +218,13 @@ def _request(profile, widths, platform, weight_dtype="bf16"):
 
 
 def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
-    """The harness asks the ``triton-step`` backend, width by width: on CUDA sm_90+ it serves 1B at
-    widths 1-8 and 8B only at 1 (down's input does not fit shared memory wider); any other
-    platform, FP8 weights, Gemma's layers and widths over 8 are refused, each with its reason."""
+    """The harness asks the ``triton-step`` backend, width by width: on CUDA sm_90+ it serves 1B and
+    8B at widths 1-8; any other platform, FP8 weights, Gemma's layers and widths over 8 are
+    refused, each with its reason."""
     by_width = harness.step_refusals_by_width
     assert by_width(_request("llama3-1b", (1, 2, 4, 8), _platform())) == {}
     assert by_width(_request("llama3-1b", (1, 8), _platform(arch="sm_100"))) == {}
-    refused = by_width(_request("llama3-8b", (1, 2, 8), _platform()))
-    assert sorted(refused) == [2, 8] and all("model_dims: above 1 row" in why for why in refused.values())
+    assert by_width(_request("llama3-8b", (1, 2, 8), _platform())) == {}
     over = by_width(_request("llama3-1b", (8, 16), _platform()))
     assert list(over) == [16] and "model_dims: the step launch decodes 1-8 rows" in over[16]
     for platform in (_platform("cpu", "cpu", False), _platform(arch="sm_80"), _platform("rocm", "gfx942")):
@@ -259,11 +258,11 @@ def _ctx(profile, step_not_run, kernels=None, step=True):
 
 
 def test_a_refused_width_records_why_in_its_cell(monkeypatch):
-    """8B at width 8 (and any width on a CPU): the cell times every other backend and records the
+    """Width 16 (and any width on a CPU): the cell times every other backend and records the
     step launch as skipped with the refusal's reason; at a width it runs it is timed like triton;
     ``--no-step``: it is not in the cell at all."""
     logs = []
-    req = _request("llama3-8b", (1, 8), _platform())
+    req = _request("llama3-1b", (1, 16), _platform())
     built = []
 
     class FakeStep:
@@ -279,19 +278,19 @@ def test_a_refused_width_records_why_in_its_cell(monkeypatch):
     monkeypatch.setattr(harness, "_step_kernels", fake_build)
     tk, not_run = harness._build_step(req, None, logs.append)
     assert built == [(1,)] and isinstance(tk, FakeStep)
-    why, skipped = not_run[8]
-    assert skipped and why.startswith("skipped: the step launch refuses width 8: ") and "model_dims: above 1 row" in why
+    why, skipped = not_run[16]
+    assert skipped and why.startswith("skipped: the step launch refuses width 16: ") and "decodes 1-8 rows" in why
     assert 1 not in not_run
-    assert any("not timed at width 8" in line for line in logs)
+    assert any("not timed at width 16" in line for line in logs)
 
-    ctx = _ctx("llama3-8b", not_run, kernels={"triton": FakeStep(), harness.STEP_BACKEND: tk})
-    for rows, timed_step in ((1, True), (8, False)):
+    ctx = _ctx("llama3-1b", not_run, kernels={"triton": FakeStep(), harness.STEP_BACKEND: tk})
+    for rows, timed_step in ((1, True), (16, False)):
         wanted = harness._cell_backends(ctx, rows, floor=False, w8a16_batches=())
         assert wanted == ["reference-graph", "stock-fullgraph", "triton", harness.STEP_BACKEND]
         timed, recorded = harness._step_refused(ctx, rows, 1024, wanted)
         assert (harness.STEP_BACKEND in timed) == timed_step and len(recorded) == (not timed_step)
     (row,) = recorded
-    assert row["backend"] == harness.STEP_BACKEND and row["batch"] == 8 and row["skipped"] is True
+    assert row["backend"] == harness.STEP_BACKEND and row["batch"] == 16 and row["skipped"] is True
     assert row["error"] == why and row["step_ms"] is None and row["triton_programs_per_sm"] is None
 
     # CPU: refused at every width, never built; still one row a cell saying why
@@ -321,9 +320,9 @@ def test_a_step_build_that_fails_fails_its_cells_without_ending_the_run(monkeypa
     monkeypatch.setattr(harness, "_step_kernels", broken)
     monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
     logs = []
-    tk, not_run = harness._build_step(_request("llama3-8b", (1, 4), _platform()), None, logs.append)
+    tk, not_run = harness._build_step(_request("llama3-8b", (1, 16), _platform()), None, logs.append)
     assert tk is None and not_run[1] == ("build failed: RuntimeError: gluon compile failed", False)
-    assert not_run[4][1] is True
+    assert not_run[16][1] is True
     assert any(f"! {harness.STEP_BACKEND} build failed" in line for line in logs)
 
 

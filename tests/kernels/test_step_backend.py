@@ -95,9 +95,14 @@ def test_width_16_is_refused():
     assert reasons == ["model_dims: the step launch decodes 1-8 rows (mma.sync's 8 columns), asked for 16"]
 
 
-def test_llama3_8b_above_one_row_is_refused():
-    reasons = refusals(profile="llama3-8b", widths=(1, 2))
-    assert len(reasons) == 1 and "build widths (1,)" in reasons[0], reasons
+def test_llama3_8b_is_served_at_every_width_and_more_than_two_down_tiles_are_refused():
+    """8B above 1 row streams down's input (two down tiles a program on 132 SMs); a model with three
+    down tiles a program there is refused in one reason naming them."""
+    assert refusals(profile="llama3-8b", widths=(1, 2, 8)) == []
+    few = Platform(kind="cuda", arch="sm_90", name="NVIDIA H100 (MIG)", compute_units=96, torch_usable=True)
+    reasons = refusals(profile="llama3-8b", widths=(1, 2), platform=few)
+    assert [reason_code(r) for r in reasons] == ["model_dims"], reasons
+    assert "two down tiles at most" in reasons[0] and "need 3" in reasons[0], reasons
 
 
 def test_too_few_sms_for_the_attention_tasks_is_refused():

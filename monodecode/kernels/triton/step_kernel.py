@@ -24,7 +24,8 @@ carries ``x · w``), where the reference rounds ``x̂`` before the weight.
 
 The weights of every layer are one bf16 block (``StepGeometry.layer_weights`` elements a layer):
 [qkv (QKV, H) | o (H, H) | gate/up (2I, H), rows interleaved 8 gate then their 8 up | pad |
-down (H, I) | pad]. Activations (fp32, ``act``): per local layer and row [qkv | att | h1 | SiLU(g)·u].
+down (H, I) | pad]. Activations (fp32, ``act``): per local layer and row [qkv | att | h1 | SiLU(g)·u],
+and SiLU(g)·u again as bf16 where down's input streams (widths 2-8 of 8B: ``StepGeometry.streams_down``).
 Residuals leaving local layers 0 .. nlayers - 2 go to ``res`` (bf16 [nlayers, NB, H]); the last layer's to ``out``.
 """
 
@@ -66,10 +67,12 @@ def _wait_for(ctr_ptr, target, spin, health_ptr, code):
 
 @gluon.jit
 def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
-           INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr):  # fmt: skip
+           INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
+           TD: gl.constexpr, DSTREAM: gl.constexpr):  # fmt: skip
     """Chunk ``i`` of a program's sequence -> (local layer, stage, task slot, its K chunk, K chunks,
     output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
-    o_proj, 2 gate/up, 3 down (the rest of ``C``)."""
+    o_proj, 2 gate/up, 3 down (the rest of ``C``). A task's chunks are consecutive, except down's
+    where its input streams (``DSTREAM``): k-outer over the ``TD`` tiles, so each X chunk serves all."""
     layer = i // C
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
@@ -78,19 +81,24 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.conste
     tiles = gl.where(s == 0, QKVR // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
     kdim = gl.where(s == 3, INTER, HIDDEN)
     base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
-    return layer, s, rs // nk, rs % nk, nk, tiles, kdim, base
+    if DSTREAM:
+        return layer, s, gl.where(s == 3, rs % TD, rs // nk), gl.where(s == 3, rs // TD, rs % nk), nk, tiles, kdim, base
+    else:
+        return layer, s, rs // nk, rs % nk, nk, tiles, kdim, base
 
 
 @gluon.jit
 def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
-            LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr):  # fmt: skip
+            LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
+            DSTREAM: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk), or by ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``:
     each copied element's row and column in the chunk, broadcast to the slot's shape."""
-    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
+    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
+                                                   DSTREAM)  # fmt: skip
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     glayer = first + layer
@@ -151,6 +159,21 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
         return ss + 1.0
+
+
+@gluon.jit
+def _x_copy(xbuf, slot, g16, k, LAYER_A: gl.constexpr, NB: gl.constexpr, NW: gl.constexpr):
+    """Streamed down (widths 2-8): start copying X chunk ``k`` of the ``NB`` rows' bf16 SiLU(g)·u
+    (``g16``: row b's at ``g16 + 2 * b * LAYER_A``) into ``xbuf`` slot ``slot`` as mma's X
+    operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB`` zero-filled). No commit:
+    it joins the weight chunk's commit group that ``_refill`` closes next."""
+    KW: gl.constexpr = BK // NW
+    cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
+    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3))), 1), 2)
+    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, cp3))), 0), 0)
+    src = g16 + b3 * (2 * LAYER_A) + k * BK + w3 * KW + c3
+    async_copy.async_copy_global_to_shared(xbuf.index(slot), src, mask=(b3 < NB) & (w3 >= 0) & (c3 >= 0))
 
 
 @gluon.jit
@@ -438,11 +461,12 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
 
 
 @gluon.jit
-def _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live_ptr, layer, s, tile, tiles,
+def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, code, live_ptr, layer, s, tile, tiles,
                 HIDDEN: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
-                nlayers, NB: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+                nlayers, NB: gl.constexpr, DSTREAM: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """``_store_row`` for widths 2-8's [ROWS, NPAD] result: column b is row b's (rows ``LAYER_A``
-    apart in ``act``, ``HIDDEN`` in ``h_in``, ``res`` and ``out``; columns from ``NB`` on are padding)."""
+    apart in ``act``, ``HIDDEN`` in ``h_in``, ``res`` and ``out``; columns from ``NB`` on are padding).
+    Where down's input streams (``DSTREAM``), SiLU(g)·u goes to ``g16`` as bf16 too."""
     yl: gl.constexpr = y.type.layout
     yr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, yl))
     yb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, yl))
@@ -463,8 +487,11 @@ def _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, li
         uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
         hh = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, hl))[:, None]
         hb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, hl))[None, :]
-        gl.store(act + hb * LAYER_A + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv),
-                 mask=(hb < NB) & (tile < tiles) & (hh >= 0))  # fmt: skip
+        gu = _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv)
+        gok = (hb < NB) & (tile < tiles) & (hh >= 0)
+        gl.store(act + hb * LAYER_A + A_GU + tile * (ROWS // 2) + hh, gu, mask=gok)
+        if DSTREAM:
+            gl.store(g16 + hb * (2 * LAYER_A) + tile * (ROWS // 2) + hh, gu.to(gl.bfloat16), mask=gok)
     else:
         v = _bf(_bf(y) + gl.load(a + A_H1 + rows, mask=ok, cache_modifier=".cg"))
         live = gl.load(live_ptr + yb, mask=yb < NB, other=-1)[None, :] >= 0
@@ -485,6 +512,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
+                XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -498,10 +526,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     row's context including the new position). Counters int64: ``ctr`` [nlayers, NCTR], ``hctr``
     [nlayers, NB, KVH], ``epoch`` [1]; ``health`` int32. ``spin``: polls a program may spend waiting.
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
-    non-finite (its outgoing residual is NaN)."""
+    non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
+    down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
+    (``StepGeometry.streams_down``)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
-    XMAX: gl.constexpr = INTER // BK  # the staged input: down's input as [INTER // BK, BK]
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # copies and width 1's arithmetic
     col: gl.constexpr = gl.SliceLayout(0, cp_lay)
     row: gl.constexpr = gl.SliceLayout(1, cp_lay)
@@ -560,9 +589,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
-                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA)  # fmt: skip
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM)  # fmt: skip
+    # streamed down: the X chunks whose first weight chunk was asked for before down's wait
+    # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
+    XPRE: gl.constexpr = (NBUF - 2) // TD + 1
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+        acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)  # streamed down: the second tile's (k-outer)
         rstd = gl.full([NPAD], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW))))
     else:
         acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
@@ -580,10 +613,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
     for i in range(total):
-        layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D)
+        layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
+                                                       TD, DSTREAM)  # fmt: skip
         tile = pid + j * NPROG
         glayer = first + layer
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
+        g16 = act.to(gl.pointer_type(gl.bfloat16)) + 2 * A_G16  # its bf16 SiLU(g)·u (streamed down)
+        second = DSTREAM & (s == 3) & (j == 1)  # streamed down's second tile: its own accumulator
         h_in = res_ptr + (layer - 1) * (NB * HIDDEN)  # the layer's incoming residuals
         if layer == 0:
             h_in = x_ptr
@@ -643,14 +679,22 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
                     )
                     gl.thread_barrier()
-                    if MMAV:  # (gate/up's tasks stored SiLU(g)·u)
+                    if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
+                        for kk in gl.static_range(XPRE):
+                            _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
+                        async_copy.commit_group()
+                        async_copy.wait_group(0)
+                    elif MMAV:  # (gate/up's tasks stored SiLU(g)·u)
                         _stage_rows(xbuf, act + A_GU, LAYER_A, gin_ptr, INTER // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
                         for c in gl.static_range(INTER // BK):
                             xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
                 gl.thread_barrier()
             if MMAV:
-                acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+                if second:
+                    acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+                else:
+                    acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
@@ -658,23 +702,40 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
+        if DSTREAM:  # the refill below asks for down's k-th chunk of tile 0: its X chunk joins the group
+            # (k >= XPRE: this program is past down's wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
+            l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
+                                                      OFF_D, TD, DSTREAM)  # fmt: skip
+            if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
+                _x_copy(xbuf, 1 + k2 % XS, g16, k2, LAYER_A, NB, NW)
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
-                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA)  # fmt: skip
+                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
-            xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
-            acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
+            if DSTREAM:
+                xk = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk)).permute([0, 2, 1]).load(b_l)
+                w = ring.index(i % NBUF).load(a_l)
+                if second:
+                    acc2 = mma_v2(w, xk, acc2)
+                else:
+                    acc = mma_v2(w, xk, acc)
+            else:
+                xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
+                acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
         else:
             acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)
             if MMAV:
-                y = _warps_summed(acc, red, NW)
+                if second:
+                    y = _warps_summed(acc2, red, NW)
+                else:
+                    y = _warps_summed(acc, red, NW)
                 if nan:
                     y = y + float("nan")
-                _store_rows(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, slot_ptr, layer, s, tile,
-                            tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, NW)  # fmt: skip
+                _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_ptr, health_ptr, code, slot_ptr, layer, s,
+                            tile, tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, DSTREAM, NW)  # fmt: skip
             elif tile < tiles:
                 y = gl.sum(acc, axis=1)
                 if nan:

@@ -31,10 +31,11 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
 WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
-# name -> (default, least, most). ``ring``: the weight ring's slots. (Run 106 timed two more and
-# dropped them: weight chunks asked of L2 at each wait, 4-8 % slower, and the attention's first K/V
-# copies before its QKV wait, 0.4-1.2 % slower.)
-PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8)}
+# name -> (default, least, most). ``ring``: the weight ring's slots; ``stream_down``: 1 streams
+# down's input above 1 row wherever it could be staged whole too (``StepGeometry.streams_down``;
+# 0: only where it must). (Run 106 timed two more and dropped them: weight chunks asked of L2 at
+# each wait, 4-8 % slower, and the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower.)
+PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "stream_down": (0, 0, 1)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -84,17 +85,6 @@ def step_refusals(
         why.append(
             f"model_dims: the step launch decodes 1-{MAX_WIDTH} rows (mma.sync's 8 columns), asked for {over[0]}"
         )
-    if any(w > 1 for w in widths) and dims.intermediate_size <= dims.hidden_size:
-        why.append(
-            f"model_dims: above 1 row the step launch sums a task's warps through the staged input's first "
-            f"chunk, which a hidden-sized input ({dims.hidden_size}) reaches unless intermediate "
-            f"({dims.intermediate_size}) is larger; build widths (1,)"
-        )
-    if any(w > 1 for w in widths) and dims.intermediate_size > 8192:
-        why.append(
-            f"model_dims: above 1 row the step launch stages down's whole input of up to 8 rows in shared memory, "
-            f"which {dims.intermediate_size} columns do not fit (at most 8192); build widths (1,)"
-        )
     if programs is not None and not why:
         for w in widths:
             try:
@@ -127,6 +117,7 @@ class StepGeometry:
     width: int
     programs: int
     ring: int = WEIGHT_RING
+    stream_down: int = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -175,10 +166,57 @@ class StepGeometry:
     # -- activations and counters -------------------------------------------------------------
     @property
     def act_offsets(self) -> dict[str, int]:
-        """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u."""
+        """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u, and
+        where down's input streams (``streams_down``) SiLU(g)·u again as bf16 ("g16": I bf16 in
+        I / 2 words), which down's X chunks are copied from as they are."""
         h, i = self.dims.hidden_size, self.dims.intermediate_size
         q = self.qkv_rows
-        return {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
+        out = {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
+        if self.streams_down:
+            out["g16"], out["end"] = out["end"], out["end"] + i // 2
+        return out
+
+    # -- widths 2-8: down's input -------------------------------------------------------------
+    @property
+    def streams_down(self) -> bool:
+        """Widths 2-8 stage down's whole input (NB rows x I, bf16) beside the ring where it fits
+        and a program has one down tile (1B). Otherwise (8B: 14 chunks, 2 tiles a program) the
+        input streams: each X chunk is copied (``cp.async``, in the weight chunk's commit group)
+        into a small ring of X slots as its first weight chunk is asked for, and down's weight
+        chunks run k-outer over the program's tiles (two accumulators), so each X chunk is copied
+        once. The activations' task sums then pass through the staged input's first chunk, which
+        no X slot uses. Whether the whole input fits is judged at the default ring, so that a
+        longer ring (a plan knob) never changes how down is fed; ``stream_down`` 1 streams always."""
+        if self.width == 1:
+            return False
+        d = self.dims
+        full = WEIGHT_RING * ROWS * BK * 2 + max(d.intermediate_size // BK * BK * NPAD * 2, self._kv_bytes)
+        return (
+            bool(self.stream_down)
+            or self.tiles_per_program()[3] > 1
+            or d.intermediate_size <= d.hidden_size
+            or full + ROWS * NPAD * 4 + 2 * d.head_dim * 4 > SMEM_PER_PROGRAM
+        )
+
+    @property
+    def x_slots(self) -> int:
+        """Streamed down: the X ring's slots. X chunk k is copied while the weight chunk ``ring - 1``
+        ahead of the arithmetic is down's k-th with tile 0, and its slot is free once every tile
+        has read chunk k - slots: slots * tiles >= ring + tiles - 1."""
+        if not self.streams_down:
+            return 1
+        td = self.tiles_per_program()[3]
+        return -(-(self.ring + td - 1) // td)
+
+    @property
+    def x_chunks(self) -> int:
+        """The staged input's [NPAD, BK] chunks (width 1: [BK] ones): down's whole input, or,
+        streamed, the stages of K = hidden staged into the last chunks, the X ring in chunks
+        1 .. x_slots and the sums of a task's warps in chunk 0."""
+        h, i = self.dims.hidden_size, self.dims.intermediate_size
+        if self.streams_down:
+            return max(h // BK, self.x_slots) + 1
+        return i // BK
 
     # -- attention ----------------------------------------------------------------------------
     @property
@@ -193,6 +231,11 @@ class StepGeometry:
         return s
 
     @property
+    def _kv_bytes(self) -> int:
+        """The attention's K/V ring, which lives in the staged input from QKV's end to o_proj's staging."""
+        return 2 * self.kv_slots * KV_TILE * self.dims.head_dim * 2
+
+    @property
     def kv_slots(self) -> int:
         """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile)."""
         return 3 if self.dims.head_dim <= 64 else 2
@@ -205,14 +248,12 @@ class StepGeometry:
 
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
-        i, d = self.dims.intermediate_size, self.dims.head_dim
         ring = self.ring * ROWS * BK * 2
-        kv = 2 * self.kv_slots * KV_TILE * d * 2
-        rope = 2 * d * 4  # the attention row's cos and sin, once a launch
+        rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
-            stage = max(i * 2, kv)  # bf16 staged input; the K/V ring lives in it from QKV's end to o_proj
+            stage = max(self.x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
             return ring + stage + ROWS * 4 + self.ring * 8 + rope
-        stage = max(i // BK * BK * NPAD * 2, kv)
+        stage = max(self.x_chunks * BK * NPAD * 2, self._kv_bytes)
         return ring + stage + ROWS * NPAD * 4 + rope
 
     def check(self) -> None:
@@ -222,10 +263,10 @@ class StepGeometry:
                 f"step launch: {self.programs} programs cannot hold one attention task per row and KV head "
                 f"({self.width} x {self.dims.num_kv_heads})"
             )
-        if self.width > 1 and self.tiles_per_program()[3] > 1:
+        if self.width > 1 and self.tiles_per_program()[3] > 2:
             raise ValueError(
-                f"step launch: above 1 row a program sums down's warps through its staged input, so it takes one "
-                f"down tile at most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
+                f"step launch: above 1 row a program keeps two down accumulators, so it takes two down tiles at "
+                f"most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
                 f"{self.tiles_per_program()[3]}"
             )
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
@@ -250,6 +291,10 @@ class StepGeometry:
             "A_ATT": a["att"],
             "A_H1": a["h1"],
             "A_GU": a["gu"],
+            "A_G16": a.get("g16", 0),
+            "XMAX": self.x_chunks,
+            "XS": self.x_slots,
+            "DSTREAM": int(self.streams_down),
             "LAYER_A": a["end"],
             "NPROG": self.programs,
             "NBUF": self.ring,

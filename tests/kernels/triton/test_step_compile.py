@@ -29,7 +29,9 @@ from monodecode.model.profiles import profile_dims  # noqa: E402
 H200_SMS = 132
 
 
-@pytest.mark.parametrize(("profile", "width"), [("llama3-1b", 1), ("llama3-1b", 2), ("llama3-1b", 8), ("llama3-8b", 1)])
+@pytest.mark.parametrize(
+    ("profile", "width"), [("llama3-1b", 1), ("llama3-1b", 2), ("llama3-1b", 8), ("llama3-8b", 1), ("llama3-8b", 8)]
+)
 def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
     """Every built width compiles with 0 spills in one program per SM, its shared memory at least
     the plan's estimate and within 1.1 KiB of it (the compiler's own scratch)."""
@@ -47,10 +49,12 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 
 
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
-                                                   ("llama3-8b", 1, {"ring": 2})])  # fmt: skip
+                                                   ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 1}),
+                                                   ("llama3-1b", 2, {"stream_down": 1, "ring": 4})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
-    """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one)
-    compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one,
+    1B's down input streamed, with a 4-slot ring, which then fits above 1 row) compile with 0
+    spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -68,7 +72,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -116,21 +120,48 @@ def test_geometry_counts_tiles_splits_and_padding():
 
 
 def test_refusals_that_depend_on_the_programs():
-    """Above 1 row a program sums down's warps through its staged input, so it may own one down
-    tile only: a 3072-wide model (192 down tiles) on 132 SMs is refused at width 2, not at width 1;
-    too few SMs for one attention task per row and KV head is refused, and so is an MLP no wider
-    than hidden above width 1."""
+    """Above 1 row a program keeps two down accumulators: a 3072-wide model (192 down tiles, 2 a
+    program on 132 SMs) streams down's input and is served at width 2, a 5120-wide one (320
+    tiles, 3 a program) is refused at width 2, not at width 1; an MLP no wider than hidden
+    streams too (the warps' sums would overwrite a whole staged input); too few SMs for one
+    attention task per row and KV head is refused."""
     wide = dataclasses.replace(profile_dims("llama3-1b"), hidden_size=3072, num_heads=48, num_kv_heads=12)
-    assert step_refusals(wide, "bf16", 1, (1,), H200_SMS) == []
-    (why,) = step_refusals(wide, "bf16", 1, (1, 2), H200_SMS)
-    assert why.startswith("model_dims: ") and "one down tile" in why
+    assert step_refusals(wide, "bf16", 1, (1, 2), H200_SMS) == []
+    assert StepGeometry(wide, 2, H200_SMS).streams_down and not StepGeometry(wide, 1, H200_SMS).streams_down
+    wider = dataclasses.replace(profile_dims("llama3-8b"), hidden_size=5120, num_heads=40, num_kv_heads=10)
+    assert step_refusals(wider, "bf16", 1, (1,), H200_SMS) == []
+    (why,) = step_refusals(wider, "bf16", 1, (1, 2), H200_SMS)
+    assert why.startswith("model_dims: ") and "two down tiles at most" in why and "need 3" in why
     (few,) = step_refusals(profile_dims("llama3-1b"), "bf16", 1, (8,), 60)
     assert few.startswith("compute_units: ") and "attention task" in few
-    # an MLP no wider than hidden: the warps' sum would overwrite the staged input above width 1
     narrow = dataclasses.replace(profile_dims("llama3-1b"), intermediate_size=2048)
-    assert step_refusals(narrow, "bf16", 1, (1,), H200_SMS) == []
-    (why,) = step_refusals(narrow, "bf16", 1, (1, 4), H200_SMS)
-    assert why.startswith("model_dims: ") and "first chunk" in why
+    assert step_refusals(narrow, "bf16", 1, (1, 4), H200_SMS) == []
+    g = StepGeometry(narrow, 4, H200_SMS)
+    assert g.streams_down and g.x_chunks == max(2048 // 1024, g.x_slots) + 1
+
+
+def test_streamed_down_keeps_its_x_slots_apart_from_the_sums_and_free_until_read():
+    """Streamed down's plan (``StepGeometry.x_slots``): X chunk k is copied with the weight chunk
+    ``ring - 1`` ahead of the arithmetic that is down's k-th of tile 0, into slot 1 + k % slots;
+    walking that order chunk by chunk, no slot is copied into before every tile has read its last
+    X chunk, the slots never reach chunk 0 (the warps' sums) and fit the staged input, for 8B at
+    every ring the plan allows and a model of one down tile a program."""
+    for dims, width in ((profile_dims("llama3-8b"), 8), (profile_dims("llama3-8b"), 2),
+                        (dataclasses.replace(profile_dims("llama3-1b"), intermediate_size=2048), 4)):  # fmt: skip
+        for ring in (2, 3, 4):
+            g = StepGeometry(dims, width, H200_SMS, ring=ring)
+            assert g.streams_down
+            td, nk, xs = g.tiles_per_program()[3], dims.intermediate_size // 1024, g.x_slots
+            assert 1 + xs <= g.x_chunks and dims.hidden_size // 1024 < g.x_chunks
+            pre = (ring - 2) // td + 1  # X chunks copied at the stage's start, one slot each
+            assert pre <= xs
+            for rs in range(nk * td):  # down's chunks, k-outer: rs = k * td + j
+                k2, j2 = divmod(rs + ring - 1, td)  # the weight chunk asked for before rs's arithmetic
+                if j2 == 0 and pre <= k2 < nk:  # its X chunk goes with it, into the slot of k2 - xs
+                    assert rs >= 0 and (k2 - xs) * td + td - 1 < rs, (ring, k2, rs)  # every tile read k2 - xs
+                k = rs // td
+                copied_at = k * td - (ring - 1)  # where chunk k's copy went out (k >= pre)
+                assert k < pre or 0 <= copied_at <= rs  # after down's wait, before its first use
 
 
 def _weights(dims, seed=0):

@@ -33,10 +33,10 @@ from monodecode.runtime.width_policy import capture_graph
 pytestmark = pytest.mark.gpu
 
 # (profile, widths, layers built): Llama-3-1B's layers at every width the step launch serves
-# above 1 row, and Llama-3-8B's at the one width it serves (its down's input does not fit shared
-# memory wider: step_plan.step_refusals)
+# above 1 row, and Llama-3-8B's at widths 1, 2 and 8 (above 1 row its down's input streams:
+# StepGeometry.streams_down)
 B1 = ("llama3-1b", (1, 2, 4, 8), 4)
-B8 = ("llama3-8b", (1,), 2)
+B8 = ("llama3-8b", (1, 2, 8), 2)
 FAULT_TIMEOUT_S = 0.05  # the fault drills' bound on every in-kernel wait
 
 # each row's context (seq_lens: the new token included); fewer rows than a width run padded to it
@@ -208,7 +208,7 @@ def test_each_stage_of_a_layer_matches_the_reference(case):
     _close(act[:, a["h1"] : a["gu"]], h1, f"{case}: h1 = x + o_proj")
     hn = R.rms_norm(h1, lw.mlp_norm, eps, False)
     gu = (F.silu(lw.gate_proj(hn).float()).to(x.dtype).float() * lw.up_proj(hn).float()).to(x.dtype)
-    _close(act[:, a["gu"] : a["end"]], gu, f"{case}: SiLU(g)·u")
+    _close(act[:, a["gu"] : a["gu"] + dims.intermediate_size], gu, f"{case}: SiLU(g)·u")
     assert tk.health() == 0, decode_health(tk.health())
 
 
@@ -227,12 +227,13 @@ def test_forward_step_matches_reference_llama3_1b(case):
     _whole_step(B1, CONTEXTS[case], seed=len(CONTEXTS[case]) + 20, what=f"1B {case} step")
 
 
-@pytest.mark.parametrize("ctx", [[1], [3000]], ids=["first-token", "3000"])
-def test_llama3_8b_at_width_1(ctx):
-    """Llama-3-8B's layers (14336-wide MLP, 128-wide heads, groups of 4), the one width the step
-    launch serves for it: per layer and as one launch over both layers."""
-    _layer_by_layer(B8, ctx, seed=30 + ctx[0] % 7, what=f"8B ctx {ctx[0]}")
-    _whole_step(B8, ctx, seed=40 + ctx[0] % 7, what=f"8B ctx {ctx[0]} step")
+@pytest.mark.parametrize("case", ["w1-first-token", "w1", "w2", "w8-5rows"])
+def test_llama3_8b(case):
+    """Llama-3-8B's layers (14336-wide MLP, 128-wide heads, groups of 4; two down tiles a program,
+    whose input streams above 1 row): per layer and as one launch over both layers."""
+    ctx = CONTEXTS[case]
+    _layer_by_layer(B8, ctx, seed=30 + len(ctx), what=f"8B {case}")
+    _whole_step(B8, ctx, seed=40 + len(ctx), what=f"8B {case} step")
 
 
 @pytest.mark.parametrize("case", ["w1", "w8"])
@@ -323,7 +324,7 @@ def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry):
 
 def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
     """``triton-step`` (``TritonStepBackend``) builds these tests' kernels on this GPU (1B widths
-    1-8) and refuses Llama-3-8B above width 1 with the widths reason."""
+    1-8) and refuses 16 rows (mma.sync's 8 columns)."""
     _gpu()
     from monodecode.errors import RefusalError
     from monodecode.kernels.base import DecodeKernels
@@ -335,8 +336,8 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
         assert isinstance(tk, DecodeKernels) and tuple(tk.widths) == B1[1]
     finally:
         tk.close()
-    with pytest.raises(RefusalError, match="widths"):
-        TritonStepBackend().build(_request("llama3-8b", (1, 8), 2.0), _weights(*B8[::2]), None, allow_jit=True)
+    with pytest.raises(RefusalError, match="1-8 rows"):
+        TritonStepBackend().build(_request(B1[0], (1, 16), 2.0), weights, None, allow_jit=True)
 
 
 @pytest.mark.parametrize(("plan", "widths", "case"), [({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"),
