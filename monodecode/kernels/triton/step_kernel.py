@@ -595,7 +595,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
-        acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)  # streamed down: the second tile's (k-outer)
+        if DSTREAM:
+            acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)  # the second down tile's (k-outer)
         rstd = gl.full([NPAD], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW))))
     else:
         acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
@@ -690,11 +691,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         for c in gl.static_range(INTER // BK):
                             xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
                 gl.thread_barrier()
-            if MMAV:
+            if DSTREAM:
                 if second:
                     acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
                 else:
                     acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
+            elif MMAV:
+                acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
@@ -728,8 +731,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)
             if MMAV:
-                if second:
-                    y = _warps_summed(acc2, red, NW)
+                if DSTREAM:
+                    if second:
+                        y = _warps_summed(acc2, red, NW)
+                    else:
+                        y = _warps_summed(acc, red, NW)
                 else:
                     y = _warps_summed(acc, red, NW)
                 if nan:
