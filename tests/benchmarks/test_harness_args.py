@@ -446,3 +446,50 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
     ctx["variants"] = {"before": {"pdl": ""}}
     assert harness._row(ctx, 1, 1024, "triton-before", None, None, None, None)["triton_change"] == {"pdl": ""}
     assert harness._row(ctx, 1, 1024, "triton-step-ring2", None, "x", None, None)["triton_change"] == {"ring": 2}
+
+
+def test_the_step_launch_timeline_is_drawn_with_its_own_layout(monkeypatch, tmp_path):
+    """``_timeline`` on the step launch: its kernels are rebuilt with stamps for the run's layers,
+    one graph of the step replayed, the stamps summarised and plotted with the step's layout (the
+    plot's name ends in ``_step``), and the kernels go back to the build without stamps. The CUDA
+    graph and its timing cannot run here: a graph that calls the step and fixed replay times stand in."""
+    import torch
+
+    from monodecode_ops.decode_bench import timeline as TL
+
+    calls, ran = [], []
+
+    class FakeStepKernels:
+        def enable_timeline(self, num_layers, on=True):
+            calls.append((num_layers, on))
+
+        def timeline(self, num_layers, rows):
+            st = torch.zeros(num_layers, 2, 4, 5, 4, dtype=torch.int64)
+            t = 1_000_000
+            for k, s in ((0, 0), (0, 1), (1, 0), (1, 2), (1, 3)):
+                st[:, k, :, s] = torch.tensor([t, t + 1000, t + 3000, 0])
+                t += 3000
+            return st
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            ran.append(self.fn())
+
+    monkeypatch.setattr(harness, "capture_graph", lambda fn: (FakeGraph(fn), fn()))
+    monkeypatch.setattr(harness, "_time_graph", lambda g, n: [2e-3] * n)
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
+    logs = []
+    got = harness._timeline(
+        FakeStepKernels(), lambda: "step", 4, "llama3-1b", "bf16", 8, tmp_path, "stem", logs.append, 1024,
+        harness.STEP_BACKEND,
+    )  # fmt: skip
+    assert calls == [(4, True), (4, False)] and ran == ["step", "step"]
+    assert got["backend"] == harness.STEP_BACKEND and got["step_ms_with_stamps"] == 2.0
+    assert set(got["timeline"]["kernels"]) == {"attention_half", "mlp_half"}
+    assert got["timeline"]["gap"] == TL.STEP.gap
+    assert got["timeline_png"] == "stem_timeline_llama3-1b_bf16_c1024_b8_step.png"
+    assert (tmp_path / got["timeline_png"]).stat().st_size > 5000
+    assert any("last attention end -> first o_proj entry" in line for line in logs)

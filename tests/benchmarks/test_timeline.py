@@ -60,3 +60,38 @@ def test_program_slots_past_a_kernels_grid_are_left_out(tmp_path):
     png = tmp_path / "t.png"
     TL.plot_layer(st, 1, "synthetic", png)
     assert png.stat().st_size > 5000
+
+
+def _step_stamps(layers=2, programs=4):
+    """The step launch's slots: QKV and attention where K1's first two stages sit, o_proj, gate/up
+    and down at K2's 0, 2 and 3; each stage waits 1 us and works 2 us; o_proj's programs enter
+    1 us before the last attention ends (the halves overlap in one launch)."""
+    st = torch.zeros(layers, 2, programs, 5, 4, dtype=torch.int64)
+    t = 1_000_000
+    for l in range(layers):
+        for k, s in ((0, 0), (0, 1), (1, 0), (1, 2), (1, 3)):
+            if (k, s) == (1, 0):
+                t -= 1000
+            st[l, k, :, s, 0] = t
+            st[l, k, :, s, 1] = t + 1000
+            st[l, k, :, s, 2] = t + 3000
+            t += 3000
+    return st
+
+
+def test_the_step_launchs_halves_are_named_and_their_overlap_is_a_negative_gap(tmp_path):
+    """``STEP``: the summary names the halves and their stages, a slot the layout leaves unnamed
+    is never reported even when stamped, the gap (last attention end -> first o_proj entry) is
+    negative where they overlap, and the plot is drawn."""
+    st = _step_stamps()
+    st[:, 0, :, 2, :3] = st[:, 0, :, 1, :3]  # a stamp in the unnamed slot (K1's combine)
+    summ = TL.summarize(st, TL.STEP)
+    att, mlp = summ["kernels"]["attention_half"], summ["kernels"]["mlp_half"]
+    assert set(att["stages"]) == {"qkv", "attention"} and set(mlp["stages"]) == {"o_proj", "gate_up", "down"}
+    assert att["stages"]["attention"] == {"ready_us": 4.0, "end_us": 6.0, "wait_us": 1.0, "busy_us": 2.0}
+    assert summ["launch_gap_us"] == -1.0
+    assert any(line.startswith("last attention end -> first o_proj entry -1.0 us") for line in TL.describe(summ))
+    assert TL.summarize(_stamps())["gap"] == "K1 end -> K2 start"
+    png = tmp_path / "s.png"
+    TL.plot_layer(st, 1, "synthetic step", png, TL.STEP)
+    assert png.stat().st_size > 5000

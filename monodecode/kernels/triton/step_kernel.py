@@ -66,6 +66,15 @@ def _wait_for(ctr_ptr, target, spin, health_ptr, code):
 
 
 @gluon.jit
+def _stamp(prof_ptr, layer, pid, kid, stage, slot, NPROG: gl.constexpr, PROF: gl.constexpr):
+    """``%globaltimer`` (ns) into ``prof[layer, kid, pid, stage, slot]`` (``triton/timeline.py``'s
+    layout: 5 stages of 4 slots), only when ``PROF`` (the benchmark's timelines)."""
+    if PROF:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(prof_ptr + (((layer * 2 + kid) * NPROG + pid) * 5 + stage) * 4 + slot, t)
+
+
+@gluon.jit
 def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
            INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
            TD: gl.constexpr, DSTREAM: gl.constexpr):  # fmt: skip
@@ -505,7 +514,8 @@ def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, cod
 @gluon.jit(do_not_specialize=["bt_stride", "first", "nlayers", "spin", "fault_layer", "fault_kind"])
 def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
                 kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
-                bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, first, nlayers, spin, fault_layer, fault_kind,
+                bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, prof_ptr, first, nlayers, spin, fault_layer,
+                fault_kind,
                 HIDDEN: gl.constexpr, INTER: gl.constexpr, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
                 OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr, LAYER_W: gl.constexpr,
                 A_ATT: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
@@ -513,7 +523,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr,
-                NW: gl.constexpr = 8):  # fmt: skip
+                PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -528,7 +538,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
-    (``StepGeometry.streams_down``)."""
+    (``StepGeometry.streams_down``). ``PROF``: each program stamps its stages into ``prof`` where K1's
+    (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
+    staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # copies and width 1's arithmetic
@@ -621,12 +633,15 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
         g16 = act.to(gl.pointer_type(gl.bfloat16)) + 2 * A_G16  # its bf16 SiLU(g)·u (streamed down)
         second = DSTREAM & (s == 3) & (j == 1)  # streamed down's second tile: its own accumulator
+        mk = gl.where(s == 0, 0, 1)  # the stage's timeline slot: qkv K1 0, o_proj K2 0, gate/up K2 2, down K2 3
+        ms = gl.where(s == 1, 0, s)
         h_in = res_ptr + (layer - 1) * (NB * HIDDEN)  # the layer's incoming residuals
         if layer == 0:
             h_in = x_ptr
         res_dst = res_ptr + layer * (NB * HIDDEN)
         if k == 0:  # a task starts (the old sums are dead here)
             if j == 0:  # a stage starts: wait for its input, stage it
+                _stamp(prof_ptr, layer, pid, gl.where(s >= 2, 1, 0), gl.where(s == 1, 1, ms), 0, NPROG, PROF)
                 if s == 0:
                     if layer > 0:
                         spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
@@ -643,6 +658,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
                     bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
+                    _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
                     if has_task:
@@ -655,6 +671,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
+                    _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
+                    _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
@@ -691,6 +709,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         for c in gl.static_range(INTER // BK):
                             xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
                 gl.thread_barrier()
+                _stamp(prof_ptr, layer, pid, mk, ms, 1, NPROG, PROF)  # the stage's input staged
             if DSTREAM:
                 if second:
                     acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
@@ -753,6 +772,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 gl.thread_barrier()
                 if not stall:
                     gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
+                _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
         for b in gl.static_range(NBUF):

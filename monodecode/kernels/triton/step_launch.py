@@ -85,14 +85,14 @@ class _Buffers:
 
 def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
-    norms, RoPE frequencies, health word and spin budget; ``b``, one launch shape's buffers; the
+    norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
     caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
     wh, wi = k.descriptors
     return [
         k.weights, wh, wi, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
         *caches, *offsets, *strides,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
-        b.ctr, b.hctr, b.epoch, k.health_word, first, layers, k.spin_limit, fault_layer, fault_kind,
+        b.ctr, b.hctr, b.epoch, k.health_word, k.prof, first, layers, k.spin_limit, fault_layer, fault_kind,
     ]  # fmt: skip
 
 
@@ -141,6 +141,8 @@ class StepKernels(PaddedKernels):
         rope = req.dims.rope_for_layer(0)
         self.inv_freq = torch.tensor(rope.inv_freq(req.dims.head_dim), dtype=torch.float32, device=self.device)
         self.health_word = torch.zeros(4, dtype=torch.int32, device=self.device)[:1]
+        self.prof = torch.zeros(1, dtype=torch.int64, device=self.device)  # stamps only with enable_timeline
+        self._prof_layers = 0
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
         self.programs = num_programs
         self._buffers: dict[tuple[int, int], _Buffers] = {}
@@ -214,11 +216,35 @@ class StepKernels(PaddedKernels):
     def arguments(self, first, layers, x, meta, kv, out, fault_layer=0, fault_kind=0) -> tuple[list, dict]:
         """The kernel's runtime arguments in signature order, and its constexprs."""
         width = x.shape[0]
+        if self._prof_layers and layers > self._prof_layers:
+            raise ConfigError(
+                f"{self.kernel_label}: the timeline holds {self._prof_layers} layers, the launch runs {layers}"
+            )
         args = kernel_arguments(
             self, self._buffers_for(width, layers), first, layers, x, meta, (kv.key[0], kv.value[0]),
             *self._binding(kv), out, fault_layer, fault_kind,
         )  # fmt: skip
-        return args, self.geometry[width].constexprs(self.req.block_size)
+        return args, {**self.geometry[width].constexprs(self.req.block_size), "PROF": int(self._prof_layers > 0)}
+
+    def enable_timeline(self, num_layers: int, on: bool = True) -> None:
+        """Stamp every stage of every program from the next launch on (the benchmark's timeline
+        plots; a build of its own per the ``PROF`` constexpr, which Triton's cache keeps), or, with
+        ``on=False``, go back to the kernel without stamps."""
+        from monodecode.kernels.triton.timeline import buffer_words
+
+        if self.device.type != "cuda":
+            raise ConfigError(f"{self.kernel_label}: stage timestamps need a CUDA device")
+        words = buffer_words(num_layers, self.programs) if on else 1
+        self.prof = torch.zeros(words, dtype=torch.int64, device=self.device)
+        self._prof_layers = num_layers if on else 0
+
+    def timeline(self, num_layers: int, rows: int):
+        """The last launch's stamps as ``[layer, half, program, stage, (enter, ready, end, -)]``
+        int64 ns (``decode_bench.timeline.STEP`` names the slots)."""
+        from monodecode.kernels.triton.timeline import MAX_STAGES, SLOTS, buffer_words
+
+        words = buffer_words(num_layers, self.programs)
+        return self.prof[:words].view(num_layers, 2, self.programs, MAX_STAGES, SLOTS).cpu()
 
     def forward_layer(self, layer: int, x: torch.Tensor, meta: Any, kv: Any) -> torch.Tensor:
         return self._launch(layer, 1, x, meta, kv)
@@ -243,7 +269,7 @@ _SIG = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", to
 _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16 (``kv_strides`` checks them)
 
 
-def step_source(dims, width: int, programs: int, block_size: int, plan: dict | None = None):
+def step_source(dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False):
     """The kernel's ``GluonASTSource`` for one width, its signature typed from ``kernel_arguments``
     over stand-in buffers of the launch's dtypes (pointers 16-byte aligned, as torch's buffers are
     and the launcher specialises them; the KV strides multiples of 16, the block table's any)."""
@@ -255,13 +281,13 @@ def step_source(dims, width: int, programs: int, block_size: int, plan: dict | N
     from monodecode.kernels.triton.step_kernel import step_kernel
 
     g = StepGeometry(dims, width, programs, **checked_plan(plan))
-    consts = g.constexprs(block_size)
+    consts = {**g.constexprs(block_size), "PROF": int(prof)}
     t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
     bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
     blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=bf)  # (TMA views want real strides)
     k = SimpleNamespace(
         weights=t(bf), descriptors=weight_descriptors(blob, dims), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
-        health_word=t(i32), spin_limit=1000,
+        health_word=t(i32), prof=t(i64), spin_limit=1000,
     )  # fmt: skip
     meta = SimpleNamespace(positions=t(i64, width), slot_mapping=t(i64, width), block_tables=t(i32, width, 7),
                            seq_lens=t(i32, width))  # fmt: skip
@@ -286,10 +312,10 @@ def step_source(dims, width: int, programs: int, block_size: int, plan: dict | N
     return GluonASTSource(step_kernel, sig, constexprs={**consts, "NW": NUM_WARPS}, attrs=attrs)
 
 
-def compile_step(dims, width: int, programs: int, block_size: int, plan: dict | None = None):
+def compile_step(dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False):
     """The kernel compiled for sm_90 on any machine (ptxas included): resources and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = step_source(dims, width, programs, block_size, plan)
+    src = step_source(dims, width, programs, block_size, plan, prof)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -51,8 +51,8 @@ Timing: device events around each graph replay (a whole step), after warm-up; th
 (each replay follows a synchronize). ``capture_s`` is the wall time of a backend's first run and
 capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
 fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
-triton kernels are rebuilt with per-stage ``%globaltimer`` stamps and one step is drawn per
-layer-of-interest (``timeline.py``).
+triton kernels and the step launch are rebuilt with per-stage ``%globaltimer`` stamps and one step
+of each is drawn per layer-of-interest (``timeline.py``).
 
 Public interface (used by ``monodecode-ops bench``): ``run``, ``summary``, ``report_rows``,
 ``markdown_table``, ``summary_table``, ``plot``.
@@ -759,10 +759,15 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
         + f"; health {health}"
     )
     if timeline and out_dir is not None and timelines is not None:
-        tl_args = (kernels["triton"], steps["triton"], n_layers, ctx["profile"], ctx["weight_dtype"], rows)
-        got, _ = _measure("timeline", lambda: _timeline(*tl_args, out_dir, stem, log, context), log)
-        if got:
-            timelines.append(got)
+        for b in ("triton", STEP_BACKEND):  # the two-launch kernels and the step launch, where timed
+            if b not in steps or b not in kernels or b not in med:
+                continue
+            tl_args = (kernels[b], steps[b], n_layers, ctx["profile"], ctx["weight_dtype"], rows)
+            got, _ = _measure(
+                f"{b} timeline", lambda a=tl_args, b=b: _timeline(*a, out_dir, stem, log, context, b), log
+            )
+            if got:
+                timelines.append(got)
     for b in contig:
         paths[b].cache = None
     del outs, kv, ref, steps, m, meta
@@ -771,10 +776,14 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
     return out_rows
 
 
-def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log, context: int) -> dict:
-    """Rebuild ``tk`` with stage timestamps, replay one step from a graph, plot and summarise."""
+def _timeline(
+    tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log, context: int, backend="triton"
+) -> dict:
+    """Rebuild ``tk`` with stage timestamps, replay one step from a graph, plot and summarise
+    (``backend``: the two-launch kernels, or the step launch, whose plot's name ends in ``_step``)."""
     from monodecode_ops.decode_bench import timeline as TL
 
+    layout = TL.STEP if is_step_backend(backend) else TL.TRITON
     tk.enable_timeline(n_layers)
     g, _ = capture_graph(step)
     g.replay()
@@ -784,14 +793,17 @@ def _timeline(tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, st
     prof_ms = _median_ms(_time_graph(g, 5))
     del g
     layer = n_layers // 2
-    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}.png"
-    TL.plot_layer(stamps, layer, f"{profile} {weight_dtype} context {context} batch {rows}, layer {layer}", path)
-    summ = TL.summarize(stamps)
-    log(f"  timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
+    tail = "_step" if layout is TL.STEP else ""
+    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}{tail}.png"
+    title = f"{backend}: {profile} {weight_dtype} context {context} batch {rows}, layer {layer}"
+    TL.plot_layer(stamps, layer, title, path, layout)
+    summ = TL.summarize(stamps, layout)
+    log(f"  {backend} timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
     for line in TL.describe(summ):
         log(f"    {line}")
     tk.enable_timeline(n_layers, on=False)  # back to the kernels without stamps
     return {
+        "backend": backend,
         "profile": profile,
         "weight_dtype": weight_dtype,
         "batch": rows,
@@ -902,7 +914,7 @@ def run(
     target, each timed as ``triton-<name>`` next to the current target (default
     ``DEFAULT_VARIANTS``; ``{}`` for none). ``stock``: the ``STOCK_PATHS`` names to time.
     ``timeline_batches`` / ``timeline_contexts`` (default: the first context): cells whose triton
-    step is also drawn as a per-stage timeline. ``long_batches``: the batches timed at the contexts
+    and step-launch steps are also drawn as per-stage timelines. ``long_batches``: the batches timed at the contexts
     after the first (None: every batch; the default keeps a run inside one device phase).
     ``deadline_s``: cells not started this many seconds
     after the start are recorded as skipped. ``baselines=False``: only the oracle and the triton

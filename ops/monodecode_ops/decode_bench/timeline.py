@@ -1,14 +1,17 @@
-"""Per-stage timelines of the Triton K1/K2 from their ``%globaltimer`` stamps.
+"""Per-stage timelines of the Triton K1/K2, or of the step launch's two halves, from their ``%globaltimer`` stamps.
 
-The kernels, built with ``TritonKernels.enable_timeline``, write per program and stage three
-stamps (ns): entering the stage (before its wait), the wait over, and its last task done
-(``monodecode/kernels/triton/timeline.py``). Here they become, per layer and kernel:
+The kernels, built with ``enable_timeline`` (``TritonKernels``, ``StepKernels``), write per
+program and stage three stamps (ns): entering the stage (before its wait), the wait over, and its
+last task done (``monodecode/kernels/triton/timeline.py``'s layout). The step launch runs both
+halves in one launch: its stamps sit where K1's (QKV, attention) and K2's (o_proj, gate/up, down)
+would (``STEP``). Here they become, per layer and kernel (or half):
 
   span    first entry to last end of the kernel
   stage   when the first program got past the wait (``ready``), when the last one finished
           (``end``), relative to the kernel's first entry; the mean wait of the programs that had
           tasks; and the programs' mean busy time (ready -> end)
-  gap     K1's last end to K2's first entry (the launch boundary)
+  gap     K1's last end to K2's first entry (the launch boundary; in the step launch, the last
+          attention's end to the first program entering o_proj's wait: negative where they overlap)
 
 and a plot of one layer: one line per program, grey while waiting, coloured while working.
 """
@@ -16,11 +19,34 @@ and a plot of one layer: one line per program, grey while waiting, coloured whil
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-STAGES = (("qkv", "attn", "combine"), ("o_proj", "post", "gate_up", "down", "final"))
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+
+
+class Layout(NamedTuple):
+    """What the stamps' two kernel slots and five stage slots are ("": a slot never stamped)."""
+
+    stages: tuple[tuple[str, ...], tuple[str, ...]]
+    keys: tuple[str, str]  # the summary's names of the two slots
+    labels: tuple[str, str]  # the plot legend's
+    gap: str  # what ``launch_gap_us`` measures
+
+
+TRITON = Layout(
+    (("qkv", "attn", "combine"), ("o_proj", "post", "gate_up", "down", "final")),
+    ("k1", "k2"),
+    ("K1", "K2"),
+    "K1 end -> K2 start",
+)
+STEP = Layout(
+    (("qkv", "attention", ""), ("o_proj", "", "gate_up", "down", "")),
+    ("attention_half", "mlp_half"),
+    ("", ""),
+    "last attention end -> first o_proj entry",
+)
 
 
 def _ran(st: torch.Tensor) -> torch.Tensor:
@@ -34,10 +60,10 @@ def _valid(st: torch.Tensor) -> torch.Tensor:
     return (st[:, :, 0] > 0).all(dim=0)
 
 
-def summarize(stamps: torch.Tensor) -> dict:
+def summarize(stamps: torch.Tensor, layout: Layout = TRITON) -> dict:
     """``stamps``: ``[layer, kernel, program, stage, slot]`` int64 ns. Means over the layers."""
     layers = stamps.shape[0]
-    out: dict = {"layers": layers, "kernels": {}}
+    out: dict = {"layers": layers, "kernels": {}, "gap": layout.gap}
     gaps = []
     for k in (0, 1):
         per_stage: dict[str, dict[str, list[float]]] = {}
@@ -52,8 +78,8 @@ def summarize(stamps: torch.Tensor) -> dict:
             if k == 1:
                 k1 = _ran(stamps[l, 0].double())
                 gaps.append(float(t0 - k1[:, _valid(k1), 2].max()) / 1e3)
-            for s, name in enumerate(STAGES[k]):
-                if not ok[s]:
+            for s, name in enumerate(layout.stages[k]):
+                if not name or not ok[s]:
                     continue
                 enter, ready, end = st[:, s, 0], st[:, s, 1], st[:, s, 2]
                 busy = end - ready
@@ -63,7 +89,7 @@ def summarize(stamps: torch.Tensor) -> dict:
                 d["end_us"].append(float(end.max() - t0) / 1e3)
                 d["wait_us"].append(float((ready - enter)[worked].mean()) / 1e3 if worked.any() else 0.0)
                 d["busy_us"].append(float(busy[worked].mean()) / 1e3 if worked.any() else 0.0)
-        out["kernels"]["k1" if k == 0 else "k2"] = {
+        out["kernels"][layout.keys[k]] = {
             "span_us": sum(spans) / len(spans) if spans else None,
             "stages": {n: {f: sum(v) / len(v) for f, v in d.items()} for n, d in per_stage.items()},
         }
@@ -82,11 +108,12 @@ def describe(summ: dict) -> list[str]:
         ]
         lines.append(f"{k} span {d['span_us']:.1f} us: " + "; ".join(parts))
     if summ.get("launch_gap_us") is not None:
-        lines.append(f"K1 end -> K2 start {summ['launch_gap_us']:.1f} us (mean over {summ['layers']} layers)")
+        gap = summ.get("gap", TRITON.gap)
+        lines.append(f"{gap} {summ['launch_gap_us']:.1f} us (mean over {summ['layers']} layers)")
     return lines
 
 
-def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path) -> None:
+def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path, layout: Layout = TRITON) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,8 +124,8 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path) -> None
     fig, ax = plt.subplots(figsize=(12, 6))
     for k, st in enumerate(kernels):
         ok = _valid(st)
-        for s, name in enumerate(STAGES[k]):
-            if not ok[s]:
+        for s, name in enumerate(layout.stages[k]):
+            if not name or not ok[s]:
                 continue
             enter = (st[:, s, 0] - t0) / 1e3
             ready = (st[:, s, 1] - t0) / 1e3
@@ -112,9 +139,10 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path) -> None
                 end[work],
                 colors=COLORS[s],
                 lw=1.5 if k == 0 else 2.5,
-                label=f"{'K1' if k == 0 else 'K2'} {name}",
+                label=f"{layout.labels[k]} {name}".strip(),
             )
-    ax.set_xlabel("µs since K1's first program started (grey: waiting)")
+    first = "the launch" if layout is STEP else "K1"
+    ax.set_xlabel(f"µs since {first}'s first program started (grey: waiting)")
     ax.set_ylabel("program (SM)")
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=4, loc="upper right")

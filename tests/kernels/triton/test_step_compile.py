@@ -274,3 +274,16 @@ def test_caches_the_kernel_cannot_address_are_refused_in_one_line():
         k.check_kv(shifted)
     with pytest.raises(ConfigError, match="block size 16, cache has 32"):
         k.check_kv(PagedKVCache.allocate(dims, num_blocks=4, block_size=32))
+
+
+def test_timeline_stamps_compile_in_only_when_asked():
+    """The served build carries no trace of the benchmark's timeline (no ``%globaltimer``); with
+    ``prof`` the six stamp sites are in, and 8B width 8 (the tightest build) still has 0 spills."""
+    from monodecode.kernels.triton.offline import cuda_resources
+    from monodecode.kernels.triton.step_launch import compile_step
+
+    plain = compile_step(profile_dims("llama3-1b"), 1, H200_SMS, 16)
+    assert "globaltimer" not in plain.asm["ptx"]
+    stamped = compile_step(profile_dims("llama3-8b"), 8, H200_SMS, 16, prof=True)
+    assert stamped.asm["ptx"].count("%globaltimer") == 6
+    assert cuda_resources("step_kernel", 8, 8, stamped).spills == 0

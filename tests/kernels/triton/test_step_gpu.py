@@ -340,6 +340,32 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
         TritonStepBackend().build(_request(B1[0], (1, 16), 2.0), weights, None, allow_jit=True)
 
 
+def test_timeline_stamps_every_stage_in_order_and_leave_the_step_bit_identical():
+    """With the benchmark's stage stamps on (``enable_timeline``), the step's output and K/V are bit
+    for bit the plain build's, and every program stamped QKV, attention, o_proj, gate/up and down
+    of every layer in order (entry <= input ready <= part counted); off again, no stamps are written."""
+    dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS["w4"], seed=13)
+    layers = B1[2]
+    kv2 = _snapshot(before)
+    h = tk.forward_step(x, [meta] * layers, kv)
+    tk.enable_timeline(layers)
+    try:
+        h2 = tk.forward_step(x, [meta] * layers, kv2)
+        torch.cuda.synchronize()
+        st = tk.timeline(layers, x.shape[0])
+    finally:
+        tk.enable_timeline(layers, on=False)
+    assert torch.equal(h, h2), "the stamped step's output differs from the plain build's"
+    for l in range(layers):
+        assert torch.equal(kv.key[l], kv2.key[l]) and torch.equal(kv.value[l], kv2.value[l])
+    for half, stage in ((0, 0), (0, 1), (1, 0), (1, 2), (1, 3)):
+        s = st[:, half, :, stage, :3]
+        assert (s > 0).all(), f"slot ({half}, {stage}) unstamped"
+        assert (s[..., 0] <= s[..., 1]).all() and (s[..., 1] <= s[..., 2]).all(), f"slot ({half}, {stage}) out of order"
+    assert (st[:, 0, :, 2] == 0).all() and (st[:, 1, :, 1] == 0).all()  # the slots the step leaves unnamed
+    assert tk.prof.numel() == 1 and tk.health() == 0, decode_health(tk.health())
+
+
 @pytest.mark.parametrize(("plan", "widths", "case"), [({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"),
                                                       ({"ring": 2}, (1, 8), "w8-5rows")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
