@@ -372,8 +372,8 @@ def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch
 
 def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     """The shared-memory budget of a longer weight ring: 1B fits ring 4 only at width 1 (widths
-    2-8 stage down's input beside the ring), a 2-slot ring fits every width; 8B at width 1 has no
-    room for a fourth slot."""
+    2-8 stage down's input beside the ring) unless down's input streams, a 2-slot ring fits every
+    width; 8B at width 1 has no room for a fourth slot."""
     from monodecode.model.profiles import profile_dims
 
     one_b, eight_b = profile_dims("llama3-1b"), profile_dims("llama3-8b")
@@ -383,6 +383,8 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     assert all("bytes of shared memory at width" in r for r in why.values()), why
     assert harness.step_variant_widths(one_b, widths, 132, {"ring": 2}) == (widths, {})
     assert harness.step_variant_widths(one_b, widths, 132, {}) == (widths, {})
+    # streamed, down's input needs a few X slots, not all of it: a fourth slot fits every width
+    assert harness.step_variant_widths(one_b, widths, 132, {"ring": 4, "stream_down": 1}) == (widths, {})
     fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
     assert fits == () and "shared memory at width 1" in why[1]
     assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 2}) == ((1,), {})

@@ -2,8 +2,8 @@
 weights it streams are laid out where its addressing looks.
 
 The Gluon kernel cannot run in Triton's interpreter; its numerics are ``test_step_gpu.py``'s, on a
-GPU. Here it compiles for sm_90 at every width it is built for (Llama-3-1B's widths 1-8, 8B's
-width 1) with no spills and within one program per SM, its shared memory at least what
+GPU. Here it compiles for sm_90 at the widths it is built for (Llama-3-1B's widths 1, 2 and 8,
+8B's 1 and 8, where down's input streams) with no spills and within one program per SM, its shared memory at least what
 ``StepGeometry.shared_bytes`` plans (so the refusals that rest on it are never optimistic); and
 ``pack_step_weights`` puts each projection where the kernel's TMA row views and ``cp.async``
 offsets read it.
