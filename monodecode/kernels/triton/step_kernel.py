@@ -34,6 +34,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from monodecode.kernels.triton import timeline
+
 ROWS = gl.constexpr(16)  # a weight chunk's rows
 BK = gl.constexpr(1024)  # a weight chunk's columns
 TB = gl.constexpr(256)  # TMA's box: a chunk is [16, 4, 256]
@@ -43,6 +45,9 @@ NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up
 # health sites and kernels (``monodecode.kernels.health``): the attention half reports as k1
 WAIT_TIMEOUT = gl.constexpr(1)
 NONFINITE = gl.constexpr(2)
+# the timeline buffer's layout (``triton/timeline.py``, which the two-launch kernels stamp too)
+PROF_STAGES = gl.constexpr(timeline.MAX_STAGES)
+PROF_SLOTS = gl.constexpr(timeline.SLOTS)
 
 
 @gluon.jit
@@ -68,10 +73,10 @@ def _wait_for(ctr_ptr, target, spin, health_ptr, code):
 @gluon.jit
 def _stamp(prof_ptr, layer, pid, kid, stage, slot, NPROG: gl.constexpr, PROF: gl.constexpr):
     """``%globaltimer`` (ns) into ``prof[layer, kid, pid, stage, slot]`` (``triton/timeline.py``'s
-    layout: 5 stages of 4 slots), only when ``PROF`` (the benchmark's timelines)."""
+    layout), only when ``PROF`` (the benchmark's timelines)."""
     if PROF:
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-        gl.store(prof_ptr + (((layer * 2 + kid) * NPROG + pid) * 5 + stage) * 4 + slot, t)
+        gl.store(prof_ptr + (((layer * 2 + kid) * NPROG + pid) * PROF_STAGES + stage) * PROF_SLOTS + slot, t)
 
 
 @gluon.jit

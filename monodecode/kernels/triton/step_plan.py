@@ -190,12 +190,11 @@ class StepGeometry:
         if self.width == 1:
             return False
         d = self.dims
-        full = WEIGHT_RING * ROWS * BK * 2 + max(d.intermediate_size // BK * BK * NPAD * 2, self._kv_bytes)
         return (
             bool(self.stream_down)
             or self.tiles_per_program()[3] > 1
             or d.intermediate_size <= d.hidden_size
-            or full + ROWS * NPAD * 4 + 2 * d.head_dim * 4 > SMEM_PER_PROGRAM
+            or self._shared_bytes(WEIGHT_RING, d.intermediate_size // BK) > SMEM_PER_PROGRAM
         )
 
     @property
@@ -248,12 +247,16 @@ class StepGeometry:
 
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
-        ring = self.ring * ROWS * BK * 2
+        return self._shared_bytes(self.ring, self.x_chunks)
+
+    def _shared_bytes(self, ring_slots: int, x_chunks: int) -> int:
+        """``shared_bytes`` with a ring of ``ring_slots`` and a staged input of ``x_chunks`` chunks."""
+        ring = ring_slots * ROWS * BK * 2
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
-            stage = max(self.x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
-            return ring + stage + ROWS * 4 + self.ring * 8 + rope
-        stage = max(self.x_chunks * BK * NPAD * 2, self._kv_bytes)
+            stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
+            return ring + stage + ROWS * 4 + ring_slots * 8 + rope
+        stage = max(x_chunks * BK * NPAD * 2, self._kv_bytes)
         return ring + stage + ROWS * NPAD * 4 + rope
 
     def check(self) -> None:
