@@ -482,7 +482,6 @@ def bench_config(
     for name, change in variants.items():
         kernels[f"triton-{name}"] = _triton_kernels(req, weights, change, device, share=kernels["triton"])
     step_not_run: dict[int, tuple[str, bool]] = {}
-    tried: dict[str, dict] = {}  # the step variants built (or tried), by name
     variants_not_run: dict[str, dict[int, tuple[str, bool]]] = {}
     if step:
         step_kernels, step_not_run = _build_step(req, weights, log)
@@ -491,9 +490,9 @@ def bench_config(
             for name, plan in step_variants.items():
                 b = f"{STEP_BACKEND}-{name}"
                 tk, variants_not_run[b] = _build_step_variant(req, weights, step_kernels, b, plan, log)
-                tried[name] = plan
                 if tk is not None:
                     kernels[b] = tk
+    tried = step_variants if STEP_BACKEND in kernels else {}  # the step variants built or tried
     for name, tk in kernels.items():  # a build whose launches do not fit its plan times another plan
         for misfit in tk.residency_misfits():
             log(f"  ! {name}: {misfit} (registers / shared memory); its timings are of a plan that does not fit")

@@ -33,6 +33,7 @@ class Layout(NamedTuple):
     keys: tuple[str, str]  # the summary's names of the two slots
     labels: tuple[str, str]  # the plot legend's
     gap: str  # what ``launch_gap_us`` measures
+    origin: str  # whose first program's start the plot's time axis counts from
 
 
 TRITON = Layout(
@@ -40,12 +41,14 @@ TRITON = Layout(
     ("k1", "k2"),
     ("K1", "K2"),
     "K1 end -> K2 start",
+    "K1",
 )
 STEP = Layout(
     (("qkv", "attention", ""), ("o_proj", "", "gate_up", "down", "")),
     ("attention_half", "mlp_half"),
     ("", ""),
     "last attention end -> first o_proj entry",
+    "the launch",
 )
 
 
@@ -141,8 +144,7 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path, layout:
                 lw=1.5 if k == 0 else 2.5,
                 label=f"{layout.labels[k]} {name}".strip(),
             )
-    first = "the launch" if layout is STEP else "K1"
-    ax.set_xlabel(f"µs since {first}'s first program started (grey: waiting)")
+    ax.set_xlabel(f"µs since {layout.origin}'s first program started (grey: waiting)")
     ax.set_ylabel("program (SM)")
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=4, loc="upper right")
