@@ -367,10 +367,13 @@ def test_timeline_stamps_every_stage_in_order_and_leave_the_step_bit_identical()
 
 
 @pytest.mark.parametrize(("plan", "widths", "case"), [({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"),
-                                                      ({"ring": 2}, (1, 8), "w8-5rows")])  # fmt: skip
+                                                      ({"ring": 2}, (1, 8), "w8-5rows"),
+                                                      ({"stream_down": 1}, (1, 8), "w8-5rows"),
+                                                      ({"stream_down": 1, "ring": 4}, (1, 2), "w2")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
-    """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots) move bytes, never
-    change a sum: the whole step and the K/V it writes are bit for bit the default plan's."""
+    """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input streamed
+    instead of staged whole, each tile's chunks still summed in order) move bytes, never change a
+    sum: the whole step and the K/V it writes are bit for bit the default plan's."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
     dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS[case], seed=11)
