@@ -30,12 +30,24 @@ NCTR = 5  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, d
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
 WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
+MAX_KV_SLOTS = 5  # the kernel's first K/V copies are written out for rings of 2-5 slots
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
 # name -> (default, least, most). ``ring``: the weight ring's slots; ``stream_down``: 1 streams
 # down's input above 1 row wherever it could be staged whole too (``StepGeometry.streams_down``;
 # 0: only where it must). (Run 106 timed two more and dropped them: weight chunks asked of L2 at
 # each wait, 4-8 % slower, and the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower.)
-PLAN_KNOBS = {"ring": (WEIGHT_RING, 2, 8), "stream_down": (0, 0, 1)}
+# Three more, timed first in run 108: ``kv_ring``: the attention's K/V ring's slots (0: 3 at
+# head_dim 64, 2 at 128; deeper keeps more of a long context in flight); ``poll``: 1 polls the completion
+# counters by acquire loads instead of acquire atomics (132 programs' RMWs on one line serialize in
+# L2); ``attn_early``: 1 reads the attention task's first cache blocks before its QKV wait (they do
+# not depend on it: one round trip off the chain that every o_proj program waits for).
+PLAN_KNOBS = {
+    "ring": (WEIGHT_RING, 2, 8),
+    "stream_down": (0, 0, 1),
+    "kv_ring": (0, 0, MAX_KV_SLOTS),
+    "poll": (0, 0, 1),
+    "attn_early": (0, 0, 1),
+}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -118,6 +130,9 @@ class StepGeometry:
     programs: int
     ring: int = WEIGHT_RING
     stream_down: int = 0
+    kv_ring: int = 0  # 0: by head_dim (``kv_slots``)
+    poll: int = 0
+    attn_early: int = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -236,8 +251,9 @@ class StepGeometry:
 
     @property
     def kv_slots(self) -> int:
-        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile)."""
-        return 3 if self.dims.head_dim <= 64 else 2
+        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile): the
+        plan's, or 3 at head_dim 64 and 2 at 128 (what fits beside the weight ring at width 1)."""
+        return self.kv_ring or (3 if self.dims.head_dim <= 64 else 2)
 
     @property
     def tma(self) -> bool:
@@ -272,6 +288,8 @@ class StepGeometry:
                 f"most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
                 f"{self.tiles_per_program()[3]}"
             )
+        if self.kv_slots < 2:
+            raise ValueError(f"step launch: the attention's K/V ring needs 2 slots at least, not {self.kv_slots}")
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
 
@@ -307,6 +325,8 @@ class StepGeometry:
             "TD": td,
             "NSPLIT": self.splits,
             "KVS": self.kv_slots,
+            "POLL": self.poll,
+            "AEARLY": self.attn_early,
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),

@@ -50,11 +50,15 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
                                                    ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 1}),
-                                                   ("llama3-1b", 2, {"stream_down": 1, "ring": 4})])  # fmt: skip
+                                                   ("llama3-1b", 2, {"stream_down": 1, "ring": 4}),
+                                                   ("llama3-1b", 1, {"kv_ring": 4}),
+                                                   ("llama3-1b", 1, {"poll": 1, "attn_early": 1}),
+                                                   ("llama3-8b", 1, {"poll": 1, "attn_early": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one,
-    1B's down input streamed, with a 4-slot ring, which then fits above 1 row) compile with 0
-    spills too, the ring's slots in the shared memory as planned."""
+    1B's down input streamed, with a 4-slot ring, which then fits above 1 row; a 4-slot K/V ring,
+    the first cache blocks read early and the waits polling by loads, at width 1) compile with 0
+    spills too, the rings' slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -67,12 +71,13 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
 
 def test_bad_plans_are_refused_in_one_line():
     """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
-    width's shared memory (a 4-slot ring at width 8) are one ConfigError line from the build."""
+    width's shared memory (a 4-slot ring at width 8, 5 K/V slots there) or a 1-slot K/V ring are
+    one ConfigError line from the build."""
     from monodecode.errors import ConfigError
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "kv_ring", "poll", "attn_early"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -81,6 +86,10 @@ def test_bad_plans_are_refused_in_one_line():
     with pytest.raises(ValueError, match="exceed"):
         StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()
     StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, ring=4).check()
+    with pytest.raises(ValueError, match="K/V ring needs 2 slots"):
+        StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, kv_ring=1).check()
+    with pytest.raises(ValueError, match="exceed"):  # 5 K/V slots of head_dim 64 at width 8
+        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_ring=5).check()
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})
     assert "\n" not in str(e.value)
