@@ -114,11 +114,12 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
-            DSTREAM: gl.constexpr):  # fmt: skip
+            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
-    chunk), or by ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``:
-    each copied element's row and column in the chunk, broadcast to the slot's shape."""
+    chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
+    ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``: each copied
+    element's row and column in the chunk, broadcast to the slot's shape."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
                                                    DSTREAM)  # fmt: skip
     tile = pid + j * NPROG
@@ -128,10 +129,21 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
         bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
         mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
-        if s == 3:
-            tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+        if MMAV:  # each half of the warps' column blocks: [column block, row, 64] at column 0 and 64
+            for h in gl.static_range(2):
+                if s == 3:
+                    tma.async_copy_global_to_shared(
+                        wi_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
+                    )
+                else:
+                    tma.async_copy_global_to_shared(
+                        wh_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
+                    )
         else:
-            tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+            if s == 3:
+                tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+            else:
+                tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
         mbarrier.arrive(bar, pred=~ok)
     else:
         off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
@@ -196,6 +208,23 @@ def _x_copy(xbuf, slot, g16, k, LAYER_A: gl.constexpr, NB: gl.constexpr, NW: gl.
     c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, cp3))), 0), 0)
     src = g16 + b3 * (2 * LAYER_A) + k * BK + w3 * KW + c3
     async_copy.async_copy_global_to_shared(xbuf.index(slot), src, mask=(b3 < NB) & (w3 >= 0) & (c3 >= 0))
+
+
+@gluon.jit
+def _chunk_mma(ring, slot, x, acc, HALVES: gl.constexpr, NW: gl.constexpr):
+    """Widths 2-8: ``acc`` + each warp's W[16, KW] @ X[KW, NPAD] over its column block of the
+    chunk in ``ring``'s ``slot`` (``x`` the staged chunk [NW, NPAD, KW]). ``HALVES``: the slot is
+    the ring's entries 2 slot and 2 slot + 1, the blocks' two [16, KW / 2] halves (the TMA ring's
+    order): two products over the halves in column order, the same k16 steps in the same order as one."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    if HALVES:
+        h: gl.constexpr = BK // NW // 2
+        acc = mma_v2(ring.index(2 * slot).load(a_l), x.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+        return mma_v2(ring.index(2 * slot + 1).load(a_l), x.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+    else:
+        return mma_v2(ring.index(slot).load(a_l), x.permute([0, 2, 1]).load(b_l), acc)
 
 
 @gluon.jit
@@ -583,8 +612,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     row: gl.constexpr = gl.SliceLayout(1, cp_lay)
     KW: gl.constexpr = BK // NW  # widths 2-8: a warp's column block of a chunk
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])  # 16-byte columns XOR row: ldmatrix's rows
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
@@ -595,9 +622,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
     total = nlayers * C
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
-    if TMA:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
-        boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
-        ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+    if TMA:
+        if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
+            boxes = gl.allocate_shared_memory(gl.bfloat16, [2 * NBUF, NW, ROWS, KW // 2], wh_desc.layout)
+            ring = boxes
+        else:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
+            boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
+            ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
         bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NBUF):
             mbarrier.init(bars.index(b), count=1)
@@ -636,7 +667,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
-                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM)  # fmt: skip
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -762,6 +793,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
+            if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
+                if (s == 3) & (j == 0):
+                    async_copy.wait_group((NBUF - 2) // TD)
         else:
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
@@ -771,20 +805,20 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                                       OFF_D, TD, DSTREAM)  # fmt: skip
             if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
                 _x_copy(xbuf, 1 + k2 % XS, g16, k2, LAYER_A, NB, NW)
+                if TMA:  # no cp.async group of the ring's to join
+                    async_copy.commit_group()
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
-                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM)  # fmt: skip
+                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             if DSTREAM:
-                xk = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk)).permute([0, 2, 1]).load(b_l)
-                w = ring.index(i % NBUF).load(a_l)
+                xs = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk))
                 if second:
-                    acc2 = mma_v2(w, xk, acc2)
+                    acc2 = _chunk_mma(ring, i % NBUF, xs, acc2, TMA, NW)
                 else:
-                    acc = mma_v2(w, xk, acc)
+                    acc = _chunk_mma(ring, i % NBUF, xs, acc, TMA, NW)
             else:
-                xk = xbuf.index(k + XMAX - nk).permute([0, 2, 1]).load(b_l)
-                acc = mma_v2(ring.index(i % NBUF).load(a_l), xk, acc)
+                acc = _chunk_mma(ring, i % NBUF, xbuf.index(k + XMAX - nk), acc, TMA, NW)
         else:
             acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done

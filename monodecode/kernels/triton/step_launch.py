@@ -51,20 +51,29 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> torch.Tensor:
     return blob
 
 
-def weight_descriptors(blob: torch.Tensor, dims) -> tuple[Any, Any]:
-    """TMA's two views of the packed weights: rows of ``hidden`` columns (qkv, o_proj, gate/up) and
-    rows of ``intermediate`` (down), each row as boxes of [16 rows, 4, 256] (unswizzled: a ring slot
-    holds the same bytes in the same order as ``cp.async`` leaves them)."""
+def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
+    """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up) and rows
+    of ``intermediate`` (down), for each ring order (key: the width is above 1). Width 1: a chunk
+    is one [16 rows, 4, 256] box, unswizzled (a ring slot holds the same bytes in the same order as
+    ``cp.async`` leaves them). Widths 2-8 (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes,
+    at column 0 and 64 of each block, the 128-byte swizzle on, so that each warp's 128 columns land
+    as two [16, 64] operand tiles ``ldmatrix`` reads without bank conflicts (the view's strides
+    are not ordered: column ``c`` of block ``w`` of row ``r`` is element ``r * K + 128 w + c``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-    box = [ROWS, BK // TB, TB]
+    boxes = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
+    wide = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    half = BK // NUM_WARPS // 2
+
+    def rows_of(k: int, mma_order: bool):
+        if not mma_order:
+            return TensorDescriptor.from_tensor(blob.view(-1, k // TB, TB), [ROWS, BK // TB, TB], boxes)
+        shape = [k // (2 * half), blob.numel() // k, 2 * half]
+        return TensorDescriptor(blob, shape, [2 * half, k, 1], [NUM_WARPS, ROWS, half], wide)
+
     h, i = dims.hidden_size, dims.intermediate_size
-    return (
-        TensorDescriptor.from_tensor(blob.view(-1, h // TB, TB), box, layout),
-        TensorDescriptor.from_tensor(blob.view(-1, i // TB, TB), box, layout),
-    )
+    return {wide_: (rows_of(h, wide_), rows_of(i, wide_)) for wide_ in (False, True)}
 
 
 class _Buffers:
@@ -72,6 +81,7 @@ class _Buffers:
 
     def __init__(self, g: StepGeometry, layers: int, device):
         d = g.dims
+        self.width = g.width
         self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
         group = d.num_heads // d.num_kv_heads
         self.part = torch.zeros(
@@ -87,7 +97,7 @@ def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, st
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
     norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
     caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
-    wh, wi = k.descriptors
+    wh, wi = k.descriptors[b.width > 1]
     return [
         k.weights, wh, wi, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
         *caches, *offsets, *strides,

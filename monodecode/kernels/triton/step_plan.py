@@ -41,12 +41,16 @@ MAX_KV_SLOTS = 5  # the kernel's first K/V copies are written out for rings of 2
 # counters by acquire loads instead of acquire atomics (132 programs' RMWs on one line serialize in
 # L2); ``attn_early``: 1 reads the attention task's first cache blocks before its QKV wait (they do
 # not depend on it: one round trip off the chain that every o_proj program waits for).
+# ``wide_tma``: 1 fills the weight ring by TMA at widths 2-8 too (run 108 on the H200: cp.async
+# streams 8B's gate/up at width 8 at 2.9 TB/s where width 1's TMA reaches 4.0), each chunk one box
+# in mma's operand order with the 128-byte swizzle (``step_launch.weight_descriptors``).
 PLAN_KNOBS = {
     "ring": (WEIGHT_RING, 2, 8),
     "stream_down": (0, 0, 1),
     "kv_ring": (0, 0, MAX_KV_SLOTS),
     "poll": (0, 0, 1),
     "attn_early": (0, 0, 1),
+    "wide_tma": (0, 0, 1),
 }
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -133,6 +137,7 @@ class StepGeometry:
     kv_ring: int = 0  # 0: by head_dim (``kv_slots``)
     poll: int = 0
     attn_early: int = 0
+    wide_tma: int = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -258,8 +263,8 @@ class StepGeometry:
     @property
     def tma(self) -> bool:
         """Width 1 fills the weight ring by TMA (run 101: 1-2 % faster); widths 2-8 by cp.async
-        into mma.sync's operand layout."""
-        return self.width == 1
+        into mma.sync's operand layout, or with ``wide_tma`` by TMA in that order too."""
+        return self.width == 1 or bool(self.wide_tma)
 
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
@@ -273,7 +278,7 @@ class StepGeometry:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
             return ring + stage + ROWS * 4 + ring_slots * 8 + rope
         stage = max(x_chunks * BK * NPAD * 2, self._kv_bytes)
-        return ring + stage + ROWS * NPAD * 4 + rope
+        return ring + stage + ROWS * NPAD * 4 + rope + (ring_slots * 8 if self.tma else 0)
 
     def check(self) -> None:
         """Raise ValueError when this geometry cannot run (a planning error, not a user's)."""

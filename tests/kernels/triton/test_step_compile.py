@@ -53,12 +53,14 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
                                                    ("llama3-1b", 2, {"stream_down": 1, "ring": 4}),
                                                    ("llama3-1b", 1, {"kv_ring": 4}),
                                                    ("llama3-1b", 1, {"poll": 1, "attn_early": 1}),
-                                                   ("llama3-8b", 1, {"poll": 1, "attn_early": 1})])  # fmt: skip
+                                                   ("llama3-8b", 1, {"poll": 1, "attn_early": 1}),
+                                                   ("llama3-1b", 8, {"wide_tma": 1}),
+                                                   ("llama3-8b", 8, {"wide_tma": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one,
     1B's down input streamed, with a 4-slot ring, which then fits above 1 row; a 4-slot K/V ring,
-    the first cache blocks read early and the waits polling by loads, at width 1) compile with 0
-    spills too, the rings' slots in the shared memory as planned."""
+    the first cache blocks read early and the waits polling by loads, at width 1; the ring filled
+    by TMA at width 8) compile with 0 spills too, the rings' slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -77,7 +79,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "kv_ring", "poll", "attn_early"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "kv_ring", "poll", "attn_early", "wide_tma"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip

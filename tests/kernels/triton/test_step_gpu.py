@@ -374,24 +374,32 @@ def test_timeline_stamps_every_stage_in_order_and_leave_the_step_bit_identical()
                                                       ({"kv_ring": 2}, (1, 8), "w8-5rows"),
                                                       ({"kv_ring": 4}, (1, 8), "w8-5rows"),
                                                       ({"kv_ring": 4, "attn_early": 1}, (1,), "w1"),
-                                                      ({"poll": 1, "attn_early": 1}, (1, 8), "w8-5rows")])  # fmt: skip
+                                                      ({"poll": 1, "attn_early": 1}, (1, 8), "w8-5rows"),
+                                                      ({"wide_tma": 1}, (1, 8), "w8-5rows"),
+                                                      ({"wide_tma": 1, "stream_down": 1}, (1, 2), "w2"),
+                                                      ({"wide_tma": 1}, B8, "w8-5rows"),
+                                                      ({"wide_tma": 1}, B8, "w2")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input streamed
     instead of staged whole, each tile's chunks still summed in order; the K/V ring's slots, the
-    first cache blocks read before the QKV wait, the waits polling by loads) move bytes or change
-    when they move, never a sum: the whole step and the K/V it writes are bit for bit the default plan's."""
+    first cache blocks read before the QKV wait, the waits polling by loads; the ring filled by TMA
+    above 1 row, 1B's and 8B's) move bytes or change when they move, never a sum: the whole step and
+    the K/V it writes are bit for bit the default plan's."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
-    dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS[case], seed=11)
-    req = _request(B1[0], widths, 2.0)
+    build = B1
+    if widths == B8:  # 8B's own build (down's input streamed above 1 row), all its widths
+        build, widths = B8, B8[1]
+    dims, weights, tk, _, kv, before, meta, x = _setup(build, CONTEXTS[case], seed=11)
+    req = _request(build[0], widths, 2.0)
     changed = StepKernels(req, weights, req.platform.compute_units, _gpu(), plan=plan)
     try:
         kv2 = _snapshot(before)
-        h = tk.forward_step(x, [meta] * B1[2], kv)
-        h2 = changed.forward_step(x, [meta] * B1[2], kv2)
+        h = tk.forward_step(x, [meta] * build[2], kv)
+        h2 = changed.forward_step(x, [meta] * build[2], kv2)
         torch.cuda.synchronize()
         assert torch.equal(h, h2), f"plan {plan}: the step's output differs from the default plan's"
-        for l in range(B1[2]):
+        for l in range(build[2]):
             assert torch.equal(kv.key[l], kv2.key[l]) and torch.equal(kv.value[l], kv2.value[l]), (
                 f"plan {plan}: layer {l}'s K/V differ from the default plan's"
             )
