@@ -51,12 +51,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, kv_ring, poll, attn_early, wide_tma)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, kv_ring, poll, attn_early, wide_tma)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
@@ -371,20 +371,20 @@ def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch
 
 
 def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
-    """The shared-memory budget of a longer weight ring: 1B fits ring 4 only at width 1 (widths
-    2-8 stage down's input beside the ring) unless down's input streams, a 2-slot ring fits every
-    width; 8B at width 1 has no room for a fourth slot."""
+    """The shared-memory budget of a longer weight ring: 1B fits ring 4 at every width with down's
+    input streamed (the default above 1 row), only at width 1 when it is staged whole beside the
+    ring; a 2-slot ring fits every width; 8B at width 1 has no room for a fourth slot."""
     from monodecode.model.profiles import profile_dims
 
     one_b, eight_b = profile_dims("llama3-1b"), profile_dims("llama3-8b")
     widths = tuple(range(1, 9))
-    fits, why = harness.step_variant_widths(one_b, widths, 132, {"ring": 4})
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {"ring": 4, "stream_down": 0})
     assert fits == (1,) and sorted(why) == list(range(2, 9))
     assert all("bytes of shared memory at width" in r for r in why.values()), why
     assert harness.step_variant_widths(one_b, widths, 132, {"ring": 2}) == (widths, {})
     assert harness.step_variant_widths(one_b, widths, 132, {}) == (widths, {})
     # streamed, down's input needs a few X slots, not all of it: a fourth slot fits every width
-    assert harness.step_variant_widths(one_b, widths, 132, {"ring": 4, "stream_down": 1}) == (widths, {})
+    assert harness.step_variant_widths(one_b, widths, 132, {"ring": 4}) == (widths, {})
     fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
     assert fits == () and "shared memory at width 1" in why[1]
     assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 2}) == ((1,), {})
@@ -415,17 +415,18 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
     req = _request("llama3-1b", (1, 2, 8, 16), _platform())
     step = FakeStep((1, 2, 8))  # 16 refused by the step launch
     b = f"{harness.STEP_BACKEND}-ring4"
-    tk, not_run = harness._build_step_variant(req, None, step, b, {"ring": 4}, logs.append)
-    assert built == [((1,), {"ring": 4})] and tk.widths == (1,)
+    staged = {"ring": 4, "stream_down": 0}  # fits width 1 only
+    tk, not_run = harness._build_step_variant(req, None, step, b, staged, logs.append)
+    assert built == [((1,), staged)] and tk.widths == (1,)
     assert sorted(not_run) == [2, 8] and all(skipped for _, skipped in not_run.values())
-    assert not_run[2][0].startswith("skipped: the step plan {'ring': 4} does not fit width 2: step launch: ")
+    assert not_run[2][0].startswith(f"skipped: the step plan {staged} does not fit width 2: step launch: ")
     assert any(f"{b} not timed at width 8" in line for line in logs)
     bad, failed = harness._build_step_variant(req, None, step, "triton-step-ring2", {"ring": 2}, logs.append)
     assert bad is None and failed == {w: ("build failed: RuntimeError: gluon compile failed", False) for w in (1, 2, 8)}
 
     kernels = {"triton": FakeStep((1, 2, 8, 16)), harness.STEP_BACKEND: step, b: tk}
     ctx = _ctx("llama3-1b", {16: ("skipped: refused", True)}, kernels=kernels)
-    ctx["step_variants"] = {"ring4": {"ring": 4}, "ring2": {"ring": 2}}
+    ctx["step_variants"] = {"ring4": staged, "ring2": {"ring": 2}}
     ctx["step_variants_not_run"] = {b: not_run, "triton-step-ring2": failed}
     step_cols = [harness.STEP_BACKEND, b, "triton-step-ring2"]
     for rows, timed, recorded in (
@@ -440,7 +441,7 @@ def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_
         assert got == wanted[:3] + timed
         assert {r["backend"]: r["skipped"] is True for r in out} == recorded
     row = harness._row(ctx, 1, 1024, b, [1e-3], None, 1e-3, 1.0)
-    assert row["triton_change"] == {"ring": 4} and row["backend"] == b
+    assert row["triton_change"] == staged and row["backend"] == b
     assert harness._row(ctx, 1, 1024, harness.STEP_BACKEND, None, None, None, None)["triton_change"] == {}
     assert harness._row(ctx, 1, 1024, "triton", None, None, None, None)["triton_change"] == {}
     # a launch-target variant named like a step variant's backend is refused (run: _check_variants),

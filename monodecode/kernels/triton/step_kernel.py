@@ -57,22 +57,14 @@ def _code(site, kid, glayer):
 
 
 @gluon.jit
-def _wait_for(ctr_ptr, target, spin, health_ptr, code, POLL: gl.constexpr):
+def _wait_for(ctr_ptr, target, spin, health_ptr, code):
     """Wait (acquire) until a completion counter reaches ``target``; at most ``spin`` polls left
     for this program (returned less those used). Expired: the health word gets ``code`` (the first
-    failure wins) and the caller carries on. ``POLL``: poll by volatile loads, then acquire once by
-    an atomic (polling atomics of every program on one line serialize in L2)."""
-    if POLL:
-        seen = gl.load(ctr_ptr, volatile=True)
-        while (seen < target) & (spin > 0):
-            seen = gl.load(ctr_ptr, volatile=True)
-            spin -= 1
+    failure wins) and the caller carries on."""
+    seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
+    while (seen < target) & (spin > 0):
         seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-    else:
-        seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-        while (seen < target) & (spin > 0):
-            seen = gl.atomic_add(ctr_ptr, 0, sem="acquire", scope="gpu")
-            spin -= 1
+        spin -= 1
     if seen < target:
         gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
     return spin
@@ -319,45 +311,25 @@ def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
-def _kv_lead_blocks(bt_row, start, end, BS: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):
-    """The cache blocks of an attention task's first ``KVS`` tiles (``KVS`` 2-5), all asked for at
-    once (one round trip, not one a tile); the blocks past tile ``KVS - 1`` repeat tile 1's."""
-    t: gl.constexpr = NW * 16
+def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+              BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """An attention task's first ``KVS - 1`` K/V tiles (``KVS`` 2 or 3) into the ring (their blocks,
+    then their copies), right after the task's QKV wait. Returns the blocks of the next tile, which
+    ``_attend``'s first step copies."""
+    # every tile's blocks asked for at once (one round trip, not one a tile), then the copies
     b0 = _kv_blocks(bt_row, start, end, BS, NW)
-    b1 = _kv_blocks(bt_row, start + t, end, BS, NW)
-    b2 = b1
-    b3 = b1
-    b4 = b1
-    if KVS >= 3:
-        b2 = _kv_blocks(bt_row, start + 2 * t, end, BS, NW)
-    if KVS >= 4:
-        b3 = _kv_blocks(bt_row, start + 3 * t, end, BS, NW)
-    if KVS >= 5:
-        b4 = _kv_blocks(bt_row, start + 4 * t, end, BS, NW)
-    return b0, b1, b2, b3, b4
-
-
-@gluon.jit
-def _kv_lead_copies(kvs, kc_ptr, vc_ptr, koff, voff, b0, b1, b2, b3, b4, kvh, start, end, k_sb, k_st, k_sh, v_sb,
-                    v_st, v_sh, BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """Copy an attention task's first ``KVS - 1`` K/V tiles (blocks ``b0 ..`` from ``_kv_lead_blocks``)
-    into the ring; returns the blocks of tile ``KVS - 1``, which ``_attend``'s first step copies."""
-    t: gl.constexpr = NW * 16
-    _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, D, NW)
-    nxt = b1
-    if KVS >= 3:
-        _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + t, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+    b1 = _kv_blocks(bt_row, start + NW * 16, end, BS, NW)
+    if KVS == 3:
+        b2 = _kv_blocks(bt_row, start + 2 * NW * 16, end, BS, NW)
+        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
                  BS, D, NW)  # fmt: skip
-        nxt = b2
-    if KVS >= 4:
-        _kv_copy(kvs, 2, kc_ptr, vc_ptr, koff, voff, b2, kvh, start + 2 * t, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+        _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + NW * 16, end, k_sb, k_st, k_sh, v_sb, v_st,
+                 v_sh, BS, D, NW)  # fmt: skip
+        return b2
+    else:
+        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
                  BS, D, NW)  # fmt: skip
-        nxt = b3
-    if KVS >= 5:
-        _kv_copy(kvs, 3, kc_ptr, vc_ptr, koff, voff, b3, kvh, start + 3 * t, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-                 BS, D, NW)  # fmt: skip
-        nxt = b4
-    return nxt
+        return b1
 
 
 @gluon.jit
@@ -368,7 +340,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     ``ctx`` cached positions on tensor cores: each warp its own 16 positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
     softmax, O += P·V; the tiles stream through ``kvs``, a ring of ``KVS`` shared-memory slots
-    filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_lead_copies``, whose
+    filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
@@ -583,8 +555,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr, LAYER_W: gl.constexpr,
                 A_ATT: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
-                T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, POLL: gl.constexpr,
-                AEARLY: gl.constexpr, NB: gl.constexpr,
+                T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr,
                 PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
@@ -711,7 +682,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 if s == 0:
                     if layer > 0:
                         spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
-                                         _code(WAIT_TIMEOUT, 2, glayer - 1), POLL)  # fmt: skip
+                                         _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
                     gl.thread_barrier()
                     if MMAV:
                         rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
@@ -723,19 +694,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
                     bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    if AEARLY:  # the first tiles' blocks (the row's block table: no wait needed)
-                        b0, b1, b2, b3, b4 = _kv_lead_blocks(bt_row, start0, end0, BS, KVS, NW)
-                    spin = _wait_for(
-                        ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer), POLL
-                    )
+                    spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
-                    # the task's first K/V copies after the wait, not before it: run 106 timed them before
-                    # it 0.4-1.2 % slower (1B, widths 1 and 8)
+                    # the task's first K/V tiles after the wait, not before it: run 106 timed them before
+                    # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
                     if has_task:
-                        if not AEARLY:
-                            b0, b1, b2, b3, b4 = _kv_lead_blocks(bt_row, start0, end0, BS, KVS, NW)
-                        bnext = _kv_lead_copies(kvs, kc_ptr, vc_ptr, koff, voff, b0, b1, b2, b3, b4, kvh0, start0,
-                                                end0, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
+                        bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
+                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
@@ -746,7 +711,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
-                                     _code(WAIT_TIMEOUT, 1, glayer), POLL)  # fmt: skip
+                                     _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
                     if MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
@@ -757,7 +722,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                             )
                 elif s == 2:
                     spin = _wait_for(
-                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer), POLL
+                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
                     )
                     gl.thread_barrier()
                     if MMAV:
@@ -767,7 +732,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:
                     spin = _wait_for(
-                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer), POLL
+                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
                     )
                     gl.thread_barrier()
                     if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
@@ -799,7 +764,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
-        if DSTREAM:  # the refill below asks for down's k-th chunk of tile 0: its X chunk joins the group
+        if (
+            DSTREAM
+        ):  # the refill below asks for down's k-th chunk of tile 0: its X chunk joins the group (cp.async ring)
             # (k >= XPRE: this program is past down's wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
             l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
                                                       OFF_D, TD, DSTREAM)  # fmt: skip

@@ -29,29 +29,19 @@ MAX_WIDTH = 8
 NCTR = 5  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, down
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
-WEIGHT_RING = 3  # slots of the weight ring (run 101-104: 3 measured best at batch 1)
-MAX_KV_SLOTS = 5  # the kernel's first K/V copies are written out for rings of 2-5 slots
+WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
+WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster than 3)
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
-# name -> (default, least, most). ``ring``: the weight ring's slots; ``stream_down``: 1 streams
-# down's input above 1 row wherever it could be staged whole too (``StepGeometry.streams_down``;
-# 0: only where it must). (Run 106 timed two more and dropped them: weight chunks asked of L2 at
-# each wait, 4-8 % slower, and the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower.)
-# Three more, timed first in run 108: ``kv_ring``: the attention's K/V ring's slots (0: 3 at
-# head_dim 64, 2 at 128; deeper keeps more of a long context in flight); ``poll``: 1 polls the completion
-# counters by acquire loads instead of acquire atomics (132 programs' RMWs on one line serialize in
-# L2); ``attn_early``: 1 reads the attention task's first cache blocks before its QKV wait (they do
-# not depend on it: one round trip off the chain that every o_proj program waits for).
-# ``wide_tma``: 1 fills the weight ring by TMA at widths 2-8 too (run 108 on the H200: cp.async
-# streams 8B's gate/up at width 8 at 2.9 TB/s where width 1's TMA reaches 4.0), each chunk one box
-# in mma's operand order with the 128-byte swizzle (``step_launch.weight_descriptors``).
-PLAN_KNOBS = {
-    "ring": (WEIGHT_RING, 2, 8),
-    "stream_down": (0, 0, 1),
-    "kv_ring": (0, 0, MAX_KV_SLOTS),
-    "poll": (0, 0, 1),
-    "attn_early": (0, 0, 1),
-    "wide_tma": (0, 0, 1),
-}
+# name -> (default, least, most). ``ring``: the weight ring's slots at every width (default: by
+# width, ``StepGeometry.ring_slots``); ``stream_down``: 0 stages down's whole input above 1 row
+# where it fits (``StepGeometry.streams_down``); ``wide_tma``: 1 fills the ring by TMA above 1 row,
+# 0 by ``cp.async`` (default: TMA where the ring is ``WIDE_RING`` deep, ``StepGeometry.tma``). Run 106 timed two more and dropped them (weight chunks asked of L2 at each wait, 4-8 %
+# slower; the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower), run 108 three
+# (a 4-slot K/V ring, 2-8 % slower with spills at width 8; waits polling by loads and acquiring
+# once, 2-7 % slower: one more round trip a wait; the first cache blocks read before the QKV wait,
+# level). Run 109 made down's input streamed above 1 row and, where that leaves room, a 4-slot ring
+# filled by TMA the defaults.
+PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -132,12 +122,9 @@ class StepGeometry:
     dims: ModelDims
     width: int
     programs: int
-    ring: int = WEIGHT_RING
-    stream_down: int = 0
-    kv_ring: int = 0  # 0: by head_dim (``kv_slots``)
-    poll: int = 0
-    attn_early: int = 0
-    wide_tma: int = 0
+    ring: int | None = None  # None: by width (``ring_slots``)
+    stream_down: int = 1
+    wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -199,14 +186,14 @@ class StepGeometry:
     # -- widths 2-8: down's input -------------------------------------------------------------
     @property
     def streams_down(self) -> bool:
-        """Widths 2-8 stage down's whole input (NB rows x I, bf16) beside the ring where it fits
-        and a program has one down tile (1B). Otherwise (8B: 14 chunks, 2 tiles a program) the
-        input streams: each X chunk is copied (``cp.async``, in the weight chunk's commit group)
-        into a small ring of X slots as its first weight chunk is asked for, and down's weight
-        chunks run k-outer over the program's tiles (two accumulators), so each X chunk is copied
-        once. The activations' task sums then pass through the staged input's first chunk, which
-        no X slot uses. Whether the whole input fits is judged at the default ring, so that a
-        longer ring (a plan knob) never changes how down is fed; ``stream_down`` 1 streams always."""
+        """Widths 2-8 stream down's input: each X chunk is copied (``cp.async``; with the
+        ``cp.async`` ring in the weight chunk's commit group) into a small ring of X slots as its
+        first weight chunk is asked for, and down's weight chunks run k-outer over the program's
+        tiles (two accumulators), so each X chunk is copied once. The activations' task sums then
+        pass through the staged input's first chunk, which no X slot uses. That frees the shared
+        memory of the whole input (1B: 128 KiB at width 8) for a deeper ring (run 109). With
+        ``stream_down`` 0 the whole input (NB rows x I, bf16) is staged beside the ring where it
+        fits and a program has one down tile (1B), judged at width 1's ring."""
         if self.width == 1:
             return False
         d = self.dims
@@ -214,7 +201,7 @@ class StepGeometry:
             bool(self.stream_down)
             or self.tiles_per_program()[3] > 1
             or d.intermediate_size <= d.hidden_size
-            or self._shared_bytes(WEIGHT_RING, d.intermediate_size // BK) > SMEM_PER_PROGRAM
+            or self._shared_bytes(WEIGHT_RING, d.intermediate_size // BK, tma=False) > SMEM_PER_PROGRAM
         )
 
     @property
@@ -222,19 +209,39 @@ class StepGeometry:
         """Streamed down: the X ring's slots. X chunk k is copied while the weight chunk ``ring - 1``
         ahead of the arithmetic is down's k-th with tile 0, and its slot is free once every tile
         has read chunk k - slots: slots * tiles >= ring + tiles - 1."""
+        return self._x_slots(self.ring_slots)
+
+    def _x_slots(self, ring_slots: int) -> int:
         if not self.streams_down:
             return 1
         td = self.tiles_per_program()[3]
-        return -(-(self.ring + td - 1) // td)
+        return -(-(ring_slots + td - 1) // td)
+
+    @property
+    def ring_slots(self) -> int:
+        """The weight ring's slots: the plan's ``ring``, or ``WEIGHT_RING`` at width 1 and
+        ``WIDE_RING`` at widths 2-8 where it fits (1B; not 8B, whose K/V ring takes the room)."""
+        if self.ring:
+            return self.ring
+        return WIDE_RING if self._deep_ring_fits else WEIGHT_RING
+
+    @property
+    def _deep_ring_fits(self) -> bool:
+        """Widths 2-8: a ring of ``WIDE_RING`` slots filled by TMA fits beside the staged input."""
+        need = self._shared_bytes(WIDE_RING, self._x_chunks(WIDE_RING), tma=True)
+        return self.width > 1 and need <= SMEM_PER_PROGRAM
 
     @property
     def x_chunks(self) -> int:
         """The staged input's [NPAD, BK] chunks (width 1: [BK] ones): down's whole input, or,
         streamed, the stages of K = hidden staged into the last chunks, the X ring in chunks
         1 .. x_slots and the sums of a task's warps in chunk 0."""
+        return self._x_chunks(self.ring_slots)
+
+    def _x_chunks(self, ring_slots: int) -> int:
         h, i = self.dims.hidden_size, self.dims.intermediate_size
         if self.streams_down:
-            return max(h // BK, self.x_slots) + 1
+            return max(h // BK, self._x_slots(ring_slots)) + 1
         return i // BK
 
     # -- attention ----------------------------------------------------------------------------
@@ -256,29 +263,35 @@ class StepGeometry:
 
     @property
     def kv_slots(self) -> int:
-        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile): the
-        plan's, or 3 at head_dim 64 and 2 at 128 (what fits beside the weight ring at width 1)."""
-        return self.kv_ring or (3 if self.dims.head_dim <= 64 else 2)
+        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile):
+        3 at head_dim 64 and 2 at 128 (what fits beside the weight ring at width 1)."""
+        return 3 if self.dims.head_dim <= 64 else 2
 
     @property
     def tma(self) -> bool:
-        """Width 1 fills the weight ring by TMA (run 101: 1-2 % faster); widths 2-8 by cp.async
-        into mma.sync's operand layout, or with ``wide_tma`` by TMA in that order too."""
-        return self.width == 1 or bool(self.wide_tma)
+        """The weight ring is filled by TMA at width 1 (run 101: 1-2 % faster than ``cp.async``),
+        and at widths 2-8 in mma.sync's operand order where the ring is ``WIDE_RING`` deep (1B;
+        run 109 on the H100: with down's input streamed and 4 slots, 2-5 % faster than the
+        3-slot ``cp.async`` ring, which run 108 measured at 2.9 TB/s on the H200; at 8B's 3 slots
+        TMA was level on the H100 and spills at widths 2 and 4), or as ``wide_tma`` says."""
+        if self.width == 1:
+            return True
+        return self._deep_ring_fits if self.wide_tma is None else bool(self.wide_tma)
 
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
-        return self._shared_bytes(self.ring, self.x_chunks)
+        return self._shared_bytes(self.ring_slots, self.x_chunks, self.tma)
 
-    def _shared_bytes(self, ring_slots: int, x_chunks: int) -> int:
-        """``shared_bytes`` with a ring of ``ring_slots`` and a staged input of ``x_chunks`` chunks."""
+    def _shared_bytes(self, ring_slots: int, x_chunks: int, tma: bool) -> int:
+        """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
+        input of ``x_chunks`` chunks."""
         ring = ring_slots * ROWS * BK * 2
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
             return ring + stage + ROWS * 4 + ring_slots * 8 + rope
         stage = max(x_chunks * BK * NPAD * 2, self._kv_bytes)
-        return ring + stage + ROWS * NPAD * 4 + rope + (ring_slots * 8 if self.tma else 0)
+        return ring + stage + ROWS * NPAD * 4 + rope + (ring_slots * 8 if tma else 0)
 
     def check(self) -> None:
         """Raise ValueError when this geometry cannot run (a planning error, not a user's)."""
@@ -293,8 +306,6 @@ class StepGeometry:
                 f"most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
                 f"{self.tiles_per_program()[3]}"
             )
-        if self.kv_slots < 2:
-            raise ValueError(f"step launch: the attention's K/V ring needs 2 slots at least, not {self.kv_slots}")
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
 
@@ -323,15 +334,13 @@ class StepGeometry:
             "DSTREAM": int(self.streams_down),
             "LAYER_A": a["end"],
             "NPROG": self.programs,
-            "NBUF": self.ring,
+            "NBUF": self.ring_slots,
             "T0": t0,
             "TO": to,
             "T1": t1,
             "TD": td,
             "NSPLIT": self.splits,
             "KVS": self.kv_slots,
-            "POLL": self.poll,
-            "AEARLY": self.attn_early,
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),

@@ -49,18 +49,14 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 
 
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
-                                                   ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 1}),
-                                                   ("llama3-1b", 2, {"stream_down": 1, "ring": 4}),
-                                                   ("llama3-1b", 1, {"kv_ring": 4}),
-                                                   ("llama3-1b", 1, {"poll": 1, "attn_early": 1}),
-                                                   ("llama3-8b", 1, {"poll": 1, "attn_early": 1}),
-                                                   ("llama3-1b", 8, {"wide_tma": 1}),
+                                                   ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 0}),
+                                                   ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
-    """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring where it fits, a 2-slot one,
-    1B's down input streamed, with a 4-slot ring, which then fits above 1 row; a 4-slot K/V ring,
-    the first cache blocks read early and the waits polling by loads, at width 1; the ring filled
-    by TMA at width 8) compile with 0 spills too, the rings' slots in the shared memory as planned."""
+    """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
+    1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
+    3-slot one by TMA at width 8) compile with 0 spills too, the ring's slots in the shared
+    memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -73,31 +69,28 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
 
 def test_bad_plans_are_refused_in_one_line():
     """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
-    width's shared memory (a 4-slot ring at width 8, 5 K/V slots there) or a 1-slot K/V ring are
-    one ConfigError line from the build."""
+    width's shared memory (a 4-slot ring beside 1B's whole down input at width 8) are one
+    ConfigError line from the build."""
     from monodecode.errors import ConfigError
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "kv_ring", "poll", "attn_early", "wide_tma"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             checked_plan(plan)
-    with pytest.raises(ValueError, match="exceed"):
-        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()
+    with pytest.raises(ValueError, match="exceed"):  # beside down's whole input
+        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4, stream_down=0).check()
+    StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()  # streamed
     StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, ring=4).check()
-    with pytest.raises(ValueError, match="K/V ring needs 2 slots"):
-        StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, kv_ring=1).check()
-    with pytest.raises(ValueError, match="exceed"):  # 5 K/V slots of head_dim 64 at width 8
-        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_ring=5).check()
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="exceed"):
         _small_build((1, 2), plan={"ring": 6})
-    assert _small_build((1,), plan={"ring": 2})[1].geometry[1].ring == 2
+    assert _small_build((1,), plan={"ring": 2})[1].geometry[1].ring_slots == 2
 
 
 def test_a_variant_reads_the_packed_weights_it_shares():
@@ -110,7 +103,7 @@ def test_a_variant_reads_the_packed_weights_it_shares():
     dims, base = _small_build((1,))
     variant = StepKernels(base.req, _weights(dims), H200_SMS, "cpu", plan={"ring": 4}, share=base)
     assert variant.weights is base.weights and variant.descriptors is base.descriptors
-    assert variant.geometry[1].ring == 4 and base.geometry[1].ring == 3
+    assert variant.geometry[1].ring_slots == 4 and base.geometry[1].ring_slots == 3
     own = StepKernels(dataclasses.replace(base.req), _weights(dims), H200_SMS, "cpu", plan={"ring": 4})
     assert own.weights is not base.weights and torch.equal(own.weights, base.weights)
 
@@ -207,6 +200,32 @@ def test_packed_weights_are_where_the_kernel_reads_them():
             assert torch.equal(tile[8:], lw.up_proj.weight[8 * t : 8 * t + 8])
         d0 = n * (g.layer_weights // i) + g.off_down // i
         assert torch.equal(rows_i[d0 : d0 + h], lw.down_proj.weight)
+
+
+def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves():
+    """Above 1 row the TMA ring's view (``weight_descriptors``) reads chunk k of a tile as two
+    [8 column blocks, 16 rows, 64] boxes, at column 0 and 64: box h's block w is the tile's
+    columns ``1024 k + 128 w + 64 h ..`` + 64, which is warp w's operand half h (``_chunk_mma``).
+    Checked by reading the packed weights through the descriptor's own shape and strides."""
+    from monodecode.kernels.triton.step_launch import pack_step_weights, weight_descriptors
+    from monodecode.kernels.triton.step_plan import BK, NUM_WARPS, ROWS
+
+    dims = dataclasses.replace(
+        profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4
+    )
+    g = StepGeometry(dims, 8, H200_SMS)
+    blob = pack_step_weights(g, _weights(dims), "cpu")
+    wide = weight_descriptors(blob, dims)[True]
+    half = BK // NUM_WARPS // 2
+    for desc, k_dim in zip(wide, (dims.hidden_size, dims.intermediate_size)):
+        assert desc.block_shape == [NUM_WARPS, ROWS, half] and desc.layout.swizzle_byte_width == 128
+        view = blob.as_strided(desc.shape, desc.strides)  # [column block, row, 128]
+        rows = blob.view(-1, k_dim)
+        for row0, k in ((0, 0), (ROWS * 5, k_dim // BK - 1)):
+            for h in (0, 1):
+                box = view[k * NUM_WARPS : (k + 1) * NUM_WARPS, row0 : row0 + ROWS, h * half : (h + 1) * half]
+                want = rows[row0 : row0 + ROWS, k * BK : (k + 1) * BK].reshape(ROWS, NUM_WARPS, 2, half)[:, :, h]
+                assert torch.equal(box, want.permute(1, 0, 2)), (k_dim, row0, k, h)
 
 
 def _small_build(widths=(1, 2), plan=None):
