@@ -627,6 +627,8 @@ def stream_then_sigterm(server: VllmServer, max_tokens: int = DRAIN_TOKENS) -> d
     except Exception as e:
         out["error"] = type(e).__name__
     out["end_s"] = round(time.monotonic() - t0, 2)
+    # whether vLLM had acted on the signal by the stream's end (its API server logs it)
+    out["shutdown_logged"] = "shutdown triggered" in server.log.read_text(errors="replace")
     return out
 
 
@@ -649,5 +651,5 @@ def test_without_a_drain_timeout_sigterm_cuts_the_request_off(fleet):
     # cut off: the stream just stops (no usage chunk), or, on a loaded server, vLLM closes it as
     # aborted with a usage chunk of fewer tokens than asked for; never the full completion
     cut = result["tokens"] is None or result["tokens"] < ABORT_TOKENS
-    assert result["finish_reason"] != "length" and cut, result
+    assert result["finish_reason"] != "length" and cut, f"not cut off: {result}"
     print(f"aborted: {result}")
