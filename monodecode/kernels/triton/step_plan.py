@@ -35,8 +35,9 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # name -> (default, least, most). ``ring``: the weight ring's slots at every width (default: by
 # width, ``StepGeometry.ring_slots``); ``stream_down``: 0 stages down's whole input above 1 row
 # where it fits (``StepGeometry.streams_down``); ``wide_tma``: 1 fills the ring by TMA above 1 row,
-# 0 by ``cp.async`` (default: TMA where the ring is ``WIDE_RING`` deep, ``StepGeometry.tma``). Run 106 timed two more and dropped them (weight chunks asked of L2 at each wait, 4-8 %
-# slower; the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower), run 108 three
+# 0 by ``cp.async`` (default: TMA where the ring is ``WIDE_RING`` deep, ``StepGeometry.tma``).
+# Run 106 timed two more and dropped them (weight chunks asked of L2 at each wait, 4-8 % slower;
+# the attention's first K/V copies before its QKV wait, 0.4-1.2 % slower), run 108 three
 # (a 4-slot K/V ring, 2-8 % slower with spills at width 8; waits polling by loads and acquiring
 # once, 2-7 % slower: one more round trip a wait; the first cache blocks read before the QKV wait,
 # level). Run 109 made down's input streamed above 1 row and, where that leaves room, a 4-slot ring
@@ -228,8 +229,9 @@ class StepGeometry:
     @property
     def _deep_ring_fits(self) -> bool:
         """Widths 2-8: a ring of ``WIDE_RING`` slots filled by TMA fits beside the staged input."""
-        need = self._shared_bytes(WIDE_RING, self._x_chunks(WIDE_RING), tma=True)
-        return self.width > 1 and need <= SMEM_PER_PROGRAM
+        if self.width == 1:
+            return False
+        return self._shared_bytes(WIDE_RING, self._x_chunks(WIDE_RING), tma=True) <= SMEM_PER_PROGRAM
 
     @property
     def x_chunks(self) -> int:
@@ -285,13 +287,13 @@ class StepGeometry:
     def _shared_bytes(self, ring_slots: int, x_chunks: int, tma: bool) -> int:
         """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
         input of ``x_chunks`` chunks."""
-        ring = ring_slots * ROWS * BK * 2
+        ring = ring_slots * ROWS * BK * 2 + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
-            return ring + stage + ROWS * 4 + ring_slots * 8 + rope
+            return ring + stage + ROWS * 4 + rope
         stage = max(x_chunks * BK * NPAD * 2, self._kv_bytes)
-        return ring + stage + ROWS * NPAD * 4 + rope + (ring_slots * 8 if tma else 0)
+        return ring + stage + ROWS * NPAD * 4 + rope
 
     def check(self) -> None:
         """Raise ValueError when this geometry cannot run (a planning error, not a user's)."""
