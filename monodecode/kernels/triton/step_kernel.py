@@ -2,12 +2,12 @@
 
 Gluon (Triton's explicit-layout dialect) for NVIDIA sm_90: the weight ring is filled by TMA
 (width 1, and above where it is 4 slots deep) or ``cp.async``, the attention's K/V ring by
-``cp.async`` (by TMA with the plan's ``kv_tma``), and the GEMV at widths 2-8 and the attention run
-on ``mma.sync``. The plan is ``step_plan.py``'s; the design was measured first as
-``benchmarks/step_probe.py`` (runs 86-104), whose fastest form this is, with what serving needs
-added: vLLM's paged KV cache (block tables, slot mapping, per-layer caches), each row at its own
-position and context, inert padded rows (slot -1), bf16 residuals in and out, bounded waits and
-non-finite checks that set the health word, and one-shot fault injection.
+``cp.async``, and the GEMV at widths 2-8 and the attention run on ``mma.sync``. The plan is
+``step_plan.py``'s; the design was measured first as ``benchmarks/step_probe.py`` (runs 86-104),
+whose fastest form this is, with what serving needs added: vLLM's paged KV cache (block tables,
+slot mapping, per-layer caches), each row at its own position and context, inert padded rows
+(slot -1), bf16 residuals in and out, bounded waits and non-finite checks that set the health
+word, and one-shot fault injection.
 
 One program per SM walks one fixed sequence of [16 rows, 1024 columns] weight chunks (its row
 tiles of QKV, o_proj, gate/up and down, layer after layer) through ``NBUF`` 32 KiB shared-memory
@@ -301,44 +301,6 @@ def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k
 
 
 @gluon.jit
-def _kv_tma(kvb, kvbars, kd_desc, vd_desc, t, kblk, vblk, bt_row, kvh, b, end, BS: gl.constexpr, D: gl.constexpr,
-            KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """``kv_tma``: start the program's K/V tile ``t`` (positions ``b ..``) into ring slot ``t % KVS``
-    by TMA, nothing from ``end`` on (a tile is issued, and waited for, only where it holds a
-    position). A box a warp: its 16 positions lie in one cache block (``BS`` a multiple of 16), at
-    block ``kblk``/``vblk`` + its block-table entry of the caches' [blocks, KV heads, block,
-    head_dim] views (``step_launch.kv_descriptors``); a warp wholly past ``end`` asks for block -1,
-    which TMA fills with zeros without reading memory."""
-    slot = t % KVS
-    bar = kvbars.index(slot)
-    ok = b < end
-    mbarrier.expect(bar, 2 * NW * 16 * D * 2, pred=ok)
-    for w in gl.static_range(NW):
-        p = b + w * 16
-        blk = gl.load(bt_row + p // BS, mask=p < end, other=0)
-        kr = gl.where(p < end, kblk + blk, -1)
-        vr = gl.where(p < end, vblk + blk, -1)
-        tma.async_copy_global_to_shared(kd_desc, [kr, kvh, p % BS, 0], bar, kvb.index(2 * slot * NW + w), pred=ok)
-        tma.async_copy_global_to_shared(vd_desc, [vr, kvh, p % BS, 0], bar, kvb.index((2 * slot + 1) * NW + w), pred=ok)
-
-
-@gluon.jit
-def _kv_zero_past(kvz, slot, b, end, D: gl.constexpr, NW: gl.constexpr):
-    """``kv_tma``: a tile that ends past ``end`` has the cache's later positions of the row's last
-    block in its V rows (never written yet, or a finished sequence's): zero them in shared memory,
-    as ``cp.async``'s masked copy leaves them, so that P's zeros there multiply zeros (0 x NaN is
-    NaN). ``kvz``: the ring's tiles unswizzled ([2 KVS, NW, D // 64, 16, 64]): a row's 128 bytes
-    are the same bytes whatever the swizzle, and each warp zeroes its own box."""
-    zl: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 4, 8], [NW, 1, 1, 1], [3, 2, 1, 0])
-    w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(3, zl))))
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, zl))))
-    pos = gl.expand_dims(gl.expand_dims(b + w[:, None] * 16 + r[None, :], 1), 3)  # [NW, 1, 16, 1]
-    for h in gl.static_range(D // 64):
-        rows = kvz.index(2 * slot + 1).slice(h, 1, dim=1)
-        rows.store(gl.where(pos < end, rows.load(zl), 0.0))
-
-
-@gluon.jit
 def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
     """An attention task -> (KV head, split, first position, end) of its row's cached context:
     spans of at least ``MINSPAN`` positions, whole K/V tiles; a short context leaves later splits empty."""
@@ -373,9 +335,8 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kvb, kvbars, kv4, kvz, kd_desc, vd_desc, kblk, vblk, kbase,
-            QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr,
-            NSPLIT: gl.constexpr, KVS: gl.constexpr, KVTMA: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own 16 positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -383,11 +344,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
-    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
-    ``KVTMA``: the ring is filled by TMA instead (``_kv_tma``: the program's tile ``t`` in slot
-    ``t % KVS``, ``kbase`` of them before this task), in the 128-byte swizzle ``ldmatrix`` reads
-    (``kv4``), a tile's V rows past ``end`` zeroed in place (``_kv_zero_past``): the same products
-    as the ``cp.async`` ring's, bit for bit. Returns the tiles read."""
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -410,12 +367,9 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
     kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
     vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
-    qslot = 2 * ((kbase + KVS - 1) % KVS) if KVTMA else 2 * (KVS - 1)  # the slot whose first tile comes in step 0
-    kvs.index(qslot).store(qf.to(gl.bfloat16))
-    if KVTMA:
-        fence_async_shared()  # q's stores before the async proxy's TMA into the same slot
+    kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
     gl.thread_barrier()
-    qa = kvs.index(qslot).load(a_l)
+    qa = kvs.index(2 * (KVS - 1)).load(a_l)
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
@@ -430,38 +384,25 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     o = gl.zeros([NW, 16, D], gl.float32, mma)
     i = 0
     for b in range(start, end, NW * 16):
+        async_copy.wait_group(KVS - 2)  # tile i has landed
+        gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
         nb = b + (KVS - 1) * NW * 16
-        if KVTMA:
-            t = kbase + i
-            mbarrier.wait(kvbars.index(t % KVS), (t // KVS) & 1)  # tile i has landed
-            if b + NW * 16 > end:
-                _kv_zero_past(kvz, t % KVS, b, end, D, NW)
-            gl.thread_barrier()  # every thread is past the slot refilled next (and the zeros are stored)
-            _kv_tma(kvb, kvbars, kd_desc, vd_desc, t + KVS - 1, kblk, vblk, bt_row, kvh, nb, end, BS, D, KVS, NW)
-            kb = kv4.index(2 * (t % KVS)).permute([0, 2, 1]).load(b_l)
-            vb = kv4.index(2 * (t % KVS) + 1).load(b_l)
-            sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma)) * SCALE
-        else:
-            async_copy.wait_group(KVS - 2)  # tile i has landed
-            gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
-            _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
-                     v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
-            bnext = _kv_blocks(bt_row, nb + NW * 16, end, BS, NW)
-            kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
-            vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
-            sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
+        _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, nb + NW * 16, end, BS, NW)
+        kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
+        vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
         ok = b + wm * 16 + pm < end
         sc = gl.where(ok, sc, -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
         e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
         alpha = gl.exp(m - m2)
         lsum = lsum * alpha + gl.sum(e, axis=2)
-        pe = gl.convert_layout(e.to(gl.bfloat16), a_l)
-        o = mma_v2(pe, vb, o * alpha[:, :, None])
+        o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), vb, o * alpha[:, :, None])
         m = m2
         i += 1
-    if not KVTMA:
-        async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
+    async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
     # the warps' partials merged, then the new position (last split); rows past G are not stored
     mw = gl.max(m, axis=0)  # [16]
     mt = gl.where(last, gl.maximum(mw, s_new), mw)
@@ -488,7 +429,6 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt, mask=gs < G)
     gl.store(sslot + D + 1, lt, mask=gs < G)
-    return i
 
 
 @gluon.jit
@@ -609,8 +549,7 @@ def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, cod
 # graph capture for a value that differs from warm-up's
 @gluon.jit(do_not_specialize=["bt_stride", "first", "nlayers", "spin", "fault_layer", "fault_kind"])
 def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
-                kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, kd_desc, vd_desc, kblk_ptr,
-                vblk_ptr, pos_ptr, slot_ptr, bt_ptr,
+                kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
                 bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, prof_ptr, first, nlayers, spin, fault_layer,
                 fault_kind,
                 HIDDEN: gl.constexpr, INTER: gl.constexpr, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
@@ -618,7 +557,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 A_ATT: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
-                MMAV: gl.constexpr, TMA: gl.constexpr, KVTMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
+                MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr,
                 PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
@@ -629,9 +568,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32
     [NB, KVH, NSPLIT, G, D + 2]. K/V: layer l's caches start ``koff[l]``/``voff[l]`` elements past
     ``kc_ptr``/``vc_ptr`` (int64 [layers]), blocks/tokens/heads strided by ``*_sb``, ``*_st``,
-    ``*_sh``; ``KVTMA``: the K/V tiles come by TMA through ``kd_desc``/``vd_desc`` (the caches as
-    [blocks, KV heads, block, head_dim], layer l's blocks from ``kblk[l]``/``vblk[l]``, int64 [layers];
-    ``step_launch.kv_descriptors``); ``pos``/``slot`` int64 [NB], ``bt`` int32 [NB, bt_stride], ``seq`` int32 [NB] (the
+    ``*_sh``; ``pos``/``slot`` int64 [NB], ``bt`` int32 [NB, bt_stride], ``seq`` int32 [NB] (the
     row's context including the new position). Counters int64: ``ctr`` [nlayers, NCTR], ``hctr``
     [nlayers, NB, KVH], ``epoch`` [1]; ``health`` int32. ``spin``: polls a program may spend waiting.
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
@@ -676,45 +613,19 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
         boxes = ring
         bars = ring
-    if MMAV:
-        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // (BK * NPAD))
-        XE: gl.constexpr = XR * NPAD * BK // (16 * D)  # ... in [16, D] boxes
-    else:
-        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // BK)
-        XE: gl.constexpr = XR * BK // (16 * D)
-    if KVTMA:  # the staged input's memory allocated as the K/V ring's TMA boxes ([16, 64], 1024-byte aligned)
-        kvb = gl.allocate_shared_memory(gl.bfloat16, [XE, 1, 1, 16, D], kd_desc.layout)
-        kvbars = gl.allocate_shared_memory(gl.int64, [KVS, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(KVS):
-            mbarrier.init(kvbars.index(b), count=1)
-        fence_async_shared()
     if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
-        if KVTMA:
-            xbuf = kvb._reinterpret(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
-        else:
-            xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // (BK * NPAD))
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
         # a task's products summed over the warps through the first chunk: stages of K = HIDDEN
         # stage into the last chunks, and down (all chunks) has one task a program
         red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:  # bf16 staged input, as long as the attention's K/V ring too (held from QKV's end to o_proj's staging)
-        if KVTMA:
-            xbuf = kvb._reinterpret(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        else:
-            xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // BK)
+        xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         red = gbuf
     kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)  # the attention's K/V ring
-    if KVTMA:  # the same ring as TMA leaves it: each slot's K then V, each as D // 64 [NW, 16, 64] halves
-        kv4 = kvb._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D],
-                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))  # fmt: skip
-        kvz = kvb._reinterpret(gl.bfloat16, [2 * KVS, NW, D // 64, 16, 64],
-                               gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))  # fmt: skip
-    else:
-        kvb = kvs
-        kvbars = kvs
-        kv4 = kvs
-        kvz = kvs
     if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
         cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
         rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
@@ -752,7 +663,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
-    kbase = 0  # ``KVTMA``: the K/V tiles this program has read (tile t fills slot t % KVS, phase (t // KVS) & 1)
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM)  # fmt: skip
@@ -789,29 +699,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
-                    if KVTMA:
-                        kblk = gl.load(kblk_ptr + glayer).to(gl.int32)
-                        vblk = gl.load(vblk_ptr + glayer).to(gl.int32)
-                    else:
-                        kblk = 0
-                        vblk = 0
                     if has_task:
-                        if KVTMA:  # the stages' generic accesses to the ring's memory before the async proxy's
-                            fence_async_shared()
-                            gl.thread_barrier()
-                            for tt in gl.static_range(KVS - 1):
-                                _kv_tma(kvb, kvbars, kd_desc, vd_desc, kbase + tt, kblk, vblk, bt_row, kvh0,
-                                        start0 + tt * NW * 16, end0, BS, D, KVS, NW)  # fmt: skip
-                        else:
-                            bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
-                                              k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
+                        bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
+                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        tiles_read = _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                             k_sb, k_st, k_sh, v_sb, v_st, v_sh, kvb, kvbars, kv4, kvz, kd_desc, vd_desc, kblk,
-                                             vblk, kbase, QH, KVH, D, BS, SCALE, NSPLIT, KVS, KVTMA, NW)  # fmt: skip
-                        kbase += tiles_read
+                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
@@ -925,9 +820,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
         for b in gl.static_range(NBUF):
             mbarrier.invalidate(bars.index(b))
-    if KVTMA:  # ... and every K/V tile's
-        for b in gl.static_range(KVS):
-            mbarrier.invalidate(kvbars.index(b))
     old = gl.atomic_add(epoch_ptr, 1, sem="acq_rel", scope="gpu")
     if (old + 1) % NPROG == 0:  # the last program out: after a failed launch, settle every counter
         if gl.load(health_ptr, volatile=True) != 0:  # at its healthy value, so the next launch starts consistent

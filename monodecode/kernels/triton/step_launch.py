@@ -76,49 +76,6 @@ def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
     return {wide_: (rows_of(h, wide_), rows_of(i, wide_)) for wide_ in (False, True)}
 
 
-def _kv_box_layout():
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-
-
-def kv_descriptors(caches, strides: list[int], label: str, kind: str) -> tuple[Any, torch.Tensor]:
-    """``kv_tma``: TMA's view of every layer's K (or V) cache at once, and each layer's first block
-    in it (int64 [layers]). The view is [blocks, KV heads, block, head_dim] (the caches' own strides)
-    from the lowest-addressed layer's start, so the layers' caches must start a whole number of
-    cache blocks apart; a box is one warp's 16 positions by 64 columns of head_dim, swizzled as
-    ``ldmatrix`` reads it (the staged input's 128-byte rows)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    sb, st, sh = strides
-    base = min(caches, key=lambda t: t.data_ptr())
-    block_bytes = sb * base.element_size()
-    firsts = []
-    for n, t in enumerate(caches):
-        diff = t.data_ptr() - base.data_ptr()
-        if diff % block_bytes:
-            raise ConfigError(
-                f"{label}: kv_tma needs the layers' {kind} caches a whole number of {block_bytes}-byte cache "
-                f"blocks apart; layer {n}'s starts {diff} bytes past the lowest"
-            )
-        firsts.append(diff // block_bytes)
-    blocks = max(f + t.shape[0] for f, t in zip(firsts, caches))
-    _, bs, heads, dim = base.shape
-    desc = TensorDescriptor(base, [blocks, heads, bs, dim], [sb, sh, st, 1], [1, 1, 16, dim], _kv_box_layout())
-    return desc, torch.tensor(firsts, dtype=torch.int64, device=base.device)
-
-
-def kv_stand_in(dim: int, device) -> tuple[Any, torch.Tensor]:
-    """What the kernel's K/V TMA arguments are where its build reads the caches by ``cp.async``
-    (the same types; never read)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    t = torch.zeros(1, 1, 16, dim, dtype=torch.bfloat16, device=device)
-    return TensorDescriptor.from_tensor(t, [1, 1, 16, dim], _kv_box_layout()), torch.zeros(
-        1, dtype=torch.int64, device=device
-    )
-
-
 class _Buffers:
     """One (width, layers a launch) pair's device buffers."""
 
@@ -136,18 +93,14 @@ class _Buffers:
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
 
-def kernel_arguments(
-    k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, kv_tma, out, fault_layer, fault_kind
-):
+def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
     norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
-    caches of layer 0 and every layer's offset from them; the K and V strides; the caches' TMA views
-    and each layer's first block in them (``kv_descriptors``: K view, V view, K blocks, V blocks);
-    the metadata."""
+    caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
     wh, wi = k.descriptors[b.width > 1]
     return [
         k.weights, wh, wi, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
-        *caches, *offsets, *strides, *kv_tma,
+        *caches, *offsets, *strides,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
         b.ctr, b.hctr, b.epoch, k.health_word, k.prof, first, layers, k.spin_limit, fault_layer, fault_kind,
     ]  # fmt: skip
@@ -175,11 +128,6 @@ class StepKernels(PaddedKernels):
                 g.check()
         except ValueError as e:
             raise ConfigError(f"{self.kernel_label}: {e}") from None
-        if self.plan.get("kv_tma") and req.block_size % 16:
-            raise ConfigError(
-                f"{self.kernel_label}: kv_tma reads a warp's 16 positions from one cache block; "
-                f"block size {req.block_size} is not a multiple of 16"
-            )
         self.req = req
         self.dims = req.dims
         self.widths = req.widths
@@ -211,8 +159,7 @@ class StepKernels(PaddedKernels):
         self._kv_key: tuple | None = None
         self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_strides: list[int] = []
-        self._kv_tma: tuple = ()
-        self._retired: list[tuple[torch.Tensor, ...]] = []
+        self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- the cache -----------------------------------------------------------------------------
 
@@ -229,12 +176,11 @@ class StepKernels(PaddedKernels):
     def check_kv(self, kv) -> None:
         self._binding(kv)
 
-    def _binding(self, kv) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int], tuple]:
+    def _binding(self, kv) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int]]:
         """The cache as the kernel addresses it: each layer's K and V as an element offset from
-        layer 0's (int64 on the device), the strides every layer shares, and the caches' TMA views
-        with each layer's first block in them (``kv_descriptors``; stand-ins unless the plan's
-        ``kv_tma``), checked and computed once per binding of the cache (a step on the same cache
-        checks nothing again; a replayed graph reads the same tensors)."""
+        layer 0's (int64 on the device) and the strides every layer shares, checked and computed
+        once per binding of the cache (a step on the same cache checks nothing again; a replayed
+        graph reads the same tensors)."""
         key = (kv.block_size, *((t.data_ptr(), *t.shape, *t.stride()) for t in (*kv.key, *kv.value)))
         if key != self._kv_key:
             strides = self._strides(kv)
@@ -248,20 +194,10 @@ class StepKernels(PaddedKernels):
                         "apart or a multiple of that"
                     )
                 offs.append(torch.tensor([d // 2 for d in diffs], dtype=torch.int64, device=self.device))
-            if self.plan.get("kv_tma"):
-                (kd, kb), (vd, vb) = (
-                    kv_descriptors(kv.key, strides[:3], self.kernel_label, "key"),
-                    kv_descriptors(kv.value, strides[3:], self.kernel_label, "value"),
-                )
-                tma_kv = (kd, vd, kb, vb)
-            else:
-                sd, sb = kv_stand_in(self.dims.head_dim, self.device)
-                tma_kv = (sd, sd, sb, sb)
             if self._kv_offsets is not None:  # a graph captured on the old binding may still read them
-                self._retired.append((*self._kv_offsets, *self._kv_tma[2:]))
+                self._retired.append(self._kv_offsets)
             self._kv_key, self._kv_offsets, self._kv_strides = key, (offs[0], offs[1]), strides
-            self._kv_tma = tma_kv
-        return self._kv_offsets, self._kv_strides, self._kv_tma
+        return self._kv_offsets, self._kv_strides
 
     # -- launches ------------------------------------------------------------------------------
 
@@ -334,7 +270,6 @@ class StepKernels(PaddedKernels):
         self.weights = torch.zeros(1, dtype=torch.bfloat16)
         self._buffers = {}
         self._kv_key = self._kv_offsets = None
-        self._kv_tma = ()
         self._retired = []
 
 
@@ -366,11 +301,9 @@ def step_source(dims, width: int, programs: int, block_size: int, plan: dict | N
     )  # fmt: skip
     meta = SimpleNamespace(positions=t(i64, width), slot_mapping=t(i64, width), block_tables=t(i32, width, 7),
                            seq_lens=t(i32, width))  # fmt: skip
-    kd, kb = kv_stand_in(dims.head_dim, "cpu")  # (TMA views want real strides)
     runtime = kernel_arguments(
-        k, _Buffers(g, 2, "meta"), 0, 2, t(bf), meta, (t(bf), t(bf)), (t(i64), t(i64)), [16] * 6,
-        (kd, kd, t(i64), t(i64)), t(bf), 0, 0,
-    )  # fmt: skip
+        k, _Buffers(g, 2, "meta"), 0, 2, t(bf), meta, (t(bf), t(bf)), (t(i64), t(i64)), [16] * 6, t(bf), 0, 0
+    )
     names = [n for n in step_kernel.arg_names if n not in consts and n != "NW"]
     if len(names) != len(runtime):
         raise ValueError(f"step_kernel takes {len(names)} runtime arguments, kernel_arguments gives {len(runtime)}")

@@ -41,9 +41,9 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # (a 4-slot K/V ring, 2-8 % slower with spills at width 8; waits polling by loads and acquiring
 # once, 2-7 % slower: one more round trip a wait; the first cache blocks read before the QKV wait,
 # level). Run 109 made down's input streamed above 1 row and, where that leaves room, a 4-slot ring
-# filled by TMA the defaults. ``kv_tma``: 1 fills the attention's K/V ring by TMA (one box a warp's
-# 16 positions of one cache block) instead of ``cp.async``.
-PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1), "kv_tma": (0, 0, 1)}
+# filled by TMA the defaults. Run 111 timed the K/V tiles by TMA (a box a warp's 16 positions of one
+# cache block, 16 rows of 128-256 bytes): 6-15 % slower at 32k than ``cp.async``; dropped.
+PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -127,7 +127,6 @@ class StepGeometry:
     ring: int | None = None  # None: by width (``ring_slots``)
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
-    kv_tma: int = 0
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -290,7 +289,6 @@ class StepGeometry:
         """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
         input of ``x_chunks`` chunks."""
         ring = ring_slots * ROWS * BK * 2 + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
-        ring += self.kv_slots * 8 if self.kv_tma else 0  # the K/V ring's mbarriers
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
@@ -349,7 +347,6 @@ class StepGeometry:
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),
-            "KVTMA": self.kv_tma,
             "BS": block_size,
             "EPS": d.rms_norm_eps,
             "SCALE": d.attn_scale,

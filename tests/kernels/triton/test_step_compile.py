@@ -51,14 +51,12 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
                                                    ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 0}),
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1}),
-                                                   ("llama3-1b", 1, {"kv_tma": 1}), ("llama3-1b", 8, {"kv_tma": 1}),
-                                                   ("llama3-8b", 1, {"kv_tma": 1}), ("llama3-8b", 8, {"kv_tma": 1})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"wide_tma": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
-    3-slot one by TMA at width 8, the K/V tiles by TMA) compile with 0 spills too, the ring's
-    slots in the shared memory as planned."""
+    3-slot one by TMA at width 8) compile with 0 spills too, the ring's slots in the shared
+    memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -77,7 +75,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_tma"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -230,60 +228,7 @@ def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves():
                 assert torch.equal(box, want.permute(1, 0, 2)), (k_dim, row0, k, h)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_kv_tma_boxes_are_a_warps_positions_of_one_head(interleaved):
-    """``kv_tma``'s views (``kv_descriptors``) address every layer's cache from the lowest one's
-    start: box (layer l's first block + block b, head h, position t ..) is that layer's cache at
-    block b, positions t .. t + 15 of head h, over the reference's planes and vLLM's interleaved
-    K|V layout, with the layers' caches in one allocation out of layer order. Checked by reading
-    the allocation through the descriptor's own shape and strides."""
-    from monodecode.kernels.triton.args import kv_strides
-    from monodecode.kernels.triton.step_launch import kv_descriptors
-    from monodecode.model.paged_kv import PagedKVCache
-    from monodecode.vllm_plugin.step import kv_views
-
-    dims = dataclasses.replace(profile_dims("llama3-1b"), num_kv_heads=4, head_dim=64)
-    layers, blocks, bs, heads, d = 3, 6, 32, dims.num_kv_heads, dims.head_dim
-    order = [2, 0, 1]  # layer l's cache is slot order[l] of the allocation
-    if interleaved:
-        raw = torch.randn(layers, blocks, heads, bs, 2 * d).to(torch.bfloat16)
-        kv = kv_views([raw[order[l]] for l in range(layers)], heads, d)
-    else:
-        raw = torch.randn(2, layers, blocks, bs, heads, d).to(torch.bfloat16)
-        kv = PagedKVCache([raw[0, order[l]] for l in range(layers)], [raw[1, order[l]] for l in range(layers)], bs)
-    st = kv_strides(kv.key[0], kv.value[0], dims, bs)
-    for caches, strides in ((kv.key, st[:3]), (kv.value, st[3:])):
-        desc, firsts = kv_descriptors(caches, strides, "test", "key")
-        assert desc.block_shape == [1, 1, 16, d] and desc.layout.swizzle_byte_width == 128
-        assert firsts.tolist() == [order[l] * blocks for l in range(layers)]
-        view = desc.base.as_strided(desc.shape, desc.strides)  # [blocks, heads, position, head_dim]
-        for l, b, h, t in ((0, 0, 0, 0), (1, 5, 3, 16), (2, 2, 1, 16)):
-            want = caches[l][b, t : t + 16, h]
-            assert torch.equal(view[firsts[l] + b, h, t : t + 16], want), (l, b, h, t)
-
-
-def test_kv_tma_refuses_caches_not_whole_blocks_apart():
-    """``kv_tma`` addresses every layer's cache from the lowest one's start in whole cache
-    blocks: layers a part of a block apart are refused when the cache is bound, in one line."""
-    from monodecode.errors import ConfigError
-    from monodecode.model.paged_kv import PagedKVCache
-
-    dims, k = _small_build(plan={"kv_tma": 1})
-    shape = PagedKVCache.allocate(dims, num_blocks=8, block_size=16).key[0].shape
-    n = shape.numel()
-    flat = torch.zeros(4 * n + 64, dtype=torch.bfloat16)
-    keys = [flat[:n].view(shape), flat[n + 64 : 2 * n + 64].view(shape)]  # 64 elements off the block grid
-    values = [flat[2 * n + 64 : 3 * n + 64].view(shape), flat[3 * n + 64 :].view(shape)]  # whole blocks apart
-    k.check_kv(PagedKVCache([flat[:n].view(shape), flat[n : 2 * n].view(shape)], values, 16))
-    with pytest.raises(ConfigError, match="kv_tma needs the layers' key caches a whole number of") as e:
-        k.check_kv(PagedKVCache(keys, values, 16))
-    assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match="block size 8 is not a multiple of 16") as e:
-        _small_build(plan={"kv_tma": 1}, block_size=8)
-    assert "\n" not in str(e.value)
-
-
-def _small_build(widths=(1, 2), plan=None, block_size=16):
+def _small_build(widths=(1, 2), plan=None):
     """``StepKernels`` of a 2-layer Llama-shaped model small enough for this CPU (hidden 1024,
     intermediate 3072), built on the CPU: everything but the launch itself."""
     from monodecode.kernels.base import BuildRequest
@@ -294,7 +239,7 @@ def _small_build(widths=(1, 2), plan=None, block_size=16):
         profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4, num_layers=2
     )
     platform = Platform(kind="cuda", arch="sm_90", name="NVIDIA H100", compute_units=H200_SMS, torch_usable=True)
-    req = BuildRequest(dims, "bf16", 1, widths, block_size, platform)
+    req = BuildRequest(dims, "bf16", 1, widths, 16, platform)
     return dims, StepKernels(req, _weights(dims), H200_SMS, "cpu", plan=plan)
 
 
