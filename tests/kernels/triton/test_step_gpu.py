@@ -392,18 +392,32 @@ def _poison_uncached(kv, meta) -> None:
         t[~cached] = float("nan")
 
 
+def _behind_a_null_block(kv, meta):
+    """``kv``'s blocks one block later and ``meta`` re-pointed at them, so that block 0 is owned by
+    no row, as vLLM's null block is (a masked block-table entry reads block 0)."""
+    from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
+
+    pad = lambda t: torch.cat([torch.zeros_like(t[:1]), t])  # noqa: E731
+    moved = PagedKVCache([pad(k) for k in kv.key], [pad(v) for v in kv.value], kv.block_size)
+    slots = torch.where(meta.slot_mapping >= 0, meta.slot_mapping + kv.block_size, meta.slot_mapping)
+    return moved, DecodeMetadata(meta.positions, slots, meta.block_tables + 1, meta.seq_lens)
+
+
 @pytest.mark.parametrize(("build", "case", "vllm_layout"), [(B1, "w8-5rows", False), (B1, "w1", True),
                                                             (B8, "w2", True), (B8, "w8-5rows", False)])  # fmt: skip
 def test_slots_no_row_has_cached_never_reach_a_sum(build, case, vllm_layout):
     """The attention reads whole tiles of 16 positions a warp, so a tile that ends past a row's
-    context spans the later slots of its last block, and the tiles past it a block no row may
-    own: their K and V are masked as they are copied. With NaN in every slot no row has cached
-    (as a finished sequence can leave a block), the step's output is bit for bit the clean
-    cache's, over the reference's cache planes and vLLM's interleaved K|V layout."""
+    context spans the later slots of its last block, and the warps past it read block 0: their
+    K and V are masked as they are copied. With NaN in every slot no row has cached (block 0,
+    owned by no row as vLLM's null block is, and whatever a finished sequence left in a block),
+    the step's output is bit for bit the clean cache's, over the reference's cache planes and
+    vLLM's interleaved K|V layout."""
     dims, weights, tk, _, kv, before, meta, x = _setup(build, CONTEXTS[case], seed=17)
+    before, meta = _behind_a_null_block(before, meta)
     clean = _vllm_layout(before) if vllm_layout else _snapshot(before)
     poisoned = _vllm_layout(before) if vllm_layout else _snapshot(before)
     _poison_uncached(poisoned, meta)
+    assert torch.isnan(poisoned.value[0][0]).all()
     h = tk.forward_step(x, [meta] * build[2], clean)
     h2 = tk.forward_step(x, [meta] * build[2], poisoned)
     torch.cuda.synchronize()
