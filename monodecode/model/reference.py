@@ -108,6 +108,9 @@ def paged_attention(
         # Finite fill keeps fully masked (padded) rows NaN-free; they are zeroed below.
         scores = scores.masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1)
+        # an invisible position's V never reaches the sum, whatever the cache holds there (a
+        # block's unwritten slots, the null block behind a table's padding): its 0 x NaN is NaN
+        v = v.masked_fill(~visible[:, :, None, None], 0.0)
         o = torch.einsum("rkgl,rlkd->rkgd", probs, v).reshape(r1 - r0, heads, hd)
         live = (meta.slot_mapping[r0:r1] >= 0) & (seq_lens > 0)
         out[r0:r1] = torch.where(live[:, None, None], o, torch.zeros_like(o)).to(q.dtype)

@@ -243,6 +243,33 @@ def test_paged_attention_matches_dense_loop(window):
             assert torch.allclose(out[r, h], w @ vs[:, kvh], atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_never_sums_a_slot_it_does_not_see(window):
+    """NaN or inf in every slot no row sees (the blocks' later slots, block 0 behind the tables'
+    padding, the positions a window leaves out) changes nothing: the output is bit for bit the
+    clean cache's. (A stale slot's V times its zero probability is NaN if it is summed.)"""
+    g = torch.Generator().manual_seed(5)
+    bs, kv_heads, heads, hd = 4, 2, 6, 8
+    key = torch.randn(10, bs, kv_heads, hd, generator=g)
+    value = torch.randn(10, bs, kv_heads, hd, generator=g)
+    tables = torch.tensor([[7, 2, 9, 0], [4, 1, 0, 0], [3, 5, 6, 8]], dtype=torch.int32)
+    seq_lens = torch.tensor([10, 5, 16], dtype=torch.int32)
+    positions = seq_lens.long() - 1
+    meta = DecodeMetadata(positions, torch.tensor([1, 2, 3]), tables, seq_lens)
+    q = torch.randn(3, heads, hd, generator=g)
+    seen = torch.zeros(10, bs, dtype=torch.bool)
+    for r in range(3):
+        p = int(positions[r])
+        for t in range(int(seq_lens[r])):
+            if window is None or t > p - window:
+                seen[tables[r, t // bs], t % bs] = True
+    assert not seen[0].any()  # block 0 is the tables' padding only
+    k2, v2 = key.clone(), value.clone()
+    k2[~seen], v2[~seen] = float("nan"), float("inf")
+    out = paged_attention(q, key, value, meta, scale=0.3, window=window)
+    assert torch.equal(paged_attention(q, k2, v2, meta, scale=0.3, window=window), out)
+
+
 def test_allocate_validates():
     dims = dims_from_hf_config(SMALL)
     kv = PagedKVCache.allocate(dims, 5, 16)

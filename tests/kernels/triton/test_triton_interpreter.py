@@ -150,6 +150,17 @@ CHILD = textwrap.dedent(
         kv_ref = PagedKVCache.allocate(dims, 64, 16, num_layers=layers)
         for t in kv_ref.key + kv_ref.value:
             t.normal_()
+        meta = alloc.decode_metadata(list(range(rows)))
+        if name.endswith("_nan"):  # NaN in every slot no row has cached, block 0 (no row's: vLLM's null block) too
+            cached = torch.zeros(64, 16, dtype=torch.bool)
+            for r in range(rows):
+                n = int(meta.seq_lens[r]) - 1
+                pos = torch.arange(n)
+                cached[meta.block_tables[r].long()[pos // 16], pos % 16] = True
+            used = [meta.block_tables[r, : -(-int(meta.seq_lens[r]) // 16)] for r in range(rows)]
+            assert all(bool((u != 0).all()) for u in used), "block 0 is a row's: pick another shuffle"
+            for t in kv_ref.key + kv_ref.value:
+                t[~cached] = float("nan")
         if kv_layout in ("interleaved", "head_major"):
             views = [interleaved(k, v, kv_layout == "head_major") for k, v in zip(kv_ref.key, kv_ref.value)]
             kv_tri = PagedKVCache([k for k, _ in views], [v for _, v in views], 16)
@@ -160,7 +171,6 @@ CHILD = textwrap.dedent(
             assert kv_tri.value[0].data_ptr() == kv_tri.key[0].data_ptr() + 2 * dims.head_dim
         else:
             kv_tri = PagedKVCache([k.clone() for k in kv_ref.key], [v.clone() for v in kv_ref.value], 16)
-        meta = alloc.decode_metadata(list(range(rows)))
         x = torch.randn(rows, dims.hidden_size).to(torch.bfloat16)
         res, ys = [], []
         for l in range(layers):
@@ -173,7 +183,7 @@ CHILD = textwrap.dedent(
             for a, b in ((kv_tri.key[l], kv_ref.key[l]), (kv_tri.value[l], kv_ref.value[l])):
                 rest = a.clone()
                 rest[s // 16, s % 16] = b[s // 16, s % 16]
-                untouched = untouched and torch.equal(rest, b)
+                untouched = untouched and torch.equal(rest.view(torch.int16), b.view(torch.int16))  # NaN too
             # split-K merges' and the attention launch's arrival counters: back at zero after every
             # launch, so they never grow toward int32 overflow on a long-running server
             counters = [tk.k2_arrive[widths[0]]] + [b[1] for w_, b in tk.ka_bufs.items() if w_ == widths[0]]
@@ -222,7 +232,9 @@ CHILD = textwrap.dedent(
 # K2's; "*_waves" split the attention launch's context in whole waves (6 splits, not a power of two);
 # "g3_*" run a Llama-style layer with 6 query heads on 2 KV heads (a group of 3); the attention
 # launch merges each group's heads in one pass (``Target.attn_launch_group_merge``), "*_pm" one
-# head after another.
+# head after another. "*_nan" put NaN in every cache slot no row has cached (each row's later
+# slots of its last block, and block 0, which no row owns, as vLLM's null block: a masked
+# block-table entry reads it): a load whose mask fails leaves NaN in the output.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -265,6 +277,8 @@ RUNS = [
     ("llama_w2_ka_stall", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_kah", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_kah_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
+    ("llama_w2_nan", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
+    ("llama_w2_ka_bt16_nan", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
 ]
 
 
