@@ -219,18 +219,25 @@ def test_batched_sequences_do_not_interfere(model):
         assert torch.allclose(together[i], alone[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("window", [None, 1, 3, 7])
-def test_paged_attention_matches_dense_loop(window):
-    """Attention through block tables equals a plain loop over each sequence's visible tokens."""
-    g = torch.Generator().manual_seed(window or 0)
+def _three_rows(seed: int):
+    """Three rows over a 10-block cache of 4 positions (2 KV heads, 6 query heads, head_dim 8),
+    their tables padded with block 0, which no row owns: (key, value, meta, q)."""
+    g = torch.Generator().manual_seed(seed)
     bs, kv_heads, heads, hd = 4, 2, 6, 8
     key = torch.randn(10, bs, kv_heads, hd, generator=g)
     value = torch.randn(10, bs, kv_heads, hd, generator=g)
     tables = torch.tensor([[7, 2, 9, 0], [4, 1, 0, 0], [3, 5, 6, 8]], dtype=torch.int32)
     seq_lens = torch.tensor([10, 5, 16], dtype=torch.int32)
-    positions = seq_lens.long() - 1
-    meta = DecodeMetadata(positions, torch.tensor([1, 2, 3]), tables, seq_lens)
-    q = torch.randn(3, heads, hd, generator=g)
+    meta = DecodeMetadata(seq_lens.long() - 1, torch.tensor([1, 2, 3]), tables, seq_lens)
+    return key, value, meta, torch.randn(3, heads, hd, generator=g)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7])
+def test_paged_attention_matches_dense_loop(window):
+    """Attention through block tables equals a plain loop over each sequence's visible tokens."""
+    key, value, meta, q = _three_rows(window or 0)
+    bs, kv_heads, heads = key.shape[1], key.shape[2], q.shape[1]
+    tables, seq_lens, positions = meta.block_tables, meta.seq_lens, meta.positions
     out = paged_attention(q, key, value, meta, scale=0.3, window=window)
     for r in range(3):
         p = int(positions[r])
@@ -248,21 +255,14 @@ def test_paged_attention_never_sums_a_slot_it_does_not_see(window):
     """NaN or inf in every slot no row sees (the blocks' later slots, block 0 behind the tables'
     padding, the positions a window leaves out) changes nothing: the output is bit for bit the
     clean cache's. (A stale slot's V times its zero probability is NaN if it is summed.)"""
-    g = torch.Generator().manual_seed(5)
-    bs, kv_heads, heads, hd = 4, 2, 6, 8
-    key = torch.randn(10, bs, kv_heads, hd, generator=g)
-    value = torch.randn(10, bs, kv_heads, hd, generator=g)
-    tables = torch.tensor([[7, 2, 9, 0], [4, 1, 0, 0], [3, 5, 6, 8]], dtype=torch.int32)
-    seq_lens = torch.tensor([10, 5, 16], dtype=torch.int32)
-    positions = seq_lens.long() - 1
-    meta = DecodeMetadata(positions, torch.tensor([1, 2, 3]), tables, seq_lens)
-    q = torch.randn(3, heads, hd, generator=g)
-    seen = torch.zeros(10, bs, dtype=torch.bool)
+    key, value, meta, q = _three_rows(5)
+    bs = key.shape[1]
+    seen = torch.zeros(key.shape[:2], dtype=torch.bool)
     for r in range(3):
-        p = int(positions[r])
-        for t in range(int(seq_lens[r])):
+        p = int(meta.positions[r])
+        for t in range(int(meta.seq_lens[r])):
             if window is None or t > p - window:
-                seen[tables[r, t // bs], t % bs] = True
+                seen[meta.block_tables[r, t // bs], t % bs] = True
     assert not seen[0].any()  # block 0 is the tables' padding only
     k2, v2 = key.clone(), value.clone()
     k2[~seen], v2[~seen] = float("nan"), float("inf")
