@@ -275,3 +275,29 @@ def test_step_variants_sit_after_the_step_launch_and_stay_out_of_its_verdict():
     assert f"| triton ms | {step} ms | {step}-pf8 ms | triton-zeta ms | stock-fullgraph ms |" in table[0]
     assert len({line.count("|") for line in table}) == 1
     assert f"| {step}-pf8 |" in RP.markdown_table(d)  # every backend in the detailed table
+
+
+def test_a_step_variant_whose_bits_differ_is_marked():
+    """The harness compares each step variant's output with the step launch's, bit for bit
+    (``harness.step_variants_same_bits``: plan knobs move bytes, never a sum), and the summary
+    table marks a variant that differs, whatever its error."""
+    import torch
+
+    from monodecode_ops.decode_bench.harness import step_variants_same_bits
+
+    step = RP.STEP_BACKEND
+    base = torch.randn(2, 8).to(torch.bfloat16)
+    wrong = base.clone()
+    wrong[1, 3] = wrong[1, 3] + 1
+    outs = {step: base, f"{step}-ring4": base.clone(), f"{step}-kvt": wrong, "triton": wrong}
+    assert step_variants_same_bits(outs) == {f"{step}-ring4": True, f"{step}-kvt": False}
+    assert step_variants_same_bits({f"{step}-ring4": base}) == {}  # no step launch to compare with
+    rows = [
+        rec("stock-fullgraph", 4.6),
+        rec("triton", 4.4),
+        rec(step, 4.0),
+        rec(f"{step}-ring4", 3.9, same_bits_as_step=True),
+        rec(f"{step}-kvt", 3.8, same_bits_as_step=False),
+    ]
+    table = RP.summary_table(doc_of(rows))
+    assert "| 3.80 (bits differ) |" in table and "| 3.90 |" in table

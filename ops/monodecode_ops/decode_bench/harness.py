@@ -574,8 +574,9 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
 
 
 def _row(
-    ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None, draws: dict | None = None
-) -> dict:
+    ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None, draws: dict | None = None,
+    same_bits: bool | None = None,
+) -> dict:  # fmt: skip
     dims, n_layers = ctx["dims"], ctx["n_layers"]
     kbytes = kv_bytes(dims, n_layers, context, rows)
     nbytes = ctx["wbytes"] + kbytes
@@ -608,6 +609,7 @@ def _row(
         "fraction_of_roofline": roof / med if med else None,
         "fraction_of_spec": nbytes / spec / med if med and spec else None,
         "rel_error_vs_reference": rel,
+        "same_bits_as_step": same_bits,
         "stock_gemm_path": (ctx["paths"][backend].fp8_path if backend in ctx["paths"] else ctx["stock_path"])
         if backend.startswith("stock")
         else None,
@@ -727,6 +729,10 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
         return float((outs[name].float() - ref.float()).norm() / ref.float().norm())
 
     health = {name: tk.health() for name, tk in kernels.items()}
+    same = step_variants_same_bits(outs)
+    for b, eq in same.items():
+        if not eq:
+            log(f"  ! {b}'s output differs from {STEP_BACKEND}'s bit for bit (its plan's knobs should move bytes only)")
     out_rows = [
         _row(
             ctx,
@@ -739,6 +745,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             capture.get(b),
             health=health.get(b),
             draws=draws.get(b),
+            same_bits=same.get(b),
         )  # fmt: skip
         for b in wanted
     ]
@@ -773,6 +780,20 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
     gc.collect()
     torch.cuda.empty_cache()
     return out_rows
+
+
+def step_variants_same_bits(outs: dict) -> dict[str, bool]:
+    """For each step variant timed in a cell, whether its output is bit for bit the step launch's
+    (every plan knob moves bytes, never a sum: a variant that differs is a bug its error may hide,
+    as run 111's wrong head_dim-128 tiles did at 3.7e-2, inside the stack's tolerance)."""
+    base = outs.get(STEP_BACKEND)
+    if base is None:
+        return {}
+    return {
+        name: bool(torch.equal(out, base))
+        for name, out in outs.items()
+        if is_step_backend(name) and name != STEP_BACKEND
+    }
 
 
 def _timeline(

@@ -2,7 +2,8 @@
 
 A result record is one backend in one cell (profile, weight dtype, context, batch): ``step_ms``
 (None when it failed or was skipped), ``roofline_ms``, ``fraction_of_roofline`` (against the
-fastest read probe), ``fraction_of_spec`` and ``rel_error_vs_reference``.
+fastest read probe), ``fraction_of_spec``, ``rel_error_vs_reference`` and, for a step variant,
+``same_bits_as_step`` (its output against the step launch's: plan knobs move bytes, never a sum).
 
 Verdict rules:
 - A backend counts only within its tolerance (``tolerance``): the relative error of its output
@@ -16,7 +17,8 @@ Verdict rules:
 - The step launch (``STEP_BACKEND``, one launch a step over every layer) is held to triton's
   rules beside it in each cell: it counts only within the same bound, against the same stock;
   the cells it did not run (a width it refuses, a skipped cell) are left out of its verdict. Its
-  variants (``triton-step-<name>``), like triton's, are in no verdict: only in the tables.
+  variants (``triton-step-<name>``), like triton's, are in no verdict: only in the tables, where
+  one whose output differs from the step launch's is marked "(bits differ)".
 """
 
 from __future__ import annotations
@@ -217,7 +219,8 @@ def _ms(r: dict | None, digits: int = 3) -> str:
         return "n/a"
     if r.get("step_ms") is None:
         return "skipped" if r.get("skipped") else "failed"
-    return f"{r['step_ms']:.{digits}f}"
+    wrong = " (bits differ)" if r.get("same_bits_as_step") is False else ""  # a step variant unlike the step
+    return f"{r['step_ms']:.{digits}f}{wrong}"
 
 
 def _x(v: float | None) -> str:
