@@ -289,15 +289,18 @@ def test_a_step_variant_whose_bits_differ_is_marked():
     base = torch.randn(2, 8).to(torch.bfloat16)
     wrong = base.clone()
     wrong[1, 3] = wrong[1, 3] + 1
-    outs = {step: base, f"{step}-ring4": base.clone(), f"{step}-kvt": wrong, "triton": wrong}
-    assert step_variants_same_bits(outs) == {f"{step}-ring4": True, f"{step}-kvt": False}
+    outs = {step: base, f"{step}-ring4": base.clone(), f"{step}-wrong": wrong, "triton": wrong}
+    assert step_variants_same_bits(outs) == {f"{step}-ring4": True, f"{step}-wrong": False}
     assert step_variants_same_bits({f"{step}-ring4": base}) == {}  # no step launch to compare with
+    nan = base.clone()
+    nan[0, 0] = float("nan")  # the same NaN in both: the same bits
+    assert step_variants_same_bits({step: nan, f"{step}-ring4": nan.clone()}) == {f"{step}-ring4": True}
     rows = [
         rec("stock-fullgraph", 4.6),
         rec("triton", 4.4),
         rec(step, 4.0),
         rec(f"{step}-ring4", 3.9, same_bits_as_step=True),
-        rec(f"{step}-kvt", 3.8, same_bits_as_step=False),
+        rec(f"{step}-wrong", 3.8, same_bits_as_step=False),
     ]
     table = RP.summary_table(doc_of(rows))
     assert "| 3.80 (bits differ) |" in table and "| 3.90 |" in table

@@ -394,13 +394,17 @@ def _poison_uncached(kv, meta) -> None:
 
 def _behind_a_null_block(kv, meta):
     """``kv``'s blocks one block later and ``meta`` re-pointed at them, so that block 0 is owned by
-    no row, as vLLM's null block is (a masked block-table entry reads block 0)."""
+    no row, as vLLM's null block is: each row's blocks move up one, the tables' padding past them
+    stays 0 (a masked block-table entry reads block 0 too)."""
     from monodecode.model.paged_kv import DecodeMetadata, PagedKVCache
 
     pad = lambda t: torch.cat([torch.zeros_like(t[:1]), t])  # noqa: E731
     moved = PagedKVCache([pad(k) for k in kv.key], [pad(v) for v in kv.value], kv.block_size)
     slots = torch.where(meta.slot_mapping >= 0, meta.slot_mapping + kv.block_size, meta.slot_mapping)
-    return moved, DecodeMetadata(meta.positions, slots, meta.block_tables + 1, meta.seq_lens)
+    owned = (meta.seq_lens.long() + kv.block_size - 1) // kv.block_size  # the new position's block too
+    cols = torch.arange(meta.block_tables.shape[1], device=meta.block_tables.device)
+    tables = torch.where(cols[None, :] < owned[:, None], meta.block_tables + 1, 0).to(meta.block_tables.dtype)
+    return moved, DecodeMetadata(meta.positions, slots, tables, meta.seq_lens)
 
 
 @pytest.mark.parametrize(("build", "case", "vllm_layout"), [(B1, "w8-5rows", False), (B1, "w1", True),

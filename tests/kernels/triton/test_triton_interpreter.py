@@ -298,15 +298,25 @@ def results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _same_bits_as(results, name: str, twin: str) -> None:
+    assert results[name]["health"] == 0
+    for layer, (a, b) in enumerate(zip(results[name]["bits"], results[twin]["bits"], strict=True)):
+        assert a == b, f"{name}: layer {layer} differs from {twin} bit for bit"
+
+
 @pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith(("_tagged", "_store1d"))])
 def test_mailbox_formats_give_identical_bits(results, name):
     """bf16 activations in the mailbox change bytes, not numbers: every consumer rounds its
     inputs to bf16 anyway, so each layer's output equals the tagged-word run's bit for bit (and
     the 1-D store of width 1's QKV rows, ``narrow_store_1d``, changes layouts, not values)."""
-    twin = results[name.removesuffix("_tagged").removesuffix("_store1d")]
-    assert results[name]["health"] == 0
-    for layer, (a, b) in enumerate(zip(results[name]["bits"], twin["bits"], strict=True)):
-        assert a == b, f"{name}: layer {layer} differs from the bf16-mailbox run"
+    _same_bits_as(results, name, name.removesuffix("_tagged").removesuffix("_store1d"))
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS if r[0].endswith("_nan")])
+def test_slots_no_row_has_cached_change_no_bit(results, name):
+    """NaN in every cache slot no row has cached (block 0, the null block, too) never reaches a
+    sum: each layer's output is bit for bit the clean cache's run (the same run without "_nan")."""
+    _same_bits_as(results, name, name.removesuffix("_nan"))
 
 
 @pytest.mark.parametrize("name", [r[0] for r in RUNS if not r[0].endswith("_stall")])
