@@ -215,3 +215,25 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor)
     value = torch.where(valid[:, None, None], new.to(cache.dtype), donor_value)
     # (block, offset) indexing writes through any strided view, e.g. vLLM's interleaved K|V cache.
     cache.index_put_((index // block_size, index % block_size), value)
+
+
+def uncached_slots(meta: DecodeMetadata, num_blocks: int, block_size: int) -> torch.Tensor:
+    """``[num_blocks, block_size]`` bool: the slots no row of ``meta`` has cached (each row's
+    positions before its new token are cached): its blocks' later slots, the new tokens' slots and
+    every block no row holds (vLLM's null block, which a table's padding points at, among them)."""
+    cached = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables, lens = meta.block_tables.cpu().long(), meta.seq_lens.cpu().long()
+    for r in range(tables.shape[0]):
+        pos = torch.arange(max(int(lens[r]) - 1, 0))
+        cached[tables[r][pos // block_size], pos % block_size] = True
+    return ~cached
+
+
+def poison_uncached(kv: PagedKVCache, meta: DecodeMetadata) -> None:
+    """NaN into every slot no row of ``meta`` has cached, in every layer's K and V (any strided
+    view): a kernel that lets such a slot into a sum returns NaN, as stale cache contents
+    (a finished sequence's, the null block's) would poison a served row."""
+    blocks = kv.key[0].shape[0]
+    unseen = uncached_slots(meta, blocks, kv.block_size).to(kv.key[0].device)
+    for t in (*kv.key, *kv.value):
+        t[unseen] = float("nan")

@@ -67,6 +67,15 @@ _DEGRADE_ONLY_CODES = {RefusalReason.failstop_loop.value, RefusalReason.slower_t
 _KNOWN_REFUSAL_CODES = {r.value for r in RefusalReason}
 
 
+def _kv_diff(mono: Any, ref: Any) -> tuple[Any, Any]:
+    """A KV cache's ``mono - ref`` and ``ref`` (fp32), the slots NaN in both zeroed: the golden
+    inputs' poisoned slots, which neither path writes. A NaN on one side only stays (and fails)."""
+    import torch
+
+    both = torch.isnan(mono) & torch.isnan(ref)
+    return torch.where(both, 0.0, mono.float() - ref.float()), torch.where(both, 0.0, ref.float())
+
+
 def _level(reasons: list[str]) -> int:
     if not reasons:
         return _OK
@@ -548,17 +557,21 @@ class Runner:
 
     def _warmup_inputs(self, width: int, gen: Any, context: int | None = None) -> tuple[Any, Any, Any, Any]:
         """A decode step of ``width`` rows on random KV: metadata, two identical KV caches (one for
-        each path) and the embedded input. Each row's context is ``context`` tokens, or (None)
-        crosses a KV block boundary and differs per row."""
+        each path) and the embedded input. Each row's context is ``context`` tokens, or (None,
+        the golden inputs) crosses a KV block boundary and differs per row, block 0 is no row's
+        (as vLLM's null block, which a table's padding points at) and every slot no row has cached
+        holds NaN: a kernel that sums one fails the check, as stale cache contents would poison a
+        served row."""
         import torch
 
-        from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+        from monodecode.model.paged_kv import BlockAllocator, PagedKVCache, poison_uncached
         from monodecode.model.reference import embed
 
         device, bs = self.device, self._block_size
         lens = [context] * width if context is not None else [bs + 1 + (r % bs) for r in range(width)]
-        num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 1
+        num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 2
         alloc = BlockAllocator(num_blocks, bs)
+        alloc.append_slots("null block", 1)  # block 0 (handed out first): no row's
         for r, n in enumerate(lens):
             alloc.append_slots(r, n)
         meta = alloc.decode_metadata(list(range(width)), device=device)
@@ -568,6 +581,8 @@ class Runner:
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
             else:  # timing inputs (up to GiBs): any finite values, drawn where they live
                 t.normal_()
+        if context is None:
+            poison_uncached(kv_ref, meta)
         kv_mono = PagedKVCache(
             key=[t.clone() for t in kv_ref.key], value=[t.clone() for t in kv_ref.value], block_size=bs
         )
@@ -718,7 +733,7 @@ class Runner:
                 out = kernels.forward_layer(layer, x, meta, kv_mono)
                 err = (out.float() - ref_out.float()).abs().max().item()
                 for a, b in ((kv_mono.key[layer], kv_ref.key[layer]), (kv_mono.value[layer], kv_ref.value[layer])):
-                    err = max(err, (a.float() - b.float()).abs().max().item())
+                    err = max(err, _kv_diff(a, b)[0].abs().max().item())
                 tol = self._config.warmup_atol + self._config.warmup_rtol * ref_out.float().abs().max().item()
                 if err != err:  # NaN
                     err = float("inf")
@@ -773,7 +788,12 @@ class Runner:
 
         err = max(
             [rel(out, ref)]
-            + [rel(a, b) for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True)]
+            + [
+                (d.norm() / r.norm().clamp_min(1e-30)).item()
+                for d, r in (
+                    _kv_diff(a, b) for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True)
+                )
+            ]
         )
         return (float("inf") if err != err else err), STEP_REL_TOLERANCE
 

@@ -92,6 +92,22 @@ class WrongBackend(ReferenceBackend):
         return SkipsLayer(req, weights)
 
 
+class SumsUnseenSlots(ReferenceKernels):
+    """The reference math plus zero times every V slot of the layer's cache, as a kernel that masks
+    its scores but not its V loads computes: right wherever the cache holds finite values."""
+
+    def forward_layer(self, layer, x, meta, kv):
+        out = super().forward_layer(layer, x, meta, kv)
+        return out + (0 * kv.value[layer].float().sum()).to(out.dtype)
+
+
+class SumsUnseenBackend(ReferenceBackend):
+    name: ClassVar[str] = "test_sums_unseen"
+
+    def build(self, req, weights, artifacts, allow_jit):
+        return SumsUnseenSlots(req, weights)
+
+
 class CrashingBackend(ReferenceBackend):
     name: ClassVar[str] = "test_crash"
 
@@ -307,6 +323,19 @@ def test_warmup_catches_a_wrong_kernel(weights, tmp_path, backend):
     assert reg.get_sample_value("monodecode_warmup_max_abs_error") == r.warmup.max_abs_error
     with pytest.raises(RefusalError, match="warmup_failed"):
         make(weights, tmp_path, backend="test_wrong", widths=[1])[0].start()
+
+
+def test_warmup_catches_a_kernel_that_sums_slots_no_row_has_cached(weights, tmp_path, backend):
+    """The golden inputs hold NaN in every cache slot no row has cached (block 0 is no row's, as
+    vLLM's null block): a kernel that lets one into a sum, even times zero, fails the warm-up
+    (stale cache contents would poison a served row), while its K/V writes still compare."""
+    r, _ = make(weights, tmp_path, backend=backend(SumsUnseenBackend), on_refusal="degrade", widths=[1])
+    r.start()
+    assert r.state == "degraded" and r.reasons[0].startswith("warmup_failed: width 1 differs from the reference")
+    assert r.warmup.max_abs_error == float("inf")
+    ok, _ = make(weights, tmp_path, widths=[1])  # the reference backend itself: the poison never reaches a sum
+    ok.start()
+    assert ok.warmup.passed and ok.warmup.max_abs_error < 1e-2
 
 
 # ---- artifacts -------------------------------------------------------------------------------

@@ -380,18 +380,6 @@ def _vllm_layout(kv):
     return out
 
 
-def _poison_uncached(kv, meta) -> None:
-    """NaN in every cache slot no row has cached (the rows' later positions in their last block,
-    every block no row holds)."""
-    blocks, bs = kv.key[0].shape[:2]
-    cached = torch.zeros(blocks, bs, dtype=torch.bool, device=kv.key[0].device)
-    for r in range(meta.block_tables.shape[0]):
-        pos = torch.arange(max(int(meta.seq_lens[r]) - 1, 0), device=cached.device)
-        cached[meta.block_tables[r].to(cached.device).long()[pos // bs], pos % bs] = True
-    for t in (*kv.key, *kv.value):
-        t[~cached] = float("nan")
-
-
 def _behind_a_null_block(kv, meta):
     """``kv``'s blocks one block later and ``meta`` re-pointed at them, so that block 0 is owned by
     no row, as vLLM's null block is: each row's blocks move up one, the tables' padding past them
@@ -416,11 +404,13 @@ def test_slots_no_row_has_cached_never_reach_a_sum(build, case, vllm_layout):
     owned by no row as vLLM's null block is, and whatever a finished sequence left in a block),
     the step's output is bit for bit the clean cache's, over the reference's cache planes and
     vLLM's interleaved K|V layout."""
+    from monodecode.model.paged_kv import poison_uncached
+
     dims, weights, tk, _, kv, before, meta, x = _setup(build, CONTEXTS[case], seed=17)
     before, meta = _behind_a_null_block(before, meta)
     clean = _vllm_layout(before) if vllm_layout else _snapshot(before)
     poisoned = _vllm_layout(before) if vllm_layout else _snapshot(before)
-    _poison_uncached(poisoned, meta)
+    poison_uncached(poisoned, meta)
     assert torch.isnan(poisoned.value[0][0]).all()
     h = tk.forward_step(x, [meta] * build[2], clean)
     h2 = tk.forward_step(x, [meta] * build[2], poisoned)

@@ -31,7 +31,7 @@ CHILD = textwrap.dedent(
     from monodecode.kernels.triton.config import CUDA
     from monodecode.kernels.triton.launch import TritonKernels
     from monodecode.model import reference as R
-    from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
+    from monodecode.model.paged_kv import BlockAllocator, PagedKVCache, poison_uncached
     from monodecode.model.profiles import profile_dims
     from monodecode.model.weights import random_weights
     from monodecode.services.platform import Platform
@@ -152,15 +152,9 @@ CHILD = textwrap.dedent(
             t.normal_()
         meta = alloc.decode_metadata(list(range(rows)))
         if name.endswith("_nan"):  # NaN in every slot no row has cached, block 0 (no row's: vLLM's null block) too
-            cached = torch.zeros(64, 16, dtype=torch.bool)
-            for r in range(rows):
-                n = int(meta.seq_lens[r]) - 1
-                pos = torch.arange(n)
-                cached[meta.block_tables[r].long()[pos // 16], pos % 16] = True
             used = [meta.block_tables[r, : -(-int(meta.seq_lens[r]) // 16)] for r in range(rows)]
             assert all(bool((u != 0).all()) for u in used), "block 0 is a row's: pick another shuffle"
-            for t in kv_ref.key + kv_ref.value:
-                t[~cached] = float("nan")
+            poison_uncached(kv_ref, meta)
         if kv_layout in ("interleaved", "head_major"):
             views = [interleaved(k, v, kv_layout == "head_major") for k, v in zip(kv_ref.key, kv_ref.value)]
             kv_tri = PagedKVCache([k for k, _ in views], [v for _, v in views], 16)
