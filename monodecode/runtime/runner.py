@@ -67,13 +67,13 @@ _DEGRADE_ONLY_CODES = {RefusalReason.failstop_loop.value, RefusalReason.slower_t
 _KNOWN_REFUSAL_CODES = {r.value for r in RefusalReason}
 
 
-def _kv_diff(mono: Any, ref: Any) -> tuple[Any, Any]:
-    """A KV cache's ``mono - ref`` and ``ref`` (fp32), the slots NaN in both zeroed: the golden
-    inputs' poisoned slots, which neither path writes. A NaN on one side only stays (and fails)."""
+def _unpoisoned(mono: Any, ref: Any) -> tuple[Any, Any]:
+    """Both paths' KV caches (fp32) with the slots NaN in both zeroed: the golden inputs' poisoned
+    slots, which neither path writes. A NaN on one side only stays (and fails)."""
     import torch
 
     both = torch.isnan(mono) & torch.isnan(ref)
-    return torch.where(both, 0.0, mono.float() - ref.float()), torch.where(both, 0.0, ref.float())
+    return torch.where(both, 0.0, mono.float()), torch.where(both, 0.0, ref.float())
 
 
 def _level(reasons: list[str]) -> int:
@@ -733,7 +733,8 @@ class Runner:
                 out = kernels.forward_layer(layer, x, meta, kv_mono)
                 err = (out.float() - ref_out.float()).abs().max().item()
                 for a, b in ((kv_mono.key[layer], kv_ref.key[layer]), (kv_mono.value[layer], kv_ref.value[layer])):
-                    err = max(err, _kv_diff(a, b)[0].abs().max().item())
+                    a, b = _unpoisoned(a, b)
+                    err = max(err, (a - b).abs().max().item())
                 tol = self._config.warmup_atol + self._config.warmup_rtol * ref_out.float().abs().max().item()
                 if err != err:  # NaN
                     err = float("inf")
@@ -789,10 +790,8 @@ class Runner:
         err = max(
             [rel(out, ref)]
             + [
-                (d.norm() / r.norm().clamp_min(1e-30)).item()
-                for d, r in (
-                    _kv_diff(a, b) for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True)
-                )
+                rel(*_unpoisoned(a, b))
+                for a, b in zip(kv_mono.key + kv_mono.value, kv_ref.key + kv_ref.value, strict=True)
             ]
         )
         return (float("inf") if err != err else err), STEP_REL_TOLERANCE

@@ -322,14 +322,12 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
     b1 = _kv_blocks(bt_row, start + NW * 16, end, BS, NW)
     if KVS == 3:
         b2 = _kv_blocks(bt_row, start + 2 * NW * 16, end, BS, NW)
-        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-                 BS, D, NW)  # fmt: skip
+    _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, D, NW)
+    if KVS == 3:
         _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + NW * 16, end, k_sb, k_st, k_sh, v_sb, v_st,
                  v_sh, BS, D, NW)  # fmt: skip
         return b2
     else:
-        _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-                 BS, D, NW)  # fmt: skip
         return b1
 
 
@@ -765,10 +763,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:
             async_copy.wait_group(NBUF - 2)  # chunk i has landed once at most NBUF - 2 younger groups pend
         gl.thread_barrier()
-        if (
-            DSTREAM
-        ):  # the refill below asks for down's k-th chunk of tile 0: its X chunk joins the group (cp.async ring)
-            # (k >= XPRE: this program is past down's wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
+        # streamed down: the refill below asks for down's k-th chunk of tile 0, whose X chunk is copied
+        # with it (joining its group in the cp.async ring; k >= XPRE: this program is past down's
+        # wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
+        if DSTREAM:
             l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
                                                       OFF_D, TD, DSTREAM)  # fmt: skip
             if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
