@@ -42,7 +42,9 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # once, 2-7 % slower: one more round trip a wait; the first cache blocks read before the QKV wait,
 # level). Run 109 made down's input streamed above 1 row and, where that leaves room, a 4-slot ring
 # filled by TMA the defaults. Run 111 timed the K/V tiles by TMA (a box a warp's 16 positions of one
-# cache block, 16 rows of 128-256 bytes): 4-15 % slower at 32k than ``cp.async``; dropped.
+# cache block, 16 rows of 128-256 bytes): 4-15 % slower at 32k than ``cp.async``; dropped. Runs
+# 115-116 held back the refills QKV asks for past its stage until the attention's first K/V copies
+# were out, so they would not queue behind the whole GPU's prefetched weights: 1-5 % slower; dropped.
 PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
