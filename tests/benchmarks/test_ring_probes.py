@@ -1,5 +1,6 @@
-"""The weight-ring probes compile for the H200 on this CPU: ``benchmarks/loader_probe.py``'s four
-kernels and ``benchmarks/step_probe.py``'s whole-layer step, at every ring size they time.
+"""The ring probes compile for the H200 on this CPU: ``benchmarks/loader_probe.py``'s four
+kernels, ``benchmarks/step_probe.py``'s whole-layer step and ``benchmarks/kv_ring_probe.py``'s
+attention task, at every ring size they time.
 
 The probes' Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
 outgrows shared memory would only show on a GPU machine, where device time is scarce. Here the
@@ -224,3 +225,58 @@ def test_step_probe_compiles_llama3_8b_layers(att, kvs, tma, monkeypatch):
     assert "shared memory" in probe._refusal(v, 16, 132, tiles)
     assert "shared memory" in probe._refusal(v | {"kvs": 2, "xbf": 0}, 16, 132, tiles)
     assert probe._refusal(v | {"kvs": 2}, 16, 132, tiles) == ""
+
+
+# the K/V ring probe: head_dim 64 (1B) at every depth it times, 128 (8B) at the two that fit
+@pytest.mark.parametrize(("d", "kvs"), [(64, 2), (64, 3), (64, 6), (128, 2), (128, 3)])
+def test_kv_ring_probe_compiles_for_the_h200(d, kvs):
+    """``benchmarks/kv_ring_probe.py``'s task (the step kernel's ``_attend`` behind its first K/V
+    tiles) compiles for sm_90 without spills at the depths it times, each program holding more
+    than half an SM's shared memory (one an SM, as the step's programs are) and no more than a
+    program may."""
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    probe = _probe("kv_ring_probe")
+    slots = max(kvs, -(-probe.HOLD_BYTES // (2 * probe.KV_TILE * d * 2)))
+    sig = {"act_ptr": "*fp32", "part_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
+    sig |= {n: "i32" for n in ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")}
+    sig |= {"bt_ptr": "*i32", "bt_stride": "i32", "inv_ptr": "*fp32", "ctx": "i32", "slot": "i32"}
+    consts = {"QH": 32, "KVH": 8, "D": d, "BS": 16, "SCALE": d**-0.5, "NSPLIT": 2, "KVS": kvs, "SLOTS": slots, "NW": 8}
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    # pointers and the cache's strides 16-aligned, as the launcher specialises them on the GPU
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or n[1:3] == "_s"}
+    src = GluonASTSource(probe._task, sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert cuda_resources("kv_ring_probe", 1, 8, compiled).spills == 0
+    # more than half an SM's shared memory (228 KiB on sm_90), so one program an SM
+    assert 114 * 1024 < compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--depths", "1,3"], "--depths: values must be 2 to 8, got '1,3'"),
+     (["--batches", "1,x"], "--batches: not comma-separated integers: '1,x'"),
+     (["--profiles", "gemma3-27b"], "--profiles: 'gemma3-27b' is not one of llama3-1b, llama3-8b"),
+     (["--layouts", "planes,rows"], "--layouts: 'rows' is not one of planes, heads"),
+     ([], "error: kv_ring_probe needs an sm_90 or newer GPU")],
+)  # fmt: skip
+def test_kv_ring_probe_refuses_in_one_line(args, says):
+    """Garbage on the K/V ring probe's command line, or no sm_90 GPU (this machine), ends in one
+    error line (exit 2), not a traceback."""
+    import subprocess
+
+    import torch
+
+    if not args and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        pytest.skip("an sm_90 GPU is present: the probe would run")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kv_ring_probe.py"), *args, "--out", "/nonexistent/x"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(says), done.stderr

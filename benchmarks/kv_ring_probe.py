@@ -1,0 +1,194 @@
+"""The step launch's attention task alone, at each depth of its K/V ring (one GPU, sm_90).
+
+The step launch (``step_kernel.py``) runs every attention task of a decode step on one program an
+SM, its K and V tiles streaming through a ring of ``KVS`` shared-memory slots filled by
+``cp.async`` ``KVS - 1`` tiles ahead (3 slots at head_dim 64, 2 at 128: what fits beside the weight
+ring). At 32k x 8 that ring is the only thing in flight on an SM for most of the layer, and the step
+reads the cache below the read probe (run 114: 1B's step 0.97x the strongest stock there). This
+probe asks whether a deeper ring would read faster, before any build gives the weight ring's
+shared memory to it: it launches the step kernel's own task (``_kv_first``'s tiles, then
+``_attend``, the partials stored, no merge) as a plain grid of one program a task, each holding
+at least 128 KiB of shared memory as the step's programs hold all of theirs (one program an SM),
+over a paged cache of every row's ``--context`` (the reference's planes, blocks shuffled), for
+each ring depth, and prints the cache's bytes a microsecond (GB/s) beside a plain read of the
+same bytes (``torch.sum`` over the caches).
+
+Usage (GPU machine, repository root): ``python benchmarks/kv_ring_probe.py [--profiles
+llama3-1b,llama3-8b] [--batches 1,8] [--contexts 8192,32768] [--depths 2,3,4,6] [--out DIR]``.
+Inputs are random; the partials are not checked (the step launch's GPU tests cover the task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
+
+from monodecode.kernels.triton.step_kernel import _attend, _cos_sin, _kv_blocks, _kv_copy, _kv_span  # noqa: E402
+from monodecode.kernels.triton.step_plan import KV_TILE, NUM_WARPS, StepGeometry  # noqa: E402
+from monodecode.model.profiles import profile_dims  # noqa: E402
+
+HOLD_BYTES = 128 * 1024  # a program's shared memory at least: more than half an SM's, so one an SM
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # written before each timed launch: well past the H100's and H200's 50 MiB L2
+
+
+@gluon.jit
+def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, bt_ptr, bt_stride, inv_ptr, ctx,
+          slot, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr,
+          NSPLIT: gl.constexpr, KVS: gl.constexpr, SLOTS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """One attention task a program: row ``pid // (KVH * NSPLIT)``, task ``pid % (KVH * NSPLIT)``
+    over ``ctx`` cached positions, through a ``KVS``-slot ring carved from ``SLOTS`` slots."""
+    G: gl.constexpr = QH // KVH
+    QKVR: gl.constexpr = (QH + 2 * KVH) * D
+    mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
+    pid = gl.program_id(0)
+    row = pid // (KVH * NSPLIT)
+    task = pid % (KVH * NSPLIT)
+    held = gl.allocate_shared_memory(gl.bfloat16, [2 * SLOTS, NW, 16, D], mma_sw)
+    kvs = held._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
+    cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    _cos_sin(cs, ctx, inv_ptr, D, NW)
+    gl.thread_barrier()
+    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW)
+    bt_row = bt_ptr + row.to(gl.int64) * bt_stride
+    for t in gl.static_range(KVS - 1):  # the ring's first tiles, as _kv_first issues them
+        b = start + t * NW * 16
+        _kv_copy(kvs, t, kc_ptr, vc_ptr, 0, 0, _kv_blocks(bt_row, b, end, BS, NW), kvh, b, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
+    bnext = _kv_blocks(bt_row, start + (KVS - 1) * NW * 16, end, BS, NW)
+    _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
+            bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
+    async_copy.wait_group(0)
+
+
+def _time_us(fn, flush: torch.Tensor, reps: int = 20) -> float:
+    """Median µs of ``fn`` over ``reps`` launches, L2 overwritten by ``flush`` before each (a
+    1-row cache fits in L2)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    return statistics.median(times)
+
+
+def run_cell(
+    profile: str, batch: int, context: int, depths: list[int], layout: str = "planes", block_size: int = 16
+) -> list[dict]:
+    dims = profile_dims(profile)
+    d, kvh, qh = dims.head_dim, dims.num_kv_heads, dims.num_heads
+    splits = StepGeometry(dims, batch, torch.cuda.get_device_properties(0).multi_processor_count).splits
+    blocks_per_row = -(-context // block_size)
+    nblocks = batch * blocks_per_row + 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kc = torch.randn(nblocks, block_size, kvh, d, device="cuda", generator=gen).to(torch.bfloat16)
+    vc = torch.randn(nblocks, block_size, kvh, d, device="cuda", generator=gen).to(torch.bfloat16)
+    if layout == "heads":  # a head's positions of a block together ([blocks, KV heads, block, D], same strides' names)
+        kc = kc.transpose(1, 2).contiguous().transpose(1, 2)
+        vc = vc.transpose(1, 2).contiguous().transpose(1, 2)
+    bt = (torch.randperm(nblocks - 1, device="cuda", generator=gen)[: batch * blocks_per_row] + 1).to(torch.int32)
+    bt = bt.view(batch, blocks_per_row).contiguous()
+    act = torch.randn(batch, (qh + 2 * kvh) * d, device="cuda", generator=gen) * 0.1
+    part = torch.empty(batch * kvh * splits * (qh // kvh) * (d + 2), device="cuda")
+    inv = torch.tensor(dims.rope_for_layer(0).inv_freq(d), dtype=torch.float32, device="cuda")
+    ctx = context - 1  # cached positions before the new one
+    kv_bytes = 2 * batch * ctx * kvh * d * 2
+    out = []
+    flush = torch.empty(L2_FLUSH_BYTES // 4, device="cuda")
+    plain = _time_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), flush)
+    for kvs in depths:
+        slots = max(kvs, -(-HOLD_BYTES // (2 * KV_TILE * d * 2)))
+        if 2 * slots * KV_TILE * d * 2 > 220 * 1024:
+            out.append({"profile": profile, "batch": batch, "context": context, "layout": layout, "kv_slots": kvs,
+                        "skipped": "no room"})  # fmt: skip
+            continue
+        grid = (batch * kvh * splits,)
+
+        def launch(kvs=kvs, slots=slots):
+            _task[grid](act, part, kc, vc, *kc.stride()[:3], *vc.stride()[:3], bt, bt.stride(0), inv, ctx, -1,
+                        QH=qh, KVH=kvh, D=d, BS=block_size, SCALE=dims.attn_scale, NSPLIT=splits, KVS=kvs,
+                        SLOTS=slots, NW=NUM_WARPS, num_warps=NUM_WARPS)  # fmt: skip
+
+        us = _time_us(launch, flush)
+        out.append({"profile": profile, "batch": batch, "context": context, "layout": layout, "kv_slots": kvs,
+                    "splits": splits,
+                    "programs": grid[0], "us": us, "kv_gbs": kv_bytes / us / 1e3,
+                    "plain_sum_gbs": 2 * kc.numel() * 2 / plain / 1e3})  # fmt: skip
+        r = out[-1]
+        print(f"{profile} b{batch} ctx {context} {layout}: {kvs} slots {us:8.1f} us  {r['kv_gbs']:6.0f} GB/s "
+              f"(torch.sum over the caches {r['plain_sum_gbs']:6.0f} GB/s)", flush=True)  # fmt: skip
+    return out
+
+
+def _ints(lo: int, hi: int):
+    """argparse type: comma-separated integers from ``lo`` to ``hi``."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+        if not values or any(not lo <= v <= hi for v in values):
+            raise argparse.ArgumentTypeError(f"values must be {lo} to {hi}, got {text!r}")
+        return values
+
+    return parse
+
+
+def _names(known: tuple[str, ...]):
+    """argparse type: comma-separated names from ``known``."""
+
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        if not names or (bad := [x for x in names if x not in known]):
+            raise argparse.ArgumentTypeError(f"{(bad or [text])[0]!r} is not one of {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profiles", type=_names(("llama3-1b", "llama3-8b")), default="llama3-1b,llama3-8b")
+    ap.add_argument("--batches", type=_ints(1, 8), default="1,8")
+    ap.add_argument("--contexts", type=_ints(2, 1 << 20), default="8192,32768")
+    ap.add_argument("--depths", type=_ints(2, 8), default="2,3,4,6", help="K/V ring slots")
+    ap.add_argument("--layouts", type=_names(("planes", "heads")), default="planes,heads", help="planes: [blocks, "
+                    "block, KV heads, D] (the reference's and vLLM's order); heads: [blocks, KV heads, block, D]")  # fmt: skip
+    ap.add_argument("--out", default="benchmarks/results/kv_ring_probe")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        print("error: kv_ring_probe needs an sm_90 or newer GPU", file=sys.stderr)
+        return 2
+    rows = []
+    for p in a.profiles:
+        for b in a.batches:
+            for c in a.contexts:
+                for lay in a.layouts:
+                    rows += run_cell(p, b, c, a.depths, lay)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().replace(" ", "-")
+    path = Path(a.out) / f"kv_ring_probe_{name}.json"
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
