@@ -10,12 +10,15 @@ shared memory to it: it launches the step kernel's own task (``_kv_first``'s til
 ``_attend``, the partials stored, no merge) as a plain grid of one program a task, each holding
 at least 128 KiB of shared memory as the step's programs hold all of theirs (one program an SM),
 over a paged cache of every row's ``--context`` (the reference's planes, blocks shuffled), for
-each ring depth, and prints the cache's bytes a microsecond (GB/s) beside a plain read of the
-same bytes (``torch.sum`` over the caches).
+each ring depth and each step length (16 or 32 positions a warp: ``StepGeometry.kv_step``), and
+prints the cache's bytes a microsecond (GB/s) beside a plain read of the same bytes (``torch.sum``
+over the caches), and how far each variant's attention output (its splits' partials merged in
+torch) is from the first variant's.
 
 Usage (GPU machine, repository root): ``python benchmarks/kv_ring_probe.py [--profiles
-llama3-1b,llama3-8b] [--batches 1,8] [--contexts 8192,32768] [--depths 2,3,4,6] [--out DIR]``.
-Inputs are random; the partials are not checked (the step launch's GPU tests cover the task).
+llama3-1b,llama3-8b] [--batches 1,8] [--contexts 8192,32768] [--depths 2,3,4,6] [--layouts
+planes,heads] [--warp-positions 16,32] [--out DIR]``. Inputs are random; the step launch's GPU
+tests check the task against the reference, this probe only each variant against the first.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 from monodecode.kernels.triton.step_kernel import _attend, _cos_sin, _kv_blocks, _kv_copy, _kv_span  # noqa: E402
-from monodecode.kernels.triton.step_plan import KV_TILE, NUM_WARPS, StepGeometry  # noqa: E402
+from monodecode.kernels.triton.step_plan import NUM_WARPS, StepGeometry  # noqa: E402
 from monodecode.model.profiles import profile_dims  # noqa: E402
 
 HOLD_BYTES = 128 * 1024  # a program's shared memory at least: more than half an SM's, so one an SM
@@ -45,29 +48,30 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # written before each timed launch: well pas
 @gluon.jit
 def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, bt_ptr, bt_stride, inv_ptr, ctx,
           slot, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr,
-          NSPLIT: gl.constexpr, KVS: gl.constexpr, SLOTS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+          NSPLIT: gl.constexpr, KVS: gl.constexpr, SLOTS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
     """One attention task a program: row ``pid // (KVH * NSPLIT)``, task ``pid % (KVH * NSPLIT)``
-    over ``ctx`` cached positions, through a ``KVS``-slot ring carved from ``SLOTS`` slots."""
+    over ``ctx`` cached positions, ``PW`` a warp a step, through a ``KVS``-slot ring carved from
+    ``SLOTS`` slots."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
     pid = gl.program_id(0)
     row = pid // (KVH * NSPLIT)
     task = pid % (KVH * NSPLIT)
-    held = gl.allocate_shared_memory(gl.bfloat16, [2 * SLOTS, NW, 16, D], mma_sw)
-    kvs = held._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)
+    held = gl.allocate_shared_memory(gl.bfloat16, [2 * SLOTS, NW, PW, D], mma_sw)
+    kvs = held._reinterpret(gl.bfloat16, [2 * KVS, NW, PW, D], mma_sw)
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, ctx, inv_ptr, D, NW)
     gl.thread_barrier()
-    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW)
+    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW, PW)
     bt_row = bt_ptr + row.to(gl.int64) * bt_stride
     for t in gl.static_range(KVS - 1):  # the ring's first tiles, as _kv_first issues them
-        b = start + t * NW * 16
-        _kv_copy(kvs, t, kc_ptr, vc_ptr, 0, 0, _kv_blocks(bt_row, b, end, BS, NW), kvh, b, end, k_sb, k_st, k_sh,
-                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
-    bnext = _kv_blocks(bt_row, start + (KVS - 1) * NW * 16, end, BS, NW)
+        b = start + t * NW * PW
+        _kv_copy(kvs, t, kc_ptr, vc_ptr, 0, 0, _kv_blocks(bt_row, b, end, BS, NW, PW), kvh, b, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW, PW)  # fmt: skip
+    bnext = _kv_blocks(bt_row, start + (KVS - 1) * NW * PW, end, BS, NW, PW)
     _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
-            bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
+            bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
     async_copy.wait_group(0)
 
 
@@ -88,8 +92,22 @@ def _time_us(fn, flush: torch.Tensor, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def _merged(part: torch.Tensor) -> torch.Tensor:
+    """The attention output from the splits' partials ([rows, KV heads, splits, G, D + 2]: each
+    split's sum of exp-weighted V rows at its max, the max, the weights' sum), merged in torch."""
+    o, m, l = part[..., :-2], part[..., -2], part[..., -1]
+    w = torch.exp(m - m.amax(dim=2, keepdim=True))
+    return (w[..., None] * o).sum(2) / (w * l).sum(2)[..., None]
+
+
 def run_cell(
-    profile: str, batch: int, context: int, depths: list[int], layout: str = "planes", block_size: int = 16
+    profile: str,
+    batch: int,
+    context: int,
+    depths: list[int],
+    layout: str = "planes",
+    steps: tuple[int, ...] = (16,),
+    block_size: int = 16,
 ) -> list[dict]:
     dims = profile_dims(profile)
     d, kvh, qh = dims.head_dim, dims.num_kv_heads, dims.num_heads
@@ -112,40 +130,45 @@ def run_cell(
     out = []
     flush = torch.empty(L2_FLUSH_BYTES // 4, device="cuda")
     plain = _time_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), flush)
-    for kvs in depths:
-        slots = max(kvs, -(-HOLD_BYTES // (2 * KV_TILE * d * 2)))
-        if 2 * slots * KV_TILE * d * 2 > 220 * 1024:
-            out.append({"profile": profile, "batch": batch, "context": context, "layout": layout, "kv_slots": kvs,
-                        "skipped": "no room"})  # fmt: skip
+    base = None  # the first variant's merged output: every other one is checked against it
+    for pw, kvs in [(p, k) for p in steps for k in depths]:
+        slots = max(kvs, -(-HOLD_BYTES // (2 * NUM_WARPS * pw * d * 2)))
+        cell = {"profile": profile, "batch": batch, "context": context, "layout": layout, "warp_positions": pw,
+                "kv_slots": kvs}  # fmt: skip
+        if 2 * slots * NUM_WARPS * pw * d * 2 > 220 * 1024:
+            out.append({**cell, "skipped": "no room"})
             continue
         grid = (batch * kvh * splits,)
 
-        def launch(kvs=kvs, slots=slots):
+        def launch(kvs=kvs, slots=slots, pw=pw):
             _task[grid](act, part, kc, vc, *kc.stride()[:3], *vc.stride()[:3], bt, bt.stride(0), inv, ctx, -1,
                         QH=qh, KVH=kvh, D=d, BS=block_size, SCALE=dims.attn_scale, NSPLIT=splits, KVS=kvs,
-                        SLOTS=slots, NW=NUM_WARPS, num_warps=NUM_WARPS)  # fmt: skip
+                        SLOTS=slots, NW=NUM_WARPS, PW=pw, num_warps=NUM_WARPS)  # fmt: skip
 
         us = _time_us(launch, flush)
-        out.append({"profile": profile, "batch": batch, "context": context, "layout": layout, "kv_slots": kvs,
-                    "splits": splits,
-                    "programs": grid[0], "us": us, "kv_gbs": kv_bytes / us / 1e3,
-                    "plain_sum_gbs": 2 * kc.numel() * 2 / plain / 1e3})  # fmt: skip
+        merged = _merged(part.view(batch, kvh, splits, qh // kvh, d + 2))
+        base = merged if base is None else base
+        err = ((merged - base).norm() / base.norm()).item()
+        out.append({**cell, "splits": splits, "programs": grid[0], "us": us, "kv_gbs": kv_bytes / us / 1e3,
+                    "plain_sum_gbs": 2 * kc.numel() * 2 / plain / 1e3, "rel_diff_vs_first": err})  # fmt: skip
         r = out[-1]
-        print(f"{profile} b{batch} ctx {context} {layout}: {kvs} slots {us:8.1f} us  {r['kv_gbs']:6.0f} GB/s "
-              f"(torch.sum over the caches {r['plain_sum_gbs']:6.0f} GB/s)", flush=True)  # fmt: skip
+        print(f"{profile} b{batch} ctx {context} {layout}: {pw} positions a warp, {kvs} slots {us:8.1f} us "
+              f"{r['kv_gbs']:6.0f} GB/s (torch.sum over the caches {r['plain_sum_gbs']:6.0f} GB/s), "
+              f"relative difference from the first {err:.1e}", flush=True)  # fmt: skip
     return out
 
 
-def _ints(lo: int, hi: int):
-    """argparse type: comma-separated integers from ``lo`` to ``hi``."""
+def _ints(lo: int, hi: int, step: int = 1):
+    """argparse type: comma-separated integers from ``lo`` to ``hi``, multiples of ``step``."""
 
     def parse(text: str) -> list[int]:
         try:
             values = [int(x) for x in text.split(",") if x.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
-        if not values or any(not lo <= v <= hi for v in values):
-            raise argparse.ArgumentTypeError(f"values must be {lo} to {hi}, got {text!r}")
+        if not values or any(not lo <= v <= hi or v % step for v in values):
+            kind = f"{lo} to {hi}" if step == 1 else f"multiples of {step} from {lo} to {hi}"
+            raise argparse.ArgumentTypeError(f"values must be {kind}, got {text!r}")
         return values
 
     return parse
@@ -169,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=_ints(1, 8), default="1,8")
     ap.add_argument("--contexts", type=_ints(2, 1 << 20), default="8192,32768")
     ap.add_argument("--depths", type=_ints(2, 8), default="2,3,4,6", help="K/V ring slots")
+    ap.add_argument("--warp-positions", type=_ints(16, 32, 16), default="16,32", help="positions a warp's step reads "
+                    "(16 or 32: StepGeometry.kv_step 1 or 2)")  # fmt: skip
     ap.add_argument("--layouts", type=_names(("planes", "heads")), default="planes,heads", help="planes: [blocks, "
                     "block, KV heads, D] (the reference's and vLLM's order); heads: [blocks, KV heads, block, D]")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/kv_ring_probe")
@@ -181,7 +206,7 @@ def main(argv=None) -> int:
         for b in a.batches:
             for c in a.contexts:
                 for lay in a.layouts:
-                    rows += run_cell(p, b, c, a.depths, lay)
+                    rows += run_cell(p, b, c, a.depths, lay, a.warp_positions)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
     path = Path(a.out) / f"kv_ring_probe_{name}.json"

@@ -227,9 +227,11 @@ def test_step_probe_compiles_llama3_8b_layers(att, kvs, tma, monkeypatch):
     assert probe._refusal(v | {"kvs": 2}, 16, 132, tiles) == ""
 
 
-# the K/V ring probe: head_dim 64 (1B) at every depth it times, 128 (8B) at the two that fit
-@pytest.mark.parametrize(("d", "kvs"), [(64, 2), (64, 3), (64, 6), (128, 2), (128, 3)])
-def test_kv_ring_probe_compiles_for_the_h200(d, kvs):
+# the K/V ring probe: head_dim 64 (1B) at every depth it times, 128 (8B) at the two that fit, and
+# 32 positions a warp's step at head_dim 64
+@pytest.mark.parametrize(("d", "kvs", "pw"), [(64, 2, 16), (64, 3, 16), (64, 6, 16), (128, 2, 16), (128, 3, 16),
+                                              (64, 2, 32), (64, 3, 32)])  # fmt: skip
+def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
     """``benchmarks/kv_ring_probe.py``'s task (the step kernel's ``_attend`` behind its first K/V
     tiles) compiles for sm_90 without spills at the depths it times, each program holding more
     than half an SM's shared memory (one an SM, as the step's programs are) and no more than a
@@ -237,11 +239,12 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs):
     from monodecode.kernels.triton.offline import cuda_resources
 
     probe = _probe("kv_ring_probe")
-    slots = max(kvs, -(-probe.HOLD_BYTES // (2 * probe.KV_TILE * d * 2)))
+    slots = max(kvs, -(-probe.HOLD_BYTES // (2 * 8 * pw * d * 2)))
     sig = {"act_ptr": "*fp32", "part_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
     sig |= {n: "i32" for n in ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")}
     sig |= {"bt_ptr": "*i32", "bt_stride": "i32", "inv_ptr": "*fp32", "ctx": "i32", "slot": "i32"}
-    consts = {"QH": 32, "KVH": 8, "D": d, "BS": 16, "SCALE": d**-0.5, "NSPLIT": 2, "KVS": kvs, "SLOTS": slots, "NW": 8}
+    consts = {"QH": 32, "KVH": 8, "D": d, "BS": 16, "SCALE": d**-0.5, "NSPLIT": 2, "KVS": kvs, "SLOTS": slots, "NW": 8,
+              "PW": pw}  # fmt: skip
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -262,6 +265,7 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs):
      (["--batches", "1,x"], "--batches: not comma-separated integers: '1,x'"),
      (["--profiles", "gemma3-27b"], "--profiles: 'gemma3-27b' is not one of llama3-1b, llama3-8b"),
      (["--layouts", "planes,rows"], "--layouts: 'rows' is not one of planes, heads"),
+     (["--warp-positions", "24"], "--warp-positions: values must be multiples of 16 from 16 to 32, got '24'"),
      ([], "error: kv_ring_probe needs an sm_90 or newer GPU")],
 )  # fmt: skip
 def test_kv_ring_probe_refuses_in_one_line(args, says):

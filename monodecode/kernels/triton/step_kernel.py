@@ -264,31 +264,31 @@ def _cos_sin(cs, pos, inv_ptr, D: gl.constexpr, NW: gl.constexpr):
 
 @gluon.constexpr_function
 def _tile_layout(NW):
-    """The attention's [NW, 16, D] K/V and q tiles in registers: 16-byte rows, a warp's 16
-    positions in its own lanes."""
+    """The attention's [NW, PW, D] K/V and [NW, 16, D] q tiles in registers: 16-byte rows, a
+    warp's positions (or query rows) in its own lanes."""
     return gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
-def _kv_blocks(bt_row, b, end, BS: gl.constexpr, NW: gl.constexpr):
-    """The cache blocks ([NW, 16], ``_tile_layout``'s rows) of positions ``b + w * 16 + p``; 0 from ``end`` on."""
+def _kv_blocks(bt_row, b, end, BS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
+    """The cache blocks ([NW, PW], ``_tile_layout``'s rows) of positions ``b + w * PW + p``; 0 from ``end`` on."""
     t3: gl.constexpr = _tile_layout(NW)
     w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
-    p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
-    pos = b + w[:, None] * 16 + p[None, :]
+    p = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
+    pos = b + w[:, None] * PW + p[None, :]
     return gl.load(bt_row + pos // BS, mask=pos < end, other=0)
 
 
 @gluon.jit
 def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-             BS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """Start copying the [NW, 16, D] K and V tiles at positions ``b ..`` (their cache ``blocks``)
+             BS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
+    """Start copying the [NW, PW, D] K and V tiles at positions ``b ..`` (their cache ``blocks``)
     into ``kvs`` slot ``slot`` (one commit group; positions from ``end`` on are zero-filled)."""
     t3: gl.constexpr = _tile_layout(NW)
     w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, t3)))
-    p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
+    p = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(2, t3)))
     d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, t3)))
-    pos = b + w[:, None] * 16 + p[None, :]  # [NW, 16]
+    pos = b + w[:, None] * PW + p[None, :]  # [NW, PW]
     d3 = gl.expand_dims(d[None, :], 1)
     ok = (pos[:, :, None] < end) & (d3 >= 0)
     blk = blocks.to(gl.int64)[:, :, None]
@@ -301,31 +301,32 @@ def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k
 
 
 @gluon.jit
-def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr):
+def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
     """An attention task -> (KV head, split, first position, end) of its row's cached context:
     spans of at least ``MINSPAN`` positions, whole K/V tiles; a short context leaves later splits empty."""
     sp = task % NSPLIT
     span = gl.maximum((ctx + NSPLIT - 1) // NSPLIT, MINSPAN)
-    span = (span + NW * 16 - 1) // (NW * 16) * (NW * 16)
+    span = (span + NW * PW - 1) // (NW * PW) * (NW * PW)
     start = gl.minimum(sp * span, ctx)
     return task // NSPLIT, sp, start, gl.minimum(start + span, ctx)
 
 
 @gluon.jit
 def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-              BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+              BS: gl.constexpr, D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
     """An attention task's first ``KVS - 1`` K/V tiles (``KVS`` 2 or 3) into the ring (their blocks,
     then their copies), right after the task's QKV wait. Returns the blocks of the next tile, which
     ``_attend``'s first step copies."""
     # every tile's blocks asked for at once (one round trip, not one a tile), then the copies
-    b0 = _kv_blocks(bt_row, start, end, BS, NW)
-    b1 = _kv_blocks(bt_row, start + NW * 16, end, BS, NW)
+    b0 = _kv_blocks(bt_row, start, end, BS, NW, PW)
+    b1 = _kv_blocks(bt_row, start + NW * PW, end, BS, NW, PW)
     if KVS == 3:
-        b2 = _kv_blocks(bt_row, start + 2 * NW * 16, end, BS, NW)
-    _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, D, NW)
+        b2 = _kv_blocks(bt_row, start + 2 * NW * PW, end, BS, NW, PW)
+    _kv_copy(kvs, 0, kc_ptr, vc_ptr, koff, voff, b0, kvh, start, end, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, D, NW,
+             PW)  # fmt: skip
     if KVS == 3:
-        _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + NW * 16, end, k_sb, k_st, k_sh, v_sb, v_st,
-                 v_sh, BS, D, NW)  # fmt: skip
+        _kv_copy(kvs, 1, kc_ptr, vc_ptr, koff, voff, b1, kvh, start + NW * PW, end, k_sb, k_st, k_sh, v_sb, v_st,
+                 v_sh, BS, D, NW, PW)  # fmt: skip
         return b2
     else:
         return b1
@@ -334,9 +335,10 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
-            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
+            PW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
-    ``ctx`` cached positions on tensor cores: each warp its own 16 positions a step as ``mma.sync``
+    ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
     softmax, O += P·V; the tiles stream through ``kvs``, a ring of ``KVS`` shared-memory slots
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
@@ -349,7 +351,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     bl: gl.constexpr = _tile_layout(NW)
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
-    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW)
+    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW, PW)
     last = sp == NSPLIT - 1
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1), 2)
     r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl))), 0), 2)
@@ -365,9 +367,13 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
     kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
     vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
-    kvs.index(2 * (KVS - 1)).store(qf.to(gl.bfloat16))
+    if PW == 16:
+        qs = kvs.index(2 * (KVS - 1))
+    else:  # the slot's first 16 positions' bytes
+        qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
+    qs.store(qf.to(gl.bfloat16))
     gl.thread_barrier()
-    qa = kvs.index(2 * (KVS - 1)).load(a_l)
+    qa = qs.load(a_l)
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
@@ -376,22 +382,22 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
         gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0) * SCALE, gl.SliceLayout(0, r2)
     )
     wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
-    pm = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
+    pm = gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
     m = gl.full([NW, 16], -1e30, gl.float32, r2)
     lsum = gl.zeros([NW, 16], gl.float32, r2)
     o = gl.zeros([NW, 16, D], gl.float32, mma)
     i = 0
-    for b in range(start, end, NW * 16):
+    for b in range(start, end, NW * PW):
         async_copy.wait_group(KVS - 2)  # tile i has landed
         gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
-        nb = b + (KVS - 1) * NW * 16
+        nb = b + (KVS - 1) * NW * PW
         _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
-                 v_sb, v_st, v_sh, BS, D, NW)  # fmt: skip
-        bnext = _kv_blocks(bt_row, nb + NW * 16, end, BS, NW)
+                 v_sb, v_st, v_sh, BS, D, NW, PW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
         kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
         vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
-        sc = mma_v2(qa, kb, gl.zeros([NW, 16, 16], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
-        ok = b + wm * 16 + pm < end
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, PW], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
+        ok = b + wm * PW + pm < end
         sc = gl.where(ok, sc, -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
         e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
@@ -556,7 +562,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 NPROG: gl.constexpr, NBUF: gl.constexpr, T0: gl.constexpr, TO: gl.constexpr,
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
-                XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr,
+                XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -572,7 +578,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ``fault_layer``/``fault_kind``: local layer + 1 (0 none) and 1 stall (its QKV never counts) or 2
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
-    (``StepGeometry.streams_down``). ``PROF``: each program stamps its stages into ``prof`` where K1's
+    (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
+    ``StepGeometry.kv_step``). ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -612,18 +619,18 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         boxes = ring
         bars = ring
     if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
-        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // (BK * NPAD))
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * PW * D // (BK * NPAD))
         xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
         # a task's products summed over the warps through the first chunk: stages of K = HIDDEN
         # stage into the last chunks, and down (all chunks) has one task a program
         red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     else:  # bf16 staged input, as long as the attention's K/V ring too (held from QKV's end to o_proj's staging)
-        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * 16 * D // BK)
+        XR: gl.constexpr = max(XMAX, 2 * KVS * NW * PW * D // BK)
         xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, BK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         red = gbuf
-    kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, 16, D], mma_sw)  # the attention's K/V ring
+    kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, PW, D], mma_sw)  # the attention's K/V ring
     if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
         cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
         rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
@@ -691,20 +698,20 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 elif s == 1:
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
-                    kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW)
-                    bnext = gl.zeros([NW, 16], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
+                    kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
+                    bnext = gl.zeros([NW, PW], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
                     if has_task:
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
-                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW)  # fmt: skip
+                                          k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW)  # fmt: skip
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged

@@ -28,7 +28,7 @@ NUM_WARPS = 8
 MAX_WIDTH = 8
 NCTR = 5  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, down
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
-KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp
+KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
 WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster than 3)
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
@@ -45,7 +45,10 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # cache block, 16 rows of 128-256 bytes): 4-15 % slower at 32k than ``cp.async``; dropped. Runs
 # 115-116 held back the refills QKV asks for past its stage until the attention's first K/V copies
 # were out, so they would not queue behind the whole GPU's prefetched weights: 1-5 % slower; dropped.
-PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1)}
+# ``kv_step`` 2: each warp's attention step reads 32 positions (two mma groups) where the K/V ring
+# of 2 such slots fits (head_dim 64), halving the steps' fixed cost (run 117: 1B's task alone reads
+# 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with 64 KiB ones; the ring's depth did not matter).
+PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1), "kv_step": (1, 1, 2)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -129,6 +132,7 @@ class StepGeometry:
     ring: int | None = None  # None: by width (``ring_slots``)
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
+    kv_step: int = 1  # 16-position groups a warp's attention step reads
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -264,13 +268,19 @@ class StepGeometry:
     @property
     def _kv_bytes(self) -> int:
         """The attention's K/V ring, which lives in the staged input from QKV's end to o_proj's staging."""
-        return 2 * self.kv_slots * KV_TILE * self.dims.head_dim * 2
+        return 2 * self.kv_slots * self.kv_tile * self.dims.head_dim * 2
+
+    @property
+    def kv_tile(self) -> int:
+        """Positions one attention step reads: 16 (``kv_step`` 2: 32) a warp."""
+        return KV_TILE * self.kv_step
 
     @property
     def kv_slots(self) -> int:
-        """Slots of the attention's K/V ring (each a [8 warps, 16, D] K tile and its V tile):
-        3 at head_dim 64 and 2 at 128 (what fits beside the weight ring at width 1)."""
-        return 3 if self.dims.head_dim <= 64 else 2
+        """Slots of the attention's K/V ring (each a [8 warps, 16 kv_step, D] K tile and its V
+        tile): 3 of 32 KiB at head_dim 64 and 2 of 64 KiB at 128 or with 32 positions a warp
+        (what fits beside the weight ring at width 1)."""
+        return 3 if self.dims.head_dim * self.kv_step <= 64 else 2
 
     @property
     def tma(self) -> bool:
@@ -345,6 +355,7 @@ class StepGeometry:
             "T1": t1,
             "TD": td,
             "NSPLIT": self.splits,
+            "PW": 16 * self.kv_step,
             "KVS": self.kv_slots,
             "NB": self.width,
             "MMAV": int(self.width > 1),

@@ -51,12 +51,12 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
                                                    ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 0}),
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 2})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
-    3-slot one by TMA at width 8) compile with 0 spills too, the ring's slots in the shared
-    memory as planned."""
+    3-slot one by TMA at width 8, 1B's attention stepping 32 positions a warp at width 8)
+    compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -75,7 +75,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -85,6 +85,11 @@ def test_bad_plans_are_refused_in_one_line():
         StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4, stream_down=0).check()
     StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()  # streamed
     StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, ring=4).check()
+    with pytest.raises(ValueError, match="exceed"):  # 8B's 128-wide heads: two 128 KiB K/V slots
+        StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, kv_step=2).check()
+    one_b = StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_step=2)
+    one_b.check()  # two 64 KiB K/V slots beside a 3-slot weight ring
+    assert (one_b.kv_slots, one_b.ring_slots, one_b.constexprs(16)["PW"]) == (2, 3, 32)
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})
     assert "\n" not in str(e.value)

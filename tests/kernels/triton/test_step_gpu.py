@@ -77,10 +77,11 @@ def _request(profile: str, widths, wait_timeout_s: float) -> BuildRequest:
     )
 
 
-def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0):
+def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0, plan: dict | None = None):
     """(dims, weights, StepKernels) of one build (cached per session; a fault drill's build has
-    its own short wait bound but the same weights and compiled kernels)."""
-    key = (profile, tuple(widths), layers, wait_timeout_s)
+    its own short wait bound but the same weights and compiled kernels; ``plan``: the plan's
+    knobs, ``step_plan.PLAN_KNOBS``)."""
+    key = (profile, tuple(widths), layers, wait_timeout_s, repr(sorted((plan or {}).items())))
     if key in _CACHE:
         return _CACHE[key]
     from monodecode.kernels.triton.step_launch import StepKernels
@@ -91,7 +92,7 @@ def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0):
     assert step_refusals(dims, "bf16", 1, tuple(widths)) == [], "a build these tests time is refused"
     weights = _weights(profile, layers)
     req = _request(profile, widths, wait_timeout_s)
-    tk = StepKernels(req, weights, req.platform.compute_units, dev)
+    tk = StepKernels(req, weights, req.platform.compute_units, dev, plan=plan)
     assert tuple(tk.widths) == tuple(widths)
     _CACHE[key] = (dims, weights, tk)
     return _CACHE[key]
@@ -244,6 +245,18 @@ def test_long_context_32k(case):
     _layer_by_layer(B1, ctx, seed=50 + len(ctx), what=f"1B 32k {case}")
     torch.cuda.empty_cache()
     _whole_step(B1, ctx, seed=60 + len(ctx), what=f"1B 32k {case} step")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("case", ["w1", "w2", "w8-5rows", "32k-w8"])
+def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
+    """``kv_step`` 2 (``step_plan.PLAN_KNOBS``: each warp's attention step reads 32 positions, a
+    K/V ring of two 64 KiB slots beside a 3-slot weight ring; 1B's 64-wide heads only): per layer
+    and as one launch within the bounds, rows of contexts that end mid-step included."""
+    build = (*B1, 2.0, {"kv_step": 2})
+    ctx = CONTEXTS.get(case, [32768, 17, 32768, 3000, 1, 20000, 32768, 700])
+    _layer_by_layer(build, ctx, seed=70 + len(ctx), what=f"1B kv_step 2 {case}")
+    _whole_step(build, ctx, seed=80 + len(ctx), what=f"1B kv_step 2 {case} step")
     torch.cuda.empty_cache()
 
 
