@@ -24,15 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's most shared memory for one program
 
 
-def _compile(fn, sig: dict, consts: dict):
+def _compile(fn, sig: dict, consts: dict, aligned: tuple[str, ...] = ()):
     """``fn`` compiled for sm_90 with 8 warps (pointer arguments 16-byte aligned, as torch's
-    buffers are and the launcher specialises them on the GPU)."""
+    buffers are and the launcher specialises them on the GPU; so are the integers ``aligned``
+    names, multiples of 16 as the launcher specialises them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {**sig, **{k: "constexpr" for k in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or n in aligned}
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -147,10 +148,15 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
 def test_step_probe_refuses_bad_arguments_in_one_line(args, says):
     """The step probe's command line: garbage ends in argparse's one error line (exit 2) before any
     GPU work, not a traceback."""
+    _refused_in_one_line("step_probe.py", args, says)
+
+
+def _refused_in_one_line(script: str, args: list[str], says: str) -> None:
+    """``benchmarks/<script> args`` exits 2 with one error line ending in ``says``, no traceback."""
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_probe.py"), *args], capture_output=True, text=True, timeout=300
+        [sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -241,19 +247,12 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
     probe = _probe("kv_ring_probe")
     slots = max(kvs, -(-probe.HOLD_BYTES // (2 * 8 * pw * d * 2)))
     sig = {"act_ptr": "*fp32", "part_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
-    sig |= {n: "i32" for n in ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")}
+    strides = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16, as the launcher specialises them
+    sig |= {n: "i32" for n in strides}
     sig |= {"bt_ptr": "*i32", "bt_stride": "i32", "inv_ptr": "*fp32", "ctx": "i32", "slot": "i32"}
     consts = {"QH": 32, "KVH": 8, "D": d, "BS": 16, "SCALE": d**-0.5, "NSPLIT": 2, "KVS": kvs, "SLOTS": slots, "NW": 8,
               "PW": pw}  # fmt: skip
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {**sig, **{k: "constexpr" for k in consts}}
-    # pointers and the cache's strides 16-aligned, as the launcher specialises them on the GPU
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items()) if t[0] == "*" or n[1:3] == "_s"}
-    src = GluonASTSource(probe._task, sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    compiled = _compile(probe._task, sig, consts, aligned=strides)
     assert cuda_resources("kv_ring_probe", 1, 8, compiled).spills == 0
     # more than half an SM's shared memory (228 KiB on sm_90), so one program an SM
     assert 114 * 1024 < compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
@@ -271,16 +270,8 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
 def test_kv_ring_probe_refuses_in_one_line(args, says):
     """Garbage on the K/V ring probe's command line, or no sm_90 GPU (this machine), ends in one
     error line (exit 2), not a traceback."""
-    import subprocess
-
     import torch
 
     if not args and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
         pytest.skip("an sm_90 GPU is present: the probe would run")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kv_ring_probe.py"), *args, "--out", "/nonexistent/x"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].endswith(says), done.stderr
+    _refused_in_one_line("kv_ring_probe.py", [*args, "--out", "/nonexistent/x"], says)
