@@ -9,16 +9,19 @@ probe asks whether a deeper ring would read faster, before any build gives the w
 shared memory to it: it launches the step kernel's own task (``_kv_first``'s tiles, then
 ``_attend``, the partials stored, no merge) as a plain grid of one program a task, each holding
 at least 128 KiB of shared memory as the step's programs hold all of theirs (one program an SM),
-over a paged cache of every row's ``--context`` (the reference's planes, blocks shuffled), for
-each ring depth and each step length (16 or 32 positions a warp: ``StepGeometry.kv_step``), and
+over a paged cache of every row's ``--context`` (the reference's planes, or a head's positions of
+a block together), for each ring depth and each step length (16 or 32 positions a warp: ``StepGeometry.kv_step``), the
+ring's copies alone beside the whole task (``--tasks copy``: what the cache and the ring read with
+no arithmetic), blocks shuffled (as the benchmark's allocator hands them out) or in order, and
 prints the cache's bytes a microsecond (GB/s) beside a plain read of the same bytes (``torch.sum``
 over the caches), and how far each variant's attention output (its splits' partials merged in
 torch) is from the first variant's.
 
 Usage (GPU machine, repository root): ``python benchmarks/kv_ring_probe.py [--profiles
 llama3-1b,llama3-8b] [--batches 1,8] [--contexts 8192,32768] [--depths 2,3,4,6] [--layouts
-planes,heads] [--warp-positions 16,32] [--out DIR]``. Inputs are random; the step launch's GPU
-tests check the task against the reference, this probe only each variant against the first.
+planes,heads] [--warp-positions 16,32] [--tasks attend,copy] [--blocks shuffled,sequential]
+[--out DIR]``. Inputs are random; the step launch's GPU tests check the task against the
+reference, this probe only each variant against the first.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ L2_FLUSH_BYTES = 256 * 1024 * 1024  # written before each timed launch: well pas
 @gluon.jit
 def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, bt_ptr, bt_stride, inv_ptr, ctx,
           slot, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr,
-          NSPLIT: gl.constexpr, KVS: gl.constexpr, SLOTS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
+          NSPLIT: gl.constexpr, KVS: gl.constexpr, SLOTS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr,
+          COPY: gl.constexpr):  # fmt: skip
     """One attention task a program: row ``pid // (KVH * NSPLIT)``, task ``pid % (KVH * NSPLIT)``
     over ``ctx`` cached positions, ``PW`` a warp a step, through a ``KVS``-slot ring carved from
-    ``SLOTS`` slots."""
+    ``SLOTS`` slots. ``COPY``: the ring's copies alone, each step's wait, barrier and next copy
+    as ``_attend`` issues them, no arithmetic (what the cache and the ring read by themselves)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
@@ -70,8 +75,20 @@ def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
         _kv_copy(kvs, t, kc_ptr, vc_ptr, 0, 0, _kv_blocks(bt_row, b, end, BS, NW, PW), kvh, b, end, k_sb, k_st, k_sh,
                  v_sb, v_st, v_sh, BS, D, NW, PW)  # fmt: skip
     bnext = _kv_blocks(bt_row, start + (KVS - 1) * NW * PW, end, BS, NW, PW)
-    _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
-            bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
+    if COPY:
+        i = 0
+        for b in range(start, end, NW * PW):
+            async_copy.wait_group(KVS - 2)
+            gl.thread_barrier()
+            nb = b + (KVS - 1) * NW * PW
+            _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, 0, 0, bnext, kvh, nb, end, k_sb, k_st, k_sh, v_sb, v_st,
+                     v_sh, BS, D, NW, PW)  # fmt: skip
+            bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
+            i += 1
+    else:
+        _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
+                bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW,
+                PW)  # fmt: skip
     async_copy.wait_group(0)
 
 
@@ -107,6 +124,8 @@ def run_cell(
     depths: list[int],
     layout: str = "planes",
     steps: tuple[int, ...] = (16,),
+    tasks: tuple[str, ...] = ("attend",),
+    blocks: str = "shuffled",
     block_size: int = 16,
 ) -> list[dict]:
     dims = profile_dims(profile)
@@ -120,7 +139,10 @@ def run_cell(
     if layout == "heads":  # a head's positions of a block together ([blocks, KV heads, block, D], same strides' names)
         kc = kc.transpose(1, 2).contiguous().transpose(1, 2)
         vc = vc.transpose(1, 2).contiguous().transpose(1, 2)
-    bt = (torch.randperm(nblocks - 1, device="cuda", generator=gen)[: batch * blocks_per_row] + 1).to(torch.int32)
+    order = (
+        torch.randperm(nblocks - 1, device="cuda", generator=gen) if blocks == "shuffled" else torch.arange(nblocks - 1)
+    )
+    bt = (order[: batch * blocks_per_row] + 1).to(device="cuda", dtype=torch.int32)
     bt = bt.view(batch, blocks_per_row).contiguous()
     act = torch.randn(batch, (qh + 2 * kvh) * d, device="cuda", generator=gen) * 0.1
     part = torch.empty(batch * kvh * splits * (qh // kvh) * (d + 2), device="cuda")
@@ -131,30 +153,34 @@ def run_cell(
     flush = torch.empty(L2_FLUSH_BYTES // 4, device="cuda")
     plain = _time_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), flush)
     base = None  # the first variant's merged output: every other one is checked against it
-    for pw, kvs in [(p, k) for p in steps for k in depths]:
+    for task, pw, kvs in [(t, p, k) for t in tasks for p in steps for k in depths]:
         slots = max(kvs, -(-HOLD_BYTES // (2 * NUM_WARPS * pw * d * 2)))
-        cell = {"profile": profile, "batch": batch, "context": context, "layout": layout, "warp_positions": pw,
-                "kv_slots": kvs}  # fmt: skip
+        cell = {"profile": profile, "batch": batch, "context": context, "layout": layout, "blocks": blocks,
+                "task": task, "warp_positions": pw, "kv_slots": kvs}  # fmt: skip
         if 2 * slots * NUM_WARPS * pw * d * 2 > 220 * 1024:
             out.append({**cell, "skipped": "no room"})
             continue
         grid = (batch * kvh * splits,)
 
-        def launch(kvs=kvs, slots=slots, pw=pw):
+        def launch(kvs=kvs, slots=slots, pw=pw, copy=int(task == "copy")):
             _task[grid](act, part, kc, vc, *kc.stride()[:3], *vc.stride()[:3], bt, bt.stride(0), inv, ctx, -1,
                         QH=qh, KVH=kvh, D=d, BS=block_size, SCALE=dims.attn_scale, NSPLIT=splits, KVS=kvs,
-                        SLOTS=slots, NW=NUM_WARPS, PW=pw, num_warps=NUM_WARPS)  # fmt: skip
+                        SLOTS=slots, NW=NUM_WARPS, PW=pw, COPY=copy, num_warps=NUM_WARPS)  # fmt: skip
 
+        part.fill_(float("nan"))  # what a copy-only task leaves: no number to compare
         us = _time_us(launch, flush)
-        merged = _merged(part.view(batch, kvh, splits, qh // kvh, d + 2))
-        base = merged if base is None else base
-        err = ((merged - base).norm() / base.norm()).item()
+        err = None
+        if task == "attend":
+            merged = _merged(part.view(batch, kvh, splits, qh // kvh, d + 2))
+            base = merged if base is None else base
+            err = ((merged - base).norm() / base.norm()).item()
         out.append({**cell, "splits": splits, "programs": grid[0], "us": us, "kv_gbs": kv_bytes / us / 1e3,
                     "plain_sum_gbs": 2 * kc.numel() * 2 / plain / 1e3, "rel_diff_vs_first": err})  # fmt: skip
         r = out[-1]
-        print(f"{profile} b{batch} ctx {context} {layout}: {pw} positions a warp, {kvs} slots {us:8.1f} us "
-              f"{r['kv_gbs']:6.0f} GB/s (torch.sum over the caches {r['plain_sum_gbs']:6.0f} GB/s), "
-              f"relative difference from the first {err:.1e}", flush=True)  # fmt: skip
+        diff = "" if err is None else f", relative difference from the first {err:.1e}"
+        print(f"{profile} b{batch} ctx {context} {layout} {blocks} {task}: {pw} positions a warp, {kvs} slots "
+              f"{us:8.1f} us {r['kv_gbs']:6.0f} GB/s (torch.sum over the caches {r['plain_sum_gbs']:6.0f} GB/s)"
+              f"{diff}", flush=True)  # fmt: skip
     return out
 
 
@@ -194,6 +220,10 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", type=_ints(2, 8), default="2,3,4,6", help="K/V ring slots")
     ap.add_argument("--warp-positions", type=_ints(16, 32, 16), default="16,32", help="positions a warp's step reads "
                     "(16 or 32: StepGeometry.kv_step 1 or 2)")  # fmt: skip
+    ap.add_argument("--tasks", type=_names(("attend", "copy")), default="attend,copy", help="attend: the step's "
+                    "task; copy: its K/V ring's copies alone")  # fmt: skip
+    ap.add_argument("--blocks", type=_names(("shuffled", "sequential")), default="shuffled", help="cache blocks "
+                    "handed out in a random order (as the benchmark's allocator) or in order")  # fmt: skip
     ap.add_argument("--layouts", type=_names(("planes", "heads")), default="planes,heads", help="planes: [blocks, "
                     "block, KV heads, D] (the reference's and vLLM's order); heads: [blocks, KV heads, block, D]")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/kv_ring_probe")
@@ -206,7 +236,8 @@ def main(argv=None) -> int:
         for b in a.batches:
             for c in a.contexts:
                 for lay in a.layouts:
-                    rows += run_cell(p, b, c, a.depths, lay, a.warp_positions)
+                    for order in a.blocks:
+                        rows += run_cell(p, b, c, a.depths, lay, a.warp_positions, a.tasks, order)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "-")
     path = Path(a.out) / f"kv_ring_probe_{name}.json"

@@ -233,11 +233,12 @@ def test_step_probe_compiles_llama3_8b_layers(att, kvs, tma, monkeypatch):
     assert probe._refusal(v | {"kvs": 2}, 16, 132, tiles) == ""
 
 
-# the K/V ring probe: head_dim 64 (1B) at every depth it times, 128 (8B) at the two that fit, and
-# 32 positions a warp's step at head_dim 64
-@pytest.mark.parametrize(("d", "kvs", "pw"), [(64, 2, 16), (64, 3, 16), (64, 6, 16), (128, 2, 16), (128, 3, 16),
-                                              (64, 2, 32), (64, 3, 32)])  # fmt: skip
-def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
+# the K/V ring probe: head_dim 64 (1B) at every depth it times, 128 (8B) at the two that fit, 32
+# positions a warp's step at head_dim 64, and the copies alone
+@pytest.mark.parametrize(("d", "kvs", "pw", "copy"), [(64, 2, 16, 0), (64, 3, 16, 0), (64, 6, 16, 0), (128, 2, 16, 0),
+                                                      (128, 3, 16, 0), (64, 2, 32, 0), (64, 3, 32, 0), (64, 3, 16, 1),
+                                                      (64, 2, 32, 1), (128, 2, 16, 1)])  # fmt: skip
+def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw, copy):
     """``benchmarks/kv_ring_probe.py``'s task (the step kernel's ``_attend`` behind its first K/V
     tiles) compiles for sm_90 without spills at the depths it times, each program holding more
     than half an SM's shared memory (one an SM, as the step's programs are) and no more than a
@@ -251,9 +252,10 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
     sig |= {n: "i32" for n in strides}
     sig |= {"bt_ptr": "*i32", "bt_stride": "i32", "inv_ptr": "*fp32", "ctx": "i32", "slot": "i32"}
     consts = {"QH": 32, "KVH": 8, "D": d, "BS": 16, "SCALE": d**-0.5, "NSPLIT": 2, "KVS": kvs, "SLOTS": slots, "NW": 8,
-              "PW": pw}  # fmt: skip
+              "PW": pw, "COPY": copy}  # fmt: skip
     compiled = _compile(probe._task, sig, consts, aligned=strides)
     assert cuda_resources("kv_ring_probe", 1, 8, compiled).spills == 0
+    assert ("mma.sync" in compiled.asm["ptx"]) == (not copy)  # the copies alone do no arithmetic
     # more than half an SM's shared memory (228 KiB on sm_90), so one program an SM
     assert 114 * 1024 < compiled.metadata.shared <= SMEM_PER_BLOCK, compiled.metadata.shared
 
@@ -265,6 +267,8 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw):
      (["--profiles", "gemma3-27b"], "--profiles: 'gemma3-27b' is not one of llama3-1b, llama3-8b"),
      (["--layouts", "planes,rows"], "--layouts: 'rows' is not one of planes, heads"),
      (["--warp-positions", "24"], "--warp-positions: values must be multiples of 16 from 16 to 32, got '24'"),
+     (["--tasks", "copy,sum"], "--tasks: 'sum' is not one of attend, copy"),
+     (["--blocks", "random"], "--blocks: 'random' is not one of shuffled, sequential"),
      ([], "error: kv_ring_probe needs an sm_90 or newer GPU")],
 )  # fmt: skip
 def test_kv_ring_probe_refuses_in_one_line(args, says):
