@@ -386,8 +386,10 @@ class Load:
                     self.client.completions.create(model=model, prompt=PROMPTS[i % len(PROMPTS)],
                                                    max_tokens=self.tokens, temperature=0.0,
                                                    extra_body={"ignore_eos": True})  # fmt: skip
-            except Exception as e:  # surfaced by the test
-                self.errors.append(repr(e))
+            except Exception as e:  # surfaced by the test, with what the client's error wraps (the
+                # openai client's "Connection error." alone does not say whether the server reset,
+                # refused or closed the connection)
+                self.errors.append(repr(e) + (f" from {e.__cause__!r}" if e.__cause__ else ""))
                 return
 
     def stop(self) -> None:
