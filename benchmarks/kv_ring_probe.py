@@ -45,6 +45,7 @@ from monodecode.kernels.triton.step_plan import NUM_WARPS, StepGeometry  # noqa:
 from monodecode.model.profiles import profile_dims  # noqa: E402
 
 HOLD_BYTES = 128 * 1024  # a program's shared memory at least: more than half an SM's, so one an SM
+HOLD_MOST = 220 * 1024  # ... at most: sm_90's 227 KiB a program, less room for RoPE's row and scratch
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # written before each timed launch: well past the H100's and H200's 50 MiB L2
 
 
@@ -109,6 +110,14 @@ def _time_us(fn, flush: torch.Tensor, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def held_slots(kvs: int, pw: int, d: int) -> int | None:
+    """The K/V slots a program allocates for a ``kvs``-slot ring of ``pw`` positions a warp at
+    head_dim ``d``: ``kvs``, or more up to ``HOLD_BYTES``; None where ``kvs`` do not fit."""
+    slot = 2 * NUM_WARPS * pw * d * 2  # a K tile and its V tile, bf16
+    slots = max(kvs, -(-HOLD_BYTES // slot))
+    return slots if slots * slot <= HOLD_MOST else None
+
+
 def _merged(part: torch.Tensor) -> torch.Tensor:
     """The attention output from the splits' partials ([rows, KV heads, splits, G, D + 2]: each
     split's sum of exp-weighted V rows at its max, the max, the weights' sum), merged in torch."""
@@ -154,10 +163,10 @@ def run_cell(
     plain = _time_us(lambda: (kc.sum(dtype=torch.float32), vc.sum(dtype=torch.float32)), flush)
     base = None  # the first variant's merged output: every other one is checked against it
     for task, pw, kvs in [(t, p, k) for t in tasks for p in steps for k in depths]:
-        slots = max(kvs, -(-HOLD_BYTES // (2 * NUM_WARPS * pw * d * 2)))
+        slots = held_slots(kvs, pw, d)
         cell = {"profile": profile, "batch": batch, "context": context, "layout": layout, "blocks": blocks,
                 "task": task, "warp_positions": pw, "kv_slots": kvs}  # fmt: skip
-        if 2 * slots * NUM_WARPS * pw * d * 2 > 220 * 1024:
+        if slots is None:
             out.append({**cell, "skipped": "no room"})
             continue
         grid = (batch * kvh * splits,)

@@ -246,7 +246,7 @@ def test_kv_ring_probe_compiles_for_the_h200(d, kvs, pw, copy):
     from monodecode.kernels.triton.offline import cuda_resources
 
     probe = _probe("kv_ring_probe")
-    slots = max(kvs, -(-probe.HOLD_BYTES // (2 * 8 * pw * d * 2)))
+    slots = probe.held_slots(kvs, pw, d)
     sig = {"act_ptr": "*fp32", "part_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}
     strides = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16, as the launcher specialises them
     sig |= {n: "i32" for n in strides}

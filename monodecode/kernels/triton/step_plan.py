@@ -45,9 +45,10 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # cache block, 16 rows of 128-256 bytes): 4-15 % slower at 32k than ``cp.async``; dropped. Runs
 # 115-116 held back the refills QKV asks for past its stage until the attention's first K/V copies
 # were out, so they would not queue behind the whole GPU's prefetched weights: 1-5 % slower; dropped.
-# ``kv_step`` 2: each warp's attention step reads 32 positions (two mma groups) where the K/V ring
-# of 2 such slots fits (head_dim 64), halving the steps' fixed cost (run 117: 1B's task alone reads
-# 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with 64 KiB ones; the ring's depth did not matter).
+# ``kv_step`` 2 (not yet timed): each warp's attention step reads 32 positions (two mma groups)
+# where the K/V ring of 2 such slots fits (head_dim 64), so a step's fixed cost is paid once per
+# 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
+# 64 KiB ones; the ring's depth did not matter).
 PLAN_KNOBS = {"ring": (None, 2, 8), "stream_down": (1, 0, 1), "wide_tma": (None, 0, 1), "kv_step": (1, 1, 2)}
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -355,7 +356,7 @@ class StepGeometry:
             "T1": t1,
             "TD": td,
             "NSPLIT": self.splits,
-            "PW": 16 * self.kv_step,
+            "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
             "NB": self.width,
             "MMAV": int(self.width > 1),
