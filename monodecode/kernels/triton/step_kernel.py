@@ -156,6 +156,53 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
+@gluon.jit
+def _tag(v, epoch):
+    """fp32 ``v`` as 64-bit words: ``epoch`` in the high half, ``v``'s bits in the low (one store
+    carries both, so a reader that sees this launch's epoch sees this launch's value)."""
+    return (epoch.to(gl.int64) << 32) | (v.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF)
+
+
+@gluon.jit
+def _untag(w):
+    """A tagged word's fp32 value."""
+    return w.to(gl.int32).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH: gl.constexpr, NORM: gl.constexpr):
+    """Width 1, ``tags``: one read of ``NCH`` chunks of tagged words at ``src`` into ``xbuf`` (times
+    the norm weight when ``NORM``). Returns their sum of squares and how many words carry another
+    launch's epoch (summed over the program)."""
+    ss = 0.0
+    miss = gl.zeros_like(cf)
+    for c in gl.static_range(NCH):
+        w = gl.load(src + c * BK + cf, volatile=True)
+        v = _untag(w)
+        miss += ((w >> 32) != epoch).to(gl.int32)
+        if NORM:
+            ss += gl.sum(v * v, axis=0)
+            v = v * gl.load(g_ptr + c * BK + cf).to(gl.float32)
+        xbuf.index(c).store(v.to(xbuf.dtype))
+    return ss, gl.sum(miss, axis=0)
+
+
+@gluon.jit
+def _tagged_input(xbuf, src, g_ptr, cf, epoch, spin, health_ptr, code, NCH: gl.constexpr, NORM: gl.constexpr,
+                  HIDDEN: gl.constexpr, EPS: gl.constexpr):  # fmt: skip
+    """Width 1, ``tags``: the stage's wait and its staging in one: read the input's tagged words into
+    ``xbuf`` again until every one carries this launch's ``epoch``, at most ``spin`` times more (an
+    expired wait sets ``code`` in the health word and the stage runs on what it read). Returns
+    (rstd of the input, 1 without ``NORM``; the polls left)."""
+    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH, NORM)
+    while (miss > 0) & (spin > 0):
+        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH, NORM)
+        spin -= 1
+    if miss > 0:
+        gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+    return gl.rsqrt(ss / HIDDEN + EPS), spin
+
+
 @gluon.constexpr_function
 def _stage_layout(NW):
     """Widths 2-8's staged [NW, NPAD, BK // NW] tiles: 4 columns a thread, a warp's column block in its lanes."""
@@ -437,10 +484,11 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
 
 @gluon.jit
 def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D: gl.constexpr,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+                  NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
-    attention output (rounded to bf16) and counts the head on ``done`` (release)."""
+    attention output (rounded to bf16; ``TAGGED``: as words tagged with ``epoch``) and counts the
+    head on ``done`` (release)."""
     gl.thread_barrier()
     old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
     if old == epoch * NSPLIT - 1:
@@ -457,7 +505,11 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D:
         os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
         att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
         go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-        gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
+        if TAGGED:
+            a64 = att_ptr.to(gl.pointer_type(gl.int64))
+            gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], _tag(_bf(att), epoch))
+        else:
+            gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
         gl.thread_barrier()
         gl.atomic_add(done, 1, sem="release", scope="gpu")
 
@@ -486,15 +538,28 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
 
 
 @gluon.jit
-def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
-               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr):  # fmt: skip
+def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile, epoch,
+               A_H1: gl.constexpr, A_GU: gl.constexpr, A_RES: gl.constexpr, LAYER_A: gl.constexpr, nlayers,
+               TAGGED: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
-    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual."""
+    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``TAGGED``
+    (``StepGeometry.tags``): h1, SiLU(g)·u and the residual (but the last layer's) as words tagged
+    with ``epoch``, the incoming residual and h1 read from theirs (this program staged both whole:
+    every word it reads here it has seen at this launch's epoch)."""
+    if TAGGED:
+        a64 = act.to(gl.pointer_type(gl.int64))
     if s == 0:
         gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
-        gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
+        if TAGGED:
+            if layer > 0:  # the previous layer's outgoing residual
+                h = _untag(gl.load(a64 - LAYER_A // 2 + A_RES // 2 + rows, volatile=True))
+            else:
+                h = gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)
+            gl.store(a64 + A_H1 // 2 + rows, _tag(_bf(_bf(y) + h), epoch))
+        else:
+            gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
     elif s == 2:
         hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         gbuf.store(_bf(y * rstd))
@@ -502,9 +567,17 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         gv = gbuf.slice(0, ROWS // 2).load(hl)
         uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
         hh = gl.arange(0, ROWS // 2, layout=hl)
-        gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
+        if TAGGED:
+            gl.store(a64 + A_GU // 2 + tile * (ROWS // 2) + hh, _tag(_bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv), epoch))
+        else:
+            gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
-        v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+        if TAGGED:
+            v = _bf(_bf(y) + _untag(gl.load(a64 + A_H1 // 2 + rows, volatile=True)))
+            if layer < nlayers - 1:  # the next layer's QKV stages it
+                gl.store(a64 + A_RES // 2 + rows, _tag(v, epoch))
+        else:
+            v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
         # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
         _residual_out(v, res_dst + rows, out_dst + rows, health_ptr, code, rows >= 0, live, layer, nlayers)
 
@@ -563,7 +636,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                A_RES: gl.constexpr, TAGGED: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -579,7 +652,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
-    ``StepGeometry.kv_step``). ``PROF``: each program stamps its stages into ``prof`` where K1's
+    ``StepGeometry.kv_step``). ``TAGGED`` (width 1, ``StepGeometry.tags``): the staged stages'
+    inputs are epoch-tagged words (the residual's at ``A_RES``), polled by the stages that stage
+    them instead of their producers' counters. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -686,11 +761,20 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
             if j == 0:  # a stage starts: wait for its input, stage it
                 _stamp(prof_ptr, layer, pid, gl.where(s >= 2, 1, 0), gl.where(s == 1, 1, ms), 0, NPROG, PROF)
                 if s == 0:
-                    if layer > 0:
-                        spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
-                                         _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
+                    if not TAGGED:
+                        if layer > 0:
+                            spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
+                                             _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
                     gl.thread_barrier()
-                    if MMAV:
+                    if TAGGED:
+                        if layer > 0:  # the previous layer's tagged outgoing residual
+                            rstd, spin = _tagged_input(xbuf, (act - LAYER_A).to(gl.pointer_type(gl.int64)) + A_RES // 2,
+                                                       gin_ptr + glayer * HIDDEN, cf, epoch, spin, health_ptr,
+                                                       _code(WAIT_TIMEOUT, 2, glayer - 1), HIDDEN // BK, True, HIDDEN,
+                                                       EPS)  # fmt: skip
+                        else:
+                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                    elif MMAV:
                         rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
                                            HIDDEN, EPS, NW)  # fmt: skip
                     else:
@@ -713,13 +797,19 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
+                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW,
+                                      TAGGED)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
-                    spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
-                                     _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
+                    if not TAGGED:
+                        spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
+                                         _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
-                    if MMAV:
+                    if TAGGED:
+                        _r, spin = _tagged_input(xbuf, (act + A_ATT).to(gl.pointer_type(gl.int64)), gin_ptr, cf, epoch,
+                                                 spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer), HIDDEN // BK,
+                                                 False, HIDDEN, EPS)  # fmt: skip
+                    elif MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
                         for c in gl.static_range(HIDDEN // BK):
@@ -727,21 +817,32 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                 gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16)
                             )
                 elif s == 2:
-                    spin = _wait_for(
-                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
-                    )
+                    if not TAGGED:
+                        spin = _wait_for(
+                            ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                        )
                     gl.thread_barrier()
-                    if MMAV:
+                    if TAGGED:
+                        rstd, spin = _tagged_input(xbuf, (act + A_H1).to(gl.pointer_type(gl.int64)),
+                                                   gpost_ptr + glayer * HIDDEN, cf, epoch, spin, health_ptr,
+                                                   _code(WAIT_TIMEOUT, 2, glayer), HIDDEN // BK, True, HIDDEN,
+                                                   EPS)  # fmt: skip
+                    elif MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:
-                    spin = _wait_for(
-                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
-                    )
+                    if not TAGGED:
+                        spin = _wait_for(
+                            ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                        )
                     gl.thread_barrier()
-                    if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
+                    if TAGGED:
+                        _r, spin = _tagged_input(xbuf, (act + A_GU).to(gl.pointer_type(gl.int64)), gin_ptr, cf, epoch,
+                                                 spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer), INTER // BK, False,
+                                                 HIDDEN, EPS)  # fmt: skip
+                    elif DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
                         for kk in gl.static_range(XPRE):
                             _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
                         async_copy.commit_group()
@@ -814,7 +915,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 if nan:
                     y = y + float("nan")
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
+                           tile * ROWS + ry, tile, epoch, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
                 gl.thread_barrier()
