@@ -297,6 +297,49 @@ def _rope(base, d, cos, sin, D: gl.constexpr):
 
 
 @gluon.jit
+def _rope_tagged(base, d, cos, sin, epoch, D: gl.constexpr):
+    """``_rope`` of tagged words (``base`` an int64 pointer); also 1 where either word read
+    carries another launch's epoch, else 0."""
+    partner = (d + D // 2) % D
+    sign = gl.where(d < D // 2, -1.0, 1.0)
+    wa = gl.load(base + d, volatile=True)
+    wb = gl.load(base + partner, volatile=True)
+    a = _bf(_untag(wa))
+    b = _bf(_untag(wb))
+    return _bf(a * cos + sign * b * sin), (((wa >> 32) != epoch) | ((wb >> 32) != epoch)).to(gl.int32)
+
+
+@gluon.jit
+def _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+                NW: gl.constexpr):  # fmt: skip
+    """``_attend``'s q rows after RoPE into ``qs`` (every warp its copy, rows past the group's G
+    heads zero, bf16), k and v, read from QKV's tagged words in a compact layout (in
+    ``_tile_layout``'s, where every warp holds q whole, the 64-bit words spill at head_dim 128).
+    Returns k and v after RoPE in ``d1``'s layout, and how many of the words read carry another
+    launch's epoch (q's rows past the group's heads not counted)."""
+    G: gl.constexpr = QH // KVH
+    ql: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [1, 16, D], no copies
+    dl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, ql))
+    a64 = act.to(gl.pointer_type(gl.int64))
+    dk = gl.arange(0, D, layout=dl)
+    c = cs.slice(0, D).load(dl)
+    sn = cs.slice(D, D).load(dl)
+    r = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ql))), 0), 2)
+    d = gl.expand_dims(gl.expand_dims(dk, 0), 1)
+    c3 = gl.expand_dims(gl.expand_dims(c, 0), 1)
+    s3 = gl.expand_dims(gl.expand_dims(sn, 0), 1)
+    q, qm = _rope_tagged(a64 + (kvh * G + r) * D, d, c3, s3, epoch, D)
+    kn, km = _rope_tagged(a64 + QH * D + kvh * D, dk, c, sn, epoch, D)
+    vw = gl.load(a64 + (QH + KVH) * D + kvh * D + dk, volatile=True)
+    q16 = gl.where(r < G, q, 0.0).to(gl.bfloat16)
+    for w in gl.static_range(NW):
+        qs.slice(w, 1, dim=0).store(q16)
+    miss = gl.sum(gl.sum(gl.sum(gl.where(r < G, qm, 0), axis=2), axis=1), axis=0)
+    miss += gl.sum(km + ((vw >> 32) != epoch).to(gl.int32), axis=0)
+    return gl.convert_layout(kn, d1.type.layout), gl.convert_layout(_bf(_untag(vw)), d1.type.layout), miss
+
+
+@gluon.jit
 def _cos_sin(cs, pos, inv_ptr, D: gl.constexpr, NW: gl.constexpr):
     """RoPE's cos and sin of ``pos * inv_freq`` for dims 0..D-1 (rotate-half layout), rounded to
     bf16 as the reference's caches are, into ``cs`` (fp32 [cos | sin]): once a launch, where every
@@ -381,9 +424,9 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
-            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
-            PW: gl.constexpr):  # fmt: skip
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, spin, health_ptr, code, epoch, QH: gl.constexpr, KVH: gl.constexpr,
+            D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr,
+            NW: gl.constexpr, PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -391,7 +434,10 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
-    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
+    ``TAGGED``: QKV's results are epoch-tagged words, read again until all the task's carry
+    ``epoch`` (its wait: at most ``spin`` times more; expired, ``code`` into the health word).
+    Returns the polls left."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -410,16 +456,26 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     s1 = cs.slice(D, D).load(d1.type.layout)
     c3 = gl.expand_dims(c1[None, :], 1)
     s3 = gl.expand_dims(s1[None, :], 1)
-    # q, k and v asked for together (one round trip), before q's trip through shared memory
-    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
-    kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
-    vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
     if PW == 16:
         qs = kvs.index(2 * (KVS - 1))
     else:  # the slot's first 16 positions' bytes
         qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
-    qs.store(qf.to(gl.bfloat16))
-    gl.thread_barrier()
+    # q, k and v asked for together (one round trip), before q's trip through shared memory
+    if TAGGED:
+        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH, KVH, D, NW)
+        while (miss > 0) & (spin > 0):
+            kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH, KVH, D, NW)
+            spin -= 1
+        if miss > 0:
+            gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+        gl.thread_barrier()
+        qf = qs.load(bl).to(gl.float32)  # bf16-rounded by RoPE: the same values
+    else:
+        qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
+        kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
+        vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
+        qs.store(qf.to(gl.bfloat16))
+        gl.thread_barrier()
     qa = qs.load(a_l)
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
@@ -480,6 +536,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt, mask=gs < G)
     gl.store(sslot + D + 1, lt, mask=gs < G)
+    return spin
 
 
 @gluon.jit
@@ -544,13 +601,16 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
     SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``TAGGED``
-    (``StepGeometry.tags``): h1, SiLU(g)·u and the residual (but the last layer's) as words tagged
-    with ``epoch``, the incoming residual and h1 read from theirs (this program staged both whole:
-    every word it reads here it has seen at this launch's epoch)."""
+    (``StepGeometry.tags``): q/k/v, h1, SiLU(g)·u and the residual (but the last layer's) as words
+    tagged with ``epoch``, the incoming residual and h1 read from theirs (this program staged both
+    whole: every word it reads here it has seen at this launch's epoch)."""
     if TAGGED:
         a64 = act.to(gl.pointer_type(gl.int64))
     if s == 0:
-        gl.store(act + rows, _bf(y * rstd))
+        if TAGGED:
+            gl.store(a64 + rows, _tag(_bf(y * rstd), epoch))
+        else:
+            gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
         if TAGGED:
             if layer > 0:  # the previous layer's outgoing residual
@@ -784,7 +844,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
                     bnext = gl.zeros([NW, PW], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
+                    if not TAGGED:  # (tagged: the task polls its q, k and v words themselves)
+                        spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr,
+                                         _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
@@ -794,8 +856,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
+                        spin = _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
+                                       k_sb, k_st, k_sh, v_sb, v_st, v_sh, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer),
+                                       epoch, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW, TAGGED)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW,
                                       TAGGED)  # fmt: skip
@@ -914,8 +977,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 y = gl.sum(acc, axis=1)
                 if nan:
                     y = y + float("nan")
+                # tagged: a stalled QKV (the drill) tags its results with the last launch's epoch
+                tag = epoch - ((fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)).to(gl.int64)
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, epoch, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
+                           tile * ROWS + ry, tile, tag, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
                 gl.thread_barrier()

@@ -49,10 +49,10 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # where the K/V ring of 2 such slots fits (head_dim 64), so a step's fixed cost is paid once per
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
-# ``tagged`` 1 (not yet timed): at width 1, each stage's input words carry the launch's epoch
-# (value and epoch in one 64-bit word), and the stage polls its input itself instead of a counter
-# and then the input: one round trip a hand-off instead of two, at the four hand-offs into a staged
-# input (the attention's QKV wait keeps its counter). Widths 2-8 are unchanged.
+# ``tagged`` 1 (not yet timed): at width 1, every stage's results carry the launch's epoch (value
+# and epoch in one 64-bit word), and the stage that reads them polls them itself instead of a
+# counter and then the input: one round trip a hand-off instead of two, at all five hand-offs.
+# Widths 2-8 are unchanged.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -196,18 +196,18 @@ class StepGeometry:
         """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u, and
         where down's input streams (``streams_down``) SiLU(g)·u again as bf16 ("g16": I bf16 in
         I / 2 words), which down's X chunks are copied from as they are. With ``tags`` (width 1),
-        att, h1 and SiLU(g)·u are 64-bit tagged words (two places each), and "res" the layer's
-        outgoing residual as such words, which the next layer's QKV stages."""
+        qkv, att, h1 and SiLU(g)·u are 64-bit tagged words (two places each), and "res" the
+        layer's outgoing residual as such words, which the next layer's QKV stages."""
         h, i = self.dims.hidden_size, self.dims.intermediate_size
         q = self.qkv_rows
-        if self.tags:  # the inputs of staged stages as 64-bit words (two fp32 places each), and the residual
+        if self.tags:  # every stage's result as 64-bit words (two fp32 places each), and the residual
             return {
                 "qkv": 0,
-                "att": q,
-                "h1": q + 2 * h,
-                "gu": q + 4 * h,
-                "res": q + 4 * h + 2 * i,
-                "end": q + 6 * h + 2 * i,
+                "att": 2 * q,
+                "h1": 2 * q + 2 * h,
+                "gu": 2 * q + 4 * h,
+                "res": 2 * q + 4 * h + 2 * i,
+                "end": 2 * q + 6 * h + 2 * i,
             }
         out = {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
         if self.streams_down:
@@ -216,12 +216,12 @@ class StepGeometry:
 
     @property
     def tags(self) -> bool:
-        """Width 1 with ``tagged``: a stage's input (the attention output, h1, SiLU(g)·u, the
-        outgoing residual) is written as 64-bit words, the fp32 value in the low half and the
-        launch's epoch in the high, and the stage that stages it reads the words again until every
-        one carries this launch's epoch, instead of polling the producers' counter first and then
-        reading the input (the counters still count: the attention's wait and a failed launch's
-        settling use them)."""
+        """Width 1 with ``tagged``: each stage's results (q/k/v, the attention output, h1,
+        SiLU(g)·u, the outgoing residual) are written as 64-bit words, the fp32 value in the low
+        half and the launch's epoch in the high, and the stage that reads them reads the words
+        again until every one carries this launch's epoch, instead of polling the producers'
+        counter first and then reading its input (the counters still count: a failed launch's
+        settling uses them)."""
         return bool(self.tagged) and self.width == 1
 
     # -- widths 2-8: down's input -------------------------------------------------------------

@@ -92,11 +92,12 @@ def test_bad_plans_are_refused_in_one_line():
     one_b = StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_step=2)
     one_b.check()  # two 64 KiB K/V slots beside a 3-slot weight ring
     assert (one_b.kv_slots, one_b.ring_slots, one_b.constexprs(16)["PW"]) == (2, 3, 32)
-    # tagged: width 1's staged inputs and residual as 64-bit words (even fp32 offsets), widths 2-8 as they were
+    # tagged: width 1's stage results and residual as 64-bit words (even fp32 offsets), widths 2-8 as they were
     one, eight = (StepGeometry(profile_dims("llama3-1b"), w, H200_SMS, tagged=1) for w in (1, 8))
     assert one.tags and not eight.tags
     assert eight.act_offsets == StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS).act_offsets
     a, h, i = one.act_offsets, 2048, 8192
+    assert a["att"] == 2 * one.qkv_rows
     assert [a[k] - a["att"] for k in ("h1", "gu", "res", "end")] == [2 * h, 4 * h, 4 * h + 2 * i, 6 * h + 2 * i]
     assert all(v % 2 == 0 for v in a.values()) and one.constexprs(16)["TAGGED"] == 1
     with pytest.raises(ConfigError, match="unknown knob") as e:
