@@ -310,13 +310,13 @@ def _rope_tagged(base, d, cos, sin, epoch, D: gl.constexpr):
 
 
 @gluon.jit
-def _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+def _qkv_tagged(qs, act, cs, kvh, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
                 NW: gl.constexpr):  # fmt: skip
     """``_attend``'s q rows after RoPE into ``qs`` (every warp its copy, rows past the group's G
     heads zero, bf16), k and v, read from QKV's tagged words in a compact layout (in
     ``_tile_layout``'s, where every warp holds q whole, the 64-bit words spill at head_dim 128).
-    Returns k and v after RoPE in ``d1``'s layout, and how many of the words read carry another
-    launch's epoch (q's rows past the group's heads not counted)."""
+    Returns k and v after RoPE in ``_attend``'s layout, and how many of the words read carry
+    another launch's epoch (q's rows past the group's heads not counted)."""
     G: gl.constexpr = QH // KVH
     ql: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [1, 16, D], no copies
     dl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, ql))
@@ -336,7 +336,35 @@ def _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH: gl.constexpr, KVH: gl.constexpr
         qs.slice(w, 1, dim=0).store(q16)
     miss = gl.sum(gl.sum(gl.sum(gl.where(r < G, qm, 0), axis=2), axis=1), axis=0)
     miss += gl.sum(km + ((vw >> 32) != epoch).to(gl.int32), axis=0)
-    return gl.convert_layout(kn, d1.type.layout), gl.convert_layout(_bf(_untag(vw)), d1.type.layout), miss
+    d1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW)))
+    return gl.convert_layout(kn, d1), gl.convert_layout(_bf(_untag(vw)), d1), miss
+
+
+@gluon.jit
+def _q_slot(kvs, KVS: gl.constexpr, PW: gl.constexpr):
+    """Where ``_attend``'s q passes into mma's operand layout: the K/V ring's last slot (its first
+    copy is issued in the task's first step), its first 16 positions' bytes."""
+    if PW == 16:
+        return kvs.index(2 * (KVS - 1))
+    else:
+        return kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
+
+
+@gluon.jit
+def _poll_qkv(kvs, act, cs, kvh, epoch, spin, health_ptr, code, QH: gl.constexpr, KVH: gl.constexpr,
+              D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
+    """Width 1, ``tags``: an attention task's wait and its input in one: QKV's tagged words for the
+    task's q (into the ring's last slot), k and v, read again until all carry this launch's
+    ``epoch``, at most ``spin`` times more (expired: ``code`` into the health word, the task runs on
+    what it read). Returns k, v (``_qkv_tagged``) and the polls left."""
+    qs = _q_slot(kvs, KVS, PW)
+    kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, epoch, QH, KVH, D, NW)
+    while (miss > 0) & (spin > 0):
+        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, epoch, QH, KVH, D, NW)
+        spin -= 1
+    if miss > 0:
+        gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+    return kn, vn, spin
 
 
 @gluon.jit
@@ -424,9 +452,9 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, spin, health_ptr, code, epoch, QH: gl.constexpr, KVH: gl.constexpr,
-            D: gl.constexpr, BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr,
-            NW: gl.constexpr, PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
+            PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -435,9 +463,8 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
-    ``TAGGED``: QKV's results are epoch-tagged words, read again until all the task's carry
-    ``epoch`` (its wait: at most ``spin`` times more; expired, ``code`` into the health word).
-    Returns the polls left."""
+    ``TAGGED``: the caller's wait (``_poll_qkv``) left q in the ring's last slot and gives k and v
+    (``kn_t``, ``vn_t``; unused otherwise)."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -456,18 +483,11 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     s1 = cs.slice(D, D).load(d1.type.layout)
     c3 = gl.expand_dims(c1[None, :], 1)
     s3 = gl.expand_dims(s1[None, :], 1)
-    if PW == 16:
-        qs = kvs.index(2 * (KVS - 1))
-    else:  # the slot's first 16 positions' bytes
-        qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
+    qs = _q_slot(kvs, KVS, PW)
     # q, k and v asked for together (one round trip), before q's trip through shared memory
     if TAGGED:
-        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH, KVH, D, NW)
-        while (miss > 0) & (spin > 0):
-            kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, d1, epoch, QH, KVH, D, NW)
-            spin -= 1
-        if miss > 0:
-            gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+        kn = kn_t
+        vn = vn_t
         gl.thread_barrier()
         qf = qs.load(bl).to(gl.float32)  # bf16-rounded by RoPE: the same values
     else:
@@ -536,7 +556,6 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt, mask=gs < G)
     gl.store(sslot + D + 1, lt, mask=gs < G)
-    return spin
 
 
 @gluon.jit
@@ -844,9 +863,18 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
                     bnext = gl.zeros([NW, PW], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    if not TAGGED:  # (tagged: the task polls its q, k and v words themselves)
-                        spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr,
-                                         _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
+                    if TAGGED:  # the task polls its q, k and v words themselves
+                        kn = gl.zeros([D], gl.float32, gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW))))
+                        vn = kn
+                        if has_task:
+                            kn, vn, spin = _poll_qkv(kvs, act + arow_c * LAYER_A, cs, kvh0, epoch, spin, health_ptr,
+                                                     _code(WAIT_TIMEOUT, 1, glayer), QH, KVH, D, KVS, NW, PW)  # fmt: skip
+                    else:
+                        kn = 0.0  # (``_attend`` reads its own)
+                        vn = 0.0
+                        spin = _wait_for(
+                            ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer)
+                        )
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
@@ -856,9 +884,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        spin = _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                       k_sb, k_st, k_sh, v_sb, v_st, v_sh, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer),
-                                       epoch, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW, TAGGED)  # fmt: skip
+                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
+                                TAGGED)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW,
                                       TAGGED)  # fmt: skip
