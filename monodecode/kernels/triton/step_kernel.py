@@ -452,7 +452,7 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
             PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
@@ -464,7 +464,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
     ``TAGGED``: the caller's wait (``_poll_qkv``) left q in the ring's last slot and gives k and v
-    (``kn_t``, ``vn_t``; unused otherwise)."""
+    (``kn_t``, ``vn_t``; unused otherwise); 2: the partials as words tagged with ``epoch``."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -550,44 +550,91 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
         + gl.convert_layout(e_new, gl.SliceLayout(1, ol))[:, None]
         * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
     )
-    pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
-    gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
     gs = gl.arange(0, 16, layout=gl.SliceLayout(0, r2))
-    sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
-    gl.store(sslot + D, mt, mask=gs < G)
-    gl.store(sslot + D + 1, lt, mask=gs < G)
+    if TAGGED == 2:
+        p64 = part_ptr.to(gl.pointer_type(gl.int64))
+        pslot = p64 + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
+        gl.store(pslot[:, None] + do[None, :], _tag(ot, epoch), mask=(ro < G)[:, None])
+        sslot = p64 + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
+        gl.store(sslot + D, _tag(mt, epoch), mask=gs < G)
+        gl.store(sslot + D + 1, _tag(lt, epoch), mask=gs < G)
+    else:
+        pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
+        gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
+        sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
+        gl.store(sslot + D, mt, mask=gs < G)
+        gl.store(sslot + D + 1, lt, mask=gs < G)
 
 
 @gluon.jit
-def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D: gl.constexpr,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
+def _partials_tagged(rows, epoch, D: gl.constexpr, lm: gl.constexpr):
+    """``_merge_splits``' [NSPLIT, G] partials (``rows``: their first words) read from tagged
+    words: their maxes, sums and [NSPLIT, G, D] outputs, and how many words carry another
+    launch's epoch."""
+    o2: gl.constexpr = gl.SliceLayout(0, lm)
+    d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+    mw = gl.load(rows + D, volatile=True)
+    lw = gl.load(rows + D + 1, volatile=True)
+    ow = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
+    # summed splits first (in each thread), then heads and columns: the least shared-memory scratch
+    miss = gl.sum(gl.sum(((mw >> 32) != epoch).to(gl.int32) + ((lw >> 32) != epoch).to(gl.int32), axis=0), axis=0)
+    miss += gl.sum(gl.sum(gl.sum(((ow >> 32) != epoch).to(gl.int32), axis=0), axis=0), axis=0)
+    return _untag(mw), _untag(lw), _untag(ow), miss
+
+
+@gluon.jit
+def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, sp, spin, health_ptr, code, G: gl.constexpr,
+                  D: gl.constexpr, NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
     attention output (rounded to bf16; ``TAGGED``: as words tagged with ``epoch``) and counts the
-    head on ``done`` (release)."""
-    gl.thread_barrier()
-    old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
-    if old == epoch * NSPLIT - 1:
-        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
-        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
-        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
-        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
-        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
-        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
-        ms = gl.load(rows + D, cache_modifier=".cg")
-        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
-        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
-        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-        if TAGGED:
+    head on ``done`` (release). ``TAGGED`` 2: the partials are tagged words, and the head's last
+    split (``sp``; it attends to the new position, and a short context leaves its span empty)
+    merges them once it has read all at this launch's ``epoch`` (at most ``spin`` polls more;
+    expired, ``code`` into the health word), with no counter. Returns the polls left."""
+    lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
+    w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
+    o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
+    if TAGGED == 2:
+        if sp == NSPLIT - 1:
+            ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+            gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+            rows = part_ptr.to(gl.pointer_type(gl.int64)) + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
+            ms, ls, os, miss = _partials_tagged(rows, epoch, D, lm)
+            while (miss > 0) & (spin > 0):
+                ms, ls, os, miss = _partials_tagged(rows, epoch, D, lm)
+                spin -= 1
+            if miss > 0:
+                gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+            w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+            total = gl.sum(w * ls, axis=0)
+            att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+            go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+            d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
             a64 = att_ptr.to(gl.pointer_type(gl.int64))
             gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], _tag(_bf(att), epoch))
-        else:
-            gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
+    else:
         gl.thread_barrier()
-        gl.atomic_add(done, 1, sem="release", scope="gpu")
+        old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
+        if old == epoch * NSPLIT - 1:
+            ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+            gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+            rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
+            ms = gl.load(rows + D, cache_modifier=".cg")
+            w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+            total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+            d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+            os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+            att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+            go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+            if TAGGED:
+                a64 = att_ptr.to(gl.pointer_type(gl.int64))
+                gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], _tag(_bf(att), epoch))
+            else:
+                gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
+            gl.thread_barrier()
+            gl.atomic_add(done, 1, sem="release", scope="gpu")
+    return spin
 
 
 @gluon.jit
@@ -885,11 +932,12 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
-                                TAGGED)  # fmt: skip
-                        _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW,
-                                      TAGGED)  # fmt: skip
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, epoch, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
+                                NW, PW, TAGGED)  # fmt: skip
+                        spin = _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
+                                             ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, task % NSPLIT, spin,
+                                             health_ptr, _code(WAIT_TIMEOUT, 1, glayer), G, D, NSPLIT, NW,
+                                             TAGGED)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     if not TAGGED:

@@ -52,13 +52,15 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # ``tagged`` 1 (not yet timed): at width 1, every stage's results carry the launch's epoch (value
 # and epoch in one 64-bit word), and the stage that reads them polls them itself instead of a
 # counter and then the input: one round trip a hand-off instead of two, at all five hand-offs.
+# ``tagged`` 2 also tags the attention's split partials, and the head's last split merges them once
+# it has read all (no counter: the last-arriving split's atomic, one round trip, leaves the chain).
 # Widths 2-8 are unchanged.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
     "wide_tma": (None, 0, 1),
     "kv_step": (1, 1, 2),
-    "tagged": (0, 0, 1),
+    "tagged": (0, 0, 2),
 }
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -144,7 +146,7 @@ class StepGeometry:
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int = 1  # 16-position groups a warp's attention step reads
-    tagged: int = 0  # width 1: stages poll their inputs' epoch-tagged words (``tags``)
+    tagged: int = 0  # width 1: stages poll their inputs' epoch-tagged words (``tags``); 2: the merge too
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -299,6 +301,14 @@ class StepGeometry:
         return s
 
     @property
+    def partial_places(self) -> int:
+        """fp32 places of the attention's split partials, [width, KV heads, splits, G, D + 2]
+        (each split's output rows, their max and sum): twice that as ``tagged`` 2's 64-bit words."""
+        d = self.dims
+        n = self.width * d.num_heads * self.splits * (d.head_dim + 2)
+        return 2 * n if self.tags and self.tagged == 2 else n
+
+    @property
     def _kv_bytes(self) -> int:
         """The attention's K/V ring, which lives in the staged input from QKV's end to o_proj's staging."""
         return 2 * self.kv_slots * self.kv_tile * self.dims.head_dim * 2
@@ -378,7 +388,7 @@ class StepGeometry:
             "A_GU": a["gu"],
             "A_G16": a.get("g16", 0),
             "A_RES": a.get("res", 0),
-            "TAGGED": int(self.tags),
+            "TAGGED": self.tagged if self.tags else 0,
             "XMAX": self.x_chunks,
             "XS": self.x_slots,
             "DSTREAM": int(self.streams_down),
