@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from monodecode.kernels.triton import timeline
+from monodecode.kernels.triton import mailbox, timeline
 
 ROWS = gl.constexpr(16)  # a weight chunk's rows
 BK = gl.constexpr(1024)  # a weight chunk's columns
@@ -157,29 +157,16 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
 
 
 @gluon.jit
-def _tag(v, epoch):
-    """fp32 ``v`` as 64-bit words: ``epoch`` in the high half, ``v``'s bits in the low (one store
-    carries both, so a reader that sees this launch's epoch sees this launch's value)."""
-    return (epoch.to(gl.int64) << 32) | (v.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF)
-
-
-@gluon.jit
-def _untag(w):
-    """A tagged word's fp32 value."""
-    return w.to(gl.int32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH: gl.constexpr, NORM: gl.constexpr):
+def _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH: gl.constexpr, NORM: gl.constexpr):
     """Width 1, ``tags``: one read of ``NCH`` chunks of tagged words at ``src`` into ``xbuf`` (times
     the norm weight when ``NORM``). Returns their sum of squares and how many words carry another
-    launch's epoch (summed over the program)."""
+    launch's tag (summed over the program)."""
     ss = 0.0
     miss = gl.zeros_like(cf)
     for c in gl.static_range(NCH):
         w = gl.load(src + c * BK + cf, volatile=True)
-        v = _untag(w)
-        miss += ((w >> 32) != epoch).to(gl.int32)
+        v = mailbox.unpack(w)
+        miss += ((w >> 32) != tag).to(gl.int32)
         if NORM:
             ss += gl.sum(v * v, axis=0)
             v = v * gl.load(g_ptr + c * BK + cf).to(gl.float32)
@@ -188,15 +175,15 @@ def _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH: gl.constexpr, NORM: gl.conste
 
 
 @gluon.jit
-def _tagged_input(xbuf, src, g_ptr, cf, epoch, spin, health_ptr, code, NCH: gl.constexpr, NORM: gl.constexpr,
+def _tagged_input(xbuf, src, g_ptr, cf, tag, spin, health_ptr, code, NCH: gl.constexpr, NORM: gl.constexpr,
                   HIDDEN: gl.constexpr, EPS: gl.constexpr):  # fmt: skip
     """Width 1, ``tags``: the stage's wait and its staging in one: read the input's tagged words into
-    ``xbuf`` again until every one carries this launch's ``epoch``, at most ``spin`` times more (an
+    ``xbuf`` again until every one carries this launch's ``tag``, at most ``spin`` times more (an
     expired wait sets ``code`` in the health word and the stage runs on what it read). Returns
     (rstd of the input, 1 without ``NORM``; the polls left)."""
-    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH, NORM)
+    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH, NORM)
     while (miss > 0) & (spin > 0):
-        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, epoch, NCH, NORM)
+        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH, NORM)
         spin -= 1
     if miss > 0:
         gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
@@ -297,26 +284,26 @@ def _rope(base, d, cos, sin, D: gl.constexpr):
 
 
 @gluon.jit
-def _rope_tagged(base, d, cos, sin, epoch, D: gl.constexpr):
+def _rope_tagged(base, d, cos, sin, tag, D: gl.constexpr):
     """``_rope`` of tagged words (``base`` an int64 pointer); also 1 where either word read
-    carries another launch's epoch, else 0."""
+    carries another launch's tag, else 0."""
     partner = (d + D // 2) % D
     sign = gl.where(d < D // 2, -1.0, 1.0)
     wa = gl.load(base + d, volatile=True)
     wb = gl.load(base + partner, volatile=True)
-    a = _bf(_untag(wa))
-    b = _bf(_untag(wb))
-    return _bf(a * cos + sign * b * sin), (((wa >> 32) != epoch) | ((wb >> 32) != epoch)).to(gl.int32)
+    a = _bf(mailbox.unpack(wa))
+    b = _bf(mailbox.unpack(wb))
+    return _bf(a * cos + sign * b * sin), (((wa >> 32) != tag) | ((wb >> 32) != tag)).to(gl.int32)
 
 
 @gluon.jit
-def _qkv_tagged(qs, act, cs, kvh, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+def _qkv_tagged(qs, act, cs, kvh, tag, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
                 NW: gl.constexpr):  # fmt: skip
     """``_attend``'s q rows after RoPE into ``qs`` (every warp its copy, rows past the group's G
     heads zero, bf16), k and v, read from QKV's tagged words in a compact layout (in
     ``_tile_layout``'s, where every warp holds q whole, the 64-bit words spill at head_dim 128).
     Returns k and v after RoPE in ``_attend``'s layout, and how many of the words read carry
-    another launch's epoch (q's rows past the group's heads not counted)."""
+    another launch's tag (q's rows past the group's heads not counted)."""
     G: gl.constexpr = QH // KVH
     ql: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [1, 16, D], no copies
     dl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, ql))
@@ -328,16 +315,16 @@ def _qkv_tagged(qs, act, cs, kvh, epoch, QH: gl.constexpr, KVH: gl.constexpr, D:
     d = gl.expand_dims(gl.expand_dims(dk, 0), 1)
     c3 = gl.expand_dims(gl.expand_dims(c, 0), 1)
     s3 = gl.expand_dims(gl.expand_dims(sn, 0), 1)
-    q, qm = _rope_tagged(a64 + (kvh * G + r) * D, d, c3, s3, epoch, D)
-    kn, km = _rope_tagged(a64 + QH * D + kvh * D, dk, c, sn, epoch, D)
+    q, qm = _rope_tagged(a64 + (kvh * G + r) * D, d, c3, s3, tag, D)
+    kn, km = _rope_tagged(a64 + QH * D + kvh * D, dk, c, sn, tag, D)
     vw = gl.load(a64 + (QH + KVH) * D + kvh * D + dk, volatile=True)
     q16 = gl.where(r < G, q, 0.0).to(gl.bfloat16)
     for w in gl.static_range(NW):
         qs.slice(w, 1, dim=0).store(q16)
     miss = gl.sum(gl.sum(gl.sum(gl.where(r < G, qm, 0), axis=2), axis=1), axis=0)
-    miss += gl.sum(km + ((vw >> 32) != epoch).to(gl.int32), axis=0)
+    miss += gl.sum(km + ((vw >> 32) != tag).to(gl.int32), axis=0)
     d1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW)))
-    return gl.convert_layout(kn, d1), gl.convert_layout(_bf(_untag(vw)), d1), miss
+    return gl.convert_layout(kn, d1), gl.convert_layout(_bf(mailbox.unpack(vw)), d1), miss
 
 
 @gluon.jit
@@ -351,16 +338,16 @@ def _q_slot(kvs, KVS: gl.constexpr, PW: gl.constexpr):
 
 
 @gluon.jit
-def _poll_qkv(kvs, act, cs, kvh, epoch, spin, health_ptr, code, QH: gl.constexpr, KVH: gl.constexpr,
+def _poll_qkv(kvs, act, cs, kvh, tag, spin, health_ptr, code, QH: gl.constexpr, KVH: gl.constexpr,
               D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
     """Width 1, ``tags``: an attention task's wait and its input in one: QKV's tagged words for the
     task's q (into the ring's last slot), k and v, read again until all carry this launch's
-    ``epoch``, at most ``spin`` times more (expired: ``code`` into the health word, the task runs on
+    ``tag``, at most ``spin`` times more (expired: ``code`` into the health word, the task runs on
     what it read). Returns k, v (``_qkv_tagged``) and the polls left."""
     qs = _q_slot(kvs, KVS, PW)
-    kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, epoch, QH, KVH, D, NW)
+    kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, tag, QH, KVH, D, NW)
     while (miss > 0) & (spin > 0):
-        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, epoch, QH, KVH, D, NW)
+        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, tag, QH, KVH, D, NW)
         spin -= 1
     if miss > 0:
         gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
@@ -452,7 +439,7 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, epoch, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, tag, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
             PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
@@ -464,7 +451,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
     ``TAGGED``: the caller's wait (``_poll_qkv``) left q in the ring's last slot and gives k and v
-    (``kn_t``, ``vn_t``; unused otherwise); 2: the partials as words tagged with ``epoch``."""
+    (``kn_t``, ``vn_t``; unused otherwise); 2: the partials as words tagged with ``tag``."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -554,10 +541,10 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     if TAGGED == 2:
         p64 = part_ptr.to(gl.pointer_type(gl.int64))
         pslot = p64 + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
-        gl.store(pslot[:, None] + do[None, :], _tag(ot, epoch), mask=(ro < G)[:, None])
+        gl.store(pslot[:, None] + do[None, :], mailbox.pack(ot, tag), mask=(ro < G)[:, None])
         sslot = p64 + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
-        gl.store(sslot + D, _tag(mt, epoch), mask=gs < G)
-        gl.store(sslot + D + 1, _tag(lt, epoch), mask=gs < G)
+        gl.store(sslot + D, mailbox.pack(mt, tag), mask=gs < G)
+        gl.store(sslot + D + 1, mailbox.pack(lt, tag), mask=gs < G)
     else:
         pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
         gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
@@ -567,30 +554,30 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
 
 
 @gluon.jit
-def _partials_tagged(rows, epoch, D: gl.constexpr, lm: gl.constexpr):
+def _partials_tagged(rows, tag, D: gl.constexpr, lm: gl.constexpr):
     """``_merge_splits``' [NSPLIT, G] partials (``rows``: their first words) read from tagged
     words: their maxes, sums and [NSPLIT, G, D] outputs, and how many words carry another
-    launch's epoch."""
+    launch's tag."""
     o2: gl.constexpr = gl.SliceLayout(0, lm)
     d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
     mw = gl.load(rows + D, volatile=True)
     lw = gl.load(rows + D + 1, volatile=True)
     ow = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
     # summed splits first (in each thread), then heads and columns: the least shared-memory scratch
-    miss = gl.sum(gl.sum(((mw >> 32) != epoch).to(gl.int32) + ((lw >> 32) != epoch).to(gl.int32), axis=0), axis=0)
-    miss += gl.sum(gl.sum(gl.sum(((ow >> 32) != epoch).to(gl.int32), axis=0), axis=0), axis=0)
-    return _untag(mw), _untag(lw), _untag(ow), miss
+    miss = gl.sum(gl.sum(((mw >> 32) != tag).to(gl.int32) + ((lw >> 32) != tag).to(gl.int32), axis=0), axis=0)
+    miss += gl.sum(gl.sum(gl.sum(((ow >> 32) != tag).to(gl.int32), axis=0), axis=0), axis=0)
+    return mailbox.unpack(mw), mailbox.unpack(lw), mailbox.unpack(ow), miss
 
 
 @gluon.jit
-def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, sp, spin, health_ptr, code, G: gl.constexpr,
+def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, sp, spin, health_ptr, code, G: gl.constexpr,
                   D: gl.constexpr, NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
-    attention output (rounded to bf16; ``TAGGED``: as words tagged with ``epoch``) and counts the
+    attention output (rounded to bf16; ``TAGGED``: as words tagged with ``tag``) and counts the
     head on ``done`` (release). ``TAGGED`` 2: the partials are tagged words, and the head's last
     split (``sp``; it attends to the new position, and a short context leaves its span empty)
-    merges them once it has read all at this launch's ``epoch`` (at most ``spin`` polls more;
+    merges them once it has read all at this launch's ``tag`` (at most ``spin`` polls more;
     expired, ``code`` into the health word), with no counter. Returns the polls left."""
     lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
     w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
@@ -600,9 +587,9 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, sp, spin, health_pt
             ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
             gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
             rows = part_ptr.to(gl.pointer_type(gl.int64)) + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
-            ms, ls, os, miss = _partials_tagged(rows, epoch, D, lm)
+            ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
             while (miss > 0) & (spin > 0):
-                ms, ls, os, miss = _partials_tagged(rows, epoch, D, lm)
+                ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
                 spin -= 1
             if miss > 0:
                 gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
@@ -612,7 +599,7 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, sp, spin, health_pt
             go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
             d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
             a64 = att_ptr.to(gl.pointer_type(gl.int64))
-            gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], _tag(_bf(att), epoch))
+            gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
     else:
         gl.thread_barrier()
         old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
@@ -629,7 +616,7 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, sp, spin, health_pt
             go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
             if TAGGED:
                 a64 = att_ptr.to(gl.pointer_type(gl.int64))
-                gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], _tag(_bf(att), epoch))
+                gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
             else:
                 gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
             gl.thread_barrier()
@@ -661,29 +648,29 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
 
 
 @gluon.jit
-def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile, epoch,
+def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile, tag,
                A_H1: gl.constexpr, A_GU: gl.constexpr, A_RES: gl.constexpr, LAYER_A: gl.constexpr, nlayers,
                TAGGED: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
     SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``TAGGED``
     (``StepGeometry.tags``): q/k/v, h1, SiLU(g)·u and the residual (but the last layer's) as words
-    tagged with ``epoch``, the incoming residual and h1 read from theirs (this program staged both
-    whole: every word it reads here it has seen at this launch's epoch)."""
+    tagged with ``tag``, the incoming residual and h1 read from theirs (this program staged both
+    whole: every word it reads here it has seen at this launch's tag)."""
     if TAGGED:
         a64 = act.to(gl.pointer_type(gl.int64))
     if s == 0:
         if TAGGED:
-            gl.store(a64 + rows, _tag(_bf(y * rstd), epoch))
+            gl.store(a64 + rows, mailbox.pack(_bf(y * rstd), tag))
         else:
             gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
         if TAGGED:
             if layer > 0:  # the previous layer's outgoing residual
-                h = _untag(gl.load(a64 - LAYER_A // 2 + A_RES // 2 + rows, volatile=True))
+                h = mailbox.unpack(gl.load(a64 - LAYER_A // 2 + A_RES // 2 + rows, volatile=True))
             else:
                 h = gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)
-            gl.store(a64 + A_H1 // 2 + rows, _tag(_bf(_bf(y) + h), epoch))
+            gl.store(a64 + A_H1 // 2 + rows, mailbox.pack(_bf(_bf(y) + h), tag))
         else:
             gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
     elif s == 2:
@@ -694,14 +681,16 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
         hh = gl.arange(0, ROWS // 2, layout=hl)
         if TAGGED:
-            gl.store(a64 + A_GU // 2 + tile * (ROWS // 2) + hh, _tag(_bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv), epoch))
+            gl.store(
+                a64 + A_GU // 2 + tile * (ROWS // 2) + hh, mailbox.pack(_bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv), tag)
+            )
         else:
             gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
         if TAGGED:
-            v = _bf(_bf(y) + _untag(gl.load(a64 + A_H1 // 2 + rows, volatile=True)))
+            v = _bf(_bf(y) + mailbox.unpack(gl.load(a64 + A_H1 // 2 + rows, volatile=True)))
             if layer < nlayers - 1:  # the next layer's QKV stages it
-                gl.store(a64 + A_RES // 2 + rows, _tag(v, epoch))
+                gl.store(a64 + A_RES // 2 + rows, mailbox.pack(v, tag))
         else:
             v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
         # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
@@ -794,6 +783,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
     epoch = target // NPROG
+    tag = epoch & 0x7FFFFFFF  # the tagged words' (``mailbox.launch_epoch``'s 31 bits)
     C0: gl.constexpr = T0 * (HIDDEN // BK)
     C1: gl.constexpr = TO * (HIDDEN // BK)
     C2: gl.constexpr = T1 * (HIDDEN // BK)
@@ -895,7 +885,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     if TAGGED:
                         if layer > 0:  # the previous layer's tagged outgoing residual
                             rstd, spin = _tagged_input(xbuf, (act - LAYER_A).to(gl.pointer_type(gl.int64)) + A_RES // 2,
-                                                       gin_ptr + glayer * HIDDEN, cf, epoch, spin, health_ptr,
+                                                       gin_ptr + glayer * HIDDEN, cf, tag, spin, health_ptr,
                                                        _code(WAIT_TIMEOUT, 2, glayer - 1), HIDDEN // BK, True, HIDDEN,
                                                        EPS)  # fmt: skip
                         else:
@@ -914,7 +904,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         kn = gl.zeros([D], gl.float32, gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW))))
                         vn = kn
                         if has_task:
-                            kn, vn, spin = _poll_qkv(kvs, act + arow_c * LAYER_A, cs, kvh0, epoch, spin, health_ptr,
+                            kn, vn, spin = _poll_qkv(kvs, act + arow_c * LAYER_A, cs, kvh0, tag, spin, health_ptr,
                                                      _code(WAIT_TIMEOUT, 1, glayer), QH, KVH, D, KVS, NW, PW)  # fmt: skip
                     else:
                         kn = 0.0  # (``_attend`` reads its own)
@@ -932,10 +922,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, epoch, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, tag, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
                                 NW, PW, TAGGED)  # fmt: skip
                         spin = _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                             ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, task % NSPLIT, spin,
+                                             ctr_ptr + layer * NCTR + 1, epoch, tag, task // NSPLIT, task % NSPLIT,
+                                             spin,
                                              health_ptr, _code(WAIT_TIMEOUT, 1, glayer), G, D, NSPLIT, NW,
                                              TAGGED)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
@@ -945,7 +936,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                          _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
                     if TAGGED:
-                        _r, spin = _tagged_input(xbuf, (act + A_ATT).to(gl.pointer_type(gl.int64)), gin_ptr, cf, epoch,
+                        _r, spin = _tagged_input(xbuf, (act + A_ATT).to(gl.pointer_type(gl.int64)), gin_ptr, cf, tag,
                                                  spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer), HIDDEN // BK,
                                                  False, HIDDEN, EPS)  # fmt: skip
                     elif MMAV:
@@ -963,7 +954,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     gl.thread_barrier()
                     if TAGGED:
                         rstd, spin = _tagged_input(xbuf, (act + A_H1).to(gl.pointer_type(gl.int64)),
-                                                   gpost_ptr + glayer * HIDDEN, cf, epoch, spin, health_ptr,
+                                                   gpost_ptr + glayer * HIDDEN, cf, tag, spin, health_ptr,
                                                    _code(WAIT_TIMEOUT, 2, glayer), HIDDEN // BK, True, HIDDEN,
                                                    EPS)  # fmt: skip
                     elif MMAV:
@@ -978,7 +969,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         )
                     gl.thread_barrier()
                     if TAGGED:
-                        _r, spin = _tagged_input(xbuf, (act + A_GU).to(gl.pointer_type(gl.int64)), gin_ptr, cf, epoch,
+                        _r, spin = _tagged_input(xbuf, (act + A_GU).to(gl.pointer_type(gl.int64)), gin_ptr, cf, tag,
                                                  spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer), INTER // BK, False,
                                                  HIDDEN, EPS)  # fmt: skip
                     elif DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
@@ -1053,10 +1044,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 y = gl.sum(acc, axis=1)
                 if nan:
                     y = y + float("nan")
-                # tagged: a stalled QKV (the drill) tags its results with the last launch's epoch
-                tag = epoch - ((fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)).to(gl.int64)
+                # tagged: a stalled QKV (the drill) tags its results with the last launch's tag
+                wtag = (epoch - ((fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)).to(gl.int64)) & 0x7FFFFFFF
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, tag, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
+                           tile * ROWS + ry, tile, wtag, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
                 gl.thread_barrier()

@@ -49,8 +49,8 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # where the K/V ring of 2 such slots fits (head_dim 64), so a step's fixed cost is paid once per
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
-# ``tagged`` 1 (not yet timed): at width 1, every stage's results carry the launch's epoch (value
-# and epoch in one 64-bit word), and the stage that reads them polls them itself instead of a
+# ``tagged`` 1 (not yet timed): at width 1, every stage's results carry the launch's tag (value and
+# tag in one 64-bit word, ``mailbox.pack``), and the stage that reads them polls them itself instead of a
 # counter and then the input: one round trip a hand-off instead of two, at all five hand-offs.
 # ``tagged`` 2 also tags the attention's split partials, and the head's last split merges them once
 # it has read all (no counter: the last-arriving split's atomic, one round trip, leaves the chain).
@@ -146,7 +146,7 @@ class StepGeometry:
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int = 1  # 16-position groups a warp's attention step reads
-    tagged: int = 0  # width 1: stages poll their inputs' epoch-tagged words (``tags``); 2: the merge too
+    tagged: int = 0  # width 1: stages poll their inputs' tagged words (``tags``); 2: the merge too
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -220,8 +220,8 @@ class StepGeometry:
     def tags(self) -> bool:
         """Width 1 with ``tagged``: each stage's results (q/k/v, the attention output, h1,
         SiLU(g)·u, the outgoing residual) are written as 64-bit words, the fp32 value in the low
-        half and the launch's epoch in the high, and the stage that reads them reads the words
-        again until every one carries this launch's epoch, instead of polling the producers'
+        half and the launch's tag in the high (``mailbox.pack``), and the stage that reads them
+        reads the words again until every one carries this launch's tag, instead of polling the producers'
         counter first and then reading its input (the counters still count: a failed launch's
         settling uses them)."""
         return bool(self.tagged) and self.width == 1
