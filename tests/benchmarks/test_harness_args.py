@@ -382,12 +382,17 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     assert fits == (1,) and sorted(why) == list(range(2, 9))
     assert all("bytes of shared memory at width" in r for r in why.values()), why
     assert harness.step_variant_widths(one_b, widths, 132, {"ring": 2}) == (widths, {})
-    assert harness.step_variant_widths(one_b, widths, 132, {}) == (widths, {})
     # streamed, down's input needs a few X slots, not all of it: a fourth slot fits every width
-    assert harness.step_variant_widths(one_b, widths, 132, {"ring": 4}) == (widths, {})
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {"ring": 4})
+    assert fits == (1,) and all("default plan's kernel" in why[w] for w in range(2, 9)), why  # 4: the default above 1
     fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
-    assert fits == () and "shared memory at width 1" in why[1]
+    assert fits == () and "does not fit width 1" in why[1] and "shared memory at width 1" in why[1]
     assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 2}) == ((1,), {})
+    # a knob of width 1 (tagged) and the default plan itself: the default's kernel, not timed twice
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {"tagged": 1})
+    assert fits == (1,) and sorted(why) == list(range(2, 9))
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {})
+    assert fits == () and "width 1 (nothing in it applies there)" in why[1]
 
 
 def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_run(monkeypatch):

@@ -309,15 +309,20 @@ def _build_step(req, weights, log) -> tuple[Any, dict[int, tuple[str, bool]]]:
 
 
 def step_variant_widths(dims, widths, programs: int, plan: dict) -> tuple[tuple[int, ...], dict[int, str]]:
-    """(the ``widths`` at which the step launch's geometry with ``plan`` fits on ``programs`` SMs,
-    width -> why not for the others): ``StepGeometry.check`` (e.g. a longer weight ring does not
-    fit shared memory above 1 row)."""
+    """(the ``widths`` at which the step launch's geometry with ``plan`` fits on ``programs`` SMs
+    and differs from the default plan's, width -> why not for the others): ``StepGeometry.check``
+    (e.g. a longer weight ring does not fit shared memory above 1 row), or the same compile-time
+    constants as the default's (a knob of width 1 above 1 row: the default's kernel, timed already)."""
     fits, why = [], {}
     for w in widths:
+        g = StepGeometry(dims, w, programs, **checked_plan(plan))
         try:
-            StepGeometry(dims, w, programs, **checked_plan(plan)).check()
+            g.check()
         except ValueError as e:
-            why[w] = str(e)
+            why[w] = f"does not fit width {w}: {e}"
+            continue
+        if g.constexprs(BLOCK) == StepGeometry(dims, w, programs).constexprs(BLOCK):
+            why[w] = f"builds the default plan's kernel at width {w} (nothing in it applies there)"
         else:
             fits.append(w)
     return tuple(fits), why
@@ -349,7 +354,7 @@ def _build_step_variant(req, weights, base, backend: str, plan: dict, log) -> tu
     widths, misfits = got
     for w, reason in misfits.items():
         log(f"  {backend} not timed at width {w}: {reason}")
-    out = {w: (f"skipped: the step plan {plan} does not fit width {w}: {r}", True) for w, r in misfits.items()}
+    out = {w: (f"skipped: the step plan {plan} {r}", True) for w, r in misfits.items()}
     if not widths:
         return None, out
     tk, why = _measure(f"{backend} build", lambda: _step_variant_kernels(req, widths, weights, plan, base), log)
