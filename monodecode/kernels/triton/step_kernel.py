@@ -157,13 +157,14 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
 
 
 @gluon.jit
-def _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH: gl.constexpr, NORM: gl.constexpr):
-    """Width 1, ``tags``: one read of ``NCH`` chunks of tagged words at ``src`` into ``xbuf`` (times
-    the norm weight when ``NORM``). Returns their sum of squares and how many words carry another
-    launch's tag (summed over the program)."""
+def _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM: gl.constexpr, NCH: gl.constexpr):
+    """Width 1, ``tags``: one read of the ``NCH`` chunks ``c0 ..`` of tagged words at ``src`` into
+    ``xbuf`` (times the norm weight at ``g_ptr`` when ``NORM``). Returns their sum of squares (0
+    without ``NORM``) and how many words carry another launch's tag (summed over the program)."""
     ss = 0.0
     miss = gl.zeros_like(cf)
-    for c in gl.static_range(NCH):
+    for cc in gl.static_range(NCH):
+        c = c0 + cc
         w = gl.load(src + c * BK + cf, volatile=True)
         v = mailbox.unpack(w)
         miss += ((w >> 32) != tag).to(gl.int32)
@@ -175,19 +176,32 @@ def _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH: gl.constexpr, NORM: gl.constexp
 
 
 @gluon.jit
-def _tagged_input(xbuf, src, g_ptr, cf, tag, spin, health_ptr, code, NCH: gl.constexpr, NORM: gl.constexpr,
-                  HIDDEN: gl.constexpr, EPS: gl.constexpr):  # fmt: skip
-    """Width 1, ``tags``: the stage's wait and its staging in one: read the input's tagged words into
-    ``xbuf`` again until every one carries this launch's ``tag``, at most ``spin`` times more (an
-    expired wait sets ``code`` in the health word and the stage runs on what it read). Returns
-    (rstd of the input, 1 without ``NORM``; the polls left)."""
-    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH, NORM)
+def _tagged_input(xbuf, src, g_ptr, cf, tag, c0, spin, health_ptr, code, NORM: gl.constexpr, NCH: gl.constexpr):
+    """Width 1, ``tags``: a stage's wait and its staging in one: read chunks ``c0 .. c0 + NCH - 1``
+    of its input's tagged words into ``xbuf`` again until every one carries this launch's ``tag``,
+    at most ``spin`` times more (an expired wait sets ``code`` in the health word and the stage
+    runs on what it read). Returns (their sum of squares, the polls left)."""
+    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM, NCH)
     while (miss > 0) & (spin > 0):
-        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, NCH, NORM)
+        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM, NCH)
         spin -= 1
     if miss > 0:
         gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
-    return gl.rsqrt(ss / HIDDEN + EPS), spin
+    return ss, spin
+
+
+@gluon.jit
+def _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT: gl.constexpr, A_H1: gl.constexpr,
+                   A_GU: gl.constexpr, A_RES: gl.constexpr, LAYER_A: gl.constexpr, HIDDEN: gl.constexpr):  # fmt: skip
+    """Width 1, ``tags``: stage ``s``'s input words (the previous layer's outgoing residual, the
+    attention output, h1, SiLU(g)·u), its norm weight (QKV's and gate/up's), and its wait's
+    health code (the producing stage's)."""
+    a64 = act.to(gl.pointer_type(gl.int64))
+    src = gl.where(s == 0, a64 - LAYER_A // 2 + A_RES // 2,
+                   gl.where(s == 1, a64 + A_ATT // 2, gl.where(s == 2, a64 + A_H1 // 2, a64 + A_GU // 2)))  # fmt: skip
+    g = gl.where(s == 0, gin_ptr, gpost_ptr) + glayer * HIDDEN
+    code = gl.where(s == 0, _code(WAIT_TIMEOUT, 2, glayer - 1), _code(WAIT_TIMEOUT, gl.where(s == 1, 1, 2), glayer))
+    return src, g, code
 
 
 @gluon.constexpr_function
@@ -451,7 +465,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
     ``TAGGED``: the caller's wait (``_poll_qkv``) left q in the ring's last slot and gives k and v
-    (``kn_t``, ``vn_t``; unused otherwise); 2: the partials as words tagged with ``tag``."""
+    (``kn_t``, ``vn_t``; unused otherwise); 2 and up: the partials as words tagged with ``tag``."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -538,7 +552,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
         * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
     )
     gs = gl.arange(0, 16, layout=gl.SliceLayout(0, r2))
-    if TAGGED == 2:
+    if TAGGED >= 2:
         p64 = part_ptr.to(gl.pointer_type(gl.int64))
         pslot = p64 + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
         gl.store(pslot[:, None] + do[None, :], mailbox.pack(ot, tag), mask=(ro < G)[:, None])
@@ -575,14 +589,14 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, sp, spin, heal
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
     attention output (rounded to bf16; ``TAGGED``: as words tagged with ``tag``) and counts the
-    head on ``done`` (release). ``TAGGED`` 2: the partials are tagged words, and the head's last
+    head on ``done`` (release). ``TAGGED`` 2 and up: the partials are tagged words, and the head's last
     split (``sp``; it attends to the new position, and a short context leaves its span empty)
     merges them once it has read all at this launch's ``tag`` (at most ``spin`` polls more;
     expired, ``code`` into the health word), with no counter. Returns the polls left."""
     lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
     w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
     o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
-    if TAGGED == 2:
+    if TAGGED >= 2:
         if sp == NSPLIT - 1:
             ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
             gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
@@ -789,6 +803,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     C2: gl.constexpr = T1 * (HIDDEN // BK)
     C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
     total = nlayers * C
+    # tagged 3: a stage stages its input chunk by chunk, each as its words arrive (the first at its start)
+    NFH: gl.constexpr = 1 if TAGGED >= 3 else HIDDEN // BK
+    NFI: gl.constexpr = 1 if TAGGED >= 3 else INTER // BK
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
     if TMA:
         if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
@@ -859,6 +876,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
+    if TAGGED:
+        ss_t = pid.to(gl.float32) * 0.0  # a tagged stage's input's sum of squares, chunks summed as staged
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM)  # fmt: skip
@@ -884,10 +903,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     gl.thread_barrier()
                     if TAGGED:
                         if layer > 0:  # the previous layer's tagged outgoing residual
-                            rstd, spin = _tagged_input(xbuf, (act - LAYER_A).to(gl.pointer_type(gl.int64)) + A_RES // 2,
-                                                       gin_ptr + glayer * HIDDEN, cf, tag, spin, health_ptr,
-                                                       _code(WAIT_TIMEOUT, 2, glayer - 1), HIDDEN // BK, True, HIDDEN,
-                                                       EPS)  # fmt: skip
+                            src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1,
+                                                            A_GU, A_RES, LAYER_A, HIDDEN)  # fmt: skip
+                            ss_t, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, True, NFH)
                         else:
                             rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                     elif MMAV:
@@ -936,9 +954,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                          _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
                     if TAGGED:
-                        _r, spin = _tagged_input(xbuf, (act + A_ATT).to(gl.pointer_type(gl.int64)), gin_ptr, cf, tag,
-                                                 spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer), HIDDEN // BK,
-                                                 False, HIDDEN, EPS)  # fmt: skip
+                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
+                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
+                        _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, False, NFH)
                     elif MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
@@ -953,10 +971,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         )
                     gl.thread_barrier()
                     if TAGGED:
-                        rstd, spin = _tagged_input(xbuf, (act + A_H1).to(gl.pointer_type(gl.int64)),
-                                                   gpost_ptr + glayer * HIDDEN, cf, tag, spin, health_ptr,
-                                                   _code(WAIT_TIMEOUT, 2, glayer), HIDDEN // BK, True, HIDDEN,
-                                                   EPS)  # fmt: skip
+                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
+                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
+                        ss_t, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, True, NFH)
                     elif MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
@@ -969,9 +986,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         )
                     gl.thread_barrier()
                     if TAGGED:
-                        _r, spin = _tagged_input(xbuf, (act + A_GU).to(gl.pointer_type(gl.int64)), gin_ptr, cf, tag,
-                                                 spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer), INTER // BK, False,
-                                                 HIDDEN, EPS)  # fmt: skip
+                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
+                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
+                        _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, False, NFI)
                     elif DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
                         for kk in gl.static_range(XPRE):
                             _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
@@ -993,6 +1010,15 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
+        if TAGGED >= 3:  # the first task stages the rest of its input chunk by chunk, each as its words arrive
+            if (j == 0) & (k > 0) & ((s != 0) | (layer > 0)):
+                src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU, A_RES,
+                                                LAYER_A, HIDDEN)  # fmt: skip
+                if (s == 0) | (s == 2):  # normed: its sum of squares too
+                    ssk, spin = _tagged_input(xbuf, src, gn, cf, tag, k, spin, health_ptr, wcode, True, 1)
+                    ss_t += ssk
+                else:
+                    _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, k, spin, health_ptr, wcode, False, 1)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
@@ -1026,6 +1052,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:
             acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
+            if TAGGED:  # the staged input's rstd, once its last chunk is in (the first task's end)
+                if (j == 0) & ((s == 2) | ((s == 0) & (layer > 0))):
+                    rstd = gl.rsqrt(ss_t / HIDDEN + EPS)
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)
             if MMAV:

@@ -53,13 +53,14 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 2}),
                                                    ("llama3-1b", 1, {"tagged": 1}), ("llama3-8b", 1, {"tagged": 1}),
-                                                   ("llama3-1b", 1, {"tagged": 2}), ("llama3-8b", 1, {"tagged": 2})])  # fmt: skip
+                                                   ("llama3-1b", 1, {"tagged": 2}), ("llama3-8b", 1, {"tagged": 2}),
+                                                   ("llama3-1b", 1, {"tagged": 3}), ("llama3-8b", 1, {"tagged": 3})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 32 positions a warp at width 8, width
-    1's stages polling epoch-tagged inputs, and the merge polling tagged partials) compile with 0
-    spills too, the ring's slots in the shared memory as planned."""
+    1's stages polling epoch-tagged inputs, the merge polling tagged partials, the inputs staged
+    chunk by chunk) compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -103,6 +104,8 @@ def test_bad_plans_are_refused_in_one_line():
     assert all(v % 2 == 0 for v in a.values()) and one.constexprs(16)["TAGGED"] == 1
     two = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, tagged=2)  # ... and the partials' words
     assert two.partial_places == 2 * one.partial_places and two.constexprs(16)["TAGGED"] == 2
+    three = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, tagged=3)
+    assert three.partial_places == two.partial_places and three.act_offsets == a
     assert StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, tagged=2).constexprs(16)["TAGGED"] == 0
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})

@@ -291,7 +291,7 @@ def test_graph_of_forward_step_replays_bit_identical(case):
 
 @pytest.mark.parametrize("entry", ["forward_step", "forward_layer"])
 @pytest.mark.parametrize("kind,site", [("stall", "wait_timeout"), ("nonfinite", "nonfinite")])
-@pytest.mark.parametrize("tagged", [0, 1, 2])
+@pytest.mark.parametrize("tagged", [0, 1, 2, 3])
 def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry, tagged):
     """A stall (layer 1's results never published: every wait on them is bounded) and a NaN in
     layer 1's output each set the sticky health word naming the site and layer 1 (the first
@@ -299,8 +299,8 @@ def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry, ta
     spread), and the launch returns in bounded time with the GPU usable; a healthy step leaves
     the word as it is; ``reset_health`` clears it and a healthy step after that sets nothing
     (the failed launch left its counters consistent). ``tagged``: width 1 with the plan's
-    ``tagged`` 1 or 2 (its stages poll their inputs' tagged words; a stalled QKV tags its
-    results with the last launch's epoch)."""
+    ``tagged`` 1, 2 or 3 (its stages poll their inputs' tagged words; a stalled QKV tags its
+    results with the last launch's tag)."""
     from monodecode.services.faults import Fault
 
     plan = {"tagged": tagged} if tagged else None
@@ -448,13 +448,15 @@ def test_slots_no_row_has_cached_never_reach_a_sum(build, case, vllm_layout):
                                                       ({"tagged": 1}, (1, 8), "w8-5rows"),
                                                       ({"tagged": 1}, B8, "w1"), ({"tagged": 2}, (1,), "w1"),
                                                       ({"tagged": 2}, (1,), "w1-first-token"),
-                                                      ({"tagged": 2}, B8, "w1")])  # fmt: skip
+                                                      ({"tagged": 2}, B8, "w1"), ({"tagged": 3}, (1,), "w1"),
+                                                      ({"tagged": 3}, (1,), "w1-first-token"),
+                                                      ({"tagged": 3}, B8, "w1")])  # fmt: skip
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input staged
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
     ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B; width 1's stages polling their
-    inputs' epoch-tagged words instead of counters, and the merge its partials') move bytes, never
-    change a sum:
+    inputs' epoch-tagged words instead of counters, the merge its partials', the inputs staged
+    chunk by chunk as their words arrive) move bytes, never change a sum:
     the whole step and the K/V it writes are bit for bit the default plan's (1B's
     ``stream_down: 0`` is the default that runs 105-108 verified against the reference)."""
     from monodecode.kernels.triton.step_launch import StepKernels
