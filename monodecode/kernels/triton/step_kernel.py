@@ -584,57 +584,64 @@ def _partials_tagged(rows, tag, D: gl.constexpr, lm: gl.constexpr):
 
 
 @gluon.jit
-def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, sp, spin, health_ptr, code, G: gl.constexpr,
-                  D: gl.constexpr, NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
+def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, G: gl.constexpr, D: gl.constexpr,
+                  NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
     attention output (rounded to bf16; ``TAGGED``: as words tagged with ``tag``) and counts the
-    head on ``done`` (release). ``TAGGED`` 2 and up: the partials are tagged words, and the head's last
-    split (``sp``; it attends to the new position, and a short context leaves its span empty)
-    merges them once it has read all at this launch's ``tag`` (at most ``spin`` polls more;
-    expired, ``code`` into the health word), with no counter. Returns the polls left."""
-    lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
-    w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
-    o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
-    if TAGGED >= 2:
-        if sp == NSPLIT - 1:
-            ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
-            gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
-            rows = part_ptr.to(gl.pointer_type(gl.int64)) + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
-            ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
-            while (miss > 0) & (spin > 0):
-                ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
-                spin -= 1
-            if miss > 0:
-                gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
-            w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-            total = gl.sum(w * ls, axis=0)
-            att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-            go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-            d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+    head on ``done`` (release)."""
+    gl.thread_barrier()
+    old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
+    if old == epoch * NSPLIT - 1:
+        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
+        w2: gl.constexpr = gl.SliceLayout(2, lm)  # [NSPLIT, G]
+        o2: gl.constexpr = gl.SliceLayout(0, lm)  # [G, D]
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
+        ms = gl.load(rows + D, cache_modifier=".cg")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
+        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        if TAGGED:
             a64 = att_ptr.to(gl.pointer_type(gl.int64))
             gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
-    else:
+        else:
+            gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
         gl.thread_barrier()
-        old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
-        if old == epoch * NSPLIT - 1:
-            ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
-            gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
-            rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)  # [NSPLIT, G]
-            ms = gl.load(rows + D, cache_modifier=".cg")
-            w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-            total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
-            d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-            os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
-            att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-            go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-            if TAGGED:
-                a64 = att_ptr.to(gl.pointer_type(gl.int64))
-                gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
-            else:
-                gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
-            gl.thread_barrier()
-            gl.atomic_add(done, 1, sem="release", scope="gpu")
+        gl.atomic_add(done, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _merge_tagged(att_ptr, part_ptr, tag, kvh, sp, spin, health_ptr, code, G: gl.constexpr, D: gl.constexpr,
+                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """``_merge_splits`` of ``tagged`` 2 and up, with no counter: the partials are tagged words, and
+    the head's last split (``sp``; it attends to the new position, and a short context leaves its
+    span empty) merges them in split order once it has read all at this launch's ``tag`` (at most
+    ``spin`` polls more; expired, ``code`` into the health word). Returns the polls left."""
+    if sp == NSPLIT - 1:
+        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
+        w2: gl.constexpr = gl.SliceLayout(2, lm)
+        o2: gl.constexpr = gl.SliceLayout(0, lm)
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr.to(gl.pointer_type(gl.int64)) + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
+        ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
+        while (miss > 0) & (spin > 0):
+            ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
+            spin -= 1
+        if miss > 0:
+            gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * ls, axis=0)
+        att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
+        a64 = att_ptr.to(gl.pointer_type(gl.int64))
+        gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
     return spin
 
 
@@ -942,11 +949,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, tag, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
                                 NW, PW, TAGGED)  # fmt: skip
-                        spin = _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                             ctr_ptr + layer * NCTR + 1, epoch, tag, task // NSPLIT, task % NSPLIT,
-                                             spin,
-                                             health_ptr, _code(WAIT_TIMEOUT, 1, glayer), G, D, NSPLIT, NW,
-                                             TAGGED)  # fmt: skip
+                        if TAGGED >= 2:
+                            spin = _merge_tagged(ab + A_ATT, pb, tag, task // NSPLIT, task % NSPLIT, spin, health_ptr,
+                                                 _code(WAIT_TIMEOUT, 1, glayer), G, D, NSPLIT, NW)  # fmt: skip
+                        else:
+                            _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
+                                          ctr_ptr + layer * NCTR + 1, epoch, tag, task // NSPLIT, G, D, NSPLIT, NW,
+                                          TAGGED)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     if not TAGGED:
