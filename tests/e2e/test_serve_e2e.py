@@ -134,10 +134,20 @@ def fleet(tmp_path_factory, model_dir):
             s.stop()
 
 
+# The client reuses a pooled connection for at most this long after its last response: vLLM's
+# server closes idle ones after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default expiry is also
+# 5 s, and a request sent on a connection as the server closes it fails with "Server disconnected
+# without sending a response" (two CI runs' loads, threads starved on 2 cores), a race between the
+# two timers, not a request the server dropped
+KEEPALIVE_S = 2.0
+
+
 def client_for(server: VllmServer):
+    import httpx
     from openai import OpenAI
 
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    http = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0, http_client=http)
 
 
 def steps(server: VllmServer) -> dict[str, float]:
@@ -378,7 +388,9 @@ class Load:
             t.start()
 
     def _loop(self, model: str, i: int) -> None:
+        done = time.monotonic()  # this thread's last response
         while not self._stop.is_set() and time.monotonic() < self.stop_at:
+            idle = time.monotonic() - done
             try:
                 if self.stream:
                     _stream(self.client, model, PROMPTS[i % len(PROMPTS)], self.tokens)
@@ -388,9 +400,11 @@ class Load:
                                                    extra_body={"ignore_eos": True})  # fmt: skip
             except Exception as e:  # surfaced by the test, with what the client's error wraps (the
                 # openai client's "Connection error." alone does not say whether the server reset,
-                # refused or closed the connection)
-                self.errors.append(repr(e) + (f" from {e.__cause__!r}" if e.__cause__ else ""))
+                # refused or closed the connection) and how long the thread was idle before it
+                cause = f" from {e.__cause__!r}" if e.__cause__ else ""
+                self.errors.append(f"{e!r}{cause} (sent {idle:.1f} s after the thread's last response)")
                 return
+            done = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
