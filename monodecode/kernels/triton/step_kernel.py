@@ -317,7 +317,11 @@ def _qkv_tagged(qs, act, cs, kvh, tag, QH: gl.constexpr, KVH: gl.constexpr, D: g
     heads zero, bf16), k and v, read from QKV's tagged words in a compact layout (in
     ``_tile_layout``'s, where every warp holds q whole, the 64-bit words spill at head_dim 128).
     Returns k and v after RoPE in ``_attend``'s layout, and how many of the words read carry
-    another launch's tag (q's rows past the group's heads not counted)."""
+    another launch's tag (q's rows past the group's heads not counted), the same count in every
+    warp: each warp reads k and v itself, a moment apart from the others, and could see another
+    tag than they do; counted in its own warp only, warps would disagree on polling again and
+    part at the barriers inside the poll (a step launch hung so on the H200, 2026-12-05), and a
+    count of zero for all says every warp's k and v are this launch's."""
     G: gl.constexpr = QH // KVH
     ql: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [1, 16, D], no copies
     dl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, ql))
@@ -335,8 +339,10 @@ def _qkv_tagged(qs, act, cs, kvh, tag, QH: gl.constexpr, KVH: gl.constexpr, D: g
     q16 = gl.where(r < G, q, 0.0).to(gl.bfloat16)
     for w in gl.static_range(NW):
         qs.slice(w, 1, dim=0).store(q16)
-    miss = gl.sum(gl.sum(gl.sum(gl.where(r < G, qm, 0), axis=2), axis=1), axis=0)
-    miss += gl.sum(km + ((vw >> 32) != tag).to(gl.int32), axis=0)
+    # k's and v's words are read by every warp (their [D] layout copies them to each): a warp's
+    # misses join the tile's, in its own threads, and one sum across the warps counts them all
+    stale = gl.where(r < G, qm, 0) + gl.expand_dims(gl.expand_dims(km + ((vw >> 32) != tag).to(gl.int32), 0), 1)
+    miss = gl.sum(gl.sum(gl.sum(stale, axis=2), axis=1), axis=0)
     d1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW)))
     return gl.convert_layout(kn, d1), gl.convert_layout(_bf(mailbox.unpack(vw)), d1), miss
 
@@ -571,15 +577,18 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
 def _partials_tagged(rows, tag, D: gl.constexpr, lm: gl.constexpr):
     """``_merge_splits``' [NSPLIT, G] partials (``rows``: their first words) read from tagged
     words: their maxes, sums and [NSPLIT, G, D] outputs, and how many words carry another
-    launch's tag."""
+    launch's tag, the same count in every warp."""
     o2: gl.constexpr = gl.SliceLayout(0, lm)
     d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
     mw = gl.load(rows + D, volatile=True)
     lw = gl.load(rows + D + 1, volatile=True)
     ow = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
+    # the max and sum words, copied to every warp by their [NSPLIT, G] layout, counted in each
+    # copy's own threads with the outputs' words (one count across the warps: ``_qkv_tagged``);
     # summed splits first (in each thread), then heads and columns: the least shared-memory scratch
-    miss = gl.sum(gl.sum(((mw >> 32) != tag).to(gl.int32) + ((lw >> 32) != tag).to(gl.int32), axis=0), axis=0)
-    miss += gl.sum(gl.sum(gl.sum(((ow >> 32) != tag).to(gl.int32), axis=0), axis=0), axis=0)
+    ms_stale = ((mw >> 32) != tag).to(gl.int32) + ((lw >> 32) != tag).to(gl.int32)
+    stale = ((ow >> 32) != tag).to(gl.int32) + gl.expand_dims(ms_stale, 2)
+    miss = gl.sum(gl.sum(gl.sum(stale, axis=0), axis=0), axis=0)
     return mailbox.unpack(mw), mailbox.unpack(lw), mailbox.unpack(ow), miss
 
 
