@@ -87,6 +87,7 @@ from monodecode.model.profiles import profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
 from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode, fastest_draw, tuning_draws
+from monodecode_ops.decode_bench.hang import HANG_S, exit_if_stuck
 from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
@@ -720,7 +721,11 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             ts, out, capture[name] = fastest_draw(got)
             return ts, out, None
 
-        got, why = _measure(name, one, log)
+        if name in kernels:  # our launches: one that hangs is named and ends the run (``hang.py``)
+            with exit_if_stuck(f"{name} at batch {rows}, context {context}", HANG_S, log):
+                got, why = _measure(name, one, log)
+        else:
+            got, why = _measure(name, one, log)
         if why:
             errors[name], times[name] = why, None
             continue
