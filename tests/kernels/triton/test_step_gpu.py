@@ -437,20 +437,25 @@ def test_slots_no_row_has_cached_never_reach_a_sum(build, case, vllm_layout):
     assert tk.health() == 0, decode_health(tk.health())
 
 
-@pytest.mark.parametrize(("plan", "widths", "case"), [({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"),
-                                                      ({"ring": 2}, (1, 8), "w8-5rows"),
-                                                      ({"stream_down": 0}, (1, 8), "w8-5rows"),
-                                                      ({"stream_down": 0}, (1, 2), "w2"),
-                                                      ({"wide_tma": 0}, (1, 8), "w8-5rows"),
-                                                      ({"wide_tma": 1}, B8, "w8-5rows"),
-                                                      ({"wide_tma": 1}, B8, "w2"),
-                                                      ({"tagged": 1}, (1,), "w1"), ({"tagged": 1}, (1,), "w1-first-token"),
-                                                      ({"tagged": 1}, (1, 8), "w8-5rows"),
-                                                      ({"tagged": 1}, B8, "w1"), ({"tagged": 2}, (1,), "w1"),
-                                                      ({"tagged": 2}, (1,), "w1-first-token"),
-                                                      ({"tagged": 2}, B8, "w1"), ({"tagged": 3}, (1,), "w1"),
-                                                      ({"tagged": 3}, (1,), "w1-first-token"),
-                                                      ({"tagged": 3}, B8, "w1")])  # fmt: skip
+# (plan, widths built, context): each knob at the widths it changes (B8: 8B's own build)
+PLAN_CASES = [
+    ({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"), ({"ring": 2}, (1, 8), "w8-5rows"),
+    ({"stream_down": 0}, (1, 8), "w8-5rows"), ({"stream_down": 0}, (1, 2), "w2"),
+    ({"wide_tma": 0}, (1, 8), "w8-5rows"), ({"wide_tma": 1}, B8, "w8-5rows"), ({"wide_tma": 1}, B8, "w2"),
+    ({"tagged": 1}, (1,), "w1"), ({"tagged": 1}, (1,), "w1-first-token"), ({"tagged": 1}, (1, 8), "w8-5rows"),
+    ({"tagged": 1}, B8, "w1"),
+    ({"tagged": 2}, (1,), "w1"), ({"tagged": 2}, (1,), "w1-first-token"), ({"tagged": 2}, B8, "w1"),
+    ({"tagged": 3}, (1,), "w1"), ({"tagged": 3}, (1,), "w1-first-token"), ({"tagged": 3}, B8, "w1"),
+]  # fmt: skip
+
+
+def _plan_case_id(plan: dict, widths, case: str) -> str:
+    """``tagged1-w1``, ``wide_tma1-w2-8b``: selectable with ``-k`` by knob, context and build."""
+    knobs = "-".join(f"{k}{v}" for k, v in plan.items())
+    return f"{knobs}-{case}" + ("-8b" if widths == B8 else "")
+
+
+@pytest.mark.parametrize(("plan", "widths", "case"), PLAN_CASES, ids=[_plan_case_id(*c) for c in PLAN_CASES])
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input staged
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
