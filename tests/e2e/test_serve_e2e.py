@@ -134,19 +134,17 @@ def fleet(tmp_path_factory, model_dir):
             s.stop()
 
 
-# The client reuses a pooled connection for at most this long after its last response: vLLM's
-# server closes idle ones after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx's default expiry is also
-# 5 s, and a request sent on a connection as the server closes it fails with "Server disconnected
-# without sending a response" (two CI runs' loads, threads starved on 2 cores), a race between the
-# two timers, not a request the server dropped
-KEEPALIVE_S = 2.0
-
-
 def client_for(server: VllmServer):
+    """An OpenAI client of ``server`` that opens a connection per request. Reusing pooled ones,
+    three CI loads (24 rows on 2 cores) each lost a request to "Server disconnected without
+    sending a response" on a connection the server closed as the request went out, 0.0 s after
+    the thread's previous response (so not the 5 s keep-alive expiring; a 2 s client expiry did
+    not help). A request on a fresh connection has no such race, so a disconnect here is the
+    server's."""
     import httpx
     from openai import OpenAI
 
-    http = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+    http = httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
     return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120, max_retries=0, http_client=http)
 
 
