@@ -38,7 +38,8 @@ def free_port() -> int:
 
 
 def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as r:
+    # 30 s: on CI's 2 cores under a 24-row vLLM load, Prometheus's API once took over 5 s to answer
+    with urllib.request.urlopen(url, timeout=30) as r:
         return json.load(r)
 
 
