@@ -21,6 +21,8 @@ RUN="${RUN:-/tmp/monodecode-run}/$(date -u +%Y%m%dT%H%M%S)"
 mkdir -p "$OUT" "$RUN"
 what="${1:-all}"
 BUDGET_S="${BUDGET_S:-540}"
+# a GPU test running past STACK_S (default 90) has its stack printed (pytest's faulthandler_timeout)
+STACK_S="${STACK_S:-90}"
 left() {  # seconds for the next phase: its cap, or what is left of the budget (at least 5)
   local cap=$1 rest=$((BUDGET_S - SECONDS))
   [ "$rest" -lt 5 ] && rest=5
@@ -56,15 +58,18 @@ timeout "$(left "${WARM_TIMEOUT:-150}")" python3 benchmarks/warm_cache.py --sm "
 echo "[${SECONDS}s] warm cache rc=$? $(tail -1 "$RUN/warm_cache.log")" | tee -a "$RUN/summary.log"
 if want tests; then
   timeout "$(left "${TESTS_TIMEOUT:-150}")" python3 -m pytest tests/kernels/triton/test_triton_numerics.py \
-    tests/kernels/triton/test_triton_vllm_graph.py -q -p no:cacheprovider -rA > "$RUN/numerics.log" 2>&1
+    tests/kernels/triton/test_triton_vllm_graph.py -q -p no:cacheprovider -rA -o faulthandler_timeout="$STACK_S" \
+    > "$RUN/numerics.log" 2>&1
   echo "[${SECONDS}s] triton GPU tests rc=$?" | tee -a "$RUN/summary.log"
   grep -E "passed|failed|error" "$RUN/numerics.log" | tail -3 | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)" "$RUN/numerics.log" | head -20 | tee -a "$RUN/summary.log"
   # the step launch's GPU tests (Gluon, sm_90+; skipped elsewhere), in a run of their own so that
   # their compiles cannot cut the tests above short (STEP_TESTS_TIMEOUT, default 240)
   timeout "$(left "${STEP_TESTS_TIMEOUT:-240}")" python3 -m pytest tests/kernels/triton/test_step_gpu.py \
-    -q -p no:cacheprovider -rA > "$RUN/step_tests.log" 2>&1
+    -q -p no:cacheprovider -rA -o faulthandler_timeout="$STACK_S" > "$RUN/step_tests.log" 2>&1
   echo "[${SECONDS}s] step launch GPU tests rc=$?" | tee -a "$RUN/summary.log"
+  # a test past STACK_S printed every thread's stack: the test and the line a hung launch waits in
+  grep -A12 -E "^Timeout \(" "$RUN/step_tests.log" "$RUN/numerics.log" | head -40 | tee -a "$RUN/summary.log"
   grep -E "passed|failed|error|skipped" "$RUN/step_tests.log" | tail -3 | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)" "$RUN/step_tests.log" | head -20 | tee -a "$RUN/summary.log"
 fi
