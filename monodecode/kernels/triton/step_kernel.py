@@ -620,8 +620,9 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, G: gl.constexp
             gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
         else:
             gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
-        gl.thread_barrier()
-        gl.atomic_add(done, 1, sem="release", scope="gpu")
+        if not TAGGED:  # (o_proj polls tagged words)
+            gl.thread_barrier()
+            gl.atomic_add(done, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -1096,10 +1097,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
                            tile * ROWS + ry, tile, wtag, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
-                stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
-                gl.thread_barrier()
-                if not stall:
-                    gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
+                if not TAGGED:  # (tagged stages are read by their words: no count, no release fence)
+                    stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
+                    gl.thread_barrier()
+                    if not stall:
+                        gl.atomic_add(
+                            ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu"
+                        )
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight

@@ -226,8 +226,9 @@ class StepGeometry:
         SiLU(g)·u, the outgoing residual) are written as 64-bit words, the fp32 value in the low
         half and the launch's tag in the high (``mailbox.pack``), and the stage that reads them
         reads the words again until every one carries this launch's tag, instead of polling the producers'
-        counter first and then reading its input (the counters still count: a failed launch's
-        settling uses them)."""
+        counter first and then reading its input; the stages no longer count their parts (no
+        reader: each count was a barrier and a release fence a stage), only the attention's
+        split counter of ``tagged`` 1 still counts, for the head's merge."""
         return bool(self.tagged) and self.width == 1
 
     # -- widths 2-8: down's input -------------------------------------------------------------
