@@ -229,20 +229,38 @@ def test_rescoring_catches_a_kernel_that_reads_the_kv_cache_wrongly(fleet):
 # ---- metrics ---------------------------------------------------------------------------------
 
 
-def _stream(client, model: str, prompt: str, max_tokens: int, first_token: threading.Event | None = None) -> int:
+LONG_TOKENS = 450  # a decode long enough for other prompts to join it
+
+
+def _stream(
+    client,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    first_token: threading.Event | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Tokens streamed for one completion; ``first_token`` set at the first, and the stream closed
+    (the request aborted) once ``stop`` is set."""
     n = 0
-    for chunk in client.completions.create(
+    stream = client.completions.create(
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    ):
-        for c in chunk.model_dump()["choices"]:
-            n += len(c.get("token_ids") or ())
-        if n and first_token is not None:
-            first_token.set()
+    )
+    try:
+        for chunk in stream:
+            for c in chunk.model_dump()["choices"]:
+                n += len(c.get("token_ids") or ())
+            if n and first_token is not None:
+                first_token.set()
+            if stop is not None and stop.is_set():
+                break
+    finally:
+        stream.close()
     return n
 
 
@@ -262,15 +280,21 @@ def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
     d = moved(b, steps(mono))
     assert d.get("prefill", 0) >= 1 and d.get("mono", 0) >= 10, d
 
-    # mixed: a long decode is running when a second prompt arrives
+    # mixed: a long decode is running when the other prompts arrive, until they are answered
+    # (then aborted): 120 tokens took under a second at mono's pace and once ended on a loaded CI
+    # machine before the next prompt reached the engine (no mixed step); the mono server's
+    # max_model_len (512) bounds it
     b = steps(mono)
-    first = threading.Event()
-    long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], 120, first))
+    first, answered = threading.Event(), threading.Event()
+    long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], LONG_TOKENS, first, answered))
     long_run.start()
     assert first.wait(60)
     for p in PROMPTS[2:]:
         _stream(client, model, p, 4)
+    overlapped = long_run.is_alive()
+    answered.set()
     long_run.join(120)
+    assert overlapped, "the long decode ended before the other prompts were answered: nothing overlapped"
     d = moved(b, steps(mono))
     assert d.get("mixed_batch", 0) >= 1, d
 
