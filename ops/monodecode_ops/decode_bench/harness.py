@@ -72,6 +72,7 @@ import re
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ from monodecode.model.profiles import profile_config, profile_dims
 from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
 from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode, fastest_draw, tuning_draws
-from monodecode_ops.decode_bench.hang import HANG_S, exit_if_stuck
+from monodecode_ops.decode_bench.hang import exit_if_stuck
 from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
@@ -721,10 +722,11 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             ts, out, capture[name] = fastest_draw(got)
             return ts, out, None
 
-        if name in kernels:  # our launches: one that hangs is named and ends the run (``hang.py``)
-            with exit_if_stuck(f"{name} at batch {rows}, context {context}", HANG_S, log):
-                got, why = _measure(name, one, log)
-        else:
+        # our launches: one that hangs is named and ends the run (``hang.py``)
+        watch = (
+            exit_if_stuck(f"{name} at batch {rows}, context {context}", log=log) if name in kernels else nullcontext()
+        )
+        with watch:
             got, why = _measure(name, one, log)
         if why:
             errors[name], times[name] = why, None
