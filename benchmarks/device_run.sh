@@ -63,13 +63,14 @@ if want tests; then
   echo "[${SECONDS}s] triton GPU tests rc=$?" | tee -a "$RUN/summary.log"
   grep -E "passed|failed|error" "$RUN/numerics.log" | tail -3 | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)" "$RUN/numerics.log" | head -20 | tee -a "$RUN/summary.log"
+  # a test past STACK_S printed every thread's stack: the test and the line a hung launch waits in
+  grep -A12 -E "^Timeout \(" "$RUN/numerics.log" | head -40 | tee -a "$RUN/summary.log"
   # the step launch's GPU tests (Gluon, sm_90+; skipped elsewhere), in a run of their own so that
   # their compiles cannot cut the tests above short (STEP_TESTS_TIMEOUT, default 240)
   timeout "$(left "${STEP_TESTS_TIMEOUT:-240}")" python3 -m pytest tests/kernels/triton/test_step_gpu.py \
     -q -p no:cacheprovider -rA -o faulthandler_timeout="$STACK_S" > "$RUN/step_tests.log" 2>&1
   echo "[${SECONDS}s] step launch GPU tests rc=$?" | tee -a "$RUN/summary.log"
-  # a test past STACK_S printed every thread's stack: the test and the line a hung launch waits in
-  grep -A12 -E "^Timeout \(" "$RUN/step_tests.log" "$RUN/numerics.log" | head -40 | tee -a "$RUN/summary.log"
+  grep -A12 -E "^Timeout \(" "$RUN/step_tests.log" | head -40 | tee -a "$RUN/summary.log"
   grep -E "passed|failed|error|skipped" "$RUN/step_tests.log" | tail -3 | tee -a "$RUN/summary.log"
   grep -E "^(FAILED|ERROR)" "$RUN/step_tests.log" | head -20 | tee -a "$RUN/summary.log"
 fi
