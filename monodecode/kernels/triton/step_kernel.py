@@ -286,28 +286,29 @@ def _bf(v):
 
 
 @gluon.jit
+def _rotate_half(a, b, d, cos, sin, D: gl.constexpr):
+    """``a`` (the value at ``d``) rotated with its rotate-half partner ``b`` (at (d + D/2) % D) by
+    the row's ``cos`` and ``sin`` at ``d`` (``_cos_sin``), rounded to bf16."""
+    return _bf(a * cos + gl.where(d < D // 2, -1.0, 1.0) * b * sin)
+
+
+@gluon.jit
 def _rope(base, d, cos, sin, D: gl.constexpr):
-    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by the row's ``cos`` and
-    ``sin`` at ``d`` (``_cos_sin``); the result rounded to bf16 (``base``, ``d``, ``cos`` and ``sin``
+    """``base[d]`` (bf16-rounded) after RoPE (``_rotate_half``; ``base``, ``d``, ``cos`` and ``sin``
     broadcast)."""
-    partner = (d + D // 2) % D
-    sign = gl.where(d < D // 2, -1.0, 1.0)
     a = _bf(gl.load(base + d, cache_modifier=".cg"))
-    b = _bf(gl.load(base + partner, cache_modifier=".cg"))
-    return _bf(a * cos + sign * b * sin)
+    b = _bf(gl.load(base + (d + D // 2) % D, cache_modifier=".cg"))
+    return _rotate_half(a, b, d, cos, sin, D)
 
 
 @gluon.jit
 def _rope_tagged(base, d, cos, sin, tag, D: gl.constexpr):
     """``_rope`` of tagged words (``base`` an int64 pointer); also 1 where either word read
     carries another launch's tag, else 0."""
-    partner = (d + D // 2) % D
-    sign = gl.where(d < D // 2, -1.0, 1.0)
     wa = gl.load(base + d, volatile=True)
-    wb = gl.load(base + partner, volatile=True)
-    a = _bf(mailbox.unpack(wa))
-    b = _bf(mailbox.unpack(wb))
-    return _bf(a * cos + sign * b * sin), (((wa >> 32) != tag) | ((wb >> 32) != tag)).to(gl.int32)
+    wb = gl.load(base + (d + D // 2) % D, volatile=True)
+    rotated = _rotate_half(_bf(mailbox.unpack(wa)), _bf(mailbox.unpack(wb)), d, cos, sin, D)
+    return rotated, (((wa >> 32) != tag) | ((wb >> 32) != tag)).to(gl.int32)
 
 
 @gluon.jit
