@@ -12,8 +12,17 @@
 #   the prewarm (compiles the compiled stock steps in parallel first) takes the same arguments.
 # STEP_TESTS_TIMEOUT (default 240) bounds the step launch's tests (after the Triton ones).
 # PREWARM_TIMEOUT (default 150), BENCH_TIMEOUT (default 420), BENCH_RESERVE_S (default 75) bound the bench.
+# STACK_S (default 90): a GPU test running longer has its stack printed into the summary.
 # TIMELINE_BATCHES: batches drawn as per-stage timelines (default 1,8; set but empty: none).
 set -uo pipefail
+# every bound in seconds a whole number, checked before anything is written
+for v in BUDGET_S STACK_S WARM_TIMEOUT TESTS_TIMEOUT STEP_TESTS_TIMEOUT PREWARM_TIMEOUT BENCH_TIMEOUT BENCH_RESERVE_S \
+  GPU_ALL_TIMEOUT EXP_TIMEOUT; do
+  if [ -n "${!v+set}" ] && ! [[ "${!v}" =~ ^[0-9]+$ ]]; then
+    echo "device_run.sh: $v must be a whole number of seconds, got '${!v}'" >&2
+    exit 2
+  fi
+done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/benchmarks/results/run}"
 # one folder per run: a warm machine keeps the last run's files, and each pack must hold one run
