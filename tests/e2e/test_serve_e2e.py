@@ -59,12 +59,16 @@ KV_FAULT = Path(__file__).parent / "kv_fault"  # a sitecustomize that makes mono
 STALL_STEP = 6  # the fail-stop drill stalls this mono step
 DRILL_CONFIG = {"max_failstops": 1, "wait_timeout_s": 2.0, "on_refusal": "degrade"}
 DRAIN_TOKENS = 300  # long enough to still be decoding when SIGTERM arrives
-# The cut-off case asks for most of the tiny model's 4096 positions (its server's context raised
-# from serve_cpu.py's 512): on 2 busy cores (a test on the other pytest worker) the client once
-# read its 5th chunk only after the server had produced all 300 tokens, so SIGTERM found nothing
-# in flight to cut; once more at 3500 (CI, 2026-12-05: all 3500 in 8.3 s). The result records when
-# the signal went and the stream ended (``signal_s``, ``end_s``) for the next failure's message.
-ABORT_TOKENS = 4000
+# The cut-off case must still be decoding when SIGTERM lands. On 2 busy cores (a test on the other
+# pytest worker) the client once read its 5th chunk only after the server had produced all 300
+# tokens, then all 3500, then all 4000 (CI, 2026-12-05: 5th chunk read at 4.8 s): a loaded server
+# coalesces tokens into few chunks, so the client's chunk count says little about the server's
+# progress. So the signal goes at the first chunk, and the completion asks for far more than a
+# loaded server makes in the client's lag: the compiled server's context is raised past the tiny
+# model's 4096 positions (RoPE has no limit there). ``signal_s`` and ``end_s`` in the result say
+# when the signal went and the stream ended, for the next failure's message.
+ABORT_TOKENS = 30000
+ABORT_CONTEXT = 32768
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +108,14 @@ def fleet(tmp_path_factory, model_dir):
         # the shadow check on: every 8th mono step one layer is recomputed by vLLM's own layer
         "mono": VllmServer("mono", tmp, cpu="1", mono=mono_config(tmp / "mono", shadow_check_every=8)),
         # the last one counts: room for ABORT_TOKENS
-        "compiled": VllmServer("compiled", tmp, cpu="0", eager=False, extra_args=["--max-model-len", "4096"]),
+        "compiled": VllmServer(
+            "compiled",
+            tmp,
+            cpu="0",
+            eager=False,
+            extra_args=["--max-model-len", str(ABORT_CONTEXT)],
+            env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+        ),
         "wrong_kv": VllmServer(
             "wrong-kv",
             tmp,
@@ -620,7 +631,7 @@ def test_failstop_drill_stops_the_server_and_a_restart_serves_degraded(fleet, tm
 
 
 def stream_then_sigterm(server: VllmServer, max_tokens: int = DRAIN_TOKENS) -> dict:
-    """Stream one completion; after its first tokens, SIGTERM the API server process (the
+    """Stream one completion; at its first chunk, SIGTERM the API server process (the
     container's PID 1), then try a new request while it drains."""
     from openai import OpenAI
 
@@ -648,7 +659,7 @@ def stream_then_sigterm(server: VllmServer, max_tokens: int = DRAIN_TOKENS) -> d
                 continue
             out["chunks"] += 1
             out["finish_reason"] = chunk.choices[0].finish_reason or out["finish_reason"]
-            if out["chunks"] == 5 and not signalled.is_set():
+            if not signalled.is_set():
                 out["signal_s"] = round(time.monotonic() - t0, 2)  # when, for a failure's message
                 server.proc.send_signal(signal.SIGTERM)
                 signalled.set()
