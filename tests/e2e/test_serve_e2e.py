@@ -24,6 +24,7 @@ end of the run by tests/conftest.py).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -90,21 +91,23 @@ def mono_config(tmp: Path, **extra) -> dict:
     }
 
 
-def chart_drain_args(tmp_path) -> list[str]:
-    """`--shutdown-timeout N` as the chart renders it by default."""
+def chart_serving(tmp_path) -> tuple[list[str], dict[str, str]]:
+    """`--shutdown-timeout N` and the keep-alive variable, as the chart renders them by default."""
     sys.path.insert(0, str(REPO / "tests" / "helm"))
     from test_helm_chart import arg_after, one, render
 
-    args = one(render(tmp_path, {}), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    return ["--shutdown-timeout", arg_after(args, "--shutdown-timeout")]
+    (c,) = one(render(tmp_path, {}), "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in c["env"] if e["name"] == "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"}
+    return ["--shutdown-timeout", arg_after(c["args"], "--shutdown-timeout")], env
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, model_dir):
     tmp = tmp_path_factory.mktemp("serve")
     fault_path = os.pathsep.join(filter(None, [str(KV_FAULT), os.environ.get("PYTHONPATH")]))
+    chart_args, chart_env = chart_serving(tmp)
     servers = {
-        "stock": VllmServer("stock", tmp, cpu="0", extra_args=chart_drain_args(tmp)),
+        "stock": VllmServer("stock", tmp, cpu="0", extra_args=chart_args, env=chart_env),
         # the shadow check on: every 8th mono step one layer is recomputed by vLLM's own layer
         "mono": VllmServer("mono", tmp, cpu="1", mono=mono_config(tmp / "mono", shadow_check_every=8)),
         # the last one counts: room for ABORT_TOKENS
@@ -625,6 +628,33 @@ def test_failstop_drill_stops_the_server_and_a_restart_serves_degraded(fleet, tm
         again.stop()
     # last, so a wrong exit status does not hide what the checks above found
     assert code == 70, f"vllm serve exited with {code} after the fail-stop, not 70\n{drill.tail(1500)}"
+
+
+def test_an_idle_connection_outlives_vllms_default_keep_alive_with_the_charts(fleet):
+    """A proxy in front of the pods (ALB, ingress-nginx: 60 s idle) reuses a pooled connection
+    after an idle spell; the server must not have closed it. With the chart's
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE a connection idle past vLLM's default (5 s) still serves; the
+    compiled server, started without it, has closed its connection by then."""
+    idle_s = 6.5
+    conns = {
+        name: http.client.HTTPConnection("127.0.0.1", fleet[name].port, timeout=30) for name in ("stock", "compiled")
+    }
+    for conn in conns.values():
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() is not None
+    time.sleep(idle_s)
+    status = {}
+    for name, conn in conns.items():
+        try:
+            conn.request("GET", "/health")
+            status[name] = conn.getresponse().status
+        except (http.client.RemoteDisconnected, ConnectionError) as e:
+            status[name] = type(e).__name__
+        finally:
+            conn.close()
+    assert status["stock"] == 200, f"the chart's keep-alive did not hold an idle connection {idle_s} s: {status}"
+    # the contrast: without the chart's setting the same idle spell ends the connection
+    assert status["compiled"] != 200, f"vLLM's default kept a connection idle {idle_s} s: {status}"
 
 
 # ---- drain (last: these stop the stock servers) ----------------------------------------------

@@ -34,6 +34,20 @@ def test_all_off_by_default(tmp_path):
     assert "VLLM_API_KEY" not in {e["name"] for e in env}
 
 
+def _env(docs: list[dict]) -> dict[str, str]:
+    return {
+        e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+
+
+@pytest.mark.parametrize("values,seconds", [({}, "75"), ({"vllm": {"keepAliveSeconds": 620}}, "620")])
+def test_idle_connections_outlive_the_proxies_pools(tmp_path, values, seconds):
+    """vLLM closes an idle connection after 5 s by default, below every common proxy's idle
+    timeout; the chart raises it (tests/e2e shows the rendered value holds a connection on a
+    real server)."""
+    assert _env(render(tmp_path, values))["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == seconds
+
+
 def test_network_policy_admits_the_callers_the_scraper_and_the_helm_test(tmp_path):
     values = {
         "networkPolicy": {
@@ -197,6 +211,13 @@ def test_probes_and_scrapes_pass_vllms_api_key_check(tmp_path):
             "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret",
         ),
         ({"apiKey": {"existingSecret": "Key_1"}}, APIS, "at '/apiKey/existingSecret'"),
+        (
+            {"env": [{"name": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "value": "5"}]},
+            APIS,
+            "env sets VLLM_HTTP_TIMEOUT_KEEP_ALIVE, which the chart sets from vllm.keepAliveSeconds",
+        ),
+        ({"vllm": {"keepAliveSeconds": 0}}, APIS, "at '/vllm/keepAliveSeconds'"),
+        ({"vllm": {"keepAliveSeconds": "75"}}, APIS, "at '/vllm/keepAliveSeconds'"),
     ],
     ids=lambda v: v[:40] if isinstance(v, str) else None,
 )

@@ -288,6 +288,11 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- fail (printf "resources.limits.ephemeral-storage (%v) is below the size limits of the pod's disk emptyDirs (%s): the kubelet would evict the pod before they fill; raise it or lower scratch.* / model.hf.cache.size" . (join " + " $parts)) }}
 {{- end }}
 {{- end }}
+{{- range .Values.env }}
+{{- if eq .name "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" }}
+{{- fail "env sets VLLM_HTTP_TIMEOUT_KEEP_ALIVE, which the chart sets from vllm.keepAliveSeconds: set that instead" }}
+{{- end }}
+{{- end }}
 {{- if .Values.apiKey.existingSecret }}
 {{- range .Values.env }}
 {{- if eq .name "VLLM_API_KEY" }}
