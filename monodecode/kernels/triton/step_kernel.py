@@ -982,7 +982,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
-                        pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
+                        if TAGGED >= 2:  # 64-bit words, a set per layer: their tag (the launch's) names no layer
+                            pb = part_ptr + (layer * NB + arow_c) * (2 * KVH * NSPLIT * G * (D + 2))
+                        else:
+                            pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, tag, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
                                 NW, PW, TAGGED)  # fmt: skip

@@ -308,10 +308,19 @@ class StepGeometry:
     @property
     def partial_places(self) -> int:
         """fp32 places of the attention's split partials, [width, KV heads, splits, G, D + 2]
-        (each split's output rows, their max and sum): twice that as the 64-bit words of ``tagged`` 2 and up."""
+        (each split's output rows, their max and sum), for one layer: twice that as the 64-bit
+        words of ``tagged`` 2 and up, which need a set per layer (``partial_sets``)."""
         d = self.dims
         n = self.width * d.num_heads * self.splits * (d.head_dim + 2)
         return 2 * n if self.tags and self.tagged >= 2 else n
+
+    def partial_sets(self, layers: int) -> int:
+        """Sets of split partials a launch of ``layers`` layers needs: one reused by every layer,
+        but with ``tagged`` 2 and up one a layer. Their words carry the launch's tag, which does
+        not tell layers apart, so a merge reading a shared set would take a split's words of
+        the layer before as this layer's (run 119: the step's output differed from the
+        default's, the error out of tolerance)."""
+        return layers if self.tags and self.tagged >= 2 else 1
 
     @property
     def _kv_bytes(self) -> int:

@@ -106,6 +106,9 @@ def test_bad_plans_are_refused_in_one_line():
     assert two.partial_places == 2 * one.partial_places and two.constexprs(16)["TAGGED"] == 2
     three = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, tagged=3)
     assert three.partial_places == two.partial_places and three.act_offsets == a
+    # tagged partials carry the launch's tag, which names no layer: a set per layer, or a merge
+    # would take the layer before's words as this one's
+    assert [g.partial_sets(16) for g in (one, two, three)] == [1, 16, 16]
     assert StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, tagged=2).constexprs(16)["TAGGED"] == 0
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})
