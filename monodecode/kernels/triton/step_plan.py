@@ -16,7 +16,7 @@ splits, the shared-memory budget and the refusals. The kernel reads it as conste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from monodecode.model.dims import ModelDims
 
@@ -45,11 +45,12 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # cache block, 16 rows of 128-256 bytes): 4-15 % slower at 32k than ``cp.async``; dropped. Runs
 # 115-116 held back the refills QKV asks for past its stage until the attention's first K/V copies
 # were out, so they would not queue behind the whole GPU's prefetched weights: 1-5 % slower; dropped.
-# ``kv_step`` 2 (not yet timed): each warp's attention step reads 32 positions (two mma groups)
-# where the K/V ring of 2 such slots fits (head_dim 64), so a step's fixed cost is paid once per
+# ``kv_step`` 2 (the default from width 8 where it fits, ``StepGeometry.kv_groups``; run 119):
+# each warp's attention step reads 32 positions (two mma groups) where the K/V ring of 2 such
+# slots fits (head_dim 64), so a step's fixed cost is paid once per
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
-# ``tagged`` 1 (not yet timed): at width 1, every stage's results carry the launch's tag (value and
+# ``tagged`` 1 (run 119: 1-2 % slower than the counters at batch 1): at width 1, every stage's results carry the launch's tag (value and
 # tag in one 64-bit word, ``mailbox.pack``), and the stage that reads them polls them itself instead of a
 # counter and then the input: one round trip a hand-off instead of two, at all five hand-offs.
 # ``tagged`` 2 also tags the attention's split partials, and the head's last split merges them once
@@ -63,9 +64,10 @@ PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
     "wide_tma": (None, 0, 1),
-    "kv_step": (1, 1, 2),
+    "kv_step": (None, 1, 2),
     "tagged": (0, 0, 3),
 }
+KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
 
@@ -149,7 +151,7 @@ class StepGeometry:
     ring: int | None = None  # None: by width (``ring_slots``)
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
-    kv_step: int = 1  # 16-position groups a warp's attention step reads
+    kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     tagged: int = 0  # width 1: stages poll their inputs' tagged words (``tags``); 2: the merge too; 3: by chunk
 
     # -- weights ------------------------------------------------------------------------------
@@ -330,14 +332,28 @@ class StepGeometry:
     @property
     def kv_tile(self) -> int:
         """Positions one attention step reads: 16 (``kv_step`` 2: 32) a warp."""
-        return KV_TILE * self.kv_step
+        return KV_TILE * self.kv_groups
+
+    @property
+    def kv_groups(self) -> int:
+        """16-position groups a warp's attention step reads: the plan's ``kv_step``, else 2 from
+        width ``KV_STEP_2_FROM`` on where its two 64 KiB slots fit (head_dim 64: 1B), else 1.
+        Run 119 (H100, 1B width 8): 4.4 % faster at 32k, 0.7 % slower at 1k (its weight ring
+        then has 3 slots filled by ``cp.async``, not 4 by TMA); at width 1, 2.6 % slower at 1k
+        and level at 32k. One graph serves every context at a width, so the long contexts,
+        where the width loses to the stock otherwise (0.98x), decide."""
+        if self.kv_step is not None:
+            return self.kv_step
+        if self.width < KV_STEP_2_FROM or self.dims.head_dim > 64:
+            return 1
+        return 2 if replace(self, kv_step=2).shared_bytes() <= SMEM_PER_PROGRAM else 1
 
     @property
     def kv_slots(self) -> int:
         """Slots of the attention's K/V ring (each a [8 warps, 16 kv_step, D] K tile and its V
         tile): 3 of 32 KiB at head_dim 64 and 2 of 64 KiB at 128 or with 32 positions a warp
         (what fits beside the weight ring at width 1)."""
-        return 3 if self.dims.head_dim * self.kv_step <= 64 else 2
+        return 3 if self.dims.head_dim * self.kv_groups <= 64 else 2
 
     @property
     def tma(self) -> bool:
