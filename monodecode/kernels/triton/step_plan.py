@@ -16,7 +16,7 @@ splits, the shared-memory budget and the refusals. The kernel reads it as conste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from monodecode.model.dims import ModelDims
 
@@ -337,16 +337,16 @@ class StepGeometry:
     @property
     def kv_groups(self) -> int:
         """16-position groups a warp's attention step reads: the plan's ``kv_step``, else 2 from
-        width ``KV_STEP_2_FROM`` on where its two 64 KiB slots fit (head_dim 64: 1B), else 1.
+        width ``KV_STEP_2_FROM`` on where the heads are 64 wide (two 64 KiB K/V slots: 1B), else 1.
         Run 119 (H100, 1B width 8): 4.4 % faster at 32k, 0.7 % slower at 1k (its weight ring
         then has 3 slots filled by ``cp.async``, not 4 by TMA); at width 1, 2.6 % slower at 1k
         and level at 32k. One graph serves every context at a width, so the long contexts,
         where the width loses to the stock otherwise (0.98x), decide."""
         if self.kv_step is not None:
             return self.kv_step
-        if self.width < KV_STEP_2_FROM or self.dims.head_dim > 64:
-            return 1
-        return 2 if replace(self, kv_step=2).shared_bytes() <= SMEM_PER_PROGRAM else 1
+        # by model and width alone, never by the other knobs: a knob that moves bytes must not
+        # change the attention's sums (``check`` refuses a plan that does not fit beside it)
+        return 2 if self.width >= KV_STEP_2_FROM and self.dims.head_dim <= 64 else 1
 
     @property
     def kv_slots(self) -> int:

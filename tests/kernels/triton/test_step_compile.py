@@ -87,7 +87,12 @@ def test_bad_plans_are_refused_in_one_line():
             checked_plan(plan)
     with pytest.raises(ValueError, match="exceed"):  # beside down's whole input
         StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4, stream_down=0).check()
-    StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()  # streamed
+    StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4, kv_step=1).check()  # streamed
+    with pytest.raises(ValueError, match="exceed"):  # ... beside width 8's default 32-position K/V slots
+        StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, ring=4).check()
+    # the default steps 32 positions a warp from width 8 at 64-wide heads, by model and width alone
+    assert [StepGeometry(profile_dims("llama3-1b"), w, H200_SMS).kv_groups for w in (1, 2, 4, 8)] == [1, 1, 1, 2]
+    assert StepGeometry(profile_dims("llama3-8b"), 8, H200_SMS).kv_groups == 1
     StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, ring=4).check()
     with pytest.raises(ValueError, match="exceed"):  # 8B's 128-wide heads: two 128 KiB K/V slots
         StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, kv_step=2).check()
