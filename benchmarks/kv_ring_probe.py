@@ -88,8 +88,8 @@ def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
             i += 1
     else:
         _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
-                bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, 0.0, 0.0, 0, QH, KVH, D, BS,
-                SCALE, NSPLIT, KVS, NW, PW, 0)  # fmt: skip
+                bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS,
+                SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
     async_copy.wait_group(0)
 
 

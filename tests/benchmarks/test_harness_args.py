@@ -51,12 +51,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step, tagged)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, tagged)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
@@ -390,9 +390,10 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4})
     assert fits == () and "does not fit width 1" in why[1] and "shared memory at width 1" in why[1]
     assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 2}) == ((1,), {})
-    # a knob of width 1 (tagged) and the default plan itself: the default's kernel, not timed twice
-    fits, why = harness.step_variant_widths(one_b, widths, 132, {"tagged": 1})
-    assert fits == (1,) and sorted(why) == list(range(2, 9))
+    # a knob's default at some widths (32 positions a warp from width 8) and the default plan
+    # itself: the default's kernel, not timed twice
+    fits, why = harness.step_variant_widths(one_b, widths, 132, {"kv_step": 2})
+    assert fits == tuple(range(1, 8)) and "default plan's kernel at width 8" in why[8], why
     fits, why = harness.step_variant_widths(one_b, widths, 132, {})
     assert fits == () and "width 1 (nothing in it applies there)" in why[1]
 

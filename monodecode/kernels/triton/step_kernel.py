@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from monodecode.kernels.triton import mailbox, timeline
+from monodecode.kernels.triton import timeline
 
 ROWS = gl.constexpr(16)  # a weight chunk's rows
 BK = gl.constexpr(1024)  # a weight chunk's columns
@@ -156,54 +156,6 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
-@gluon.jit
-def _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM: gl.constexpr, NCH: gl.constexpr):
-    """Width 1, ``tags``: one read of the ``NCH`` chunks ``c0 ..`` of tagged words at ``src`` into
-    ``xbuf`` (times the norm weight at ``g_ptr`` when ``NORM``). Returns their sum of squares (0
-    without ``NORM``) and how many words carry another launch's tag (summed over the program)."""
-    ss = 0.0
-    miss = gl.zeros_like(cf)
-    for cc in gl.static_range(NCH):
-        c = c0 + cc
-        w = gl.load(src + c * BK + cf, volatile=True)
-        v = mailbox.unpack(w)
-        miss += ((w >> 32) != tag).to(gl.int32)
-        if NORM:
-            ss += gl.sum(v * v, axis=0)
-            v = v * gl.load(g_ptr + c * BK + cf).to(gl.float32)
-        xbuf.index(c).store(v.to(xbuf.dtype))
-    return ss, gl.sum(miss, axis=0)
-
-
-@gluon.jit
-def _tagged_input(xbuf, src, g_ptr, cf, tag, c0, spin, health_ptr, code, NORM: gl.constexpr, NCH: gl.constexpr):
-    """Width 1, ``tags``: a stage's wait and its staging in one: read chunks ``c0 .. c0 + NCH - 1``
-    of its input's tagged words into ``xbuf`` again until every one carries this launch's ``tag``,
-    at most ``spin`` times more (an expired wait sets ``code`` in the health word and the stage
-    runs on what it read). Returns (their sum of squares, the polls left)."""
-    ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM, NCH)
-    while (miss > 0) & (spin > 0):
-        ss, miss = _tagged_pass(xbuf, src, g_ptr, cf, tag, c0, NORM, NCH)
-        spin -= 1
-    if miss > 0:
-        gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
-    return ss, spin
-
-
-@gluon.jit
-def _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT: gl.constexpr, A_H1: gl.constexpr,
-                   A_GU: gl.constexpr, A_RES: gl.constexpr, LAYER_A: gl.constexpr, HIDDEN: gl.constexpr):  # fmt: skip
-    """Width 1, ``tags``: stage ``s``'s input words (the previous layer's outgoing residual, the
-    attention output, h1, SiLU(g)·u), its norm weight (QKV's and gate/up's), and its wait's
-    health code (the producing stage's)."""
-    a64 = act.to(gl.pointer_type(gl.int64))
-    src = gl.where(s == 0, a64 - LAYER_A // 2 + A_RES // 2,
-                   gl.where(s == 1, a64 + A_ATT // 2, gl.where(s == 2, a64 + A_H1 // 2, a64 + A_GU // 2)))  # fmt: skip
-    g = gl.where(s == 0, gin_ptr, gpost_ptr) + glayer * HIDDEN
-    code = gl.where(s == 0, _code(WAIT_TIMEOUT, 2, glayer - 1), _code(WAIT_TIMEOUT, gl.where(s == 1, 1, 2), glayer))
-    return src, g, code
-
-
 @gluon.constexpr_function
 def _stage_layout(NW):
     """Widths 2-8's staged [NW, NPAD, BK // NW] tiles: 4 columns a thread, a warp's column block in its lanes."""
@@ -302,53 +254,6 @@ def _rope(base, d, cos, sin, D: gl.constexpr):
 
 
 @gluon.jit
-def _rope_tagged(base, d, cos, sin, tag, D: gl.constexpr):
-    """``_rope`` of tagged words (``base`` an int64 pointer); also 1 where either word read
-    carries another launch's tag, else 0."""
-    wa = gl.load(base + d, volatile=True)
-    wb = gl.load(base + (d + D // 2) % D, volatile=True)
-    rotated = _rotate_half(_bf(mailbox.unpack(wa)), _bf(mailbox.unpack(wb)), d, cos, sin, D)
-    return rotated, (((wa >> 32) != tag) | ((wb >> 32) != tag)).to(gl.int32)
-
-
-@gluon.jit
-def _qkv_tagged(qs, act, cs, kvh, tag, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
-                NW: gl.constexpr):  # fmt: skip
-    """``_attend``'s q rows after RoPE into ``qs`` (every warp its copy, rows past the group's G
-    heads zero, bf16), k and v, read from QKV's tagged words in a compact layout (in
-    ``_tile_layout``'s, where every warp holds q whole, the 64-bit words spill at head_dim 128).
-    Returns k and v after RoPE in ``_attend``'s layout, and how many of the words read carry
-    another launch's tag (q's rows past the group's heads not counted), the same count in every
-    warp: each warp reads k and v itself, a moment apart from the others, and could see another
-    tag than they do; counted in its own warp only, warps would disagree on polling again and
-    part at the barriers inside the poll (a step launch hung so on the H200, 2026-12-05), and a
-    count of zero for all says every warp's k and v are this launch's."""
-    G: gl.constexpr = QH // KVH
-    ql: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # [1, 16, D], no copies
-    dl: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, ql))
-    a64 = act.to(gl.pointer_type(gl.int64))
-    dk = gl.arange(0, D, layout=dl)
-    c = cs.slice(0, D).load(dl)
-    sn = cs.slice(D, D).load(dl)
-    r = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ql))), 0), 2)
-    d = gl.expand_dims(gl.expand_dims(dk, 0), 1)
-    c3 = gl.expand_dims(gl.expand_dims(c, 0), 1)
-    s3 = gl.expand_dims(gl.expand_dims(sn, 0), 1)
-    q, qm = _rope_tagged(a64 + (kvh * G + r) * D, d, c3, s3, tag, D)
-    kn, km = _rope_tagged(a64 + QH * D + kvh * D, dk, c, sn, tag, D)
-    vw = gl.load(a64 + (QH + KVH) * D + kvh * D + dk, volatile=True)
-    q16 = gl.where(r < G, q, 0.0).to(gl.bfloat16)
-    for w in gl.static_range(NW):
-        qs.slice(w, 1, dim=0).store(q16)
-    # k's and v's words are read by every warp (their [D] layout copies them to each): a warp's
-    # misses join the tile's, in its own threads, and one sum across the warps counts them all
-    stale = gl.where(r < G, qm, 0) + gl.expand_dims(gl.expand_dims(km + ((vw >> 32) != tag).to(gl.int32), 0), 1)
-    miss = gl.sum(gl.sum(gl.sum(stale, axis=2), axis=1), axis=0)
-    d1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW)))
-    return gl.convert_layout(kn, d1), gl.convert_layout(_bf(mailbox.unpack(vw)), d1), miss
-
-
-@gluon.jit
 def _q_slot(kvs, KVS: gl.constexpr, PW: gl.constexpr):
     """Where ``_attend``'s q passes into mma's operand layout: the K/V ring's last slot (its first
     copy is issued in the task's first step), its first 16 positions' bytes."""
@@ -356,23 +261,6 @@ def _q_slot(kvs, KVS: gl.constexpr, PW: gl.constexpr):
         return kvs.index(2 * (KVS - 1))
     else:
         return kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
-
-
-@gluon.jit
-def _poll_qkv(kvs, act, cs, kvh, tag, spin, health_ptr, code, QH: gl.constexpr, KVH: gl.constexpr,
-              D: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):  # fmt: skip
-    """Width 1, ``tags``: an attention task's wait and its input in one: QKV's tagged words for the
-    task's q (into the ring's last slot), k and v, read again until all carry this launch's
-    ``tag``, at most ``spin`` times more (expired: ``code`` into the health word, the task runs on
-    what it read). Returns k, v (``_qkv_tagged``) and the polls left."""
-    qs = _q_slot(kvs, KVS, PW)
-    kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, tag, QH, KVH, D, NW)
-    while (miss > 0) & (spin > 0):
-        kn, vn, miss = _qkv_tagged(qs, act, cs, kvh, tag, QH, KVH, D, NW)
-        spin -= 1
-    if miss > 0:
-        gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
-    return kn, vn, spin
 
 
 @gluon.jit
@@ -460,9 +348,9 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 @gluon.jit
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
-            k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn_t, vn_t, tag, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+            k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
-            PW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
+            PW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -470,9 +358,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
-    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
-    ``TAGGED``: the caller's wait (``_poll_qkv``) left q in the ring's last slot and gives k and v
-    (``kn_t``, ``vn_t``; unused otherwise); 2 and up: the partials as words tagged with ``tag``."""
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -493,17 +379,11 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     s3 = gl.expand_dims(s1[None, :], 1)
     qs = _q_slot(kvs, KVS, PW)
     # q, k and v asked for together (one round trip), before q's trip through shared memory
-    if TAGGED:
-        kn = kn_t
-        vn = vn_t
-        gl.thread_barrier()
-        qf = qs.load(bl).to(gl.float32)  # bf16-rounded by RoPE: the same values
-    else:
-        qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
-        kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
-        vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
-        qs.store(qf.to(gl.bfloat16))
-        gl.thread_barrier()
+    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
+    kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
+    vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
+    qs.store(qf.to(gl.bfloat16))
+    gl.thread_barrier()
     qa = qs.load(a_l)
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
@@ -559,127 +439,42 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
         * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
     )
     gs = gl.arange(0, 16, layout=gl.SliceLayout(0, r2))
-    if TAGGED >= 2:
-        p64 = part_ptr.to(gl.pointer_type(gl.int64))
-        pslot = p64 + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
-        gl.store(pslot[:, None] + do[None, :], mailbox.pack(ot, tag), mask=(ro < G)[:, None])
-        sslot = p64 + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
-        gl.store(sslot + D, mailbox.pack(mt, tag), mask=gs < G)
-        gl.store(sslot + D + 1, mailbox.pack(lt, tag), mask=gs < G)
-    else:
-        pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
-        gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
-        sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
-        gl.store(sslot + D, mt, mask=gs < G)
-        gl.store(sslot + D + 1, lt, mask=gs < G)
+    pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
+    gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
+    sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
+    gl.store(sslot + D, mt, mask=gs < G)
+    gl.store(sslot + D + 1, lt, mask=gs < G)
 
 
 @gluon.jit
-def _partials_tagged(rows, tag, D: gl.constexpr, lm: gl.constexpr):
-    """``_merge_splits``' [NSPLIT, G] partials (``rows``: their first words) read from tagged
-    words: their maxes, sums and [NSPLIT, G, D] outputs, and how many words carry another
-    launch's tag, the same count in every warp."""
-    o2: gl.constexpr = gl.SliceLayout(0, lm)
-    d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-    mw = gl.load(rows + D, volatile=True)
-    lw = gl.load(rows + D + 1, volatile=True)
-    ow = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
-    # the max and sum words, copied to every warp by their [NSPLIT, G] layout, counted in each
-    # copy's own threads with the outputs' words (one count across the warps: ``_qkv_tagged``);
-    # summed splits first (in each thread), then heads and columns: the least shared-memory scratch
-    ms_stale = ((mw >> 32) != tag).to(gl.int32) + ((lw >> 32) != tag).to(gl.int32)
-    stale = ((ow >> 32) != tag).to(gl.int32) + gl.expand_dims(ms_stale, 2)
-    miss = gl.sum(gl.sum(gl.sum(stale, axis=0), axis=0), axis=0)
-    return mailbox.unpack(mw), mailbox.unpack(lw), mailbox.unpack(ow), miss
-
-
-@gluon.constexpr_function
-def _merge_layout(G, NSPLIT, NW):
-    """The merge's [NSPLIT, G, D] layout: a head's splits in each thread, its G query heads and
-    the columns across the lanes and warps."""
-    return gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
-
-
-@gluon.jit
-def _split_rows(part_ptr, kvh, G: gl.constexpr, D: gl.constexpr, NSPLIT: gl.constexpr, lm: gl.constexpr):
-    """The first elements of KV head ``kvh``'s [NSPLIT, G] partial rows at ``part_ptr`` (in its
-    element type: fp32 places, or the tagged 64-bit words)."""
-    w2: gl.constexpr = gl.SliceLayout(2, lm)
-    ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
-    gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
-    return part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
-
-
-@gluon.jit
-def _merged(ms, ls, os, lm: gl.constexpr):
-    """A head's partials (maxes ``ms``, sums ``ls`` [NSPLIT, G], outputs ``os`` [NSPLIT, G, D])
-    merged in split order (fixed: replays are bit-identical): its [G, D] attention output."""
-    o2: gl.constexpr = gl.SliceLayout(0, lm)
-    w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-    total = gl.sum(w * ls, axis=0)
-    return gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-
-
-@gluon.jit
-def _store_att(att_ptr, att, kvh, tag, G: gl.constexpr, D: gl.constexpr, lm: gl.constexpr, TAGGED: gl.constexpr):
-    """KV head ``kvh``'s [G, D] merged output into its rows of the attention output, rounded to
-    bf16 (``TAGGED``: as words tagged with ``tag``)."""
-    o2: gl.constexpr = gl.SliceLayout(0, lm)
-    go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
-    d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-    if TAGGED:
-        a64 = att_ptr.to(gl.pointer_type(gl.int64))
-        gl.store(a64 + (kvh * G + go)[:, None] * D + d3[None, :], mailbox.pack(_bf(att), tag))
-    else:
-        gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
-
-
-@gluon.jit
-def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, tag, kvh, G: gl.constexpr, D: gl.constexpr,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr, TAGGED: gl.constexpr):  # fmt: skip
+def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D: gl.constexpr,
+                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
-    attention output (``_store_att``; ``TAGGED``: as tagged words) and, untagged, counts the head
-    on ``done`` (release)."""
+    attention output (bf16) and counts the head on ``done`` (release)."""
     gl.thread_barrier()
     old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
     if old == epoch * NSPLIT - 1:
-        lm: gl.constexpr = _merge_layout(G, NSPLIT, NW)
-        rows = _split_rows(part_ptr, kvh, G, D, NSPLIT, lm)
-        # ``_merged``'s sums, with each load where its value is first needed (the maxes' weights
-        # computed while the sums and outputs load): through ``_merged`` the loads go first and
-        # the compiled schedule changes, and this is the one timed (runs 105-117)
+        # [NSPLIT, G, D]: a head's splits in each thread, its G query heads and the columns
+        # across the lanes and warps
+        lm: gl.constexpr = gl.BlockedLayout([NSPLIT, 1, 1], [1, G, 32 // G], [1, 1, NW], [2, 1, 0])
+        w2: gl.constexpr = gl.SliceLayout(2, lm)
         o2: gl.constexpr = gl.SliceLayout(0, lm)
+        ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
+        gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
+        rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
+        # each load where its value is first needed: the maxes' weights computed while the sums
+        # and outputs load
         ms = gl.load(rows + D, cache_modifier=".cg")
         w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
         total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
         d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
         os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
         att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
-        _store_att(att_ptr, att, kvh, tag, G, D, lm, TAGGED)
-        if not TAGGED:  # (o_proj polls tagged words)
-            gl.thread_barrier()
-            gl.atomic_add(done, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _merge_tagged(att_ptr, part_ptr, tag, kvh, sp, spin, health_ptr, code, G: gl.constexpr, D: gl.constexpr,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """``_merge_splits`` of ``tagged`` 2 and up, with no counter: the partials are tagged words, and
-    the head's last split (``sp``; it attends to the new position, and a short context leaves its
-    span empty) merges them in split order once it has read all at this launch's ``tag`` (at most
-    ``spin`` polls more; expired, ``code`` into the health word). Returns the polls left."""
-    if sp == NSPLIT - 1:
-        lm: gl.constexpr = _merge_layout(G, NSPLIT, NW)
-        rows = _split_rows(part_ptr.to(gl.pointer_type(gl.int64)), kvh, G, D, NSPLIT, lm)
-        ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
-        while (miss > 0) & (spin > 0):
-            ms, ls, os, miss = _partials_tagged(rows, tag, D, lm)
-            spin -= 1
-        if miss > 0:
-            gl.atomic_cas(health_ptr, 0, code, sem="relaxed", scope="gpu")
-        _store_att(att_ptr, _merged(ms, ls, os, lm), kvh, tag, G, D, lm, True)
-    return spin
+        go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
+        gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
+        gl.thread_barrier()
+        gl.atomic_add(done, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -706,31 +501,15 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
 
 
 @gluon.jit
-def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile, tag,
-               A_H1: gl.constexpr, A_GU: gl.constexpr, A_RES: gl.constexpr, LAYER_A: gl.constexpr, nlayers,
-               TAGGED: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
+               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr):  # fmt: skip
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
-    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``TAGGED``
-    (``StepGeometry.tags``): q/k/v, h1, SiLU(g)·u and the residual (but the last layer's) as words
-    tagged with ``tag``, the incoming residual and h1 read from theirs (this program staged both
-    whole: every word it reads here it has seen at this launch's tag)."""
-    if TAGGED:
-        a64 = act.to(gl.pointer_type(gl.int64))
+    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual."""
     if s == 0:
-        if TAGGED:
-            gl.store(a64 + rows, mailbox.pack(_bf(y * rstd), tag))
-        else:
-            gl.store(act + rows, _bf(y * rstd))
+        gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
-        if TAGGED:
-            if layer > 0:  # the previous layer's outgoing residual
-                h = mailbox.unpack(gl.load(a64 - LAYER_A // 2 + A_RES // 2 + rows, volatile=True))
-            else:
-                h = gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)
-            gl.store(a64 + A_H1 // 2 + rows, mailbox.pack(_bf(_bf(y) + h), tag))
-        else:
-            gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
+        gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
     elif s == 2:
         hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         gbuf.store(_bf(y * rstd))
@@ -738,19 +517,9 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         gv = gbuf.slice(0, ROWS // 2).load(hl)
         uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
         hh = gl.arange(0, ROWS // 2, layout=hl)
-        if TAGGED:
-            gl.store(
-                a64 + A_GU // 2 + tile * (ROWS // 2) + hh, mailbox.pack(_bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv), tag)
-            )
-        else:
-            gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
+        gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
-        if TAGGED:
-            v = _bf(_bf(y) + mailbox.unpack(gl.load(a64 + A_H1 // 2 + rows, volatile=True)))
-            if layer < nlayers - 1:  # the next layer's QKV stages it
-                gl.store(a64 + A_RES // 2 + rows, mailbox.pack(v, tag))
-        else:
-            v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
+        v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
         # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
         _residual_out(v, res_dst + rows, out_dst + rows, health_ptr, code, rows >= 0, live, layer, nlayers)
 
@@ -809,7 +578,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                A_RES: gl.constexpr, TAGGED: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -825,9 +594,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
-    ``StepGeometry.kv_step``). ``TAGGED`` (width 1, ``StepGeometry.tags``): the staged stages'
-    inputs are epoch-tagged words (the residual's at ``A_RES``), polled by the stages that stage
-    them instead of their producers' counters. ``PROF``: each program stamps its stages into ``prof`` where K1's
+    ``StepGeometry.kv_groups``). ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -841,15 +608,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
     epoch = target // NPROG
-    tag = epoch & 0x7FFFFFFF  # the tagged words' (``mailbox.launch_epoch``'s 31 bits)
     C0: gl.constexpr = T0 * (HIDDEN // BK)
     C1: gl.constexpr = TO * (HIDDEN // BK)
     C2: gl.constexpr = T1 * (HIDDEN // BK)
     C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
     total = nlayers * C
-    # tagged 3: a stage stages its input chunk by chunk, each as its words arrive (the first at its start)
-    NFH: gl.constexpr = 1 if TAGGED >= 3 else HIDDEN // BK
-    NFI: gl.constexpr = 1 if TAGGED >= 3 else INTER // BK
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
     if TMA:
         if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
@@ -920,8 +683,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
-    if TAGGED:
-        ss_t = pid.to(gl.float32) * 0.0  # a tagged stage's input's sum of squares, chunks summed as staged
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM)  # fmt: skip
@@ -940,19 +701,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
             if j == 0:  # a stage starts: wait for its input, stage it
                 _stamp(prof_ptr, layer, pid, gl.where(s >= 2, 1, 0), gl.where(s == 1, 1, ms), 0, NPROG, PROF)
                 if s == 0:
-                    if not TAGGED:
-                        if layer > 0:
-                            spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
-                                             _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
+                    if layer > 0:
+                        spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
+                                         _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
                     gl.thread_barrier()
-                    if TAGGED:
-                        if layer > 0:  # the previous layer's tagged outgoing residual
-                            src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1,
-                                                            A_GU, A_RES, LAYER_A, HIDDEN)  # fmt: skip
-                            ss_t, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, True, NFH)
-                        else:
-                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
-                    elif MMAV:
+                    if MMAV:
                         rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
                                            HIDDEN, EPS, NW)  # fmt: skip
                     else:
@@ -962,18 +715,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
                     kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
                     bnext = gl.zeros([NW, PW], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
-                    if TAGGED:  # the task polls its q, k and v words themselves
-                        kn = gl.zeros([D], gl.float32, gl.SliceLayout(0, gl.SliceLayout(1, _tile_layout(NW))))
-                        vn = kn
-                        if has_task:
-                            kn, vn, spin = _poll_qkv(kvs, act + arow_c * LAYER_A, cs, kvh0, tag, spin, health_ptr,
-                                                     _code(WAIT_TIMEOUT, 1, glayer), QH, KVH, D, KVS, NW, PW)  # fmt: skip
-                    else:
-                        kn = 0.0  # (``_attend`` reads its own)
-                        vn = 0.0
-                        spin = _wait_for(
-                            ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer)
-                        )
+                    spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
@@ -982,31 +724,17 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
-                        if TAGGED >= 2:  # 64-bit words, a set per layer: their tag (the launch's) names no layer
-                            pb = part_ptr + (layer * NB + arow_c) * (2 * KVH * NSPLIT * G * (D + 2))
-                        else:
-                            pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
+                        pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, kn, vn, tag, QH, KVH, D, BS, SCALE, NSPLIT, KVS,
-                                NW, PW, TAGGED)  # fmt: skip
-                        if TAGGED >= 2:
-                            spin = _merge_tagged(ab + A_ATT, pb, tag, task // NSPLIT, task % NSPLIT, spin, health_ptr,
-                                                 _code(WAIT_TIMEOUT, 1, glayer), G, D, NSPLIT, NW)  # fmt: skip
-                        else:
-                            _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                          ctr_ptr + layer * NCTR + 1, epoch, tag, task // NSPLIT, G, D, NSPLIT, NW,
-                                          TAGGED)  # fmt: skip
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
+                        _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
+                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
-                    if not TAGGED:
-                        spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
-                                         _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
+                    spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
+                                     _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
-                    if TAGGED:
-                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
-                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
-                        _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, False, NFH)
-                    elif MMAV:
+                    if MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
                         for c in gl.static_range(HIDDEN // BK):
@@ -1014,31 +742,21 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                 gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16)
                             )
                 elif s == 2:
-                    if not TAGGED:
-                        spin = _wait_for(
-                            ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
-                        )
+                    spin = _wait_for(
+                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                    )
                     gl.thread_barrier()
-                    if TAGGED:
-                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
-                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
-                        ss_t, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, True, NFH)
-                    elif MMAV:
+                    if MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:
-                    if not TAGGED:
-                        spin = _wait_for(
-                            ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
-                        )
+                    spin = _wait_for(
+                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                    )
                     gl.thread_barrier()
-                    if TAGGED:
-                        src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU,
-                                                        A_RES, LAYER_A, HIDDEN)  # fmt: skip
-                        _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, 0, spin, health_ptr, wcode, False, NFI)
-                    elif DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
+                    if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
                         for kk in gl.static_range(XPRE):
                             _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
                         async_copy.commit_group()
@@ -1059,15 +777,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
-        if TAGGED >= 3:  # the first task stages the rest of its input chunk by chunk, each as its words arrive
-            if (j == 0) & (k > 0) & ((s != 0) | (layer > 0)):
-                src, gn, wcode = _tagged_source(act, s, layer, glayer, gin_ptr, gpost_ptr, A_ATT, A_H1, A_GU, A_RES,
-                                                LAYER_A, HIDDEN)  # fmt: skip
-                if (s == 0) | (s == 2):  # normed: its sum of squares too
-                    ssk, spin = _tagged_input(xbuf, src, gn, cf, tag, k, spin, health_ptr, wcode, True, 1)
-                    ss_t += ssk
-                else:
-                    _ss, spin = _tagged_input(xbuf, src, gn, cf, tag, k, spin, health_ptr, wcode, False, 1)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
@@ -1101,9 +810,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:
             acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
-            if TAGGED:  # the staged input's rstd, once its last chunk is in (the first task's end)
-                if (j == 0) & ((s == 2) | ((s == 0) & (layer > 0))):
-                    rstd = gl.rsqrt(ss_t / HIDDEN + EPS)
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)
             if MMAV:
@@ -1122,18 +828,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 y = gl.sum(acc, axis=1)
                 if nan:
                     y = y + float("nan")
-                # tagged: a stalled QKV (the drill) tags its results with the last launch's tag
-                wtag = (epoch - ((fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)).to(gl.int64)) & 0x7FFFFFFF
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, wtag, A_H1, A_GU, A_RES, LAYER_A, nlayers, TAGGED, NW)  # fmt: skip
+                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
-                if not TAGGED:  # (tagged stages are read by their words: no count, no release fence)
-                    stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
-                    gl.thread_barrier()
-                    if not stall:
-                        gl.atomic_add(
-                            ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu"
-                        )
+                stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
+                gl.thread_barrier()
+                if not stall:
+                    gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight

@@ -83,7 +83,7 @@ class _Buffers:
         d = g.dims
         self.width = g.width
         self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
-        self.part = torch.zeros(g.partial_sets(layers) * g.partial_places, dtype=torch.float32, device=device)
+        self.part = torch.zeros(g.partial_places, dtype=torch.float32, device=device)
         self.res = torch.zeros(max(1, layers - 1) * g.width * d.hidden_size, dtype=torch.bfloat16, device=device)
         self.ctr = torch.zeros(layers * NCTR, dtype=torch.int64, device=device)
         self.hctr = torch.zeros(layers * g.width * d.num_kv_heads, dtype=torch.int64, device=device)

@@ -50,22 +50,16 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # slots fits (head_dim 64), so a step's fixed cost is paid once per
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
-# ``tagged`` 1 (run 119: 1-2 % slower than the counters at batch 1): at width 1, every stage's results carry the launch's tag (value and
-# tag in one 64-bit word, ``mailbox.pack``), and the stage that reads them polls them itself instead of a
-# counter and then the input: one round trip a hand-off instead of two, at all five hand-offs.
-# ``tagged`` 2 also tags the attention's split partials, and the head's last split merges them once
-# it has read all (no counter: the last-arriving split's atomic, one round trip, leaves the chain).
-# ``tagged`` 3 also stages each stage's input chunk by chunk in its first task, each chunk as its
-# words arrive (the arithmetic on the first chunks, and the ring's refills behind them, start
-# before the producers' stragglers finish the rest; the two-launch kernels' down halves cut 8B's
-# down wait from 6.0 to 0.4 µs that way).
-# Widths 2-8 are unchanged.
+# Runs 119-120 timed ``tagged`` 1-3 and dropped it (width 1's hand-offs as 64-bit words carrying
+# the launch's epoch, polled by the consumer instead of a counter and then the input; 2: the
+# attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
+# its words arrived): bit for bit the default, and 1-2 % (1), 5-8 % (2), 6-12 % (3) slower at
+# batch 1 on the H100 (benchmarks/README.md, runs 118-120).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
-    "tagged": (0, 0, 3),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -152,7 +146,6 @@ class StepGeometry:
     stream_down: int = 1
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
-    tagged: int = 0  # width 1: stages poll their inputs' tagged words (``tags``); 2: the merge too; 3: by chunk
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -203,35 +196,13 @@ class StepGeometry:
     def act_offsets(self) -> dict[str, int]:
         """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u, and
         where down's input streams (``streams_down``) SiLU(g)·u again as bf16 ("g16": I bf16 in
-        I / 2 words), which down's X chunks are copied from as they are. With ``tags`` (width 1),
-        qkv, att, h1 and SiLU(g)·u are 64-bit tagged words (two places each), and "res" the
-        layer's outgoing residual as such words, which the next layer's QKV stages."""
+        I / 2 words), which down's X chunks are copied from as they are."""
         h, i = self.dims.hidden_size, self.dims.intermediate_size
         q = self.qkv_rows
-        if self.tags:  # every stage's result as 64-bit words (two fp32 places each), and the residual
-            return {
-                "qkv": 0,
-                "att": 2 * q,
-                "h1": 2 * q + 2 * h,
-                "gu": 2 * q + 4 * h,
-                "res": 2 * q + 4 * h + 2 * i,
-                "end": 2 * q + 6 * h + 2 * i,
-            }
         out = {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
         if self.streams_down:
             out["g16"], out["end"] = out["end"], out["end"] + i // 2
         return out
-
-    @property
-    def tags(self) -> bool:
-        """Width 1 with ``tagged``: each stage's results (q/k/v, the attention output, h1,
-        SiLU(g)·u, the outgoing residual) are written as 64-bit words, the fp32 value in the low
-        half and the launch's tag in the high (``mailbox.pack``), and the stage that reads them
-        reads the words again until every one carries this launch's tag, instead of polling the producers'
-        counter first and then reading its input; the stages no longer count their parts (no
-        reader: each count was a barrier and a release fence a stage), only the attention's
-        split counter of ``tagged`` 1 still counts, for the head's merge."""
-        return bool(self.tagged) and self.width == 1
 
     # -- widths 2-8: down's input -------------------------------------------------------------
     @property
@@ -310,19 +281,9 @@ class StepGeometry:
     @property
     def partial_places(self) -> int:
         """fp32 places of the attention's split partials, [width, KV heads, splits, G, D + 2]
-        (each split's output rows, their max and sum), for one layer: twice that as the 64-bit
-        words of ``tagged`` 2 and up, which need a set per layer (``partial_sets``)."""
+        (each split's output rows, their max and sum)."""
         d = self.dims
-        n = self.width * d.num_heads * self.splits * (d.head_dim + 2)
-        return 2 * n if self.tags and self.tagged >= 2 else n
-
-    def partial_sets(self, layers: int) -> int:
-        """Sets of split partials a launch of ``layers`` layers needs: one reused by every layer,
-        but with ``tagged`` 2 and up one a layer. Their words carry the launch's tag, which does
-        not tell layers apart, so a merge reading a shared set would take a split's words of
-        the layer before as this layer's (run 119: the step's output differed from the
-        default's, the error out of tolerance)."""
-        return layers if self.tags and self.tagged >= 2 else 1
+        return self.width * d.num_heads * self.splits * (d.head_dim + 2)
 
     @property
     def _kv_bytes(self) -> int:
@@ -417,8 +378,6 @@ class StepGeometry:
             "A_H1": a["h1"],
             "A_GU": a["gu"],
             "A_G16": a.get("g16", 0),
-            "A_RES": a.get("res", 0),
-            "TAGGED": self.tagged if self.tags else 0,
             "XMAX": self.x_chunks,
             "XS": self.x_slots,
             "DSTREAM": int(self.streams_down),

@@ -51,16 +51,12 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
                                                    ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 0}),
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 2}),
-                                                   ("llama3-1b", 1, {"tagged": 1}), ("llama3-8b", 1, {"tagged": 1}),
-                                                   ("llama3-1b", 1, {"tagged": 2}), ("llama3-8b", 1, {"tagged": 2}),
-                                                   ("llama3-1b", 1, {"tagged": 3}), ("llama3-8b", 1, {"tagged": 3})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
-    3-slot one by TMA at width 8, 1B's attention stepping 32 positions a warp at width 8, width
-    1's stages polling epoch-tagged inputs, the merge polling tagged partials, the inputs staged
-    chunk by chunk) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
+    default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept) compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -79,7 +75,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "tagged"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -99,22 +95,6 @@ def test_bad_plans_are_refused_in_one_line():
     one_b = StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_step=2)
     one_b.check()  # two 64 KiB K/V slots beside a 3-slot weight ring
     assert (one_b.kv_slots, one_b.ring_slots, one_b.constexprs(16)["PW"]) == (2, 3, 32)
-    # tagged: width 1's stage results and residual as 64-bit words (even fp32 offsets), widths 2-8 as they were
-    one, eight = (StepGeometry(profile_dims("llama3-1b"), w, H200_SMS, tagged=1) for w in (1, 8))
-    assert one.tags and not eight.tags
-    assert eight.act_offsets == StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS).act_offsets
-    a, h, i = one.act_offsets, 2048, 8192
-    assert a["att"] == 2 * one.qkv_rows
-    assert [a[k] - a["att"] for k in ("h1", "gu", "res", "end")] == [2 * h, 4 * h, 4 * h + 2 * i, 6 * h + 2 * i]
-    assert all(v % 2 == 0 for v in a.values()) and one.constexprs(16)["TAGGED"] == 1
-    two = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, tagged=2)  # ... and the partials' words
-    assert two.partial_places == 2 * one.partial_places and two.constexprs(16)["TAGGED"] == 2
-    three = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS, tagged=3)
-    assert three.partial_places == two.partial_places and three.act_offsets == a
-    # tagged partials carry the launch's tag, which names no layer: a set per layer, or a merge
-    # would take the layer before's words as this one's
-    assert [g.partial_sets(16) for g in (one, two, three)] == [1, 16, 16]
-    assert StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, tagged=2).constexprs(16)["TAGGED"] == 0
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})
     assert "\n" not in str(e.value)

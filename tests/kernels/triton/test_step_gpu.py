@@ -291,23 +291,19 @@ def test_graph_of_forward_step_replays_bit_identical(case):
 
 @pytest.mark.parametrize("entry", ["forward_step", "forward_layer"])
 @pytest.mark.parametrize("kind,site", [("stall", "wait_timeout"), ("nonfinite", "nonfinite")])
-@pytest.mark.parametrize("tagged", [0, 1, 2, 3])
-def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry, tagged):
+def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry):
     """A stall (layer 1's results never published: every wait on them is bounded) and a NaN in
     layer 1's output each set the sticky health word naming the site and layer 1 (the first
     failure: the NaN reaches layers 2 and 3 too, and the runner reports the cause, not where it
     spread), and the launch returns in bounded time with the GPU usable; a healthy step leaves
     the word as it is; ``reset_health`` clears it and a healthy step after that sets nothing
-    (the failed launch left its counters consistent). ``tagged``: width 1 with the plan's
-    ``tagged`` 1, 2 or 3 (its stages poll their inputs' tagged words; a stalled QKV tags its
-    results with the last launch's tag)."""
+    (the failed launch left its counters consistent)."""
     from monodecode.services.faults import Fault
 
-    plan = {"tagged": tagged} if tagged else None
-    dims, weights, tk = _build(*B1, wait_timeout_s=FAULT_TIMEOUT_S, plan=plan)
+    dims, weights, tk = _build(*B1, wait_timeout_s=FAULT_TIMEOUT_S)
     dev = _gpu()
     layers = B1[2]
-    ctx = CONTEXTS["w1" if tagged else "w2"]
+    ctx = CONTEXTS["w2"]
     alloc, _, kv = _context(dims, layers, ctx, dev, seed=80)
     meta = alloc.decode_metadata(list(range(len(ctx))), device=dev)
     x = _input(dims, len(ctx), 80)
@@ -442,15 +438,11 @@ PLAN_CASES = [
     ({"ring": 4}, (1,), "w1"), ({"ring": 2}, (1, 8), "w1"), ({"ring": 2}, (1, 8), "w8-5rows"),
     ({"stream_down": 0}, (1, 8), "w8-5rows"), ({"stream_down": 0}, (1, 2), "w2"),
     ({"wide_tma": 0}, (1, 8), "w8-5rows"), ({"wide_tma": 1}, B8, "w8-5rows"), ({"wide_tma": 1}, B8, "w2"),
-    ({"tagged": 1}, (1,), "w1"), ({"tagged": 1}, (1,), "w1-first-token"), ({"tagged": 1}, (1, 8), "w8-5rows"),
-    ({"tagged": 1}, B8, "w1"),
-    ({"tagged": 2}, (1,), "w1"), ({"tagged": 2}, (1,), "w1-first-token"), ({"tagged": 2}, B8, "w1"),
-    ({"tagged": 3}, (1,), "w1"), ({"tagged": 3}, (1,), "w1-first-token"), ({"tagged": 3}, B8, "w1"),
 ]  # fmt: skip
 
 
 def _plan_case_id(plan: dict, widths, case: str) -> str:
-    """``tagged1-w1``, ``wide_tma1-w2-8b``: selectable with ``-k`` by knob, context and build."""
+    """``ring4-w1``, ``wide_tma1-w2-8b``: selectable with ``-k`` by knob, context and build."""
     knobs = "-".join(f"{k}{v}" for k, v in plan.items())
     return f"{knobs}-{case}" + ("-8b" if widths == B8 else "")
 
@@ -459,9 +451,7 @@ def _plan_case_id(plan: dict, widths, case: str) -> str:
 def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input staged
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
-    ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B; width 1's stages polling their
-    inputs' epoch-tagged words instead of counters, the merge its partials', the inputs staged
-    chunk by chunk as their words arrive) move bytes, never change a sum:
+    ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B) move bytes, never change a sum:
     the whole step and the K/V it writes are bit for bit the default plan's (1B's
     ``stream_down: 0`` is the default that runs 105-108 verified against the reference)."""
     from monodecode.kernels.triton.step_launch import StepKernels
