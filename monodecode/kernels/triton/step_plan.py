@@ -299,10 +299,11 @@ class StepGeometry:
     def kv_groups(self) -> int:
         """16-position groups a warp's attention step reads: the plan's ``kv_step``, else 2 from
         width ``KV_STEP_2_FROM`` on where the heads are 64 wide (two 64 KiB K/V slots: 1B), else 1.
-        Run 119 (H100, 1B width 8): 4.4 % faster at 32k, 0.7 % slower at 1k (its weight ring
-        then has 3 slots filled by ``cp.async``, not 4 by TMA); at width 1, 2.6 % slower at 1k
-        and level at 32k. One graph serves every context at a width, so the long contexts,
-        where the width loses to the stock otherwise (0.98x), decide."""
+        Runs 119-120 (H100, 1B width 8): 2 % faster at 8k, 4 % at 32k, 1 % slower at 1k (its
+        weight ring then has 3 slots filled by ``cp.async``, not 4 by TMA). One graph serves
+        every context at a width, so the long contexts, where the width loses to the stock
+        otherwise (0.98x), decide. At widths 1-4 it spills (8-56 bytes at sm_90) and was 1-4 %
+        slower at 1k, level at 32k."""
         if self.kv_step is not None:
             return self.kv_step
         # by model and width alone, never by the other knobs: a knob that moves bytes must not
