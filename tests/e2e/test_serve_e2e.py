@@ -419,6 +419,7 @@ class Load:
         self._stop = threading.Event()
         self.client = client_for(server)
         self.errors: list[str] = []
+        self.disconnects = 0  # requests the server closed unanswered (below), retried
         self.threads = [threading.Thread(target=self._loop, args=(model, i), daemon=True) for i in range(rows)]
         for t in self.threads:
             t.start()
@@ -435,6 +436,12 @@ class Load:
             except Exception as e:  # surfaced by the test, with what the client's error wraps (the
                 # openai client's "Connection error." alone does not say whether the server reset,
                 # refused or closed the connection)
+                if "Server disconnected without sending a response" in repr(e.__cause__):
+                    # vLLM's API server on 2 busy cores closes a fresh connection now and then
+                    # without answering (CI: one request of thousands, in 4 of ~10 runs); counted
+                    # and retried, so the load keeps its rows
+                    self.disconnects += 1
+                    continue
                 self.errors.append(repr(e) + (f" from {e.__cause__!r}" if e.__cause__ else ""))
                 return
 
@@ -475,17 +482,28 @@ def test_prometheus_fallback_alert_fires_only_when_steps_fall_back(fleet, tmp_pa
         # 8 short streams, starved client threads left steps at <= 4 rows: mono, and the alert
         # never fired; with 12 streamed ones, the API server's process, busy with every token of
         # every stream on 2 cores, still let it stay quiet in 2 of 5 CI runs)
-        load = Load(mono, model, rows=24, tokens=128, stream=False)
+        # (256 tokens each: fewer refills, in which the running rows dip to the widths mono runs)
+        before = steps(mono)
+        load = Load(mono, model, rows=24, tokens=256, stream=False)
         t0 = time.monotonic()
+
+        def since_load() -> str:
+            now = steps(mono)
+            return f"steps since the load began: { {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)} }"
+
         firing = wait_for(
             f"{ALERT} to fire",
             lambda: [a for a in prom.alerts(ALERT) if a["state"] == "firing"],
             150,
-            on_timeout=lambda: f"{prom.alerts(ALERT)}\n{steps(mono)}\nload errors: {load.errors}\n{prom.tail()}",
+            on_timeout=lambda: (
+                f"{prom.alerts(ALERT)}\n{since_load()}\nload errors: {load.errors}, disconnects "
+                f"{load.disconnects}\n{prom.tail()}"
+            ),
         )
         MEASURED["fallback_alert_fired_after_s"] = time.monotonic() - t0
         assert float(firing[0]["value"]) > 0.5
         assert not load.errors, load.errors
+        print(f"fallback load: {load.disconnects} requests closed unanswered and retried")
         for quiet in ("MonodecodeDisabled", "MonodecodeDegraded", "MonodecodeFailstop"):
             assert prom.alerts(quiet) == [], quiet
     finally:
