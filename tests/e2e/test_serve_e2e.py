@@ -408,13 +408,21 @@ def _shipped_rules_with_short_for(tmp: Path) -> Path:
 
 class Load:
     """Bounded background traffic: ``rows`` concurrent streams, each repeating completions of
-    ``tokens`` tokens."""
+    ``tokens`` tokens (unstreamed: ``n`` sequences a request)."""
 
     def __init__(
-        self, server: VllmServer, model: str, rows: int, max_s: float = 240, tokens: int = 48, stream: bool = True
+        self,
+        server: VllmServer,
+        model: str,
+        rows: int,
+        max_s: float = 240,
+        tokens: int = 48,
+        stream: bool = True,
+        n: int = 1,
     ):
         self.tokens = tokens
         self.stream = stream
+        self.n = n
         self.stop_at = time.monotonic() + max_s
         self._stop = threading.Event()
         self.client = client_for(server)
@@ -431,7 +439,7 @@ class Load:
                     _stream(self.client, model, PROMPTS[i % len(PROMPTS)], self.tokens)
                 else:  # one response a request: the API server's process is not busy with every token
                     self.client.completions.create(model=model, prompt=PROMPTS[i % len(PROMPTS)],
-                                                   max_tokens=self.tokens, temperature=0.0,
+                                                   max_tokens=self.tokens, temperature=1.0, seed=i, n=self.n,
                                                    extra_body={"ignore_eos": True})  # fmt: skip
             except Exception as e:  # surfaced by the test, with what the client's error wraps (the
                 # openai client's "Connection error." alone does not say whether the server reset,
@@ -476,15 +484,14 @@ def test_prometheus_fallback_alert_fires_only_when_steps_fall_back(fleet, tmp_pa
         load.stop()
         assert not load.errors, load.errors
 
-        # three times the rows the server runs at once (--max-num-seqs 8), each long and answered in
-        # one response: the queue refills a finished row in the scheduler, not after the client's
-        # round trip, so the running rows stay above the widest width on a loaded machine too (with
-        # 8 short streams, starved client threads left steps at <= 4 rows: mono, and the alert
-        # never fired; with 12 streamed ones, the API server's process, busy with every token of
-        # every stream on 2 cores, still let it stay quiet in 2 of 5 CI runs)
-        # (256 tokens each: fewer refills, in which the running rows dip to the widths mono runs)
+        # three times the rows the server runs at once (--max-num-seqs 8), as 3 requests of 8
+        # sequences (n=8) of 256 tokens: a request's 8 rows enter the engine together and run to
+        # the same end, so the running rows stay above the widest width without a client round
+        # trip per row. Row by row (24 requests), the API server and the client threads, starved on
+        # 2 busy cores, refilled finished rows so slowly that steps of <= 4 rows (mono) outnumbered
+        # the rest 2:1 in CI and the alert never fired (twice; streamed rows before that, 2 of 5)
         before = steps(mono)
-        load = Load(mono, model, rows=24, tokens=256, stream=False)
+        load = Load(mono, model, rows=3, tokens=256, stream=False, n=8)
         t0 = time.monotonic()
 
         def since_load() -> str:
@@ -503,7 +510,7 @@ def test_prometheus_fallback_alert_fires_only_when_steps_fall_back(fleet, tmp_pa
         MEASURED["fallback_alert_fired_after_s"] = time.monotonic() - t0
         assert float(firing[0]["value"]) > 0.5
         assert not load.errors, load.errors
-        print(f"fallback load: {load.disconnects} requests closed unanswered and retried")
+        print(f"fallback load: {since_load()}; {load.disconnects} requests closed unanswered and retried")
         for quiet in ("MonodecodeDisabled", "MonodecodeDegraded", "MonodecodeFailstop"):
             assert prom.alerts(quiet) == [], quiet
     finally:
