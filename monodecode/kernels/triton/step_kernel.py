@@ -238,29 +238,13 @@ def _bf(v):
 
 
 @gluon.jit
-def _rotate_half(a, b, d, cos, sin, D: gl.constexpr):
-    """``a`` (the value at ``d``) rotated with its rotate-half partner ``b`` (at (d + D/2) % D) by
-    the row's ``cos`` and ``sin`` at ``d`` (``_cos_sin``), rounded to bf16."""
-    return _bf(a * cos + gl.where(d < D // 2, -1.0, 1.0) * b * sin)
-
-
-@gluon.jit
 def _rope(base, d, cos, sin, D: gl.constexpr):
-    """``base[d]`` (bf16-rounded) after RoPE (``_rotate_half``; ``base``, ``d``, ``cos`` and ``sin``
+    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by the row's ``cos`` and
+    ``sin`` at ``d`` (``_cos_sin``); the result rounded to bf16 (``base``, ``d``, ``cos`` and ``sin``
     broadcast)."""
     a = _bf(gl.load(base + d, cache_modifier=".cg"))
     b = _bf(gl.load(base + (d + D // 2) % D, cache_modifier=".cg"))
-    return _rotate_half(a, b, d, cos, sin, D)
-
-
-@gluon.jit
-def _q_slot(kvs, KVS: gl.constexpr, PW: gl.constexpr):
-    """Where ``_attend``'s q passes into mma's operand layout: the K/V ring's last slot (its first
-    copy is issued in the task's first step), its first 16 positions' bytes."""
-    if PW == 16:
-        return kvs.index(2 * (KVS - 1))
-    else:
-        return kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
+    return _bf(a * cos + gl.where(d < D // 2, -1.0, 1.0) * b * sin)
 
 
 @gluon.jit
@@ -377,7 +361,10 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     s1 = cs.slice(D, D).load(d1.type.layout)
     c3 = gl.expand_dims(c1[None, :], 1)
     s3 = gl.expand_dims(s1[None, :], 1)
-    qs = _q_slot(kvs, KVS, PW)
+    if PW == 16:
+        qs = kvs.index(2 * (KVS - 1))
+    else:  # the slot's first 16 positions' bytes
+        qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
     # q, k and v asked for together (one round trip), before q's trip through shared memory
     qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
     kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
