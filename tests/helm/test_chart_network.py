@@ -26,18 +26,17 @@ def selects(selector: dict, labels: dict) -> bool:
     return selector.items() <= labels.items()
 
 
-def test_all_off_by_default(tmp_path):
-    docs = render(tmp_path, {}, apis=APIS)
-    for kind in ("NetworkPolicy", "Ingress", "HTTPRoute"):
-        assert not by_kind(docs, kind), kind
-    env = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert "VLLM_API_KEY" not in {e["name"] for e in env}
-
-
 def _env(docs: list[dict]) -> dict[str, str]:
     return {
         e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
     }
+
+
+def test_all_off_by_default(tmp_path):
+    docs = render(tmp_path, {}, apis=APIS)
+    for kind in ("NetworkPolicy", "Ingress", "HTTPRoute"):
+        assert not by_kind(docs, kind), kind
+    assert "VLLM_API_KEY" not in _env(docs)
 
 
 @pytest.mark.parametrize("values,seconds", [({}, "75"), ({"vllm": {"keepAliveSeconds": 620}}, "620")])
@@ -208,13 +207,13 @@ def test_probes_and_scrapes_pass_vllms_api_key_check(tmp_path):
         (
             {"apiKey": {"existingSecret": "k"}, "env": [{"name": "VLLM_API_KEY", "value": "x"}]},
             APIS,
-            "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret",
+            "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret: remove it from env",
         ),
         ({"apiKey": {"existingSecret": "Key_1"}}, APIS, "at '/apiKey/existingSecret'"),
         (
             {"env": [{"name": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "value": "5"}]},
             APIS,
-            "env sets VLLM_HTTP_TIMEOUT_KEEP_ALIVE, which the chart sets from vllm.keepAliveSeconds",
+            "env sets VLLM_HTTP_TIMEOUT_KEEP_ALIVE, which the chart sets from vllm.keepAliveSeconds: remove it from env",
         ),
         ({"vllm": {"keepAliveSeconds": 0}}, APIS, "at '/vllm/keepAliveSeconds'"),
         ({"vllm": {"keepAliveSeconds": "75"}}, APIS, "at '/vllm/keepAliveSeconds'"),

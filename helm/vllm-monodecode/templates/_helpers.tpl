@@ -288,16 +288,14 @@ by the generated values.schema.json), null values left out, failstop_dir set to 
 {{- fail (printf "resources.limits.ephemeral-storage (%v) is below the size limits of the pod's disk emptyDirs (%s): the kubelet would evict the pod before they fill; raise it or lower scratch.* / model.hf.cache.size" . (join " + " $parts)) }}
 {{- end }}
 {{- end }}
-{{- range .Values.env }}
-{{- if eq .name "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" }}
-{{- fail "env sets VLLM_HTTP_TIMEOUT_KEEP_ALIVE, which the chart sets from vllm.keepAliveSeconds: set that instead" }}
-{{- end }}
-{{- end }}
+{{- /* variables the chart sets from a value: set twice, the container's env would hold both */}}
+{{- $owned := dict "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" "vllm.keepAliveSeconds" }}
 {{- if .Values.apiKey.existingSecret }}
-{{- range .Values.env }}
-{{- if eq .name "VLLM_API_KEY" }}
-{{- fail "env sets VLLM_API_KEY, which the chart sets from apiKey.existingSecret: remove it from env" }}
+{{- $_ := set $owned "VLLM_API_KEY" "apiKey.existingSecret" }}
 {{- end }}
+{{- range .Values.env }}
+{{- if hasKey $owned .name }}
+{{- fail (printf "env sets %s, which the chart sets from %s: remove it from env" .name (get $owned .name)) }}
 {{- end }}
 {{- end }}
 {{- with .Values.networkPolicy }}
