@@ -664,9 +664,11 @@ def test_an_idle_connection_outlives_vllms_default_keep_alive_with_the_charts(fl
     conns = {
         name: http.client.HTTPConnection("127.0.0.1", fleet[name].port, timeout=30) for name in ("stock", "compiled")
     }
-    for conn in conns.values():
+    for name, conn in conns.items():
         conn.request("GET", "/health")
-        assert conn.getresponse().read() is not None
+        first = conn.getresponse()
+        first.read()  # the whole response, so the connection can carry the next request
+        assert first.status == 200, (name, first.status)
     time.sleep(idle_s)
     status = {}
     for name, conn in conns.items():
