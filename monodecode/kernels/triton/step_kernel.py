@@ -42,7 +42,7 @@ BK = gl.constexpr(1024)  # a weight chunk's columns
 TB = gl.constexpr(256)  # TMA's box: a chunk is [16, 4, 256]
 NPAD = gl.constexpr(8)  # widths 2-8: rows padded to mma.sync's 8 columns
 MINSPAN = gl.constexpr(128)  # positions a context split holds at least (``step_plan.MIN_SPLIT``)
-NCTR = gl.constexpr(5)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down
+NCTR = gl.constexpr(6)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down, gate/up but its last round
 # health sites and kernels (``monodecode.kernels.health``): the attention half reports as k1
 WAIT_TIMEOUT = gl.constexpr(1)
 NONFINITE = gl.constexpr(2)
@@ -164,17 +164,19 @@ def _stage_layout(NW):
 
 @gluon.jit
 def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
-                NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+                NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr,
+                C0: gl.constexpr = 0, C1: gl.constexpr = -1):  # fmt: skip
     """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
     ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
-    zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``)."""
+    zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``).
+    ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last)."""
     KW: gl.constexpr = BK // NW
     st: gl.constexpr = _stage_layout(NW)
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
     b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
     k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
     ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
-    for c in gl.static_range(NCH):
+    for c in gl.static_range(C0, NCH if C1 < 0 else C1):
         col = c * BK + w3 * KW + k3  # [NW, 1, KW]
         v = gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg")
         v = v.to(gl.float32)
@@ -186,6 +188,18 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
         return ss + 1.0
+
+
+@gluon.jit
+def _down_input(xbuf, src, cf, C0: gl.constexpr, C1: gl.constexpr, LAYER_A: gl.constexpr, INTER: gl.constexpr,
+                XMAX: gl.constexpr, NB: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Stage chunks ``C0 .. C1 - 1`` of down's whole input (SiLU(g)·u, fp32 at ``src``, a row each
+    ``LAYER_A``) as bf16: width 1 into chunk ``c``, widths 2-8 as ``_stage_rows`` would."""
+    if MMAV:
+        _stage_rows(xbuf, src, LAYER_A, src, INTER // BK, XMAX, NB, False, INTER, 1.0, NW, C0, C1)
+    else:
+        for c in gl.static_range(C0, C1):
+            xbuf.index(c).store(gl.load(src + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
 
 
 @gluon.jit
@@ -565,7 +579,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                DE: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -581,7 +595,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
-    ``StepGeometry.kv_groups``). ``PROF``: each program stamps its stages into ``prof`` where K1's
+    ``StepGeometry.kv_groups``). ``DE``: down's first input chunks that gate/up's rounds but the
+    last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
+    program counts those rounds, and waits for the whole of gate/up only where its first task
+    reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -650,6 +667,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
+    # down waits for gate/up but its last round (counter 5) and stages DE chunks, or for all of it
+    DOWN_CTR: gl.constexpr = 5 if DE > 0 else 3
+    DOWN_FIRST: gl.constexpr = DE if DE > 0 else INTER // BK
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         if DSTREAM:
@@ -738,21 +758,17 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
-                else:
-                    spin = _wait_for(
-                        ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
-                    )
+                else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
+                    spin = _wait_for(ctr_ptr + layer * NCTR + DOWN_CTR, target, spin, health_ptr,
+                                     _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
                     gl.thread_barrier()
                     if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
                         for kk in gl.static_range(XPRE):
                             _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
                         async_copy.commit_group()
                         async_copy.wait_group(0)
-                    elif MMAV:  # (gate/up's tasks stored SiLU(g)·u)
-                        _stage_rows(xbuf, act + A_GU, LAYER_A, gin_ptr, INTER // BK, XMAX, NB, False, HIDDEN, EPS, NW)
-                    else:
-                        for c in gl.static_range(INTER // BK):
-                            xbuf.index(c).store(gl.load(act + A_GU + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
+                    else:  # (gate/up's tasks stored SiLU(g)·u)
+                        _down_input(xbuf, act + A_GU, cf, 0, DOWN_FIRST, LAYER_A, INTER, XMAX, NB, MMAV, NW)
                 gl.thread_barrier()
                 _stamp(prof_ptr, layer, pid, mk, ms, 1, NPROG, PROF)  # the stage's input staged
             if DSTREAM:
@@ -764,6 +780,15 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
+        if DE > 0:  # down reaches the chunks of gate/up's last round: wait for all of it
+            if DSTREAM:  # (streamed: before the refill below asks for X chunk DE, NBUF - 1 chunks ahead)
+                if (s == 3) & (k == DE - (NBUF + TD - 2) // TD) & (j == (DE * TD - (NBUF - 1)) % TD):
+                    spin = _wait_for(ctr_ptr + layer * NCTR + 3, target, spin, health_ptr,
+                                     _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
+            elif (s == 3) & (j == 0) & (k == DE):  # (staged: where the first task reaches them)
+                spin = _wait_for(ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer))
+                gl.thread_barrier()
+                _down_input(xbuf, act + A_GU, cf, DE, INTER // BK, LAYER_A, INTER, XMAX, NB, MMAV, NW)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
@@ -817,6 +842,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     y = y + float("nan")
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
                            tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
+            if DE > 0:
+                if (s == 2) & (j == T1 - 2):  # gate/up's rounds but its last stored (down's first DE chunks)
+                    gl.thread_barrier()
+                    gl.atomic_add(ctr_ptr + layer * NCTR + 5, 1, sem="release", scope="gpu")
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
                 gl.thread_barrier()

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from monodecode.kernels.triton.step_plan import (  # noqa: E402
+    NCTR,
     SMEM_PER_PROGRAM,
     StepGeometry,
     step_refusals,
@@ -51,12 +52,15 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
                                                    ("llama3-8b", 1, {"ring": 2}), ("llama3-1b", 8, {"stream_down": 0}),
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
+                                                   ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
-    default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
+    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -75,7 +79,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -131,6 +135,34 @@ def test_geometry_counts_tiles_splits_and_padding():
     big = StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS)
     assert big.off_down % 28672 == 0 and big.layer_weights % 28672 == 0
     assert big.off_down >= big.off_gu + 2 * 14336 * 4096 and big.off_down - (big.off_gu + 2 * 14336 * 4096) < 28672
+
+
+def test_down_starts_on_the_chunks_gate_ups_rounds_but_the_last_produced():
+    """``down_early_chunks``, against a walk of gate/up's tiles: tile t runs in round t // programs
+    and makes SiLU(g)·u outputs 8 t .. 8 t + 7, so a chunk of down's input is early when every
+    tile making it runs before the last round (8B: 13 of 14 chunks, 1B: 7 of 8, on 132 SMs). Off
+    with the knob, with one gate/up round, or where streamed down copies a late chunk at its start."""
+    for name in ("llama3-1b", "llama3-8b"):
+        for width in (1, 2, 8):
+            g = StepGeometry(profile_dims(name), width, H200_SMS)
+            tiles, last = g.stage_tiles()[2], g.tiles_per_program()[2] - 1
+            chunk_round = {}
+            for t in range(tiles):
+                c = 8 * t // 1024
+                chunk_round[c] = max(chunk_round.get(c, 0), t // H200_SMS)
+            early = [c for c in sorted(chunk_round) if chunk_round[c] < last]
+            assert early == list(range(g.down_early_chunks)), (name, width, early)
+            assert StepGeometry(profile_dims(name), width, H200_SMS, early_down=0).down_early_chunks == 0
+    assert StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS).down_early_chunks == 13
+    assert StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS).down_early_chunks == 7
+    one_round = StepGeometry(profile_dims("llama3-1b"), 1, 1100)  # 1024 gate/up tiles on 1100 programs
+    assert one_round.tiles_per_program()[2] == 1 and one_round.down_early_chunks == 0
+    # an MLP of 2048 (256 gate/up tiles, 2 rounds): chunk 0 is early; streamed at width 4 with a
+    # 4-slot ring, down copies its first 3 X chunks at its start, so it waits for all of gate/up there
+    narrow = dataclasses.replace(profile_dims("llama3-1b"), intermediate_size=2048)
+    assert StepGeometry(narrow, 1, H200_SMS).down_early_chunks == 1
+    assert StepGeometry(narrow, 4, H200_SMS).ring_slots == 4
+    assert StepGeometry(narrow, 4, H200_SMS).down_early_chunks == 0
 
 
 def test_refusals_that_depend_on_the_programs():
@@ -276,7 +308,7 @@ def test_launch_arguments_match_the_kernel_signature():
     assert len(step_args) == len(runtime) == len(layer_args)
     a, b = dict(zip(runtime, step_args)), dict(zip(runtime, layer_args))
     assert (a["first"], a["nlayers"], b["first"], b["nlayers"]) == (0, 2, 1, 1)
-    assert a["ctr_ptr"].numel() == 2 * 5 and b["ctr_ptr"].numel() == 5 and a["epoch_ptr"] is not b["epoch_ptr"]
+    assert a["ctr_ptr"].numel() == 2 * NCTR and b["ctr_ptr"].numel() == NCTR and a["epoch_ptr"] is not b["epoch_ptr"]
     for cache, offsets in (("kc_ptr", "koff_ptr"), ("vc_ptr", "voff_ptr")):
         caches = kv.key if cache == "kc_ptr" else kv.value
         assert a[cache] is caches[0]
@@ -318,12 +350,16 @@ def test_caches_the_kernel_cannot_address_are_refused_in_one_line():
 
 def test_timeline_stamps_compile_in_only_when_asked():
     """The served build carries no trace of the benchmark's timeline (no ``%globaltimer``); with
-    ``prof`` the six stamp sites are in, and 8B width 8 (the tightest build) still has 0 spills."""
+    ``prof`` the six stamp sites are in, and the stamped builds of 1B and 8B at widths 1 and 8
+    have 0 spills too (at width 8 on 255 registers; 1B's spilled 40 bytes before session 24), so
+    a timeline times the kernel the verdicts time."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import compile_step
 
     plain = compile_step(profile_dims("llama3-1b"), 1, H200_SMS, 16)
     assert "globaltimer" not in plain.asm["ptx"]
-    stamped = compile_step(profile_dims("llama3-8b"), 8, H200_SMS, 16, prof=True)
-    assert stamped.asm["ptx"].count("%globaltimer") == 6
-    assert cuda_resources("step_kernel", 8, 8, stamped).spills == 0
+    for name in ("llama3-1b", "llama3-8b"):
+        for width in (1, 8):
+            stamped = compile_step(profile_dims(name), width, H200_SMS, 16, prof=True)
+            assert stamped.asm["ptx"].count("%globaltimer") == 6
+            assert cuda_resources("step_kernel", width, 8, stamped).spills == 0, (name, width)
