@@ -26,7 +26,9 @@ TB = 256  # TMA's widest box side: a chunk is one [16, 4, 256] box
 NPAD = 8  # widths 2-8: the rows padded to mma.sync's 8 columns (W[16, K] @ X[K, 8])
 NUM_WARPS = 8
 MAX_WIDTH = 8
-NCTR = 6  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, down, gate/up's rounds but its last
+# a layer's completion counters: qkv, heads merged, o_proj, gate/up, down, and the rounds but the
+# last of gate/up, o_proj and down (``early_down``, ``early_hidden``)
+NCTR = 8
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
@@ -63,6 +65,7 @@ PLAN_KNOBS = {
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
     "early_down": (1, 0, 1),
+    "early_hidden": (0, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -150,6 +153,7 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
+    early_hidden: int = 0  # gate/up and QKV on o_proj's and down's (``gate_up_early_chunks``, ``qkv_early_chunks``)
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -288,6 +292,24 @@ class StepGeometry:
             return 0  # the X chunks copied at down's start (``XPRE``) would include a late one
         return n
 
+    @property
+    def gate_up_early_chunks(self) -> int:
+        """With ``early_hidden``: gate/up's input chunks that o_proj's rounds but its last produce
+        (o_proj's tile t makes h1's columns 16 t .. 16 t + 15; 8B on 132 SMs: 2 of 4, 1B: none,
+        one round). Gate/up stages them once every program counts those rounds (counter 6) and
+        the rest, with the row's rstd, where its first task reaches them."""
+        to = self.tiles_per_program()[1]
+        return (to - 1) * self.programs * ROWS // BK if self.early_hidden else 0
+
+    @property
+    def qkv_early_chunks(self) -> int:
+        """With ``early_hidden``, width 1 (down's tiles run one after the other, not k-outer as
+        streamed): QKV's input chunks that the previous layer's down rounds but its last produce
+        (8B: 2 of 4; counter 7), the same way."""
+        if not self.early_hidden or self.streams_down:
+            return 0
+        return (self.tiles_per_program()[3] - 1) * self.programs * ROWS // BK
+
     # -- attention ----------------------------------------------------------------------------
     @property
     def splits(self) -> int:
@@ -415,6 +437,8 @@ class StepGeometry:
             "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks,
+            "EO": self.gate_up_early_chunks,
+            "EQ": self.qkv_early_chunks,
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),
