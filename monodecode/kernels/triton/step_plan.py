@@ -53,7 +53,9 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
 # ``early_down`` (session 24): down waits for gate/up's rounds but its last, then for the rest only
-# where its first task reaches their chunks (``StepGeometry.down_early_chunks``).
+# where its first task reaches their chunks (``StepGeometry.down_early_chunks``); ``early_hidden``
+# the same for gate/up's input from o_proj and width 1's QKV input from the previous down
+# (``gate_up_early_chunks``, ``qkv_early_chunks``; off until timed).
 # Runs 119-120 timed ``tagged`` 1-3 and dropped it (width 1's hand-offs as 64-bit words carrying
 # the launch's epoch, polled by the consumer instead of a counter and then the input; 2: the
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
