@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -297,15 +298,17 @@ def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
     # mixed: a long decode is running when the other prompts arrive, until they are answered
     # (then aborted): 120 tokens took under a second at mono's pace and once ended on a loaded CI
     # machine before the next prompt reached the engine (no mixed step); the mono server's
-    # max_model_len (512) bounds it
+    # max_model_len (512) bounds it. The other prompts go at once: one after the other, they
+    # once took longer on a loaded CI machine than the 450 tokens did
     b = steps(mono)
     first, answered = threading.Event(), threading.Event()
     long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], LONG_TOKENS, first, answered))
     long_run.start()
     assert first.wait(60)
-    for p in PROMPTS[2:]:
-        _stream(client, model, p, 4)
+    with ThreadPoolExecutor(len(PROMPTS) - 2) as pool:
+        answers = list(pool.map(lambda p: _stream(client, model, p, 4), PROMPTS[2:]))
     overlapped = long_run.is_alive()
+    assert answers == [4] * len(answers), answers
     answered.set()
     long_run.join(120)
     assert overlapped, "the long decode ended before the other prompts were answered: nothing overlapped"

@@ -42,9 +42,7 @@ BK = gl.constexpr(1024)  # a weight chunk's columns
 TB = gl.constexpr(256)  # TMA's box: a chunk is [16, 4, 256]
 NPAD = gl.constexpr(8)  # widths 2-8: rows padded to mma.sync's 8 columns
 MINSPAN = gl.constexpr(128)  # positions a context split holds at least (``step_plan.MIN_SPLIT``)
-# a layer's counters: qkv, heads merged, o_proj, gate/up, down, then the rounds but the last of
-# gate/up, o_proj and down (``StepGeometry.down_early_chunks``, ``gate_up_early_chunks``, ``qkv_early_chunks``)
-NCTR = gl.constexpr(8)
+NCTR = gl.constexpr(6)  # a layer's counters: qkv, heads merged, o_proj, gate/up, down, gate/up but its last round
 # health sites and kernels (``monodecode.kernels.health``): the attention half reports as k1
 WAIT_TIMEOUT = gl.constexpr(1)
 NONFINITE = gl.constexpr(2)
@@ -147,18 +145,14 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
 
 
 @gluon.jit
-def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr, C0: gl.constexpr = 0,
-                  C1: gl.constexpr = -1):  # fmt: skip
+def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
     """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf``; returns its
-    rstd, which each output row's sum takes at the end. ``C0``/``C1``: stage chunks ``C0 ..
-    C1 - 1`` only (-1: to the last), the rstd then of chunks ``0 .. C1 - 1`` (the row's once
-    ``C1`` is the last: the earlier chunks are read again for their squares)."""
+    rstd, which each output row's sum takes at the end."""
     ss = 0.0
-    for c in gl.static_range(HIDDEN // BK if C1 < 0 else C1):
+    for c in gl.static_range(HIDDEN // BK):
         v = gl.load(src + c * BK + cf, cache_modifier=".cg").to(gl.float32)
         ss += gl.sum(v * v, axis=0)
-        if c >= C0:
-            xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
+        xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
@@ -175,24 +169,21 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
     """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
     ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
     zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``).
-    ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (-1: to the last); with ``NORM`` the rstd is then
-    of chunks ``0 .. C1 - 1`` (the earlier ones read again for their squares)."""
+    ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last)."""
     KW: gl.constexpr = BK // NW
     st: gl.constexpr = _stage_layout(NW)
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
     b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
     k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
     ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
-    for c in gl.static_range(0 if NORM else C0, NCH if C1 < 0 else C1):
+    for c in gl.static_range(C0, NCH if C1 < 0 else C1):
         col = c * BK + w3 * KW + k3  # [NW, 1, KW]
         v = gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg")
         v = v.to(gl.float32)
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
-        if c >= C0:
-            if NORM:
-                v = v * gl.load(g_ptr + col).to(gl.float32)
-            xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
+            v = v * gl.load(g_ptr + col).to(gl.float32)
+        xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
     if NORM:
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
@@ -588,8 +579,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, EO: gl.constexpr, EQ: gl.constexpr, PROF: gl.constexpr = 0,
-                NW: gl.constexpr = 8):  # fmt: skip
+                DE: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -608,8 +598,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ``StepGeometry.kv_groups``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
-    reaches chunk ``DE``. ``EO``/``EQ``: the same for gate/up's input from o_proj's rounds and
-    QKV's from the previous layer's down (``gate_up_early_chunks``, ``qkv_early_chunks``). ``PROF``: each program stamps its stages into ``prof`` where K1's
+    reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -678,14 +667,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
-    # a stage with early chunks waits at its start for its producer's rounds but the last (counters
-    # 5-7) and stages those, or for all of it and stages the whole input (-1: to the last chunk)
+    # down waits for gate/up but its last round (counter 5) and stages DE chunks, or for all of it
     DOWN_CTR: gl.constexpr = 5 if DE > 0 else 3
     DOWN_FIRST: gl.constexpr = DE if DE > 0 else INTER // BK
-    GU_CTR: gl.constexpr = 6 if EO > 0 else 2
-    GU_FIRST: gl.constexpr = EO if EO > 0 else -1
-    QKV_CTR: gl.constexpr = 7 if EQ > 0 else 4
-    QKV_FIRST: gl.constexpr = EQ if EQ > 0 else -1
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         if DSTREAM:
@@ -725,14 +709,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 _stamp(prof_ptr, layer, pid, gl.where(s >= 2, 1, 0), gl.where(s == 1, 1, ms), 0, NPROG, PROF)
                 if s == 0:
                     if layer > 0:
-                        spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + QKV_CTR, target, spin, health_ptr,
+                        spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
                                          _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
                     gl.thread_barrier()
                     if MMAV:
                         rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
                                            HIDDEN, EPS, NW)  # fmt: skip
                     else:
-                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, 0, QKV_FIRST)
+                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 elif s == 1:
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
@@ -766,16 +750,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                             )
                 elif s == 2:
                     spin = _wait_for(
-                        ctr_ptr + layer * NCTR + GU_CTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
+                        ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
                     )
                     gl.thread_barrier()
                     if MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
-                                           NB, True, HIDDEN, EPS, NW, 0, GU_FIRST)  # fmt: skip
+                                           NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
-                        rstd = _normed_input(
-                            xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, 0, GU_FIRST
-                        )
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
                     spin = _wait_for(ctr_ptr + layer * NCTR + DOWN_CTR, target, spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
@@ -807,22 +789,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 spin = _wait_for(ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer))
                 gl.thread_barrier()
                 _down_input(xbuf, act + A_GU, cf, DE, INTER // BK, LAYER_A, INTER, XMAX, NB, MMAV, NW)
-        if EO > 0:  # gate/up's first task reaches the chunks of o_proj's last round: wait, stage them, the rstd
-            if (s == 2) & (j == 0) & (k == EO):
-                spin = _wait_for(ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer))
-                gl.thread_barrier()
-                if MMAV:
-                    rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB,
-                                       True, HIDDEN, EPS, NW, EO)  # fmt: skip
-                else:
-                    rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, EO)
-        if EQ > 0:  # (width 1) QKV's first task reaches the chunks of the previous down's last round
-            if (s == 0) & (j == 0) & (k == EQ):
-                if layer > 0:
-                    spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
-                                     _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
-                gl.thread_barrier()
-                rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, EQ)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
@@ -876,19 +842,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     y = y + float("nan")
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
                            tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
-            # a stage's rounds but its last stored: counted apart (5-7) for the chunks they make
             if DE > 0:
-                if (s == 2) & (j == T1 - 2):
+                if (s == 2) & (j == T1 - 2):  # gate/up's rounds but its last stored (down's first DE chunks)
                     gl.thread_barrier()
                     gl.atomic_add(ctr_ptr + layer * NCTR + 5, 1, sem="release", scope="gpu")
-            if EO > 0:
-                if (s == 1) & (j == TO - 2):
-                    gl.thread_barrier()
-                    gl.atomic_add(ctr_ptr + layer * NCTR + 6, 1, sem="release", scope="gpu")
-            if EQ > 0:
-                if (s == 3) & (j == TD - 2):
-                    gl.thread_barrier()
-                    gl.atomic_add(ctr_ptr + layer * NCTR + 7, 1, sem="release", scope="gpu")
             if j == gl.where(s == 0, T0 - 1, gl.where(s == 1, TO - 1, gl.where(s == 2, T1 - 1, TD - 1))):  # part stored
                 stall = (fault_kind == 1) & (fault_layer == layer + 1) & (s == 0)
                 gl.thread_barrier()

@@ -26,9 +26,7 @@ TB = 256  # TMA's widest box side: a chunk is one [16, 4, 256] box
 NPAD = 8  # widths 2-8: the rows padded to mma.sync's 8 columns (W[16, K] @ X[K, 8])
 NUM_WARPS = 8
 MAX_WIDTH = 8
-# a layer's completion counters: qkv, heads merged, o_proj, gate/up, down, and the rounds but the
-# last of gate/up, o_proj and down (``early_down``, ``early_hidden``)
-NCTR = 8
+NCTR = 6  # a layer's completion counters: qkv, heads merged, o_proj, gate/up, down, gate/up's rounds but its last
 SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
@@ -52,10 +50,11 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # slots fits (head_dim 64), so a step's fixed cost is paid once per
 # 64 KiB (run 117: 1B's task alone reads 2.50 TB/s at 32k x 8 with 32 KiB tiles, 8B's 2.88 with
 # 64 KiB ones; the ring's depth did not matter).
-# ``early_down`` (session 24): down waits for gate/up's rounds but its last, then for the rest only
-# where its first task reaches their chunks (``StepGeometry.down_early_chunks``); ``early_hidden``
-# the same for gate/up's input from o_proj and width 1's QKV input from the previous down
-# (``gate_up_early_chunks``, ``qkv_early_chunks``; off until timed).
+# ``early_down`` (session 24, run 122): down waits for gate/up's rounds but its last, then for the
+# rest only where its first task reaches their chunks (``StepGeometry.down_early_chunks``): 0.5-2 %
+# faster at 1B, 0.2-1 % at 8B. Run 122 also timed the same for gate/up's input from o_proj and
+# width 1's QKV input from the previous down (8B: 2 of 4 chunks each; ``early_hidden``): 0.4-1.9 %
+# slower (the first task's chunks staged in two passes, the row read again for its rstd); dropped.
 # Runs 119-120 timed ``tagged`` 1-3 and dropped it (width 1's hand-offs as 64-bit words carrying
 # the launch's epoch, polled by the consumer instead of a counter and then the input; 2: the
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
@@ -67,7 +66,6 @@ PLAN_KNOBS = {
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
     "early_down": (1, 0, 1),
-    "early_hidden": (0, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -155,7 +153,6 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
-    early_hidden: int = 0  # gate/up and QKV on o_proj's and down's (``gate_up_early_chunks``, ``qkv_early_chunks``)
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -283,9 +280,10 @@ class StepGeometry:
         ``early_down`` each program counts those rounds apart (counter 5), so down starts on these
         chunks at once and waits for the whole of gate/up only where its first task reaches chunk
         ``down_early_chunks``, instead of every program waiting for the grid's last gate/up tile at
-        down's start (run 119, 8B batch 1: that wait is 6.2 µs a layer; the two-launch kernels'
-        halves cut theirs from 6 to 0.5 µs in run 34). The sums are the same; only when the input
-        is staged changes. 0: off (one round, or streamed down's first X copies need more)."""
+        down's start (run 119, 8B batch 1: that wait is 6.2 µs a layer; run 122: 2.7 µs with it,
+        and the step 0.5-2 % faster at 1B, 0.2-1 % at 8B, the next QKV wait taking up part of
+        what down's gave back). The sums are the same; only when the input is staged changes.
+        0: off (one round, or streamed down's first X copies need more)."""
         t1 = self.tiles_per_program()[2]
         n = (t1 - 1) * self.programs * (ROWS // 2) // BK
         if not self.early_down or n < 1:
@@ -293,24 +291,6 @@ class StepGeometry:
         if self.streams_down and n < (self.ring_slots - 2) // self.tiles_per_program()[3] + 1:
             return 0  # the X chunks copied at down's start (``XPRE``) would include a late one
         return n
-
-    @property
-    def gate_up_early_chunks(self) -> int:
-        """With ``early_hidden``: gate/up's input chunks that o_proj's rounds but its last produce
-        (o_proj's tile t makes h1's columns 16 t .. 16 t + 15; 8B on 132 SMs: 2 of 4, 1B: none,
-        one round). Gate/up stages them once every program counts those rounds (counter 6) and
-        the rest, with the row's rstd, where its first task reaches them."""
-        to = self.tiles_per_program()[1]
-        return (to - 1) * self.programs * ROWS // BK if self.early_hidden else 0
-
-    @property
-    def qkv_early_chunks(self) -> int:
-        """With ``early_hidden``, width 1 (down's tiles run one after the other, not k-outer as
-        streamed): QKV's input chunks that the previous layer's down rounds but its last produce
-        (8B: 2 of 4; counter 7), the same way."""
-        if not self.early_hidden or self.streams_down:
-            return 0
-        return (self.tiles_per_program()[3] - 1) * self.programs * ROWS // BK
 
     # -- attention ----------------------------------------------------------------------------
     @property
@@ -439,8 +419,6 @@ class StepGeometry:
             "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks,
-            "EO": self.gate_up_early_chunks,
-            "EQ": self.qkv_early_chunks,
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),

@@ -54,15 +54,13 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
-                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("llama3-8b", 1, {"early_hidden": 1}), ("llama3-8b", 8, {"early_hidden": 1})])  # fmt: skip
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
-    whole of gate/up at its start, staged and streamed; 8B's gate/up and QKV starting on their
-    producers' rounds but the last, which spills 8 bytes at width 2) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -81,7 +79,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "early_hidden"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -139,35 +137,23 @@ def test_geometry_counts_tiles_splits_and_padding():
     assert big.off_down >= big.off_gu + 2 * 14336 * 4096 and big.off_down - (big.off_gu + 2 * 14336 * 4096) < 28672
 
 
-def _early_chunks_by_walk(tiles: int, per_tile: int, programs: int) -> list[int]:
-    """The input chunks (of 1024) a stage's rounds but its last make, walking its tiles: tile t
-    runs in round t // programs and makes outputs per_tile * t .. per_tile * (t + 1) - 1."""
-    last = -(-tiles // programs) - 1
-    chunk_round: dict[int, int] = {}
-    for t in range(tiles):
-        for c in {per_tile * t // 1024, (per_tile * (t + 1) - 1) // 1024}:
-            chunk_round[c] = max(chunk_round.get(c, 0), t // programs)
-    return [c for c in sorted(chunk_round) if chunk_round[c] < last]
-
-
-def test_stages_start_on_the_chunks_their_producers_rounds_but_the_last_made():
-    """``down_early_chunks`` (gate/up's tiles make 8 outputs each: 8B 13 of 14 chunks, 1B 7 of 8
-    on 132 SMs) and, with ``early_hidden``, ``gate_up_early_chunks`` and ``qkv_early_chunks``
-    (o_proj's and down's tiles make 16: 8B 2 of 4, 1B none: one round) against a walk of the
-    tiles; QKV's only at width 1, where down's tiles run one after the other. Off with the knobs,
-    with one round, or where streamed down copies a late chunk at its start."""
+def test_down_starts_on_the_chunks_gate_ups_rounds_but_the_last_produced():
+    """``down_early_chunks``, against a walk of gate/up's tiles: tile t runs in round t // programs
+    and makes SiLU(g)·u outputs 8 t .. 8 t + 7, so a chunk of down's input is early when every
+    tile making it runs before the last round (8B: 13 of 14 chunks, 1B: 7 of 8, on 132 SMs). Off
+    with the knob, with one gate/up round, or where streamed down copies a late chunk at its start."""
     for name in ("llama3-1b", "llama3-8b"):
         for width in (1, 2, 8):
-            g = StepGeometry(profile_dims(name), width, H200_SMS, early_hidden=1)
-            _, to, gu, td = g.stage_tiles()
-            assert list(range(g.down_early_chunks)) == _early_chunks_by_walk(gu, 8, H200_SMS), (name, width)
-            assert list(range(g.gate_up_early_chunks)) == _early_chunks_by_walk(to, 16, H200_SMS), (name, width)
-            qkv = _early_chunks_by_walk(td, 16, H200_SMS) if width == 1 else []
-            assert list(range(g.qkv_early_chunks)) == qkv, (name, width)
-            off = StepGeometry(profile_dims(name), width, H200_SMS, early_down=0)
-            assert (off.down_early_chunks, off.gate_up_early_chunks, off.qkv_early_chunks) == (0, 0, 0)
-    big = StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, early_hidden=1)
-    assert (big.down_early_chunks, big.gate_up_early_chunks, big.qkv_early_chunks) == (13, 2, 2)
+            g = StepGeometry(profile_dims(name), width, H200_SMS)
+            tiles, last = g.stage_tiles()[2], g.tiles_per_program()[2] - 1
+            chunk_round = {}
+            for t in range(tiles):
+                c = 8 * t // 1024
+                chunk_round[c] = max(chunk_round.get(c, 0), t // H200_SMS)
+            early = [c for c in sorted(chunk_round) if chunk_round[c] < last]
+            assert early == list(range(g.down_early_chunks)), (name, width, early)
+            assert StepGeometry(profile_dims(name), width, H200_SMS, early_down=0).down_early_chunks == 0
+    assert StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS).down_early_chunks == 13
     assert StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS).down_early_chunks == 7
     one_round = StepGeometry(profile_dims("llama3-1b"), 1, 1100)  # 1024 gate/up tiles on 1100 programs
     assert one_round.tiles_per_program()[2] == 1 and one_round.down_early_chunks == 0
