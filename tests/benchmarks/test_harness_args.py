@@ -292,6 +292,18 @@ def test_a_refused_width_records_why_in_its_cell(monkeypatch):
     (row,) = recorded
     assert row["backend"] == harness.STEP_BACKEND and row["batch"] == 16 and row["skipped"] is True
     assert row["error"] == why and row["step_ms"] is None and row["triton_programs_per_sm"] is None
+    assert row["step_floor_ms"] is None  # (no width-16 build: no tiling)
+
+    # a width it built: its floor is the weights at the busiest program's share, the K/V as they are
+    from monodecode.kernels.triton.step_plan import StepGeometry
+
+    tk.geometry = {1: StepGeometry(ctx["dims"], 1, 132)}
+    row = harness._row(ctx, 1, 1024, harness.STEP_BACKEND, [1e-3], None, 1e-3, 1.0)
+    kv = harness.kv_bytes(ctx["dims"], 2, 1024, 1)
+    share = 30 / (3712 / 132)  # 1B: the busiest program's 30 chunks a layer against the mean
+    assert row["step_floor_ms"] == pytest.approx(((1 << 30) * share + kv) / 4e12 * 1e3)
+    assert row["step_floor_ms"] > row["roofline_ms"]
+    assert harness._row(ctx, 1, 1024, "triton", [1e-3], None, 1e-3, 1.0)["step_floor_ms"] is None
 
     # CPU: refused at every width, never built; still one row a cell saying why
     cpu_tk, cpu = harness._build_step(_request("llama3-1b", (1, 8), _platform("cpu", "cpu", False)), None, print)

@@ -229,9 +229,14 @@ def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     assert doc_of(rows[:2])["summary"]["step_never_slower_than_stock"] is None  # no step launch in the run
 
     table = RP.summary_table(d).splitlines()
-    assert f"| triton ms | {step} ms | stock-fullgraph ms |" in table[0] and "| stock / step |" in table[0]
+    assert f"| triton ms | {step} ms | stock-fullgraph ms |" in table[0]
+    assert "| stock / step | stock / step floor |" in table[0]
     assert len({line.count("|") for line in table}) == 1  # every row has the header's columns
-    assert "| 1.05x (not met >= 1.10x) | 1.15x (met >= 1.10x) |" in table[2]
+    assert "| 1.05x (not met >= 1.10x) | 1.15x (met >= 1.10x) | n/a |" in table[2]  # no floor recorded
+    # the floor (the busiest program's share of the weights, ``StepGeometry``) against the same stock
+    floored = [dict(r, step_floor_ms=3.5) if r["backend"] == step else r for r in rows]
+    assert per_cell(doc_of(floored), batch=1)["stock_over_step_floor"] == pytest.approx(4.6 / 3.5)
+    assert "| 1.15x (met >= 1.10x) | 1.31x |" in RP.summary_table(doc_of(floored)).splitlines()[2]
     assert "| skipped |" in table[4]
     assert "stock / step" not in RP.summary_table(doc_of(rows[:2]))
     assert step in RP.LABELS

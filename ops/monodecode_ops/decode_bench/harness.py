@@ -593,6 +593,11 @@ def _row(
     tk = ctx["kernels"].get(backend)
     if tk is not None and rows not in tk.widths:  # a build without this width (the step launch's refused ones)
         tk = None
+    # the step launch's floor in its tiling: the weights at the busiest program's share, the K/V as is
+    geometry = (getattr(tk, "geometry", None) or {}).get(rows) if tk is not None else None
+    floor = None
+    if hasattr(geometry, "busiest_program_share"):
+        floor = (ctx["wbytes"] * geometry.busiest_program_share() + kbytes) / ctx["bandwidth"]
     return {
         "profile": ctx["profile"],
         "weight_dtype": ctx["weight_dtype"],
@@ -615,6 +620,7 @@ def _row(
         "roofline_ms": roof * 1e3,
         "fraction_of_roofline": roof / med if med else None,
         "fraction_of_spec": nbytes / spec / med if med and spec else None,
+        "step_floor_ms": floor * 1e3 if floor else None,
         "rel_error_vs_reference": rel,
         "same_bits_as_step": same_bits,
         "stock_gemm_path": (ctx["paths"][backend].fp8_path if backend in ctx["paths"] else ctx["stock_path"])

@@ -147,7 +147,7 @@ def _step_verdict(rows: list[dict], r: dict) -> dict:
     step = find(rows, r, STEP_BACKEND)
     if step is None:
         return {}
-    ok, why, _, ratio, speed_target = against_stock(rows, step)
+    ok, why, stock, ratio, speed_target = against_stock(rows, step)
     return {
         "step_ms": step.get("step_ms"),
         "step_run": not step.get("skipped"),
@@ -157,6 +157,8 @@ def _step_verdict(rows: list[dict], r: dict) -> dict:
         "step_not_slower_than_stock": (ratio >= 1.0) if ratio else None,
         "step_speed_target_met": (ratio >= speed_target) if ratio else None,
         "step_fraction_of_roofline": step.get("fraction_of_roofline") if ok else None,
+        # the most the step launch's tiling allows against this stock (``StepGeometry.busiest_program_share``)
+        "stock_over_step_floor": _ratio(stock, {"step_ms": step.get("step_floor_ms")}),
     }
 
 
@@ -301,9 +303,9 @@ def summary_table(doc: dict) -> str:
         "| model | weights | context | batch | roofline ms | "
         + " | ".join(f"{c} ms" for c in cols)
         + " | strongest stock | stock / triton"
-        + (" | stock / step" if step else "")
+        + (" | stock / step | stock / step floor" if step else "")
         + " | triton % of probe | triton % of spec |",
-        "| " + " | ".join(["---"] * (9 + len(cols) + step)) + " |",
+        "| " + " | ".join(["---"] * (9 + len(cols) + 2 * step)) + " |",
     ]
     summ = {cell(s): s for s in summary(doc)["per_config"]}
     for r in rows:
@@ -327,6 +329,7 @@ def summary_table(doc: dict) -> str:
             verdict += f" | {_x(s.get('stock_over_step'))}"
             if s.get("step_speed_target_met") is not None:
                 verdict += f" ({'met' if s['step_speed_target_met'] else 'not met'} >= {s['speed_target']:.2f}x)"
+            verdict += f" | {_x(s.get('stock_over_step_floor'))}"
         frac = _pct(s["triton_fraction_of_roofline"])
         if s["roofline_target"]:
             frac += f" ({'met' if s['roofline_target_met'] else 'not met'} >= {100 * s['roofline_target']:.0f} %)"

@@ -165,6 +165,21 @@ def test_down_starts_on_the_chunks_gate_ups_rounds_but_the_last_produced():
     assert StepGeometry(narrow, 4, H200_SMS).down_early_chunks == 0
 
 
+def test_the_busiest_program_streams_its_share_of_a_layer():
+    """``busiest_program_share`` against a walk of every program's tiles (tile t of a stage on
+    program t % programs, its chunks K / 1024): 8B on 132 SMs, the busiest program 104 chunks (3
+    QKV, 2 o_proj, 14 gate/up, 2 down tiles) against a mean of 13312 / 132; 1B 30 against 3712 / 132."""
+    for name, busiest, total in (("llama3-8b", 104, 13312), ("llama3-1b", 30, 3712)):
+        g = StepGeometry(profile_dims(name), 1, H200_SMS)
+        h, i = g.dims.hidden_size // 1024, g.dims.intermediate_size // 1024
+        load = [0] * H200_SMS
+        for tiles, chunks in zip(g.stage_tiles(), (h, h, h, i)):
+            for t in range(tiles):
+                load[t % H200_SMS] += chunks
+        assert (max(load), sum(load)) == (busiest, total), name
+        assert g.busiest_program_share() == pytest.approx(max(load) / (sum(load) / H200_SMS))
+
+
 def test_refusals_that_depend_on_the_programs():
     """Above 1 row a program keeps two down accumulators: a 3072-wide model (192 down tiles, 2 a
     program on 132 SMs) streams down's input and is served at width 2, a 5120-wide one (320
