@@ -14,7 +14,9 @@ tiles of QKV, o_proj, gate/up and down, layer after layer) through ``NBUF`` 32 K
 slots, ``NBUF - 1`` chunks ahead of the arithmetic across every wait and the attention task.
 Stages hand off through int64 completion counters (one count per program, or per merged KV head
 and row) that never reset: launch ``e`` waits for ``e * count`` (the epoch comes from a launch
-counter every program advances at exit). A wait polls at most ``spin`` times in all per program;
+counter every program advances at exit). Down waits for gate/up's rounds but its last (a count
+of their own) and for the rest only where its first task reaches their chunks (``DE``). A wait
+polls at most ``spin`` times in all per program;
 an expired wait records ``wait_timeout`` in the health word and the launch runs on with whatever
 it reads, so it always ends.
 
