@@ -593,11 +593,10 @@ def _row(
     tk = ctx["kernels"].get(backend)
     if tk is not None and rows not in tk.widths:  # a build without this width (the step launch's refused ones)
         tk = None
-    # the step launch's floor in its tiling: the weights at the busiest program's share, the K/V as is
-    geometry = (getattr(tk, "geometry", None) or {}).get(rows) if tk is not None else None
-    floor = None
-    if hasattr(geometry, "busiest_program_share"):
-        floor = (ctx["wbytes"] * geometry.busiest_program_share() + kbytes) / ctx["bandwidth"]
+    # the step launch's floor in its tiling (its builds alone have a geometry a width): the weights
+    # at the busiest program's share, the K/V as they are
+    geometry = getattr(tk, "geometry", {}).get(rows)
+    floor = (ctx["wbytes"] * geometry.busiest_program_share() + kbytes) / ctx["bandwidth"] if geometry else None
     return {
         "profile": ctx["profile"],
         "weight_dtype": ctx["weight_dtype"],

@@ -60,7 +60,8 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
-    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's slots in the shared memory as planned."""
+    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's
+    slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
