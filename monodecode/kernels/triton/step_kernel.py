@@ -105,24 +105,12 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.conste
 
 
 @gluon.jit
-def _tma_rows(wh_desc, wi_desc, down, row, k, bar, dst, ok):
-    """Width 1: one chunk's [16, 4, 256] box into ``dst`` on ``bar``, from down's rows of INTER
-    (``down``) or the other stages' rows of HIDDEN."""
-    if down:
-        tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, dst, pred=ok)
-    else:
-        tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, dst, pred=ok)
-
-
-@gluon.jit
-def _refill(ring, boxes, xboxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
+def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
-            LAYER_W: gl.constexpr, NPROG: gl.constexpr, nbuf, NBUF: gl.constexpr, TMA: gl.constexpr,
-            TD: gl.constexpr, DSTREAM: gl.constexpr, MMAV: gl.constexpr, IDLE: gl.constexpr, XSL: gl.constexpr,
-            NW: gl.constexpr):  # fmt: skip
-    """Start chunk ``i`` into its ring slot (``i % nbuf``, the program's ring depth: ``NBUF`` or,
-    with ``IDLE``, ``NBUF + IDLE``, whose last ones are ``xboxes``' ``XSL ..``): by TMA, one box on the slot's mbarrier (a chunk past
+            LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
+            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
     ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``: each copied
@@ -133,30 +121,28 @@ def _refill(ring, boxes, xboxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, f
     ok = (i < total) & (tile < tiles)
     glayer = first + layer
     if TMA:
-        bar = bars.index(i % nbuf)
+        bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
         mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
         if MMAV:  # each half of the warps' column blocks: [column block, row, 64] at column 0 and 64
             for h in gl.static_range(2):
                 if s == 3:
                     tma.async_copy_global_to_shared(
-                        wi_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % nbuf) + h), pred=ok
+                        wi_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
                     )
                 else:
                     tma.async_copy_global_to_shared(
-                        wh_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % nbuf) + h), pred=ok
+                        wh_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
                     )
-        elif IDLE > 0:  # width 1 with more slots (``step_kernel``'s IDLE): ring slot NBUF + e is xbuf slot XSL + e
-            if i % nbuf >= NBUF:
-                _tma_rows(wh_desc, wi_desc, s == 3, row, k, bar, xboxes.index(i % nbuf - NBUF + XSL), ok)
-            else:
-                _tma_rows(wh_desc, wi_desc, s == 3, row, k, bar, boxes.index(i % nbuf), ok)
         else:
-            _tma_rows(wh_desc, wi_desc, s == 3, row, k, bar, boxes.index(i % nbuf), ok)
+            if s == 3:
+                tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
+            else:
+                tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
         mbarrier.arrive(bar, pred=~ok)
     else:
         off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
-        async_copy.async_copy_global_to_shared(ring.index(i % nbuf), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0))
+        async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0))
         async_copy.commit_group()
 
 
@@ -170,17 +156,6 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
         ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
-
-
-@gluon.jit
-def _to_l2(g_ptr, cf, HIDDEN: gl.constexpr):
-    """Ask L2 for a norm weight's HIDDEN values (``prefetch.global.L2``: no register or barrier is
-    held), so the loads after a wait find them there: they were evicted by a layer's weights."""
-    for c in gl.static_range(HIDDEN // BK):
-        gl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [g_ptr + c * BK + cf], dtype=gl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -375,7 +350,7 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
-            PW: gl.constexpr, QUIET: gl.constexpr = False):  # fmt: skip
+            PW: gl.constexpr):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -383,9 +358,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
-    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
-    ``QUIET``: a split past the row's context (no cached position) leaves ``kvs`` untouched, so a
-    program whose task reads none may ring weights through it (``step_kernel``'s IDLE)."""
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -412,10 +385,9 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
     kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
     vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
-    if not QUIET:
-        qs.store(qf.to(gl.bfloat16))
-        gl.thread_barrier()
-        qa = qs.load(a_l)
+    qs.store(qf.to(gl.bfloat16))
+    gl.thread_barrier()
+    qa = qs.load(a_l)
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
@@ -423,57 +395,45 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     s_new = gl.convert_layout(
         gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0) * SCALE, gl.SliceLayout(0, r2)
     )
+    wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
+    pm = gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
     m = gl.full([NW, 16], -1e30, gl.float32, r2)
     lsum = gl.zeros([NW, 16], gl.float32, r2)
     o = gl.zeros([NW, 16, D], gl.float32, mma)
-    if QUIET:
-        tiles = start < end
-    else:
-        tiles = gl.constexpr(True)  # (a static branch: the same code as without QUIET)
-    if tiles:
-        if QUIET:  # (q through shared memory only where the K/V ring is this task's)
-            qs.store(qf.to(gl.bfloat16))
-            gl.thread_barrier()
-            qa = qs.load(a_l)
-        wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
-        pm = gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
-        i = 0
-        for b in range(start, end, NW * PW):
-            async_copy.wait_group(KVS - 2)  # tile i has landed
-            gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
-            nb = b + (KVS - 1) * NW * PW
-            _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
-                     v_sb, v_st, v_sh, BS, D, NW, PW)  # fmt: skip
-            bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
-            kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
-            vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
-            sc = mma_v2(qa, kb, gl.zeros([NW, 16, PW], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
-            ok = b + wm * PW + pm < end
-            sc = gl.where(ok, sc, -1e30)
-            m2 = gl.maximum(m, gl.max(sc, axis=2))
-            e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
-            alpha = gl.exp(m - m2)
-            lsum = lsum * alpha + gl.sum(e, axis=2)
-            o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), vb, o * alpha[:, :, None])
-            m = m2
-            i += 1
-        async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
+    i = 0
+    for b in range(start, end, NW * PW):
+        async_copy.wait_group(KVS - 2)  # tile i has landed
+        gl.thread_barrier()  # ... for every thread, and every thread is past the slot refilled next
+        nb = b + (KVS - 1) * NW * PW
+        _kv_copy(kvs, (i + KVS - 1) % KVS, kc_ptr, vc_ptr, koff, voff, bnext, kvh, nb, end, k_sb, k_st, k_sh,
+                 v_sb, v_st, v_sh, BS, D, NW, PW)  # fmt: skip
+        bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
+        kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
+        vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
+        sc = mma_v2(qa, kb, gl.zeros([NW, 16, PW], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
+        ok = b + wm * PW + pm < end
+        sc = gl.where(ok, sc, -1e30)
+        m2 = gl.maximum(m, gl.max(sc, axis=2))
+        e = gl.where(ok, gl.exp(sc - m2[:, :, None]), 0.0)
+        alpha = gl.exp(m - m2)
+        lsum = lsum * alpha + gl.sum(e, axis=2)
+        o = mma_v2(gl.convert_layout(e.to(gl.bfloat16), a_l), vb, o * alpha[:, :, None])
+        m = m2
+        i += 1
+    async_copy.wait_group(0)  # the tail's zero-byte groups: the weight ring counts its own again
     # the warps' partials merged, then the new position (last split); rows past G are not stored
     mw = gl.max(m, axis=0)  # [16]
     mt = gl.where(last, gl.maximum(mw, s_new), mw)
     wgt = gl.exp(m - mt[None, :])
     e_new = gl.where(last, gl.exp(s_new - mt), 0.0)
     lt = gl.sum(lsum * wgt, axis=0) + e_new
+    gl.thread_barrier()  # the warps' sum through the drained K/V ring
+    red = kvs._reinterpret(gl.float32, [NW, 16, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    red.store(o * wgt[:, :, None])
+    gl.thread_barrier()
     red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
-    ol: gl.constexpr = gl.SliceLayout(0, red_l)
-    if tiles:
-        gl.thread_barrier()  # the warps' sum through the drained K/V ring
-        red = kvs._reinterpret(gl.float32, [NW, 16, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        red.store(o * wgt[:, :, None])
-        gl.thread_barrier()
-        ot = gl.sum(red.load(red_l), axis=0)
-    else:  # no position read: every warp's o is 0, and so is their sum
-        ot = gl.zeros([16, D], gl.float32, ol)
+    ot = gl.sum(red.load(red_l), axis=0)
+    ol: gl.constexpr = ot.type.layout
     ro = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
     do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
     ot = (
@@ -518,14 +478,6 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D:
         gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
         gl.thread_barrier()
         gl.atomic_add(done, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _task_row(slot_ptr, pos_ptr, seq_ptr, row):
-    """The attention task's row: its slot (-1: inert), position and cached positions before the new one."""
-    aslot = gl.load(slot_ptr + row)
-    apos = gl.load(pos_ptr + row)
-    return aslot, apos, gl.where(aslot >= 0, gl.maximum(gl.load(seq_ptr + row) - 1, 0), 0)
 
 
 @gluon.jit
@@ -629,8 +581,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, IDLE: gl.constexpr, TLAST: gl.constexpr, ENORM: gl.constexpr,
-                PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                DE: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -649,11 +600,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ``StepGeometry.kv_groups``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
-    reaches chunk ``DE``. ``IDLE``: width 1's ring, staged input and K/V ring are one block of 32 KiB
-    slots, and a program with no attention task rings through ``IDLE`` of the K/V ring's slots too
-    (``StepGeometry.idle_slots``). ``TLAST``: the attention tasks run on the last programs
-    (``StepGeometry.task_program``). ``ENORM``: width 1 loads the norm weights before the wait
-    for their input. ``PROF``: each program stamps its stages into ``prof`` where K1's
+    reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -673,24 +620,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
     total = nlayers * C
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
-    # this program's attention task (``StepGeometry.task_program``; NB * KVH * NSPLIT of them): its row and task
-    if TLAST:  # from the last program down, a row's splits in order, each over every KV head
-        apid = NPROG - 1 - pid
-        task = apid % (KVH * NSPLIT) % KVH * NSPLIT + apid % (KVH * NSPLIT) // KVH  # (KV head, split) as below
-    else:  # from program 0, a row's KV heads in order, each over every split
-        apid = pid
-        task = apid % (KVH * NSPLIT)
-    arow = apid // (KVH * NSPLIT)
-    has_task = apid < NB * KVH * NSPLIT
-    arow_c = gl.minimum(arow, NB - 1)
-    # the slots this program's ring walks: with IDLE, one whose task reads no cached position takes IDLE more
-    if IDLE > 0:
-        aslot, apos, actx = _task_row(slot_ptr, pos_ptr, seq_ptr, arow_c)
-        kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
-        reads_kv = has_task & (start0 < end0)  # the task has cached positions: it uses the K/V ring
-        nbuf = gl.where(reads_kv, NBUF, NBUF + IDLE)
-    else:
-        nbuf = NBUF
     if TMA:
         if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
             boxes = gl.allocate_shared_memory(gl.bfloat16, [2 * NBUF, NW, ROWS, KW // 2], wh_desc.layout)
@@ -698,8 +627,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         else:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
             boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
             ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
-        bars = gl.allocate_shared_memory(gl.int64, [NBUF + IDLE, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NBUF + IDLE):
+        bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NBUF):
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
     elif MMAV:  # a slot as [NW column blocks, ROWS, KW]: warp w's A operand is block w
@@ -723,15 +652,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         red = gbuf
     kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, PW, D], mma_sw)  # the attention's K/V ring
-    # IDLE (width 1): xbuf as whole slots, the staged input in the first XSL; a program with no
-    # attention task rings through the next IDLE too (ring slot NBUF + e is xbuf slot XSL + e)
-    XSL: gl.constexpr = (XMAX + ROWS - 1) // ROWS
-    if IDLE > 0:
-        xboxes = xbuf._reinterpret(gl.bfloat16, [XR // ROWS, ROWS, BK // TB, TB], wh_desc.layout)
-        xring = xbuf._reinterpret(gl.bfloat16, [XR // ROWS, ROWS, BK], ring_lay)
-    else:
-        xboxes = boxes
-        xring = ring
     if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
         cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
         rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
@@ -743,10 +663,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         cc = gl.arange(0, BK, layout=gl.SliceLayout(0, cp_lay))[None, :]
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
-    for i in range(nbuf - 1):
-        _refill(ring, boxes, xboxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN,
-                INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, nbuf, NBUF, TMA, TD, DSTREAM, MMAV, IDLE, XSL,
-                NW)  # fmt: skip
+    for i in range(NBUF - 1):
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -761,8 +680,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     else:
         acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
         rstd = 1.0
-    if IDLE == 0:  # (after the ring's first copies where the ring's depth does not depend on them)
-        aslot, apos, actx = _task_row(slot_ptr, pos_ptr, seq_ptr, arow_c)
+    # this program's attention task (programs past NB * KVH * NSPLIT have none): its row and task
+    arow = pid // (KVH * NSPLIT)
+    task = pid % (KVH * NSPLIT)
+    has_task = pid < NB * KVH * NSPLIT
+    arow_c = gl.minimum(arow, NB - 1)
+    aslot = gl.load(slot_ptr + arow_c)
+    apos = gl.load(pos_ptr + arow_c)
+    actx = gl.where(aslot >= 0, gl.maximum(gl.load(seq_ptr + arow_c) - 1, 0), 0)  # cached positions before the new one
     bt_row = bt_ptr + arow_c.to(gl.int64) * bt_stride
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
@@ -785,8 +710,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
             if j == 0:  # a stage starts: wait for its input, stage it
                 _stamp(prof_ptr, layer, pid, gl.where(s >= 2, 1, 0), gl.where(s == 1, 1, ms), 0, NPROG, PROF)
                 if s == 0:
-                    if ENORM:  # (a miss in L2 every layer: asked for before the wait, not after it)
-                        _to_l2(gin_ptr + glayer * HIDDEN, cf, HIDDEN)
                     if layer > 0:
                         spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
                                          _code(WAIT_TIMEOUT, 2, glayer - 1))  # fmt: skip
@@ -805,19 +728,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
-                    if IDLE > 0:  # (a task past the row's context copies nothing: the ring may hold weights there)
-                        copies = has_task & (start0 < end0)
-                    else:
-                        copies = has_task
-                    if copies:
+                    if has_task:
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
-                                IDLE > 0)  # fmt: skip
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
@@ -833,8 +751,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                                 gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16)
                             )
                 elif s == 2:
-                    if ENORM:
-                        _to_l2(gpost_ptr + glayer * HIDDEN, cf, HIDDEN)
                     spin = _wait_for(
                         ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
                     )
@@ -875,8 +791,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 spin = _wait_for(ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer))
                 gl.thread_barrier()
                 _down_input(xbuf, act + A_GU, cf, DE, INTER // BK, LAYER_A, INTER, XMAX, NB, MMAV, NW)
-        if TMA:  # chunk i is its slot's (i // nbuf)-th phase
-            mbarrier.wait(bars.index(i % nbuf), (i // nbuf) & 1)
+        if TMA:  # chunk i is its slot's (i // NBUF)-th phase
+            mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
                 if (s == 3) & (j == 0):
                     async_copy.wait_group((NBUF - 2) // TD)
@@ -894,9 +810,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 if TMA:  # no cp.async group of the ring's to join
                     async_copy.commit_group()
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
-        _refill(ring, boxes, xboxes, bars, w_ptr, wh_desc, wi_desc, i + nbuf - 1, total, pid, first, rr, cc, C, C0, C1,
-                C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, nbuf, NBUF, TMA, TD, DSTREAM, MMAV, IDLE,
-                XSL, NW)  # fmt: skip
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
+                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             if DSTREAM:
                 xs = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk))
@@ -907,14 +822,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
             else:
                 acc = _chunk_mma(ring, i % NBUF, xbuf.index(k + XMAX - nk), acc, TMA, NW)
         else:
-            if IDLE > 0:
-                if i % nbuf >= NBUF:
-                    wc = xring.index(i % nbuf - NBUF + XSL).load(cp_lay)
-                else:
-                    wc = ring.index(i % nbuf).load(cp_lay)
-            else:
-                wc = ring.index(i % nbuf).load(cp_lay)
-            acc += wc.to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
+            acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)
@@ -948,7 +856,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
-        for b in gl.static_range(NBUF + IDLE):
+        for b in gl.static_range(NBUF):
             mbarrier.invalidate(bars.index(b))
     old = gl.atomic_add(epoch_ptr, 1, sem="acq_rel", scope="gpu")
     if (old + 1) % NPROG == 0:  # the last program out: after a failed launch, settle every counter

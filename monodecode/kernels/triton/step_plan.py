@@ -60,24 +60,12 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
 # its words arrived): bit for bit the default, and 1-2 % (1), 5-8 % (2), 6-12 % (3) slower at
 # batch 1 on the H100 (benchmarks/README.md, runs 118-120).
-# ``idle_ring`` (session 25): at width 1 a program whose attention task reads no cached position
-# (none, or a split past the row's context: at 1k, 8 of every KV head's 16) takes the K/V ring's
-# shared memory, which it then never uses, as more weight-ring slots (``StepGeometry.idle_slots``),
-# so it keeps more chunks in flight across the waits (run 122's 8B timeline: HBM mostly idle for
-# 12 µs from QKV's end to o_proj's start, behind 2 chunks a program). ``tasks_last``: width 1's
-# attention tasks run from the last program down, splits before KV heads (``task_program``), so
-# the tasks that read positions sit on the programs owning the fewest weight tiles and the deeper
-# rings on those owning the most. ``early_norm``: width 1 asks L2 for the RMSNorm weights of
-# QKV's and gate/up's input before their waits (each a miss every layer), not after.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
     "early_down": (1, 0, 1),
-    "idle_ring": (1, 0, 1),
-    "tasks_last": (1, 0, 1),
-    "early_norm": (1, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -165,9 +153,6 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
-    idle_ring: int = 1  # width 1: programs whose task reads no cached position ring more chunks (``idle_slots``)
-    tasks_last: int = 1  # width 1: the attention tasks from the last program down (``task_program``)
-    early_norm: int = 1  # width 1: the norm weights asked of L2 before the wait for their input
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -329,27 +314,6 @@ class StepGeometry:
             s *= 2
         return s
 
-    def split_span(self, ctx: int, split: int) -> tuple[int, int]:
-        """The cached positions ``[start, end)`` that split ``split`` of a row with ``ctx`` of
-        them reads (the kernel's ``_kv_span``): spans of at least ``MIN_SPLIT`` positions in whole
-        K/V tiles, so a short context leaves the later splits empty (start == end)."""
-        span = max(_ceil(ctx, self.splits), MIN_SPLIT)
-        span = _ceil(span, self.kv_tile) * self.kv_tile
-        start = min(split * span, ctx)
-        return start, min(start + span, ctx)
-
-    def task_program(self, row: int, kv_head: int, split: int) -> int:
-        """The program that runs the attention task of (row, KV head, split). Width 1 with
-        ``tasks_last``: from the last program down, the splits in order, each over every KV head.
-        Tile ``t`` of a stage is program ``t % programs``'s, so the last programs own the fewest
-        tiles, and at a short context the splits past the row's context (which read no position and
-        leave the K/V ring's shared memory to the weight ring, ``idle_slots``) are the first
-        programs', which own the most. Else from program 0, each KV head's splits together."""
-        kvh, ns = self.dims.num_kv_heads, self.splits
-        if self.tasks_last and self.width == 1:
-            return self.programs - 1 - (row * kvh * ns + split * kvh + kv_head)
-        return row * kvh * ns + kv_head * ns + split
-
     @property
     def partial_places(self) -> int:
         """fp32 places of the attention's split partials, [width, KV heads, splits, G, D + 2]
@@ -400,25 +364,9 @@ class StepGeometry:
             return True
         return self._deep_ring_fits if self.wide_tma is None else bool(self.wide_tma)
 
-    @property
-    def idle_slots(self) -> int:
-        """Width 1 with ``idle_ring``: the weight ring's extra slots for a program whose attention
-        task reads no cached position (it has none, or its split starts past the row's context;
-        the kernel decides at entry, from the context). They are in the staged input's shared
-        memory, which is as long as the K/V ring (held from QKV's end to o_proj's staging) and
-        which such a program uses only for the input itself: its whole 32 KiB slots past the
-        input's (8B: 64 rows of 1024 for the K/V ring, 14 for the input, so 3 slots more, 6 in
-        all; 1B: 2 more)."""
-        if self.width > 1 or not self.idle_ring:
-            return 0
-        rows = max(self.x_chunks, self._kv_bytes // (BK * 2))  # the staged input's [BK] rows
-        if rows % ROWS:
-            return 0
-        return rows // ROWS - _ceil(self.x_chunks, ROWS)
-
     def shared_bytes(self) -> int:
         """The kernel's shared memory (a lower bound: the compiler adds its scratch)."""
-        return self._shared_bytes(self.ring_slots, self.x_chunks, self.tma) + self.idle_slots * 8  # their mbarriers
+        return self._shared_bytes(self.ring_slots, self.x_chunks, self.tma)
 
     def _shared_bytes(self, ring_slots: int, x_chunks: int, tma: bool) -> int:
         """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
@@ -481,9 +429,6 @@ class StepGeometry:
             "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks,
-            "IDLE": self.idle_slots,
-            "TLAST": int(self.tasks_last and self.width == 1),
-            "ENORM": int(self.early_norm and self.width == 1),
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),

@@ -54,18 +54,14 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
-                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("llama3-8b", 1, {"idle_ring": 0, "tasks_last": 0, "early_norm": 0}),
-                                                   ("llama3-1b", 1, {"idle_ring": 0})])  # fmt: skip
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
-    whole of gate/up at its start, staged and streamed; width 1 without the deeper ring for the
-    programs whose task reads no position, with the attention tasks from program 0 and the norm
-    weights asked for after the wait) compile with 0 spills too, the ring's slots in the shared
-    memory as planned."""
+    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's
+    slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -84,9 +80,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {
-        "ring", "stream_down", "wide_tma", "kv_step", "early_down", "idle_ring", "tasks_last", "early_norm"
-    }  # fmt: skip
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -172,58 +166,17 @@ def test_down_starts_on_the_chunks_gate_ups_rounds_but_the_last_produced():
     assert StepGeometry(narrow, 4, H200_SMS).down_early_chunks == 0
 
 
-def _program_chunks(g: StepGeometry) -> list[int]:
-    """Each program's weight chunks a layer, by a walk of every stage's tiles (tile t on program
-    t % programs, its chunks K / 1024)."""
-    h, i = g.dims.hidden_size // 1024, g.dims.intermediate_size // 1024
-    load = [0] * g.programs
-    for tiles, chunks in zip(g.stage_tiles(), (h, h, h, i)):
-        for t in range(tiles):
-            load[t % g.programs] += chunks
-    return load
-
-
-def test_programs_whose_task_reads_nothing_ring_deeper_and_own_the_most_chunks():
-    """``idle_ring`` and ``tasks_last`` at width 1. The deeper ring's slots are whole 32 KiB slots
-    of the staged input's shared memory past the input's own (8B: 3 more, 1B: 2 more; none above
-    1 row or with the knob off), within the shared memory planned. The tasks cover every (row, KV
-    head, split) once, on the last programs; at 1k (8B on 132 SMs: 16 splits of 128 positions,
-    the last 8 of each head reading none) the programs free of K/V are programs 0-67, and each
-    owns at least as many weight chunks as any program whose task reads positions."""
-    eight = StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS)
-    one = StepGeometry(profile_dims("llama3-1b"), 1, H200_SMS)
-    assert (eight.idle_slots, one.idle_slots) == (3, 2)
-    for g in (eight, one):
-        rows = max(g.x_chunks, g._kv_bytes // 2048)  # the staged input's rows of 1024
-        assert g.idle_slots + -(-g.x_chunks // 16) <= rows // 16  # never over the input itself
-        assert g.shared_bytes() <= SMEM_PER_PROGRAM
-    assert StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, idle_ring=0).idle_slots == 0
-    assert StepGeometry(profile_dims("llama3-8b"), 2, H200_SMS).idle_slots == 0
-    assert eight.constexprs(16)["IDLE"] == 3 and StepGeometry(profile_dims("llama3-8b"), 8, H200_SMS).constexprs(16)[
-        "TLAST"
-    ] == 0  # fmt: skip
-    kvh, ns = eight.dims.num_kv_heads, eight.splits
-    tasks = {(h, s): eight.task_program(0, h, s) for h in range(kvh) for s in range(ns)}
-    assert sorted(tasks.values()) == list(range(H200_SMS - kvh * ns, H200_SMS))
-    busy = {p for (h, s), p in tasks.items() if eight.split_span(1024, s)[0] < eight.split_span(1024, s)[1]}
-    assert [eight.split_span(1024, s) for s in (0, 7, 8, 15)] == [(0, 128), (896, 1024), (1024, 1024)] + [(1024,) * 2]
-    free = sorted(set(range(H200_SMS)) - busy)
-    assert free == list(range(68))
-    load = _program_chunks(eight)
-    assert min(load[p] for p in free) >= max(load[p] for p in busy), (load[:68], sorted(busy))
-    # from program 0 (``tasks_last`` 0), each KV head's splits together: the same tasks, other programs
-    first = StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, tasks_last=0)
-    assert sorted(first.task_program(0, h, s) for h in range(kvh) for s in range(ns)) == list(range(kvh * ns))
-    assert first.task_program(0, 1, 0) == ns
-
-
 def test_the_busiest_program_streams_its_share_of_a_layer():
     """``busiest_program_share`` against a walk of every program's tiles (tile t of a stage on
     program t % programs, its chunks K / 1024): 8B on 132 SMs, the busiest program 104 chunks (3
     QKV, 2 o_proj, 14 gate/up, 2 down tiles) against a mean of 13312 / 132; 1B 30 against 3712 / 132."""
     for name, busiest, total in (("llama3-8b", 104, 13312), ("llama3-1b", 30, 3712)):
         g = StepGeometry(profile_dims(name), 1, H200_SMS)
-        load = _program_chunks(g)
+        h, i = g.dims.hidden_size // 1024, g.dims.intermediate_size // 1024
+        load = [0] * H200_SMS
+        for tiles, chunks in zip(g.stage_tiles(), (h, h, h, i)):
+            for t in range(tiles):
+                load[t % H200_SMS] += chunks
         assert (max(load), sum(load)) == (busiest, total), name
         assert g.busiest_program_share() == pytest.approx(max(load) / (sum(load) / H200_SMS))
 
