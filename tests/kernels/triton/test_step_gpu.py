@@ -43,6 +43,7 @@ FAULT_TIMEOUT_S = 0.05  # the fault drills' bound on every in-kernel wait
 CONTEXTS = {
     "w1": [3000],
     "w1-first-token": [1],
+    "w1-700": [700],  # 6 of each KV head's 16 splits read positions, the other 10 none
     "w2": [1, 700],
     "w4-3rows": [17, 3000, 1],
     "w4": [700, 1, 3000, 17],
@@ -228,7 +229,7 @@ def test_forward_step_matches_reference_llama3_1b(case):
     _whole_step(B1, CONTEXTS[case], seed=len(CONTEXTS[case]) + 20, what=f"1B {case} step")
 
 
-@pytest.mark.parametrize("case", ["w1-first-token", "w1", "w2", "w8-5rows"])
+@pytest.mark.parametrize("case", ["w1-first-token", "w1-700", "w1", "w2", "w8-5rows"])
 def test_llama3_8b(case):
     """Llama-3-8B's layers (14336-wide MLP, 128-wide heads, groups of 4; two down tiles a program,
     whose input streams above 1 row): per layer and as one launch over both layers."""
