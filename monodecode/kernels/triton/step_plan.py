@@ -55,6 +55,12 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # faster at 1B, 0.2-1 % at 8B. Run 122 also timed the same for gate/up's input from o_proj and
 # width 1's QKV input from the previous down (8B: 2 of 4 chunks each; ``early_hidden``): 0.4-1.9 %
 # slower (the first task's chunks staged in two passes, the row read again for its rstd); dropped.
+# Run 124 timed three at width 1 and dropped them: a deeper weight ring (6 slots at 8B) for the
+# programs whose attention task reads no cached position, in the K/V ring's shared memory (15 %
+# slower at 8B 1k: a stage's bandwidth splits in proportion to each program's chunks in flight, so
+# the shallow programs ended it late; 2-3 % at 8k-32k from the depth chosen at run time); the
+# attention tasks on the last programs (1-3 % slower); the norm weights asked of L2 before the
+# waits (level).
 # Runs 119-120 timed ``tagged`` 1-3 and dropped it (width 1's hand-offs as 64-bit words carrying
 # the launch's epoch, polled by the consumer instead of a counter and then the input; 2: the
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
