@@ -95,3 +95,27 @@ def test_the_step_launchs_halves_are_named_and_their_overlap_is_a_negative_gap(t
     png = tmp_path / "s.png"
     TL.plot_layer(st, 1, "synthetic step", png, TL.STEP)
     assert png.stat().st_size > 5000
+
+
+def test_the_chain_splits_a_layers_period_into_hand_offs_and_streams():
+    """``chain``, from layer 1 on: each stage's hand-off is measured from the stage before's LAST
+    program (layer 1's QKV from layer 0's down) to this stage's MEDIAN program past its wait, its
+    stream from there to its last program, and they add up to the layer's period. Every stage of
+    ``_step_stamps`` waits 1 us and works 2 us, o_proj entering 1 us before the attention ends
+    (a 14 us period); one program finishing gate/up 4 us late puts 4 us on gate/up's stream and
+    takes it off down's hand-off, whose programs had waited for it; three of four programs past
+    gate/up's wait 1 us later move 1 us from its stream to its hand-off."""
+    summ = TL.summarize(_step_stamps(layers=3), TL.STEP)
+    chain = {c["stage"]: (c["handoff_us"], c["stream_us"]) for c in summ["chain"]}
+    assert list(chain) == ["qkv", "attention", "o_proj", "gate_up", "down"]
+    assert chain == {"qkv": (1.0, 2.0), "attention": (1.0, 2.0), "o_proj": (0.0, 2.0), "gate_up": (1.0, 2.0),
+                     "down": (1.0, 2.0)}  # fmt: skip
+    late = _step_stamps(layers=2)
+    late[1, 1, 3, 2, 2] += 4000  # layer 1: program 3's gate/up ends 4 us later ...
+    late[1, 1, :, 3, 1:3] += 3000  # ... and down's programs get past their wait 3 us later (1 us after it)
+    late[1, 1, 1:, 2, 1] += 1000  # and 3 of gate/up's 4 programs got past their wait 1 us later: the median
+    chain = {c["stage"]: (c["handoff_us"], c["stream_us"]) for c in TL.summarize(late, TL.STEP)["chain"]}
+    assert chain["gate_up"] == (2.0, 5.0) and chain["down"] == (0.0, 2.0)
+    line = TL.describe(TL.summarize(_step_stamps(layers=3), TL.STEP))[-1]
+    assert line.endswith("= 14.0 (hand-offs 4.0)") and "o_proj 0.0 + 2.0" in line
+    assert TL.summarize(_step_stamps(layers=1), TL.STEP)["chain"] == []

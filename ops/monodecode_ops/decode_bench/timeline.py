@@ -12,6 +12,10 @@ would (``STEP``). Here they become, per layer and kernel (or half):
           tasks; and the programs' mean busy time (ready -> end)
   gap     K1's last end to K2's first entry (the launch boundary; in the step launch, the last
           attention's end to the first program entering o_proj's wait: negative where they overlap)
+  chain   from layer 1 on, each stage in order as a hand-off (the stage before's last program done
+          -> the median program past this stage's wait, input staged) and a stream (-> this
+          stage's last program done): their sum is the layer's period, the hand-offs its time
+          between stages that no program spent on its own stage's work
 
 and a plot of one layer: one line per program, grey while waiting, coloured while working.
 """
@@ -97,7 +101,34 @@ def summarize(stamps: torch.Tensor, layout: Layout = TRITON) -> dict:
             "stages": {n: {f: sum(v) / len(v) for f, v in d.items()} for n, d in per_stage.items()},
         }
     out["launch_gap_us"] = sum(gaps) / len(gaps) if gaps else None
+    out["chain"] = _chain(stamps, layout)
     return out
+
+
+def _chain(stamps: torch.Tensor, layout: Layout) -> list[dict]:
+    """``summarize``'s ``chain``: per stage (every stamped stage of both kernels, in order) the
+    mean over layers 1 .. of its hand-off and stream (us); [] with fewer than 2 layers."""
+    order = [(k, s, n) for k in (0, 1) for s, n in enumerate(layout.stages[k]) if n]
+    per: dict[str, list[tuple[float, float]]] = {}
+    prev_end = None
+    for l in range(stamps.shape[0]):
+        kernels = [_ran(stamps[l, k].double()) for k in (0, 1)]
+        for k, s, name in order:
+            st = kernels[k]
+            if not _valid(st)[s]:
+                continue
+            ready, end = st[:, s, 1], st[:, s, 2]
+            worked = end > ready
+            if not worked.any():
+                continue
+            ready_med, end_max = float(ready[worked].median()), float(end[worked].max())
+            if prev_end is not None and l > 0:
+                per.setdefault(name, []).append(((ready_med - prev_end) / 1e3, (end_max - ready_med) / 1e3))
+            prev_end = end_max
+    return [
+        {"stage": n, "handoff_us": sum(h for h, _ in v) / len(v), "stream_us": sum(w for _, w in v) / len(v)}
+        for n, v in per.items()
+    ]
 
 
 def describe(summ: dict) -> list[str]:
@@ -113,6 +144,11 @@ def describe(summ: dict) -> list[str]:
     if summ.get("launch_gap_us") is not None:
         gap = summ.get("gap", TRITON.gap)
         lines.append(f"{gap} {summ['launch_gap_us']:.1f} us (mean over {summ['layers']} layers)")
+    if chain := summ.get("chain"):
+        hand = sum(c["handoff_us"] for c in chain)
+        period = hand + sum(c["stream_us"] for c in chain)
+        parts = ", ".join(f"{c['stage']} {c['handoff_us']:.1f} + {c['stream_us']:.1f}" for c in chain)
+        lines.append(f"a layer's chain, hand-off + stream (us): {parts} = {period:.1f} (hand-offs {hand:.1f})")
     return lines
 
 
