@@ -153,6 +153,37 @@ def test_targets_apply_where_issue_26_sets_them():
     assert d["summary"]["speed_targets_met"] is False
 
 
+def test_each_speed_target_says_what_it_asks_of_the_read_probe(capsys):
+    """The fraction of the probe a cell's speed target asks is the strongest (counted) stock's
+    own fraction times the target; a target asking more than the probe is named as such."""
+    from monodecode_ops.decode_bench.harness import print_report
+
+    rows = [
+        rec("stock-fullgraph-cdt", 3.2),  # 94 % of the probe: 1.10x asks 103 %
+        rec("triton", 3.3),
+        rec("stock-fullgraph-cdt", 2.5, batch=8, err=0.3),  # fast but wrong: not what the target asks of
+        rec("stock-fullgraph", 3.2, batch=8),  # 94 %: 1.00x asks 94 %
+        rec("triton", 3.3, batch=8),
+        rec("stock-fullgraph", 4.0, context=8192),  # 75 %: 1.10x asks 82.5 %
+        rec("triton", 3.5, context=8192),
+    ]
+    d = doc_of(rows)
+    b1, b8, c8 = per_cell(d, context=1024, batch=1), per_cell(d, batch=8), per_cell(d, context=8192)
+    assert b1["stock_fraction_of_roofline"] == pytest.approx(3.0 / 3.2)
+    assert b1["speed_target_needs_fraction"] == pytest.approx(1.10 * 3.0 / 3.2)
+    assert b8["speed_target_needs_fraction"] == pytest.approx(3.0 / 3.2)
+    assert c8["speed_target_needs_fraction"] == pytest.approx(1.10 * 0.75)
+    assert d["summary"]["speed_targets_beyond_probe"] == ["llama3-8b bf16 ctx 1024 b1"]
+    table = RP.summary_table(d).splitlines()
+    assert "| strongest stock | target needs % of probe | stock / triton |" in table[0]
+    assert "| stock-fullgraph-cdt 3.20 | 103 % | 0.97x" in table[2]
+    assert "| stock-fullgraph 4.00 | 82 % | 1.14x" in table[4]
+    assert len({line.count("|") for line in table}) == 1
+    print_report(d)
+    assert "more than the read probe of a kernel reading the cell's bytes" in capsys.readouterr().out
+    assert doc_of(rows[2:])["summary"]["speed_targets_beyond_probe"] == []
+
+
 def test_skipped_and_failed_cells_show_as_such():
     rows = [
         rec("stock-fullgraph", None, error="skipped: its KV caches need 140.0 GiB", skipped=True),
@@ -184,7 +215,10 @@ def test_report_merges_saved_runs_and_prints_the_summary_table_last(tmp_path, ca
         paths[-1].write_text(json.dumps(d))
     assert harness.main(["--report", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1].startswith("| llama3-8b | bf16 | 32768 | 8 | 3.00 |") and "stock-fullgraph 11.90 | 0.68x" in out[-1]
+    assert (
+        out[-1].startswith("| llama3-8b | bf16 | 32768 | 8 | 3.00 |")
+        and "stock-fullgraph 11.90 | 25 % | 0.68x" in out[-1]
+    )
     assert out[-2].startswith("| llama3-8b | bf16 | 1024 | 1 | 3.00 |") and "stock-compiled-graph 5.30" in out[-2]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "run0_report_ctx1024.png",

@@ -504,18 +504,15 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
 
 
 @gluon.jit
-def _store_row(y, rstd, gbuf, act, h_in, resid, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
-               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, ERES: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
+               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr):  # fmt: skip
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
-    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``ERES``: o_proj's and
-    down's residual rows are ``resid``, loaded at the task's start (else loaded here)."""
+    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual."""
     if s == 0:
         gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
-        if not ERES:
-            resid = gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)
-        gl.store(act + A_H1 + rows, _bf(_bf(y) + resid))
+        gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
     elif s == 2:
         hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         gbuf.store(_bf(y * rstd))
@@ -525,9 +522,7 @@ def _store_row(y, rstd, gbuf, act, h_in, resid, res_dst, out_dst, health_ptr, co
         hh = gl.arange(0, ROWS // 2, layout=hl)
         gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
     else:
-        if not ERES:
-            resid = gl.load(act + A_H1 + rows, cache_modifier=".cg")
-        v = _bf(_bf(y) + resid)
+        v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
         # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
         _residual_out(v, res_dst + rows, out_dst + rows, health_ptr, code, rows >= 0, live, layer, nlayers)
 
@@ -586,7 +581,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, ERES: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                DE: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
@@ -605,8 +600,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ``StepGeometry.kv_groups``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
-    reaches chunk ``DE``. ``ERES``: width 1 loads o_proj's and down's residual rows at each task's
-    first chunk, not after its last. ``PROF``: each program stamps its stages into ``prof`` where K1's
+    reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
@@ -698,7 +692,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
-    resid = gl.zeros([ROWS], gl.float32, row)  # width 1 with ERES: the task's residual rows (o_proj, down)
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM)  # fmt: skip
@@ -789,14 +782,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
-                if ERES:  # the residual rows o_proj's and down's sums join, asked for now, not after the last chunk
-                    rok = (tile < tiles) & (ry >= 0)
-                    if s == 1:
-                        resid = gl.load(h_in + tile * ROWS + ry, mask=rok, other=0.0, cache_modifier=".cg").to(
-                            gl.float32
-                        )
-                    elif s == 3:
-                        resid = gl.load(act + A_H1 + tile * ROWS + ry, mask=rok, other=0.0, cache_modifier=".cg")
         if DE > 0:  # down reaches the chunks of gate/up's last round: wait for all of it
             if DSTREAM:  # (streamed: before the refill below asks for X chunk DE, NBUF - 1 chunks ahead)
                 if (s == 3) & (k == DE - (NBUF + TD - 2) // TD) & (j == (DE * TD - (NBUF - 1)) % TD):
@@ -857,8 +842,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 y = gl.sum(acc, axis=1)
                 if nan:
                     y = y + float("nan")
-                _store_row(y, rstd, gbuf, act, h_in, resid, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, ERES, NW)  # fmt: skip
+                _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
+                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
             if DE > 0:
                 if (s == 2) & (j == T1 - 2):  # gate/up's rounds but its last stored (down's first DE chunks)
                     gl.thread_barrier()

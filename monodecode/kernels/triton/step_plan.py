@@ -60,11 +60,9 @@ WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster tha
 # slower at 8B 1k: a stage's bandwidth splits in proportion to each program's chunks in flight, so
 # the shallow programs ended it late; 2-3 % at 8k-32k from the depth chosen at run time); the
 # attention tasks on the last programs (1-3 % slower); the norm weights asked of L2 before the
-# waits (level).
-# ``early_residual`` (session 25; off until timed): width 1's o_proj and down tasks load the
-# residual rows their sums join at the task's first chunk, not after its last (a round trip on
-# the chunk stream's critical path: run 122's 8B timeline has o_proj at 1.6 µs a chunk against
-# gate/up's 1.33, and down at 1.43, each with one such load a task).
+# waits (level). Run 127 timed ``early_residual`` (width 1's o_proj and down tasks asking for the
+# residual rows their sums join at the task's first chunk, not after its last): level at 8B and
+# 1B (-0.3 to +0.3 %, the same PTX elsewhere); dropped.
 # Runs 119-120 timed ``tagged`` 1-3 and dropped it (width 1's hand-offs as 64-bit words carrying
 # the launch's epoch, polled by the consumer instead of a counter and then the input; 2: the
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
@@ -76,7 +74,6 @@ PLAN_KNOBS = {
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
     "early_down": (1, 0, 1),
-    "early_residual": (0, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -164,7 +161,6 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
-    early_residual: int = 0  # width 1: o_proj's and down's residual rows loaded at each task's start
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -441,7 +437,6 @@ class StepGeometry:
             "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks,
-            "ERES": int(self.early_residual and self.width == 1),
             "NB": self.width,
             "MMAV": int(self.width > 1),
             "TMA": int(self.tma),

@@ -1112,6 +1112,11 @@ def print_report(doc: dict) -> None:
         print(f"\nnot run (time budget): {', '.join(doc['skipped_configs'])}")
     print(f"\ntriton never slower than the strongest stock: {s['never_slower_than_stock']}")
     print(f"speed targets (>= 1.00x every cell, >= 1.10x at batch 1 up to 8k) met: {s['speed_targets_met']}")
+    if s.get("speed_targets_beyond_probe"):
+        print(
+            "speed targets asking more than the read probe of a kernel reading the cell's bytes "
+            f"(the strongest stock's fraction times the target): {', '.join(s['speed_targets_beyond_probe'])}"
+        )
     if s.get("step_never_slower_than_stock") is not None:
         print(
             f"{STEP_BACKEND} (the cells it ran) never slower than the strongest stock: "
