@@ -119,3 +119,26 @@ def test_the_chain_splits_a_layers_period_into_hand_offs_and_streams():
     line = TL.describe(TL.summarize(_step_stamps(layers=3), TL.STEP))[-1]
     assert line.endswith("= 14.0 (hand-offs 4.0)") and "o_proj 0.0 + 2.0" in line
     assert TL.summarize(_step_stamps(layers=1), TL.STEP)["chain"] == []
+
+
+def test_the_attention_stream_splits_at_the_last_partial_stored(tmp_path):
+    """``attention_parts`` (``STEP`` only): the attention's stream (the median program past its
+    wait -> the last head merged, 2 us in ``_step_stamps``) splits at the LAST task's partial
+    stored; a task's own time is the MEDIAN over the programs that had a task (program 3 has none
+    and stamps no partial). Partials 0.5, 1.0 and 1.5 us past the wait: tasks 1.0, the last
+    partial 1.5, the merge after it 0.5."""
+    st = _step_stamps(layers=2)
+    for p, after in ((0, 500), (1, 1000), (2, 1500)):
+        st[:, 0, p, 1, 3] = st[:, 0, p, 1, 1] + after
+    summ = TL.summarize(st, TL.STEP)
+    assert summ["attention_parts"] == {"task_us": 1.0, "last_partial_us": 1.5, "merge_us": 0.5}
+    chain = {c["stage"]: c["stream_us"] for c in summ["chain"]}
+    parts = summ["attention_parts"]
+    assert parts["last_partial_us"] + parts["merge_us"] == chain["attention"]
+    line = TL.describe(summ)[-1]
+    assert line.startswith("attention's stream (us): the last partial stored 1.5, then the last head merged 0.5")
+    assert TL.summarize(_step_stamps(), TL.STEP)["attention_parts"] is None  # no partial stamped
+    assert "attention_parts" not in TL.summarize(_stamps())  # the two-launch kernels stamp none
+    png = tmp_path / "p.png"
+    TL.plot_layer(st, 1, "synthetic step, partials marked", png, TL.STEP)
+    assert png.stat().st_size > 5000

@@ -51,6 +51,10 @@ NONFINITE = gl.constexpr(2)
 # the timeline buffer's layout (``triton/timeline.py``, which the two-launch kernels stamp too)
 PROF_STAGES = gl.constexpr(timeline.MAX_STAGES)
 PROF_SLOTS = gl.constexpr(timeline.SLOTS)
+# where an attention task stamps its partial stored, before the merge's counter: the attention
+# stage's fourth slot (``decode_bench.timeline.STEP``; a stamp inside the task's K/V loop spilled
+# at width 8)
+ATT_PART = gl.constexpr(3)
 
 
 @gluon.jit
@@ -736,6 +740,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
+                        _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged

@@ -835,6 +835,9 @@ def _timeline(
     path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}{tail}.png"
     title = f"{backend}: {profile} {weight_dtype} context {context} batch {rows}, layer {layer}"
     TL.plot_layer(stamps, layer, title, path, layout)
+    # the raw stamps too ([layer, kernel, program, stage, slot] ns): a later summary can be run on them
+    raw = path.with_name(f"{path.stem}_stamps.pt")
+    torch.save(stamps.cpu(), raw)
     summ = TL.summarize(stamps, layout)
     log(f"  {backend} timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
     for line in TL.describe(summ):
@@ -849,6 +852,7 @@ def _timeline(
         "step_ms_with_stamps": prof_ms,
         "timeline": summ,
         "timeline_png": path.name,
+        "timeline_stamps": raw.name,
     }
 
 

@@ -16,6 +16,9 @@ would (``STEP``). Here they become, per layer and kernel (or half):
           -> the median program past this stage's wait, input staged) and a stream (-> this
           stage's last program done): their sum is the layer's period, the hand-offs its time
           between stages that no program spent on its own stage's work
+  attention_parts  (the step launch, whose attention tasks also stamp their partial stored) the
+          attention's stream split at the last partial stored: before it the tasks, after it the
+          head counter's round trip and the last split's merge
 
 and a plot of one layer: one line per program, grey while waiting, coloured while working.
 """
@@ -38,6 +41,9 @@ class Layout(NamedTuple):
     labels: tuple[str, str]  # the plot legend's
     gap: str  # what ``launch_gap_us`` measures
     origin: str  # whose first program's start the plot's time axis counts from
+    # (kernel, stage, slot) where the attention's tasks stamp their partial stored, before the
+    # merge's counter (the step launch); None: no such stamp
+    part: tuple[int, int, int] | None = None
 
 
 TRITON = Layout(
@@ -53,6 +59,7 @@ STEP = Layout(
     ("", ""),
     "last attention end -> first o_proj entry",
     "the launch",
+    (0, 1, 3),
 )
 
 
@@ -102,7 +109,32 @@ def summarize(stamps: torch.Tensor, layout: Layout = TRITON) -> dict:
         }
     out["launch_gap_us"] = sum(gaps) / len(gaps) if gaps else None
     out["chain"] = _chain(stamps, layout)
+    if layout.part is not None:
+        out["attention_parts"] = _attention_parts(stamps, layout.part)
     return out
+
+
+def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int]) -> dict | None:
+    """The attention stage's stream (the chain's: the median program past its wait -> the last
+    head merged) in two, means over the layers (us): ``last_partial_us`` to the last task's partial
+    stored, ``merge_us`` from there to the last head merged (the head counter's round trip and the
+    last split's merge); and ``task_us``, the median task's own time (its wait over -> its partial
+    stored). None where no task stamped its partial."""
+    k, s, slot = part
+    got: dict[str, list[float]] = {"task_us": [], "last_partial_us": [], "merge_us": []}
+    for l in range(stamps.shape[0]):
+        st = _ran(stamps[l, k].double())
+        ready, end, mark = st[:, s, 1], st[:, s, 2], st[:, s, slot]
+        worked, tasks = end > ready, mark > 0
+        if not tasks.any():
+            continue
+        ready_med = ready[worked].median()
+        got["task_us"].append(float((mark - ready)[tasks].median()) / 1e3)
+        got["last_partial_us"].append(float(mark[tasks].max() - ready_med) / 1e3)
+        got["merge_us"].append(float(end[worked].max() - mark[tasks].max()) / 1e3)
+    if not got["task_us"]:
+        return None
+    return {n: sum(v) / len(v) for n, v in got.items()}
 
 
 def _chain(stamps: torch.Tensor, layout: Layout) -> list[dict]:
@@ -149,6 +181,11 @@ def describe(summ: dict) -> list[str]:
         period = hand + sum(c["stream_us"] for c in chain)
         parts = ", ".join(f"{c['stage']} {c['handoff_us']:.1f} + {c['stream_us']:.1f}" for c in chain)
         lines.append(f"a layer's chain, hand-off + stream (us): {parts} = {period:.1f} (hand-offs {hand:.1f})")
+    if att := summ.get("attention_parts"):
+        lines.append(
+            f"attention's stream (us): the last partial stored {att['last_partial_us']:.1f}, then the last head "
+            f"merged {att['merge_us']:.1f}; a task {att['task_us']:.1f} (median, its wait over -> its partial stored)"
+        )
     return lines
 
 
@@ -180,6 +217,13 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path, layout:
                 lw=1.5 if k == 0 else 2.5,
                 label=f"{layout.labels[k]} {name}".strip(),
             )
+    if layout.part is not None:  # each attention task's partial stored: the merge's round trips follow
+        k, s, slot = layout.part
+        mark = kernels[k][:, s, slot]
+        tasks = mark > 0
+        if tasks.any():
+            ys = torch.arange(mark.shape[0])[tasks]
+            ax.plot((mark[tasks] - t0) / 1e3, ys, "k|", ms=3, label="partial stored")
     ax.set_xlabel(f"µs since {layout.origin}'s first program started (grey: waiting)")
     ax.set_ylabel("program (SM)")
     ax.set_title(title)
