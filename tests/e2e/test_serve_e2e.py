@@ -311,9 +311,13 @@ def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
     assert answers == [4] * len(answers), answers
     answered.set()
     long_run.join(120)
-    assert overlapped, "the long decode ended before the other prompts were answered: nothing overlapped"
+    # the property is a mixed step counted; the long decode outliving the answers is what makes
+    # one certain, and is reported with it (on a CI machine loaded by other work it once ended first)
     d = moved(b, steps(mono))
-    assert d.get("mixed_batch", 0) >= 1, d
+    assert d.get("mixed_batch", 0) >= 1, (
+        d,
+        "the long decode ended before the other prompts were answered" if not overlapped else "overlapped",
+    )
 
     # more rows than the widest width (4), sent as one batched request so that they reach the
     # engine together and decode side by side: separate streams started from threads could finish

@@ -52,8 +52,9 @@ NONFINITE = gl.constexpr(2)
 PROF_STAGES = gl.constexpr(timeline.MAX_STAGES)
 PROF_SLOTS = gl.constexpr(timeline.SLOTS)
 # where an attention task stamps its partial stored, before the merge's counter: the attention
-# stage's fourth slot (``decode_bench.timeline.STEP``; a stamp inside the task's K/V loop spilled
-# at width 8)
+# stage's fourth slot; its q, k and v in (q staged) go to K1's third stage's first, which the step
+# has no stage for (``decode_bench.timeline.STEP``). Stamps inside the task's K/V loop or after it
+# spilled 8-16 bytes at width 8.
 ATT_PART = gl.constexpr(3)
 
 
@@ -354,7 +355,7 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
-            PW: gl.constexpr):  # fmt: skip
+            PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -362,7 +363,8 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     filled by ``cp.async`` ``KVS - 1`` tiles ahead (the first ones by ``_kv_first``, whose
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
-    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge."""
+    attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
+    With ``PROF``, stamps its q, k and v in (``decode_bench.timeline.STEP.q_in``)."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -392,6 +394,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     qs.store(qf.to(gl.bfloat16))
     gl.thread_barrier()
     qa = qs.load(a_l)
+    _stamp(prof_ptr, layer, pid, 0, 2, 0, NPROG, PROF)  # q, k, v in, q staged
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
@@ -606,7 +609,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
-    staged, the stage's part counted (``decode_bench.timeline.STEP``)."""
+    staged, the stage's part counted, and each attention task its q, k and v in and its partial stored
+    (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # copies and width 1's arithmetic
@@ -739,7 +743,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                         ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
-                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
+                                k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
+                                prof_ptr, layer, pid, NPROG, PROF)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip

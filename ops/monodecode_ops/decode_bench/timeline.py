@@ -42,8 +42,9 @@ class Layout(NamedTuple):
     gap: str  # what ``launch_gap_us`` measures
     origin: str  # whose first program's start the plot's time axis counts from
     # (kernel, stage, slot) where the attention's tasks stamp their partial stored, before the
-    # merge's counter (the step launch); None: no such stamp
+    # merge's counter, and their q, k and v in (the step launch); None: no such stamps
     part: tuple[int, int, int] | None = None
+    q_in: tuple[int, int, int] | None = None
 
 
 TRITON = Layout(
@@ -60,6 +61,7 @@ STEP = Layout(
     "last attention end -> first o_proj entry",
     "the launch",
     (0, 1, 3),
+    (0, 2, 0),
 )
 
 
@@ -110,18 +112,21 @@ def summarize(stamps: torch.Tensor, layout: Layout = TRITON) -> dict:
     out["launch_gap_us"] = sum(gaps) / len(gaps) if gaps else None
     out["chain"] = _chain(stamps, layout)
     if layout.part is not None:
-        out["attention_parts"] = _attention_parts(stamps, layout.part)
+        out["attention_parts"] = _attention_parts(stamps, layout.part, layout.q_in)
     return out
 
 
-def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int]) -> dict | None:
+def _attention_parts(
+    stamps: torch.Tensor, part: tuple[int, int, int], q_in: tuple[int, int, int] | None
+) -> dict | None:
     """The attention stage's stream (the chain's: the median program past its wait -> the last
     head merged) in two, means over the layers (us): ``last_partial_us`` to the last task's partial
     stored, ``merge_us`` from there to the last head merged (the head counter's round trip and the
-    last split's merge); and ``task_us``, the median task's own time (its wait over -> its partial
-    stored). None where no task stamped its partial."""
+    last split's merge). And the median task's own time (its wait over -> its partial stored,
+    ``task_us``), of which ``q_in_us`` until its q, k and v were in (the block table and the K/V
+    copies asked for first). None where no task stamped its partial."""
     k, s, slot = part
-    got: dict[str, list[float]] = {"task_us": [], "last_partial_us": [], "merge_us": []}
+    got: dict[str, list[float]] = {"task_us": [], "q_in_us": [], "last_partial_us": [], "merge_us": []}
     for l in range(stamps.shape[0]):
         st = _ran(stamps[l, k].double())
         ready, end, mark = st[:, s, 1], st[:, s, 2], st[:, s, slot]
@@ -130,11 +135,14 @@ def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int]) -> dict |
             continue
         ready_med = ready[worked].median()
         got["task_us"].append(float((mark - ready)[tasks].median()) / 1e3)
+        if q_in is not None:
+            q = _ran(stamps[l, q_in[0]].double())[:, q_in[1], q_in[2]]
+            got["q_in_us"].append(float((q - ready)[tasks].median()) / 1e3)
         got["last_partial_us"].append(float(mark[tasks].max() - ready_med) / 1e3)
         got["merge_us"].append(float(end[worked].max() - mark[tasks].max()) / 1e3)
     if not got["task_us"]:
         return None
-    return {n: sum(v) / len(v) for n, v in got.items()}
+    return {n: sum(v) / len(v) if v else None for n, v in got.items()}
 
 
 def _chain(stamps: torch.Tensor, layout: Layout) -> list[dict]:
@@ -185,6 +193,7 @@ def describe(summ: dict) -> list[str]:
         lines.append(
             f"attention's stream (us): the last partial stored {att['last_partial_us']:.1f}, then the last head "
             f"merged {att['merge_us']:.1f}; a task {att['task_us']:.1f} (median, its wait over -> its partial stored)"
+            + (f", its q, k and v in after {att['q_in_us']:.1f}" if att.get("q_in_us") is not None else "")
         )
     return lines
 

@@ -366,8 +366,8 @@ def test_caches_the_kernel_cannot_address_are_refused_in_one_line():
 
 def test_timeline_stamps_compile_in_only_when_asked():
     """The served build carries no trace of the benchmark's timeline (no ``%globaltimer``); with
-    ``prof`` the seven stamp sites are in (the stages' entry, input staged and part counted, and
-    each attention task's partial stored), and the stamped builds of 1B and 8B at widths 1 and 8
+    ``prof`` the eight stamp sites are in (the stages' entry, input staged and part counted, and
+    each attention task's q, k and v in and partial stored), and the stamped builds of 1B and 8B at widths 1 and 8
     have 0 spills too (at width 8 on 255 registers; 1B's spilled 40 bytes before session 24), so
     a timeline times the kernel the verdicts time."""
     from monodecode.kernels.triton.offline import cuda_resources
@@ -378,5 +378,5 @@ def test_timeline_stamps_compile_in_only_when_asked():
     for name in ("llama3-1b", "llama3-8b"):
         for width in (1, 8):
             stamped = compile_step(profile_dims(name), width, H200_SMS, 16, prof=True)
-            assert stamped.asm["ptx"].count("%globaltimer") == 7
+            assert stamped.asm["ptx"].count("%globaltimer") == 8
             assert cuda_resources("step_kernel", width, 8, stamped).spills == 0, (name, width)

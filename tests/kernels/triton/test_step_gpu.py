@@ -357,8 +357,9 @@ def test_backend_builds_the_step_launch_and_refuses_what_it_cannot_serve():
 def test_timeline_stamps_every_stage_in_order_and_leave_the_step_bit_identical():
     """With the benchmark's stage stamps on (``enable_timeline``), the step's output and K/V are bit
     for bit the plain build's, and every program stamped QKV, attention, o_proj, gate/up and down
-    of every layer in order (entry <= input ready <= part counted), each attention task its partial
-    stored between its wait and its heads merged; off again, no stamps are written."""
+    of every layer in order (entry <= input ready <= part counted), each attention task its q, k
+    and v in and its partial stored between its wait and its heads merged; off again, no stamps
+    are written."""
     dims, weights, tk, _, kv, before, meta, x = _setup(B1, CONTEXTS["w4"], seed=13)
     layers = B1[2]
     kv2 = _snapshot(before)
@@ -377,14 +378,17 @@ def test_timeline_stamps_every_stage_in_order_and_leave_the_step_bit_identical()
         s = st[:, half, :, stage, :3]
         assert (s > 0).all(), f"slot ({half}, {stage}) unstamped"
         assert (s[..., 0] <= s[..., 1]).all() and (s[..., 1] <= s[..., 2]).all(), f"slot ({half}, {stage}) out of order"
-    # each attention task's partial stored (``timeline.STEP.part``), between its wait and its heads
-    # merged; the programs past the tasks (the grid's last) stamp none
-    part = st[:, 0, :, 1, 3]
+    # each attention task's q, k and v in (``timeline.STEP.q_in``) and partial stored (``.part``),
+    # in order between its wait and its heads merged; the programs past the tasks (the grid's last)
+    # stamp neither
+    part, q_in = st[:, 0, :, 1, 3], st[:, 0, :, 2, 0]
     tasks = int((part[0] > 0).sum())
     assert 0 < tasks < part.shape[1] and (part[:, :tasks] > 0).all() and (part[:, tasks:] == 0).all()
+    assert (q_in[:, :tasks] > 0).all() and (q_in[:, tasks:] == 0).all()
     att = st[:, 0, :tasks, 1]
-    assert (att[..., 1] <= att[..., 3]).all() and (att[..., 3] <= att[..., 2]).all(), "partial stamp out of order"
-    assert (st[:, 0, :, 2] == 0).all() and (st[:, 1, :, 1] == 0).all()  # the slots the step leaves unnamed
+    assert (att[..., 1] <= q_in[:, :tasks]).all() and (q_in[:, :tasks] <= att[..., 3]).all(), "q_in stamp out of order"
+    assert (att[..., 3] <= att[..., 2]).all(), "partial stamp out of order"
+    assert (st[:, 0, :, 2, 1:] == 0).all() and (st[:, 1, :, 1] == 0).all()  # the slots the step leaves unnamed
     assert tk.prof.numel() == 1 and tk.health() == 0, decode_health(tk.health())
 
 
