@@ -52,10 +52,11 @@ NONFINITE = gl.constexpr(2)
 PROF_STAGES = gl.constexpr(timeline.MAX_STAGES)
 PROF_SLOTS = gl.constexpr(timeline.SLOTS)
 # where an attention task stamps its partial stored, before the merge's counter: the attention
-# stage's fourth slot; its q, k and v in (q staged) go to K1's third stage's first, which the step
-# has no stage for (``decode_bench.timeline.STEP``). Stamps inside the task's K/V loop or after it
-# spilled 8-16 bytes at width 8.
+# stage's fourth slot; its q, k and v in (q staged): the first slot of K1's third stage, which the
+# step has no stage for (``decode_bench.timeline.STEP``). Stamps inside the task's K/V loop or
+# after it spilled 8-16 bytes at width 8.
 ATT_PART = gl.constexpr(3)
+ATT_Q_STAGE = gl.constexpr(2)
 
 
 @gluon.jit
@@ -394,7 +395,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     qs.store(qf.to(gl.bfloat16))
     gl.thread_barrier()
     qa = qs.load(a_l)
-    _stamp(prof_ptr, layer, pid, 0, 2, 0, NPROG, PROF)  # q, k, v in, q staged
+    _stamp(prof_ptr, layer, pid, 0, ATT_Q_STAGE, 0, NPROG, PROF)  # q, k, v in, q staged
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))

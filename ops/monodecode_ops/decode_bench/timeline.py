@@ -16,9 +16,9 @@ would (``STEP``). Here they become, per layer and kernel (or half):
           -> the median program past this stage's wait, input staged) and a stream (-> this
           stage's last program done): their sum is the layer's period, the hand-offs its time
           between stages that no program spent on its own stage's work
-  attention_parts  (the step launch, whose attention tasks also stamp their partial stored) the
-          attention's stream split at the last partial stored: before it the tasks, after it the
-          head counter's round trip and the last split's merge
+  attention_parts  (the step launch, whose attention tasks also stamp their q, k and v in and
+          their partial stored) the attention's stream split at the last partial stored: before it
+          the tasks, after it the head counter's round trip and the last split's merge
 
 and a plot of one layer: one line per program, grey while waiting, coloured while working.
 """
@@ -42,9 +42,10 @@ class Layout(NamedTuple):
     gap: str  # what ``launch_gap_us`` measures
     origin: str  # whose first program's start the plot's time axis counts from
     # (kernel, stage, slot) where the attention's tasks stamp their partial stored, before the
-    # merge's counter, and their q, k and v in (the step launch); None: no such stamps
+    # merge's counter, and (stage, slot) of the same kernel their q, k and v in (the step launch);
+    # None: no such stamps
     part: tuple[int, int, int] | None = None
-    q_in: tuple[int, int, int] | None = None
+    q_in: tuple[int, int] | None = None
 
 
 TRITON = Layout(
@@ -61,7 +62,7 @@ STEP = Layout(
     "last attention end -> first o_proj entry",
     "the launch",
     (0, 1, 3),
-    (0, 2, 0),
+    (2, 0),
 )
 
 
@@ -116,9 +117,7 @@ def summarize(stamps: torch.Tensor, layout: Layout = TRITON) -> dict:
     return out
 
 
-def _attention_parts(
-    stamps: torch.Tensor, part: tuple[int, int, int], q_in: tuple[int, int, int] | None
-) -> dict | None:
+def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int], q_in: tuple[int, int] | None) -> dict | None:
     """The attention stage's stream (the chain's: the median program past its wait -> the last
     head merged) in two, means over the layers (us): ``last_partial_us`` to the last task's partial
     stored, ``merge_us`` from there to the last head merged (the head counter's round trip and the
@@ -136,8 +135,7 @@ def _attention_parts(
         ready_med = ready[worked].median()
         got["task_us"].append(float((mark - ready)[tasks].median()) / 1e3)
         if q_in is not None:
-            q = _ran(stamps[l, q_in[0]].double())[:, q_in[1], q_in[2]]
-            got["q_in_us"].append(float((q - ready)[tasks].median()) / 1e3)
+            got["q_in_us"].append(float((st[:, q_in[0], q_in[1]] - ready)[tasks].median()) / 1e3)
         got["last_partial_us"].append(float(mark[tasks].max() - ready_med) / 1e3)
         got["merge_us"].append(float(end[worked].max() - mark[tasks].max()) / 1e3)
     if not got["task_us"]:
