@@ -260,12 +260,9 @@ def _bf(v):
 
 
 @gluon.jit
-def _rope(base, d, cos, sin, D: gl.constexpr):
-    """``base[d]`` (bf16-rounded) rotated, rotate-half pairs (d, d + D/2), by the row's ``cos`` and
-    ``sin`` at ``d`` (``_cos_sin``); the result rounded to bf16 (``base``, ``d``, ``cos`` and ``sin``
-    broadcast)."""
-    a = _bf(gl.load(base + d, cache_modifier=".cg"))
-    b = _bf(gl.load(base + (d + D // 2) % D, cache_modifier=".cg"))
+def _rope(a, b, d, cos, sin, D: gl.constexpr):
+    """``a`` at dims ``d`` rotated, with ``b`` its rotate-half partners (d + D/2 mod D), by the
+    row's ``cos`` and ``sin`` at ``d`` (``_cos_sin``); the result rounded to bf16 (broadcast)."""
     return _bf(a * cos + gl.where(d < D // 2, -1.0, 1.0) * b * sin)
 
 
@@ -284,9 +281,41 @@ def _cos_sin(cs, pos, inv_ptr, D: gl.constexpr, NW: gl.constexpr):
 
 @gluon.constexpr_function
 def _tile_layout(NW):
-    """The attention's [NW, PW, D] K/V and [NW, 16, D] q tiles in registers: 16-byte rows, a
-    warp's positions (or query rows) in its own lanes."""
+    """The attention's [NW, PW, D] K/V tiles in registers: 16-byte rows, a warp's positions in
+    its own lanes."""
     return gl.BlockedLayout([1, 1, 8], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _q_layout(NW):
+    """An attention task's [16, D] query rows in registers (the slice at dim 0 of this [1, 16, D]
+    layout, which stores them into one warp's q slot): each row's dims as ``_tile_layout``'s
+    (8-element runs, 8 lanes, so q·k sums over D in its order), 4 rows a warp, the warps past 16
+    rows repeating them."""
+    return gl.SliceLayout(0, gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, NW, 1], [2, 1, 0]))
+
+
+@gluon.jit
+def _qkv_in(act, kvh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """An attention task's new q (its group's query heads, rows 0 .. G - 1 of 16; 0 past them), k
+    and v ([D], ``_q_layout``'s columns), q and k each with its rotate-half partners, bf16-rounded:
+    all asked for at once, before ``_kv_first``'s block-table reads, so the two share one round
+    trip. Read once a program (twice at 8 warps), not once a warp: every warp reading all 16
+    padded rows was 128 KiB a task at 8B, 16 MiB of L2 reads at once across the grid."""
+    G: gl.constexpr = QH // KVH
+    ql: gl.constexpr = _q_layout(NW)
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, ql))[:, None]
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    dd = d[None, :]
+    qrow = act + (kvh * G + r) * D
+    qm = (r < G) & (dd >= 0)
+    qx = _bf(gl.load(qrow + dd, mask=qm, other=0.0, cache_modifier=".cg"))
+    qr = _bf(gl.load(qrow + (dd + D // 2) % D, mask=qm, other=0.0, cache_modifier=".cg"))
+    krow = act + QH * D + kvh * D
+    kx = _bf(gl.load(krow + d, cache_modifier=".cg"))
+    kr = _bf(gl.load(krow + (d + D // 2) % D, cache_modifier=".cg"))
+    v = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d, cache_modifier=".cg"))
+    return qx, qr, kx, kr, v
 
 
 @gluon.jit
@@ -353,7 +382,7 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 
 
 @gluon.jit
-def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
+def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
             PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0):  # fmt: skip
@@ -365,44 +394,38 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
     ``bnext`` are the blocks of the next), their blocks read one tile earlier still.
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
+    ``qx`` .. ``vn``: the task's new q, k and v as ``_qkv_in`` read them.
     With ``PROF``, stamps its q, k and v in (``decode_bench.timeline.STEP.q_in``)."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
-    bl: gl.constexpr = _tile_layout(NW)
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
     kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW, PW)
     last = sp == NSPLIT - 1
-    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, bl))), 1), 2)
-    r3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, bl))), 0), 2)
-    d1 = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, bl)))
-    d3 = gl.expand_dims(d1[None, :], 1)
-    # every warp its copy of q ([NW, 16, D]: rows past the group's G heads are zero), into the
-    # operand layout through the ring's last slot (its first copy is issued in step 0)
+    ql: gl.constexpr = _q_layout(NW)
+    d1 = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
     c1 = cs.slice(0, D).load(d1.type.layout)
     s1 = cs.slice(D, D).load(d1.type.layout)
-    c3 = gl.expand_dims(c1[None, :], 1)
-    s3 = gl.expand_dims(s1[None, :], 1)
+    qf = _rope(qx, qr, d1[None, :], c1[None, :], s1[None, :], D)  # [16, D], 0 past the group's G heads
+    kn = _rope(kx, kr, d1, c1, s1, D)
+    # every warp its copy of q, into the operand layout through the ring's last slot (its first
+    # copy is issued in step 0)
     if PW == 16:
         qs = kvs.index(2 * (KVS - 1))
     else:  # the slot's first 16 positions' bytes
         qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
-    # q, k and v asked for together (one round trip), before q's trip through shared memory
-    qf = gl.where(r3 < G, _rope(act + (kvh * G + r3 + 0 * w3) * D, d3, c3, s3, D), 0.0)
-    kn = _rope(act + QH * D + kvh * D, d1, c1, s1, D)
-    vn = _bf(gl.load(act + (QH + KVH) * D + kvh * D + d1, cache_modifier=".cg"))
-    qs.store(qf.to(gl.bfloat16))
+    q16 = gl.expand_dims(qf.to(gl.bfloat16), 0)
+    for w in gl.static_range(NW):
+        qs.slice(w, 1).store(q16)
     gl.thread_barrier()
-    qa = qs.load(a_l)
+    qop = qs.load(a_l)
     _stamp(prof_ptr, layer, pid, 0, ATT_Q_STAGE, 0, NPROG, PROF)  # q, k, v in, q staged
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
         gl.store(kc_ptr + koff + blk * k_sb + (slot % BS) * k_st + kvh * k_sh + d1, kn.to(gl.bfloat16))
         gl.store(vc_ptr + voff + blk * v_sb + (slot % BS) * v_st + kvh * v_sh + d1, vn.to(gl.bfloat16))
-    s_new = gl.convert_layout(
-        gl.max(gl.sum(qf * gl.expand_dims(kn[None, :], 1), axis=2), axis=0) * SCALE, gl.SliceLayout(0, r2)
-    )
+    s_new = gl.convert_layout(gl.sum(qf * kn[None, :], axis=1) * SCALE, gl.SliceLayout(0, r2))
     wm = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma))), 1), 1)
     pm = gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))[None, :], 1)
     m = gl.full([NW, 16], -1e30, gl.float32, r2)
@@ -418,7 +441,7 @@ def _attend(act, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, 
         bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
         kb = kvs.index(2 * (i % KVS)).permute([0, 2, 1]).load(b_l)
         vb = kvs.index(2 * (i % KVS) + 1).load(b_l)
-        sc = mma_v2(qa, kb, gl.zeros([NW, 16, PW], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
+        sc = mma_v2(qop, kb, gl.zeros([NW, 16, PW], gl.float32, mma)) * SCALE  # q.k then the scale, as the reference
         ok = b + wm * PW + pm < end
         sc = gl.where(ok, sc, -1e30)
         m2 = gl.maximum(m, gl.max(sc, axis=2))
@@ -474,13 +497,15 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D:
         ss = gl.arange(0, NSPLIT, layout=gl.SliceLayout(1, w2))
         gw = gl.arange(0, G, layout=gl.SliceLayout(0, w2))
         rows = part_ptr + ((kvh * NSPLIT + ss[:, None]) * G + gw[None, :]) * (D + 2)
-        # each load where its value is first needed: the maxes' weights computed while the sums
-        # and outputs load
-        ms = gl.load(rows + D, cache_modifier=".cg")
-        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
-        total = gl.sum(w * gl.load(rows + D + 1, cache_modifier=".cg"), axis=0)
         d3 = gl.arange(0, D, layout=gl.SliceLayout(0, o2))
-        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), cache_modifier=".cg")
+        # volatile, so that ptxas keeps this order: the maxes, which the arithmetic needs first,
+        # are asked for last and all three loads are in flight at once (as .cg loads, ptxas
+        # issued the outputs' after the weights: a second L2 round trip on the critical path)
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
+        ls = gl.load(rows + D + 1, volatile=True)
+        ms = gl.load(rows + D, volatile=True)
+        w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
+        total = gl.sum(w * ls, axis=0)
         att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
         go = gl.arange(0, G, layout=gl.SliceLayout(1, o2))
         gl.store(att_ptr + (kvh * G + go)[:, None] * D + d3[None, :], _bf(att))
@@ -738,12 +763,12 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     # the task's first K/V tiles after the wait, not before it: run 106 timed them before
                     # it 0.4-1.2 % slower (1B, widths 1 and 8), their blocks held in registers across it
                     if has_task:
+                        ab = act + arow_c * LAYER_A  # the task's row
+                        qx, qr, kx, kr, vn = _qkv_in(ab, kvh0, QH, KVH, D, NW)
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
-                    if has_task:
-                        ab = act + arow_c * LAYER_A  # the task's row
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
-                        _attend(ab, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
+                        _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
                                 prof_ptr, layer, pid, NPROG, PROF)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
