@@ -156,11 +156,18 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
 def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
     """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf``; returns its
     rstd, which each output row's sum takes at the end."""
+    # every chunk asked for before the first is used: each chunk's block-wide sum and store put
+    # barriers between its loads and the next chunk's, one L2 round trip a chunk in series
+    vs = ()
+    gs = ()
+    for c in gl.static_range(HIDDEN // BK):
+        vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
+        gs = gs + (gl.load(g_ptr + c * BK + cf),)
     ss = 0.0
     for c in gl.static_range(HIDDEN // BK):
-        v = gl.load(src + c * BK + cf, cache_modifier=".cg").to(gl.float32)
+        v = vs[c].to(gl.float32)
         ss += gl.sum(v * v, axis=0)
-        xbuf.index(c).store((v * gl.load(g_ptr + c * BK + cf).to(gl.float32)).to(xbuf.dtype))
+        xbuf.index(c).store((v * gs[c].to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
@@ -173,25 +180,36 @@ def _stage_layout(NW):
 @gluon.jit
 def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
                 NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr,
-                C0: gl.constexpr = 0, C1: gl.constexpr = -1):  # fmt: skip
+                C0: gl.constexpr = 0, C1: gl.constexpr = -1, GRP: gl.constexpr = 4):  # fmt: skip
     """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
     ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
     zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``).
-    ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last)."""
+    ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last). ``GRP``: the
+    chunks asked for at once (``_normed_input``'s reason; each holds 32 registers a thread)."""
     KW: gl.constexpr = BK // NW
+    CE: gl.constexpr = NCH if C1 < 0 else C1
     st: gl.constexpr = _stage_layout(NW)
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
     b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
     k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
     ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
-    for c in gl.static_range(C0, NCH if C1 < 0 else C1):
-        col = c * BK + w3 * KW + k3  # [NW, 1, KW]
-        v = gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg")
-        v = v.to(gl.float32)
-        if NORM:
-            ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
-            v = v * gl.load(g_ptr + col).to(gl.float32)
-        xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
+    for c0 in gl.static_range(C0, CE, GRP):
+        vs = ()
+        gs = ()
+        for c in gl.static_range(c0, c0 + GRP):
+            if c < CE:
+                col = c * BK + w3 * KW + k3  # [NW, 1, KW]
+                x = src + b3 * stride + col
+                vs = vs + (gl.load(x, mask=(b3 < NB) & (col >= 0), other=0.0, cache_modifier=".cg"),)
+                if NORM:
+                    gs = gs + (gl.load(g_ptr + col),)
+        for c in gl.static_range(c0, c0 + GRP):
+            if c < CE:
+                v = vs[c - c0].to(gl.float32)
+                if NORM:
+                    ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
+                    v = v * gs[c - c0].to(gl.float32)
+                xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
     if NORM:
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
@@ -204,10 +222,20 @@ def _down_input(xbuf, src, cf, C0: gl.constexpr, C1: gl.constexpr, LAYER_A: gl.c
     """Stage chunks ``C0 .. C1 - 1`` of down's whole input (SiLU(g)·u, fp32 at ``src``, a row each
     ``LAYER_A``) as bf16: width 1 into chunk ``c``, widths 2-8 as ``_stage_rows`` would."""
     if MMAV:
-        _stage_rows(xbuf, src, LAYER_A, src, INTER // BK, XMAX, NB, False, INTER, 1.0, NW, C0, C1)
+        _stage_rows(xbuf, src, LAYER_A, src, INTER // BK, XMAX, NB, False, INTER, 1.0, NW, C0, C1, 2)
     else:
-        for c in gl.static_range(C0, C1):
-            xbuf.index(c).store(gl.load(src + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16))
+        _staged_bf16(xbuf, src, cf, C0, C1)
+
+
+@gluon.jit
+def _staged_bf16(xbuf, src, cf, C0: gl.constexpr, C1: gl.constexpr):
+    """Width 1: chunks ``C0 .. C1 - 1`` of the fp32 row at ``src`` into ``xbuf``'s chunks ``c`` as
+    bf16, every chunk asked for before the first is stored (``_normed_input``'s reason)."""
+    vs = ()
+    for c in gl.static_range(C0, C1):
+        vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
+    for c in gl.static_range(C0, C1):
+        xbuf.index(c).store(vs[c - C0].to(gl.bfloat16))
 
 
 @gluon.jit
@@ -782,10 +810,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     if MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
-                        for c in gl.static_range(HIDDEN // BK):
-                            xbuf.index(c).store(
-                                gl.load(act + A_ATT + c * BK + cf, cache_modifier=".cg").to(gl.bfloat16)
-                            )
+                        _staged_bf16(xbuf, act + A_ATT, cf, 0, HIDDEN // BK)
                 elif s == 2:
                     spin = _wait_for(
                         ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
