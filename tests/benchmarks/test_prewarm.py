@@ -68,3 +68,30 @@ def test_prewarm_fills_the_cache_the_benchmark_reads(tmp_path):
     assert "prewarm: 1/1 cells compiled" in out
     counts = json.loads(_python(BENCH, env).strip().splitlines()[-1])
     assert counts.get("fxgraph_cache_hit") == 2 and not counts.get("fxgraph_cache_miss"), counts
+
+
+def fails_first_time(job) -> tuple[str, float, str | None]:
+    """A prewarm job (``prewarm.prewarm``'s ``run``) that fails on its first attempt and
+    succeeds after, as a cell does that ran out of GPU memory beside other workers; ``job``:
+    (its marker file, always fail)."""
+    marker, always = job
+    first = not Path(marker).exists()
+    Path(marker).touch()
+    return marker, 0.0, "CUDA out of memory" if first or always else None
+
+
+def test_cells_that_failed_beside_others_run_again_alone(tmp_path):
+    """Run 135's prewarm lost every cell to 16 workers' allocations on one GPU: a failed cell
+    runs again in a pool of one, and counts as failed only if it fails there too. Alone from
+    the start (one worker) nothing runs twice."""
+    from monodecode_ops.decode_bench.prewarm import prewarm
+
+    log: list[str] = []
+    jobs = [(str(tmp_path / f"a{i}"), False) for i in range(3)] + [(str(tmp_path / "b"), True)]
+    assert prewarm(jobs, 2, log.append, run=fails_first_time) == 1
+    assert "4 cells failed beside others: again one at a time" in log
+    assert sum("(failed" in line for line in log) == 5  # four at first, then the one that always fails
+    alone = [(str(tmp_path / f"c{i}"), False) for i in range(2)]
+    log.clear()
+    assert prewarm(alone, 1, log.append, run=fails_first_time) == 2
+    assert not any("again" in line for line in log)

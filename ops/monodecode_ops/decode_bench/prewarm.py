@@ -103,24 +103,38 @@ def jobs(profiles, fp8_profiles, batches, contexts, long_batches, stock, w8a16_b
     return out
 
 
-def prewarm(job_list: list, workers: int, log=print) -> int:
-    """Run the jobs on ``workers`` processes; returns how many failed. Tuning results written
-    meanwhile are deleted (see the module doc)."""
+def prewarm(job_list: list, workers: int, log=print, run=warm_cell) -> int:
+    """Run the jobs on ``workers`` processes; returns how many failed. A job that failed beside
+    others runs again alone once the pool is gone: each worker holds its own models and caches
+    on the GPU, so many at once can run it out of memory (run 135: 16 workers on an 80 GB H100,
+    every cell failed with cuBLAS or cuDNN allocation errors). Tuning results written meanwhile
+    are deleted (see the module doc). ``run``: the job's function (``warm_cell``)."""
     import multiprocessing
 
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     start = time.time()
-    failed = 0
     ctx = multiprocessing.get_context("spawn")  # CUDA in the workers
     try:
-        with ProcessPoolExecutor(max(1, workers), mp_context=ctx, initializer=_init_worker) as ex:
-            for name, dt, err in ex.map(warm_cell, job_list):
-                failed += err is not None
-                log(f"compiled {name} in {dt:.1f}s" + (f" (failed: {err})" if err else ""))
+        again = _run_pool(job_list, max(1, workers), ctx, run, log)
+        if again and workers > 1:
+            log(f"{len(again)} cells failed beside others: again one at a time")
+            again = _run_pool(again, 1, ctx, run, log)
+        failed = len(again)
     finally:
         stale = [p for p in Path(cache_dir()).rglob("*.best_config") if p.stat().st_mtime >= start - 1]
         for p in stale:
             p.unlink(missing_ok=True)
         log(f"{len(job_list)} cells warmed in {time.time() - start:.1f}s; {len(stale)} tuning results discarded")
+    return failed
+
+
+def _run_pool(job_list: list, workers: int, ctx, run, log) -> list:
+    """The jobs on a fresh pool of ``workers`` processes; the ones that failed."""
+    failed = []
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as ex:
+        for job, (name, dt, err) in zip(job_list, ex.map(run, job_list)):
+            log(f"compiled {name} in {dt:.1f}s" + (f" (failed: {err})" if err else ""))
+            if err is not None:
+                failed.append(job)
     return failed
