@@ -40,7 +40,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-from monodecode.kernels.triton.step_kernel import _attend, _cos_sin, _kv_blocks, _kv_copy, _kv_span  # noqa: E402
+from monodecode.kernels.triton.step_kernel import _attend, _cos_sin, _kv_blocks, _kv_copy, _kv_span, _qkv_in  # noqa: E402
 from monodecode.kernels.triton.step_plan import NUM_WARPS, StepGeometry  # noqa: E402
 from monodecode.model.profiles import profile_dims  # noqa: E402
 
@@ -86,8 +86,9 @@ def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
                      v_sh, BS, D, NW, PW)  # fmt: skip
             bnext = _kv_blocks(bt_row, nb + NW * PW, end, BS, NW, PW)
             i += 1
-    else:
-        _attend(act_ptr + row * QKVR, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
+    else:  # (the step kernel asks for q, k and v before the first tiles' copies: here after them)
+        qx, qr, kx, kr, vn = _qkv_in(act_ptr + row * QKVR, kvh, QH, KVH, D, NW)
+        _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, 0, 0, cs, part_ptr + row * (KVH * NSPLIT * G * (D + 2)), bt_row,
                 bnext, task, ctx, slot, kvs, k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS,
                 SCALE, NSPLIT, KVS, NW, PW)  # fmt: skip
     async_copy.wait_group(0)
