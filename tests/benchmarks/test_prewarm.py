@@ -95,3 +95,15 @@ def test_cells_that_failed_beside_others_run_again_alone(tmp_path):
     log.clear()
     assert prewarm(alone, 1, log.append, run=fails_first_time) == 2
     assert not any("again" in line for line in log)
+
+
+def test_default_workers_fit_the_gpus_free_memory():
+    """One worker a CPU, capped by the free GPU memory at ``WORKER_GPU_BYTES`` each (run 135's 16
+    workers on an 80 GB H100 all failed), never 0; on the CPU (no GPU memory) one a CPU."""
+    from monodecode_ops.decode_bench.prewarm import WORKER_GPU_BYTES, default_workers
+
+    assert default_workers(16, 79 << 30) == 79 // (WORKER_GPU_BYTES >> 30) < 16
+    assert default_workers(2, 79 << 30) == 2
+    assert default_workers(16, 1 << 30) == 1
+    assert default_workers(16, None) == 16
+    assert default_workers(0, None) == 1

@@ -1141,7 +1141,15 @@ def _prewarm(a, contexts: list[int]) -> int:
         raise MonodecodeError("the decode benchmark needs a CUDA or ROCm GPU; torch sees none")
     long_batches = None if a.long_context_batches == "all" else _csv(a.long_context_batches, int)
     jobs = prewarm.jobs(profiles, fp8, batches, contexts, long_batches, stock, w8a16, device=DEVICE)
-    failed = prewarm.prewarm(jobs, a.prewarm_workers)
+    workers = a.prewarm_workers
+    if workers is None:
+        workers = prewarm.default_workers(
+            os.cpu_count() or 1, torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else None
+        )
+        print(
+            f"prewarm: {workers} workers (one a CPU, at most one per {prewarm.WORKER_GPU_BYTES >> 30} GiB of free GPU memory)"
+        )
+    failed = prewarm.prewarm(jobs, workers)
     print(f"prewarm: {len(jobs) - failed}/{len(jobs)} cells compiled")
     return 0
 
@@ -1203,7 +1211,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile the run's compiled stock steps into inductor's and Triton's caches in parallel, then exit",
     )
-    ap.add_argument("--prewarm-workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--prewarm-workers", type=int, help="processes compiling at once (default: one a CPU, as GPU memory allows)"
+    )
     a = ap.parse_args(argv)
     try:
         if a.report:
