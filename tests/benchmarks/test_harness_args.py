@@ -231,7 +231,8 @@ def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
         refused = by_width(_request("llama3-1b", (1, 8), platform))
         assert sorted(refused) == [1, 8] and all(why.startswith("no_gpu: ") for why in refused.values()), refused
     assert "torch cannot launch" in by_width(_request("llama3-1b", (1,), _platform(usable=False)))[1]
-    assert "weight_dtype: the step launch streams bf16" in by_width(_request("llama3-8b", (1,), _platform(), "fp8"))[1]
+    assert by_width(_request("llama3-8b", (1, 2, 8), _platform(), "fp8")) == {}
+    assert by_width(_request("llama3-8b", (1,), _platform(), "fp8_fnuz"))[1].startswith("weight_dtype: fp8_fnuz")
     assert "model_dims: " in by_width(_request("gemma3-27b", (1,), _platform()))[1]
 
 
@@ -408,6 +409,13 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     assert fits == tuple(range(1, 8)) and "default plan's kernel at width 8" in why[8], why
     fits, why = harness.step_variant_widths(one_b, widths, 132, {})
     assert fits == () and "width 1 (nothing in it applies there)" in why[1]
+    # FP8's chunks are half the bytes: its default ring holds as many in flight (5 slots at 8B's
+    # width 1, bf16's 3), and a sixth slot of e4m3 fits where a fourth of bf16 did not
+    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 5}, "fp8")
+    assert fits == () and "default plan's kernel" in why[1], why
+    assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 6}, "fp8") == ((1,), {})
+    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 7}, "fp8")
+    assert fits == () and "shared memory at width 1" in why[1], why
 
 
 def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_run(monkeypatch):

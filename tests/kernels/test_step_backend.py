@@ -76,12 +76,16 @@ def test_other_families_are_refused_with_their_reasons(profile, expected):
         assert any(r.startswith("model_dims: ") and text in r for r in reasons), (text, reasons)
 
 
-def test_fp8_weights_are_refused():
-    # triton runs FP8 e4m3 on CUDA; the step launch streams bf16 only
+def test_fp8_e4m3fn_weights_are_served_and_fnuz_refused():
+    # triton and the step launch both run FP8 e4m3fn (OCP) on CUDA, at every width
     assert TritonBackend().refusals(req(weight_dtype="fp8")) == []
-    assert refusals(weight_dtype="fp8") == ["weight_dtype: the step launch streams bf16 weights, asked for fp8"]
-    # where triton refuses the dtype too, one weight_dtype reason says it
+    assert refusals(weight_dtype="fp8", widths=(1, 2, 4, 8)) == []
+    # e4m3fnuz is gfx942's: where triton refuses the dtype too, one weight_dtype reason says it
     assert [reason_code(r) for r in refusals(weight_dtype="fp8_fnuz")] == ["weight_dtype"]
+    (why,) = step_refusals(profile_dims("llama3-8b"), "fp8_fnuz", 1, (1,))
+    assert why == (
+        "weight_dtype: the step launch streams bf16 or fp8 (e4m3fn, per-row scales) weights, asked for fp8_fnuz"
+    )
 
 
 def test_tp2_is_refused_once():
@@ -141,7 +145,7 @@ def test_interpreter_does_not_make_it_available(monkeypatch):
 def test_kernel_spec():
     spec = TritonStepBackend().kernel_spec(H100, (1, 2, 4, 8, 16))
     assert spec.backend == "triton-step" and spec.widths == (1, 2, 4, 8)
-    assert spec.platform_kinds == ("cuda",) and spec.tp_sizes == (1,) and spec.weight_dtypes == ("bf16",)
+    assert spec.platform_kinds == ("cuda",) and spec.tp_sizes == (1,) and spec.weight_dtypes == ("bf16", "fp8")
     assert spec.grid_size == 132 and spec.families == ("llama",) and spec.head_dims == (64, 128)
 
 

@@ -2,8 +2,9 @@
 launch over a range of decoder layers, beside the two-launch ``triton`` backend.
 
 Opt-in: ``backend: triton-step`` selects it; ``backend: auto`` never does
-(``registry.OPT_IN``) until it wins every benchmark cell. It runs Llama-style BF16 models at TP 1
-and widths 1-8 on NVIDIA sm_90 or newer (TMA, mbarriers, mma.sync); ``step_plan.step_refusals``
+(``registry.OPT_IN``) until it wins every benchmark cell. It runs Llama-style models with BF16 or
+FP8 (e4m3fn, per-row scales) weights at TP 1 and widths 1-8 on NVIDIA sm_90 or newer (TMA,
+mbarriers, mma.sync); ``step_plan.step_refusals``
 holds the model's part of the refusals, this module the platform's. Its ``DecodeKernels``
 (``step_launch.StepKernels``) run one layer a launch (``forward_layer``) or every layer of a step
 in one launch (``forward_step``, which the runner and the vLLM plugin prefer on a mono step).
@@ -21,7 +22,7 @@ import torch
 
 from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.triton.backend import TritonBackend
-from monodecode.kernels.triton.step_plan import MAX_WIDTH, step_refusals
+from monodecode.kernels.triton.step_plan import MAX_WIDTH, WEIGHT_DTYPES, step_refusals
 from monodecode.reasons import reason_code
 from monodecode.services.platform import Platform
 from monodecode.spec import KernelSpec
@@ -65,7 +66,7 @@ class TritonStepBackend(TritonBackend):
             platform_kinds=("cuda",),
             grid_size=(platform.compute_units or None) if platform.is_gpu else None,
             tp_sizes=(1,),
-            weight_dtypes=("bf16",),
+            weight_dtypes=tuple(WEIGHT_DTYPES),
             block_sizes=None,
             widths=tuple(w for w in widths if w <= MAX_WIDTH),
             families=("llama",),

@@ -115,7 +115,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
-            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
@@ -129,7 +129,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
     if TMA:
         bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
-        mbarrier.expect(bar, ROWS * BK * 2, pred=ok)
+        mbarrier.expect(bar, ROWS * BK * (2 - FP8), pred=ok)  # bf16 or fp8 bytes
         if MMAV:  # each half of the warps' column blocks: [column block, row, 64] at column 0 and 64
             for h in gl.static_range(2):
                 if s == 3:
@@ -254,20 +254,24 @@ def _x_copy(xbuf, slot, g16, k, LAYER_A: gl.constexpr, NB: gl.constexpr, NW: gl.
 
 
 @gluon.jit
-def _chunk_mma(ring, slot, x, acc, HALVES: gl.constexpr, NW: gl.constexpr):
+def _chunk_mma(ring, slot, x, acc, HALVES: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr):
     """Widths 2-8: ``acc`` + each warp's W[16, KW] @ X[KW, NPAD] over its column block of the
     chunk in ``ring``'s ``slot`` (``x`` the staged chunk [NW, NPAD, KW]). ``HALVES``: the slot is
     the ring's entries 2 slot and 2 slot + 1, the blocks' two [16, KW / 2] halves (the TMA ring's
-    order): two products over the halves in column order, the same k16 steps in the same order as one."""
+    order): two products over the halves in column order, the same k16 steps in the same order as one.
+    ``FP8``: the weights are read as e4m3 (4 consecutive columns a register, ``k_width`` 4 for both
+    operands, so each thread's weights and inputs pair up) and widened to bf16 (exact) for mma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
-    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
+    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2 + 2 * FP8)
+    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2 + 2 * FP8)
     if HALVES:
         h: gl.constexpr = BK // NW // 2
-        acc = mma_v2(ring.index(2 * slot).load(a_l), x.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
-        return mma_v2(ring.index(2 * slot + 1).load(a_l), x.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+        a0 = ring.index(2 * slot).load(a_l).to(gl.bfloat16)
+        acc = mma_v2(a0, x.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+        a1 = ring.index(2 * slot + 1).load(a_l).to(gl.bfloat16)
+        return mma_v2(a1, x.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
     else:
-        return mma_v2(ring.index(slot).load(a_l), x.permute([0, 2, 1]).load(b_l), acc)
+        return mma_v2(ring.index(slot).load(a_l).to(gl.bfloat16), x.permute([0, 2, 1]).load(b_l), acc)
 
 
 @gluon.jit
@@ -277,8 +281,14 @@ def _warps_summed(acc, red, NW: gl.constexpr):
     gl.thread_barrier()  # every warp is past the task's last chunk (``red`` aliases the staged input)
     red.store(acc)
     gl.thread_barrier()
-    rl: gl.constexpr = gl.BlockedLayout([NW, 1, 1], [1, 8, 4], [1, 2, 4], [2, 1, 0])  # warps in registers
-    return gl.sum(red.load(rl), axis=0)
+    return gl.sum(red.load(_sum_layout(NW)), axis=0)
+
+
+@gluon.constexpr_function
+def _sum_layout(NW):
+    """``_warps_summed``'s [NW, ROWS, NPAD] partials with the warps in registers (its result: the
+    slice at dim 0)."""
+    return gl.BlockedLayout([NW, 1, 1], [1, 8, 4], [1, 2, 4], [2, 1, 0])
 
 
 @gluon.jit
@@ -631,7 +641,7 @@ def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, cod
 # width, the drills): one compiled kernel a width and cache layout, never a compile inside vLLM's
 # graph capture for a value that differs from warm-up's
 @gluon.jit(do_not_specialize=["bt_stride", "first", "nlayers", "spin", "fault_layer", "fault_kind"])
-def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
+def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
                 kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
                 bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, prof_ptr, first, nlayers, spin, fault_layer,
                 fault_kind,
@@ -642,11 +652,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, PROF: gl.constexpr = 0, NW: gl.constexpr = 8):  # fmt: skip
+                DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, PROF: gl.constexpr = 0,
+                NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
-    ``w_ptr`` every layer's packed weights (``wh_desc``/``wi_desc`` their TMA views in rows of
-    HIDDEN and of INTER, width 1); ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
+    ``w_ptr`` every layer's packed weights, bf16 or with ``FP8`` e4m3 (``wh_desc``/``wi_desc``
+    their TMA views in rows of HIDDEN and of INTER); ``ws_ptr`` with ``FP8`` each packed row's
+    scale (fp32, ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end; ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
     inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
     [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32
     [NB, KVH, NSPLIT, G, D + 2]. K/V: layer l's caches start ``koff[l]``/``voff[l]`` elements past
@@ -673,6 +685,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     KW: gl.constexpr = BK // NW  # widths 2-8: a warp's column block of a chunk
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     mma_sw: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])  # 16-byte columns XOR row: ldmatrix's rows
+    wdt: gl.constexpr = w_ptr.dtype.element_ty  # the weights' (bf16, or e4m3 with FP8)
+    w_sw: gl.constexpr = gl.SwizzledSharedLayout(8 * (1 + FP8), 1, 8, [2, 1, 0])  # the cp.async ring's (16-byte runs)
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
     epoch = target // NPROG
@@ -684,21 +698,21 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
     if TMA:
         if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
-            boxes = gl.allocate_shared_memory(gl.bfloat16, [2 * NBUF, NW, ROWS, KW // 2], wh_desc.layout)
+            boxes = gl.allocate_shared_memory(wdt, [2 * NBUF, NW, ROWS, KW // 2], wh_desc.layout)
             ring = boxes
         else:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
-            boxes = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
-            ring = boxes._reinterpret(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+            boxes = gl.allocate_shared_memory(wdt, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
+            ring = boxes._reinterpret(wdt, [NBUF, ROWS, BK], ring_lay)
         bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NBUF):
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
     elif MMAV:  # a slot as [NW column blocks, ROWS, KW]: warp w's A operand is block w
-        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, NW, ROWS, KW], mma_sw)
+        ring = gl.allocate_shared_memory(wdt, [NBUF, NW, ROWS, KW], w_sw)
         boxes = ring
         bars = ring
     else:
-        ring = gl.allocate_shared_memory(gl.bfloat16, [NBUF, ROWS, BK], ring_lay)
+        ring = gl.allocate_shared_memory(wdt, [NBUF, ROWS, BK], ring_lay)
         boxes = ring
         bars = ring
     if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
@@ -714,8 +728,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         gbuf = gl.allocate_shared_memory(gl.float32, [ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         red = gbuf
     kvs = xbuf._reinterpret(gl.bfloat16, [2 * KVS, NW, PW, D], mma_sw)  # the attention's K/V ring
-    if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW]
-        cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [NW, 1, 1], [2, 1, 0])
+    if MMAV:  # each element's row and column in a chunk, as [NW column blocks, ROWS, KW] (16-byte copies)
+        cp3: gl.constexpr = gl.BlockedLayout([1, 1, 8 * (1 + FP8)], [1, 2 + 2 * FP8, 16 // (1 + FP8)], [NW, 1, 1],
+                                             [2, 1, 0])  # fmt: skip
         rr = gl.expand_dims(gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, cp3))), 0), 2)
         wc = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, cp3)))
         kc3 = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, cp3)))
@@ -727,7 +742,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
-                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -739,9 +754,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
         if DSTREAM:
             acc2 = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)  # the second down tile's (k-outer)
         rstd = gl.full([NPAD], 1.0, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, _stage_layout(NW))))
+        srow = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(0, _sum_layout(NW))))  # a task's rows
+        if DSTREAM:
+            wsc2 = gl.full([ROWS], 1.0, gl.float32, srow.type.layout)
     else:
         acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
         rstd = 1.0
+        srow = gl.arange(0, ROWS, layout=row)
+    wsc = gl.full([ROWS], 1.0, gl.float32, srow.type.layout)  # FP8: the task's rows' weight scales
     # this program's attention task (programs past NB * KVH * NSPLIT have none): its row and task
     arow = pid // (KVH * NSPLIT)
     task = pid % (KVH * NSPLIT)
@@ -843,6 +863,18 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
             else:
                 acc = gl.zeros([ROWS, BK], gl.float32, cp_lay)
+            if FP8:  # the task's rows' scales, asked for at its start (their round trip off its end)
+                sbase = gl.where(
+                    s == 0, 0, gl.where(s == 1, QKVR, gl.where(s == 2, QKVR + HIDDEN, QKVR + HIDDEN + 2 * INTER))
+                )
+                sc = gl.load(ws_ptr + glayer * LAYER_S + sbase + tile * ROWS + srow, mask=tile < tiles, other=1.0)
+                if DSTREAM:
+                    if second:
+                        wsc2 = sc
+                    else:
+                        wsc = sc
+                else:
+                    wsc = sc
         if DE > 0:  # down reaches the chunks of gate/up's last round: wait for all of it
             if DSTREAM:  # (streamed: before the refill below asks for X chunk DE, NBUF - 1 chunks ahead)
                 if (s == 3) & (k == DE - (NBUF + TD - 2) // TD) & (j == (DE * TD - (NBUF - 1)) % TD):
@@ -872,16 +904,17 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                     async_copy.commit_group()
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
-                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW)  # fmt: skip
+                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
+                FP8)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
             if DSTREAM:
                 xs = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk))
                 if second:
-                    acc2 = _chunk_mma(ring, i % NBUF, xs, acc2, TMA, NW)
+                    acc2 = _chunk_mma(ring, i % NBUF, xs, acc2, TMA, NW, FP8)
                 else:
-                    acc = _chunk_mma(ring, i % NBUF, xs, acc, TMA, NW)
+                    acc = _chunk_mma(ring, i % NBUF, xs, acc, TMA, NW, FP8)
             else:
-                acc = _chunk_mma(ring, i % NBUF, xbuf.index(k + XMAX - nk), acc, TMA, NW)
+                acc = _chunk_mma(ring, i % NBUF, xbuf.index(k + XMAX - nk), acc, TMA, NW, FP8)
         else:
             acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
@@ -891,16 +924,24 @@ def step_kernel(w_ptr, wh_desc, wi_desc, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res
                 if DSTREAM:
                     if second:
                         y = _warps_summed(acc2, red, NW)
+                        if FP8:
+                            y = y * wsc2[:, None]
                     else:
                         y = _warps_summed(acc, red, NW)
+                        if FP8:
+                            y = y * wsc[:, None]
                 else:
                     y = _warps_summed(acc, red, NW)
+                    if FP8:
+                        y = y * wsc[:, None]
                 if nan:
                     y = y + float("nan")
                 _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_ptr, health_ptr, code, slot_ptr, layer, s,
                             tile, tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, DSTREAM, NW)  # fmt: skip
             elif tile < tiles:
                 y = gl.sum(acc, axis=1)
+                if FP8:
+                    y = y * wsc
                 if nan:
                     y = y + float("nan")
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,

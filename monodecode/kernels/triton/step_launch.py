@@ -34,21 +34,37 @@ SHARED_SCRATCH = 1126  # what the compiler adds to the plan's shared memory, at 
 KV_OFFSET_MULTIPLE = 16  # the kernel tells the compiler each layer's cache offset is a multiple of this
 
 
-def pack_step_weights(g: StepGeometry, weights: Any, device) -> torch.Tensor:
-    """Every layer's weights as the kernel streams them (``StepGeometry``'s layout): one bf16 block
-    a layer, gate/up rows interleaved 8 gate then their 8 up (each task stores SiLU(g)·u)."""
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # ``step_plan.WEIGHT_DTYPES``
+
+
+def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's weights as the kernel streams them (``StepGeometry``'s layout): one block a
+    layer (bf16, or e4m3fn for fp8), gate/up rows interleaved 8 gate then their 8 up (each task
+    stores SiLU(g)·u); and for fp8 each packed row's scale (fp32, ``StepGeometry.scale_offsets``;
+    bf16: one unused word)."""
     d = g.dims
     h, i = d.hidden_size, d.intermediate_size
-    blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=torch.bfloat16, device=device)
+    fp8 = g.weight_dtype == "fp8"
+    blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=_TORCH_DTYPES[g.weight_dtype], device=device)
+    so = g.scale_offsets
+    scales = torch.ones(len(weights.layers) * so["end"] if fp8 else 1, dtype=torch.float32, device=device)
     for n, lw in enumerate(weights.layers):
         p = blob[n * g.layer_weights : (n + 1) * g.layer_weights]
-        qkv = torch.cat([lw.q_proj.weight, lw.k_proj.weight, lw.v_proj.weight], dim=0)
-        p[: g.off_o].copy_(qkv.reshape(-1))
+        qkv = (lw.q_proj, lw.k_proj, lw.v_proj)
+        p[: g.off_o].copy_(torch.cat([m.weight for m in qkv], dim=0).reshape(-1))
         p[g.off_o : g.off_gu].copy_(lw.o_proj.weight.reshape(-1))
         gu = torch.stack([lw.gate_proj.weight.view(i // 8, 8, h), lw.up_proj.weight.view(i // 8, 8, h)], dim=1)
         p[g.off_gu : g.off_gu + 2 * i * h].copy_(gu.reshape(-1))
         p[g.off_down : g.off_down + h * i].copy_(lw.down_proj.weight.reshape(-1))
-    return blob
+        if fp8:
+            sc = scales[n * so["end"] : (n + 1) * so["end"]]
+            sc[: so["o"]].copy_(torch.cat([m.scale for m in qkv]))
+            sc[so["o"] : so["gu"]].copy_(lw.o_proj.scale)
+            sc[so["gu"] : so["down"]].copy_(
+                torch.stack([lw.gate_proj.scale.view(-1, 8), lw.up_proj.scale.view(-1, 8)], 1).reshape(-1)
+            )
+            sc[so["down"] :].copy_(lw.down_proj.scale)
+    return blob, scales
 
 
 def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
@@ -56,14 +72,16 @@ def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
     of ``intermediate`` (down), for each ring order (key: the width is above 1). Width 1: a chunk
     is one [16 rows, 4, 256] box, unswizzled (a ring slot holds the same bytes in the same order as
     ``cp.async`` leaves them). Widths 2-8 (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes,
-    at column 0 and 64 of each block, the 128-byte swizzle on, so that each warp's 128 columns land
-    as two [16, 64] operand tiles ``ldmatrix`` reads without bank conflicts (the view's strides
-    are not ordered: column ``c`` of block ``w`` of row ``r`` is element ``r * K + 128 w + c``)."""
+    at column 0 and 64 of each block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on,
+    so that each warp's 128 columns land as two [16, 64] operand tiles read without bank conflicts
+    (the view's strides are not ordered: column ``c`` of block ``w`` of row ``r`` is element
+    ``r * K + 128 w + c``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    boxes = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-    wide = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    bits = blob.element_size() * 8
+    boxes = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=3)
+    wide = gl.NVMMASharedLayout(swizzle_byte_width=8 * bits, element_bitwidth=bits, rank=3)
     half = BK // NUM_WARPS // 2
 
     def rows_of(k: int, mma_order: bool):
@@ -92,11 +110,11 @@ class _Buffers:
 
 def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
-    norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
+    their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
     caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
     wh, wi = k.descriptors[b.width > 1]
     return [
-        k.weights, wh, wi, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
+        k.weights, wh, wi, k.wscale, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
         *caches, *offsets, *strides,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
         b.ctr, b.hctr, b.epoch, k.health_word, k.prof, first, layers, k.spin_limit, fault_layer, fault_kind,
@@ -120,7 +138,10 @@ class StepKernels(PaddedKernels):
             raise ConfigError(f"{self.kernel_label}: {why[0]}")
         try:
             self.plan = checked_plan(plan)
-            self.geometry = {w: StepGeometry(req.dims, w, num_programs, **self.plan) for w in req.widths}
+            self.geometry = {
+                w: StepGeometry(req.dims, w, num_programs, weight_dtype=req.weight_dtype, **self.plan)
+                for w in req.widths
+            }
             for g in self.geometry.values():
                 g.check()
         except ValueError as e:
@@ -139,9 +160,9 @@ class StepKernels(PaddedKernels):
                     f"{self.kernel_label}: needs {need} bytes of shared memory a program, {props.name} offers {have}"
                 )
         if share is not None:
-            self.weights, self.descriptors = share.weights, share.descriptors
+            self.weights, self.wscale, self.descriptors = share.weights, share.wscale, share.descriptors
         else:
-            self.weights = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
+            self.weights, self.wscale = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
             self.descriptors = weight_descriptors(self.weights, req.dims)
         self.gin = torch.stack([lw.attn_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
         self.gpost = torch.stack([lw.mlp_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
@@ -265,6 +286,7 @@ class StepKernels(PaddedKernels):
 
     def close(self) -> None:
         self.weights = torch.zeros(1, dtype=torch.bfloat16)
+        self.wscale = torch.ones(1, dtype=torch.float32)
         self._buffers = {}
         self._kv_key = self._kv_offsets = None
         self._retired = []
@@ -272,11 +294,20 @@ class StepKernels(PaddedKernels):
 
 # -- compiled without a GPU (the CPU checks; same argument order as ``arguments``) ---------------
 
-_SIG = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
+_SIG = {
+    torch.bfloat16: "*bf16",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float32: "*fp32",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+}
 _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16 (``kv_strides`` checks them)
 
 
-def step_source(dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False):
+def step_source(
+    dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False,
+    weight_dtype: str = "bf16",
+):  # fmt: skip
     """The kernel's ``GluonASTSource`` for one width, its signature typed from ``kernel_arguments``
     over stand-in buffers of the launch's dtypes (pointers 16-byte aligned, as torch's buffers are
     and the launcher specialises them; the KV strides multiples of 16, the block table's any)."""
@@ -287,13 +318,14 @@ def step_source(dims, width: int, programs: int, block_size: int, plan: dict | N
 
     from monodecode.kernels.triton.step_kernel import step_kernel
 
-    g = StepGeometry(dims, width, programs, **checked_plan(plan))
+    g = StepGeometry(dims, width, programs, weight_dtype=weight_dtype, **checked_plan(plan))
     consts = {**g.constexprs(block_size), "PROF": int(prof)}
     t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
     bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
-    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=bf)  # (TMA views want real strides)
+    wt = _TORCH_DTYPES[weight_dtype]
+    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=wt)  # (TMA views want real strides)
     k = SimpleNamespace(
-        weights=t(bf), descriptors=weight_descriptors(blob, dims), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
+        weights=t(wt), descriptors=weight_descriptors(blob, dims), wscale=t(f32), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
         health_word=t(i32), prof=t(i64), spin_limit=1000,
     )  # fmt: skip
     meta = SimpleNamespace(positions=t(i64, width), slot_mapping=t(i64, width), block_tables=t(i32, width, 7),
@@ -319,10 +351,13 @@ def step_source(dims, width: int, programs: int, block_size: int, plan: dict | N
     return GluonASTSource(step_kernel, sig, constexprs={**consts, "NW": NUM_WARPS}, attrs=attrs)
 
 
-def compile_step(dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False):
+def compile_step(
+    dims, width: int, programs: int, block_size: int, plan: dict | None = None, prof: bool = False,
+    weight_dtype: str = "bf16",
+):  # fmt: skip
     """The kernel compiled for sm_90 on any machine (ptxas included): resources and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = step_source(dims, width, programs, block_size, plan, prof)
+    src = step_source(dims, width, programs, block_size, plan, prof, weight_dtype)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -31,6 +31,9 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
 WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster than 3)
+# FP8 (e4m3fn) weights: a chunk is the same 16 x 1024 elements in half the bytes, so by default
+# the ring holds the same bytes in flight as bf16's (``ring_slots``): 2 n - 1 slots for bf16's n
+WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> bytes an element
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
 # name -> (default, least, most). ``ring``: the weight ring's slots at every width (default: by
 # width, ``StepGeometry.ring_slots``); ``stream_down``: 0 stages down's whole input above 1 row
@@ -117,8 +120,10 @@ def step_refusals(
         )
     if (dims.num_heads + 2 * dims.num_kv_heads) * dims.head_dim % ROWS:
         why.append(f"model_dims: the fused QKV rows are not a multiple of {ROWS}")
-    if weight_dtype != "bf16":
-        why.append(f"weight_dtype: the step launch streams bf16 weights, asked for {weight_dtype}")
+    if weight_dtype not in WEIGHT_DTYPES:
+        why.append(
+            f"weight_dtype: the step launch streams bf16 or fp8 (e4m3fn, per-row scales) weights, asked for {weight_dtype}"
+        )
     if tp_size != 1:
         why.append(f"tp_size: the step launch runs TP 1 only, asked for {tp_size}")
     if over := [w for w in widths if w > MAX_WIDTH]:
@@ -128,7 +133,7 @@ def step_refusals(
     if programs is not None and not why:
         for w in widths:
             try:
-                StepGeometry(dims, w, programs).check()
+                StepGeometry(dims, w, programs, weight_dtype=weight_dtype).check()
             except ValueError as e:
                 code = "compute_units" if "programs cannot hold" in str(e) else "model_dims"
                 why.append(f"{code}: {e}")
@@ -161,6 +166,17 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
+    weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of one weight element (``WEIGHT_DTYPES``)."""
+        return WEIGHT_DTYPES[self.weight_dtype]
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A weight chunk's bytes (16 rows x 1024 columns): 32 KiB bf16, 16 KiB fp8."""
+        return ROWS * BK * self.weight_bytes
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -191,6 +207,13 @@ class StepGeometry:
         """A layer's packed weights in elements, padding included (whole rows of both views)."""
         end = self.off_down + self.dims.hidden_size * self.dims.intermediate_size
         return _ceil(end, self._row) * self._row
+
+    @property
+    def scale_offsets(self) -> dict[str, int]:
+        """FP8: a layer's per-row weight scales (fp32), in the packed rows' order: QKV's rows, then
+        o_proj's, gate/up's (interleaved as packed), down's; "end" is a layer's count."""
+        h, i, q = self.dims.hidden_size, self.dims.intermediate_size, self.qkv_rows
+        return {"qkv": 0, "o": q, "gu": q + h, "down": q + h + 2 * i, "end": q + 2 * h + 2 * i}
 
     # -- tiles a program owns per stage -------------------------------------------------------
     def stage_tiles(self) -> tuple[int, int, int, int]:
@@ -247,7 +270,7 @@ class StepGeometry:
             bool(self.stream_down)
             or self.tiles_per_program()[3] > 1
             or d.intermediate_size <= d.hidden_size
-            or self._shared_bytes(WEIGHT_RING, d.intermediate_size // BK, tma=False) > SMEM_PER_PROGRAM
+            or self._shared_bytes(self._slots_for(WEIGHT_RING), d.intermediate_size // BK, tma=False) > SMEM_PER_PROGRAM
         )
 
     @property
@@ -266,17 +289,23 @@ class StepGeometry:
     @property
     def ring_slots(self) -> int:
         """The weight ring's slots: the plan's ``ring``, or ``WEIGHT_RING`` at width 1 and
-        ``WIDE_RING`` at widths 2-8 where it fits (1B; not 8B, whose K/V ring takes the room)."""
+        ``WIDE_RING`` at widths 2-8 where it fits (1B; not 8B, whose K/V ring takes the room);
+        FP8 keeps the same bytes in flight (``_slots_for``)."""
         if self.ring:
             return self.ring
-        return WIDE_RING if self._deep_ring_fits else WEIGHT_RING
+        return self._slots_for(WIDE_RING) if self._deep_ring_fits else self._slots_for(WEIGHT_RING)
+
+    def _slots_for(self, bf16_slots: int) -> int:
+        """The slots that keep as many bytes in flight (``slots - 1`` chunks) as ``bf16_slots`` of bf16."""
+        return (bf16_slots - 1) * 2 // self.weight_bytes + 1
 
     @property
     def _deep_ring_fits(self) -> bool:
         """Widths 2-8: a ring of ``WIDE_RING`` slots filled by TMA fits beside the staged input."""
         if self.width == 1:
             return False
-        return self._shared_bytes(WIDE_RING, self._x_chunks(WIDE_RING), tma=True) <= SMEM_PER_PROGRAM
+        slots = self._slots_for(WIDE_RING)
+        return self._shared_bytes(slots, self._x_chunks(slots), tma=True) <= SMEM_PER_PROGRAM
 
     @property
     def x_chunks(self) -> int:
@@ -379,7 +408,7 @@ class StepGeometry:
     def _shared_bytes(self, ring_slots: int, x_chunks: int, tma: bool) -> int:
         """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
         input of ``x_chunks`` chunks."""
-        ring = ring_slots * ROWS * BK * 2 + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
+        ring = ring_slots * self.chunk_bytes + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
         if self.width == 1:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
@@ -443,4 +472,6 @@ class StepGeometry:
             "BS": block_size,
             "EPS": d.rms_norm_eps,
             "SCALE": d.attn_scale,
+            "FP8": int(self.weight_dtype == "fp8"),
+            "LAYER_S": self.scale_offsets["end"],
         }

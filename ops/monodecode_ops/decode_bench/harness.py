@@ -310,20 +310,22 @@ def _build_step(req, weights, log) -> tuple[Any, dict[int, tuple[str, bool]]]:
     return tk, out
 
 
-def step_variant_widths(dims, widths, programs: int, plan: dict) -> tuple[tuple[int, ...], dict[int, str]]:
+def step_variant_widths(
+    dims, widths, programs: int, plan: dict, weight_dtype: str = "bf16"
+) -> tuple[tuple[int, ...], dict[int, str]]:
     """(the ``widths`` at which the step launch's geometry with ``plan`` fits on ``programs`` SMs
     and differs from the default plan's, width -> why not for the others): ``StepGeometry.check``
     (e.g. a longer weight ring does not fit shared memory above 1 row), or the same compile-time
     constants as the default's (a knob of width 1 above 1 row: the default's kernel, timed already)."""
     fits, why = [], {}
     for w in widths:
-        g = StepGeometry(dims, w, programs, **checked_plan(plan))
+        g = StepGeometry(dims, w, programs, weight_dtype=weight_dtype, **checked_plan(plan))
         try:
             g.check()
         except ValueError as e:
             why[w] = f"does not fit width {w}: {e}"
             continue
-        if g.constexprs(BLOCK) == StepGeometry(dims, w, programs).constexprs(BLOCK):
+        if g.constexprs(BLOCK) == StepGeometry(dims, w, programs, weight_dtype=weight_dtype).constexprs(BLOCK):
             why[w] = f"builds the default plan's kernel at width {w} (nothing in it applies there)"
         else:
             fits.append(w)
@@ -349,7 +351,9 @@ def _build_step_variant(req, weights, base, backend: str, plan: dict, log) -> tu
     skip)) at the widths ``base`` (the ``triton-step`` build) serves: the widths its plan does not
     fit are skipped cells; a failed build fails the cells of the others, without ending the run."""
     got, why = _measure(
-        f"{backend} plan", lambda: step_variant_widths(req.dims, base.widths, req.platform.compute_units, plan), log
+        f"{backend} plan",
+        lambda: step_variant_widths(req.dims, base.widths, req.platform.compute_units, plan, req.weight_dtype),
+        log,
     )
     if got is None:
         return None, {w: (f"build failed: {why}", False) for w in base.widths}

@@ -12,6 +12,7 @@ offsets read it.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -31,22 +32,31 @@ H200_SMS = 132
 
 
 @pytest.mark.parametrize(
-    ("profile", "width"), [("llama3-1b", 1), ("llama3-1b", 2), ("llama3-1b", 8), ("llama3-8b", 1), ("llama3-8b", 8)]
-)
-def test_step_kernel_compiles_for_sm90_without_spills(profile, width):
+    ("profile", "width", "weight_dtype"),
+    [("llama3-1b", 1, "bf16"), ("llama3-1b", 2, "bf16"), ("llama3-1b", 8, "bf16"), ("llama3-8b", 1, "bf16"),
+     ("llama3-8b", 8, "bf16"), ("llama3-8b", 1, "fp8"), ("llama3-8b", 2, "fp8"), ("llama3-8b", 8, "fp8"),
+     ("llama3-1b", 8, "fp8")],
+)  # fmt: skip
+def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dtype):
     """Every built width compiles with 0 spills in one program per SM, its shared memory at least
-    the plan's estimate and within 1.1 KiB of it (the compiler's own scratch)."""
+    the plan's estimate and within 1.1 KiB of it (the compiler's own scratch); FP8's ring holds
+    e4m3 and its weights are widened before mma.sync, not the activations narrowed."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
     dims = profile_dims(profile)
-    assert step_refusals(dims, "bf16", 1, (width,), H200_SMS) == []
-    compiled = compile_step(dims, width, H200_SMS, block_size=16)
+    assert step_refusals(dims, weight_dtype, 1, (width,), H200_SMS) == []
+    compiled = compile_step(dims, width, H200_SMS, block_size=16, weight_dtype=weight_dtype)
     res = cuda_resources("step_kernel", width, 8, compiled)
     assert res.spills == 0, res
     shared = compiled.metadata.shared
-    planned = StepGeometry(dims, width, H200_SMS).shared_bytes()
+    planned = StepGeometry(dims, width, H200_SMS, weight_dtype=weight_dtype).shared_bytes()
     assert planned <= shared <= min(SMEM_PER_PROGRAM, planned + SHARED_SCRATCH), (planned, shared)
+    ptx = compiled.asm["ptx"]
+    assert ("e4m3" in ptx) == (weight_dtype == "fp8")
+    if width > 1:  # every product on bf16 operands: the activations stay bf16
+        mmas = set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))
+        assert mmas and all(".bf16.bf16." in m for m in mmas), mmas
 
 
 @pytest.mark.parametrize(("profile", "width", "plan"), [("llama3-1b", 1, {"ring": 4}), ("llama3-1b", 8, {"ring": 2}),
@@ -226,57 +236,78 @@ def test_streamed_down_keeps_its_x_slots_apart_from_the_sums_and_free_until_read
                 assert k < pre or 0 <= copied_at <= rs  # after down's wait, before its first use
 
 
-def _weights(dims, seed=0):
+def _weights(dims, seed=0, weight_dtype="bf16"):
     from monodecode.model.weights import random_weights
 
-    return random_weights(dims, seed=seed, num_layers=2)
+    return random_weights(dims, seed=seed, weight_dtype=weight_dtype, num_layers=2)
 
 
-def test_packed_weights_are_where_the_kernel_reads_them():
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_packed_weights_are_where_the_kernel_reads_them(weight_dtype):
     """Each layer's QKV, o_proj and down rows through the kernel's TMA row views (layer * rows a
-    layer + the stage's first row), and gate/up's tile t as 8 gate rows then their 8 up rows."""
+    layer + the stage's first row), and gate/up's tile t as 8 gate rows then their 8 up rows;
+    FP8's e4m3 bytes as stored, and each packed row's scale at the kernel's index for it
+    (``scale_offsets``: a layer's rows in the packed order)."""
     from monodecode.kernels.triton.step_launch import pack_step_weights
 
     dims = dataclasses.replace(
         profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4
     )
-    g = StepGeometry(dims, 1, H200_SMS)
-    w = _weights(dims)
-    blob = pack_step_weights(g, w, "cpu")
+    g = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype)
+    w = _weights(dims, weight_dtype=weight_dtype)
+    blob, scales = pack_step_weights(g, w, "cpu")
+    bits = blob.view(torch.uint8) if weight_dtype == "fp8" else blob  # (torch compares no e4m3 on the CPU)
+    same = lambda a, lin: torch.equal(a, lin.weight.view(bits.dtype))  # noqa: E731
     h, i = dims.hidden_size, dims.intermediate_size
-    rows_h, rows_i = blob.view(-1, h), blob.view(-1, i)
+    rows_h, rows_i = bits.view(-1, h), bits.view(-1, i)
+    so = g.scale_offsets
     for n, lw in enumerate(w.layers):
         first_h = n * (g.layer_weights // h)
-        qkv = torch.cat([lw.q_proj.weight, lw.k_proj.weight, lw.v_proj.weight])
-        assert torch.equal(rows_h[first_h : first_h + g.qkv_rows], qkv)
+        q, k = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+        assert same(rows_h[first_h : first_h + q], lw.q_proj) and same(rows_h[first_h + q : first_h + q + k], lw.k_proj)
+        assert same(rows_h[first_h + q + k : first_h + g.qkv_rows], lw.v_proj)
         o0 = first_h + g.off_o // h
-        assert torch.equal(rows_h[o0 : o0 + h], lw.o_proj.weight)
+        assert same(rows_h[o0 : o0 + h], lw.o_proj)
         gu0 = first_h + g.off_gu // h
         for t in (0, 1, i // 8 - 1):
             tile = rows_h[gu0 + 16 * t : gu0 + 16 * t + 16]
-            assert torch.equal(tile[:8], lw.gate_proj.weight[8 * t : 8 * t + 8])
-            assert torch.equal(tile[8:], lw.up_proj.weight[8 * t : 8 * t + 8])
+            assert torch.equal(tile[:8], lw.gate_proj.weight[8 * t : 8 * t + 8].view(bits.dtype))
+            assert torch.equal(tile[8:], lw.up_proj.weight[8 * t : 8 * t + 8].view(bits.dtype))
         d0 = n * (g.layer_weights // i) + g.off_down // i
-        assert torch.equal(rows_i[d0 : d0 + h], lw.down_proj.weight)
+        assert same(rows_i[d0 : d0 + h], lw.down_proj)
+        if weight_dtype == "bf16":
+            assert scales.numel() == 1
+            continue
+        sc = scales[n * so["end"] : (n + 1) * so["end"]]
+        assert torch.equal(sc[q : q + k], lw.k_proj.scale) and torch.equal(sc[so["o"] : so["gu"]], lw.o_proj.scale)
+        for t in (0, i // 8 - 1):  # the scales of gate/up's tile t: its 8 gate rows', then their up rows'
+            tile = sc[so["gu"] + 16 * t : so["gu"] + 16 * t + 16]
+            assert torch.equal(tile[:8], lw.gate_proj.scale[8 * t : 8 * t + 8])
+            assert torch.equal(tile[8:], lw.up_proj.scale[8 * t : 8 * t + 8])
+        assert torch.equal(sc[so["down"] :], lw.down_proj.scale) and so["end"] == g.qkv_rows + 2 * h + 2 * i
 
 
-def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves():
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves(weight_dtype):
     """Above 1 row the TMA ring's view (``weight_descriptors``) reads chunk k of a tile as two
     [8 column blocks, 16 rows, 64] boxes, at column 0 and 64: box h's block w is the tile's
-    columns ``1024 k + 128 w + 64 h ..`` + 64, which is warp w's operand half h (``_chunk_mma``).
-    Checked by reading the packed weights through the descriptor's own shape and strides."""
+    columns ``1024 k + 128 w + 64 h ..`` + 64, which is warp w's operand half h (``_chunk_mma``),
+    swizzled as wide as a box row (128 bytes bf16, 64 fp8). Checked by reading the packed weights
+    through the descriptor's own shape and strides."""
     from monodecode.kernels.triton.step_launch import pack_step_weights, weight_descriptors
     from monodecode.kernels.triton.step_plan import BK, NUM_WARPS, ROWS
 
     dims = dataclasses.replace(
         profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4
     )
-    g = StepGeometry(dims, 8, H200_SMS)
-    blob = pack_step_weights(g, _weights(dims), "cpu")
+    g = StepGeometry(dims, 8, H200_SMS, weight_dtype=weight_dtype)
+    blob, _ = pack_step_weights(g, _weights(dims, weight_dtype=weight_dtype), "cpu")
     wide = weight_descriptors(blob, dims)[True]
+    blob = blob.view(torch.uint8) if weight_dtype == "fp8" else blob
     half = BK // NUM_WARPS // 2
     for desc, k_dim in zip(wide, (dims.hidden_size, dims.intermediate_size)):
-        assert desc.block_shape == [NUM_WARPS, ROWS, half] and desc.layout.swizzle_byte_width == 128
+        swizzle = 64 * blob.element_size()
+        assert desc.block_shape == [NUM_WARPS, ROWS, half] and desc.layout.swizzle_byte_width == swizzle
         view = blob.as_strided(desc.shape, desc.strides)  # [column block, row, 128]
         rows = blob.view(-1, k_dim)
         for row0, k in ((0, 0), (ROWS * 5, k_dim // BK - 1)):
@@ -286,7 +317,7 @@ def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves():
                 assert torch.equal(box, want.permute(1, 0, 2)), (k_dim, row0, k, h)
 
 
-def _small_build(widths=(1, 2), plan=None):
+def _small_build(widths=(1, 2), plan=None, weight_dtype="bf16"):
     """``StepKernels`` of a 2-layer Llama-shaped model small enough for this CPU (hidden 1024,
     intermediate 3072), built on the CPU: everything but the launch itself."""
     from monodecode.kernels.base import BuildRequest
@@ -297,19 +328,21 @@ def _small_build(widths=(1, 2), plan=None):
         profile_dims("llama3-1b"), hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=4, num_layers=2
     )
     platform = Platform(kind="cuda", arch="sm_90", name="NVIDIA H100", compute_units=H200_SMS, torch_usable=True)
-    req = BuildRequest(dims, "bf16", 1, widths, 16, platform)
-    return dims, StepKernels(req, _weights(dims), H200_SMS, "cpu", plan=plan)
+    req = BuildRequest(dims, weight_dtype, 1, widths, 16, platform)
+    return dims, StepKernels(req, _weights(dims, weight_dtype=weight_dtype), H200_SMS, "cpu", plan=plan)
 
 
-def test_launch_arguments_match_the_kernel_signature():
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_launch_arguments_match_the_kernel_signature(weight_dtype):
     """The host's argument list for a whole step and for one layer has exactly the kernel's
     runtime parameters, in order, with the buffers of that launch shape (each shape its own
-    counters) and every layer's cache as an element offset from layer 0's."""
+    counters) and every layer's cache as an element offset from layer 0's; FP8's e4m3 weights
+    and their scales where the kernel reads them, its constexpr on."""
     from monodecode.kernels.triton.launch import _Meta
     from monodecode.kernels.triton.step_kernel import step_kernel
     from monodecode.model.paged_kv import BlockAllocator, PagedKVCache
 
-    dims, k = _small_build()
+    dims, k = _small_build(weight_dtype=weight_dtype)
     kv = PagedKVCache.allocate(dims, num_blocks=8, block_size=16)
     alloc = BlockAllocator(8, 16)
     alloc.append_slots(0, 20)
@@ -331,6 +364,9 @@ def test_launch_arguments_match_the_kernel_signature():
         want = [(t.data_ptr() - caches[0].data_ptr()) // 2 for t in caches]
         assert a[offsets].tolist() == want and want[1] != 0
     assert a["bt_stride"] == meta.block_tables.stride(0) and a["x_ptr"] is x and a["out_ptr"] is out
+    assert a["w_ptr"] is k.weights and a["ws_ptr"] is k.wscale and consts["FP8"] == (weight_dtype == "fp8")
+    assert k.weights.dtype == (torch.float8_e4m3fn if weight_dtype == "fp8" else torch.bfloat16)
+    assert k.wscale.numel() == (2 * consts["LAYER_S"] if weight_dtype == "fp8" else 1)
 
 
 def test_caches_the_kernel_cannot_address_are_refused_in_one_line():

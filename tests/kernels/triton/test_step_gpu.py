@@ -37,6 +37,9 @@ pytestmark = pytest.mark.gpu
 # StepGeometry.streams_down)
 B1 = ("llama3-1b", (1, 2, 4, 8), 4)
 B8 = ("llama3-8b", (1, 2, 8), 2)
+# FP8 (e4m3fn weights, per-row scales): 8B at widths 1, 2 and 8, 1B at 1 and 8 (its own ring plan)
+B8F = ("llama3-8b", (1, 2, 8), 2, 2.0, None, "fp8")
+B1F = ("llama3-1b", (1, 8), 2, 2.0, None, "fp8")
 FAULT_TIMEOUT_S = 0.05  # the fault drills' bound on every in-kernel wait
 
 # each row's context (seq_lens: the new token included); fewer rows than a width run padded to it
@@ -64,12 +67,12 @@ def _gpu() -> torch.device:
 _CACHE: dict = {}
 
 
-def _request(profile: str, widths, wait_timeout_s: float) -> BuildRequest:
+def _request(profile: str, widths, wait_timeout_s: float, weight_dtype: str = "bf16") -> BuildRequest:
     from monodecode.services.platform import detect_platform
 
     return BuildRequest(
         dims=profile_dims(profile),
-        weight_dtype="bf16",
+        weight_dtype=weight_dtype,
         tp_size=1,
         widths=tuple(widths),
         block_size=BLOCK,
@@ -78,11 +81,13 @@ def _request(profile: str, widths, wait_timeout_s: float) -> BuildRequest:
     )
 
 
-def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0, plan: dict | None = None):
+def _build(
+    profile: str, widths, layers: int, wait_timeout_s: float = 2.0, plan: dict | None = None, weight_dtype="bf16"
+):
     """(dims, weights, StepKernels) of one build (cached per session; a fault drill's build has
     its own short wait bound but the same weights and compiled kernels; ``plan``: the plan's
     knobs, ``step_plan.PLAN_KNOBS``)."""
-    key = (profile, tuple(widths), layers, wait_timeout_s, repr(sorted((plan or {}).items())))
+    key = (profile, tuple(widths), layers, wait_timeout_s, repr(sorted((plan or {}).items())), weight_dtype)
     if key in _CACHE:
         return _CACHE[key]
     from monodecode.kernels.triton.step_launch import StepKernels
@@ -90,20 +95,22 @@ def _build(profile: str, widths, layers: int, wait_timeout_s: float = 2.0, plan:
 
     dev = _gpu()
     dims = profile_dims(profile)
-    assert step_refusals(dims, "bf16", 1, tuple(widths)) == [], "a build these tests time is refused"
-    weights = _weights(profile, layers)
-    req = _request(profile, widths, wait_timeout_s)
+    assert step_refusals(dims, weight_dtype, 1, tuple(widths)) == [], "a build these tests time is refused"
+    weights = _weights(profile, layers, weight_dtype)
+    req = _request(profile, widths, wait_timeout_s, weight_dtype)
     tk = StepKernels(req, weights, req.platform.compute_units, dev, plan=plan)
     assert tuple(tk.widths) == tuple(widths)
     _CACHE[key] = (dims, weights, tk)
     return _CACHE[key]
 
 
-def _weights(profile: str, layers: int):
-    key = ("weights", profile, layers)
+def _weights(profile: str, layers: int, weight_dtype: str = "bf16"):
+    key = ("weights", profile, layers, weight_dtype)
     if key not in _CACHE:
-        seed = zlib.crc32(repr(key).encode()) % 1000
-        _CACHE[key] = random_weights(profile_dims(profile), seed=seed, device=_gpu(), num_layers=layers)
+        seed = zlib.crc32(repr(key[:3]).encode()) % 1000
+        _CACHE[key] = random_weights(
+            profile_dims(profile), seed=seed, weight_dtype=weight_dtype, device=_gpu(), num_layers=layers
+        )
     return _CACHE[key]
 
 
@@ -238,6 +245,24 @@ def test_llama3_8b(case):
     _whole_step(B8, ctx, seed=40 + len(ctx), what=f"8B {case} step")
 
 
+@pytest.mark.parametrize("case", ["w1-first-token", "w1", "w2", "w8-5rows"])
+def test_llama3_8b_fp8(case):
+    """Llama-3-8B with FP8 weights (e4m3fn, each row's scale applied to its sum): the ring
+    streams e4m3, width 1 widens them in registers, widths 2-8 before mma.sync; against the
+    reference's FP8 ``Linear`` (fp32 sums of x · q, then the scale), per layer and as one launch."""
+    ctx = CONTEXTS[case]
+    _layer_by_layer(B8F, ctx, seed=90 + len(ctx), what=f"8B fp8 {case}")
+    _whole_step(B8F, ctx, seed=100 + len(ctx), what=f"8B fp8 {case} step")
+
+
+@pytest.mark.parametrize("case", ["w1", "w8"])
+def test_llama3_1b_fp8(case):
+    """Llama-3-1B with FP8 weights at widths 1 and 8 (one down tile a program; its own ring depth)."""
+    ctx = CONTEXTS[case]
+    _layer_by_layer(B1F, ctx, seed=110 + len(ctx), what=f"1B fp8 {case}")
+    _whole_step(B1F, ctx, seed=120 + len(ctx), what=f"1B fp8 {case} step")
+
+
 @pytest.mark.parametrize("case", ["w1", "w8"])
 def test_long_context_32k(case):
     """Rows of 32768 positions (width 1; width 8 beside shorter rows, so each row's context
@@ -261,15 +286,19 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("case", ["w1", "w4-3rows", "w8"])
-def test_graph_of_forward_step_replays_bit_identical(case):
+@pytest.mark.parametrize(
+    ("build", "case"),
+    [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows")],
+    ids=["1b-w1", "1b-w4-3rows", "1b-w8", "8b-fp8-w1", "8b-fp8-w8-5rows"],
+)
+def test_graph_of_forward_step_replays_bit_identical(build, case):
     """``forward_step`` captured in a CUDA graph (as the runner and the benchmark replay it) and
     replayed twice over the same inputs: the outputs and every K/V entry are bit for bit the same
     after each replay (nothing in the launch depends on state a replay leaves behind), and the
     replayed step is the reference's within the whole-stack bound."""
-    dims, weights, tk = _build(*B1)
+    dims, weights, tk = _build(*build)
     dev = _gpu()
-    layers = B1[2]
+    layers = build[2]
     ctx = CONTEXTS[case]
     rows = len(ctx)
     alloc, kv_ref, kv_out = _context(dims, layers, ctx, dev, seed=70 + rows)
@@ -287,7 +316,7 @@ def test_graph_of_forward_step_replays_bit_identical(case):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "the second replay's K/V differ"
     assert tk.health() == 0, decode_health(tk.health())
     h_ref = R.run_layers(weights, x, meta, kv_ref)
-    _close(first, h_ref, f"1B {case} replayed step vs reference", rel=STACK_REL_FRO, frac=None)
+    _close(first, h_ref, f"{build[0]} {case} replayed step vs reference", rel=STACK_REL_FRO, frac=None)
 
 
 @pytest.mark.parametrize("entry", ["forward_step", "forward_layer"])
