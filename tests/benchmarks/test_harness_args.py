@@ -51,12 +51,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step, early_down)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step, early_down, mma1, span)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down, mma1, span)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
@@ -409,13 +409,16 @@ def test_a_step_variant_is_timed_at_the_widths_its_plan_fits():
     assert fits == tuple(range(1, 8)) and "default plan's kernel at width 8" in why[8], why
     fits, why = harness.step_variant_widths(one_b, widths, 132, {})
     assert fits == () and "width 1 (nothing in it applies there)" in why[1]
-    # FP8's chunks are half the bytes: its default ring holds as many in flight (5 slots at 8B's
-    # width 1, bf16's 3), and a sixth slot of e4m3 fits where a fourth of bf16 did not
-    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 5}, "fp8")
+    # FP8's weight chunks span two 1024-column parts (32 KiB, as bf16's): its default ring is
+    # bf16's 3 slots, and with one part a chunk (16 KiB) 5 slots hold as many bytes in flight
+    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 3}, "fp8")
     assert fits == () and "default plan's kernel" in why[1], why
-    assert harness.step_variant_widths(eight_b, (1,), 132, {"ring": 6}, "fp8") == ((1,), {})
-    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 7}, "fp8")
+    fits, why = harness.step_variant_widths(eight_b, (1,), 132, {"ring": 4}, "fp8")
     assert fits == () and "shared memory at width 1" in why[1], why
+    assert harness.step_variant_widths(eight_b, (1, 2), 132, {"span": 1}, "fp8") == ((1, 2), {})
+    from monodecode.kernels.triton.step_plan import StepGeometry
+
+    assert StepGeometry(eight_b, 1, 132, weight_dtype="fp8", span=1).ring_slots == 5
 
 
 def test_step_variants_sit_beside_the_step_launch_and_say_why_where_they_do_not_run(monkeypatch):

@@ -91,16 +91,17 @@ def _stamp(prof_ptr, layer, pid, kid, stage, slot, NPROG: gl.constexpr, PROF: gl
 @gluon.jit
 def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
            INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
-           TD: gl.constexpr, DSTREAM: gl.constexpr):  # fmt: skip
+           TD: gl.constexpr, DSTREAM: gl.constexpr, WX: gl.constexpr = 1):  # fmt: skip
     """Chunk ``i`` of a program's sequence -> (local layer, stage, task slot, its K chunk, K chunks,
     output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
     o_proj, 2 gate/up, 3 down (the rest of ``C``). A task's chunks are consecutive, except down's
-    where its input streams (``DSTREAM``): k-outer over the ``TD`` tiles, so each X chunk serves all."""
+    where its input streams (``DSTREAM``): k-outer over the ``TD`` tiles, so each X chunk serves all.
+    A weight chunk is ``WX`` x ``BK`` columns (``StepGeometry.span``)."""
     layer = i // C
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
     rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + C1, C0 + C1 + C2)))
-    nk = gl.where(s == 3, INTER // BK, HIDDEN // BK)
+    nk = gl.where(s == 3, INTER // (BK * WX), HIDDEN // (BK * WX))
     tiles = gl.where(s == 0, QKVR // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
     kdim = gl.where(s == 3, INTER, HIDDEN)
     base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
@@ -115,40 +116,52 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
-            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
+            DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr,
+            WX: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
     ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``: each copied
     element's row and column in the chunk, broadcast to the slot's shape."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
-                                                   DSTREAM)  # fmt: skip
+                                                   DSTREAM, WX)  # fmt: skip
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     glayer = first + layer
     if TMA:
         bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
-        mbarrier.expect(bar, ROWS * BK * (2 - FP8), pred=ok)  # bf16 or fp8 bytes
-        if MMAV:  # each half of the warps' column blocks: [column block, row, 64] at column 0 and 64
-            for h in gl.static_range(2):
+        mbarrier.expect(bar, ROWS * BK * WX * (2 - FP8), pred=ok)  # bf16 or fp8 bytes
+        if MMAV:  # each part's halves of the warps' column blocks: [column block, row, 64] at column 0 and 64
+            for p in gl.static_range(WX):
+                for h in gl.static_range(2):
+                    box = boxes.index(2 * (WX * (i % NBUF) + p) + h)
+                    if s == 3:
+                        tma.async_copy_global_to_shared(
+                            wi_desc, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, pred=ok
+                        )
+                    else:
+                        tma.async_copy_global_to_shared(
+                            wh_desc, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, pred=ok
+                        )
+        else:  # (a chunk of WX boxes on one mbarrier)
+            for h in gl.static_range(WX):
+                col = (k * WX + h) * (BK // TB)
                 if s == 3:
                     tma.async_copy_global_to_shared(
-                        wi_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
+                        wi_desc, [row, col, 0], bar, boxes.index(WX * (i % NBUF) + h), pred=ok
                     )
                 else:
                     tma.async_copy_global_to_shared(
-                        wh_desc, [k * NW, row, h * (BK // NW // 2)], bar, boxes.index(2 * (i % NBUF) + h), pred=ok
+                        wh_desc, [row, col, 0], bar, boxes.index(WX * (i % NBUF) + h), pred=ok
                     )
-        else:
-            if s == 3:
-                tma.async_copy_global_to_shared(wi_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
-            else:
-                tma.async_copy_global_to_shared(wh_desc, [row, k * (BK // TB), 0], bar, boxes.index(i % NBUF), pred=ok)
         mbarrier.arrive(bar, pred=~ok)
-    else:
-        off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + k * BK + cc
-        async_copy.async_copy_global_to_shared(ring.index(i % NBUF), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0))
+    else:  # (a chunk's WX parts in one commit group)
+        for p in gl.static_range(WX):
+            off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + (k * WX + p) * BK + cc
+            async_copy.async_copy_global_to_shared(
+                ring.index(WX * (i % NBUF) + p), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0)
+            )
         async_copy.commit_group()
 
 
@@ -254,24 +267,65 @@ def _x_copy(xbuf, slot, g16, k, LAYER_A: gl.constexpr, NB: gl.constexpr, NW: gl.
 
 
 @gluon.jit
+def _bf16_of_e4m3(q):
+    """e4m3fn ``q`` as bf16, exactly, by integer ops on 4 values a register: each byte's sign,
+    exponent and mantissa moved to a bf16's places (``prmt``, then the magnitude 4 bits right),
+    which is the value times 2^-120 (subnormal e4m3 land on subnormal bf16), then times 2^120.
+    ``.to(gl.bfloat16)`` goes through the conversion instructions (e4m3 -> f16 -> bf16), which run
+    at a fraction of the integer rate and bounded the loop (run 137: 8B FP8 at widths 2-8 slower
+    than bf16, 1.9 µs a 16 KiB chunk). e4m3fn's NaN (never in quantized weights) maps to 480."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 a<2>, b<2>, s;
+        mov.b32 s, 0x7B807B80;
+        prmt.b32 a0, $2, 0, 0x1404;
+        prmt.b32 a1, $2, 0, 0x3424;
+        and.b32 b0, a0, 0x7FFF7FFF;
+        and.b32 b1, a1, 0x7FFF7FFF;
+        shr.b32 b0, b0, 4;
+        shr.b32 b1, b1, 4;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xF8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xF8;
+        mul.rn.bf16x2 $0, b0, s;
+        mul.rn.bf16x2 $1, b1, s;
+        }""",
+        "=r,=r,r",
+        [q],
+        dtype=gl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@gluon.jit
+def _w_operand(tile, a_l: gl.constexpr, FP8: gl.constexpr):
+    """A ring slot's [.., 16, KW] weights as mma's bf16 A operand (FP8: read as e4m3, 4 columns a
+    register, and widened)."""
+    if FP8:
+        return _bf16_of_e4m3(tile.load(a_l))
+    else:
+        return tile.load(a_l)
+
+
+@gluon.jit
 def _chunk_mma(ring, slot, x, acc, HALVES: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr):
-    """Widths 2-8: ``acc`` + each warp's W[16, KW] @ X[KW, NPAD] over its column block of the
+    """The mma path: ``acc`` + each warp's W[16, KW] @ X[KW, NPAD] over its column block of the
     chunk in ``ring``'s ``slot`` (``x`` the staged chunk [NW, NPAD, KW]). ``HALVES``: the slot is
     the ring's entries 2 slot and 2 slot + 1, the blocks' two [16, KW / 2] halves (the TMA ring's
     order): two products over the halves in column order, the same k16 steps in the same order as one.
-    ``FP8``: the weights are read as e4m3 (4 consecutive columns a register, ``k_width`` 4 for both
-    operands, so each thread's weights and inputs pair up) and widened to bf16 (exact) for mma."""
+    ``FP8``: both operands with ``k_width`` 4 (4 consecutive columns a thread, as e4m3 packs a
+    register), the weights widened to bf16 (``_bf16_of_e4m3``), the activations as they are."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2 + 2 * FP8)
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2 + 2 * FP8)
     if HALVES:
         h: gl.constexpr = BK // NW // 2
-        a0 = ring.index(2 * slot).load(a_l).to(gl.bfloat16)
-        acc = mma_v2(a0, x.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
-        a1 = ring.index(2 * slot + 1).load(a_l).to(gl.bfloat16)
-        return mma_v2(a1, x.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+        acc = mma_v2(_w_operand(ring.index(2 * slot), a_l, FP8), x.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), acc)
+        return mma_v2(
+            _w_operand(ring.index(2 * slot + 1), a_l, FP8), x.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l), acc
+        )
     else:
-        return mma_v2(ring.index(slot).load(a_l).to(gl.bfloat16), x.permute([0, 2, 1]).load(b_l), acc)
+        return mma_v2(_w_operand(ring.index(slot), a_l, FP8), x.permute([0, 2, 1]).load(b_l), acc)
 
 
 @gluon.jit
@@ -652,7 +706,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, PROF: gl.constexpr = 0,
+                DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -690,29 +744,29 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
     epoch = target // NPROG
-    C0: gl.constexpr = T0 * (HIDDEN // BK)
-    C1: gl.constexpr = TO * (HIDDEN // BK)
-    C2: gl.constexpr = T1 * (HIDDEN // BK)
-    C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // BK)
+    C0: gl.constexpr = T0 * (HIDDEN // (BK * WX))
+    C1: gl.constexpr = TO * (HIDDEN // (BK * WX))
+    C2: gl.constexpr = T1 * (HIDDEN // (BK * WX))
+    C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // (BK * WX))
     total = nlayers * C
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
     if TMA:
-        if MMAV:  # slot n's halves at 2 n and 2 n + 1, each [column block, row, 64] (swizzled)
-            boxes = gl.allocate_shared_memory(wdt, [2 * NBUF, NW, ROWS, KW // 2], wh_desc.layout)
+        if MMAV:  # slot n's part p's halves at 2 (WX n + p) and 2 (WX n + p) + 1, each [column block, row, 64]
+            boxes = gl.allocate_shared_memory(wdt, [2 * NBUF * WX, NW, ROWS, KW // 2], wh_desc.layout)
             ring = boxes
-        else:  # the slots as TMA writes them ([16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
-            boxes = gl.allocate_shared_memory(wdt, [NBUF, ROWS, BK // TB, TB], wh_desc.layout)
-            ring = boxes._reinterpret(wdt, [NBUF, ROWS, BK], ring_lay)
+        else:  # the slots as TMA writes them (WX [16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
+            boxes = gl.allocate_shared_memory(wdt, [NBUF * WX, ROWS, BK // TB, TB], wh_desc.layout)
+            ring = boxes._reinterpret(wdt, [NBUF * WX, ROWS, BK], ring_lay)
         bars = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         for b in gl.static_range(NBUF):
             mbarrier.init(bars.index(b), count=1)
         fence_async_shared()
     elif MMAV:  # a slot as [NW column blocks, ROWS, KW]: warp w's A operand is block w
-        ring = gl.allocate_shared_memory(wdt, [NBUF, NW, ROWS, KW], w_sw)
+        ring = gl.allocate_shared_memory(wdt, [NBUF * WX, NW, ROWS, KW], w_sw)  # slot n's part p at WX n + p
         boxes = ring
         bars = ring
     else:
-        ring = gl.allocate_shared_memory(wdt, [NBUF, ROWS, BK], ring_lay)
+        ring = gl.allocate_shared_memory(wdt, [NBUF * WX, ROWS, BK], ring_lay)
         boxes = ring
         bars = ring
     if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
@@ -742,13 +796,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
-                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8)  # fmt: skip
+                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8, WX)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
     # down waits for gate/up but its last round (counter 5) and stages DE chunks, or for all of it
     DOWN_CTR: gl.constexpr = 5 if DE > 0 else 3
-    DOWN_FIRST: gl.constexpr = DE if DE > 0 else INTER // BK
+    DOWN_FIRST: gl.constexpr = DE * WX if DE > 0 else INTER // BK  # (staged chunks; DE counts weight chunks)
     if MMAV:
         acc = gl.zeros([NW, ROWS, NPAD], gl.float32, mma)
         if DSTREAM:
@@ -776,7 +830,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
-                                                       TD, DSTREAM)  # fmt: skip
+                                                       TD, DSTREAM, WX)  # fmt: skip
         tile = pid + j * NPROG
         glayer = first + layer
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
@@ -847,7 +901,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     gl.thread_barrier()
                     if DSTREAM:  # the first X chunks (in every thread's own group), landed before their use
                         for kk in gl.static_range(XPRE):
-                            _x_copy(xbuf, 1 + kk % XS, g16, kk, LAYER_A, NB, NW)
+                            for p in gl.static_range(WX):
+                                _x_copy(xbuf, 1 + WX * (kk % XS) + p, g16, WX * kk + p, LAYER_A, NB, NW)
                         async_copy.commit_group()
                         async_copy.wait_group(0)
                     else:  # (gate/up's tasks stored SiLU(g)·u)
@@ -883,7 +938,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
             elif (s == 3) & (j == 0) & (k == DE):  # (staged: where the first task reaches them)
                 spin = _wait_for(ctr_ptr + layer * NCTR + 3, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer))
                 gl.thread_barrier()
-                _down_input(xbuf, act + A_GU, cf, DE, INTER // BK, LAYER_A, INTER, XMAX, NB, MMAV, NW)
+                _down_input(xbuf, act + A_GU, cf, DE * WX, INTER // BK, LAYER_A, INTER, XMAX, NB, MMAV, NW)
         if TMA:  # chunk i is its slot's (i // NBUF)-th phase
             mbarrier.wait(bars.index(i % NBUF), (i // NBUF) & 1)
             if DSTREAM:  # down's X chunk k: its own commit group, younger ones for the next (NBUF - 2) // TD
@@ -899,24 +954,28 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
             l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
                                                       OFF_D, TD, DSTREAM)  # fmt: skip
             if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
-                _x_copy(xbuf, 1 + k2 % XS, g16, k2, LAYER_A, NB, NW)
+                for p in gl.static_range(WX):
+                    _x_copy(xbuf, 1 + WX * (k2 % XS) + p, g16, WX * k2 + p, LAYER_A, NB, NW)
                 if TMA:  # no cp.async group of the ring's to join
                     async_copy.commit_group()
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
                 HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
-                FP8)  # fmt: skip
-        if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block
-            if DSTREAM:
-                xs = xbuf.index(gl.where(s == 3, 1 + k % XS, k + XMAX - nk))
-                if second:
-                    acc2 = _chunk_mma(ring, i % NBUF, xs, acc2, TMA, NW, FP8)
+                FP8, WX)  # fmt: skip
+        if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block, part by part
+            for p in gl.static_range(WX):
+                if DSTREAM:
+                    xs = xbuf.index(gl.where(s == 3, 1 + WX * (k % XS) + p, WX * (k - nk) + p + XMAX))
+                    if second:
+                        acc2 = _chunk_mma(ring, WX * (i % NBUF) + p, xs, acc2, TMA, NW, FP8)
+                    else:
+                        acc = _chunk_mma(ring, WX * (i % NBUF) + p, xs, acc, TMA, NW, FP8)
                 else:
-                    acc = _chunk_mma(ring, i % NBUF, xs, acc, TMA, NW, FP8)
-            else:
-                acc = _chunk_mma(ring, i % NBUF, xbuf.index(k + XMAX - nk), acc, TMA, NW, FP8)
-        else:
-            acc += ring.index(i % NBUF).load(cp_lay).to(gl.float32) * xbuf.index(k).load(col).to(gl.float32)[None, :]
+                    acc = _chunk_mma(ring, WX * (i % NBUF) + p, xbuf.index(WX * (k - nk) + p + XMAX), acc, TMA, NW, FP8)
+        else:  # (a chunk of WX [16, 1024] boxes, each over its staged chunk)
+            for h in gl.static_range(WX):
+                w = ring.index(WX * (i % NBUF) + h).load(cp_lay).to(gl.float32)
+                acc += w * xbuf.index(WX * k + h).load(col).to(gl.float32)[None, :]
         if k == nk - 1:  # the task's rows are done
             nan = (fault_kind == 2) & (fault_layer == layer + 1) & (s == 3)
             code = _code(NONFINITE, 2, glayer)

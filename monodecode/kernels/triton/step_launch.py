@@ -100,6 +100,7 @@ class _Buffers:
     def __init__(self, g: StepGeometry, layers: int, device):
         d = g.dims
         self.width = g.width
+        self.mma = g.mma
         self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
         self.part = torch.zeros(g.partial_places, dtype=torch.float32, device=device)
         self.res = torch.zeros(max(1, layers - 1) * g.width * d.hidden_size, dtype=torch.bfloat16, device=device)
@@ -112,7 +113,7 @@ def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, st
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
     their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
     caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
-    wh, wi = k.descriptors[b.width > 1]
+    wh, wi = k.descriptors[b.mma]
     return [
         k.weights, wh, wi, k.wscale, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
         *caches, *offsets, *strides,

@@ -31,8 +31,9 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
 WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster than 3)
-# FP8 (e4m3fn) weights: a chunk is the same 16 x 1024 elements in half the bytes, so by default
-# the ring holds the same bytes in flight as bf16's (``ring_slots``): 2 n - 1 slots for bf16's n
+# FP8 (e4m3fn) weights: on mma.sync a chunk is the same 16 x 1024 elements in half the bytes, and
+# by default the ring holds as many bytes in flight as bf16's (``ring_slots``: 2 n - 1 slots for
+# bf16's n); on FMA (width 1) a chunk is 16 x 2048, as many bytes as bf16's (``StepGeometry.span``)
 WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> bytes an element
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
 # name -> (default, least, most). ``ring``: the weight ring's slots at every width (default: by
@@ -71,12 +72,17 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # attention's split partials too, merged with no counter; 3: each input staged chunk by chunk as
 # its words arrived): bit for bit the default, and 1-2 % (1), 5-8 % (2), 6-12 % (3) slower at
 # batch 1 on the H100 (benchmarks/README.md, runs 118-120).
+# ``mma1`` (session 28): width 1's products on mma.sync as widths 2-8's are (its row padded to 8
+# columns), not on FMA over [16, 1024] chunks in registers (``StepGeometry.mma``); ``span``: the
+# staged 1024-column chunks a weight chunk spans (``StepGeometry.span``; default 2 for FP8).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
     "wide_tma": (None, 0, 1),
     "kv_step": (None, 1, 2),
     "early_down": (1, 0, 1),
+    "mma1": (None, 0, 1),
+    "span": (None, 1, 2),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -166,6 +172,8 @@ class StepGeometry:
     wide_tma: int | None = None  # None: where the ring is WIDE_RING deep (``tma``)
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
+    mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
+    span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``span``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -174,9 +182,24 @@ class StepGeometry:
         return WEIGHT_DTYPES[self.weight_dtype]
 
     @property
+    def chunk_span(self) -> int:
+        """The staged input's ``BK``-column chunks one weight chunk spans: the plan's ``span``, else 2
+        for FP8 where the sizes are multiples of 2048 (its chunk then [16, 2048], 32 KiB as bf16's
+        [16, 1024]), else 1. A chunk's fixed costs (its slot's wait and barriers, the refill's
+        issue) are paid once a slot. Run 137 timed FP8's 16 KiB chunks at 1.12 µs each on gate/up
+        at width 1 (1.87 TB/s), where the arithmetic alone takes 0.34 µs (run 139,
+        ``benchmarks/chunk_probe.py``, H100); with two parts a chunk, 8B FP8 is 20 % faster at
+        batch 1 (run 140) and 16-18 % at batches 2-8 (run 141)."""
+        if self.span is not None:
+            return self.span
+        d = self.dims
+        whole = not (d.hidden_size % (2 * BK) or d.intermediate_size % (2 * BK))
+        return 2 if self.weight_dtype == "fp8" and whole else 1
+
+    @property
     def chunk_bytes(self) -> int:
-        """A weight chunk's bytes (16 rows x 1024 columns): 32 KiB bf16, 16 KiB fp8."""
-        return ROWS * BK * self.weight_bytes
+        """A weight chunk's bytes (16 rows x ``chunk_span`` x 1024 columns): 32 KiB by default."""
+        return ROWS * BK * self.chunk_span * self.weight_bytes
 
     # -- weights ------------------------------------------------------------------------------
     @property
@@ -230,7 +253,8 @@ class StepGeometry:
         return self._chunks(self.tiles_per_program())
 
     def _chunks(self, tiles: tuple[int, int, int, int]) -> int:
-        kh, ki = self.dims.hidden_size // BK, self.dims.intermediate_size // BK
+        cols = BK * self.chunk_span
+        kh, ki = self.dims.hidden_size // cols, self.dims.intermediate_size // cols
         return (tiles[0] + tiles[1] + tiles[2]) * kh + tiles[3] * ki
 
     def busiest_program_share(self) -> float:
@@ -252,7 +276,14 @@ class StepGeometry:
             out["g16"], out["end"] = out["end"], out["end"] + i // 2
         return out
 
-    # -- widths 2-8: down's input -------------------------------------------------------------
+    @property
+    def mma(self) -> bool:
+        """The products run on mma.sync (the X operand staged as [NPAD, BK] chunks, the ring in
+        its operand order): at widths 2-8, and at width 1 with ``mma1`` (run 138: 4 % slower for
+        bf16 and 29 % for FP8 than FMA at 8B, batch 1)."""
+        return self.width > 1 or bool(self.mma1)
+
+    # -- the mma path: down's input ------------------------------------------------------------
     @property
     def streams_down(self) -> bool:
         """Widths 2-8 stream down's input: each X chunk is copied (``cp.async``; with the
@@ -263,7 +294,7 @@ class StepGeometry:
         memory of the whole input (1B: 128 KiB at width 8) for a deeper ring (run 109). With
         ``stream_down`` 0 the whole input (NB rows x I, bf16) is staged beside the ring where it
         fits and a program has one down tile (1B), judged at width 1's ring."""
-        if self.width == 1:
+        if not self.mma:
             return False
         d = self.dims
         return (
@@ -297,12 +328,12 @@ class StepGeometry:
 
     def _slots_for(self, bf16_slots: int) -> int:
         """The slots that keep as many bytes in flight (``slots - 1`` chunks) as ``bf16_slots`` of bf16."""
-        return (bf16_slots - 1) * 2 // self.weight_bytes + 1
+        return (bf16_slots - 1) * (ROWS * BK * 2) // self.chunk_bytes + 1
 
     @property
     def _deep_ring_fits(self) -> bool:
-        """Widths 2-8: a ring of ``WIDE_RING`` slots filled by TMA fits beside the staged input."""
-        if self.width == 1:
+        """The mma path: a ring of ``WIDE_RING`` slots filled by TMA fits beside the staged input."""
+        if not self.mma:
             return False
         slots = self._slots_for(WIDE_RING)
         return self._shared_bytes(slots, self._x_chunks(slots), tma=True) <= SMEM_PER_PROGRAM
@@ -316,8 +347,8 @@ class StepGeometry:
 
     def _x_chunks(self, ring_slots: int) -> int:
         h, i = self.dims.hidden_size, self.dims.intermediate_size
-        if self.streams_down:
-            return max(h // BK, self._x_slots(ring_slots)) + 1
+        if self.streams_down:  # (an X slot holds a weight chunk's span of staged chunks)
+            return max(h // BK, self.chunk_span * self._x_slots(ring_slots)) + 1
         return i // BK
 
     @property
@@ -332,10 +363,11 @@ class StepGeometry:
         what down's gave back). The sums are the same; only when the input is staged changes.
         0: off (one round, or streamed down's first X copies need more)."""
         t1 = self.tiles_per_program()[2]
-        n = (t1 - 1) * self.programs * (ROWS // 2) // BK
+        span = self.chunk_span
+        n = (t1 - 1) * self.programs * (ROWS // 2) // BK // span * span  # whole weight chunks
         if not self.early_down or n < 1:
             return 0
-        if self.streams_down and n < (self.ring_slots - 2) // self.tiles_per_program()[3] + 1:
+        if self.streams_down and n // span < (self.ring_slots - 2) // self.tiles_per_program()[3] + 1:
             return 0  # the X chunks copied at down's start (``XPRE``) would include a late one
         return n
 
@@ -396,8 +428,9 @@ class StepGeometry:
         and at widths 2-8 in mma.sync's operand order where the ring is ``WIDE_RING`` deep (1B;
         run 109 on the H100: with down's input streamed and 4 slots, 2-5 % faster than the
         3-slot ``cp.async`` ring, which run 108 measured at 2.9 TB/s on the H200; at 8B's 3 slots
-        TMA was level on the H100 and spills at widths 2 and 4), or as ``wide_tma`` says."""
-        if self.width == 1:
+        TMA was level on the H100 and spills at widths 2 and 4), or as ``wide_tma`` says (the mma
+        path at width 1 as at widths 2-8)."""
+        if not self.mma:
             return True
         return self._deep_ring_fits if self.wide_tma is None else bool(self.wide_tma)
 
@@ -410,7 +443,7 @@ class StepGeometry:
         input of ``x_chunks`` chunks."""
         ring = ring_slots * self.chunk_bytes + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
         rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
-        if self.width == 1:
+        if not self.mma:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
             return ring + stage + ROWS * 4 + rope
         stage = max(x_chunks * BK * NPAD * 2, self._kv_bytes)
@@ -423,11 +456,18 @@ class StepGeometry:
                 f"step launch: {self.programs} programs cannot hold one attention task per row and KV head "
                 f"({self.width} x {self.dims.num_kv_heads})"
             )
-        if self.width > 1 and self.tiles_per_program()[3] > 2:
+        if self.mma and self.tiles_per_program()[3] > 2:
             raise ValueError(
-                f"step launch: above 1 row a program keeps two down accumulators, so it takes two down tiles at "
+                f"step launch: on mma.sync a program keeps two down accumulators, so it takes two down tiles at "
                 f"most; {self.dims.hidden_size // ROWS} tiles on {self.programs} programs need "
                 f"{self.tiles_per_program()[3]}"
+            )
+        d = self.dims
+        cols = BK * self.chunk_span
+        if d.hidden_size % cols or d.intermediate_size % cols:
+            raise ValueError(
+                f"step launch: [16, {cols}] weight chunks (span {self.chunk_span}) need hidden ({d.hidden_size}) and "
+                f"intermediate ({d.intermediate_size}) sizes that are multiples of {cols}"
             )
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
@@ -465,9 +505,10 @@ class StepGeometry:
             "NSPLIT": self.splits,
             "PW": self.kv_tile // NUM_WARPS,
             "KVS": self.kv_slots,
-            "DE": self.down_early_chunks,
+            "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
+            "WX": self.chunk_span,
             "NB": self.width,
-            "MMAV": int(self.width > 1),
+            "MMAV": int(self.mma),
             "TMA": int(self.tma),
             "BS": block_size,
             "EPS": d.rms_norm_eps,

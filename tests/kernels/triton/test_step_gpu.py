@@ -263,6 +263,15 @@ def test_llama3_1b_fp8(case):
     _whole_step(B1F, ctx, seed=120 + len(ctx), what=f"1B fp8 {case} step")
 
 
+@pytest.mark.parametrize("case", ["w1", "w1-700"])
+def test_width_1_on_mma_matches_the_reference(case):
+    """``mma1`` (``step_plan.PLAN_KNOBS``): width 1's products on mma.sync, its row padded to 8
+    columns as widths 2-8's, for bf16 (1B) and FP8 (8B): per layer and as one launch within the bounds."""
+    for build in (("llama3-1b", (1,), 2, 2.0, {"mma1": 1}), ("llama3-8b", (1,), 2, 2.0, {"mma1": 1}, "fp8")):
+        _layer_by_layer(build, CONTEXTS[case], seed=130, what=f"{build[0]} mma1 {case}")
+        _whole_step(build, CONTEXTS[case], seed=140, what=f"{build[0]} mma1 {case} step")
+
+
 @pytest.mark.parametrize("case", ["w1", "w8"])
 def test_long_context_32k(case):
     """Rows of 32768 positions (width 1; width 8 beside shorter rows, so each row's context
@@ -482,13 +491,14 @@ PLAN_CASES = [
     ({"wide_tma": 0}, (1, 8), "w8-5rows"), ({"wide_tma": 1}, B8, "w8-5rows"), ({"wide_tma": 1}, B8, "w2"),
     ({"early_down": 0}, (1, 8), "w8-5rows"), ({"early_down": 0}, B8, "w8-5rows"), ({"early_down": 0}, B8, "w1"),
     ({"stream_down": 0, "early_down": 0}, (1, 2), "w2"),
+    ({"span": 1}, B8F, "w1"), ({"span": 1}, B8F, "w8-5rows"), ({"span": 2}, (1, 2), "w2"),
 ]  # fmt: skip
 
 
 def _plan_case_id(plan: dict, widths, case: str) -> str:
     """``ring4-w1``, ``wide_tma1-w2-8b``: selectable with ``-k`` by knob, context and build."""
     knobs = "-".join(f"{k}{v}" for k, v in plan.items())
-    return f"{knobs}-{case}" + ("-8b" if widths == B8 else "")
+    return f"{knobs}-{case}" + {B8: "-8b", B8F: "-8b-fp8"}.get(widths, "")
 
 
 @pytest.mark.parametrize(("plan", "widths", "case"), PLAN_CASES, ids=[_plan_case_id(*c) for c in PLAN_CASES])
@@ -496,16 +506,17 @@ def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     """The plan's knobs (``step_plan.PLAN_KNOBS``: the weight ring's slots; down's input staged
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
     ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B; down waiting for all of gate/up
-    at its start, not for its rounds but the last) move bytes, never change a sum:
-    the whole step and the K/V it writes are bit for bit the default plan's (1B's
-    ``stream_down: 0`` is the default that runs 105-108 verified against the reference)."""
+    at its start, not for its rounds but the last; a weight chunk of one or two 1024-column parts,
+    each summed in the same order) move bytes, never change a sum: the whole step and the K/V it
+    writes are bit for bit the default plan's (1B's ``stream_down: 0`` is the default that runs
+    105-108 verified against the reference)."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
     build = B1
-    if widths == B8:  # 8B's own build (down's input streamed above 1 row), all its widths
-        build, widths = B8, B8[1]
+    if widths in (B8, B8F):  # 8B's own builds (down's input streamed above 1 row), all their widths
+        build, widths = widths, widths[1]
     dims, weights, tk, _, kv, before, meta, x = _setup(build, CONTEXTS[case], seed=11)
-    req = _request(build[0], widths, 2.0)
+    req = _request(build[0], widths, 2.0, build[5] if len(build) > 5 else "bf16")
     changed = StepKernels(req, weights, req.platform.compute_units, _gpu(), plan=plan)
     try:
         kv2 = _snapshot(before)
