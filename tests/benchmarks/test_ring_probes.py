@@ -1,6 +1,7 @@
 """The ring probes compile for the H200 on this CPU: ``benchmarks/loader_probe.py``'s four
 kernels, ``benchmarks/step_probe.py``'s whole-layer step and ``benchmarks/kv_ring_probe.py``'s
-attention task, at every ring size they time.
+attention task, at every ring size they time, and ``benchmarks/chunk_probe.py``'s chunk loop for
+each weight dtype.
 
 The probes' Gluon kernels cannot run in Triton's interpreter, and a signature drift or a ring that
 outgrows shared memory would only show on a GPU machine, where device time is scarce. Here the
@@ -279,3 +280,31 @@ def test_kv_ring_probe_refuses_in_one_line(args, says):
     if not args and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
         pytest.skip("an sm_90 GPU is present: the probe would run")
     _refused_in_one_line("kv_ring_probe.py", [*args, "--out", "/nonexistent/x"], says)
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp8e4nv"])
+def test_chunk_probe_compiles_for_the_h200(dtype):
+    """The chunk probe's loop (the step's width-1 arithmetic) for bf16 and e4m3 weights: no
+    spills, its four chunks and their inputs in shared memory, e4m3 widened by cvt as the step's."""
+    from monodecode.kernels.triton.offline import cuda_resources
+
+    probe = _probe("chunk_probe")
+    sig = {"w_ptr": dtype, "x_ptr": "*bf16", "out_ptr": "*fp32", "t_ptr": "*i64"}
+    compiled = _compile(probe.chunk_loop, sig, {"N": 100, "NW": 8})
+    assert cuda_resources("chunk_loop", 1, 8, compiled).spills == 0
+    esize = 2 if dtype == "*bf16" else 1
+    assert compiled.metadata.shared >= probe.SLOTS * probe.ROWS * probe.BK * esize + probe.SLOTS * probe.BK * 2
+    assert ("cvt.rn.f16x2.e4m3x2" in compiled.asm["ptx"]) == (esize == 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [(["--dtypes", "fp16"], "--dtypes: 'fp16' is not one of bf16, fp8"), (["--dtypes", ","], "--dtypes: ',' is not one of"),
+     (["--chunks", "0"], "--chunks must be 1 to 1000000, got 0")],
+)  # fmt: skip
+def test_chunk_probe_refuses_bad_arguments_in_one_line(argv, fragment, capsys, tmp_path):
+    """Before any GPU work, whatever the machine: one ``error:`` line, exit status 2, nothing written."""
+    assert _probe("chunk_probe").main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
