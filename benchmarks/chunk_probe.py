@@ -17,11 +17,10 @@ Usage (GPU machine, repository root): ``python benchmarks/chunk_probe.py [--dtyp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
+from probe_results import write_rows
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -99,10 +98,7 @@ def main(argv=None) -> int:
     rows = [run(d, a.chunks) for d in dtypes]
     for r in rows:
         print(f"{r['dtype']}: {r['cycles_per_chunk']:.0f} SM cycles a [16, 1024] chunk, rel err {r['rel_err']:.1e}")
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    path = Path(a.out) / f"chunk_probe_{torch.cuda.get_device_name().replace(' ', '-')}.json"
-    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print(path)
+    print(write_rows(a.out, "chunk_probe", rows))
     return 0
 
 

@@ -27,7 +27,6 @@ reference, this probe only each variant against the first.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
+from probe_results import write_rows  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
@@ -248,11 +248,7 @@ def main(argv=None) -> int:
                 for lay in a.layouts:
                     for order in a.blocks:
                         rows += run_cell(p, b, c, a.depths, lay, a.warp_positions, a.tasks, order)
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name().replace(" ", "-")
-    path = Path(a.out) / f"kv_ring_probe_{name}.json"
-    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    print(path)
+    print(write_rows(a.out, "kv_ring_probe", rows))
     return 0
 
 

@@ -9,9 +9,10 @@ slot mapping, per-layer caches), each row at its own position and context, inert
 (slot -1), bf16 residuals in and out, bounded waits and non-finite checks that set the health
 word, and one-shot fault injection.
 
-One program per SM walks one fixed sequence of [16 rows, 1024 columns] weight chunks (its row
-tiles of QKV, o_proj, gate/up and down, layer after layer) through ``NBUF`` 32 KiB shared-memory
-slots, ``NBUF - 1`` chunks ahead of the arithmetic across every wait and the attention task.
+One program per SM walks one fixed sequence of [16 rows, WX x 1024 columns] weight chunks (its
+row tiles of QKV, o_proj, gate/up and down, layer after layer) through ``NBUF`` shared-memory
+slots (32 KiB by default: bf16, or FP8 in two 1024-column parts), ``NBUF - 1`` chunks ahead of
+the arithmetic across every wait and the attention task.
 Stages hand off through int64 completion counters (one count per program, or per merged KV head
 and row) that never reset: launch ``e`` waits for ``e * count`` (the epoch comes from a launch
 counter every program advances at exit). Down waits for gate/up's rounds but its last (a count
@@ -25,7 +26,9 @@ q/k/v, RoPE's cos/sin and results, the attention output, each projection, SiLU(g
 residual adds). One difference: RMSNorm's rstd multiplies each output row's sum (the staged input
 carries ``x · w``), where the reference rounds ``x̂`` before the weight.
 
-The weights of every layer are one bf16 block (``StepGeometry.layer_weights`` elements a layer):
+The weights of every layer are one block of bf16, or of e4m3fn with ``FP8`` (each packed row's
+fp32 scale in ``ws``, which multiplies the row's sum as the reference's FP8 ``Linear`` does;
+``StepGeometry.layer_weights`` elements a layer):
 [qkv (QKV, H) | o (H, H) | gate/up (2I, H), rows interleaved 8 gate then their 8 up | pad |
 down (H, I) | pad]. Activations (fp32, ``act``): per local layer and row [qkv | att | h1 | SiLU(g)·u],
 and SiLU(g)·u again as bf16 where down's input streams (widths 2-8 of 8B: ``StepGeometry.streams_down``).
