@@ -69,13 +69,13 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
 
 def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
     """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up) and rows
-    of ``intermediate`` (down), for each ring order (key: the width is above 1). Width 1: a chunk
-    is one [16 rows, 4, 256] box, unswizzled (a ring slot holds the same bytes in the same order as
-    ``cp.async`` leaves them). Widths 2-8 (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes,
-    at column 0 and 64 of each block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on,
-    so that each warp's 128 columns land as two [16, 64] operand tiles read without bank conflicts
-    (the view's strides are not ordered: column ``c`` of block ``w`` of row ``r`` is element
-    ``r * K + 128 w + c``)."""
+    of ``intermediate`` (down), for each ring order (key: the products run on mma.sync,
+    ``StepGeometry.mma``). On FMA (width 1) a chunk's part is one [16 rows, 4, 256] box, unswizzled
+    (a ring slot holds the same bytes in the same order as ``cp.async`` leaves them). On mma.sync
+    (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes a part, at column 0 and 64 of each
+    block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on, so that each warp's 128
+    columns land as two [16, 64] operand tiles read without bank conflicts (the view's strides are
+    not ordered: column ``c`` of block ``w`` of row ``r`` is element ``r * K + 128 w + c``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -111,8 +111,9 @@ class _Buffers:
 
 def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
-    their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin budget; ``b``, one launch shape's buffers; the
-    caches of layer 0 and every layer's offset from them; the K and V strides; the metadata."""
+    their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin
+    budget; ``b``, one launch shape's buffers; the caches of layer 0 and every layer's offset from
+    them; the K and V strides; the metadata."""
     wh, wi = k.descriptors[b.mma]
     return [
         k.weights, wh, wi, k.wscale, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,

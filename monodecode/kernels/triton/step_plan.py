@@ -31,9 +31,9 @@ SMEM_PER_PROGRAM = 227 * 1024  # sm_90's most shared memory for one program
 KV_TILE = NUM_WARPS * 16  # positions one attention step reads: 16 a warp (``kv_step`` 1)
 WEIGHT_RING = 3  # the weight ring's slots at width 1 (runs 101-104: 3 measured best at batch 1)
 WIDE_RING = 4  # ... at widths 2-8, where they fit (run 109: 1B 2-5 % faster than 3)
-# FP8 (e4m3fn) weights: on mma.sync a chunk is the same 16 x 1024 elements in half the bytes, and
-# by default the ring holds as many bytes in flight as bf16's (``ring_slots``: 2 n - 1 slots for
-# bf16's n); on FMA (width 1) a chunk is 16 x 2048, as many bytes as bf16's (``StepGeometry.span``)
+# FP8 (e4m3fn) weights: a weight chunk is two [16, 1024] parts by default, 32 KiB as bf16's one
+# (``StepGeometry.chunk_span``); with the ``span`` knob at 1 it is one part (16 KiB) and the ring
+# then holds as many bytes in flight as bf16's by default (``ring_slots``: 2 n - 1 slots for n)
 WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> bytes an element
 # The plan's knobs a build may change (``StepKernels(plan=...)``, the benchmark's step variants):
 # name -> (default, least, most). ``ring``: the weight ring's slots at every width (default: by
@@ -74,7 +74,7 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # batch 1 on the H100 (benchmarks/README.md, runs 118-120).
 # ``mma1`` (session 28): width 1's products on mma.sync as widths 2-8's are (its row padded to 8
 # columns), not on FMA over [16, 1024] chunks in registers (``StepGeometry.mma``); ``span``: the
-# staged 1024-column chunks a weight chunk spans (``StepGeometry.span``; default 2 for FP8).
+# staged 1024-column chunks a weight chunk spans (``StepGeometry.chunk_span``; default 2 for FP8).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -173,7 +173,7 @@ class StepGeometry:
     kv_step: int | None = None  # 16-position groups a warp's attention step reads; None: by width (``kv_groups``)
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
-    span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``span``)
+    span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
