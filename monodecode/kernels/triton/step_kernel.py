@@ -99,7 +99,7 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.conste
     output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
     o_proj, 2 gate/up, 3 down (the rest of ``C``). A task's chunks are consecutive, except down's
     where its input streams (``DSTREAM``): k-outer over the ``TD`` tiles, so each X chunk serves all.
-    A weight chunk is ``WX`` x ``BK`` columns (``StepGeometry.span``)."""
+    A weight chunk is ``WX`` x ``BK`` columns (``StepGeometry.chunk_span``)."""
     layer = i // C
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
@@ -714,8 +714,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights, bf16 or with ``FP8`` e4m3 (``wh_desc``/``wi_desc``
-    their TMA views in rows of HIDDEN and of INTER); ``ws_ptr`` with ``FP8`` each packed row's
-    scale (fp32, ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end; ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
+    their TMA views in rows of HIDDEN and of INTER), a weight chunk ``WX`` parts of 1024 columns
+    (``StepGeometry.chunk_span``); ``ws_ptr`` with ``FP8`` each packed row's scale (fp32,
+    ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end;
+    ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
     inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
     [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32
     [NB, KVH, NSPLIT, G, D + 2]. K/V: layer l's caches start ``koff[l]``/``voff[l]`` elements past
