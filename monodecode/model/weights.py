@@ -22,8 +22,9 @@ from monodecode.model.dims import ModelDims, load_dims
 
 WEIGHT_DTYPES = ("bf16", "fp8", "fp8_fnuz")
 
-_FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}
-_KIND_OF_DTYPE = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8", torch.float8_e4m3fnuz: "fp8_fnuz"}
+# each of WEIGHT_DTYPES as torch stores it
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}
+_KIND_OF_DTYPE = {dtype: kind for kind, dtype in TORCH_DTYPES.items()}
 
 
 class Linear:

@@ -12,8 +12,9 @@ from monodecode.kernels.plan import ModelPlan
 from monodecode.kernels.triton.args import KV_STRIDE_ARGS, _Layer, k1_args, k2_args, ka_args, kv_strides
 from monodecode.kernels.triton.config import Target, constexprs
 from monodecode.model.dims import ModelDims
+from monodecode.model.weights import TORCH_DTYPES
 
-_TYPES = {
+POINTER_TYPES = {  # a tensor argument's dtype -> Triton's pointer type
     torch.bfloat16: "*bf16",
     torch.float32: "*fp32",
     torch.int64: "*i64",
@@ -24,7 +25,7 @@ _TYPES = {
 
 
 def _meta_layer(dims: ModelDims, weight_dtype: str):
-    wdt = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_fnuz": torch.float8_e4m3fnuz}[weight_dtype]
+    wdt = TORCH_DTYPES[weight_dtype]
 
     def t(dtype):
         return torch.empty(16, dtype=dtype, device="meta")
@@ -62,7 +63,7 @@ def _signature(fn, args: list, consts: dict) -> tuple[dict, dict]:
             continue
         v = next(it)
         if isinstance(v, torch.Tensor):
-            sig[name] = _TYPES[v.dtype]
+            sig[name] = POINTER_TYPES[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # every buffer is 256-byte aligned
         elif isinstance(v, bool):
             sig[name] = "i1"

@@ -139,25 +139,11 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             for p in gl.static_range(WX):
                 for h in gl.static_range(2):
                     box = boxes.index(2 * (WX * (i % NBUF) + p) + h)
-                    if s == 3:
-                        tma.async_copy_global_to_shared(
-                            wi_desc, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, pred=ok
-                        )
-                    else:
-                        tma.async_copy_global_to_shared(
-                            wh_desc, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, pred=ok
-                        )
+                    _tma_box(wh_desc, wi_desc, s, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, ok)
         else:  # (a chunk of WX boxes on one mbarrier)
             for h in gl.static_range(WX):
-                col = (k * WX + h) * (BK // TB)
-                if s == 3:
-                    tma.async_copy_global_to_shared(
-                        wi_desc, [row, col, 0], bar, boxes.index(WX * (i % NBUF) + h), pred=ok
-                    )
-                else:
-                    tma.async_copy_global_to_shared(
-                        wh_desc, [row, col, 0], bar, boxes.index(WX * (i % NBUF) + h), pred=ok
-                    )
+                box = boxes.index(WX * (i % NBUF) + h)
+                _tma_box(wh_desc, wi_desc, s, [row, (k * WX + h) * (BK // TB), 0], bar, box, ok)
         mbarrier.arrive(bar, pred=~ok)
     else:  # (a chunk's WX parts in one commit group)
         for p in gl.static_range(WX):
@@ -166,6 +152,16 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
                 ring.index(WX * (i % NBUF) + p), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0)
             )
         async_copy.commit_group()
+
+
+@gluon.jit
+def _tma_box(wh_desc, wi_desc, s, coord, bar, box, ok):
+    """One TMA box of stage ``s``'s weights at ``coord`` into ``box`` on ``bar``: through the view
+    in rows of INTER for down (stage 3), of HIDDEN for the others."""
+    if s == 3:
+        tma.async_copy_global_to_shared(wi_desc, coord, bar, box, pred=ok)
+    else:
+        tma.async_copy_global_to_shared(wh_desc, coord, bar, box, pred=ok)
 
 
 @gluon.jit

@@ -19,6 +19,7 @@ from monodecode.kernels.base import BuildRequest
 from monodecode.kernels.padded import PaddedKernels
 from monodecode.kernels.triton.args import kv_strides
 from monodecode.kernels.triton.launch import _POLL_SECONDS, _Meta
+from monodecode.kernels.triton.sources import POINTER_TYPES
 from monodecode.kernels.triton.step_plan import (
     BK,
     NCTR,
@@ -29,12 +30,10 @@ from monodecode.kernels.triton.step_plan import (
     checked_plan,
     step_refusals,
 )
+from monodecode.model.weights import TORCH_DTYPES
 
 SHARED_SCRATCH = 1126  # what the compiler adds to the plan's shared memory, at most (test_step_compile)
 KV_OFFSET_MULTIPLE = 16  # the kernel tells the compiler each layer's cache offset is a multiple of this
-
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # ``step_plan.WEIGHT_DTYPES``
 
 
 def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +44,7 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
     d = g.dims
     h, i = d.hidden_size, d.intermediate_size
     fp8 = g.weight_dtype == "fp8"
-    blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=_TORCH_DTYPES[g.weight_dtype], device=device)
+    blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=TORCH_DTYPES[g.weight_dtype], device=device)
     so = g.scale_offsets
     scales = torch.ones(len(weights.layers) * so["end"] if fp8 else 1, dtype=torch.float32, device=device)
     for n, lw in enumerate(weights.layers):
@@ -296,13 +295,6 @@ class StepKernels(PaddedKernels):
 
 # -- compiled without a GPU (the CPU checks; same argument order as ``arguments``) ---------------
 
-_SIG = {
-    torch.bfloat16: "*bf16",
-    torch.float8_e4m3fn: "*fp8e4nv",
-    torch.float32: "*fp32",
-    torch.int64: "*i64",
-    torch.int32: "*i32",
-}
 _STRIDES = ("k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh")  # multiples of 16 (``kv_strides`` checks them)
 
 
@@ -324,7 +316,7 @@ def step_source(
     consts = {**g.constexprs(block_size), "PROF": int(prof)}
     t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
     bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
-    wt = _TORCH_DTYPES[weight_dtype]
+    wt = TORCH_DTYPES[weight_dtype]
     blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=wt)  # (TMA views want real strides)
     k = SimpleNamespace(
         weights=t(wt), descriptors=weight_descriptors(blob, dims), wscale=t(f32), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
@@ -342,7 +334,7 @@ def step_source(
     for name, v in zip(names, runtime):
         n = step_kernel.arg_names.index(name)
         if isinstance(v, torch.Tensor):
-            sig[name] = _SIG[v.dtype]
+            sig[name] = POINTER_TYPES[v.dtype]
             attrs[(n,)] = [["tt.divisibility", 16]]
         elif isinstance(v, int):
             sig[name] = "i32"
