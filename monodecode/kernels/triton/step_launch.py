@@ -98,7 +98,6 @@ class _Buffers:
 
     def __init__(self, g: StepGeometry, layers: int, device):
         d = g.dims
-        self.width = g.width
         self.mma = g.mma
         self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
         self.part = torch.zeros(g.partial_places, dtype=torch.float32, device=device)
