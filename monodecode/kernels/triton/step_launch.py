@@ -66,11 +66,12 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
     return blob, scales
 
 
-def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
+def weight_descriptors(blob: torch.Tensor, dims) -> dict[tuple[bool, int], tuple[Any, Any]]:
     """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up) and rows
-    of ``intermediate`` (down), for each ring order (key: the products run on mma.sync,
-    ``StepGeometry.mma``). On FMA (width 1) a chunk's part is one [16 rows, 4, 256] box, unswizzled
-    (a ring slot holds the same bytes in the same order as ``cp.async`` leaves them). On mma.sync
+    of ``intermediate`` (down), for each ring order and box (key: the products run on mma.sync,
+    ``StepGeometry.mma``; the 1024-column parts a box spans, ``StepGeometry.box_parts``). On FMA
+    (width 1) a box is [16 rows, 4 parts, 256], unswizzled (a ring slot holds the same bytes in
+    the same order as ``cp.async`` leaves them). On mma.sync
     (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes a part, at column 0 and 64 of each
     block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on, so that each warp's 128
     columns land as two [16, 64] operand tiles read without bank conflicts (the view's strides are
@@ -83,14 +84,15 @@ def weight_descriptors(blob: torch.Tensor, dims) -> dict[bool, tuple[Any, Any]]:
     wide = gl.NVMMASharedLayout(swizzle_byte_width=8 * bits, element_bitwidth=bits, rank=3)
     half = BK // NUM_WARPS // 2
 
-    def rows_of(k: int, mma_order: bool):
+    def rows_of(k: int, mma_order: bool, parts: int):
         if not mma_order:
-            return TensorDescriptor.from_tensor(blob.view(-1, k // TB, TB), [ROWS, BK // TB, TB], boxes)
+            return TensorDescriptor.from_tensor(blob.view(-1, k // TB, TB), [ROWS, parts * BK // TB, TB], boxes)
         shape = [k // (2 * half), blob.numel() // k, 2 * half]
         return TensorDescriptor(blob, shape, [2 * half, k, 1], [NUM_WARPS, ROWS, half], wide)
 
     h, i = dims.hidden_size, dims.intermediate_size
-    return {wide_: (rows_of(h, wide_), rows_of(i, wide_)) for wide_ in (False, True)}
+    keys = [(False, 1), (False, 2), (True, 1)]
+    return {(m, p): (rows_of(h, m, p), rows_of(i, m, p)) for m, p in keys}
 
 
 class _Buffers:
@@ -98,7 +100,7 @@ class _Buffers:
 
     def __init__(self, g: StepGeometry, layers: int, device):
         d = g.dims
-        self.mma = g.mma
+        self.box = (g.mma, g.box_parts)  # its TMA views' key (``weight_descriptors``)
         self.act = torch.zeros(layers * g.width * g.act_offsets["end"], dtype=torch.float32, device=device)
         self.part = torch.zeros(g.partial_places, dtype=torch.float32, device=device)
         self.res = torch.zeros(max(1, layers - 1) * g.width * d.hidden_size, dtype=torch.bfloat16, device=device)
@@ -112,7 +114,7 @@ def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, st
     their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin
     budget; ``b``, one launch shape's buffers; the caches of layer 0 and every layer's offset from
     them; the K and V strides; the metadata."""
-    wh, wi = k.descriptors[b.mma]
+    wh, wi = k.descriptors[b.box]
     return [
         k.weights, wh, wi, k.wscale, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
         *caches, *offsets, *strides,

@@ -70,7 +70,8 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
-                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
+                                                   ("llama3-8b", 8, {"wide_tma": 1, "refill": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -88,6 +89,35 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
+def _barriers_per_chunk(ptx: str) -> int:
+    """``bar.sync``s from the chunk loop's slot wait (the kernel's first ``try_wait``) to the first
+    load of the slot's weights (width 1: from the ring's offset past the staged input)."""
+    body = ptx[ptx.index("mbarrier.try_wait") :]
+    return body[: re.search(r"ld\.shared\.v4\.b(16|32)\s", body).start()].count("bar.sync")
+
+
+@pytest.mark.parametrize(("weight_dtype", "before"), [("bf16", 4), ("fp8", 5)])
+def test_lean_refills_take_two_barriers_a_chunk(weight_dtype, before):
+    """``refill`` 1 (``StepGeometry.box_parts``): at width 1 a chunk's refill is one TMA box (FP8's
+    two parts in one), unpredicated, and its expect after it, so Triton's barrier analysis leaves
+    two ``bar.sync``s a chunk (the one every thread needs past the slot, one between the copy and
+    the expect) where the default plan's refill takes 4 (bf16) or 5 (FP8). 0 spills, the shared
+    memory as planned."""
+    from monodecode.kernels.triton.offline import cuda_resources
+    from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
+
+    dims = profile_dims("llama3-8b")
+    lean = compile_step(dims, 1, H200_SMS, 16, {"refill": 1}, weight_dtype=weight_dtype)
+    default = compile_step(dims, 1, H200_SMS, 16, weight_dtype=weight_dtype)
+    assert _barriers_per_chunk(default.asm["ptx"]) == before
+    assert _barriers_per_chunk(lean.asm["ptx"]) == 2
+    copies = [c.asm["ptx"].count("cp.async.bulk.tensor") for c in (lean, default)]
+    assert (copies[0] < copies[1]) == (weight_dtype == "fp8"), copies  # FP8: a box a chunk, not a part
+    assert cuda_resources("step_kernel", 1, 8, lean).spills == 0
+    planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, refill=1).shared_bytes()
+    assert planned <= lean.metadata.shared <= planned + SHARED_SCRATCH
+
+
 def test_bad_plans_are_refused_in_one_line():
     """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
     width's shared memory (a 4-slot ring beside 1B's whole down input at width 8) are one
@@ -96,7 +126,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "refill"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -308,7 +338,7 @@ def test_wide_tma_boxes_land_each_warp_its_own_columns_in_halves(weight_dtype):
     )
     g = StepGeometry(dims, 8, H200_SMS, weight_dtype=weight_dtype)
     blob, _ = pack_step_weights(g, _weights(dims, weight_dtype=weight_dtype), "cpu")
-    wide = weight_descriptors(blob, dims)[True]
+    wide = weight_descriptors(blob, dims)[(True, 1)]
     blob = blob.view(torch.uint8) if weight_dtype == "fp8" else blob
     half = BK // NUM_WARPS // 2
     for desc, k_dim in zip(wide, (dims.hidden_size, dims.intermediate_size)):
