@@ -126,9 +126,9 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
     ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``: each copied
     element's row and column in the chunk, broadcast to the slot's shape. ``LEAN`` (TMA; plan knob
-    ``refill``, ``StepGeometry.box_parts``): every copy unpredicated, an empty chunk's boxes
-    wholly before the view (TMA writes zeros and still counts their bytes), the expect after the
-    copies and no arrive; at width 1 a chunk is one box of its WX parts."""
+    ``refill``, ``StepGeometry.box_parts``): 1 or 2, at width 1 a chunk is one box of its WX
+    parts; 2, every copy unpredicated too, an empty chunk's boxes wholly before the view (TMA
+    writes zeros and still counts their bytes), the expect after the copies and no arrive."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
                                                    DSTREAM, WX)  # fmt: skip
     tile = pid + j * NPROG
@@ -137,7 +137,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
     if TMA:
         bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
-        if LEAN:
+        if LEAN == 2:
             row = gl.where(ok, row, -ROWS)
             ok = True
         else:
@@ -153,7 +153,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             for h in gl.static_range(WX):
                 box = boxes.index(WX * (i % NBUF) + h)
                 _tma_box(wh_desc, wi_desc, s, [row, (k * WX + h) * (BK // TB), 0], bar, box, ok)
-        if LEAN:  # the slot's one arrival, after its copies: their bytes may land first (the
+        if LEAN == 2:  # the slot's one arrival, after its copies: their bytes may land first (the
             # mbarrier's tx-count runs negative until then, as PTX allows), it completes with the last
             mbarrier.expect(bar, ROWS * BK * WX * (2 - FP8))
         else:
@@ -1038,8 +1038,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
-    if TMA:  # every chunk's phase was waited for (LEAN: the empty boxes asked for past the end here)
-        if LEAN:
+    if TMA:  # every chunk's phase was waited for (LEAN 2: the empty boxes asked for past the end here)
+        if LEAN == 2:
             for t in gl.static_range(NBUF - 1):
                 mbarrier.wait(bars.index((total + t) % NBUF), ((total + t) // NBUF) & 1)
         for b in gl.static_range(NBUF):

@@ -75,7 +75,7 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # ``mma1`` (session 28): width 1's products on mma.sync as widths 2-8's are (its row padded to 8
 # columns), not on FMA over [16, 1024] chunks in registers (``StepGeometry.mma``); ``span``: the
 # staged 1024-column chunks a weight chunk spans (``StepGeometry.chunk_span``; default 2 for FP8).
-# ``refill`` (session 29): 1 asks TMA for a weight chunk with fewer operations (``box_parts``).
+# ``refill`` (session 29): 1-2 ask TMA for a weight chunk with fewer operations (``box_parts``).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -84,7 +84,7 @@ PLAN_KNOBS = {
     "early_down": (1, 0, 1),
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
-    "refill": (0, 0, 1),
+    "refill": (0, 0, 2),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -176,7 +176,7 @@ class StepGeometry:
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
-    refill: int = 0  # 1: TMA refills unpredicated, one box a chunk at width 1 (``box_parts``)
+    refill: int = 0  # 1: one TMA box a chunk at width 1; 2: and the refills unpredicated (``box_parts``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -201,13 +201,14 @@ class StepGeometry:
 
     @property
     def box_parts(self) -> int:
-        """A width-1 TMA box's 1024-column parts: a chunk's ``chunk_span`` with ``refill`` 1 (one
-        box a chunk), else 1 (a box a part). With ``refill`` 1 every copy is also unpredicated and
+        """A width-1 TMA box's 1024-column parts: a chunk's ``chunk_span`` with ``refill`` 1 or 2
+        (one box a chunk), else 1 (a box a part). With ``refill`` 2 every copy is also unpredicated and
         an empty chunk's box (a tile past the stage's, a chunk past the launch's) lies wholly
         outside the view: TMA writes zeros and counts its bytes, so no arrive completes the slot.
         Triton 3.6's shared-memory barrier analysis puts a ``bar.sync`` between any two of a slot's
-        mbarrier and TMA operations (whatever their predicates): at width 1 FP8's refill then
-        takes 3 barriers where it took 5, bf16's 3 where 4."""
+        mbarrier and TMA operations (whatever their predicates), and the expect then follows the
+        copy: at width 1 the refill takes 2 barriers where it took 4 (bf16) or 5 (FP8; 4 with
+        ``refill`` 1)."""
         return self.chunk_span if self.refill and not self.mma else 1
 
     @property
@@ -521,7 +522,7 @@ class StepGeometry:
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
-            "LEAN": int(bool(self.refill) and self.tma),
+            "LEAN": self.refill if self.tma and (self.refill == 2 or self.box_parts > 1) else 0,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

@@ -71,7 +71,7 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1, "refill": 1})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"wide_tma": 1, "refill": 2})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -89,33 +89,34 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
-def _barriers_per_chunk(ptx: str) -> int:
-    """``bar.sync``s from the chunk loop's slot wait (the kernel's first ``try_wait``) to the first
-    load of the slot's weights (width 1: from the ring's offset past the staged input)."""
+def _chunk_refill(ptx: str) -> str:
+    """Width 1's chunk loop from its slot wait (the kernel's first ``try_wait``) to the first load
+    of the slot's weights: the refill between them."""
     body = ptx[ptx.index("mbarrier.try_wait") :]
-    return body[: re.search(r"ld\.shared\.v4\.b(16|32)\s", body).start()].count("bar.sync")
+    return body[: re.search(r"ld\.shared\.v4\.b(16|32)\s", body).start()]
 
 
-@pytest.mark.parametrize(("weight_dtype", "before"), [("bf16", 4), ("fp8", 5)])
-def test_lean_refills_take_two_barriers_a_chunk(weight_dtype, before):
-    """``refill`` 1 (``StepGeometry.box_parts``): at width 1 a chunk's refill is one TMA box (FP8's
-    two parts in one), unpredicated, and its expect after it, so Triton's barrier analysis leaves
-    two ``bar.sync``s a chunk (the one every thread needs past the slot, one between the copy and
-    the expect) where the default plan's refill takes 4 (bf16) or 5 (FP8). 0 spills, the shared
-    memory as planned."""
+@pytest.mark.parametrize(("weight_dtype", "refill", "barriers"), [("bf16", 0, 4), ("bf16", 2, 2), ("fp8", 0, 5),
+                                                                   ("fp8", 1, 4), ("fp8", 2, 2)])  # fmt: skip
+def test_lean_refills_take_fewer_barriers_a_chunk(weight_dtype, refill, barriers):
+    """``refill`` (``StepGeometry.box_parts``): at width 1, 1 asks for FP8's two-part chunk in one
+    TMA box, 2 also leaves the copy unpredicated with its expect after it, so that Triton's barrier
+    analysis puts 2 ``bar.sync``s a chunk (the one every thread needs past the slot, one between
+    the copy and the expect) where the default plan's refill takes 4 (bf16) or 5 (FP8). 0 spills,
+    the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
     dims = profile_dims("llama3-8b")
-    lean = compile_step(dims, 1, H200_SMS, 16, {"refill": 1}, weight_dtype=weight_dtype)
-    default = compile_step(dims, 1, H200_SMS, 16, weight_dtype=weight_dtype)
-    assert _barriers_per_chunk(default.asm["ptx"]) == before
-    assert _barriers_per_chunk(lean.asm["ptx"]) == 2
-    copies = [c.asm["ptx"].count("cp.async.bulk.tensor") for c in (lean, default)]
-    assert (copies[0] < copies[1]) == (weight_dtype == "fp8"), copies  # FP8: a box a chunk, not a part
-    assert cuda_resources("step_kernel", 1, 8, lean).spills == 0
-    planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, refill=1).shared_bytes()
-    assert planned <= lean.metadata.shared <= planned + SHARED_SCRATCH
+    plan = {"refill": refill} if refill else None
+    compiled = compile_step(dims, 1, H200_SMS, 16, plan, weight_dtype=weight_dtype)
+    ptx = compiled.asm["ptx"]
+    refill_ptx = _chunk_refill(ptx)
+    assert refill_ptx.count("bar.sync") == barriers
+    assert refill_ptx.count("cp.async.bulk.tensor") == (2 if weight_dtype == "fp8" and not refill else 1)
+    assert cuda_resources("step_kernel", 1, 8, compiled).spills == 0
+    planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, **(plan or {})).shared_bytes()
+    assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
 def test_bad_plans_are_refused_in_one_line():

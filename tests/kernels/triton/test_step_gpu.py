@@ -492,8 +492,8 @@ PLAN_CASES = [
     ({"early_down": 0}, (1, 8), "w8-5rows"), ({"early_down": 0}, B8, "w8-5rows"), ({"early_down": 0}, B8, "w1"),
     ({"stream_down": 0, "early_down": 0}, (1, 2), "w2"),
     ({"span": 1}, B8F, "w1"), ({"span": 1}, B8F, "w8-5rows"), ({"span": 2}, (1, 2), "w2"),
-    ({"refill": 1}, (1,), "w1"), ({"refill": 1}, B8, "w1"), ({"refill": 1}, B8F, "w1"),
-    ({"refill": 1, "wide_tma": 1}, B8, "w8-5rows"),
+    ({"refill": 2}, (1,), "w1"), ({"refill": 2}, B8, "w1"), ({"refill": 1}, B8F, "w1"), ({"refill": 2}, B8F, "w1"),
+    ({"refill": 2, "wide_tma": 1}, B8, "w8-5rows"),
 ]  # fmt: skip
 
 
