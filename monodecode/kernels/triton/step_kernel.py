@@ -120,15 +120,13 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
             DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr,
-            WX: gl.constexpr, LEAN: gl.constexpr):  # fmt: skip
+            WX: gl.constexpr, ONEBOX: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
     ``cp.async`` (one commit group a chunk, zero bytes past the end). ``rr``/``cc``: each copied
-    element's row and column in the chunk, broadcast to the slot's shape. ``LEAN`` (TMA; plan knob
-    ``refill``, ``StepGeometry.box_parts``): 1 or 2, at width 1 a chunk is one box of its WX
-    parts; 2, every copy unpredicated too, an empty chunk's boxes wholly before the view (TMA
-    writes zeros and still counts their bytes), the expect after the copies and no arrive."""
+    element's row and column in the chunk, broadcast to the slot's shape. ``ONEBOX``: width 1's
+    chunk of WX parts is one TMA box (``StepGeometry.box_parts``)."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
                                                    DSTREAM, WX)  # fmt: skip
     tile = pid + j * NPROG
@@ -137,27 +135,19 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
     if TMA:
         bar = bars.index(i % NBUF)
         row = glayer * (LAYER_W // kdim) + base // kdim + tile * ROWS  # in rows of the stage's K
-        if LEAN == 2:
-            row = gl.where(ok, row, -ROWS)
-            ok = True
-        else:
-            mbarrier.expect(bar, ROWS * BK * WX * (2 - FP8), pred=ok)  # bf16 or fp8 bytes
+        mbarrier.expect(bar, ROWS * BK * WX * (2 - FP8), pred=ok)  # bf16 or fp8 bytes
         if MMAV:  # each part's halves of the warps' column blocks: [column block, row, 64] at column 0 and 64
             for p in gl.static_range(WX):
                 for h in gl.static_range(2):
                     box = boxes.index(2 * (WX * (i % NBUF) + p) + h)
                     _tma_box(wh_desc, wi_desc, s, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, ok)
-        elif LEAN:  # (one [16, 4 WX, 256] box)
+        elif ONEBOX:  # (one [16, 4 WX, 256] box)
             _tma_box(wh_desc, wi_desc, s, [row, k * WX * (BK // TB), 0], bar, boxes.index(i % NBUF), ok)
         else:  # (a chunk of WX boxes on one mbarrier)
             for h in gl.static_range(WX):
                 box = boxes.index(WX * (i % NBUF) + h)
                 _tma_box(wh_desc, wi_desc, s, [row, (k * WX + h) * (BK // TB), 0], bar, box, ok)
-        if LEAN == 2:  # the slot's one arrival, after its copies: their bytes may land first (the
-            # mbarrier's tx-count runs negative until then, as PTX allows), it completes with the last
-            mbarrier.expect(bar, ROWS * BK * WX * (2 - FP8))
-        else:
-            mbarrier.arrive(bar, pred=~ok)
+        mbarrier.arrive(bar, pred=~ok)
     else:  # (a chunk's WX parts in one commit group)
         for p in gl.static_range(WX):
             off = glayer.to(gl.int64) * LAYER_W + base + (tile * ROWS + rr).to(gl.int64) * kdim + (k * WX + p) * BK + cc
@@ -718,14 +708,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                 T1: gl.constexpr, TD: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NB: gl.constexpr,
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
-                DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, LEAN: gl.constexpr,
+                DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
     ``w_ptr`` every layer's packed weights, bf16 or with ``FP8`` e4m3 (``wh_desc``/``wi_desc``
     their TMA views in rows of HIDDEN and of INTER), a weight chunk ``WX`` parts of 1024 columns
-    (``StepGeometry.chunk_span``); ``ws_ptr`` with ``FP8`` each packed row's scale (fp32,
+    (``StepGeometry.chunk_span``; with ``ONEBOX`` one TMA box at width 1); ``ws_ptr`` with ``FP8`` each packed row's scale (fp32,
     ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end;
     ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
     inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
@@ -769,7 +759,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
         if MMAV:  # slot n's part p's halves at 2 (WX n + p) and 2 (WX n + p) + 1, each [column block, row, 64]
             boxes = gl.allocate_shared_memory(wdt, [2 * NBUF * WX, NW, ROWS, KW // 2], wh_desc.layout)
             ring = boxes
-        elif LEAN:  # a slot as TMA writes it (one [16, 4 WX, 256] box), read as [16, WX 1024] rows
+        elif ONEBOX:  # a slot as TMA writes it (one [16, 4 WX, 256] box), read as [16, WX 1024] rows
             boxes = gl.allocate_shared_memory(wdt, [NBUF, ROWS, WX * BK // TB, TB], wh_desc.layout)
             ring = boxes._reinterpret(wdt, [NBUF, ROWS, WX * BK], ring_lay)
         else:  # the slots as TMA writes them (WX [16, 4, 256] boxes), read as the same bytes' [16, 1024] rows
@@ -815,7 +805,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
                 QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8, WX,
-                LEAN)  # fmt: skip
+                ONEBOX)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -980,7 +970,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
                 HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
-                FP8, WX, LEAN)  # fmt: skip
+                FP8, WX, ONEBOX)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block, part by part
             for p in gl.static_range(WX):
                 if DSTREAM:
@@ -993,7 +983,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     acc = _chunk_mma(ring, WX * (i % NBUF) + p, xbuf.index(WX * (k - nk) + p + XMAX), acc, TMA, NW, FP8)
         else:  # (a chunk of WX [16, 1024] boxes, each over its staged chunk)
             for h in gl.static_range(WX):
-                if LEAN:
+                if ONEBOX:
                     w = ring.index(i % NBUF).slice(h * BK, BK, dim=1).load(cp_lay).to(gl.float32)
                 else:
                     w = ring.index(WX * (i % NBUF) + h).load(cp_lay).to(gl.float32)
@@ -1038,10 +1028,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
     async_copy.wait_group(0)
-    if TMA:  # every chunk's phase was waited for (LEAN 2: the empty boxes asked for past the end here)
-        if LEAN == 2:
-            for t in gl.static_range(NBUF - 1):
-                mbarrier.wait(bars.index((total + t) % NBUF), ((total + t) // NBUF) & 1)
+    if TMA:  # every chunk's phase was waited for in the loop: none is in flight
         for b in gl.static_range(NBUF):
             mbarrier.invalidate(bars.index(b))
     old = gl.atomic_add(epoch_ptr, 1, sem="acq_rel", scope="gpu")

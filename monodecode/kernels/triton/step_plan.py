@@ -75,7 +75,12 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # ``mma1`` (session 28): width 1's products on mma.sync as widths 2-8's are (its row padded to 8
 # columns), not on FMA over [16, 1024] chunks in registers (``StepGeometry.mma``); ``span``: the
 # staged 1024-column chunks a weight chunk spans (``StepGeometry.chunk_span``; default 2 for FP8).
-# ``refill`` (session 29): 1-2 ask TMA for a weight chunk with fewer operations (``box_parts``).
+# ``one_box`` (session 29): width 1's TMA asks for a weight chunk's parts in one box (``box_parts``);
+# 0 a box a part, as before. Runs 143-144 also timed the refill unpredicated, an empty chunk's box
+# read from outside the view (zeros, its bytes counted) and the expect after the copy, so that
+# Triton's barrier analysis leaves 2 ``bar.sync``s a chunk where it puts 4 (bf16, FP8 one box) or 5
+# (FP8 a box a part): level at 8B bf16, 0.2 % faster at FP8, 0.6-0.9 % slower at 1B (its empty
+# chunks, 2-8 of a program's ~28 a layer, then wait for TMA's round trip); dropped.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -84,7 +89,7 @@ PLAN_KNOBS = {
     "early_down": (1, 0, 1),
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
-    "refill": (0, 0, 2),
+    "one_box": (1, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -176,7 +181,7 @@ class StepGeometry:
     early_down: int = 1  # down starts on gate/up's rounds but the last (``down_early_chunks``)
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
-    refill: int = 0  # 1: one TMA box a chunk at width 1; 2: and the refills unpredicated (``box_parts``)
+    one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -201,15 +206,12 @@ class StepGeometry:
 
     @property
     def box_parts(self) -> int:
-        """A width-1 TMA box's 1024-column parts: a chunk's ``chunk_span`` with ``refill`` 1 or 2
-        (one box a chunk), else 1 (a box a part). With ``refill`` 2 every copy is also unpredicated and
-        an empty chunk's box (a tile past the stage's, a chunk past the launch's) lies wholly
-        outside the view: TMA writes zeros and counts its bytes, so no arrive completes the slot.
-        Triton 3.6's shared-memory barrier analysis puts a ``bar.sync`` between any two of a slot's
-        mbarrier and TMA operations (whatever their predicates), and the expect then follows the
-        copy: at width 1 the refill takes 2 barriers where it took 4 (bf16) or 5 (FP8; 4 with
-        ``refill`` 1)."""
-        return self.chunk_span if self.refill and not self.mma else 1
+        """A width-1 TMA box's 1024-column parts: a chunk's ``chunk_span`` with ``one_box`` (FP8's
+        two parts in one [16, 8, 256] box), else 1 (a box a part). Triton 3.6's shared-memory
+        barrier analysis puts a ``bar.sync`` between any two of a slot's mbarrier and TMA
+        operations, whatever their predicates: FP8's refill takes 4 where it took 5, one TMA
+        operation where it took two, and 8B FP8 is 1.2-1.3 % faster at batch 1 (run 144, H100)."""
+        return self.chunk_span if self.one_box and not self.mma else 1
 
     @property
     def chunk_bytes(self) -> int:
@@ -522,7 +524,7 @@ class StepGeometry:
             "KVS": self.kv_slots,
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
-            "LEAN": self.refill if self.tma and (self.refill == 2 or self.box_parts > 1) else 0,
+            "ONEBOX": int(self.tma and self.box_parts > 1),
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

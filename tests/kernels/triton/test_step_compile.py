@@ -70,8 +70,7 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
-                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("llama3-8b", 8, {"wide_tma": 1, "refill": 2})])  # fmt: skip
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -96,26 +95,23 @@ def _chunk_refill(ptx: str) -> str:
     return body[: re.search(r"ld\.shared\.v4\.b(16|32)\s", body).start()]
 
 
-@pytest.mark.parametrize(("weight_dtype", "refill", "barriers"), [("bf16", 0, 4), ("bf16", 2, 2), ("fp8", 0, 5),
-                                                                   ("fp8", 1, 4), ("fp8", 2, 2)])  # fmt: skip
-def test_lean_refills_take_fewer_barriers_a_chunk(weight_dtype, refill, barriers):
-    """``refill`` (``StepGeometry.box_parts``): at width 1, 1 asks for FP8's two-part chunk in one
-    TMA box, 2 also leaves the copy unpredicated with its expect after it, so that Triton's barrier
-    analysis puts 2 ``bar.sync``s a chunk (the one every thread needs past the slot, one between
-    the copy and the expect) where the default plan's refill takes 4 (bf16) or 5 (FP8). 0 spills,
-    the shared memory as planned."""
+@pytest.mark.parametrize(("weight_dtype", "plan", "barriers"), [("bf16", {}, 4), ("fp8", {}, 4),
+                                                                 ("fp8", {"one_box": 0}, 5)])  # fmt: skip
+def test_fp8s_refill_asks_for_a_chunk_in_one_box(weight_dtype, plan, barriers):
+    """Width 1's TMA refill (``StepGeometry.box_parts``): FP8's two-part chunk in one box by
+    default, so one copy and 4 ``bar.sync``s a chunk (Triton's barrier analysis puts one between
+    any two of the slot's mbarrier and TMA operations), as bf16's one-part chunk; a box a part
+    (``one_box`` 0) two copies and 5. 0 spills, the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
     dims = profile_dims("llama3-8b")
-    plan = {"refill": refill} if refill else None
     compiled = compile_step(dims, 1, H200_SMS, 16, plan, weight_dtype=weight_dtype)
-    ptx = compiled.asm["ptx"]
-    refill_ptx = _chunk_refill(ptx)
-    assert refill_ptx.count("bar.sync") == barriers
-    assert refill_ptx.count("cp.async.bulk.tensor") == (2 if weight_dtype == "fp8" and not refill else 1)
+    refill = _chunk_refill(compiled.asm["ptx"])
+    assert refill.count("bar.sync") == barriers
+    assert refill.count("cp.async.bulk.tensor") == (2 if plan else 1)
     assert cuda_resources("step_kernel", 1, 8, compiled).spills == 0
-    planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, **(plan or {})).shared_bytes()
+    planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, **plan).shared_bytes()
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
@@ -127,7 +123,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "refill"}
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box"}
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip

@@ -492,8 +492,7 @@ PLAN_CASES = [
     ({"early_down": 0}, (1, 8), "w8-5rows"), ({"early_down": 0}, B8, "w8-5rows"), ({"early_down": 0}, B8, "w1"),
     ({"stream_down": 0, "early_down": 0}, (1, 2), "w2"),
     ({"span": 1}, B8F, "w1"), ({"span": 1}, B8F, "w8-5rows"), ({"span": 2}, (1, 2), "w2"),
-    ({"refill": 2}, (1,), "w1"), ({"refill": 2}, B8, "w1"), ({"refill": 1}, B8F, "w1"), ({"refill": 2}, B8F, "w1"),
-    ({"refill": 2, "wide_tma": 1}, B8, "w8-5rows"),
+    ({"one_box": 0}, B8F, "w1"),
 ]  # fmt: skip
 
 
@@ -509,8 +508,7 @@ def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
     ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B; down waiting for all of gate/up
     at its start, not for its rounds but the last; a weight chunk of one or two 1024-column parts,
-    each summed in the same order; the refills in fewer TMA operations, an empty chunk's box
-    zeros from outside the view) move bytes, never change a sum: the whole step and the K/V it
+    each summed in the same order; FP8's two parts in a box each) move bytes, never change a sum: the whole step and the K/V it
     writes are bit for bit the default plan's (1B's ``stream_down: 0`` is the default that runs
     105-108 verified against the reference)."""
     from monodecode.kernels.triton.step_launch import StepKernels
