@@ -715,8 +715,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
 
     ``w_ptr`` every layer's packed weights, bf16 or with ``FP8`` e4m3 (``wh_desc``/``wi_desc``
     their TMA views in rows of HIDDEN and of INTER), a weight chunk ``WX`` parts of 1024 columns
-    (``StepGeometry.chunk_span``; with ``ONEBOX`` one TMA box at width 1); ``ws_ptr`` with ``FP8`` each packed row's scale (fp32,
-    ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end;
+    (``StepGeometry.chunk_span``; with ``ONEBOX`` one TMA box at width 1); ``ws_ptr`` with
+    ``FP8`` each packed row's scale (fp32, ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end;
     ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
     inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
     [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32

@@ -69,13 +69,13 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
 def weight_descriptors(blob: torch.Tensor, dims) -> dict[tuple[bool, int], tuple[Any, Any]]:
     """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up) and rows
     of ``intermediate`` (down), for each ring order and box (key: the products run on mma.sync,
-    ``StepGeometry.mma``; the 1024-column parts a box spans, ``StepGeometry.box_parts``). On FMA
-    (width 1) a box is [16 rows, 4 parts, 256], unswizzled (a ring slot holds the same bytes in
-    the same order as ``cp.async`` leaves them). On mma.sync
-    (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes a part, at column 0 and 64 of each
-    block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on, so that each warp's 128
-    columns land as two [16, 64] operand tiles read without bank conflicts (the view's strides are
-    not ordered: column ``c`` of block ``w`` of row ``r`` is element ``r * K + 128 w + c``)."""
+    ``StepGeometry.mma``; the 1024-column parts a box spans, ``StepGeometry.box_parts``: 2 for
+    FP8's chunks, built for every model). On FMA (width 1) a box is [16 rows, 4 x parts, 256],
+    unswizzled (a ring slot holds the same bytes in the same order as ``cp.async`` leaves them).
+    On mma.sync (``wide_tma``): two [8 column blocks, 16 rows, 64] boxes a part, at column 0 and
+    64 of each block, the swizzle as wide as a box row (128 bytes bf16, 64 fp8) on, so that each
+    warp's 128 columns land as two [16, 64] operand tiles read without bank conflicts (the view's
+    strides are not ordered: column ``c`` of block ``w`` of row ``r`` is element ``r * K + 128 w + c``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

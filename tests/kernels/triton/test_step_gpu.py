@@ -508,9 +508,9 @@ def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     whole instead of streamed, each tile's chunks still summed in order; the ring filled by
     ``cp.async`` instead of TMA above 1 row at 1B, by TMA at 8B; down waiting for all of gate/up
     at its start, not for its rounds but the last; a weight chunk of one or two 1024-column parts,
-    each summed in the same order; FP8's two parts in a box each) move bytes, never change a sum: the whole step and the K/V it
-    writes are bit for bit the default plan's (1B's ``stream_down: 0`` is the default that runs
-    105-108 verified against the reference)."""
+    each summed in the same order; FP8's two parts in a TMA box each) move bytes, never change a
+    sum: the whole step and the K/V it writes are bit for bit the default plan's (1B's
+    ``stream_down: 0`` is the default that runs 105-108 verified against the reference)."""
     from monodecode.kernels.triton.step_launch import StepKernels
 
     build = B1
