@@ -94,7 +94,7 @@ def _stamp(prof_ptr, layer, pid, kid, stage, slot, NPROG: gl.constexpr, PROF: gl
 @gluon.jit
 def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
            INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
-           TD: gl.constexpr, DSTREAM: gl.constexpr, WX: gl.constexpr = 1):  # fmt: skip
+           TD: gl.constexpr, DSTREAM: gl.constexpr, WX: gl.constexpr):  # fmt: skip
     """Chunk ``i`` of a program's sequence -> (local layer, stage, task slot, its K chunk, K chunks,
     output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
     o_proj, 2 gate/up, 3 down (the rest of ``C``). A task's chunks are consecutive, except down's
@@ -961,7 +961,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
         # wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
         if DSTREAM:
             l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
-                                                      OFF_D, TD, DSTREAM)  # fmt: skip
+                                                      OFF_D, TD, DSTREAM, WX)  # fmt: skip
             if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
                 for p in gl.static_range(WX):
                     _x_copy(xbuf, 1 + WX * (k2 % XS) + p, g16, WX * k2 + p, LAYER_A, NB, NW)
