@@ -498,16 +498,6 @@ class LayerPlan:
         return self._row_stages_only_add and self.stage(K2, "o_proj").k_splits == 1
 
     @property
-    def fused_post_norm_eligible(self) -> bool:
-        """Whether K2's ``post`` stage may go where it applies Gemma's post-attention norm: its
-        readers (gate/up, and the final stage's residual) make h themselves from o, the residual
-        and o's rstd. One rank with the bf16 mailbox and o_proj not split along K (o is whole
-        rows of bf16 values, nothing to sum). Triton ``Target.fused_post_norm``."""
-        return (
-            self.post_norms and self.tp_size == 1 and self.mailbox == "bf16" and self.stage(K2, "o_proj").k_splits == 1
-        )
-
-    @property
     def split_k_merge_eligible(self) -> tuple[bool, bool]:
         """(o_proj, down): whether a backend may sum that stage's split tiles in each tile's last K
         slice (adding the residual there) instead of in the ``post`` / ``final`` stage: the stage

@@ -24,10 +24,6 @@ What the plan leaves to a backend lives here too, and only that (FlyDSL/CDNA spe
   GEMV staging area and the attention buffers alias);
 * ``fused_post`` (``FUSED_POST``, on wherever the plan's ``LayerPlan.fused_post_eligible`` holds):
   K2 runs no post stage; o_proj publishes h, gate/up computes h's rstd itself (``Geometry.fused_post``);
-* ``fused_post_norm`` (``FUSED_POST_NORM``, on wherever ``LayerPlan.fused_post_norm_eligible`` holds:
-  Gemma's post norms, one rank, o_proj unsplit): K2 runs no post stage either; gate/up computes
-  o's and h's rstd itself and makes hn from o on the way in, the final stage makes its residual h
-  from o (``Geometry.fused_post_norm``);
 * the split-K merge (``SPLIT_K_MERGE``, ``Geometry.o_merge`` / ``d_merge``): where the plan splits
   o_proj and/or down along K and the post / final stage would only add the residual (no post
   norms, one rank, bf16 mailbox, fused post), the last K slice of each row tile to arrive sums
@@ -74,14 +70,6 @@ FUSED_POST = True
 # ``split_k_merges``; the Triton kernels' ``split_k_merge="all"``, H200 run 50: llama3-1b batch 2
 # 0.57 -> 0.46 ms over 8 layers). Needs ``FUSED_POST`` for o_proj (gate/up then normalises h).
 SPLIT_K_MERGE = True
-# K2 without its post stage where it applies Gemma's post-attention norm too
-# (``LayerPlan.fused_post_norm_eligible``: post norms, one rank, o_proj unsplit): o_proj publishes
-# o as without it; each gate/up workgroup waits for o_proj, computes every row's rstd of o and of
-# h = x + norm(o) in the post stage's order and stages hn made from o, and the final stage makes its
-# residual h from o the same way. The same reason as ``FUSED_POST`` (every other CU waited for a
-# stage of one workgroup per row); the Triton kernels dropped it too (``Target.fused_post_norm``).
-# Compiled on the CPU only, not timed (no AMD GPU).
-FUSED_POST_NORM = True
 
 
 def _ceil(a: int, b: int) -> int:
@@ -269,7 +257,6 @@ class Geometry:
     lds2: dict[str, int]
     layer_plan: LayerPlan = field(repr=False, compare=False)
     fused_post: bool = False  # K2 runs no post stage (``FUSED_POST`` and the plan allows it, or o_merge)
-    fused_post_norm: bool = False  # nor with Gemma's post norms: gate/up and final make h from o (``FUSED_POST_NORM``)
     o_merge: bool = False  # o_proj's split tiles summed (h published) by their last K slice
     d_merge: bool = False  # down's split tiles summed (x_out written) by their last K slice: no final stage
 
@@ -284,10 +271,9 @@ class Geometry:
         return any(s.name == "final" for s in self.k2) and not self.d_merge
 
     def runs(self, kernel: str, name: str) -> bool:
-        """Whether the kernel runs stage ``name``'s tasks (a plan stage replaced by the fused post,
-        with or without the post norm, or by the split-K merge has none; its completion counter is
-        only settled at the launch's exit)."""
-        replaced = (name == "post" and (self.fused_post or self.fused_post_norm)) or (name == "final" and self.d_merge)
+        """Whether the kernel runs stage ``name``'s tasks (a plan stage replaced by the fused post
+        or the split-K merge has none; its completion counter is only settled at the launch's exit)."""
+        replaced = (name == "post" and self.fused_post) or (name == "final" and self.d_merge)
         return not (kernel == K2 and replaced)
 
     def arrive(self, name: str) -> int:
@@ -364,12 +350,7 @@ def _carve(parts: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, int]
 
 
 def _lds_layout(
-    width: int,
-    group: int,
-    head_dim: int,
-    tiles: dict[str, GemvTile],
-    fused_post: bool = False,
-    fused_post_norm: bool = False,
+    width: int, group: int, head_dim: int, tiles: dict[str, GemvTile], fused_post: bool = False
 ) -> tuple[dict, dict]:
     nw = WAVES_PER_WORKGROUP
 
@@ -393,9 +374,8 @@ def _lds_layout(
     )
     lds1 = {**head, **gemv, **attn, "words": max(gend, aend)}
     # K2: block-sum scratch; with a fused post, gate/up's rstd of every row of h (read while it
-    # stages its chunks, so never aliased by the staging area), with the post norm fused also o's
-    rstd = [("rstd", width)] if fused_post or fused_post_norm else []
-    head2, base2 = _carve([("red", 2 * nw), *rstd, *([("rstd_o", width)] if fused_post_norm else [])])
+    # stages its chunks, so never aliased by the staging area)
+    head2, base2 = _carve([("red", 2 * nw), *([("rstd", width)] if fused_post else [])])
     gemv2, end2 = _carve(gemv_parts(["o_proj", "gate_up", "down"]), base2)
     lds2 = {**head2, **gemv2, "words": end2}
     return lds1, lds2
@@ -431,15 +411,12 @@ def plan_geometry(
     tp_size: int = 1,
     fused_post: bool = FUSED_POST,
     split_k_merge: bool = SPLIT_K_MERGE,
-    fused_post_norm: bool = FUSED_POST_NORM,
 ) -> Geometry:
     """The plan of ``width`` on ``spec``'s grid, with the FlyDSL tiling added. ``fused_post``: drop
     K2's post stage where the plan allows it (``FUSED_POST``); ``split_k_merge``: sum split
-    o_proj / down tiles in their last K slice where allowed (``SPLIT_K_MERGE``);
-    ``fused_post_norm``: drop it where it applies Gemma's post norm too (``FUSED_POST_NORM``)."""
+    o_proj / down tiles in their last K slice where allowed (``SPLIT_K_MERGE``)."""
     _check(dims, width, weight_dtype, tp_size)
-    flags = (("fused_post", fused_post), ("split_k_merge", split_k_merge), ("fused_post_norm", fused_post_norm))
-    for name, flag in flags:
+    for name, flag in (("fused_post", fused_post), ("split_k_merge", split_k_merge)):
         if not isinstance(flag, bool):
             raise ConfigError(f"flydsl: {name} must be True or False, got {flag!r}")
     lp = plan_layer(dims, tp_size, width, spec.compute_units, mailbox=mailbox_format(tp_size), **PLAN_KNOBS)
@@ -457,8 +434,7 @@ def plan_geometry(
         peer = {n: (r.offset - lp.peer_layout.offset) // r.word_bytes for n, r in lp.peer_layout.regions.items()}
     o_merge, d_merge = split_k_merges(lp, fused_post, split_k_merge)
     fused = fused_post and (lp.fused_post_eligible or o_merge)  # a merged o_proj publishes h itself
-    fused_norm = fused_post_norm and lp.fused_post_norm_eligible
-    lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles, fused, fused_norm)
+    lds1, lds2 = _lds_layout(width, L.group, L.head_dim, tiles, fused)
     for name, lds in (("k1", lds1), ("k2", lds2)):
         if lds["words"] * 4 > spec.lds_bytes:
             raise ConfigError(
@@ -488,7 +464,6 @@ def plan_geometry(
         lds2=lds2,
         layer_plan=lp,
         fused_post=fused,
-        fused_post_norm=fused_norm,
         o_merge=o_merge,
         d_merge=d_merge,
     )
@@ -505,9 +480,8 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
     """What the FlyDSL backend launches for ``widths``: grid, per width and kernel the stage tables
     the kernels bake (and the workgroup -> tasks rule they run), and the absolute byte offset of
     every region in the scratch buffer (segment offset from the placement + the baked relative
-    offset). Compared with ``plan_model`` by the tests. ``fused_post`` / ``fused_post_norm``: K2 runs
-    no post stage (its table lists no tasks on any workgroup; its counter is only settled at the
-    launch's exit).
+    offset). Compared with ``plan_model`` by the tests. ``fused_post``: K2 runs no post stage (its
+    table lists no tasks on any workgroup; its counter is only settled at the launch's exit).
     ``split_k_merge``: the stages whose split tiles their last K slice sums (a merged down: no final
     tasks either), and where their arrival counters start in K2's ``arrive`` argument."""
     spec = arch_spec(arch)
@@ -527,7 +501,6 @@ def launch_description(dims: ModelDims, arch: str, widths, weight_dtype: str = "
             "attn_splits": g.attn_splits,
             "mailbox": g.mailbox,
             "fused_post": g.fused_post,
-            "fused_post_norm": g.fused_post_norm,
             "split_k_merge": {f"{K2}.{n}": g.arrive(n) for n, m in (("o_proj", g.o_merge), ("down", g.d_merge)) if m},
             "arrive_counters": g.arrive_counters,
             # the stage completion counters the kernels signal and wait on (bf16 format)

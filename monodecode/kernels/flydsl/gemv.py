@@ -52,45 +52,28 @@ def load_weights16(rsrc, byte_off):
 
 
 # ---------------------------------------------------------------- input staging
-def post_norm_residual(one_plus: bool):
-    """Gemma's h = bf16(x + norm(o)) from o's value (bf16, as fp32), the row's rstd of o, the
-    post-attention norm's weight and the residual x (``device.norm_scale``: bf16(o * rstd * (1 + w))):
-    the post stage's arithmetic, wherever h is made (Triton ``gemv.post_norm_residual``)."""
-    scale = d.norm_scale(one_plus)
-    return lambda ov, rstd_o, w, xv: d.round_bf16(xv + scale(ov, rstd_o, w))
-
-
 @d.device
-def stage_rows(src, lds, x_off: int, tid, c0, W: int, ckw: int, xs: int, k: int, kend, norm=None, post=None):
+def stage_rows(src, lds, x_off: int, tid, c0, W: int, ckw: int, xs: int, k: int, kend, norm=None):
     """Elements ``[c0, c0 + chunk)`` of the ``W`` rows of a bf16 input (``src``: 32-bit words, bf16
     pairs, ``k`` elements a row) into the LDS staging area at ``x_off`` as bf16 pairs, 0 from
     ``kend`` on (``k``, or the end of the task's K slice). ``norm`` = (norm weight, one_plus, LDS
     word of the rows' rstd): RMSNorm's output instead, exactly as the reference rounds it
-    (``device.norm_scale``). ``post`` = (residual x, post-norm weight, LDS word of the rows' rstd
-    of o), with ``norm``: ``src`` is o and the normed input is h = ``post_norm_residual`` of it
-    (K2's gate/up without a post stage for Gemma: the post stage's hn, bit for bit)."""
+    (``device.norm_scale``)."""
     for idx_ in range(tid, d.i32(W * ckw), d.i32(WG), unroll=4):
         idx = d.i32(idx_)
         tk = idx // d.i32(ckw)
         kk = c0 + (idx - tk * d.i32(ckw)) * d.i32(2)
         word = d.i32(0)
         if kk < d.i32(kend):
-            at = (tk * d.i32(k) + kk) // d.i32(2)
-            word = d.load_word(src, at)
+            word = d.load_word(src, (tk * d.i32(k) + kk) // d.i32(2))
             if fx.const_expr(norm is not None):
                 norm_w, one_plus, rstd = norm
                 scale = d.norm_scale(one_plus)
-                lo, hi = d.bf16_lo(word), d.bf16_hi(word)
-                if fx.const_expr(post is not None):  # h = bf16(x + norm(o)) from o, the post stage's
-                    res, post_w, rstd_o = post
-                    make_h = post_norm_residual(one_plus)
-                    xw, pw = d.load_word(res, at), d.load_word(post_w, kk // d.i32(2))
-                    ro = d.lds_loadf(lds, d.i32(rstd_o) + tk)
-                    lo = make_h(lo, ro, d.bf16_lo(pw), d.bf16_lo(xw))
-                    hi = make_h(hi, ro, d.bf16_hi(pw), d.bf16_hi(xw))
                 nw = d.load_word(norm_w, kk // d.i32(2))
                 rs = d.lds_loadf(lds, d.i32(rstd) + tk)
-                word = d.pack_bf16x2(scale(lo, rs, d.bf16_lo(nw)), scale(hi, rs, d.bf16_hi(nw)))
+                word = d.pack_bf16x2(
+                    scale(d.bf16_lo(word), rs, d.bf16_lo(nw)), scale(d.bf16_hi(word), rs, d.bf16_hi(nw))
+                )
         d.lds_store(lds, d.i32(x_off) + idx + tk * d.i32(xs - ckw), word)
 
 

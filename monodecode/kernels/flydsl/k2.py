@@ -14,25 +14,18 @@ K2 (``x``, ``attn_out`` -> ``x_out``)
   post     task = row: (TP: sum of the ranks'   Gemma: o = rms_norm(o, attn_post_norm);
            partials in rank order, split-K:     h = x + o; hn = rms_norm(h, mlp_norm)
            of the slices in slice order, fp32)
-           -> ``h``, ``hn``; fused post (with or
-           without the post norm): no task
+           -> ``h``, ``hn``; fused post: no task
   gate_up  GEMV of hn, gate and up rows in one  a = bf16(act(bf16 gate)) * bf16(up)
            pass -> ``act``; fused post: waits
            for o_proj, h's rstd per row (the
            post stage's sum order), h normed
-           into LDS chunk by chunk (= hn);
-           fused post norm: waits for o_proj,
-           o's and h's rstd per row (h made
-           from o, x, the post norm; the post
-           stage's sum order), hn made from o
-           into LDS chunk by chunk
+           into LDS chunk by chunk (= hn)
   down     GEMV of act; without a final stage   d = W_down a; Llama/Qwen: x_out = h + d
            adds h and writes x_out, else ``d``
            (split along K: ``d_part``, fp32)
   final    task = row (Gemma, TP or a split     Gemma: d = rms_norm(d, mlp_post_norm);
            down): sums the partials, norm,      x_out = h + d
-           residual -> x_out; fused post norm:
-           h made from o (o's rstd summed again)
+           residual -> x_out
 
 Split-K merge (``Geometry.o_merge`` / ``d_merge``: Llama/Qwen, one rank, o_proj / down split
 along K; ``config.SPLIT_K_MERGE``): after its stage loop a workgroup counts each of its K slice
@@ -46,16 +39,6 @@ Fused post (``Geometry.fused_post``: Llama/Qwen, one rank, o_proj unsplit or mer
 the post stage of one workgroup per row, which every other CU waited for, is gone; every value
 keeps the post stage's bits (same formulas, rstd summed in the same order by each gate/up
 workgroup). Its counter is never signalled, only settled at the launch's exit.
-
-Fused post norm (``Geometry.fused_post_norm``: Gemma's post norms, one rank, o_proj unsplit;
-``config.FUSED_POST_NORM``, the Triton kernels' ``Target.fused_post_norm``): no post stage either,
-and no ``h`` / ``hn`` in the mailbox. o_proj publishes o as without it; each gate/up workgroup
-with tasks waits for o_proj, then per row sums o's squares, makes its columns of
-h = bf16(x + bf16(norm(o) * (1 + w))) (``gemv.post_norm_residual``) and sums h's squares, each in
-``_post_task``'s column order with its ``block_sum`` (``_row_rstds``), keeping both rstds in
-LDS; its staging makes hn from o, x, the two weights and the two rstds (``gemv.stage_rows``
-``post``). The final stage sums o's squares of its row the same way (``_rstd_of``) and makes its
-residual h from o. Every value keeps the post stage's bits.
 
 An expired wait stores ``health_code(wait_timeout, k2, layer)``, a non-finite output
 ``health_code(nonfinite, k2, layer)`` in the sticky health word.
@@ -92,12 +75,10 @@ def make_k2(dims: ModelDims, geom: Geometry):
     ROW_ROUNDS = -(-H // (WG * ROW_BATCH))  # a thread's rounds of ROW_BATCH columns over one row
     FINAL = geom.final
     FUSED = geom.fused_post  # no post stage: o_proj publishes h, gate/up normalises it (config.FUSED_POST)
-    FUSED_NORM = geom.fused_post_norm  # no post stage for Gemma: gate/up and final make h from o (FUSED_POST_NORM)
     O_MERGE, D_MERGE = geom.o_merge, geom.d_merge  # split tiles summed by their last K slice (SPLIT_K_MERGE)
     RG = geom.regions  # word offsets in this width's scratch segment
     L2 = geom.lds2
     norm = d.norm_scale(dims.norm_one_plus)
-    make_h = gv.post_norm_residual(dims.norm_one_plus)  # Gemma's h = bf16(x + norm(o)), the post stage's
     st_o, st_post = geom.stage(K2, "o_proj"), geom.stage(K2, "post")
     st_gu, st_dn = geom.stage(K2, "gate_up"), geom.stage(K2, "down")
     st_fin = geom.stage(K2, "final") if FINAL else None
@@ -193,10 +174,9 @@ def make_k2(dims: ModelDims, geom: Geometry):
         else:
             gpu.barrier()
 
-        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h); none when fused, with or without the
-        # post norm (no task, no signal: the last workgroup out still settles its counter at epoch * W,
-        # as the Triton kernels do)
-        if fx.const_expr(not (FUSED or FUSED_NORM)):
+        # ---- post: h = x + (post-attn norm)(o), hn = mlp_norm(h); none when fused (no task, no signal:
+        # the last workgroup out still settles its counter at epoch * W, as the Triton kernels do)
+        if fx.const_expr(not FUSED):
             first_post = first_task(bid, st_post.offset, G)
             for r_ in range(first_post, d.i32(st_post.tasks), d.i32(G)):
                 _post_task(
@@ -224,21 +204,15 @@ def make_k2(dims: ModelDims, geom: Geometry):
         t_gu = geom.tiles["gate_up"]
         gu_rs = gv.buffer_rsrc(w_gu)
         first_gu = first_task(bid, st_gu.offset, G)
-        if fx.const_expr(FUSED or FUSED_NORM):  # the post stage's norms, here: o_proj's h or o (waited), rstds
+        if fx.const_expr(FUSED):  # the post stage's pre-MLP norm, here: o_proj's h (waited), each row's rstd
             if first_gu < d.i32(st_gu.tasks):
                 mb.wait_done(ctr_o, o_done, polls, health, wait_code)
-                _row_rstds(seg, x, post_attn_w, tag, polls, health, wait_code, lds, tid, wave, lane)
+                _rstd_of_h(seg, tag, polls, health, wait_code, lds, tid, wave, lane)
 
         def stage_hn(c0, kend):  # gate_up is never split along K: kend is H
-            if fx.const_expr(FUSED or FUSED_NORM):  # h normalised on the way in: the post stage's hn, bit for bit
+            if fx.const_expr(FUSED):  # h normalised on the way in: the post stage's hn, bit for bit
                 normed = (mlp_norm_w, dims.norm_one_plus, L2["rstd"])
-                if fx.const_expr(FUSED):  # o_proj's h
-                    h_words = seg.i32 + d.i32(RG["h"] // 2)
-                    _stage_rows(h_words, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed)
-                else:  # h made from o, x and the post norm on the way in
-                    post = (x, post_attn_w, L2["rstd_o"])
-                    o_words = seg.i32 + d.i32(RG["o"] // 2)
-                    _stage_rows(o_words, lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed, post)
+                _stage_rows(seg.i32 + d.i32(RG["h"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H, normed)
             elif fx.const_expr(BF16):  # bf16 pairs staged as they are, once the post stage is done
                 mb.wait_first(c0, ctr_post, post_done, polls, health, wait_code)
                 _stage_rows(seg.i32 + d.i32(RG["hn"] // 2), lds, tid, c0, t_gu.chunk_words, t_gu.x_stride, H, H)
@@ -267,8 +241,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
 
         def stage_act(c0, kend):
             # gate_up done implies h is ready for the residual too: every gate_up task acquired h's
-            # producers (post, or o_proj when fused: h, or with the post norm fused the o that h is
-            # made from) before its release (acquire/release is transitive)
+            # producers (post, or o_proj when fused) before its release (acquire/release is transitive)
             if fx.const_expr(BF16):
                 mb.wait_first(c0, ctr_gu, gu_done, polls, health, wait_code)
                 _stage_rows(seg.i32 + d.i32(RG["act"] // 2), lds, tid, c0, t_dn.chunk_words, t_dn.x_stride, I, kend)
@@ -303,8 +276,6 @@ def make_k2(dims: ModelDims, geom: Geometry):
                 _final_task(
                     d.i32(r_),
                     post_mlp_w,
-                    x,
-                    post_attn_w,
                     out,
                     seg,
                     (ctr_dn, dn_done),
@@ -328,11 +299,10 @@ def make_k2(dims: ModelDims, geom: Geometry):
         else:
             mb.finish_launch(epoch, tid)
 
-    def _stage_rows(src, lds, tid, c0, ckw: int, xs: int, k: int, kend, norm=None, post=None):
+    def _stage_rows(src, lds, tid, c0, ckw: int, xs: int, k: int, kend, norm=None):
         """Rows of a bf16 input (a launch input or a bf16 mailbox region, ``k`` elements each) into
-        K2's staging area as they are, or with ``norm`` RMSNorm's output, of h made from o with
-        ``post`` (``gemv.stage_rows``)."""
-        gv.stage_rows(src, lds, L2["x"], tid, c0, W, ckw, xs, k, kend, norm, post)
+        K2's staging area as they are, or with ``norm`` RMSNorm's output (``gemv.stage_rows``)."""
+        gv.stage_rows(src, lds, L2["x"], tid, c0, W, ckw, xs, k, kend, norm)
 
     @d.device
     def _stage_words(mbox, region: int, tag, polls, health, code, lds, tid, c0, ckw: int, xs: int, k: int):
@@ -449,7 +419,10 @@ def make_k2(dims: ModelDims, geom: Geometry):
             ks, oks = _cols(d.i32(k_))
             os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code, O_SPLITS)
             for u in fx.range_constexpr(ROW_BATCH):
-                hv = _h_value(os_[u], rs_o, post_w, x, r, ks[u])
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
                 if oks[u]:
                     mb.publish(seg, d.i32(RG["h"]) + r * d.i32(H) + ks[u], tag, hv)
                 hv = oks[u].select(hv, d.f32(0.0))
@@ -459,59 +432,31 @@ def make_k2(dims: ModelDims, geom: Geometry):
             ks, oks = _cols(d.i32(k_))
             os_ = _o_values(seg, mine, o_region, r, ks, oks, tag, polls, health, code, O_SPLITS)  # h again, as above
             for u in fx.range_constexpr(ROW_BATCH):
-                hv = _h_value(os_[u], rs_o, post_w, x, r, ks[u])
+                o = os_[u]
+                if fx.const_expr(POST_NORMS):
+                    o = norm(o, rs_o, _weight(post_w, ks[u]))
+                hv = d.round_bf16(_weight(x, r * d.i32(H) + ks[u]) + o)
                 if oks[u]:
                     mb.publish(seg, d.i32(RG["hn"]) + r * d.i32(H) + ks[u], tag, norm(hv, rs_h, _weight(mlp_w, ks[u])))
 
-    def _h_value(ov, rs_o, post_w, x, r, k):
-        """h[r, k] = bf16(x + o), with post norms bf16(x + norm(o)) (``gemv.post_norm_residual``),
-        from o's value ``ov`` and the row's rstd of o ``rs_o``: the post stage's h, wherever made."""
-        xv = _weight(x, r * d.i32(H) + k)
-        if fx.const_expr(POST_NORMS):
-            return make_h(ov, rs_o, _weight(post_w, k), xv)
-        return d.round_bf16(xv + ov)
-
-    def _row_of(seg, region: int, r, tag, polls, health, code, tid):
-        """Row r of a bf16 mailbox region at the columns thread ``tid`` takes in ``_post_task``'s
-        order (``_cols`` of each round; past the row: column 0, not existing), all loads issued
-        before any is used (one round trip): (columns, exist, values)."""
-        ks, oks, vals = [], [], []
-        for j in range(ROW_ROUNDS):
-            ks_j, oks_j = _cols(tid + d.i32(j * WG * ROW_BATCH))
-            ats = [d.i32(region) + r * d.i32(H) + k for k in ks_j]
-            ks, oks, vals = ks + ks_j, oks + oks_j, vals + mb.fetch(seg, ats, oks_j, tag, polls, health, code)
-        return ks, oks, vals
-
-    def _rstd_of(vals, oks, lds, wave, lane):
-        """RMSNorm's rstd of a row from ``_row_of``'s values, summed in ``_post_task``'s order: fp32
-        fma of each in turn (past the row: fma(0, 0, ss) is ss, as if not taken), then the same
-        ``block_sum``, so it has the post stage's bits."""
-        ss = d.f32(0.0)
-        for i in range(len(vals)):
-            v = oks[i].select(vals[i], d.f32(0.0))
-            ss = fx.math.fma(v, v, ss)
-        return d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
-
     @d.device
-    def _row_rstds(seg, x, post_w, tag, polls, health, code, lds, tid, wave, lane):
-        """Fused post: RMSNorm's rstd of every row of h (published by o_proj) into LDS ``rstd``.
-        Fused post norm: every row's rstd of o into ``rstd_o`` and of h into ``rstd``, h made here
-        from the same o values (``make_h``, ``_h_value``'s formula; x and the post weight loaded
-        before the sums' barriers). Both as ``_post_task`` sums them (``_rstd_of``), so gate/up's
-        staged hn has the post stage's bits."""
+    def _rstd_of_h(seg, tag, polls, health, code, lds, tid, wave, lane):
+        """Fused post: RMSNorm's rstd of every row of h (published by o_proj) into LDS ``rstd``,
+        summed in ``_post_task``'s order: thread ``tid`` takes the same columns (``_cols``) in the
+        same order, fp32 fma of the bf16 values, then the same ``block_sum``, so rstd and hn have
+        the post stage's bits. A row's loads are all issued before its sum (one round trip)."""
         for r_ in range(d.i32(0), d.i32(W), d.i32(1)):
             r = d.i32(r_)
-            if fx.const_expr(FUSED_NORM):
-                ks, oks, ovs = _row_of(seg, RG["o"], r, tag, polls, health, code, tid)
-                xs = [_weight(x, r * d.i32(H) + k) for k in ks]
-                pws = [_weight(post_w, k) for k in ks]
-                rs_o = _rstd_of(ovs, oks, lds, wave, lane)
-                hvs = [make_h(ovs[i], rs_o, pws[i], xs[i]) for i in range(len(ks))]
-                if tid == d.i32(0):
-                    d.lds_storef(lds, d.i32(L2["rstd_o"]) + r, rs_o)
-            else:
-                _, oks, hvs = _row_of(seg, RG["h"], r, tag, polls, health, code, tid)
-            rs = _rstd_of(hvs, oks, lds, wave, lane)
+            oks, hvs = [], []
+            for j in fx.range_constexpr(ROW_ROUNDS):
+                ks_j, oks_j = _cols(tid + d.i32(j * WG * ROW_BATCH))
+                ats = [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks_j]
+                oks, hvs = oks + oks_j, hvs + mb.fetch(seg, ats, oks_j, tag, polls, health, code)
+            ss = d.f32(0.0)
+            for i in fx.range_constexpr(ROW_ROUNDS * ROW_BATCH):  # past the row: fma(0, 0, ss) is ss, as if not taken
+                hv = oks[i].select(hvs[i], d.f32(0.0))
+                ss = fx.math.fma(hv, hv, ss)
+            rs = d.rsqrt_mean(d.block_sum(ss, lds, L2["red"], wave, lane, NW), H, EPS)
             if tid == d.i32(0):
                 d.lds_storef(lds, d.i32(L2["rstd"]) + r, rs)
         gpu.barrier()  # every row's rstd in LDS before gate/up stages its first chunk
@@ -520,8 +465,6 @@ def make_k2(dims: ModelDims, geom: Geometry):
     def _final_task(
         r,
         post_w,
-        x,
-        post_attn_w,
         out,
         seg,
         ready,
@@ -538,13 +481,8 @@ def make_k2(dims: ModelDims, geom: Geometry):
         d_region: int,
         nan_fault,
     ):
-        """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d). With the post norm
-        fused no post stage published h: it is made here from o, x and o's rstd as gate/up made it."""
+        """Row r (Gemma post-MLP norm and/or TP sum): x_out = h + (norm)(d)."""
         mb.wait_ready(seg, ready, polls, health, code)  # the whole down stage (bf16 format)
-        rs_o = d.f32(1.0)
-        if fx.const_expr(FUSED_NORM):  # down done: gate/up acquired o_proj's counter before its release
-            _, oks_o, ovs = _row_of(seg, RG["o"], r, tag, polls, health, code, tid)
-            rs_o = _rstd_of(ovs, oks_o, lds, wave, lane)
         rs_d = d.f32(1.0)
         if fx.const_expr(POST_NORMS):
             ss = d.f32(0.0)
@@ -558,11 +496,7 @@ def make_k2(dims: ModelDims, geom: Geometry):
         for k_ in range(tid, d.i32(H), d.i32(WG * ROW_BATCH)):
             ks, oks = _cols(d.i32(k_))
             dvs = _o_values(seg, mine, d_region, r, ks, oks, tag, polls, health, code, D_SPLITS)
-            if fx.const_expr(FUSED_NORM):
-                ovs = mb.fetch(seg, [d.i32(RG["o"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
-                hvs = [_h_value(ovs[u], rs_o, post_attn_w, x, r, ks[u]) for u in range(ROW_BATCH)]
-            else:
-                hvs = mb.fetch(seg, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
+            hvs = mb.fetch(seg, [d.i32(RG["h"]) + r * d.i32(H) + k for k in ks], oks, tag, polls, health, code)
             for u in fx.range_constexpr(ROW_BATCH):
                 dv = dvs[u]
                 if fx.const_expr(POST_NORMS):

@@ -50,11 +50,6 @@ class Target:
     # along K, bf16 mailbox): o_proj's tasks add the residual to their rows and gate/up applies the
     # norm on the way (``gemv`` SRC 5), so gate/up waits for o_proj instead of one program after it.
     fused_post: bool = False
-    # No post stage where it applies Gemma's post-attention norm (``LayerPlan.fused_post_norm_eligible``):
-    # gate/up makes h from o on the way (``gemv`` SRC 6) after each program sums o's squares itself,
-    # and the final stage makes its residual the same way, so gate/up waits for o_proj, not for
-    # one program after it.
-    fused_post_norm: bool = False
     # Launch with the driver's co-residency check (cooperative launch; CUDA only).
     cooperative: bool = True
     # The GEMV rows chooser's fixed cost per task at widths > 1 (``plan.gemv_rows_per_task``).
@@ -351,9 +346,6 @@ CUDA = Target(
     deferred_rstd_min_rows=64,
     # Run 30: 1B b1-8 1.5-2.6 % faster, 8B b2-8 0.4-1.6 % (b1 4.14 -> 4.16 ms, within noise).
     fused_post=True,
-    # Session 30: Gemma's post stage gone too (27B b1 timeline: 2.9 µs a layer on the chain, its
-    # hand-off included); measured beside the post stage in run 148.
-    fused_post_norm=True,
     # Runs 32-33: 8B b1 4.22 -> 4.13 and 4.18 -> 4.11 ms, 27B 14.52 -> 14.41 and 14.30 -> 14.23
     # (gate/up 6.8 and 10.2 waves); 1B (3.9 waves) 0.90 -> 0.92-0.94, so not below 6 waves.
     early_down_waves=6,
@@ -737,7 +729,6 @@ def k2_constexprs(
     o_part, d_part = o.k_splits > 1, dn.k_splits > 1
     o_merge, d_merge = split_k_merges(target, plan)
     no_post = target.fused_post and (plan.fused_post_eligible or o_merge)
-    post_in_gu = target.fused_post_norm and plan.fused_post_norm_eligible
     run_final = bool(final) and not d_merge  # a merged down leaves the final stage nothing
     o_word = _word(plan, "o_part" if o_part else "o")
     o_bk = gemv_chunk(target, W, o, fp8)
@@ -793,7 +784,6 @@ def k2_constexprs(
         PROF=prof,
         FP8_PAIR=wide and _fp8_pair(target, fp8),
         NO_POST=no_post,
-        POST_IN_GU=post_in_gu,
         O_MERGE=o_merge,
         D_MERGE=d_merge,
         GU_LO_TASKS=gu_lo[0].num_tasks if gu_lo else 0,

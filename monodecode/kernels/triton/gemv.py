@@ -20,9 +20,6 @@ The input vector comes from one of three places (``SRC``):
      (``bf16(g * x)``), not twice as HF does (``rms_apply``).
   5  a bf16 mailbox region (as 3) with the pre-norm deferred as in 4 (K2's gate/up reading h when
      no post stage normalises it: ``Target.fused_post``).
-  6  as 5, with h made on the way from o (the bf16 mailbox region), the residual (the launch input
-     ``RES``) and Gemma's post-attention norm (weight ``POST``, the row's rstd of o given: K2's
-     gate/up when no post stage makes h: ``Target.fused_post_norm``).
 
 FP8 weights (e4m3, per-output-channel fp32 scale) are widened in registers; the scale is
 applied to the fp32 result, as ``Linear.__call__`` does. At widths > 1 with ``FP8_PAIR`` they are
@@ -98,13 +95,6 @@ def rms_apply(xf, rstd, g, ONE_PLUS: tl.constexpr):
 
 
 @triton.jit
-def post_norm_residual(o, rstd_o, g, xr, ONE_PLUS: tl.constexpr):
-    """Gemma's h = bf16(x + bf16(norm(o) * (1 + g))) as fp32, from o's values (bf16, as fp32), the
-    row's rstd of o and the residual x: the post stage's arithmetic, wherever h is made."""
-    return (xr + rms_apply(o, rstd_o, g, ONE_PLUS).to(tl.float32)).to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
 def _input_chunk(
     x_ptr,
     x_stride,
@@ -120,8 +110,6 @@ def _input_chunk(
     SRC: tl.constexpr,
     ONE_PLUS: tl.constexpr,
     K: tl.constexpr,
-    RES=None,
-    POST=None,
 ):
     k = kk * BK + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * x_stride + k[None, :]
@@ -135,14 +123,9 @@ def _input_chunk(
         xb = unpack(words).to(tl.bfloat16)
     elif SRC == 3:
         xb = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.bfloat16)
-    elif SRC == 0 or SRC == 4 or SRC == 5 or SRC == 6:  # the pre-norm fused in
+    elif SRC == 0 or SRC == 4 or SRC == 5:  # the pre-norm fused in
         if SRC == 5:
             xf = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
-        elif SRC == 6:  # h from o and the residual; ``rstd`` is o's (the post norm's)
-            o = tl.load(ptrs, mask=m2, other=0.0, cache_modifier=".cg").to(tl.float32)
-            xr = tl.load(RES + rows[:, None] * x_stride + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            gp = tl.load(POST + rows[:, None] * 0 + k[None, :], mask=m2, other=0.0).to(tl.float32)
-            xf = post_norm_residual(o, rstd[:, None], gp, xr, ONE_PLUS)
         else:
             xf = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
         # The norm weight is loaded once per live row, in the input's [WP, BK] shape: as a 1-D
@@ -187,29 +170,15 @@ def task_rows(n0, N, BN: tl.constexpr, ROWS: tl.constexpr):
 
 @triton.jit
 def row_rstd(
-    x_ptr,
-    x_stride,
-    rows,
-    rmask,
-    eps,
-    K: tl.constexpr,
-    BK: tl.constexpr,
-    WP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    MAILBOX: tl.constexpr = False,
+    x_ptr, x_stride, rows, rmask, eps, K: tl.constexpr, BK: tl.constexpr, WP: tl.constexpr, NUM_STAGES: tl.constexpr
 ):
-    """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input, or with ``MAILBOX`` of a
-    bf16 mailbox region (``.cg`` loads: never a stale L1 line). Loads pipelined, so the chunks do
-    not cost one memory round trip each; every caller with the same constants gets the same bits."""
+    """1/sqrt(mean(x^2) + eps) of each row of the bf16 launch input (loads pipelined, so the
+    chunks do not cost one memory round trip each)."""
     ss = tl.zeros([WP], dtype=tl.float32)
     for kk in tl.range(0, (K + BK - 1) // BK, num_stages=NUM_STAGES):
         k = kk * BK + tl.arange(0, BK)
         m = rmask[:, None] & (k[None, :] < K)
-        if MAILBOX:
-            xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=m, other=0.0, cache_modifier=".cg")
-        else:
-            xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=m, other=0.0)
-        xf = xf.to(tl.float32)
+        xf = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=m, other=0.0).to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
     return 1.0 / tl.sqrt_rn(ss / K + eps)
 
@@ -244,16 +213,13 @@ def gemv_task(
     FP8_PAIR: tl.constexpr = False,
     W_STRIDE: tl.constexpr = 0,
     ROWS: tl.constexpr = 0,
-    RES=None,
-    POST=None,
 ):
     """Returns (y1[BN, WP], y2[BN, WP]); y2 is y1 when ``TWO`` is off. Each pipelined iteration
     loads ``SPLIT`` consecutive K chunks (more bytes in flight per iteration, e.g. 1-byte FP8
     weights, with the accumulator still one chunk wide). ``FP8_PAIR``: FP8 weights at widths
     > 1 go through ``mma_fp8_pair``. ``W_STRIDE``: the weights' row stride when the task reduces
     over one K slice of the rows (split-K; the pointers then start at the slice); 0: ``K``.
-    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``). ``RES``, ``POST``:
-    SRC 6's residual and post-norm weight."""
+    ``ROWS``: the rows of the tile the task owns (``task_rows``; 0: all ``BN``)."""
     DOT: tl.constexpr = WP > 1
     NK: tl.constexpr = (K + BK * SPLIT - 1) // (BK * SPLIT)  # a partial last chunk is masked
     n, nmask = task_rows(n0, N, BN, ROWS)
@@ -270,7 +236,7 @@ def gemv_task(
         acc1 = tl.zeros([BN, BK], dtype=tl.float32)
         acc2 = tl.zeros([BN, BK], dtype=tl.float32)
     bad = tl.zeros([WP, BK], dtype=tl.int32)
-    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4-6: the input's squares, reduced after the loop
+    ss = tl.zeros([WP, BK], dtype=tl.float32)  # SRC 4, 5: the input's squares, reduced after the loop
     for kk in tl.range(0, NK, num_stages=NUM_STAGES):
         for sp in tl.static_range(SPLIT):
             kc = kk * SPLIT + sp
@@ -282,7 +248,7 @@ def gemv_task(
             if TWO:
                 w2 = tl.load(wp2 + kc * BK, mask=wmask, other=0.0)
             xb, bad, ss = _input_chunk(
-                x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K, RES, POST
+                x_ptr, x_stride, kc, rows, rmask, norm_ptr, rstd, tag, bad, ss, BK, SRC, ONE_PLUS, K
             )
             acc1 = _mac(acc1, w1, xb, DOT, FP8_PAIR)
             if TWO:
@@ -296,7 +262,7 @@ def gemv_task(
     else:
         y1 = tl.sum(acc1, axis=1)[:, None]
         y2 = tl.sum(acc2, axis=1)[:, None]
-    if SRC == 4 or SRC == 5 or SRC == 6:  # the pre-norm's rstd, as ``row_rstd`` computes it
+    if SRC == 4 or SRC == 5:  # the pre-norm's rstd, as ``row_rstd`` computes it
         r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps)
         y1 = y1 * r[None, :]
         y2 = y2 * r[None, :]

@@ -6,15 +6,12 @@ product and residual add is rounded to bf16 where Hugging Face rounds it; accumu
 ``BF16MB`` selects the bf16 mailbox format, ``PROF`` the stage timestamps (as in K1). Where the
 plan halves gate/up and down (``plan.early_down_waves``), each runs its two halves through one
 copy of its task loop, a program's first down half as soon as gate/up's first half is done.
-``POST_IN_GU`` (``Target.fused_post_norm``, Gemma): no post stage; every program that needs h
-computes o's rstd itself (``row_rstd``, the same bits everywhere) and makes h on the way (gate/up's
-input, ``gemv`` SRC 6; the final stage's residual).
 """
 
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.gemv import gemv_task, post_norm_residual, rms_apply, row_rstd, task_rows
+from monodecode.kernels.triton.gemv import gemv_task, rms_apply, task_rows
 from monodecode.kernels.triton.mailbox import (
     fetch,
     finish_launch,
@@ -128,13 +125,11 @@ def _post_task(
     km = k < HIDDEN
     o = tl.where(km, _row_sum(o_mb, r, k, km, tag, health_ptr, bad_code, HIDDEN, W, KS, BF16MB), 0.0)
     o = o.to(tl.bfloat16).to(tl.float32)
-    xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
     if POST_NORMS:
         rstd_o = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / HIDDEN + eps)
-        h = post_norm_residual(o, rstd_o, tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32), xr, ONE_PLUS)
-    else:
-        h = (xr + o).to(tl.bfloat16).to(tl.float32)
-    h = tl.where(km, h, 0.0)
+        o = rms_apply(o, rstd_o, tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
+    xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
+    h = tl.where(km, (xr + o).to(tl.bfloat16).to(tl.float32), 0.0)
     publish(h_mb + r * HIDDEN + k, h, km, tag, BF16MB)
     rstd_h = 1.0 / tl.sqrt_rn(tl.sum(h * h, axis=0) / HIDDEN + eps)
     hn = rms_apply(h, rstd_h, tl.load(mlp_w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS)
@@ -154,10 +149,6 @@ def _final_task(
     health_ptr,
     bad_code,
     nf_code,
-    x_ptr,
-    o_mb,
-    post_w_ptr,
-    rstd_o,
     HIDDEN: tl.constexpr,
     HP: tl.constexpr,
     ONE_PLUS: tl.constexpr,
@@ -165,22 +156,14 @@ def _final_task(
     W: tl.constexpr,
     KS: tl.constexpr,
     POST_NORMS: tl.constexpr,
-    POST_IN_GU: tl.constexpr,
 ):
     """Row r: out = bf16(h + d'), d' = Gemma's bf16(norm(d) * (1 + w)) or, after a split down
-    (``KS`` > 1 K-slice partials of d), bf16(d). ``POST_IN_GU``: no post stage published h; it is
-    made here from x, o and o's rstd ``rstd_o`` (this row's) as gate/up made it."""
+    (``KS`` > 1 K-slice partials of d), bf16(d)."""
     k = tl.arange(0, HP)
     km = k < HIDDEN
     dv = tl.where(km, _row_sum(d_mb, r, k, km, tag, health_ptr, bad_code, HIDDEN, W, KS, BF16MB), 0.0)
     dv = dv.to(tl.bfloat16).to(tl.float32)
-    if POST_IN_GU:
-        ov = fetch(o_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
-        xr = tl.load(x_ptr + r * HIDDEN + k, mask=km, other=0.0).to(tl.float32)
-        gp = tl.load(post_w_ptr + k, mask=km, other=0.0).to(tl.float32)
-        hv = tl.where(km, post_norm_residual(ov, rstd_o, gp, xr, ONE_PLUS), 0.0)
-    else:
-        hv = fetch(h_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
+    hv = fetch(h_mb + r * HIDDEN + k, km, tag, health_ptr, bad_code, BF16MB)
     if POST_NORMS:
         rstd = 1.0 / tl.sqrt_rn(tl.sum(dv * dv, axis=0) / HIDDEN + eps)
         dv = rms_apply(dv, rstd, tl.load(w_ptr + k, mask=km, other=0.0).to(tl.float32), ONE_PLUS).to(tl.float32)
@@ -225,13 +208,11 @@ def _gate_up_tasks(
     gu_in,
     mlp_w_ptr,
     act_mb,
-    rstd,
+    zero,
     eps,
     tag,
     health_ptr,
     bad_code,
-    x_ptr,
-    post_w_ptr,
     HIDDEN: tl.constexpr,
     I: tl.constexpr,
     W: tl.constexpr,
@@ -251,9 +232,7 @@ def _gate_up_tasks(
     BF16MB: tl.constexpr,
 ):
     """This program's gate/up tasks ``first, first + NPROG, ...`` below ``tasks``, task t on
-    rows ``row0 + t * GU_ROWS``: act = bf16(act(bf16(g)) * bf16(u)) published to ``act_mb``.
-    ``rstd``: SRC 6's rstd of o (each row's; zeros otherwise), with the residual ``x_ptr`` and
-    the post norm's weight."""
+    rows ``row0 + t * GU_ROWS``: act = bf16(act(bf16(g)) * bf16(u)) published to ``act_mb``."""
     rows = tl.arange(0, WP)
     rmask = rows < W
     for t in tl.range(first, tasks, NPROG, flatten=FLAT):
@@ -268,7 +247,7 @@ def _gate_up_tasks(
             gu_in,
             HIDDEN,
             mlp_w_ptr,
-            rstd,
+            zero,
             eps,
             tag,
             health_ptr,
@@ -287,8 +266,6 @@ def _gate_up_tasks(
             FP8_PAIR,
             0,
             GU_ROWS,
-            x_ptr,
-            post_w_ptr,
         )
         gb = g.to(tl.bfloat16).to(tl.float32)
         ub = u.to(tl.bfloat16).to(tl.float32)
@@ -365,7 +342,6 @@ def k2_kernel(
     PROF: tl.constexpr = False,
     FP8_PAIR: tl.constexpr = False,
     NO_POST: tl.constexpr = False,
-    POST_IN_GU: tl.constexpr = False,
     FINAL: tl.constexpr = False,
     O_KS: tl.constexpr = 1,
     D_KS: tl.constexpr = 1,
@@ -416,13 +392,12 @@ def k2_kernel(
     else:
         gu_lo_ctr = done_down
     GU_LO_COUNT: tl.constexpr = GU_LO_TASKS if HALVES == 2 else D_TASKS
-    # h's producers: the post stage, or with NO_POST o_proj's tasks (they add the residual); with
-    # POST_IN_GU o_proj's tasks too (h is made from o where it is read)
-    if NO_POST or POST_IN_GU:
+    # h's producers: the post stage, or with NO_POST o_proj's tasks (they add the residual)
+    if NO_POST:
         h_done = done_o
     else:
         h_done = done_post
-    H_TASKS: tl.constexpr = O_TASKS if NO_POST or POST_IN_GU else W
+    H_TASKS: tl.constexpr = O_TASKS if NO_POST else W
     if BF16MB:
         o_mb = region(mbox_ptr, O_W, tl.float32 if O_KS > 1 else tl.bfloat16)
         h_mb = region(mbox_ptr, H_W, tl.bfloat16)
@@ -505,9 +480,8 @@ def k2_kernel(
         signal_tasks(done_o, first, O_TASKS, NPROG)
     stamp(prof_ptr, layer, me, 1, 0, 2, PROF_GRID, PROF)
 
-    # post: one task per row (none with NO_POST: o_proj adds the residual, gate/up normalises; none
-    # with POST_IN_GU: gate/up and the final stage make h)
-    if not (NO_POST or POST_IN_GU):  # (no stamps either: the timeline reads a stage never stamped as absent)
+    # post: one task per row (none with NO_POST: o_proj adds the residual, gate/up normalises)
+    if not NO_POST:  # (no stamps either: the timeline reads a stage never stamped as absent)
         stamp(prof_ptr, layer, me, 1, 1, 0, PROF_GRID, PROF)
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
@@ -539,28 +513,19 @@ def k2_kernel(
                 signal_done(done_post)
         stamp(prof_ptr, layer, me, 1, 1, 2, PROF_GRID, PROF)
 
-    # gate/up + activation; with NO_POST its input is h, normalised on the way (``gemv`` SRC 5),
-    # with POST_IN_GU h made from o on the way and normalised (SRC 6)
+    # gate/up + activation; with NO_POST its input is h, normalised on the way (``gemv`` SRC 5)
     if NO_POST:
         gu_in = h_mb
-    elif POST_IN_GU:
-        gu_in = o_mb
     else:
         gu_in = hn_mb
-    GU_SRC: tl.constexpr = 5 if NO_POST else 6 if POST_IN_GU else MB_SRC
-    # o's rstd at width 1 in 2048-column chunks, all in flight at once (about one memory round
-    # trip before gate/up's first weights; a whole-row chunk spilled in ptxas), else gate/up's
-    O_SS_BK: tl.constexpr = 2048 if W == 1 else GU_BK
+    GU_SRC: tl.constexpr = 5 if NO_POST else MB_SRC
     stamp(prof_ptr, layer, me, 1, 2, 0, PROF_GRID, PROF)
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first_lo = (pid - GU_LO_OFF + NPROG) % NPROG
         first_hi = (pid - GU_OFF + NPROG) % NPROG
-        rstd_o = zero
         if (first_lo < GU_LO_TASKS) | (first_hi < GU_TASKS):
             budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
-            if POST_IN_GU:
-                rstd_o = row_rstd(o_mb, HIDDEN, rows, rmask, eps, HIDDEN, O_SS_BK, WP, NUM_STAGES, True)
         stamp(prof_ptr, layer, me, 1, 2, 1, PROF_GRID, PROF)
         for part in range(HALVES):  # a loop, not unrolled: one copy of the task loop's code
             lo = (HALVES == 2) & (part == 0)
@@ -577,13 +542,11 @@ def k2_kernel(
                 gu_in,
                 mlp_w_ptr,
                 act_mb,
-                rstd_o,
+                zero,
                 eps,
                 tag,
                 health_ptr,
                 bad_code,
-                x_ptr,
-                post_w_ptr,
                 HIDDEN,
                 I,
                 W,
@@ -691,12 +654,9 @@ def k2_kernel(
         for v in tl.static_range(VP):
             pid = tl.program_id(0) * VP + v
             first = (pid - FIN_OFF + NPROG) % NPROG
-            rstd_o = zero
             if first < W:
                 budget = wait_done(done_down, epoch * D_TASKS, budget, health_ptr, code)
                 budget = wait_done(h_done, epoch * H_TASKS, budget, health_ptr, code)
-                if POST_IN_GU:  # gate/up's call, so the same bits
-                    rstd_o = row_rstd(o_mb, HIDDEN, rows, rmask, eps, HIDDEN, O_SS_BK, WP, NUM_STAGES, True)
             stamp(prof_ptr, layer, me, 1, 4, 1, PROF_GRID, PROF)
             for r in range(first, W, NPROG):
                 _final_task(
@@ -711,10 +671,6 @@ def k2_kernel(
                     health_ptr,
                     bad_code,
                     nf_code,
-                    x_ptr,
-                    o_mb,
-                    post_w_ptr,
-                    tl.sum(tl.where(rows == r, rstd_o, 0.0), axis=0),
                     HIDDEN,
                     HP,
                     ONE_PLUS,
@@ -722,7 +678,6 @@ def k2_kernel(
                     W,
                     D_KS,
                     POST_NORMS,
-                    POST_IN_GU,
                 )
         stamp(prof_ptr, layer, me, 1, 4, 2, PROF_GRID, PROF)
 

@@ -2,8 +2,7 @@
 
 For the tiny profile and one 8B-class profile (llama3-8b), widths 1 and 8, bf16 weights (plus
 the arch's FP8 format for the 8B profile at width 8, and its TP 2 and TP 8 kernels at width 8),
-gemma3-27b at width 1 (no post stage: gate/up makes h from o, ``Geometry.fused_post_norm``) and
-width 8 (split-K stages summed by a post and a final stage) and llama3-1b at width 8 (split-K
+gemma3-27b at width 8 (split-K stages summed by a final stage) and llama3-1b at width 8 (split-K
 stages merged by their last slice, ``Geometry.o_merge`` / ``d_merge``): zero spills, zero scratch, static LDS within
 the arch limit, registers that allow the planned waves per SIMD, grid <= CUs. The figures are
 printed as a table and compared with tests/kernels/golden/flydsl_isa.json: any worsening (VGPRs or
@@ -36,8 +35,7 @@ CASES = [  # (profile, weight dtype or "fp8" = the arch's format, widths, tensor
     ("llama3-8b", "fp8", [8], 1),
     ("llama3-8b", "bf16", [8], 2),  # K2 pushes its partials to every peer and sums them in rank order
     ("llama3-8b", "bf16", [8], 8),
-    ("gemma3-27b", "bf16", [1, 8], 1),  # w1: no post stage (fused_post_norm); w8: o_proj and down split along K,
-    # tasks cut to even waves, a post and a final stage
+    ("gemma3-27b", "bf16", [8], 1),  # o_proj and down split along K, tasks cut to even waves, a final stage
     ("llama3-1b", "bf16", [8], 1),  # o_proj and down split along K and merged by their last slice: no post, no final
 ]
 WORSE_IF_HIGHER = ("vgprs", "agprs", "sgprs", "lds", "spills", "scratch")
@@ -116,9 +114,7 @@ def test_k2_runs_no_post_stage_where_fused(isa_rows):
     """Each stage a launch runs with a completion counter (bf16 mailbox) has one release add in the
     code (``signal_tasks``), and the launch counter one more: with a fused post (Llama-style K2,
     one rank, o_proj unsplit or merged: ``Geometry.fused_post``) the post stage's add, with the
-    stage, is gone, and so it is with Gemma's post norms where o_proj is unsplit on one rank
-    (``Geometry.fused_post_norm``, exactly where ``LayerPlan.fused_post_norm_eligible``); Gemma's
-    split-o_proj K2 and the TP kernels' keep theirs (or, tagged, count nothing). Each
+    stage, is gone; Gemma's and the TP kernels' K2 keep theirs (or, tagged, count nothing). Each
     merged split stage (``Geometry.o_merge`` / ``d_merge``) adds one acq_rel add to its tiles'
     arrival counters: a release before it (``buffer_wbl2``), an acquire after (``buffer_inv``).
     gfx942 only."""
@@ -127,20 +123,19 @@ def test_k2_runs_no_post_stage_where_fused(isa_rows):
         if r["asm"] is None:
             continue
         g, kernel = r["geom"], key.rsplit("/", 1)[1]
-        assert g.fused_post_norm == g.layer_plan.fused_post_norm_eligible, key
-        no_post = g.fused_post or g.fused_post_norm
-        stages = ("qkv", "attn") if kernel == "k1" else ("o_proj", "gate_up", "down", *(() if no_post else ("post",)))
+        stages = (
+            ("qkv", "attn") if kernel == "k1" else ("o_proj", "gate_up", "down", *(() if g.fused_post else ("post",)))
+        )
         merged = (g.o_merge + g.d_merge) if kernel == "k2" else 0
         want = 1 + (len(stages) if g.bf16_mailbox else 0) + merged
-        assert r["asm"].count("global_atomic_add_x2") == want, (key, g.fused_post, g.fused_post_norm, merged)
+        assert r["asm"].count("global_atomic_add_x2") == want, (key, g.fused_post, merged)
         lines = r["lines"]
         arrivals = [i for i, ln in enumerate(lines) if ln.startswith("global_atomic_add_x2") and "sc0" in ln]
         fenced = [i for i in arrivals if lines[i - 2] == "buffer_wbl2 sc1" and lines[i + 2] == "buffer_inv sc1"]
         assert len(fenced) == merged, (key, [lines[i - 2 : i + 3] for i in arrivals])
-        seen.add((kernel, g.fused_post, g.fused_post_norm, g.post_norms, merged))
-    # a fused Llama K2, a fused Gemma one, an unfused Gemma one, a merged one
-    want = {("k2", True, False, False, 0), ("k2", False, True, True, 0), ("k2", False, False, True, 0)}
-    assert want | {("k2", True, False, False, 2)} <= seen
+        seen.add((kernel, g.fused_post, g.post_norms, merged))
+    # a fused Llama K2, an unfused Gemma one, a merged one
+    assert {("k2", True, False, 0), ("k2", False, True, 0), ("k2", True, False, 2)} <= seen
 
 
 def test_launch_exit_atomics_are_not_fenced(tmp_path):

@@ -54,7 +54,6 @@ def test_launch_description_is_the_plan(profile, arch, widths):
         merged = got["split_k_merge"]
         assert list(merged) == (split if mergeable else []), "merged exactly where the plan splits"
         assert got["fused_post"] == lp.fused_post_eligible or "k2.o_proj" in merged, "no post stage where allowed"
-        assert got["fused_post_norm"] == lp.fused_post_norm_eligible, "nor with Gemma's post norm where allowed"
         # one arrival counter per merged row tile, o_proj's first
         tiles = {f"k2.{s.name}": s.num_tasks // s.k_splits for s in lp.k2}
         assert got["arrive_counters"] == sum(tiles[k] for k in merged)
@@ -79,11 +78,8 @@ def test_launch_description_is_the_plan(profile, arch, widths):
                 st.k,
             ), key
             assert (g["tile"], g["k_splits"]) == ((st.tile, st.k_splits) if st.kind == "gemv" else (0, 1)), key
-            # no post: o_proj adds the residual (or gate/up makes h from o), gate/up normalises; no final:
-            # down's last slices write x_out
-            no_post = got["fused_post"] or got["fused_post_norm"]
-            replaced = (key == "k2.post" and no_post) or (key == "k2.final" and "k2.down" in merged)
-            if replaced:
+            replaced = (key == "k2.post" and got["fused_post"]) or (key == "k2.final" and "k2.down" in merged)
+            if replaced:  # o_proj adds the residual, gate/up normalises; down's last slices write x_out
                 assert g["workgroup_tasks"] == [[]] * grid, key
                 continue
             assert g["workgroup_tasks"] == [list(st.tasks_of(b, grid)) for b in range(grid)], key
@@ -116,7 +112,6 @@ def test_tensor_parallel_launch_is_the_plan(arch, tp):
         assert got["peer_regions"] == {n: r.offset for n, r in plan.peer.widths[w].regions.items()}
         assert got["regions"] == {n: r.offset for n, r in plan.scratch.widths[w].regions.items()}
         assert got["mailbox"] == "tagged" and not got["fused_post"]  # the ranks' o partials need summing
-        assert not got["fused_post_norm"]
         assert set(got["peer_regions"]) == {"o_peer", "d_peer"} and "o" not in got["regions"]
         assert list(got["stages"]) == [f"{s.kernel}.{s.name}" for s in lp.stages()]
         assert got["stages"]["k2.final"]["tasks"] == w  # the rank-order sum of the down partials
@@ -129,7 +124,7 @@ def test_fused_post_exactly_for_llama_style_one_rank_unsplit_o_proj(arch):
     """K2 runs no post stage for Llama/Qwen on one GPU with an unsplit o_proj (every width of the
     8B profiles, width 1 of 1B) or a merged split one (1B's wider widths: ``SPLIT_K_MERGE``);
     never for Gemma (post norms) or TP, and nowhere with the knob off. The LDS gets the rows'
-    rstd only then, or where Gemma's post stage goes (``fused_post_norm``, tested below)."""
+    rstd only then."""
 
     def fused(profile, widths, tp=1):
         desc = launch_description(profile_dims(profile), arch, widths, tp_size=tp)
@@ -147,42 +142,10 @@ def test_fused_post_exactly_for_llama_style_one_rank_unsplit_o_proj(arch):
     assert (
         "rstd" in on.lds2
         and "rstd" not in off.lds2
-        and "rstd" not in plan_geometry(profile_dims("tiny"), 1, spec, "bf16", fused_post_norm=False).lds2
+        and "rstd" not in plan_geometry(profile_dims("tiny"), 1, spec, "bf16").lds2
     )
     with pytest.raises(ConfigError, match="fused_post must be True or False, got 'yes'"):
         plan_geometry(dims, 1, spec, "bf16", fused_post="yes")
-
-
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_fused_post_norm_exactly_where_the_plan_allows_it(arch):
-    """K2 runs no post stage for Gemma-style layers (post norms) exactly where the plan's
-    ``LayerPlan.fused_post_norm_eligible`` holds: one rank, bf16 mailbox, o_proj unsplit (width 1
-    of gemma3-27b and tiny; their wider o_proj is split along K), never for Llama/Qwen (their
-    ``fused_post`` instead), never with TP, nowhere with the knob off. Gate/up then keeps two rstds
-    per row in LDS (h's in ``rstd``, o's in ``rstd_o``); no workgroup runs a post task."""
-    spec = ARCHS[arch]
-    seen = set()
-    for profile, tp in (("gemma3-27b", 1), ("tiny", 1), ("llama3-8b", 1), ("llama3-1b", 1), ("gemma3-27b", 2)):
-        for w in (1, 2, 8, 16):
-            g = plan_geometry(profile_dims(profile), w, spec, "bf16", tp)
-            lp = g.layer_plan
-            assert g.fused_post_norm == lp.fused_post_norm_eligible, (profile, tp, w)
-            assert not (g.fused_post and g.fused_post_norm), (profile, tp, w)
-            no_post = g.fused_post or g.fused_post_norm
-            assert ("rstd_o" in g.lds2) == g.fused_post_norm and ("rstd" in g.lds2) == no_post, (profile, tp, w)
-            assert g.runs("k2", "post") == (not no_post), (profile, tp, w)
-            seen.add((profile, tp, w, g.fused_post_norm))
-    assert {("gemma3-27b", 1, 1, True), ("tiny", 1, 1, True), ("gemma3-27b", 1, 8, False)} <= seen
-    assert not any(on for p, tp, _, on in seen if p.startswith("llama") or tp > 1)
-    dims = profile_dims("gemma3-27b")
-    desc = launch_description(dims, arch, (1, 8))["widths"]
-    assert (desc[1]["fused_post_norm"], desc[8]["fused_post_norm"]) == (True, False)
-    post_tasks = {w: any(desc[w]["stages"]["k2.post"]["workgroup_tasks"]) for w in (1, 8)}
-    assert post_tasks == {1: False, 8: True}, "width 8's o_proj is split along K: its post stage sums the slices"
-    off = plan_geometry(dims, 1, spec, "bf16", fused_post_norm=False)
-    assert not off.fused_post_norm and off.runs("k2", "post") and "rstd_o" not in off.lds2 and "rstd" not in off.lds2
-    with pytest.raises(ConfigError, match="fused_post_norm must be True or False, got 'yes'"):
-        plan_geometry(dims, 1, spec, "bf16", fused_post_norm="yes")
 
 
 def test_width_segments_never_alias_and_hold_the_epochs():

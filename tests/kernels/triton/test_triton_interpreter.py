@@ -76,7 +76,7 @@ CHILD = textwrap.dedent(
         if "_rowpass" in name:
             target = dataclasses.replace(target, deferred_rstd=False)
         if "_post" in name:
-            target = dataclasses.replace(target, fused_post=False, fused_post_norm=False)
+            target = dataclasses.replace(target, fused_post=False)
         # down in halves wherever gate/up has a whole wave (8 programs here), "_whole_down" never
         target = dataclasses.replace(target, early_down_waves=0 if "_whole_down" in name else 1)
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
@@ -137,10 +137,6 @@ CHILD = textwrap.dedent(
         # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
         no_post = arch.startswith("llama") and (k2c["O_KS"] == 1 or merge) and mailbox == "bf16" and "_post" not in name
         assert k2c["NO_POST"] == no_post and k2c["O_MERGE"] == k2c["D_MERGE"] == merge, (name, k2c["NO_POST"])
-        # no post stage on Gemma-style layers either where o is whole bf16 rows (``Target.fused_post_norm``:
-        # gate/up and the final stage make h from o)
-        post_in_gu = arch == "tiny" and k2c["O_KS"] == 1 and mailbox == "bf16" and "_post" not in name
-        assert k2c["POST_IN_GU"] == post_in_gu, (name, k2c["POST_IN_GU"])
         assert (k2c["O_KS"] > 1 and k2c["D_KS"] > 1) == split_k, k2c
         assert k2c["FINAL"] == (k2c["POST_NORMS"] or (split_k and not merge)), k2c
         # width 1's down in two K halves, the first after gate/up's first half of rows
@@ -210,9 +206,8 @@ CHILD = textwrap.dedent(
 # (``Target.deferred_rstd``) at width 1 and on 64-row tiles (every wide tile here: CUDA's
 # ``wide_min_rows`` is 64), "*_rowpass" never (a pass over the row first); Llama-style runs
 # with an unsplit o_proj and the bf16 mailbox have no post stage (``Target.fused_post``: o_proj
-# adds the residual, gate/up normalises h on the way), nor do tiny's (``Target.fused_post_norm``:
-# gate/up and the final stage make h from o with Gemma's post norm), "*_post" keep it (so does
-# the tagged mailbox); "*_splitk" split o_proj and down along K (``Target.wide_split_k``: fp32 partials
+# adds the residual, gate/up normalises h on the way), "*_post" keep it (so does the tagged
+# mailbox); "*_splitk" split o_proj and down along K (``Target.wide_split_k``: fp32 partials
 # summed by post and by a final stage); "*_even" cut GEMV tasks to fewer rows than their tiles
 # (``Target.wide_even_waves``; never under the FP8 pair, so the FP8 runs widen): every GEMV of
 # llama_w2_even, QKV / o_proj / down with widened FP8 weights and a final stage in
@@ -244,8 +239,7 @@ RUNS = [
     ("w1_fp8_split", "fp8", [1], 1, 2, [52], "planes", 64, "tiny", "bf16"),
     ("llama_w1", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w2", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
-    ("w3_fp8_post", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
-    ("w3_fp8_post_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
+    ("w3_fp8_tagged", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
     ("llama_w2_post", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_post_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
     ("llama_w1_store1d", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
@@ -262,7 +256,6 @@ RUNS = [
     ("llama_w1_rowpass", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_whole_down", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_post", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
-    ("w1_post", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w1_post_tagged", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "tagged"),
     ("w1_even", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
     ("w1_even9", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
