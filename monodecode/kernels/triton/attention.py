@@ -12,6 +12,10 @@ block table, and publishes the unnormalised partial (m, l, acc) per query head. 
 their inputs after the launch's wait on the producing stage (``mailbox.fetch``: tagged words
 have their tags checked; the bf16 format holds q/k/v as bf16 and the partials as fp32).
 
+K1 may load a task's first K/V tile before its wait for the qkv stage (``attn_first_tile``,
+``Target.attn_prefetch``): every position of it is older than this step's, except the newest,
+which the task replaces from its registers, so the tile's HBM round trips overlap the wait.
+
 ``combine_task`` (row r, query head h): waits for the S partials of its head and writes the
 merged, normalised attention output (bf16) — K1's launch output.
 
@@ -118,6 +122,44 @@ def _store_newest(
 
 
 @triton.jit
+def _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH: tl.constexpr, S: tl.constexpr, BT: tl.constexpr):
+    """Task ``t``'s (row, KV head, split), its row's position and slot, and the split's slice
+    ``[lo, hi)`` of the visible context (``newest``: the row's newest position)."""
+    r = t // (KVH * S)
+    g = (t // S) % KVH
+    s = t % S
+    pos = tl.load(pos_ptr + r)
+    slot = tl.load(slot_ptr + r)
+    seq = tl.load(seq_ptr + r)
+    live = slot >= 0
+    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0).to(tl.int32)
+    end = tl.where(live, seq, start).to(tl.int32)
+    per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
+    lo = start + s * per
+    hi = tl.minimum(lo + per, end)
+    return r, g, pos, slot, live, lo, hi, end - 1
+
+
+@triton.jit
+def attn_first_tile(t, valid, kv, step, SHAPE: tl.constexpr):
+    """K (as its two halves) and V of task ``t``'s first context tile (all masked unless
+    ``valid``), for K1 to load before it waits for the qkv stage: the step inputs it reads are
+    written before the launch, and the one position of it this step writes (the newest)
+    ``attn_task`` replaces from its registers."""
+    kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
+    pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step
+    D: tl.constexpr = SHAPE[3]
+    KVH: tl.constexpr = SHAPE[6]
+    S: tl.constexpr = SHAPE[8]
+    BS: tl.constexpr = SHAPE[9]
+    BT: tl.constexpr = SHAPE[10]
+    r, g, _pos, _slot, _live, lo, hi, _newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
+    hi = tl.where(valid, hi, lo)
+    blk = _block_ids(bt_ptr, r, bt_stride, lo, hi, BS, BT)
+    return _kv_tile(kc_ptr, vc_ptr, blk, lo, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+
+
+@triton.jit
 def attn_task(
     t,
     qkv_mb,
@@ -136,6 +178,8 @@ def attn_task(
     ONE_PLUS: tl.constexpr,
     BF16MB: tl.constexpr,
     ATTN_STAGES: tl.constexpr,
+    first=None,
+    PREFETCHED: tl.constexpr = False,
 ):
     """One (row, KV head, split) task; the caller has waited for the qkv stage. Its kernel's
     arguments come grouped (K1, the attention launch and ``benchmarks/attention_probe.py`` pass
@@ -143,7 +187,8 @@ def attn_task(
     V cache, their block / token / head strides), ``step`` = (positions, slots, block table, its
     row stride, sequence lengths, sliding window), ``SHAPE`` = (NQKV, Q, KV, D, G, GP, KVH, H, S,
     BS, BT) as in ``config._attention_shape``. ``ATTN_STAGES``: software-pipelining depth of the
-    context loop (block-table, K and V loads in flight)."""
+    context loop (block-table, K and V loads in flight). ``PREFETCHED``: ``first`` = (task, its
+first tile as ``attn_first_tile`` loaded it); that task's first tile comes from there."""
     qnorm_ptr, knorm_ptr, inv_freq_ptr = head
     kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step
@@ -159,22 +204,10 @@ def attn_task(
     BS: tl.constexpr = SHAPE[9]
     BT: tl.constexpr = SHAPE[10]
     HALF: tl.constexpr = D // 2
-    r = t // (KVH * S)
-    g = (t // S) % KVH
+    r, g, pos, slot, live, lo, hi, newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
     s = t % S
-    pos = tl.load(pos_ptr + r)
-    slot = tl.load(slot_ptr + r)
-    seq = tl.load(seq_ptr + r)
-    live = slot >= 0
     dh = tl.arange(0, HALF)
     d = tl.arange(0, D)
-    # this split's slice of the visible context
-    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0).to(tl.int32)
-    end = tl.where(live, seq, start).to(tl.int32)
-    per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
-    lo = start + s * per
-    hi = tl.minimum(lo + per, end)
-    newest = end - 1
     jq = tl.arange(0, GP)
     qrow = jq < G
     base = qkv_mb + r * NQKV
@@ -204,7 +237,22 @@ def attn_task(
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     jt = tl.arange(0, BT)
-    for t0 in tl.range(lo, hi, BT, num_stages=ATTN_STAGES):
+    loop_lo = lo
+    if PREFETCHED:  # the first tile, loaded before the wait where this is the prefetched task
+        pre_t, pre = first
+        if t == pre_t:
+            ka, kb, vv = pre
+        else:
+            blk = _block_ids(bt_ptr, r, bt_stride, lo, hi, BS, BT)
+            ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, lo, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
+        # the newest position from registers: the prefetched tile holds the slot's old contents
+        fresh = (lo + jt == newest)[:, None] & live
+        ka = tl.where(fresh, k1, ka)
+        kb = tl.where(fresh, k2, kb)
+        vv = tl.where(fresh, v[None, :], vv)
+        m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, lo + jt < hi, scale, m_i, l_i, acc, GP, BT)
+        loop_lo = lo + BT
+    for t0 in tl.range(loop_lo, hi, BT, num_stages=ATTN_STAGES):
         blk = _block_ids(bt_ptr, r, bt_stride, t0, hi, BS, BT)
         ka, kb, vv = _kv_tile(kc_ptr, vc_ptr, blk, t0, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
         m_i, l_i, acc = _softmax_tile(q1, q2, ka, kb, vv, t0 + jt < hi, scale, m_i, l_i, acc, GP, BT)

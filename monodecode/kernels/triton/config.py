@@ -65,6 +65,9 @@ class Target:
     # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
     wide_attn_stages: int = 0
+    # K1 loads each program's first attention task's first K/V tile before it waits for the qkv
+    # stage (``attention.attn_first_tile``): older positions only, the newest from registers.
+    attn_prefetch: bool = False
     # Context positions per attention tile where each task covers a row's whole context (widths
     # > 1 whose plan has one split per row; 0: ``attn_tile``): such a task streams every tile of
     # the row, so bytes in flight per program matter more than the masked tail of the last tile.
@@ -320,6 +323,7 @@ CUDA = Target(
     narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
+    attn_prefetch=True,
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
     fp8_pair_min_rows=64,
@@ -580,6 +584,20 @@ def _attention_shape(L) -> dict:
     )
 
 
+# The most bytes of K/V a thread of K1 holds across its wait for the qkv stage (``attn_prefetch``):
+# FP8 width 1's 4-warp programs at 256 (a 64-position tile of 128-wide heads) spilled 264 bytes.
+ATTN_PREFETCH_BYTES_PER_THREAD = 128
+
+
+def attn_prefetch(target: Target, plan: LayerPlan, fp8: bool) -> bool:
+    """Whether K1 loads its first attention tile before the wait for the qkv stage
+    (``Target.attn_prefetch``): only where the tile's K and V (bf16) fit a thread's share."""
+    W = plan.width
+    tile_bytes = target.attention_tile(W, plan.attn_splits) * plan.local.head_dim * 2 * 2
+    threads = target.warps(W, K1, fp8) * 32
+    return target.attn_prefetch and tile_bytes <= ATTN_PREFETCH_BYTES_PER_THREAD * threads
+
+
 def k1_constexprs(
     dims: ModelDims,
     plan: LayerPlan,
@@ -638,6 +656,7 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
+        ATTN_PREFETCH=attn_prefetch(target, plan, fp8),
     )
 
 

@@ -14,7 +14,7 @@ there only in steps where a row's context reaches it, here otherwise.
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.attention import attn_task, combine_task
+from monodecode.kernels.triton.attention import attn_first_tile, attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.ka import long_context
 from monodecode.kernels.triton.mailbox import (
@@ -108,6 +108,7 @@ def k1_kernel(
     ATTN_LAUNCH: tl.constexpr = False,
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
+    ATTN_PREFETCH: tl.constexpr = False,
 ):
     # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
     # nothing is read before the previous launch has completed
@@ -201,6 +202,12 @@ def k1_kernel(
     for v in tl.static_range(VP):
         pid = tl.program_id(0) * VP + v
         first = (pid - ATTN_OFF + NPROG) % NPROG
+        kv = (kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh)
+        step = (pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window)
+        if ATTN_PREFETCH:  # the first task's first K/V tile in flight across the wait
+            pre = (first, attn_first_tile(first, first < attn_tasks, kv, step, (NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT)))
+        else:
+            pre = None
         if first < attn_tasks:
             budget = wait_done(done_qkv, epoch * QKV_TASKS, budget, health_ptr, code)
         stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 1, PROF_GRID, PROF)
@@ -211,8 +218,8 @@ def k1_kernel(
                 acc_mb,
                 ml_mb,
                 (qnorm_ptr, knorm_ptr, inv_freq_ptr),
-                (kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh),
-                (pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window),
+                kv,
+                step,
                 eps,
                 scale,
                 tag,
@@ -223,6 +230,8 @@ def k1_kernel(
                 ONE_PLUS,
                 BF16MB,
                 ATTN_STAGES,
+                pre,
+                ATTN_PREFETCH,
             )
             signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, PROF_GRID, PROF)
