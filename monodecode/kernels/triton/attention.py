@@ -188,7 +188,7 @@ def attn_task(
     row stride, sequence lengths, sliding window), ``SHAPE`` = (NQKV, Q, KV, D, G, GP, KVH, H, S,
     BS, BT) as in ``config._attention_shape``. ``ATTN_STAGES``: software-pipelining depth of the
     context loop (block-table, K and V loads in flight). ``PREFETCHED``: ``first`` = (task, its
-first tile as ``attn_first_tile`` loaded it); that task's first tile comes from there."""
+    first tile as ``attn_first_tile`` loaded it); that task's first tile comes from there."""
     qnorm_ptr, knorm_ptr, inv_freq_ptr = head
     kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh = kv
     pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window = step

@@ -205,7 +205,10 @@ def k1_kernel(
         kv = (kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh)
         step = (pos_ptr, slot_ptr, bt_ptr, bt_stride, seq_ptr, window)
         if ATTN_PREFETCH:  # the first task's first K/V tile in flight across the wait
-            pre = (first, attn_first_tile(first, first < attn_tasks, kv, step, (NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT)))
+            pre = (
+                first,
+                attn_first_tile(first, first < attn_tasks, kv, step, (NQKV, Q, KV, D, G, GP, KVH, H, S, BS, BT)),
+            )
         else:
             pre = None
         if first < attn_tasks:
