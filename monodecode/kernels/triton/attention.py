@@ -350,3 +350,48 @@ def combine_group(
         out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
         om = hm[:, None] & (d[None, :] >= 0)
         tl.store(out_ptr + r * Q + (g * G + hh)[:, None] * D + d[None, :], out.to(tl.bfloat16), mask=om)
+
+
+@triton.jit
+def merge_if_last(
+    t,
+    arrive_ptr,
+    acc_mb,
+    ml_mb,
+    out_ptr,
+    tag,
+    health_ptr,
+    bad_code,
+    Q: tl.constexpr,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GQ: tl.constexpr,
+    KVH: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    DC: tl.constexpr,
+    BF16MB: tl.constexpr,
+):
+    """After attention task ``t``: count its arrival at its (row, KV head)'s int32 counter, and
+    if it is the last of the ``S`` splits, merge the group's query heads into ``out_ptr``
+    (``combine_group`` with ``DC`` > 0, else ``combine_task`` head by head). Every launch adds
+    exactly ``S`` a pair and the last arrival takes them away again, so the counter never grows
+    however long a server runs. The merge's reads follow an acq_rel atomic that the other
+    splits' release ordered their partials before."""
+    pair = t // S
+    tl.debug_barrier()  # every thread's partials stored before the release below
+    old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
+    if old % S == S - 1:
+        tl.atomic_add(arrive_ptr + pair, -S, sem="relaxed", scope="gpu")  # every split has arrived
+        if DC > 0:
+            combine_group(
+                pair, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, G, GQ, KVH, S, SP, DC, BF16MB
+            )
+        else:
+            r = pair // KVH
+            g = pair % KVH
+            for hh in range(G):
+                combine_task(
+                    r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, SP, BF16MB
+                )

@@ -119,6 +119,7 @@ def kernel_sources(
         scratch,
         health,
         scratch,
+        health,
         0,
         1000,
         0,
