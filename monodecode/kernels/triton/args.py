@@ -136,15 +136,13 @@ def k1_args(
     scratch,
     health,
     prof,
-    arrive,
     layer: int,
     spin_limit: int,
     stall: int,
     dims,
 ) -> list:
     """Runtime arguments of ``k1_kernel`` in signature order (``kv_st`` from ``kv_strides``;
-    ``prof``: the int64 timestamp buffer, any int64 tensor when the timestamps are compiled out;
-    ``arrive``: the int32 arrival counter of each (row, KV head), ``Target.k1_group_merge``)."""
+    ``prof``: the int64 timestamp buffer, any int64 tensor when the timestamps are compiled out)."""
     return [
         x,
         L.attn_norm,
@@ -158,7 +156,6 @@ def k1_args(
         scratch,
         health,
         prof,
-        arrive,
         L.window,
         layer,
         spin_limit,

@@ -65,13 +65,6 @@ class Target:
     # is needed, 5 overlaps one tile's loads with the math of the one before.
     attn_stages: int = 1
     wide_attn_stages: int = 0
-    # K1's attention without its combine stage: the last split of each (row, KV head) to finish
-    # merges the group's query heads (``attention.merge_if_last``, as the attention launch does),
-    # so no program waits for every split. Only with ``attn_launch_group_merge``'s sizes.
-    k1_group_merge: bool = False
-    # The most fp32 partials K1's merge holds at once (its ``DC`` slice; ``_group_merge``): 27B's
-    # width-1 K1 at 255 registers spilled 16 bytes at 2048 (the attention launch's size), none at 1024.
-    k1_merge_elements: int = 1024
     # K1 loads each program's first attention task's first K/V tile before it waits for the qkv
     # stage (``attention.attn_first_tile``): older positions only, the newest from registers.
     attn_prefetch: bool = False
@@ -333,7 +326,6 @@ CUDA = Target(
     # Run 151 (27B b1, 8 layers): 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k; the attention
     # stage's share of a layer's chain 11.6 -> 10.2 µs.
     attn_prefetch=True,
-    k1_group_merge=True,
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
     fp8_pair_min_rows=64,
@@ -667,8 +659,6 @@ def k1_constexprs(
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
         ATTN_PREFETCH=attn_prefetch(target, plan, fp8),
-        MERGE=target.k1_group_merge,
-        **_group_merge(target, L, plan.attn_splits, target.k1_group_merge, target.k1_merge_elements),
     )
 
 
@@ -724,19 +714,18 @@ def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: 
         ATTN_STAGES=target.attn_launch_stages,
         KA_MIN_CTX=target.attn_launch_min_context,
         PDL=pdl_mode(target),
-        **_group_merge(target, L, _pow2(splits), target.attn_launch_group_merge),
+        **_group_merge(target, L, _pow2(splits)),
     )
 
 
-def _group_merge(target: Target, L, sp: int, on: bool, n: int = 0) -> dict:
-    """The group merge of the attention launch (``Target.attn_launch_group_merge``) or of K1
-    (``k1_group_merge``) where ``on``: the group's heads rounded up to a power of two (``GQ``)
-    and the head_dim slice merged at once (``DC``, a power of two: GQ x ``sp`` (the splits' SP)
-    x DC fp32 values within ``n``, by default the head size's ``attn_launch_merge_elements``);
-    0 when off."""
-    if not on:
+def _group_merge(target: Target, L, sp: int) -> dict:
+    """The attention launch's group merge (``Target.attn_launch_group_merge``): the group's
+    heads rounded up to a power of two (``GQ``) and the head_dim slice merged at once (``DC``,
+    a power of two: GQ x ``sp`` (the splits' SP) x DC fp32 values within the head size's
+    ``attn_launch_merge_elements``); 0 when off."""
+    if not target.attn_launch_group_merge:
         return dict(GQ=0, DC=0)
-    n = n or target._per_head("attn_launch_merge_elements", "values", L.head_dim) or 4096
+    n = target._per_head("attn_launch_merge_elements", "values", L.head_dim) or 4096
     gq = _pow2(L.group)
     dc = L.head_dim
     while dc > 1 and gq * sp * dc > n:

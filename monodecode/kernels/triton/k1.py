@@ -14,7 +14,7 @@ there only in steps where a row's context reaches it, here otherwise.
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.attention import attn_first_tile, attn_task, combine_task, merge_if_last
+from monodecode.kernels.triton.attention import attn_first_tile, attn_task, combine_task
 from monodecode.kernels.triton.gemv import gemv_task, row_rstd, task_rows
 from monodecode.kernels.triton.ka import long_context
 from monodecode.kernels.triton.mailbox import (
@@ -56,7 +56,6 @@ def k1_kernel(
     mbox_ptr,
     health_ptr,
     prof_ptr,
-    arrive_ptr,
     window,
     layer,
     spin_limit,
@@ -110,9 +109,6 @@ def k1_kernel(
     KA_MIN_CTX: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
     ATTN_PREFETCH: tl.constexpr = False,
-    MERGE: tl.constexpr = False,
-    GQ: tl.constexpr = 0,
-    DC: tl.constexpr = 0,
 ):
     # PDL (``overlap.py``): the stream's next launch dispatched at entry (1) or at the end (2);
     # nothing is read before the previous launch has completed
@@ -125,7 +121,7 @@ def k1_kernel(
     else:
         here = tl.zeros([], dtype=tl.int32) == (1 if ATTN_LAUNCH else 0)
     attn_tasks = tl.where(here, ATTN_TASKS, 0)
-    comb_tasks = tl.where(here, 0 if MERGE else COMB_TASKS, 0)  # MERGE: each group's last split merges
+    comb_tasks = tl.where(here, COMB_TASKS, 0)
     epoch, tag = launch_epoch(epoch_ptr, NPROG)
     budget = tl.zeros([], dtype=tl.int64) + spin_limit
     code = 1 + (1 << 8) + (layer + 1) * 1024  # wait_timeout in k1 of this layer (base.health_code)
@@ -240,29 +236,7 @@ def k1_kernel(
                 pre,
                 ATTN_PREFETCH,
             )
-            if MERGE:  # ``Target.k1_group_merge``: no combine stage, no wait for every split
-                merge_if_last(
-                    t,
-                    arrive_ptr,
-                    acc_mb,
-                    ml_mb,
-                    out_ptr,
-                    tag,
-                    health_ptr,
-                    bad_code,
-                    Q,
-                    D,
-                    H,
-                    G,
-                    GQ,
-                    KVH,
-                    S,
-                    S,
-                    DC,
-                    BF16MB,
-                )
-            else:
-                signal_done(done_attn)
+            signal_done(done_attn)
     stamp(prof_ptr, layer, tl.program_id(0), 0, 1, 2, PROF_GRID, PROF)
 
     # stage combine: merge the splits of each query head -> attn_out (bf16)

@@ -24,7 +24,7 @@ last program would (``mailbox.finish_launch``). Only the bf16 mailbox (plain val
 import triton
 import triton.language as tl
 
-from monodecode.kernels.triton.attention import attn_task, merge_if_last
+from monodecode.kernels.triton.attention import attn_task, combine_group, combine_task
 from monodecode.kernels.triton.mailbox import region, wait_done
 from monodecode.kernels.triton.overlap import await_previous, launch_next
 
@@ -135,8 +135,20 @@ def ka_kernel(
             True,
             ATTN_STAGES,
         )
-        # the last split of the (row, KV head) merges (``Target.attn_launch_group_merge``: DC > 0)
-        merge_if_last(
-            t, arrive_ptr, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, G, GQ, KVH, S, SP, DC, True
-        )
+        pair = t // S  # (row, KV head)
+        tl.debug_barrier()  # every thread's partials stored before the release below
+        old = tl.atomic_add(arrive_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if old % S == S - 1:
+            tl.atomic_add(arrive_ptr + pair, -S, sem="relaxed", scope="gpu")  # every split has arrived
+            if DC > 0:  # ``Target.attn_launch_group_merge``: the group's heads in one merge
+                combine_group(
+                    pair, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, G, GQ, KVH, S, SP, DC, True
+                )
+            else:
+                r = pair // KVH
+                g = pair % KVH
+                for hh in range(G):
+                    combine_task(
+                        r * H + g * G + hh, acc_mb, ml_mb, out_ptr, tag, health_ptr, bad_code, Q, D, H, S, SP, True
+                    )
     launch_next(PDL, 2)

@@ -89,11 +89,6 @@ class TritonKernels(TwoLaunchKernels):
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         # the attention launch's split partials and per-(row, KV head) arrival counters (``ka.py``)
         self.ka_bufs = {w: self._ka_buffers(w) for w in req.widths if len(self.consts[w]) > 2}
-        # K1's per-(row, KV head) arrival counters (``Target.k1_group_merge``; each launch leaves them at zero)
-        self.k1_arrive = {
-            w: torch.zeros(w * self.plan.layers[w].local.kv_heads, dtype=torch.int32, device=self.device)
-            for w in req.widths
-        }
         # K2's arrival counters of split row tiles (``Target.split_k_merge``; each launch leaves them at zero)
         self.k2_arrive = {
             w: torch.zeros(
@@ -234,7 +229,6 @@ class TritonKernels(TwoLaunchKernels):
             self.scratch,
             self.health_word,
             self.prof,
-            self.k1_arrive[width],
             layer,
             self.spin_limit,
             stall,
@@ -272,5 +266,4 @@ class TritonKernels(TwoLaunchKernels):
         self.scratch = torch.zeros(1, dtype=torch.int64)
         self.attn = {}
         self.ka_bufs = {}
-        self.k1_arrive = {}
         self.k2_arrive = {}

@@ -119,7 +119,6 @@ def kernel_sources(
         scratch,
         health,
         scratch,
-        health,
         0,
         1000,
         0,

@@ -82,8 +82,6 @@ CHILD = textwrap.dedent(
         if "_bt16" in name:  # 16-position attention tiles: these contexts then span several
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16, attn_launch_tile=16,
                                          attn_launch_max_splits=2, attn_launch_max_splits_per_head=())
-        if "_comb" in name:  # K1's combine stage, not each group's last split (``Target.k1_group_merge``)
-            target = dataclasses.replace(target, k1_group_merge=False)
         if "_nopre" in name:  # K1's first K/V tile loaded after the qkv wait (``Target.attn_prefetch``)
             target = dataclasses.replace(target, attn_prefetch=False)
         if "_ka" in name:  # the attention always in a launch of its own (``Target.attn_launch``)
@@ -137,7 +135,6 @@ CHILD = textwrap.dedent(
         assert c1["QKV_SRC"] == (4 if deferred and "_rowpass" not in name else 0), (name, c1["BN"])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
         assert c1["ATTN_PREFETCH"] == ("_nopre" not in name), name
-        assert c1["MERGE"] == ("_comb" not in name) and (c1["DC"] > 0) == c1["MERGE"], name
         k2c = tk.consts[widths[0]][1]
         # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
         # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
@@ -184,10 +181,9 @@ CHILD = textwrap.dedent(
                 rest = a.clone()
                 rest[s // 16, s % 16] = b[s // 16, s % 16]
                 untouched = untouched and torch.equal(rest.view(torch.int16), b.view(torch.int16))  # NaN too
-            # split-K merges', K1's group merges' and the attention launch's arrival counters: back at
-            # zero after every launch, so they never grow toward int32 overflow on a long-running server
-            counters = [tk.k2_arrive[widths[0]], tk.k1_arrive[widths[0]]]
-            counters += [b[1] for w_, b in tk.ka_bufs.items() if w_ == widths[0]]
+            # split-K merges' and the attention launch's arrival counters: back at zero after every
+            # launch, so they never grow toward int32 overflow on a long-running server
+            counters = [tk.k2_arrive[widths[0]]] + [b[1] for w_, b in tk.ka_bufs.items() if w_ == widths[0]]
             left = sum(int(c.abs().sum()) for c in counters)
             res.append({"arrivals_left": left,
                         "y": rel(y_tri, y_ref),
@@ -238,8 +234,6 @@ CHILD = textwrap.dedent(
 # block-table entry reads it): a load whose mask fails leaves NaN in the output. K1 loads its first
 # K/V tile before the wait for QKV and takes the newest position from registers
 # (``Target.attn_prefetch``); "*_nopre" loads it after the wait, from the cache it just wrote.
-# The last split of each (row, KV head) in K1 merges the group's heads (``Target.k1_group_merge``);
-# "*_comb" keep K1's combine stage, which waits for every split.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -257,8 +251,6 @@ RUNS = [
     ("llama_w1_bt16", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
     ("llama_w1_bt16_nopre", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
     ("w1_nopre", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
-    ("llama_w2_comb", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
-    ("w3_fp8_tagged_comb", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "tagged"),
     ("llama_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_splitk", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
     ("llama_w2_splitk_tagged", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "tagged"),
