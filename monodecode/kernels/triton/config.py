@@ -323,8 +323,9 @@ CUDA = Target(
     narrow_tail=True,
     wide_task_bytes=65536,
     attn_stages=3,
-    # Run 151 (27B b1, 8 layers): 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k; the attention
-    # stage's share of a layer's chain 11.6 -> 10.2 µs.
+    # 27B, 8 layers: run 151 b1 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k (the attention's
+    # share of a layer's chain 11.6 -> 10.2 µs); run 152 b1 2.416 -> 2.394 and 2.441 -> 2.422, b8
+    # 2.648 -> 2.642.
     attn_prefetch=True,
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
