@@ -67,7 +67,9 @@ class Target:
     wide_attn_stages: int = 0
     # K1 loads each program's first attention task's first K/V tile before it waits for the qkv
     # stage (``attention.attn_first_tile``): older positions only, the newest from registers.
-    attn_prefetch: bool = False
+    # "qk_norm": only for layers with q/k-norm (their attention does more work after the wait
+    # for the tile to hide behind), "all", or "" (never).
+    attn_prefetch: str = ""
     # Context positions per attention tile where each task covers a row's whole context (widths
     # > 1 whose plan has one split per row; 0: ``attn_tile``): such a task streams every tile of
     # the row, so bytes in flight per program matter more than the masked tail of the last tile.
@@ -325,8 +327,9 @@ CUDA = Target(
     attn_stages=3,
     # 27B, 8 layers: run 151 b1 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k (the attention's
     # share of a layer's chain 11.6 -> 10.2 µs); run 152 b1 2.416 -> 2.394 and 2.441 -> 2.422, b8
-    # 2.648 -> 2.642.
-    attn_prefetch=True,
+    # 2.648 -> 2.642. Llama-style layers lost with it: 8B 1k b1 1.326 -> 1.331, b8 1.463 -> 1.511
+    # (run 154), FP8 b2 0.969 -> 1.012, b8 1.068 -> 1.125 (run 153).
+    attn_prefetch="qk_norm",
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
     fp8_pair_min_rows=64,
@@ -592,13 +595,22 @@ def _attention_shape(L) -> dict:
 ATTN_PREFETCH_BYTES_PER_THREAD = 128
 
 
-def attn_prefetch(target: Target, plan: LayerPlan, fp8: bool) -> bool:
+ATTN_PREFETCH_MODES = ("", "qk_norm", "all")
+
+
+def attn_prefetch(target: Target, dims: ModelDims, plan: LayerPlan, fp8: bool) -> bool:
     """Whether K1 loads its first attention tile before the wait for the qkv stage
-    (``Target.attn_prefetch``): only where the tile's K and V (bf16) fit a thread's share."""
+    (``Target.attn_prefetch``): only for the layers its mode names, and where the tile's K and
+    V (bf16) fit a thread's share."""
+    mode = target.attn_prefetch
+    if mode not in ATTN_PREFETCH_MODES:
+        raise ConfigError(f"triton kernels: attn_prefetch must be one of {ATTN_PREFETCH_MODES}, got {mode!r}")
+    if not mode or (mode == "qk_norm" and not dims.qk_norm):
+        return False
     W = plan.width
     tile_bytes = target.attention_tile(W, plan.attn_splits) * plan.local.head_dim * 2 * 2
     threads = target.warps(W, K1, fp8) * 32
-    return target.attn_prefetch and tile_bytes <= ATTN_PREFETCH_BYTES_PER_THREAD * threads
+    return tile_bytes <= ATTN_PREFETCH_BYTES_PER_THREAD * threads
 
 
 def k1_constexprs(
@@ -659,7 +671,7 @@ def k1_constexprs(
         ATTN_LAUNCH=ka,
         KA_MIN_CTX=ka_min,
         PDL=pdl_mode(target),
-        ATTN_PREFETCH=attn_prefetch(target, plan, fp8),
+        ATTN_PREFETCH=attn_prefetch(target, dims, plan, fp8),
     )
 
 

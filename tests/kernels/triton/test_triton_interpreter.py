@@ -83,7 +83,9 @@ CHILD = textwrap.dedent(
             target = dataclasses.replace(target, attn_tile=16, whole_attn_tile=16, attn_launch_tile=16,
                                          attn_launch_max_splits=2, attn_launch_max_splits_per_head=())
         if "_nopre" in name:  # K1's first K/V tile loaded after the qkv wait (``Target.attn_prefetch``)
-            target = dataclasses.replace(target, attn_prefetch=False)
+            target = dataclasses.replace(target, attn_prefetch="")
+        if "_pre" in name:  # ... before it, on Llama-style layers too
+            target = dataclasses.replace(target, attn_prefetch="all")
         if "_ka" in name:  # the attention always in a launch of its own (``Target.attn_launch``)
             target = dataclasses.replace(target, attn_launch=True, attn_launch_min_context=0)
         if "_kah" in name:  # ... only in steps where a row sees 64 positions or more
@@ -134,7 +136,7 @@ CHILD = textwrap.dedent(
         deferred = widths[0] == 1 or c1["BN"] >= 64
         assert c1["QKV_SRC"] == (4 if deferred and "_rowpass" not in name else 0), (name, c1["BN"])
         assert tk.plan.layers[widths[0]].mailbox == mailbox
-        assert c1["ATTN_PREFETCH"] == ("_nopre" not in name), name
+        assert c1["ATTN_PREFETCH"] == ("_pre" in name or (dims.qk_norm and "_nopre" not in name)), name
         k2c = tk.consts[widths[0]][1]
         # no post stage on Llama-style layers with an unsplit o_proj and the bf16 mailbox
         # (or a split one whose tiles are merged by their last slice, which also drops the final stage)
@@ -232,8 +234,9 @@ CHILD = textwrap.dedent(
 # head after another. "*_nan" put NaN in every cache slot no row has cached (each row's later
 # slots of its last block, and block 0, which no row owns, as vLLM's null block: a masked
 # block-table entry reads it): a load whose mask fails leaves NaN in the output. K1 loads its first
-# K/V tile before the wait for QKV and takes the newest position from registers
-# (``Target.attn_prefetch``); "*_nopre" loads it after the wait, from the cache it just wrote.
+# K/V tile before the wait for QKV and takes the newest position from registers where the layer
+# has q/k-norm (``Target.attn_prefetch``: tiny's layers), "*_pre" on Llama-style layers too;
+# the others ("*_nopre" on tiny) load it after the wait, from the cache they just wrote.
 RUNS = [
     ("w1", "bf16", [1], 1, 4, [37], "planes", 0, "tiny", "bf16"),
     ("w3_fp8", "fp8", [3], 3, 2, [5, 40, 17], "planes", 0, "tiny", "bf16"),
@@ -249,7 +252,8 @@ RUNS = [
     ("llama_w2_post_tagged", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "tagged"),
     ("llama_w1_store1d", "bf16", [1], 1, 1, [21], "planes", 0, "llama", "bf16"),
     ("llama_w1_bt16", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
-    ("llama_w1_bt16_nopre", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
+    ("llama_w1_bt16_pre", "bf16", [1], 1, 1, [150], "planes", 0, "llama", "bf16"),
+    ("llama_w2_pre", "bf16", [2], 2, 1, [9, 26], "planes", 0, "llama", "bf16"),
     ("w1_nopre", "bf16", [1], 1, 2, [37], "planes", 0, "tiny", "bf16"),
     ("llama_w2_bt16", "bf16", [2], 2, 1, [70, 150], "interleaved", 0, "llama", "bf16"),
     ("llama_w2_splitk", "bf16", [2], 2, 2, [9, 26], "planes", 0, "llama", "bf16"),
