@@ -327,7 +327,7 @@ CUDA = Target(
     attn_stages=3,
     # 27B, 8 layers: run 151 b1 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k (the attention's
     # share of a layer's chain 11.6 -> 10.2 µs); run 152 b1 2.416 -> 2.394 and 2.441 -> 2.422, b8
-    # 2.648 -> 2.642. Llama-style layers lost with it: 8B 1k b1 1.326 -> 1.331, b8 1.463 -> 1.511
+    # 2.648 -> 2.642, where it is off (whole-context tiles: the same build twice). Llama-style layers lost with it: 8B 1k b1 1.326 -> 1.331, b8 1.463 -> 1.511
     # (run 154), FP8 b2 0.969 -> 1.012, b8 1.068 -> 1.125 (run 153).
     attn_prefetch="qk_norm",
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
@@ -604,7 +604,7 @@ def attn_prefetch(target: Target, dims: ModelDims, plan: LayerPlan, fp8: bool) -
     V (bf16) fit a thread's share."""
     mode = target.attn_prefetch
     if mode not in ATTN_PREFETCH_MODES:
-        raise ConfigError(f"triton kernels: attn_prefetch must be one of {ATTN_PREFETCH_MODES}, got {mode!r}")
+        raise ConfigError(f"triton kernels: attn_prefetch must be '', 'qk_norm' or 'all', got {mode!r}")
     if not mode or (mode == "qk_norm" and not dims.qk_norm):
         return False
     W = plan.width

@@ -44,12 +44,31 @@ def test_bad_target_fields_are_refused_in_one_line():
     plan = plan_for(dims, [8], 132, CUDA, fp8=True).layers[8]
     with pytest.raises(ConfigError, match="^triton kernels: split_k_merge must be '', 'down' or 'all', got 'yes'$"):
         k2_constexprs(dims, plan, dataclasses.replace(CUDA, split_k_merge="yes"), fp8=True)
+    with pytest.raises(ConfigError, match="^triton kernels: attn_prefetch must be '', 'qk_norm' or 'all', got True$"):
+        k1_constexprs(dims, plan, dataclasses.replace(CUDA, attn_prefetch=True), 16)
 
 
 def _k1(profile: str, width: int, target=CUDA) -> dict:
     dims = profile_dims(profile)
     plan = plan_for(dims, [width], 132, target).layers[width]
     return k1_constexprs(dims, plan, target, 16)
+
+
+def test_attention_prefetch_only_where_timed_faster_and_where_the_tile_fits():
+    """K1's first K/V tile before the QKV wait: on q/k-norm layers (27B, runs 151-152), not on
+    Llama-style ones (runs 153-154), and never past 128 bytes a thread (FP8 width 1's 4-warp K1;
+    27B at width 8, one split a row: whole-context 128-position tiles)."""
+    assert _k1("gemma3-27b", 1)["ATTN_PREFETCH"] and _k1("gemma3-27b", 2)["ATTN_PREFETCH"]
+    assert not _k1("gemma3-27b", 8)["ATTN_PREFETCH"]
+    assert not _k1("llama3-8b", 1)["ATTN_PREFETCH"] and not _k1("llama3-8b", 8)["ATTN_PREFETCH"]
+    every = dataclasses.replace(CUDA, attn_prefetch="all")
+    assert _k1("llama3-8b", 1, every)["ATTN_PREFETCH"]
+    dims = profile_dims("llama3-8b")
+    plan = plan_for(dims, [1], 132, every, fp8=True).layers[1]
+    assert not k1_constexprs(dims, plan, every, 16, fp8=True)["ATTN_PREFETCH"]
+    assert k1_constexprs(dims, plan_for(dims, [2], 132, every, fp8=True).layers[2], every, 16, fp8=True)[
+        "ATTN_PREFETCH"
+    ]
 
 
 def test_qkv_chunks_hold_their_own_bytes_in_flight():
