@@ -326,9 +326,10 @@ CUDA = Target(
     wide_task_bytes=65536,
     attn_stages=3,
     # 27B, 8 layers: run 151 b1 2.435 -> 2.430 ms at 1k, 2.453 -> 2.448 at 8k (the attention's
-    # share of a layer's chain 11.6 -> 10.2 µs); run 152 b1 2.416 -> 2.394 and 2.441 -> 2.422, b8
-    # 2.648 -> 2.642, where it is off (whole-context tiles: the same build twice). Llama-style layers lost with it: 8B 1k b1 1.326 -> 1.331, b8 1.463 -> 1.511
-    # (run 154), FP8 b2 0.969 -> 1.012, b8 1.068 -> 1.125 (run 153).
+    # share of a layer's chain 11.6 -> 10.2 µs); run 152 b1 2.416 -> 2.394 and 2.441 -> 2.422 (b8,
+    # where it is off, drew 2.648 and 2.642: one build twice). Llama-style layers lost with it:
+    # 8B 1k b1 1.326 -> 1.331, b8 1.463 -> 1.511 (run 154), FP8 b2 0.969 -> 1.012, b8 1.068 ->
+    # 1.125 (run 153).
     attn_prefetch="qk_norm",
     wide_attn_stages=5,  # batch 8: 27B 17.92 -> 17.43 ms, 8B 5.43 -> 5.34, 1B 1.40 -> 1.33 (run 16)
     fp8_wide="pair",
