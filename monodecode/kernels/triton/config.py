@@ -596,15 +596,12 @@ def _attention_shape(L) -> dict:
 ATTN_PREFETCH_BYTES_PER_THREAD = 128
 
 
-ATTN_PREFETCH_MODES = ("", "qk_norm", "all")
-
-
 def attn_prefetch(target: Target, dims: ModelDims, plan: LayerPlan, fp8: bool) -> bool:
     """Whether K1 loads its first attention tile before the wait for the qkv stage
     (``Target.attn_prefetch``): only for the layers its mode names, and where the tile's K and
     V (bf16) fit a thread's share."""
     mode = target.attn_prefetch
-    if mode not in ATTN_PREFETCH_MODES:
+    if mode not in ("", "qk_norm", "all"):
         raise ConfigError(f"triton kernels: attn_prefetch must be '', 'qk_norm' or 'all', got {mode!r}")
     if not mode or (mode == "qk_norm" and not dims.qk_norm):
         return False
