@@ -50,7 +50,7 @@ import torch, triton
 p = torch.cuda.get_device_properties(0)
 print(f"{torch.cuda.get_device_name()} sm={p.multi_processor_count} cc={p.major}{p.minor} torch={torch.__version__} triton={triton.__version__}")
 PY
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$RUN/device.txt"
+nvidia-smi --query-gpu=name,uuid,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$RUN/device.txt"
 SM=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)')
 CAP=$(python3 -c 'import torch; p=torch.cuda.get_device_properties(0); print(p.major*10+p.minor)')
 EXP=""

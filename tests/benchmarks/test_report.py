@@ -230,6 +230,29 @@ def test_report_merges_saved_runs_and_prints_the_summary_table_last(tmp_path, ca
     assert "not a decode_latency result document" in capsys.readouterr().err
 
 
+def test_a_merged_report_says_how_many_runs_and_cards_it_holds(tmp_path, capsys):
+    """Runs split over several calls count as one machine's only where every document names the
+    same card; a document without a card's uuid (saved before it was recorded) is a card of its own."""
+    from monodecode_ops.decode_bench import harness
+
+    def header(*uuids):
+        paths = []
+        for i, u in enumerate(uuids):
+            d = doc_of([rec("stock-fullgraph", 5.0, batch=i + 1), rec("triton", 4.0, batch=i + 1)])
+            if u:
+                d["gpu_uuid"] = u
+            paths.append(tmp_path / f"h{len(uuids)}{i}{u}.json")
+            paths[-1].write_text(json.dumps(d))
+        assert harness.main(["--report", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
+        return capsys.readouterr().out.splitlines()[0]
+
+    assert "merged" not in header("a")
+    assert "merged from 3 runs on one card:" in header("a", "a", "a")
+    assert "merged from 2 runs on 2 cards" in header("a", "b")
+    assert "merged from 2 runs on 2 cards" in header("a", None)
+    assert "merged from 2 runs on 2 cards" in header(None, None)
+
+
 def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     """The step launch (``STEP_BACKEND``) counts only within the kernels' bound, against the same
     strongest stock as triton in its cell; a width it refused (a skipped cell) is left out of its

@@ -983,6 +983,8 @@ def run(
     deadline = start + deadline_s if deadline_s else None
     device = torch.device(DEVICE)
     gpu = torch.cuda.get_device_name()
+    # which card, so a report merged from several calls can say whether they ran on one machine
+    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
     probes = read_probes(device)
     bw = max(probes.values())
     spec = spec_bandwidth(gpu)
@@ -992,6 +994,7 @@ def run(
     doc = {
         "schema": 4,
         "gpu": gpu,
+        "gpu_uuid": uuid or None,
         "date": date,
         "contexts": contexts,
         "block_size": BLOCK,
@@ -1099,6 +1102,8 @@ def load_reports(paths: list[str]) -> dict:
             r.setdefault("context", d.get("context"))  # schema 3: one context per document
             merged[(r["profile"], r["weight_dtype"], r["context"], r["batch"], r["backend"])] = r
     doc["results"] = list(merged.values())
+    # documents saved before the uuid was recorded count as a card of their own each
+    doc["merged"] = {"documents": len(docs), "gpus": len({d.get("gpu_uuid") or f"unknown {i}" for i, d in enumerate(docs)})}
     doc.setdefault("read_bandwidth_gbs", 0.0)
     doc.setdefault("layers_note", "")
     doc["summary"] = summary(doc)
