@@ -1103,7 +1103,10 @@ def load_reports(paths: list[str]) -> dict:
             merged[(r["profile"], r["weight_dtype"], r["context"], r["batch"], r["backend"])] = r
     doc["results"] = list(merged.values())
     # documents saved before the uuid was recorded count as a card of their own each
-    doc["merged"] = {"documents": len(docs), "gpus": len({d.get("gpu_uuid") or f"unknown {i}" for i, d in enumerate(docs)})}
+    doc["merged"] = {
+        "documents": len(docs),
+        "gpus": len({d.get("gpu_uuid") or f"unknown {i}" for i, d in enumerate(docs)}),
+    }
     doc.setdefault("read_bandwidth_gbs", 0.0)
     doc.setdefault("layers_note", "")
     doc["summary"] = summary(doc)

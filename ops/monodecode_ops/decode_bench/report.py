@@ -249,7 +249,9 @@ def markdown_table(doc: dict) -> str:
     m, source = doc.get("merged"), ""
     if m and m["documents"] > 1:
         cards = "one card" if m["gpus"] == 1 else f"{m['gpus']} cards (or runs that did not record theirs)"
-        source = f"; merged from {m['documents']} runs on {cards}: the first run's probe, each row's roofline its own run's"
+        source = (
+            f"; merged from {m['documents']} runs on {cards}: the first run's probe, each row's roofline its own run's"
+        )
     lines = [
         f"GPU: {doc['gpu']} ({doc['date']}), read probe {doc['read_bandwidth_gbs']:.0f} GB/s, random weights, "
         f"{doc['layers_note']}{source}",
