@@ -370,11 +370,12 @@ def test_the_run_records_its_step_variants_and_builds_them_where_the_step_launch
         return []
 
     monkeypatch.setattr(harness, "DEVICE", "cpu")
-    monkeypatch.setattr(harness.torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(harness, "gpu_identity", lambda: ("GPU", "GPU-1"))
     monkeypatch.setattr(harness, "read_probes", lambda device: {"copy": 3e12})
     monkeypatch.setattr(harness, "bench_config", fake_bench_config)
     doc = harness.run(["llama3-1b"], [1], [64], 1, [], 1, tmp_path, log=lambda *a: None)
     assert doc["step_variants"] == harness.DEFAULT_STEP_VARIANTS and doc["step"] is True
+    assert (doc["gpu"], doc["gpu_uuid"]) == ("GPU", "GPU-1")
     plan = {"ring4": {"ring": 4}}
     doc = harness.run(["llama3-1b"], [1], [64], 1, [], 1, tmp_path, log=lambda *a: None, step_variants=plan)
     assert doc["step_variants"] == plan

@@ -227,6 +227,13 @@ def contiguous_kv_bytes(dims, layers: int, rows: int, context: int) -> int:
     return sum((context - ContiguousKV.first_position(dims, l, context)) * per_position for l in range(layers))
 
 
+def gpu_identity() -> tuple[str, str | None]:
+    """The GPU's name, and its uuid so that a report merged from several calls can say whether
+    they ran on one card."""
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return torch.cuda.get_device_name(), str(uuid) if uuid else None
+
+
 def _time_eager(fn, replays: int, warmup: int = 2) -> list[float]:
     """Seconds of each of ``replays`` calls of ``fn`` (CUDA events around each), after ``warmup`` calls."""
     return time_calls(fn, replays, warmup)
@@ -982,9 +989,7 @@ def run(
     start = time.monotonic()
     deadline = start + deadline_s if deadline_s else None
     device = torch.device(DEVICE)
-    gpu = torch.cuda.get_device_name()
-    # which card, so a report merged from several calls can say whether they ran on one machine
-    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+    gpu, uuid = gpu_identity()
     probes = read_probes(device)
     bw = max(probes.values())
     spec = spec_bandwidth(gpu)
@@ -994,7 +999,7 @@ def run(
     doc = {
         "schema": 4,
         "gpu": gpu,
-        "gpu_uuid": uuid or None,
+        "gpu_uuid": uuid,
         "date": date,
         "contexts": contexts,
         "block_size": BLOCK,
