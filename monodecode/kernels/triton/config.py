@@ -136,6 +136,11 @@ class Target:
     # end at once). One graph serves every context.
     attn_launch: bool = False
     attn_launch_min_context: int = 0
+    # A sliding layer whose window is shorter than ``attn_launch_min_context`` never attends in the
+    # attention launch (its programs would end at once), so the host leaves the launch out there
+    # (``attn_launch_on_layer``): Gemma-3's five of six layers. True issues it on every layer (the
+    # build before session 32, for A/B runs).
+    attn_launch_every_layer: bool = False
     attn_launch_warps: int = 4
     attn_launch_tile: int = 128
     attn_launch_stages: int = 3
@@ -701,6 +706,14 @@ def attn_launch(target: Target, plan: LayerPlan) -> bool:
     """Whether this width has the attention launch (``ka.py``): it reads plain bf16 values, so a
     width with the tagged mailbox keeps its attention in K1."""
     return target.attn_launch and plan.mailbox == "bf16"
+
+
+def attn_launch_on_layer(target: Target, window: int) -> bool:
+    """Whether a layer of a width that has the attention launch issues it: not on a sliding layer
+    (``window`` > 0) that sees fewer positions than ``attn_launch_min_context`` at any context,
+    where ``ka.long_context`` is false in every step (``Target.attn_launch_every_layer``)."""
+    short = 0 < window < target.attn_launch_min_context
+    return target.attn_launch_every_layer or not short
 
 
 def ka_constexprs(dims: ModelDims, plan: LayerPlan, target: Target, block_size: int, fp8: bool = False) -> dict:

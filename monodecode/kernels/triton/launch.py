@@ -21,6 +21,7 @@ from monodecode.kernels.triton.config import (
     REGS_PER_SM,
     SMEM_PER_SM,
     Target,
+    attn_launch_on_layer,
     check_dims,
     compile_options,
     constexprs,
@@ -89,6 +90,7 @@ class TritonKernels(TwoLaunchKernels):
         self.attn = {w: torch.zeros(w, dims.q_size, dtype=torch.bfloat16, device=self.device) for w in req.widths}
         # the attention launch's split partials and per-(row, KV head) arrival counters (``ka.py``)
         self.ka_bufs = {w: self._ka_buffers(w) for w in req.widths if len(self.consts[w]) > 2}
+        self.ka_layers = [attn_launch_on_layer(target, L.window) for L in self.layers]
         # K2's arrival counters of split row tiles (``Target.split_k_merge``; each launch leaves them at zero)
         self.k2_arrive = {
             w: torch.zeros(
@@ -235,7 +237,7 @@ class TritonKernels(TwoLaunchKernels):
             self.dims,
         )
         self._run(0, width, args)
-        if width in self.ka_bufs:
+        if width in self.ka_bufs and self.ka_layers[layer]:
             part, arrive, grid = self.ka_bufs[width]
             ka = ka_args(self.layers[layer], kc, vc, st, meta, out, self.scratch, self.health_word, part, arrive,
                          layer, self.spin_limit, self.dims)  # fmt: skip

@@ -13,6 +13,7 @@ from monodecode.errors import ConfigError
 from monodecode.kernels.plan import plan_model
 from monodecode.kernels.triton.config import (
     CUDA,
+    attn_launch_on_layer,
     cuda_programs_per_sm,
     gemv_chunk,
     k1_constexprs,
@@ -69,6 +70,21 @@ def test_attention_prefetch_only_where_timed_faster_and_where_the_tile_fits():
     assert k1_constexprs(dims, plan_for(dims, [2], 132, every, fp8=True).layers[2], every, 16, fp8=True)[
         "ATTN_PREFETCH"
     ]
+
+
+def test_the_attention_launch_only_on_layers_that_can_reach_its_context():
+    """Gemma-3-27B's sliding layers see at most 1024 positions, fewer than the 4096 from which the
+    CUDA default attends in the attention launch, so five of every six layers leave it out; a
+    window as long as the threshold, a launch that holds every step's attention (min context 0),
+    Llama's unwindowed layers and ``attn_launch_every_layer`` keep it."""
+    dims = profile_dims("gemma3-27b")
+    on = [attn_launch_on_layer(CUDA, dims.window_for_layer(layer) or 0) for layer in range(12)]
+    assert on == [False] * 5 + [True] + [False] * 5 + [True]
+    assert attn_launch_on_layer(dataclasses.replace(CUDA, attn_launch_every_layer=True), 1024)
+    assert attn_launch_on_layer(dataclasses.replace(CUDA, attn_launch_min_context=0), 1024)
+    assert attn_launch_on_layer(dataclasses.replace(CUDA, attn_launch_min_context=1024), 1024)
+    assert not attn_launch_on_layer(dataclasses.replace(CUDA, attn_launch_min_context=1025), 1024)
+    assert attn_launch_on_layer(CUDA, profile_dims("llama3-8b").window_for_layer(0) or 0)
 
 
 def test_qkv_chunks_hold_their_own_bytes_in_flight():

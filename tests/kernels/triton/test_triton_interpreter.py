@@ -112,6 +112,9 @@ CHILD = textwrap.dedent(
         if "_k1shared" in name:  # K1 on K2's grid (two programs per SM), not on one of its own
             target = dataclasses.replace(target, fp8_wide_k1_programs_per_sm=0)
         tk = TritonKernels(req, w, target, programs, "cpu")
+        launched = []  # which kernels each layer issued (0 K1, 1 K2, 2 the attention launch)
+        run = tk._run
+        tk._run = lambda which, *a, **k: (launched.append(which), run(which, *a, **k))[1]
         # FP8 weights take two programs per SM by default (``fp8_wide_programs_per_sm``,
         # ``fp8_narrow_programs_per_sm``), but K1 at widths > 1 one (``fp8_wide_k1_programs_per_sm``)
         doubled = ("_pps2" in name and widths[0] > 1) or wd == "fp8"
@@ -175,6 +178,7 @@ CHILD = textwrap.dedent(
         for l in range(layers):
             a_ref = R.k1_reference(dims, l, w.layers[l], x, meta, kv_ref)
             y_ref = R.k2_reference(dims, l, w.layers[l], x, a_ref)
+            before = len(launched)
             y_tri = tk.forward_layer(l, x, meta, kv_tri)  # pads rows up to the width
             ys.append(y_tri.view(torch.int16).tolist())
             s = meta.slot_mapping[meta.slot_mapping >= 0]
@@ -191,7 +195,8 @@ CHILD = textwrap.dedent(
                         "y": rel(y_tri, y_ref),
                         "k": rel(at(kv_tri.key[l], s), at(kv_ref.key[l], s)),
                         "v": rel(at(kv_tri.value[l], s), at(kv_ref.value[l], s)),
-                        "untouched": untouched})
+                        "untouched": untouched,
+                        "launches": launched[before:]})
             x = y_ref
         out[name] = {"layers": res, "health": tk.health(), "bits": ys}
     print(json.dumps(out))
@@ -478,6 +483,19 @@ def test_each_step_runs_its_attention_in_exactly_one_launch(results):
     for hybrid, twin in (("w1_kah", "w1"), ("llama_w2_kah_bt16", "llama_w2_ka_bt16")):
         assert results[hybrid]["health"] == 0
         assert results[hybrid]["bits"] == results[twin]["bits"], f"{hybrid} differs from {twin}"
+
+
+def test_the_attention_launch_is_left_out_where_a_layer_can_never_use_it(results):
+    """Tiny's sliding layers (0-2) see at most 24 positions, fewer than the 64 from which
+    ``w1_kah`` takes the attention launch, so they issue K1 and K2 only; its global layer (3)
+    issues all three (so does the default's, from 4096 positions on: ``w1``), as every layer does
+    where the launch holds every step's attention
+    (``w1_ka``: ``attn_launch_min_context`` 0) and on Llama-style layers (no window).
+    ``test_each_step_runs_its_attention_in_exactly_one_launch`` holds ``w1_kah``'s bits to ``w1``'s."""
+    per_layer = {name: [r["launches"] for r in results[name]["layers"]] for name in ("w1_kah", "w1_ka", "w1")}
+    assert per_layer["w1_kah"] == per_layer["w1"] == [[0, 1], [0, 1], [0, 1], [0, 2, 1]]  # w1: from 4096 on
+    assert per_layer["w1_ka"] == [[0, 2, 1]] * 4
+    assert [r["launches"] for r in results["llama_w2_kah_bt16"]["layers"]] == [[0, 2, 1]]
 
 
 def test_group_merge_gives_the_per_head_merge_s_bits(results):
