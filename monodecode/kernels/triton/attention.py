@@ -137,7 +137,7 @@ def _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH: tl.constexpr, S: tl.
     per = tl.cdiv(tl.cdiv(tl.maximum(end - start, 0), S), BT) * BT
     lo = start + s * per
     hi = tl.minimum(lo + per, end)
-    return r, g, pos, slot, live, lo, hi, end - 1
+    return r, g, s, pos, slot, live, lo, hi, end - 1
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def attn_first_tile(t, valid, kv, step, SHAPE: tl.constexpr):
     S: tl.constexpr = SHAPE[8]
     BS: tl.constexpr = SHAPE[9]
     BT: tl.constexpr = SHAPE[10]
-    r, g, _pos, _slot, _live, lo, hi, _newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
+    r, g, _s, _pos, _slot, _live, lo, hi, _newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
     hi = tl.where(valid, hi, lo)
     blk = _block_ids(bt_ptr, r, bt_stride, lo, hi, BS, BT)
     return _kv_tile(kc_ptr, vc_ptr, blk, lo, hi, g, k_sb, k_st, k_sh, v_sb, v_st, v_sh, BS, BT, D)
@@ -204,8 +204,7 @@ def attn_task(
     BS: tl.constexpr = SHAPE[9]
     BT: tl.constexpr = SHAPE[10]
     HALF: tl.constexpr = D // 2
-    r, g, pos, slot, live, lo, hi, newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
-    s = t % S
+    r, g, s, pos, slot, live, lo, hi, newest = _split_span(t, pos_ptr, slot_ptr, seq_ptr, window, KVH, S, BT)
     dh = tl.arange(0, HALF)
     d = tl.arange(0, D)
     jq = tl.arange(0, GP)
