@@ -527,4 +527,7 @@ def test_the_step_launch_timeline_is_drawn_with_its_own_layout(monkeypatch, tmp_
     assert got["timeline"]["gap"] == TL.STEP.gap
     assert got["timeline_png"] == "stem_timeline_llama3-1b_bf16_c1024_b8_step.png"
     assert (tmp_path / got["timeline_png"]).stat().st_size > 5000
+    # the raw stamps are saved (compressed) beside the plot and read back whole
+    assert got["timeline_stamps"] == "stem_timeline_llama3-1b_bf16_c1024_b8_step_stamps.pt.xz"
+    assert torch.equal(TL.load_stamps(tmp_path / got["timeline_stamps"]), FakeStepKernels().timeline(4, 8))
     assert any("last attention end -> first o_proj entry" in line for line in logs)

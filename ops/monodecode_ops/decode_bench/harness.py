@@ -847,8 +847,8 @@ def _timeline(
     title = f"{backend}: {profile} {weight_dtype} context {context} batch {rows}, layer {layer}"
     TL.plot_layer(stamps, layer, title, path, layout)
     # the raw stamps too ([layer, kernel, program, stage, slot] ns): a later summary can be run on them
-    raw = path.with_name(f"{path.stem}_stamps.pt")
-    torch.save(stamps.cpu(), raw)
+    raw = path.with_name(f"{path.stem}{TL.STAMPS_SUFFIX}")
+    TL.save_stamps(stamps, raw)
     summ = TL.summarize(stamps, layout)
     log(f"  {backend} timeline batch {rows} (step with stamps {prof_ms:.3f} ms): {path.name}")
     for line in TL.describe(summ):
