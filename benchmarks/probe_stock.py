@@ -195,9 +195,9 @@ def plot(rows: list[dict], title: str, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
-
     import matplotlib.pyplot as plt
+
+    from monodecode_ops.plots import save_png
 
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(4.2 * len(contexts), 4.2), squeeze=False)
@@ -219,8 +219,4 @@ def plot(rows: list[dict], title: str, path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path, dpi=110)

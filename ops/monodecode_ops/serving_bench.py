@@ -39,6 +39,7 @@ from typing import Any
 from monodecode.errors import MonodecodeError
 from monodecode.jsonio import parse_json
 from monodecode_ops.endpoint_http import HttpFailure, HttpTarget, get, parse_http_url, post_stream
+from monodecode_ops.plots import save_png
 from monodecode_ops.scrape import scrape_samples
 
 PERCENTILES = (50, 90, 99)
@@ -521,8 +522,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         parse_math=False,  # a model name is text: "$" in it is not mathtext
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 def check_out_dir(out_dir: Path) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from monodecode_ops.plots import save_png
+
 # Whole-stack relative error of the kernels (test_triton_numerics.STACK_REL_FRO).
 STACK_REL_FRO = 5e-2
 # W8A8 stock (e4m3 activations): its bound in test_triton_bench_stock.py.
@@ -428,7 +430,4 @@ def plot(doc: dict, path: Path, context: int | None = None) -> None:
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(f"Decode step vs roofline, {doc['gpu']}, context {context} ({doc['date']})")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path, dpi=110)

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import torch
 
+from monodecode_ops.plots import save_png
+
 # Raw stamps are mostly zeros and nearby nanosecond counts: xz keeps a timeline at ~1/14 of its
 # .pt size, which keeps the saved results (tracked in git, sent with every device call) small.
 STAMPS_SUFFIX = "_stamps.pt.xz"
@@ -256,7 +258,4 @@ def plot_layer(stamps: torch.Tensor, layer: int, title: str, path: Path, layout:
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=4, loc="upper right")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
-    plt.close(fig)
+    save_png(fig, path, dpi=100)
