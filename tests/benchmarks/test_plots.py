@@ -50,8 +50,7 @@ def test_a_failed_save_leaves_the_old_plot_and_no_partial_file(tmp_path, monkeyp
     def disk_full(self, fp, *args, **kwargs):
         if isinstance(fp, io.BytesIO):  # matplotlib's own render into memory
             return real_save(self, fp, *args, **kwargs)
-        with open(fp, "wb") as f:
-            f.write(b"\x89PNG half")
+        fp.write(b"\x89PNG half")
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Image.Image, "save", disk_full)
@@ -61,3 +60,17 @@ def test_a_failed_save_leaves_the_old_plot_and_no_partial_file(tmp_path, monkeyp
     assert path.read_bytes() == b"the previous plot"
     assert list(tmp_path.iterdir()) == [path]
     assert not plt.fignum_exists(fig.number)
+
+
+def test_a_link_planted_beside_the_plot_is_not_written_through(tmp_path):
+    """The temporary file's name is fresh and created exclusively, so a symlink planted where a
+    predictable temporary name would be (``p.tmp.png``, the old scheme) leaves its target alone."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not a plot")
+    path = tmp_path / "p.png"
+    (tmp_path / "p.tmp.png").symlink_to(victim)
+    save_png(_figure(), path, dpi=80)
+    assert victim.read_bytes() == b"not a plot"
+    with Image.open(path) as saved:
+        assert saved.mode == "P"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "p.tmp.png", "victim"]

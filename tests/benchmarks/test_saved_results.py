@@ -19,6 +19,11 @@ def _tracked() -> list[Path]:
     return [ROOT / p for p in out.decode().split("\0") if p]
 
 
+def _mode(png: Path) -> str:
+    with Image.open(png) as im:
+        return im.mode
+
+
 def test_the_tracked_tree_fits_a_device_call_with_room_to_carry():
     files = [p for p in _tracked() if p.is_file()]
     total = sum(p.stat().st_size for p in files)
@@ -33,5 +38,5 @@ def test_saved_results_are_in_their_compact_forms():
     results = [p for p in _tracked() if "benchmarks/results/" in p.as_posix()]
     raw = [p.name for p in results if p.name.endswith("_stamps.pt")]
     assert not raw, f"timeline stamps saved uncompressed (timeline.save_stamps writes .pt.xz): {raw[:3]}"
-    rgb = [p.name for p in results if p.suffix == ".png" and Image.open(p).mode != "P"]
+    rgb = [p.name for p in results if p.suffix == ".png" and _mode(p) != "P"]
     assert not rgb, f"plots saved without plots.save_png's palette: {rgb[:3]}"
