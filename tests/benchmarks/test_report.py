@@ -253,6 +253,27 @@ def test_a_merged_report_says_how_many_runs_and_cards_it_holds(tmp_path, capsys)
     assert "merged from 2 runs on 2 cards" in header(None, None)
 
 
+def test_a_merged_cell_comes_whole_from_the_last_run_that_timed_it(tmp_path):
+    """Two runs of one cell: the merged cell is the later run's, every backend of it, so a ratio
+    never sets one run's kernels against another run's stock (here run 1's slow stock draw would
+    have made run 2's triton look 1.25x) and a variant only the earlier run timed is not compared
+    with the later run's stock."""
+    from monodecode_ops.decode_bench import harness
+
+    run1 = doc_of(
+        [rec("stock-fullgraph", 5.0), rec("triton", 4.4), rec("triton-kal", 4.5), rec("triton", 5.0, batch=8)]
+    )
+    run2 = doc_of([rec("stock-fullgraph", 4.0), rec("triton", 4.0)])
+    paths = []
+    for i, d in enumerate((run1, run2)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    merged = harness.load_reports([str(p) for p in paths])
+    got = {(r["batch"], r["backend"]): r["step_ms"] for r in merged["results"]}
+    assert got == {(1, "stock-fullgraph"): 4.0, (1, "triton"): 4.0, (8, "triton"): 5.0}
+    assert per_cell(merged, batch=1)["stock_over_triton"] == pytest.approx(1.0)
+
+
 def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     """The step launch (``STEP_BACKEND``) counts only within the kernels' bound, against the same
     strongest stock as triton in its cell; a width it refused (a skipped cell) is left out of its

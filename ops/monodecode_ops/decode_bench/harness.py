@@ -1090,8 +1090,10 @@ def write_plots(doc: dict, out_dir: Path, stem: str) -> list[str]:
 
 
 def load_reports(paths: list[str]) -> dict:
-    """Saved result documents merged into one (the first one's probes and GPU; later cells of the
-    same backend replace earlier ones), for ``--report``."""
+    """Saved result documents merged into one (the first one's probes and GPU), for ``--report``.
+    A cell (profile, weights, context, batch) comes whole from the last document that timed it, so
+    every ratio in the merged report is between backends timed side by side in one run, never a
+    backend of one run against the stock of another."""
     docs = []
     for p in paths:
         try:
@@ -1101,12 +1103,14 @@ def load_reports(paths: list[str]) -> dict:
         if not isinstance(docs[-1], dict) or not isinstance(docs[-1].get("results"), list):
             raise MonodecodeError(f"--report {p}: not a decode_latency result document")
     doc = dict(docs[0])
-    merged: dict[tuple, dict] = {}
+    cells: dict[tuple, list[dict]] = {}
     for d in docs:
+        rows: dict[tuple, list[dict]] = {}
         for r in d["results"]:
             r.setdefault("context", d.get("context"))  # schema 3: one context per document
-            merged[(r["profile"], r["weight_dtype"], r["context"], r["batch"], r["backend"])] = r
-    doc["results"] = list(merged.values())
+            rows.setdefault((r["profile"], r["weight_dtype"], r["context"], r["batch"]), []).append(r)
+        cells.update(rows)  # a later run's cell replaces the earlier one's, every backend of it
+    doc["results"] = [r for rows in cells.values() for r in rows]
     # documents saved before the uuid was recorded count as a card of their own each
     doc["merged"] = {
         "documents": len(docs),
