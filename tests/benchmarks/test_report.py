@@ -274,6 +274,24 @@ def test_a_merged_cell_comes_whole_from_the_last_run_that_timed_it(tmp_path):
     assert per_cell(merged, batch=1)["stock_over_triton"] == pytest.approx(1.0)
 
 
+def test_the_back_to_back_table_sets_both_methods_side_by_side():
+    """Each way takes its own strongest counted stock (here a different one each way), a backend
+    outside its tolerance is left out, and documents without back-to-back times print no table."""
+    b2b = "step_ms_back_to_back"
+    rows = [
+        rec("stock-fullgraph", 5.0, **{b2b: 4.0}),
+        rec("stock-fullgraph-cdt", 4.6, **{b2b: 4.4}),
+        rec("stock-contig-graph", 3.0, err=0.5, **{b2b: 2.0}),  # outside its tolerance: never the bar
+        rec("triton", 4.6, **{b2b: 4.5}),
+        rec(RP.STEP_BACKEND, 4.0, **{b2b: 3.2}),
+    ]
+    table = RP.back_to_back_table(doc_of(rows)).splitlines()
+    assert len(table) == 4
+    assert table[2].endswith("| triton | 4.600 | 4.500 | 1.000x | 0.889x (stock-fullgraph) |")
+    assert table[3].endswith(f"| {RP.STEP_BACKEND} | 4.000 | 3.200 | 1.150x | 1.250x (stock-fullgraph) |")
+    assert RP.back_to_back_table(doc_of([rec("stock-fullgraph", 5.0), rec("triton", 4.6)])) == ""
+
+
 def test_the_step_launch_is_held_to_tritons_rules_beside_it(tmp_path, capsys):
     """The step launch (``STEP_BACKEND``) counts only within the kernels' bound, against the same
     strongest stock as triton in its cell; a width it refused (a skipped cell) is left out of its

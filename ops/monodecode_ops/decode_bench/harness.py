@@ -48,7 +48,10 @@ bandwidth is printed beside it). ``fraction`` = roofline time / measured time.
 
 Timing: device events around each graph replay (a whole step), after warm-up; the median of
 ``--replays`` (the oracle: 3). Each sample includes the graph-submission latency
-(each replay follows a synchronize). ``capture_s`` is the wall time of a backend's first run and
+(each replay follows a synchronize); the verdicts use these. Every backend but the oracle is also
+timed with ``BACK_TO_BACK`` replays queued between two events (``step_ms_back_to_back``, the
+median of 3 rounds: the host ahead of the device, each step without its own submission), and the
+report sets the two methods' ratios side by side (``report.back_to_back_table``). ``capture_s`` is the wall time of a backend's first run and
 capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
 fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
 triton kernels and the step launch are rebuilt with per-stage ``%globaltimer`` stamps and one step
@@ -89,12 +92,13 @@ from monodecode.model.weights import random_weights
 from monodecode.runtime.width_policy import capture_graph
 from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, FullgraphStockDecode, fastest_draw, tuning_draws
 from monodecode_ops.decode_bench.hang import exit_if_stuck
-from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_calls
+from monodecode_ops.decode_bench.probes import read_probes, spec_bandwidth, time_back_to_back, time_calls
 from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's public interface
     LABELS,
     STEP_BACKEND,
     STOCK_BACKENDS,
     TARGETS,
+    back_to_back_table,
     fp8_table,
     is_step_backend,
     markdown_table,
@@ -183,6 +187,8 @@ DEFAULT_STEP_VARIANTS: dict[str, dict[str, int]] = {}
 # A step variant's name (its backend is ``triton-step-<name>``).
 STEP_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*(?:-[A-Za-z0-9_]+)*")
 BLOCK = 16
+# replays a step's graph is timed over queued back to back (``step_ms_back_to_back``)
+BACK_TO_BACK = 20
 DEVICE = "cuda"  # the device the benchmark runs on (a CPU smoke test sets "cpu")
 MEMORY_MARGIN = 4 << 30  # left free for the graphs' pools and the oracle's fp32 attention chunks
 
@@ -593,7 +599,7 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
 
 def _row(
     ctx, rows, context, backend, times, error, rel, capture_s, skipped=False, health=None, draws: dict | None = None,
-    same_bits: bool | None = None,
+    same_bits: bool | None = None, back_to_back: list[float] | None = None,
 ) -> dict:  # fmt: skip
     dims, n_layers = ctx["dims"], ctx["n_layers"]
     kbytes = kv_bytes(dims, n_layers, context, rows)
@@ -619,6 +625,7 @@ def _row(
         "step_ms": med * 1e3 if med else None,
         "step_ms_min": min(times) * 1e3 if times else None,
         "step_ms_full_model": med * 1e3 * dims.num_layers / n_layers if med else None,
+        "step_ms_back_to_back": statistics.median(back_to_back) * 1e3 if back_to_back else None,
         "replays": len(times) if times else 0,
         "capture_s": capture_s,
         "tuning_draws_ms": (draws or {}).get("ms"),
@@ -704,6 +711,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
     outs: dict[str, torch.Tensor] = {}
     capture: dict[str, float] = {}
     draws: dict[str, dict] = {}  # tuned stock -> each draw's median ms and failed draws (tuning_draws > 1)
+    back_to_back: dict[str, list[float] | None] = {}  # seconds a step, replays queued back to back
     steps = {}
     for name in wanted:
         if name == "reference-eager":
@@ -725,9 +733,11 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
                 torch.cuda.synchronize()
                 capture_s = time.monotonic() - t0
                 ts = _time_graph(g, n, warm)
+                # the oracle's steps take up to 0.3 s (32k): timed one way only
+                b2b = time_back_to_back(g.replay, BACK_TO_BACK) if name != "reference-graph" else None
                 g.replay()  # leave this backend's output of the same KV state for the error check
                 torch.cuda.synchronize()
-                return ts, out.clone(), capture_s
+                return ts, out.clone(), capture_s, b2b
 
             # a compiled path's own compiles (and no stale entry of another); a tuned one drawn
             got, failed = tuning_draws(draw, ctx["tuning_draws"] if name in TUNED else 1, reset=name in COMPILED)
@@ -735,7 +745,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
                 log(f"  ! {name} {why}")
             if len(got) > 1 or failed:
                 draws[name] = {"ms": [round(_median_ms(ts), 4) for ts, _, _ in got], "failed": failed}
-            ts, out, capture[name] = fastest_draw(got)
+            ts, out, capture[name], back_to_back[name] = fastest_draw(got)
             return ts, out, None
 
         # our launches: one that hangs is named and ends the run (``hang.py``)
@@ -774,6 +784,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             health=health.get(b),
             draws=draws.get(b),
             same_bits=same.get(b),
+            back_to_back=back_to_back.get(b),
         )  # fmt: skip
         for b in wanted
     ]
@@ -1132,6 +1143,12 @@ def print_report(doc: dict) -> None:
     if fp8:
         print("\nFP8 triton against its bars (W8A16 fused-dequant stock; BF16 stock of the same cell):\n")
         print(fp8)
+    b2b = back_to_back_table(doc)
+    if b2b:
+        print(
+            f"\nEach step timed two ways (one replay after a synchronize; {BACK_TO_BACK} replays queued back to back):\n"
+        )
+        print(b2b)
     s = doc["summary"]
     if doc.get("skipped_configs"):
         print(f"\nnot run (time budget): {', '.join(doc['skipped_configs'])}")

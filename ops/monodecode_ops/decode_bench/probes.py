@@ -71,6 +71,23 @@ def time_calls(fn, reps: int, warmup: int = 3) -> list[float]:
     return times
 
 
+def time_back_to_back(fn, calls: int, rounds: int = 3) -> list[float]:
+    """Seconds a call of ``fn`` over ``calls`` calls queued back to back between two device events
+    (one synchronize a round, not a call: the host stays ahead of the device, as under vLLM's
+    asynchronous scheduling), for each of ``rounds`` rounds."""
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / calls)
+    return out
+
+
 def _median_s(fn, reps: int) -> float:
     return statistics.median(time_calls(fn, reps))
 

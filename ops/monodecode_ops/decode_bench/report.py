@@ -111,19 +111,20 @@ def find(rows: list[dict], r: dict, backend: str, weight_dtype: str | None = Non
     return next((x for x in rows if cell(x) == key and x["backend"] == backend), None)
 
 
-def best_stock(rows: list[dict], r: dict, weight_dtype: str | None = None) -> dict | None:
-    """The fastest counted stock step of ``r``'s cell (with ``weight_dtype``: of that dtype's cell)."""
-    got = [x for b in STOCK_BACKENDS if (x := find(rows, r, b, weight_dtype)) and counts(x)[0]]
-    return min(got, key=lambda x: x["step_ms"], default=None)
+def best_stock(rows: list[dict], r: dict, weight_dtype: str | None = None, timed: str = "step_ms") -> dict | None:
+    """The fastest counted stock step of ``r``'s cell (with ``weight_dtype``: of that dtype's cell),
+    by its ``timed`` time (``step_ms``, or ``step_ms_back_to_back``)."""
+    got = [x for b in STOCK_BACKENDS if (x := find(rows, r, b, weight_dtype)) and counts(x)[0] and x.get(timed)]
+    return min(got, key=lambda x: x[timed], default=None)
 
 
-def strongest_stock(rows: list[dict], r: dict) -> dict | None:
+def strongest_stock(rows: list[dict], r: dict, timed: str = "step_ms") -> dict | None:
     """ "Stock" in every verdict: the fastest counted stock step of the cell; for FP8 also the
     BF16 stock of the same profile, context and batch."""
-    got = [best_stock(rows, r)]
+    got = [best_stock(rows, r, timed=timed)]
     if r["weight_dtype"] != "bf16":
-        got.append(best_stock(rows, r, "bf16"))
-    return min((x for x in got if x), key=lambda x: x["step_ms"], default=None)
+        got.append(best_stock(rows, r, "bf16", timed))
+    return min((x for x in got if x), key=lambda x: x[timed], default=None)
 
 
 def _ratio(base: dict | None, r: dict | None) -> float | None:
@@ -240,6 +241,10 @@ def _ms(r: dict | None, digits: int = 3) -> str:
 
 def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v else "n/a"
+
+
+def _x3(v: float | None) -> str:
+    return f"{v:.3f}x" if v else "n/a"
 
 
 def _pct(v: float | None) -> str:
@@ -381,6 +386,35 @@ def fp8_table(doc: dict) -> str:
             f"{f'{b:.2f}' if b else 'not run'} | {bar} | {_x(s['stock_over_triton'])} |"
         )
     return "\n".join(lines)
+
+
+BACK_TO_BACK_MS = "step_ms_back_to_back"  # a row's median step with replays queued back to back
+
+
+def back_to_back_table(doc: dict) -> str:
+    """Each cell's kernels against the strongest stock timed two ways: one replay after a
+    synchronize (the verdicts': every step pays its graph's submission, a fixed cost that moves
+    the ratios toward 1x) and replays queued back to back (the host ahead of the device, as under
+    vLLM's asynchronous scheduling). Each way takes its own strongest stock. Empty where no cell
+    has back-to-back times (documents saved before they were recorded)."""
+    rows = doc["results"]
+    lines = [
+        "| model | weights | context | batch | backend | ms, one replay | ms, back to back | stock / this, one replay | stock / this, back to back |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["backend"] != "triton":
+            continue
+        one, b2b = strongest_stock(rows, r), strongest_stock(rows, r, BACK_TO_BACK_MS)
+        for x in (r, find(rows, r, STEP_BACKEND)):
+            if not x or not counts(x)[0] or not x.get(BACK_TO_BACK_MS) or not b2b:
+                continue
+            lines.append(
+                f"| {r['profile']} | {r['weight_dtype']} | {r.get('context')} | {r['batch']} | {x['backend']} | "
+                f"{x['step_ms']:.3f} | {x[BACK_TO_BACK_MS]:.3f} | {_x3(_ratio(one, x))} | "
+                f"{_x3(b2b[BACK_TO_BACK_MS] / x[BACK_TO_BACK_MS])} ({b2b['backend']}) |"
+            )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def probe_lines(doc: dict) -> list[str]:
