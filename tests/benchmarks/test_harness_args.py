@@ -537,8 +537,8 @@ def test_a_cell_times_each_step_both_ways_and_keeps_the_oracle_to_one(monkeypatc
     """``_bench_cell`` on the CPU (the tiny model, the reference and the paged stock step run for
     real; the CUDA graph and its two timers stand in): each backend's row carries its median
     one-replay time (``step_ms``) and its median back-to-back time (``step_ms_back_to_back``, the
-    host queueing ``BACK_TO_BACK`` replays), and the oracle, whose steps take up to 0.3 s, is timed
-    one way only."""
+    host queueing ``BACK_TO_BACK`` replays), a tuned stock's draws each timed both ways, and the
+    oracle, whose steps take up to 0.3 s, is timed one way only."""
     import torch
 
     from monodecode.model.profiles import profile_dims
@@ -561,6 +561,7 @@ def test_a_cell_times_each_step_both_ways_and_keeps_the_oracle_to_one(monkeypatc
     monkeypatch.setattr(harness, "_time_graph", lambda g, n, warm=3: [2e-3, 3e-3, 4e-3][:n])
     monkeypatch.setattr(harness, "time_back_to_back", back_to_back)
     monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(harness, "TUNED", ("stock-graph",))  # drawn twice, as a tuned stock is
     dims, device = profile_dims("tiny"), torch.device("cpu")
     weights = random_weights(dims, seed=1, device=device, num_layers=2)
     paths, base = harness._stock_paths(dims, weights, ("paged",), 64, device, False, lambda *a: None)
@@ -568,10 +569,11 @@ def test_a_cell_times_each_step_both_ways_and_keeps_the_oracle_to_one(monkeypatc
         "profile": "tiny", "weight_dtype": "bf16", "dims": dims, "n_layers": 2, "weights": weights,
         "kernels": {}, "paths": paths, "base": base, "stock_path": None, "variants": {}, "step_variants": {},
         "wbytes": harness.weight_bytes(weights), "bandwidth": 3e12, "spec": 3.35e12, "replays": 3,
-        "device": device, "log": lambda *a: None, "tuning_draws": 1,
+        "device": device, "log": lambda *a: None, "tuning_draws": 2,
     }  # fmt: skip
     rows = harness._bench_cell(ctx, 2, 64, ["reference-graph", "stock-graph"], False, None, "", None)
     got = {r["backend"]: (r["step_ms"], r["step_ms_back_to_back"]) for r in rows}
     assert got == {"reference-graph": (3.0, None), "stock-graph": (pytest.approx(3.0), pytest.approx(1.5))}
-    assert queued == [harness.BACK_TO_BACK]
+    assert queued == [harness.BACK_TO_BACK] * 2  # the stock's two draws, the oracle's none
+    assert rows[1]["tuning_draws_ms"] == [3.0, 3.0] and rows[0]["tuning_draws_ms"] is None
     assert rows[1]["rel_error_vs_reference"] is not None and rows[1]["rel_error_vs_reference"] < 5e-2

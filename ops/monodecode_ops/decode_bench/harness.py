@@ -744,7 +744,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
             for why in failed:
                 log(f"  ! {name} {why}")
             if len(got) > 1 or failed:
-                draws[name] = {"ms": [round(_median_ms(ts), 4) for ts, _, _ in got], "failed": failed}
+                draws[name] = {"ms": [round(_median_ms(d[0]), 4) for d in got], "failed": failed}
             ts, out, capture[name], back_to_back[name] = fastest_draw(got)
             return ts, out, None
 
