@@ -274,6 +274,27 @@ def test_a_merged_cell_comes_whole_from_the_last_run_that_timed_it(tmp_path):
     assert per_cell(merged, batch=1)["stock_over_triton"] == pytest.approx(1.0)
 
 
+def test_mono_decodes_verdict_takes_the_faster_counted_launch_of_each_cell():
+    """The issue's verdict on mono decode as a whole: a cell is below the stock only where neither
+    launch that counts reaches it (the step launch rescues batch 1, not batch 8), a launch outside
+    its tolerance never counts (batch 4: nothing counts, so it is below), and batch 1 up to 8k is
+    held to 1.10x."""
+    S = RP.STEP_BACKEND
+    rows = [
+        rec("stock-fullgraph", 4.0), rec("triton", 4.2), rec(S, 3.9),
+        rec("stock-fullgraph", 4.0, batch=8), rec("triton", 4.1, batch=8), rec(S, 4.2, batch=8),
+        rec("stock-fullgraph", 4.0, batch=2), rec("triton", 3.5, batch=2),
+        rec("stock-fullgraph", 4.0, batch=4), rec("triton", 3.0, err=0.5, batch=4),
+    ]  # fmt: skip
+    s = doc_of(rows)["summary"]
+    assert s["faster_launch_below_stock"] == ["llama3-8b bf16 ctx 1024 b8 0.976x", "llama3-8b bf16 ctx 1024 b4 n/a"]
+    assert s["faster_launch_below_speed_target"] == [
+        "llama3-8b bf16 ctx 1024 b1 1.026x < 1.10x",
+        "llama3-8b bf16 ctx 1024 b8 0.976x < 1.00x",
+        "llama3-8b bf16 ctx 1024 b4 n/a < 1.00x",
+    ]
+
+
 def test_the_back_to_back_table_sets_both_methods_side_by_side():
     """Each way takes its own strongest counted stock (here a different one each way), a backend
     outside its tolerance is left out, and documents without back-to-back times print no table."""

@@ -1159,6 +1159,13 @@ def print_report(doc: dict) -> None:
             "speed targets asking more than the read probe of a kernel reading the cell's bytes "
             f"(the strongest stock's fraction times the target): {', '.join(s['speed_targets_beyond_probe'])}"
         )
+    if any(x.get("step_run") for x in s["per_config"]):  # both launches timed: the faster of each cell
+        below, short = s["faster_launch_below_stock"], s["faster_launch_below_speed_target"]
+        print(
+            f"mono decode with the faster launch of each cell: below the strongest stock in {len(below)} of "
+            f"{len(s['per_config'])} cells{': ' + ', '.join(below) if below else ''}; "
+            f"below the speed target in {len(short)}{': ' + ', '.join(short) if short else ''}"
+        )
     if s.get("step_never_slower_than_stock") is not None:
         print(
             f"{STEP_BACKEND} (the cells it ran) never slower than the strongest stock: "

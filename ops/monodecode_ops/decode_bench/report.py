@@ -215,19 +215,26 @@ def summary(doc: dict) -> dict:
         out.append(item)
     verdicts = [x["triton_not_slower_than_stock"] for x in out]
     ran = [x for x in out if x.get("step_run")]  # cells the step launch was built for and not skipped
+    # issue 26's verdict on mono decode as a whole: each cell with the faster of its two launches
+    # (a launch counts only within its error bound); a cell where neither counts is below
+    best = [(x, max((v for v in (x["stock_over_triton"], x.get("stock_over_step")) if v), default=None)) for x in out]
     return {
         "per_config": out,
         "never_slower_than_stock": all(v is True for v in verdicts) if verdicts else None,
         "speed_targets_met": all(x["speed_target_met"] is True for x in out) if out else None,
         "step_never_slower_than_stock": all(x["step_not_slower_than_stock"] is True for x in ran) if ran else None,
         "step_speed_targets_met": all(x["step_speed_target_met"] is True for x in ran) if ran else None,
-        # cells whose speed target no kernel reading the cell's bytes can meet (it asks more than the probe)
-        "speed_targets_beyond_probe": [
-            f"{x['profile']} {x['weight_dtype']} ctx {x['context']} b{x['batch']}"
-            for x in out
-            if (x["speed_target_needs_fraction"] or 0) > 1.0
+        "faster_launch_below_stock": [f"{_cell_name(x)} {_x3(v)}" for x, v in best if not v or v < 1.0],
+        "faster_launch_below_speed_target": [
+            f"{_cell_name(x)} {_x3(v)} < {x['speed_target']:.2f}x" for x, v in best if not v or v < x["speed_target"]
         ],
+        # cells whose speed target no kernel reading the cell's bytes can meet (it asks more than the probe)
+        "speed_targets_beyond_probe": [_cell_name(x) for x in out if (x["speed_target_needs_fraction"] or 0) > 1.0],
     }
+
+
+def _cell_name(x: dict) -> str:
+    return f"{x['profile']} {x['weight_dtype']} ctx {x['context']} b{x['batch']}"
 
 
 def _ms(r: dict | None, digits: int = 3) -> str:
