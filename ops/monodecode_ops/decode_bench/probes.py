@@ -59,16 +59,7 @@ def time_calls(fn, reps: int, warmup: int = 3) -> list[float]:
     each), after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return times
+    return time_back_to_back(fn, 1, rounds=reps)
 
 
 def time_back_to_back(fn, calls: int, rounds: int = 3) -> list[float]:

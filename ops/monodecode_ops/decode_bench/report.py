@@ -413,8 +413,10 @@ def back_to_back_table(doc: dict) -> str:
         if r["backend"] != "triton":
             continue
         one, b2b = strongest_stock(rows, r), strongest_stock(rows, r, BACK_TO_BACK_MS)
+        if not b2b:
+            continue
         for x in (r, find(rows, r, STEP_BACKEND)):
-            if not x or not counts(x)[0] or not x.get(BACK_TO_BACK_MS) or not b2b:
+            if not x or not counts(x)[0] or not x.get(BACK_TO_BACK_MS):
                 continue
             lines.append(
                 f"| {r['profile']} | {r['weight_dtype']} | {r.get('context')} | {r['batch']} | {x['backend']} | "
