@@ -66,11 +66,13 @@ def test_tiny_model_dims_are_refused():
 @pytest.mark.parametrize(
     "profile,expected",
     [
-        ("qwen3-8b", ["Llama-style layers only"]),
-        ("gemma3-27b", ["Llama-style layers only", "SiLU-gated", "no sliding-window attention"]),
+        ("qwen3-8b", ["Llama-style and Gemma-3 layers only"]),
+        ("gemma3-27b", ["Gemma-3 layers at width 1 only"]),
     ],
 )
 def test_other_families_are_refused_with_their_reasons(profile, expected):
+    """Qwen3 (q/k-norm without the rest of Gemma-3) is refused; Gemma-3 is served at width 1
+    only, so the default widths 1-8 are refused for that."""
     reasons = refusals(profile=profile)
     for text in expected:
         assert any(r.startswith("model_dims: ") and text in r for r in reasons), (text, reasons)

@@ -69,7 +69,7 @@ class TritonStepBackend(TritonBackend):
             weight_dtypes=tuple(WEIGHT_DTYPES),
             block_sizes=None,
             widths=tuple(w for w in widths if w <= MAX_WIDTH),
-            families=("llama",),
+            families=("llama", "gemma3"),  # Gemma-3 at width 1 (``step_plan.step_refusals``)
             head_dims=(64, 128),
         )
 

@@ -94,19 +94,24 @@ def _stamp(prof_ptr, layer, pid, kid, stage, slot, NPROG: gl.constexpr, PROF: gl
 @gluon.jit
 def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr,
            INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
-           TD: gl.constexpr, DSTREAM: gl.constexpr, WX: gl.constexpr):  # fmt: skip
+           TD: gl.constexpr, DSTREAM: gl.constexpr, WX: gl.constexpr, QS: gl.constexpr, KH: gl.constexpr):  # fmt: skip
     """Chunk ``i`` of a program's sequence -> (local layer, stage, task slot, its K chunk, K chunks,
     output tiles, K, the stage's first weight). Stages, each ``C*`` chunks a program: 0 qkv, 1
     o_proj, 2 gate/up, 3 down (the rest of ``C``). A task's chunks are consecutive, except down's
     where its input streams (``DSTREAM``): k-outer over the ``TD`` tiles, so each X chunk serves all.
-    A weight chunk is ``WX`` x ``BK`` columns (``StepGeometry.chunk_span``)."""
+    A weight chunk is ``WX`` x ``BK`` columns (``StepGeometry.chunk_span``); a stage of K = HIDDEN
+    has ``KH`` of them (the last zero-padded where BK does not divide HIDDEN), o_proj's K is ``QS``."""
     layer = i // C
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
     rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + C1, C0 + C1 + C2)))
-    nk = gl.where(s == 3, INTER // (BK * WX), HIDDEN // (BK * WX))
+    if QS == HIDDEN:
+        nk = gl.where(s == 3, INTER // (BK * WX), KH)
+        kdim = gl.where(s == 3, INTER, HIDDEN)
+    else:
+        nk = gl.where(s == 3, INTER // (BK * WX), gl.where(s == 1, QS // (BK * WX), KH))
+        kdim = gl.where(s == 3, INTER, gl.where(s == 1, QS, HIDDEN))
     tiles = gl.where(s == 0, QKVR // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
-    kdim = gl.where(s == 3, INTER, HIDDEN)
     base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
     if DSTREAM:
         return layer, s, gl.where(s == 3, rs % TD, rs // nk), gl.where(s == 3, rs // TD, rs % nk), nk, tiles, kdim, base
@@ -115,12 +120,12 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.conste
 
 
 @gluon.jit
-def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
+def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, first, rr, cc, C: gl.constexpr,
             C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr, HIDDEN: gl.constexpr, INTER: gl.constexpr,
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
             DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr,
-            WX: gl.constexpr, ONEBOX: gl.constexpr):  # fmt: skip
+            WX: gl.constexpr, ONEBOX: gl.constexpr, QS: gl.constexpr, KH: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
@@ -128,7 +133,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
     element's row and column in the chunk, broadcast to the slot's shape. ``ONEBOX``: width 1's
     chunk of WX parts is one TMA box (``StepGeometry.box_parts``)."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
-                                                   DSTREAM, WX)  # fmt: skip
+                                                   DSTREAM, WX, QS, KH)  # fmt: skip
     tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     glayer = first + layer
@@ -140,13 +145,15 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
             for p in gl.static_range(WX):
                 for h in gl.static_range(2):
                     box = boxes.index(2 * (WX * (i % NBUF) + p) + h)
-                    _tma_box(wh_desc, wi_desc, s, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, ok)
+                    _tma_box(wh_desc, wi_desc, wo_desc, s, [(k * WX + p) * NW, row, h * (BK // NW // 2)], bar, box, ok,
+                             QS != HIDDEN)  # fmt: skip
         elif ONEBOX:  # (one [16, 4 WX, 256] box)
-            _tma_box(wh_desc, wi_desc, s, [row, k * WX * (BK // TB), 0], bar, boxes.index(i % NBUF), ok)
+            _tma_box(wh_desc, wi_desc, wo_desc, s, [row, k * WX * (BK // TB), 0], bar, boxes.index(i % NBUF), ok,
+                 QS != HIDDEN)  # fmt: skip
         else:  # (a chunk of WX boxes on one mbarrier)
             for h in gl.static_range(WX):
                 box = boxes.index(WX * (i % NBUF) + h)
-                _tma_box(wh_desc, wi_desc, s, [row, (k * WX + h) * (BK // TB), 0], bar, box, ok)
+                _tma_box(wh_desc, wi_desc, wo_desc, s, [row, (k * WX + h) * (BK // TB), 0], bar, box, ok, QS != HIDDEN)
         mbarrier.arrive(bar, pred=~ok)
     else:  # (a chunk's WX parts in one commit group)
         for p in gl.static_range(WX):
@@ -158,32 +165,87 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr
 
 
 @gluon.jit
-def _tma_box(wh_desc, wi_desc, s, coord, bar, box, ok):
+def _tma_box(wh_desc, wi_desc, wo_desc, s, coord, bar, box, ok, SPLIT_O: gl.constexpr):
     """One TMA box of stage ``s``'s weights at ``coord`` into ``box`` on ``bar``: through the view
-    in rows of INTER for down (stage 3), of HIDDEN for the others."""
+    in rows of INTER for down (stage 3), with ``SPLIT_O`` of heads x head_dim for o_proj (stage
+    1; Gemma-3's 4096 against hidden 5376), of HIDDEN for the others. A box past a view's row
+    (hidden's last chunk where 1024 does not divide it) is zero-filled, its bytes counted."""
     if s == 3:
         tma.async_copy_global_to_shared(wi_desc, coord, bar, box, pred=ok)
+    elif SPLIT_O:
+        if s == 1:
+            tma.async_copy_global_to_shared(wo_desc, coord, bar, box, pred=ok)
+        else:
+            tma.async_copy_global_to_shared(wh_desc, coord, bar, box, pred=ok)
     else:
         tma.async_copy_global_to_shared(wh_desc, coord, bar, box, pred=ok)
 
 
 @gluon.jit
-def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
-    """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf``; returns its
-    rstd, which each output row's sum takes at the end."""
+def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr, KH: gl.constexpr):
+    """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf`` (``KH``
+    chunks, zero past HIDDEN); returns its rstd, which each output row's sum takes at the end."""
     # every chunk asked for before the first is used: each chunk's block-wide sum and store put
     # barriers between its loads and the next chunk's, one L2 round trip a chunk in series
     vs = ()
     gs = ()
-    for c in gl.static_range(HIDDEN // BK):
-        vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
-        gs = gs + (gl.load(g_ptr + c * BK + cf),)
+    for c in gl.static_range(KH):
+        if HIDDEN % BK:
+            e = c * BK + cf
+            vs = vs + (gl.load(src + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
+            gs = gs + (gl.load(g_ptr + e, mask=e < HIDDEN, other=0.0),)
+        else:
+            vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
+            gs = gs + (gl.load(g_ptr + c * BK + cf),)
     ss = 0.0
-    for c in gl.static_range(HIDDEN // BK):
+    for c in gl.static_range(KH):
         v = vs[c].to(gl.float32)
         ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store((v * gs[c].to(gl.float32)).to(xbuf.dtype))
     return gl.rsqrt(ss / HIDDEN + EPS)
+
+
+@gluon.jit
+def _post_normed(xbuf, sums, res, gp_ptr, g_ptr, dst, cf, pid, health_ptr, code, live, HIDDEN: gl.constexpr,
+                 KH: gl.constexpr, EPS: gl.constexpr, NPROG: gl.constexpr, STAGE: gl.constexpr,
+                 CHECK: gl.constexpr):  # fmt: skip
+    """Gemma-3, width 1: the residual after a post norm, v = bf16(res + bf16(sums' RMSNorm x
+    ``gp``)), where ``sums`` are o_proj's or down's raw bf16 sums (fp32, HIDDEN values; the norm
+    needs the whole row, so every program makes v) and ``res`` the residual they join. This
+    program's tiles' rows of v (16-row tiles ``pid``, ``pid + NPROG``, ..., the ones its own
+    o_proj and down tasks own) go to ``dst``, with ``CHECK`` a non-finite one in a ``live`` row
+    setting the health word (``code``). With ``STAGE``, v times the next norm's weight ``g`` is
+    staged into ``xbuf`` as ``_normed_input`` does, and v's rstd returned (else 1.0)."""
+    ds = ()
+    rs = ()
+    gps = ()
+    gs = ()
+    for c in gl.static_range(KH):  # every chunk asked for at once (``_normed_input``'s reason)
+        e = c * BK + cf
+        ds = ds + (gl.load(sums + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
+        rs = rs + (gl.load(res + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
+        gps = gps + (gl.load(gp_ptr + e, mask=e < HIDDEN, other=0.0),)
+        if STAGE:
+            gs = gs + (gl.load(g_ptr + e, mask=e < HIDDEN, other=0.0),)
+    ss = 0.0
+    for c in gl.static_range(KH):
+        ss += gl.sum(ds[c] * ds[c], axis=0)
+    rd = gl.rsqrt(ss / HIDDEN + EPS)
+    sv = 0.0
+    for c in gl.static_range(KH):
+        e = c * BK + cf
+        v = _bf(rs[c].to(gl.float32) + _bf(ds[c] * rd * gps[c]))
+        mine = (e < HIDDEN) & ((e // ROWS) % NPROG == pid)
+        gl.store(dst + e, v.to(dst.dtype.element_ty), mask=mine)
+        if CHECK:
+            _flag_nonfinite(v, health_ptr, code, mine, live)
+        if STAGE:
+            sv += gl.sum(v * v, axis=0)
+            xbuf.index(c).store((v * gs[c]).to(xbuf.dtype))
+    if STAGE:
+        return gl.rsqrt(sv / HIDDEN + EPS)
+    else:
+        return 1.0
 
 
 @gluon.constexpr_function
@@ -373,6 +435,21 @@ def _cos_sin(cs, pos, inv_ptr, D: gl.constexpr, NW: gl.constexpr):
     cs.slice(D, D).store(_bf(gl.sin(f)))
 
 
+@gluon.jit
+def _cos_sin_2(cs, pos, inv_ptr, inv2_ptr, D: gl.constexpr, NW: gl.constexpr):
+    """Gemma-3: ``_cos_sin`` of the full layers' RoPE (``inv_ptr``) and the sliding layers'
+    (``inv2_ptr``) into ``cs`` (bf16 [cos | sin | cos | sin]: the values are bf16 already, and
+    the two fp32 tables would not fit beside 27B's rings)."""
+    dl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    d = gl.arange(0, D, layout=dl)
+    f = pos.to(gl.float32) * gl.load(inv_ptr + d % (D // 2))
+    f2 = pos.to(gl.float32) * gl.load(inv2_ptr + d % (D // 2))
+    cs.slice(0, D).store(gl.cos(f).to(gl.bfloat16))
+    cs.slice(D, D).store(gl.sin(f).to(gl.bfloat16))
+    cs.slice(2 * D, D).store(gl.cos(f2).to(gl.bfloat16))
+    cs.slice(3 * D, D).store(gl.sin(f2).to(gl.bfloat16))
+
+
 @gluon.constexpr_function
 def _tile_layout(NW):
     """The attention's [NW, PW, D] K/V tiles in registers: 16-byte rows, a warp's positions in
@@ -413,6 +490,23 @@ def _qkv_in(act, kvh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, NW: 
 
 
 @gluon.jit
+def _qk_normed(qx, qr, kx, kr, qkn, D: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr):
+    """Gemma-3's q/k-norm on an attention task's new q rows and k (``_qkv_in``'s, each with its
+    rotate-half partners): each head's RMSNorm over D times (1 + w) (``qkn``: fp32 [q's | k's],
+    D each), rounded to bf16 once, as the reference's; rows past the group's heads stay 0."""
+    ql: gl.constexpr = _q_layout(NW)
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
+    dr = (d + D // 2) % D
+    wq = gl.load(qkn + d)[None, :]
+    wqr = gl.load(qkn + dr)[None, :]
+    wk = gl.load(qkn + D + d)
+    wkr = gl.load(qkn + D + dr)
+    rq = gl.rsqrt(gl.sum(qx * qx, axis=1) / D + EPS)[:, None]
+    rk = gl.rsqrt(gl.sum(kx * kx, axis=0) / D + EPS)
+    return _bf(qx * rq * wq), _bf(qr * rq * wqr), _bf(kx * rk * wk), _bf(kr * rk * wkr)
+
+
+@gluon.jit
 def _kv_blocks(bt_row, b, end, BS: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
     """The cache blocks ([NW, PW], ``_tile_layout``'s rows) of positions ``b + w * PW + p``; 0 from ``end`` on."""
     t3: gl.constexpr = _tile_layout(NW)
@@ -444,13 +538,14 @@ def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k
 
 
 @gluon.jit
-def _kv_span(task, ctx, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
-    """An attention task -> (KV head, split, first position, end) of its row's cached context:
-    spans of at least ``MINSPAN`` positions, whole K/V tiles; a short context leaves later splits empty."""
+def _kv_span(task, ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
+    """An attention task -> (KV head, split, first position, end) of its row's cached positions
+    ``lo .. ctx - 1`` (``lo`` past 0 on a sliding-window layer): spans of at least ``MINSPAN``
+    positions, whole K/V tiles; a short context leaves later splits empty."""
     sp = task % NSPLIT
-    span = gl.maximum((ctx + NSPLIT - 1) // NSPLIT, MINSPAN)
+    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
     span = (span + NW * PW - 1) // (NW * PW) * (NW * PW)
-    start = gl.minimum(sp * span, ctx)
+    start = gl.minimum(lo + sp * span, ctx)
     return task // NSPLIT, sp, start, gl.minimum(start + span, ctx)
 
 
@@ -479,7 +574,8 @@ def _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh, start, end, k_sb, k_
 def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row, bnext, task, ctx, slot, kvs,
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
-            PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0):  # fmt: skip
+            PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0, lo=0,
+            sliding=False, GEMMA: gl.constexpr = 0):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -489,18 +585,28 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
     The last split also writes the new position's K/V at the row's ``slot`` (unless -1) and
     attends to it from registers. Stores the partial [G, D] and its max and sum for the merge.
     ``qx`` .. ``vn``: the task's new q, k and v as ``_qkv_in`` read them.
-    With ``PROF``, stamps its q, k and v in (``decode_bench.timeline.STEP.q_in``)."""
+    With ``PROF``, stamps its q, k and v in (``decode_bench.timeline.STEP.q_in``). ``lo``: the
+    first cached position the row may see (a sliding window's). ``GEMMA``: ``cs`` holds the
+    full and the sliding layers' tables (``_cos_sin_2``), ``sliding`` picks the second."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
     b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 2)
     r2: gl.constexpr = gl.SliceLayout(2, mma)  # [NW, 16] row statistics
-    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW, PW)
+    kvh, sp, start, end = _kv_span(task, ctx, lo, NSPLIT, NW, PW)
     last = sp == NSPLIT - 1
     ql: gl.constexpr = _q_layout(NW)
     d1 = gl.arange(0, D, layout=gl.SliceLayout(0, ql))
-    c1 = cs.slice(0, D).load(d1.type.layout)
-    s1 = cs.slice(D, D).load(d1.type.layout)
+    if GEMMA:
+        if sliding:
+            c1 = cs.slice(2 * D, D).load(d1.type.layout).to(gl.float32)
+            s1 = cs.slice(3 * D, D).load(d1.type.layout).to(gl.float32)
+        else:
+            c1 = cs.slice(0, D).load(d1.type.layout).to(gl.float32)
+            s1 = cs.slice(D, D).load(d1.type.layout).to(gl.float32)
+    else:
+        c1 = cs.slice(0, D).load(d1.type.layout)
+        s1 = cs.slice(D, D).load(d1.type.layout)
     qf = _rope(qx, qr, d1[None, :], c1[None, :], s1[None, :], D)  # [16, D], 0 past the group's G heads
     kn = _rope(kx, kr, d1, c1, s1, D)
     # every warp its copy of q, into the operand layout through the ring's last slot (its first
@@ -616,6 +722,12 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
         gl.store(out_dst, v.to(gl.bfloat16), mask=mask)
     else:
         gl.store(res_dst, v.to(gl.bfloat16), mask=mask)
+    _flag_nonfinite(v, health_ptr, code, mask, live)
+
+
+@gluon.jit
+def _flag_nonfinite(v, health_ptr, code, mask, live):
+    """A non-finite ``v`` where ``mask`` and ``live`` sets the health word to ``code`` (the first failure wins)."""
     # per element, a predicated compare-and-swap from 0 (the first failure wins, as every wait's);
     # a reduction to one flag here costs ~20 registers at widths 4-8 and spills
     bad = (mask & live & ((v != v) | (gl.abs(v) == float("inf")))).to(gl.int32)
@@ -632,14 +744,20 @@ def _residual_out(v, res_dst, out_dst, health_ptr, code, mask, live, layer, nlay
 
 @gluon.jit
 def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, live, layer, s, rows, tile,
-               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr):  # fmt: skip
+               A_H1: gl.constexpr, A_GU: gl.constexpr, nlayers, NW: gl.constexpr, GEMMA: gl.constexpr = 0,
+               A_O: gl.constexpr = 0, A_DN: gl.constexpr = 0):  # fmt: skip
     """Width 1: stage ``s``'s task result ``y`` (the tile's ROWS sums) into the activations: QKV
     times rstd; o_proj plus the residual; gate/up's 8 gate then 8 up rows times rstd -> 8
-    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual."""
+    SiLU(g)·u (through ``gbuf``); down plus h1 -> the outgoing residual. ``GEMMA``: o_proj's and
+    down's sums go to ``A_O`` / ``A_DN`` as they are (bf16-rounded; ``_post_normed`` joins them
+    to the residual), and gate/up makes GELU-tanh(g)·u."""
     if s == 0:
         gl.store(act + rows, _bf(y * rstd))
     elif s == 1:
-        gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
+        if GEMMA:
+            gl.store(act + A_O + rows, _bf(y))
+        else:
+            gl.store(act + A_H1 + rows, _bf(_bf(y) + gl.load(h_in + rows, cache_modifier=".cg").to(gl.float32)))
     elif s == 2:
         hl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
         gbuf.store(_bf(y * rstd))
@@ -647,11 +765,24 @@ def _store_row(y, rstd, gbuf, act, h_in, res_dst, out_dst, health_ptr, code, liv
         gv = gbuf.slice(0, ROWS // 2).load(hl)
         uv = gbuf.slice(ROWS // 2, ROWS // 2).load(hl)
         hh = gl.arange(0, ROWS // 2, layout=hl)
-        gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
+        if GEMMA:
+            gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(_gelu_tanh(gv)) * uv))
+        else:
+            gl.store(act + A_GU + tile * (ROWS // 2) + hh, _bf(_bf(gv / (1.0 + gl.exp(-gv))) * uv))
+    elif GEMMA:
+        gl.store(act + A_DN + rows, _bf(y))
     else:
         v = _bf(_bf(y) + gl.load(act + A_H1 + rows, cache_modifier=".cg"))
         # 1-D, as the sums came: a [ROWS, 1] view would hold 16 copies a thread (16 checks each)
         _residual_out(v, res_dst + rows, out_dst + rows, health_ptr, code, rows >= 0, live, layer, nlayers)
+
+
+@gluon.jit
+def _gelu_tanh(g):
+    """GELU's tanh form in fp32, as torch's ``gelu(approximate="tanh")``: 0.5 g (1 + tanh(u)),
+    u = sqrt(2 / pi) (g + 0.044715 g^3), tanh(u) = 1 - 2 / (exp(2 u) + 1) (exact at both ends)."""
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    return 0.5 * g * (2.0 - 2.0 / (gl.exp(2.0 * u) + 1.0))
 
 
 @gluon.jit
@@ -697,7 +828,8 @@ def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, cod
 # width, the drills): one compiled kernel a width and cache layout, never a compile inside vLLM's
 # graph capture for a value that differs from warm-up's
 @gluon.jit(do_not_specialize=["bt_stride", "first", "nlayers", "spin", "fault_layer", "fault_kind"])
-def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
+def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gpp_ptr, qkn_ptr, wnd_ptr, inv_ptr, inv2_ptr,
+                x_ptr, res_ptr, out_ptr, act_ptr, part_ptr,
                 kc_ptr, vc_ptr, koff_ptr, voff_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh, pos_ptr, slot_ptr, bt_ptr,
                 bt_stride, seq_ptr, ctr_ptr, hctr_ptr, epoch_ptr, health_ptr, prof_ptr, first, nlayers, spin, fault_layer,
                 fault_kind,
@@ -709,6 +841,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
+                QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
@@ -718,7 +851,11 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     (``StepGeometry.chunk_span``; with ``ONEBOX`` one TMA box at width 1); ``ws_ptr`` with
     ``FP8`` each packed row's scale (fp32, ``LAYER_S`` a layer, ``StepGeometry.scale_offsets``), which its sum takes at the end;
     ``gin``/``gpost`` the norms [layers, HIDDEN]; ``inv_ptr`` RoPE's
-    inverse frequencies [D / 2]; ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
+    inverse frequencies [D / 2]. ``GEMMA`` (Gemma-3, width 1; ``StepGeometry.gemma``): the norms
+    are fp32 (1 + w), ``gpp`` the post norms [layers, 2, HIDDEN] (attention's, the MLP's), ``qkn``
+    the q/k norms [layers, 2, D], ``wnd`` each layer's window (int32, 0: full), ``inv2_ptr`` the
+    sliding layers' RoPE; o_proj's K is ``QS`` (``wo_desc`` its TMA view), a stage of K = HIDDEN
+    ``KH`` chunks; ``A_O``/``A_DN`` o_proj's and down's raw sums in ``act``. ``x`` the residuals entering (bf16 [NB, HIDDEN]); ``res`` bf16
     [nlayers, NB, HIDDEN]; ``out`` bf16 [NB, HIDDEN]; ``act`` fp32 [nlayers, NB, LAYER_A]; ``part`` fp32
     [NB, KVH, NSPLIT, G, D + 2]. K/V: layer l's caches start ``koff[l]``/``voff[l]`` elements past
     ``kc_ptr``/``vc_ptr`` (int64 [layers]), blocks/tokens/heads strided by ``*_sb``, ``*_st``,
@@ -749,9 +886,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     pid = gl.program_id(0)
     target = (gl.load(epoch_ptr, volatile=True) // NPROG + 1) * NPROG
     epoch = target // NPROG
-    C0: gl.constexpr = T0 * (HIDDEN // (BK * WX))
-    C1: gl.constexpr = TO * (HIDDEN // (BK * WX))
-    C2: gl.constexpr = T1 * (HIDDEN // (BK * WX))
+    C0: gl.constexpr = T0 * KH
+    C1: gl.constexpr = TO * (QS // (BK * WX))
+    C2: gl.constexpr = T1 * KH
     C: gl.constexpr = C0 + C1 + C2 + TD * (INTER // (BK * WX))
     total = nlayers * C
     ring_lay: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])
@@ -803,9 +940,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     ry = gl.arange(0, ROWS, layout=row)
     cf = gl.arange(0, BK, layout=gl.BlockedLayout([BK // (32 * NW)], [32], [NW], [0]))  # staging: one element a thread
     for i in range(NBUF - 1):
-        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN, INTER,
-                QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8, WX,
-                ONEBOX)  # fmt: skip
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN,
+                INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8, WX,
+                ONEBOX, QS, KH)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -834,12 +971,16 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
     apos = gl.load(pos_ptr + arow_c)
     actx = gl.where(aslot >= 0, gl.maximum(gl.load(seq_ptr + arow_c) - 1, 0), 0)  # cached positions before the new one
     bt_row = bt_ptr + arow_c.to(gl.int64) * bt_stride
-    cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
+    if GEMMA:  # the full and the sliding layers' tables
+        cs = gl.allocate_shared_memory(gl.bfloat16, [4 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        _cos_sin_2(cs, apos, inv_ptr, inv2_ptr, D, NW)
+    else:
+        cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
-                                                       TD, DSTREAM, WX)  # fmt: skip
+                                                       TD, DSTREAM, WX, QS, KH)  # fmt: skip
         tile = pid + j * NPROG
         glayer = first + layer
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
@@ -862,12 +1003,27 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     if MMAV:
                         rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
                                            HIDDEN, EPS, NW)  # fmt: skip
+                    elif GEMMA:
+                        if layer > 0:  # the previous layer's down sums joined to its h1 here: this layer's input
+                            pa = act_ptr + (layer - 1) * (NB * LAYER_A)
+                            rstd = _post_normed(xbuf, pa + A_DN, pa + A_H1, gpp_ptr + ((glayer - 1) * 2 + 1) * HIDDEN,
+                                                gin_ptr + glayer * HIDDEN, h_in, cf, pid, health_ptr,
+                                                _code(NONFINITE, 2, glayer - 1), live1, HIDDEN, KH, EPS, NPROG, True,
+                                                True)  # fmt: skip
+                        else:
+                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
                     else:
-                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
                 elif s == 1:
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
-                    kvh0, sp0, start0, end0 = _kv_span(task, actx, NSPLIT, NW, PW)
+                    if GEMMA:  # a sliding layer's row sees its last ``window`` positions, the new one included
+                        wnd = gl.load(wnd_ptr + glayer)
+                        alo = gl.where(wnd > 0, gl.minimum(gl.maximum(apos - wnd + 1, 0), actx), 0)
+                    else:
+                        wnd = 0
+                        alo = 0
+                    kvh0, sp0, start0, end0 = _kv_span(task, actx, alo, NSPLIT, NW, PW)
                     bnext = gl.zeros([NW, PW], gl.int32, gl.SliceLayout(2, _tile_layout(NW)))
                     spin = _wait_for(ctr_ptr + layer * NCTR, target, spin, health_ptr, _code(WAIT_TIMEOUT, 1, glayer))
                     _stamp(prof_ptr, layer, pid, 0, 1, 1, NPROG, PROF)  # the attention's input is there
@@ -876,12 +1032,14 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     if has_task:
                         ab = act + arow_c * LAYER_A  # the task's row
                         qx, qr, kx, kr, vn = _qkv_in(ab, kvh0, QH, KVH, D, NW)
+                        if GEMMA:
+                            qx, qr, kx, kr = _qk_normed(qx, qr, kx, kr, qkn_ptr + glayer * (2 * D), D, EPS, NW)
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
-                                prof_ptr, layer, pid, NPROG, PROF)  # fmt: skip
+                                prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
@@ -893,7 +1051,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     if MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
-                        _staged_bf16(xbuf, act + A_ATT, cf, 0, HIDDEN // BK)
+                        _staged_bf16(xbuf, act + A_ATT, cf, 0, QS // BK)
                 elif s == 2:
                     spin = _wait_for(
                         ctr_ptr + layer * NCTR + 2, target, spin, health_ptr, _code(WAIT_TIMEOUT, 2, glayer)
@@ -902,8 +1060,12 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                     if MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
+                    elif GEMMA:  # o_proj's sums joined to the residual here: h1, this program's rows of it kept
+                        rstd = _post_normed(xbuf, act + A_O, h_in, gpp_ptr + glayer * 2 * HIDDEN,
+                                            gpost_ptr + glayer * HIDDEN, act + A_H1, cf, pid, health_ptr, 0, live1,
+                                            HIDDEN, KH, EPS, NPROG, True, False)  # fmt: skip
                     else:
-                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
                     spin = _wait_for(ctr_ptr + layer * NCTR + DOWN_CTR, target, spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
@@ -961,16 +1123,16 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
         # wait; X slot 1 + k % XS was last read NBUF - 1 chunks ago)
         if DSTREAM:
             l2, s2, j2, k2, nk2, t2, kd2, b2 = _chunk(i + NBUF - 1, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU,
-                                                      OFF_D, TD, DSTREAM, WX)  # fmt: skip
+                                                      OFF_D, TD, DSTREAM, WX, QS, KH)  # fmt: skip
             if (s2 == 3) & (j2 == 0) & (k2 >= XPRE) & (i + NBUF - 1 < total):
                 for p in gl.static_range(WX):
                     _x_copy(xbuf, 1 + WX * (k2 % XS) + p, g16, WX * k2 + p, LAYER_A, NB, NW)
                 if TMA:  # no cp.async group of the ring's to join
                     async_copy.commit_group()
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
-        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1, C2,
-                HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
-                FP8, WX, ONEBOX)  # fmt: skip
+        _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1,
+                C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
+                FP8, WX, ONEBOX, QS, KH)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block, part by part
             for p in gl.static_range(WX):
                 if DSTREAM:
@@ -1016,7 +1178,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                 if nan:
                     y = y + float("nan")
                 _store_row(y, rstd, gbuf, act, h_in, res_dst, out_ptr, health_ptr, code, live1, layer, s,
-                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW)  # fmt: skip
+                           tile * ROWS + ry, tile, A_H1, A_GU, nlayers, NW, GEMMA, A_O, A_DN)  # fmt: skip
             if DE > 0:
                 if (s == 2) & (j == T1 - 2):  # gate/up's rounds but its last stored (down's first DE chunks)
                     gl.thread_barrier()
@@ -1027,6 +1189,13 @@ def step_kernel(w_ptr, wh_desc, wi_desc, ws_ptr, gin_ptr, gpost_ptr, inv_ptr, x_
                 if not stall:
                     gl.atomic_add(ctr_ptr + layer * NCTR + gl.where(s == 0, 0, s + 1), 1, sem="release", scope="gpu")
                 _stamp(prof_ptr, layer, pid, mk, ms, 2, NPROG, PROF)  # the stage's part counted
+    if GEMMA:  # the last layer's down sums joined to its h1: this program's rows of the step's output
+        spin = _wait_for(ctr_ptr + (nlayers - 1) * NCTR + 4, target, spin, health_ptr,
+                         _code(WAIT_TIMEOUT, 2, first + nlayers - 1))  # fmt: skip
+        pa = act_ptr + (nlayers - 1) * (NB * LAYER_A)
+        _post_normed(xbuf, pa + A_DN, pa + A_H1, gpp_ptr + ((first + nlayers - 1) * 2 + 1) * HIDDEN, gpp_ptr, out_ptr,
+                     cf, pid, health_ptr, _code(NONFINITE, 2, first + nlayers - 1), live1, HIDDEN, KH, EPS, NPROG,
+                     False, True)  # fmt: skip
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
         for b in gl.static_range(NBUF):

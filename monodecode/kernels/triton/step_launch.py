@@ -44,13 +44,14 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
     d = g.dims
     h, i = d.hidden_size, d.intermediate_size
     fp8 = g.weight_dtype == "fp8"
+    # (o_proj: hidden rows of q_size columns, packed at whole rows of both: TMA's o view, ``off_o``)
     blob = torch.zeros(len(weights.layers) * g.layer_weights, dtype=TORCH_DTYPES[g.weight_dtype], device=device)
     so = g.scale_offsets
     scales = torch.ones(len(weights.layers) * so["end"] if fp8 else 1, dtype=torch.float32, device=device)
     for n, lw in enumerate(weights.layers):
         p = blob[n * g.layer_weights : (n + 1) * g.layer_weights]
         qkv = (lw.q_proj, lw.k_proj, lw.v_proj)
-        p[: g.off_o].copy_(torch.cat([m.weight for m in qkv], dim=0).reshape(-1))
+        p[: g.qkv_rows * h].copy_(torch.cat([m.weight for m in qkv], dim=0).reshape(-1))
         p[g.off_o : g.off_gu].copy_(lw.o_proj.weight.reshape(-1))
         gu = torch.stack([lw.gate_proj.weight.view(i // 8, 8, h), lw.up_proj.weight.view(i // 8, 8, h)], dim=1)
         p[g.off_gu : g.off_gu + 2 * i * h].copy_(gu.reshape(-1))
@@ -66,9 +67,10 @@ def pack_step_weights(g: StepGeometry, weights: Any, device) -> tuple[torch.Tens
     return blob, scales
 
 
-def weight_descriptors(blob: torch.Tensor, dims) -> dict[tuple[bool, int], tuple[Any, Any]]:
-    """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up) and rows
-    of ``intermediate`` (down), for each ring order and box (key: the products run on mma.sync,
+def weight_descriptors(blob: torch.Tensor, dims) -> dict[tuple[bool, int], tuple[Any, Any, Any]]:
+    """TMA's views of the packed weights, rows of ``hidden`` columns (qkv, o_proj, gate/up), rows
+    of ``intermediate`` (down) and rows of heads x head_dim (o_proj where that is not hidden:
+    Gemma-3; else the first view again), for each ring order and box (key: the products run on mma.sync,
     ``StepGeometry.mma``; the 1024-column parts a box spans, ``StepGeometry.box_parts``: 2 for
     FP8's chunks, built for every model). On FMA (width 1) a box is [16 rows, 4 x parts, 256],
     unswizzled (a ring slot holds the same bytes in the same order as ``cp.async`` leaves them).
@@ -90,9 +92,13 @@ def weight_descriptors(blob: torch.Tensor, dims) -> dict[tuple[bool, int], tuple
         shape = [k // (2 * half), blob.numel() // k, 2 * half]
         return TensorDescriptor(blob, shape, [2 * half, k, 1], [NUM_WARPS, ROWS, half], wide)
 
-    h, i = dims.hidden_size, dims.intermediate_size
+    h, i, q = dims.hidden_size, dims.intermediate_size, dims.num_heads * dims.head_dim
     keys = [(False, 1), (False, 2), (True, 1)]
-    return {(m, p): (rows_of(h, m, p), rows_of(i, m, p)) for m, p in keys}
+    out = {}
+    for m, p in keys:
+        wh = rows_of(h, m, p)
+        out[(m, p)] = (wh, rows_of(i, m, p), wh if q == h else rows_of(q, m, p))
+    return out
 
 
 class _Buffers:
@@ -111,12 +117,14 @@ class _Buffers:
 
 def kernel_arguments(k, b: _Buffers, first, layers, x, meta, caches, offsets, strides, out, fault_layer, fault_kind):
     """``step_kernel``'s runtime arguments in signature order: ``k``'s weights, their TMA views,
-    their rows' scales (fp8), norms, RoPE frequencies, health word, timeline stamps and spin
+    their rows' scales (fp8), norms (Gemma-3's post and q/k norms and windows too), RoPE
+    frequencies (Gemma-3's sliding layers' too), health word, timeline stamps and spin
     budget; ``b``, one launch shape's buffers; the caches of layer 0 and every layer's offset from
     them; the K and V strides; the metadata."""
-    wh, wi = k.descriptors[b.box]
+    wh, wi, wo = k.descriptors[b.box]
     return [
-        k.weights, wh, wi, k.wscale, k.gin, k.gpost, k.inv_freq, x, b.res, out, b.act, b.part,
+        k.weights, wh, wi, wo, k.wscale, k.gin, k.gpost, k.gpp, k.qkn, k.wnd, k.inv_freq, k.inv2, x, b.res, out, b.act,
+        b.part,
         *caches, *offsets, *strides,
         meta.positions, meta.slot_mapping, meta.block_tables, meta.block_tables.stride(0), meta.seq_lens,
         b.ctr, b.hctr, b.epoch, k.health_word, k.prof, first, layers, k.spin_limit, fault_layer, fault_kind,
@@ -166,10 +174,7 @@ class StepKernels(PaddedKernels):
         else:
             self.weights, self.wscale = pack_step_weights(self.geometry[req.widths[0]], weights, self.device)
             self.descriptors = weight_descriptors(self.weights, req.dims)
-        self.gin = torch.stack([lw.attn_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
-        self.gpost = torch.stack([lw.mlp_norm for lw in weights.layers]).to(self.device, torch.bfloat16).contiguous()
-        rope = req.dims.rope_for_layer(0)
-        self.inv_freq = torch.tensor(rope.inv_freq(req.dims.head_dim), dtype=torch.float32, device=self.device)
+        self._norms(weights)
         self.health_word = torch.zeros(4, dtype=torch.int32, device=self.device)[:1]
         self.prof = torch.zeros(1, dtype=torch.int64, device=self.device)  # stamps only with enable_timeline
         self._prof_layers = 0
@@ -180,6 +185,33 @@ class StepKernels(PaddedKernels):
         self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_strides: list[int] = []
         self._retired: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _norms(self, weights: Any) -> None:
+        """The norms' weights, windows and RoPE tables the kernel reads. Llama-style: the two norms
+        as bf16, one table. Gemma-3 (``StepGeometry.gemma``): every norm as fp32 (1 + w), as the
+        reference makes it, the post norms [layers, 2, hidden] and the q/k norms [layers, 2, D],
+        each layer's window (0: full) and the sliding layers' table (the full one's where the
+        model has none); the others one unused word each."""
+        d, dev, layers = self.dims, self.device, weights.layers
+        f32 = torch.float32
+
+        def stacked(*names: str) -> torch.Tensor:
+            w = torch.stack([torch.stack([getattr(lw, n) for n in names]) for lw in layers]).to(dev, f32)
+            return (1.0 + w).contiguous()
+
+        self.inv_freq = torch.tensor(d.rope_full.inv_freq(d.head_dim), dtype=f32, device=dev)
+        if not self.geometry[self.widths[0]].gemma:
+            self.gin = torch.stack([lw.attn_norm for lw in layers]).to(dev, torch.bfloat16).contiguous()
+            self.gpost = torch.stack([lw.mlp_norm for lw in layers]).to(dev, torch.bfloat16).contiguous()
+            self.gpp = self.qkn = self.inv2 = torch.zeros(1, dtype=f32, device=dev)
+            self.wnd = torch.zeros(1, dtype=torch.int32, device=dev)
+            return
+        self.gin, self.gpost = stacked("attn_norm")[:, 0].contiguous(), stacked("mlp_norm")[:, 0].contiguous()
+        self.gpp = stacked("attn_post_norm", "mlp_post_norm")
+        self.qkn = stacked("q_norm", "k_norm")
+        windows = [d.window_for_layer(n) or 0 for n in range(len(layers))]
+        self.wnd = torch.tensor(windows, dtype=torch.int32, device=dev)
+        self.inv2 = torch.tensor((d.rope_sliding or d.rope_full).inv_freq(d.head_dim), dtype=f32, device=dev)
 
     # -- the cache -----------------------------------------------------------------------------
 
@@ -318,10 +350,11 @@ def step_source(
     t = lambda dt, *shape: torch.empty(*(shape or (1,)), dtype=dt, device="meta")  # noqa: E731
     bf, f32, i64, i32 = torch.bfloat16, torch.float32, torch.int64, torch.int32
     wt = TORCH_DTYPES[weight_dtype]
-    blob = torch.empty(dims.intermediate_size * dims.hidden_size // TB * TB, dtype=wt)  # (TMA views want real strides)
+    blob = torch.empty(g.row_lcm, dtype=wt)  # (TMA views want real strides: whole rows of every view)
+    norm = f32 if g.gemma else bf
     k = SimpleNamespace(
-        weights=t(wt), descriptors=weight_descriptors(blob, dims), wscale=t(f32), gin=t(bf), gpost=t(bf), inv_freq=t(f32),
-        health_word=t(i32), prof=t(i64), spin_limit=1000,
+        weights=t(wt), descriptors=weight_descriptors(blob, dims), wscale=t(f32), gin=t(norm), gpost=t(norm), gpp=t(f32),
+        qkn=t(f32), wnd=t(i32), inv_freq=t(f32), inv2=t(f32), health_word=t(i32), prof=t(i64), spin_limit=1000,
     )  # fmt: skip
     meta = SimpleNamespace(positions=t(i64, width), slot_mapping=t(i64, width), block_tables=t(i32, width, 7),
                            seq_lens=t(i32, width))  # fmt: skip

@@ -99,6 +99,18 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def is_gemma3(dims: ModelDims) -> bool:
+    """Gemma-3's decoder layers, everything the step launch's ``GEMMA`` build does beyond a Llama
+    layer: q/k-norm, post norms, (1 + w) norms, GELU-tanh (sliding windows on some layers)."""
+    return (
+        dims.family == "gemma3"
+        and dims.qk_norm
+        and dims.post_norms
+        and dims.norm_one_plus
+        and dims.activation == "gelu_tanh"
+    )
+
+
 def step_refusals(
     dims: ModelDims, weight_dtype: str, tp_size: int, widths: tuple[int, ...], programs: int | None = None
 ) -> list[str]:
@@ -106,22 +118,41 @@ def step_refusals(
     [] when it can. The platform's part (sm_90 or newer) is the backend's; ``programs`` (the SMs,
     when known) adds the reasons that depend on them."""
     why = []
-    if dims.family != "llama" or dims.qk_norm or dims.post_norms or dims.norm_one_plus:
-        why.append(
-            f"model_dims: the step launch runs Llama-style layers only (no q/k-norm, no post norms); {dims.family} has them"
-        )
-    if dims.activation != "silu":
-        why.append(f"model_dims: the step launch's MLP is SiLU-gated, the model uses {dims.activation}")
-    if dims.sliding_window or any(dims.is_sliding(l) for l in range(dims.num_layers)):
-        why.append("model_dims: the step launch has no sliding-window attention")
-    if dims.hidden_size % BK or dims.intermediate_size % BK:
+    gemma = is_gemma3(dims)
+    if gemma:  # Gemma-3 at width 1 (``StepGeometry.gemma``); its wider steps are the two-launch kernels'
+        if over := [w for w in widths if w > 1]:
+            why.append(
+                f"model_dims: the step launch runs Gemma-3 layers at width 1 only (its q/k-norm, post norms, "
+                f"GELU and sliding windows are on the FMA path), asked for width {over[0]}"
+            )
+        if dims.hidden_size % TB or dims.q_size % BK:
+            why.append(
+                f"model_dims: Gemma-3 on the step launch needs hidden ({dims.hidden_size}) a multiple of {TB} "
+                f"(TMA's box) and heads x head_dim ({dims.q_size}) of {BK}"
+            )
+        if weight_dtype != "bf16":
+            why.append(
+                f"weight_dtype: the step launch streams Gemma-3's weights as bf16 only, asked for {weight_dtype}"
+            )
+    else:
+        if dims.family != "llama" or dims.qk_norm or dims.post_norms or dims.norm_one_plus:
+            why.append(
+                f"model_dims: the step launch runs Llama-style and Gemma-3 layers only (q/k-norm and post norms "
+                f"with Gemma's (1 + w) norms, GELU-tanh and windows together); {dims.family} is neither"
+            )
+        if dims.activation != "silu":
+            why.append(f"model_dims: the step launch's Llama-style MLP is SiLU-gated, the model uses {dims.activation}")
+        if dims.sliding_window or any(dims.is_sliding(l) for l in range(dims.num_layers)):
+            why.append("model_dims: the step launch has sliding-window attention for Gemma-3 only")
+        if dims.q_size != dims.hidden_size:
+            why.append(
+                f"model_dims: the step launch needs heads x head_dim == hidden for Llama-style layers "
+                f"({dims.q_size} != {dims.hidden_size})"
+            )
+    if (not gemma and dims.hidden_size % BK) or dims.intermediate_size % BK:
         why.append(
             f"model_dims: hidden ({dims.hidden_size}) and intermediate ({dims.intermediate_size}) sizes must be "
             f"multiples of {BK} (the weight chunk's columns)"
-        )
-    if dims.q_size != dims.hidden_size:
-        why.append(
-            f"model_dims: the step launch needs heads x head_dim == hidden ({dims.q_size} != {dims.hidden_size})"
         )
     if dims.head_dim not in (64, 128):
         why.append(f"model_dims: the step launch's attention takes head_dim 64 or 128, not {dims.head_dim}")
@@ -220,33 +251,52 @@ class StepGeometry:
 
     # -- weights ------------------------------------------------------------------------------
     @property
+    def gemma(self) -> bool:
+        """Gemma-3's layers (``is_gemma3``; width 1 only, ``step_refusals``): q/k-norm in each
+        attention task, the norms' weights passed as fp32 (1 + w), GELU-tanh, per-layer windows and
+        RoPE tables, and the post norms in the staging passes: o_proj and down store their raw
+        sums, and the program that stages the next input (gate/up's, the next layer's QKV, the
+        launch's last stage) normalises them over the whole row, adds the residual and writes its
+        own tiles' rows of the new residual."""
+        return is_gemma3(self.dims)
+
+    @property
+    def k_chunks(self) -> int:
+        """Chunks of a stage whose K is hidden: the last one zero-padded past hidden where 1024
+        does not divide it (Gemma-3-27B's 5376: TMA zero-fills the box past the row, no bytes read)."""
+        return _ceil(self.dims.hidden_size, BK * self.chunk_span)
+
+    @property
     def qkv_rows(self) -> int:
         d = self.dims
         return (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
 
     @property
-    def _row(self) -> int:
-        return math.lcm(self.dims.hidden_size, self.dims.intermediate_size)
+    def row_lcm(self) -> int:
+        """Elements in a whole row of each of TMA's views (hidden, intermediate, heads x head_dim)."""
+        return math.lcm(self.dims.hidden_size, self.dims.intermediate_size, self.dims.q_size)
 
     @property
     def off_o(self) -> int:
-        return self.qkv_rows * self.dims.hidden_size
+        """o_proj starts at whole rows of hidden and of its own K (heads x head_dim: TMA's third view)."""
+        whole = math.lcm(self.dims.hidden_size, self.dims.q_size)
+        return _ceil(self.qkv_rows * self.dims.hidden_size, whole) * whole
 
     @property
     def off_gu(self) -> int:
-        return self.off_o + self.dims.hidden_size**2
+        return self.off_o + self.dims.hidden_size * self.dims.q_size
 
     @property
     def off_down(self) -> int:
         """down starts at whole rows of both hidden and intermediate (TMA's two row views)."""
         end = self.off_gu + 2 * self.dims.intermediate_size * self.dims.hidden_size
-        return _ceil(end, self._row) * self._row
+        return _ceil(end, self.row_lcm) * self.row_lcm
 
     @property
     def layer_weights(self) -> int:
         """A layer's packed weights in elements, padding included (whole rows of both views)."""
         end = self.off_down + self.dims.hidden_size * self.dims.intermediate_size
-        return _ceil(end, self._row) * self._row
+        return _ceil(end, self.row_lcm) * self.row_lcm
 
     @property
     def scale_offsets(self) -> dict[str, int]:
@@ -271,8 +321,8 @@ class StepGeometry:
 
     def _chunks(self, tiles: tuple[int, int, int, int]) -> int:
         cols = BK * self.chunk_span
-        kh, ki = self.dims.hidden_size // cols, self.dims.intermediate_size // cols
-        return (tiles[0] + tiles[1] + tiles[2]) * kh + tiles[3] * ki
+        kq, ki = self.dims.q_size // cols, self.dims.intermediate_size // cols
+        return (tiles[0] + tiles[2]) * self.k_chunks + tiles[1] * kq + tiles[3] * ki
 
     def busiest_program_share(self) -> float:
         """The busiest program's weight chunks a layer over the grid's mean (8B on 132 SMs: 104
@@ -283,12 +333,15 @@ class StepGeometry:
     # -- activations and counters -------------------------------------------------------------
     @property
     def act_offsets(self) -> dict[str, int]:
-        """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u, and
-        where down's input streams (``streams_down``) SiLU(g)·u again as bf16 ("g16": I bf16 in
-        I / 2 words), which down's X chunks are copied from as they are."""
+        """A row's fp32 activations of a layer: qkv | attention out | h1 = x + o | SiLU(g)·u; for
+        Gemma-3 (``gemma``) o_proj's and down's raw sums ("o", "dn"), which the post norms read
+        whole; and where down's input streams (``streams_down``) SiLU(g)·u again as bf16 ("g16":
+        I bf16 in I / 2 words), which down's X chunks are copied from as they are."""
         h, i = self.dims.hidden_size, self.dims.intermediate_size
-        q = self.qkv_rows
-        out = {"qkv": 0, "att": q, "h1": q + h, "gu": q + 2 * h, "end": q + 2 * h + i}
+        q, a = self.qkv_rows, self.dims.q_size
+        out = {"qkv": 0, "att": q, "h1": q + a, "gu": q + a + h, "end": q + a + h + i}
+        if self.gemma:
+            out["o"], out["dn"], out["end"] = out["end"], out["end"] + h, out["end"] + 2 * h
         if self.streams_down:
             out["g16"], out["end"] = out["end"], out["end"] + i // 2
         return out
@@ -459,7 +512,9 @@ class StepGeometry:
         """``shared_bytes`` with a ring of ``ring_slots`` (its mbarriers with ``tma``) and a staged
         input of ``x_chunks`` chunks."""
         ring = ring_slots * self.chunk_bytes + (ring_slots * 8 if tma else 0)  # slots and their mbarriers
-        rope = 2 * self.dims.head_dim * 4  # the attention row's cos and sin, once a launch
+        # the attention row's cos and sin, once a launch: fp32, or for Gemma-3 the full and the
+        # sliding layers' tables as bf16 (the values are bf16-rounded; the same bytes, which 27B needs)
+        rope = 2 * self.dims.head_dim * 4
         if not self.mma:
             stage = max(x_chunks * BK * 2, self._kv_bytes)  # bf16 staged input, the K/V ring in it
             return ring + stage + ROWS * 4 + rope
@@ -481,7 +536,7 @@ class StepGeometry:
             )
         d = self.dims
         cols = BK * self.chunk_span
-        if d.hidden_size % cols or d.intermediate_size % cols:
+        if (d.hidden_size % cols and not self.gemma) or d.intermediate_size % cols:
             raise ValueError(
                 f"step launch: [16, {cols}] weight chunks (span {self.chunk_span}) need hidden ({d.hidden_size}) and "
                 f"intermediate ({d.intermediate_size}) sizes that are multiples of {cols}"
@@ -498,6 +553,11 @@ class StepGeometry:
         return {
             "HIDDEN": d.hidden_size,
             "INTER": d.intermediate_size,
+            "QS": d.q_size,
+            "KH": self.k_chunks,
+            "GEMMA": int(self.gemma),
+            "A_O": a.get("o", 0),
+            "A_DN": a.get("dn", 0),
             "QH": d.num_heads,
             "KVH": d.num_kv_heads,
             "D": d.head_dim,

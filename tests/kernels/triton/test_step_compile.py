@@ -35,7 +35,7 @@ H200_SMS = 132
     ("profile", "width", "weight_dtype"),
     [("llama3-1b", 1, "bf16"), ("llama3-1b", 2, "bf16"), ("llama3-1b", 8, "bf16"), ("llama3-8b", 1, "bf16"),
      ("llama3-8b", 8, "bf16"), ("llama3-8b", 1, "fp8"), ("llama3-8b", 2, "fp8"), ("llama3-8b", 8, "fp8"),
-     ("llama3-1b", 8, "fp8")],
+     ("llama3-1b", 8, "fp8"), ("gemma3-27b", 1, "bf16")],
 )  # fmt: skip
 def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dtype):
     """Every built width compiles with 0 spills in one program per SM, its shared memory at least
@@ -316,6 +316,50 @@ def test_packed_weights_are_where_the_kernel_reads_them(weight_dtype):
             assert torch.equal(tile[:8], lw.gate_proj.scale[8 * t : 8 * t + 8])
             assert torch.equal(tile[8:], lw.up_proj.scale[8 * t : 8 * t + 8])
         assert torch.equal(sc[so["down"] :], lw.down_proj.scale) and so["end"] == g.qkv_rows + 2 * h + 2 * i
+
+
+def test_gemma3_is_served_at_width_1_its_o_proj_through_its_own_view():
+    """Gemma-3 (``StepGeometry.gemma``) at width 1 only, bf16 only; a model with q/k-norm but
+    not the rest of Gemma-3 (Qwen3) is still refused. Its packed layer on a Gemma-shaped model
+    whose hidden (1280) is no multiple of 1024 and whose heads x head_dim (1024) is not hidden:
+    QKV and gate/up through the rows of hidden, o_proj through the rows of heads x head_dim (the
+    kernel's third TMA view), down through the rows of intermediate; a stage of K = hidden is
+    ceil(1280 / 1024) = 2 chunks, o_proj's 1, and the act rows hold o_proj's and down's raw sums."""
+    from monodecode.kernels.triton.step_launch import pack_step_weights
+
+    gemma = profile_dims("gemma3-27b")
+    assert step_refusals(gemma, "bf16", 1, (1,), H200_SMS) == []
+    (wide,) = step_refusals(gemma, "bf16", 1, (1, 8), H200_SMS)
+    assert wide.startswith("model_dims: ") and "width 1 only" in wide
+    assert any(w.startswith("weight_dtype: ") for w in step_refusals(gemma, "fp8", 1, (1,), H200_SMS))
+    qwen = profile_dims("qwen3-8b")
+    assert qwen.qk_norm and any("Llama-style and Gemma-3" in w for w in step_refusals(qwen, "bf16", 1, (1,)))
+    big = StepGeometry(gemma, 1, H200_SMS)
+    assert big.gemma and big.k_chunks == 6 and big.tiles_per_program() == (4, 3, 21, 3)
+    assert big.chunks_per_layer() == 4 * 6 + 3 * 4 + 21 * 6 + 3 * 21
+    dims = dataclasses.replace(gemma, hidden_size=1280, intermediate_size=2048, num_heads=8, num_kv_heads=4)
+    g = StepGeometry(dims, 1, H200_SMS)
+    g.check()
+    h, i, q = 1280, 2048, 1024
+    assert (g.k_chunks, g.constexprs(16)["KH"], g.constexprs(16)["QS"]) == (2, 2, q)
+    a = g.act_offsets
+    assert (a["att"], a["h1"], a["gu"], a["o"], a["dn"], a["end"]) == (
+        g.qkv_rows, g.qkv_rows + q, g.qkv_rows + q + h, g.qkv_rows + q + h + i, g.qkv_rows + q + 2 * h + i,
+        g.qkv_rows + q + 3 * h + i,
+    )  # fmt: skip
+    w = _weights(dims)
+    blob, _ = pack_step_weights(g, w, "cpu")
+    rows_h, rows_i, rows_q = blob.view(-1, h), blob.view(-1, i), blob.view(-1, q)
+    for n, lw in enumerate(w.layers):
+        first_h = n * (g.layer_weights // h)
+        assert torch.equal(rows_h[first_h : first_h + q], lw.q_proj.weight)
+        assert torch.equal(rows_h[first_h + g.qkv_rows - dims.kv_size : first_h + g.qkv_rows], lw.v_proj.weight)
+        o0 = n * (g.layer_weights // q) + g.off_o // q
+        assert torch.equal(rows_q[o0 : o0 + h], lw.o_proj.weight)
+        gu0 = first_h + g.off_gu // h
+        assert torch.equal(rows_h[gu0 + 8 : gu0 + 16], lw.up_proj.weight[:8])
+        d0 = n * (g.layer_weights // i) + g.off_down // i
+        assert torch.equal(rows_i[d0 : d0 + h], lw.down_proj.weight)
 
 
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])

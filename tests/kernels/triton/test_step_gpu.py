@@ -16,6 +16,7 @@ Every K/V entry outside the slot mapping stays bit for bit what it was.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 
@@ -40,6 +41,9 @@ B8 = ("llama3-8b", (1, 2, 8), 2)
 # FP8 (e4m3fn weights, per-row scales): 8B at widths 1, 2 and 8, 1B at 1 and 8 (its own ring plan)
 B8F = ("llama3-8b", (1, 2, 8), 2, 2.0, None, "fp8")
 B1F = ("llama3-1b", (1, 8), 2, 2.0, None, "fp8")
+# Gemma-3-27B at width 1 (q/k-norm, post norms, (1 + w) norms, GELU-tanh; hidden 5376, no
+# multiple of 1024; o_proj's K 4096): layer 0 slides (window 1024), layer 1 is made a full one
+G27 = ("gemma3-27b-sf", (1,), 2)
 FAULT_TIMEOUT_S = 0.05  # the fault drills' bound on every in-kernel wait
 
 # each row's context (seq_lens: the new token included); fewer rows than a width run padded to it
@@ -53,6 +57,18 @@ CONTEXTS = {
     "w8-5rows": [3000, 17, 1, 700, 2048],
     "w8": [1, 17, 700, 3000, 16, 1025, 33, 2048],
 }
+
+
+def _dims(profile: str):
+    """A profile's dims; ``gemma3-27b-sf``: Gemma-3-27B's with layer 1 a full-attention layer (the
+    model's sixth), so that two built layers hold a sliding and a full one."""
+    if profile == "gemma3-27b-sf":
+        d = profile_dims("gemma3-27b")
+        types = list(d.layer_types)
+        types[1] = "full"
+        assert d.is_sliding(0) and types[1] != types[0]
+        return dataclasses.replace(d, layer_types=tuple(types))
+    return profile_dims(profile)
 
 
 def _gpu() -> torch.device:
@@ -71,7 +87,7 @@ def _request(profile: str, widths, wait_timeout_s: float, weight_dtype: str = "b
     from monodecode.services.platform import detect_platform
 
     return BuildRequest(
-        dims=profile_dims(profile),
+        dims=_dims(profile),
         weight_dtype=weight_dtype,
         tp_size=1,
         widths=tuple(widths),
@@ -94,7 +110,7 @@ def _build(
     from monodecode.kernels.triton.step_plan import step_refusals
 
     dev = _gpu()
-    dims = profile_dims(profile)
+    dims = _dims(profile)
     assert step_refusals(dims, weight_dtype, 1, tuple(widths)) == [], "a build these tests time is refused"
     weights = _weights(profile, layers, weight_dtype)
     req = _request(profile, widths, wait_timeout_s, weight_dtype)
@@ -109,7 +125,7 @@ def _weights(profile: str, layers: int, weight_dtype: str = "bf16"):
     if key not in _CACHE:
         seed = zlib.crc32(repr(key[:3]).encode()) % 1000
         _CACHE[key] = random_weights(
-            profile_dims(profile), seed=seed, weight_dtype=weight_dtype, device=_gpu(), num_layers=layers
+            _dims(profile), seed=seed, weight_dtype=weight_dtype, device=_gpu(), num_layers=layers
         )
     return _CACHE[key]
 
@@ -221,6 +237,49 @@ def test_each_stage_of_a_layer_matches_the_reference(case):
     assert tk.health() == 0, decode_health(tk.health())
 
 
+def test_each_stage_of_a_gemma3_layer_matches_the_reference():
+    """Gemma-3-27B's sliding layer 0 at width 1 over 3000 positions (its window sees the last
+    1024), stage by stage as the test above: q/k/v before q/k-norm and RoPE, the merged attention
+    output, o_proj's raw sums, h1 = x + post-norm(o) (each program wrote its own rows of it), the
+    GELU-tanh(g)·u, down's raw sums; then the layer's output (down's post norm and residual, the
+    launch's last stage) within the per-layer bound."""
+    import torch.nn.functional as F
+
+    dims, weights, tk, kv_ref, kv_out, before, meta, x = _setup(G27, CONTEXTS["w1"], 41)
+    lw, eps, h = weights.layers[0], dims.rms_norm_eps, dims.hidden_size
+    y = tk.forward_layer(0, x, meta, kv_out)
+    torch.cuda.synchronize()
+    a = tk.geometry[1].act_offsets
+    act = tk._buffers_for(1, 1).act.view(1, a["end"])
+    hn = R.rms_norm(x, lw.attn_norm, eps, True)
+    _close(act[:, : a["att"]], torch.cat([lw.q_proj(hn), lw.k_proj(hn), lw.v_proj(hn)], dim=1), "gemma: q/k/v")
+    att = R.k1_reference(dims, 0, lw, x, meta, kv_ref)
+    _close(act[:, a["att"] : a["h1"]], att, "gemma: merged attention output (q/k-normed, windowed)")
+    o = lw.o_proj(att)
+    _close(act[:, a["o"] : a["o"] + h], o, "gemma: o_proj's raw sums")
+    h1 = (x.float() + R.rms_norm(o, lw.attn_post_norm, eps, True).float()).to(x.dtype)
+    _close(act[:, a["h1"] : a["gu"]], h1, "gemma: h1 = x + post-norm(o)")
+    m = R.rms_norm(h1, lw.mlp_norm, eps, True)
+    g = F.gelu(lw.gate_proj(m).float(), approximate="tanh").to(x.dtype)
+    gu = (g.float() * lw.up_proj(m).float()).to(x.dtype)
+    _close(act[:, a["gu"] : a["o"]], gu, "gemma: GELU-tanh(g)·u")
+    _close(act[:, a["dn"] : a["dn"] + h], lw.down_proj(gu), "gemma: down's raw sums")
+    _close(y, R.k2_reference(dims, 0, lw, x, att), "gemma: layer 0's output")
+    _check_kv(dims, 0, meta, kv_ref, before, kv_out, "gemma stages", rel=REL_FRO, frac=MAX_FRAC)
+    assert tk.health() == 0, decode_health(tk.health())
+
+
+@pytest.mark.parametrize("case", ["w1", "w1-first-token", "w1-700"])
+def test_gemma3_27b_at_width_1(case):
+    """Gemma-3-27B's sliding and full layers at width 1 (``StepGeometry.gemma``), contexts past
+    the window (3000), inside it (700) and the first token: per layer and as one launch over both
+    layers within the bounds, nothing written outside the slots."""
+    ctx = CONTEXTS[case]
+    _layer_by_layer(G27, ctx, seed=150 + len(ctx), what=f"27B {case}")
+    _whole_step(G27, ctx, seed=160 + len(ctx), what=f"27B {case} step")
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("case", list(CONTEXTS))
 def test_forward_layer_matches_reference_llama3_1b(case):
     """One launch a layer (``forward_layer``) at widths 1-8, rows of different contexts over
@@ -297,8 +356,8 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
 
 @pytest.mark.parametrize(
     ("build", "case"),
-    [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows")],
-    ids=["1b-w1", "1b-w4-3rows", "1b-w8", "8b-fp8-w1", "8b-fp8-w8-5rows"],
+    [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows"), (G27, "w1")],
+    ids=["1b-w1", "1b-w4-3rows", "1b-w8", "8b-fp8-w1", "8b-fp8-w8-5rows", "gemma-27b-w1"],
 )
 def test_graph_of_forward_step_replays_bit_identical(build, case):
     """``forward_step`` captured in a CUDA graph (as the runner and the benchmark replay it) and
@@ -328,21 +387,23 @@ def test_graph_of_forward_step_replays_bit_identical(build, case):
     _close(first, h_ref, f"{build[0]} {case} replayed step vs reference", rel=STACK_REL_FRO, frac=None)
 
 
+@pytest.mark.parametrize("build", [B1, G27], ids=["1b", "gemma-27b"])
 @pytest.mark.parametrize("entry", ["forward_step", "forward_layer"])
 @pytest.mark.parametrize("kind,site", [("stall", "wait_timeout"), ("nonfinite", "nonfinite")])
-def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry):
+def test_faults_set_the_health_word_and_the_launch_returns(kind, site, entry, build):
     """A stall (layer 1's results never published: every wait on them is bounded) and a NaN in
     layer 1's output each set the sticky health word naming the site and layer 1 (the first
     failure: the NaN reaches layers 2 and 3 too, and the runner reports the cause, not where it
     spread), and the launch returns in bounded time with the GPU usable; a healthy step leaves
     the word as it is; ``reset_health`` clears it and a healthy step after that sets nothing
-    (the failed launch left its counters consistent)."""
+    (the failed launch left its counters consistent). Gemma-3 (2 layers, width 1): its NaN is
+    found where down's sums join the residual, the launch's last stage for layer 1."""
     from monodecode.services.faults import Fault
 
-    dims, weights, tk = _build(*B1, wait_timeout_s=FAULT_TIMEOUT_S)
+    dims, weights, tk = _build(build[0], build[1], build[2], wait_timeout_s=FAULT_TIMEOUT_S)
     dev = _gpu()
-    layers = B1[2]
-    ctx = CONTEXTS["w2"]
+    layers = build[2]
+    ctx = CONTEXTS["w2" if max(build[1]) > 1 else "w1"]
     alloc, _, kv = _context(dims, layers, ctx, dev, seed=80)
     meta = alloc.decode_metadata(list(range(len(ctx))), device=dev)
     x = _input(dims, len(ctx), 80)
