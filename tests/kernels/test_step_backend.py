@@ -72,10 +72,11 @@ def test_tiny_model_dims_are_refused():
 )
 def test_other_families_are_refused_with_their_reasons(profile, expected):
     """Qwen3 (q/k-norm without the rest of Gemma-3) is refused; Gemma-3 is served at width 1
-    only, so the default widths 1-8 are refused for that."""
-    reasons = refusals(profile=profile)
+    only: widths 1 and 8 are refused for that, width 1 alone is served."""
+    reasons = refusals(profile=profile, widths=(1, 8))
     for text in expected:
         assert any(r.startswith("model_dims: ") and text in r for r in reasons), (text, reasons)
+    assert (refusals(profile=profile) == []) == (profile == "gemma3-27b")
 
 
 def test_fp8_e4m3fn_weights_are_served_and_fnuz_refused():
@@ -148,7 +149,7 @@ def test_kernel_spec():
     spec = TritonStepBackend().kernel_spec(H100, (1, 2, 4, 8, 16))
     assert spec.backend == "triton-step" and spec.widths == (1, 2, 4, 8)
     assert spec.platform_kinds == ("cuda",) and spec.tp_sizes == (1,) and spec.weight_dtypes == ("bf16", "fp8")
-    assert spec.grid_size == 132 and spec.families == ("llama",) and spec.head_dims == (64, 128)
+    assert spec.grid_size == 132 and spec.families == ("llama", "gemma3") and spec.head_dims == (64, 128)
 
 
 def test_source_digest_covers_the_step_launch():
