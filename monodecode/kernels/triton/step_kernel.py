@@ -26,6 +26,15 @@ q/k/v, RoPE's cos/sin and results, the attention output, each projection, SiLU(g
 residual adds). One difference: RMSNorm's rstd multiplies each output row's sum (the staged input
 carries ``x · w``), where the reference rounds ``x̂`` before the weight.
 
+Gemma-3 (``GEMMA``, width 1 only): each attention task normalises its q rows and k per head
+before RoPE (the K it writes is the normed, rotated one), a sliding layer's task reads only its
+row's last ``window`` positions, and RoPE has a table per layer kind. The post norms need a whole
+row: o_proj and down store their raw sums, and the staging pass that reads them anyway (gate/up's
+input; the next layer's QKV input; after the last layer, a stage of its own) normalises them in
+every program, adds the residual, writes this program's tiles' rows of the new residual (so the
+rows are written once, in one order of summation) and stages the next norm's input. Gate/up
+makes GELU-tanh(g)·u; a stage of K = hidden (5376) ends in a zero-filled chunk.
+
 The weights of every layer are one block of bf16, or of e4m3fn with ``FP8`` (each packed row's
 fp32 scale in ``ws``, which multiplies the row's sum as the reference's FP8 ``Linear`` does;
 ``StepGeometry.layer_weights`` elements a layer):

@@ -7,6 +7,9 @@ columns, 32 KiB: its row tiles of QKV, o_proj, gate/up and down of every layer) 
 shared-memory slots that is always ``ring - 1`` chunks ahead of the arithmetic, across every wait
 and the attention task, so HBM keeps streaming weights while a program waits for activations.
 
+Llama-style layers run at widths 1-8 (BF16 or FP8 weights); Gemma-3's at width 1 (``StepGeometry.gemma``),
+where its two-launch kernels were level with the strongest stock (runs 155-163).
+
 This module holds everything about that plan that needs no GPU: the packed weight layout, the
 tiles a program owns in each stage, the activation and counter layouts, the attention's context
 splits, the shared-memory budget and the refusals. The kernel reads it as constexprs
