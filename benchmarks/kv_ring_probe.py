@@ -69,7 +69,7 @@ def _task(act_ptr, part_ptr, kc_ptr, vc_ptr, k_sb, k_st, k_sh, v_sb, v_st, v_sh,
     cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     _cos_sin(cs, ctx, inv_ptr, D, NW)
     gl.thread_barrier()
-    kvh, sp, start, end = _kv_span(task, ctx, NSPLIT, NW, PW)
+    kvh, sp, start, end = _kv_span(task, ctx, 0, NSPLIT, NW, PW)
     bt_row = bt_ptr + row.to(gl.int64) * bt_stride
     for t in gl.static_range(KVS - 1):  # the ring's first tiles, as _kv_first issues them
         b = start + t * NW * PW

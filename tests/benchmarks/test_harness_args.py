@@ -219,8 +219,8 @@ def _request(profile, widths, platform, weight_dtype="bf16"):
 
 def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
     """The harness asks the ``triton-step`` backend, width by width: on CUDA sm_90+ it serves 1B and
-    8B at widths 1-8; any other platform, FP8 weights, Gemma's layers and widths over 8 are
-    refused, each with its reason."""
+    8B at widths 1-8 and Gemma-3 at width 1; any other platform, fnuz FP8 weights, Gemma-3 above
+    1 row and widths over 8 are refused, each with its reason."""
     by_width = harness.step_refusals_by_width
     assert by_width(_request("llama3-1b", (1, 2, 4, 8), _platform())) == {}
     assert by_width(_request("llama3-1b", (1, 8), _platform(arch="sm_100"))) == {}
@@ -233,7 +233,8 @@ def test_the_step_launch_is_timed_where_it_runs_and_says_why_not_elsewhere():
     assert "torch cannot launch" in by_width(_request("llama3-1b", (1,), _platform(usable=False)))[1]
     assert by_width(_request("llama3-8b", (1, 2, 8), _platform(), "fp8")) == {}
     assert by_width(_request("llama3-8b", (1,), _platform(), "fp8_fnuz"))[1].startswith("weight_dtype: fp8_fnuz")
-    assert "model_dims: " in by_width(_request("gemma3-27b", (1,), _platform()))[1]
+    gemma = by_width(_request("gemma3-27b", (1, 2, 8), _platform()))
+    assert sorted(gemma) == [2, 8] and all("Gemma-3 layers at width 1 only" in why for why in gemma.values())
 
 
 def _ctx(profile, step_not_run, kernels=None, step=True):
