@@ -191,14 +191,15 @@ def _tma_box(wh_desc, wi_desc, wo_desc, s, coord, bar, box, ok, SPLIT_O: gl.cons
 
 
 @gluon.jit
-def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr, KH: gl.constexpr):
-    """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf`` (``KH``
+def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
+    """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf`` (its BK
     chunks, zero past HIDDEN); returns its rstd, which each output row's sum takes at the end."""
+    NX: gl.constexpr = (HIDDEN + BK - 1) // BK  # (staged chunks: a weight chunk may span WX of them)
     # every chunk asked for before the first is used: each chunk's block-wide sum and store put
     # barriers between its loads and the next chunk's, one L2 round trip a chunk in series
     vs = ()
     gs = ()
-    for c in gl.static_range(KH):
+    for c in gl.static_range(NX):
         if HIDDEN % BK:
             e = c * BK + cf
             vs = vs + (gl.load(src + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
@@ -207,7 +208,7 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr,
             vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
             gs = gs + (gl.load(g_ptr + c * BK + cf),)
     ss = 0.0
-    for c in gl.static_range(KH):
+    for c in gl.static_range(NX):
         v = vs[c].to(gl.float32)
         ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store((v * gs[c].to(gl.float32)).to(xbuf.dtype))
@@ -216,8 +217,7 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr,
 
 @gluon.jit
 def _post_normed(xbuf, sums, res, gp_ptr, g_ptr, dst, cf, pid, health_ptr, code, live, HIDDEN: gl.constexpr,
-                 KH: gl.constexpr, EPS: gl.constexpr, NPROG: gl.constexpr, STAGE: gl.constexpr,
-                 CHECK: gl.constexpr):  # fmt: skip
+                 EPS: gl.constexpr, NPROG: gl.constexpr, STAGE: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
     """Gemma-3, width 1: the residual after a post norm, v = bf16(res + bf16(sums' RMSNorm x
     ``gp``)), where ``sums`` are o_proj's or down's raw bf16 sums (fp32, HIDDEN values; the norm
     needs the whole row, so every program makes v) and ``res`` the residual they join. This
@@ -225,11 +225,12 @@ def _post_normed(xbuf, sums, res, gp_ptr, g_ptr, dst, cf, pid, health_ptr, code,
     o_proj and down tasks own) go to ``dst``, with ``CHECK`` a non-finite one in a ``live`` row
     setting the health word (``code``). With ``STAGE``, v times the next norm's weight ``g`` is
     staged into ``xbuf`` as ``_normed_input`` does, and v's rstd returned (else 1.0)."""
+    NX: gl.constexpr = (HIDDEN + BK - 1) // BK
     ds = ()
     rs = ()
     gps = ()
     gs = ()
-    for c in gl.static_range(KH):  # every chunk asked for at once (``_normed_input``'s reason)
+    for c in gl.static_range(NX):  # every chunk asked for at once (``_normed_input``'s reason)
         e = c * BK + cf
         ds = ds + (gl.load(sums + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
         rs = rs + (gl.load(res + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
@@ -237,11 +238,11 @@ def _post_normed(xbuf, sums, res, gp_ptr, g_ptr, dst, cf, pid, health_ptr, code,
         if STAGE:
             gs = gs + (gl.load(g_ptr + e, mask=e < HIDDEN, other=0.0),)
     ss = 0.0
-    for c in gl.static_range(KH):
+    for c in gl.static_range(NX):
         ss += gl.sum(ds[c] * ds[c], axis=0)
     rd = gl.rsqrt(ss / HIDDEN + EPS)
     sv = 0.0
-    for c in gl.static_range(KH):
+    for c in gl.static_range(NX):
         e = c * BK + cf
         v = _bf(rs[c].to(gl.float32) + _bf(ds[c] * rd * gps[c]))
         mine = (e < HIDDEN) & ((e // ROWS) % NPROG == pid)
@@ -1017,12 +1018,12 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                             pa = act_ptr + (layer - 1) * (NB * LAYER_A)
                             rstd = _post_normed(xbuf, pa + A_DN, pa + A_H1, gpp_ptr + ((glayer - 1) * 2 + 1) * HIDDEN,
                                                 gin_ptr + glayer * HIDDEN, h_in, cf, pid, health_ptr,
-                                                _code(NONFINITE, 2, glayer - 1), live1, HIDDEN, KH, EPS, NPROG, True,
+                                                _code(NONFINITE, 2, glayer - 1), live1, HIDDEN, EPS, NPROG, True,
                                                 True)  # fmt: skip
                         else:
-                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
+                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                     else:
-                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
+                        rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 elif s == 1:
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
@@ -1072,9 +1073,9 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                     elif GEMMA:  # o_proj's sums joined to the residual here: h1, this program's rows of it kept
                         rstd = _post_normed(xbuf, act + A_O, h_in, gpp_ptr + glayer * 2 * HIDDEN,
                                             gpost_ptr + glayer * HIDDEN, act + A_H1, cf, pid, health_ptr, 0, live1,
-                                            HIDDEN, KH, EPS, NPROG, True, False)  # fmt: skip
+                                            HIDDEN, EPS, NPROG, True, False)  # fmt: skip
                     else:
-                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, KH)
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
                     spin = _wait_for(ctr_ptr + layer * NCTR + DOWN_CTR, target, spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
@@ -1203,7 +1204,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                          _code(WAIT_TIMEOUT, 2, first + nlayers - 1))  # fmt: skip
         pa = act_ptr + (nlayers - 1) * (NB * LAYER_A)
         _post_normed(xbuf, pa + A_DN, pa + A_H1, gpp_ptr + ((first + nlayers - 1) * 2 + 1) * HIDDEN, gpp_ptr, out_ptr,
-                     cf, pid, health_ptr, _code(NONFINITE, 2, first + nlayers - 1), live1, HIDDEN, KH, EPS, NPROG,
+                     cf, pid, health_ptr, _code(NONFINITE, 2, first + nlayers - 1), live1, HIDDEN, EPS, NPROG,
                      False, True)  # fmt: skip
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
