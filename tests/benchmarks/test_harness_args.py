@@ -56,7 +56,7 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box, down_rot)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],
