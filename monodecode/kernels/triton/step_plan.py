@@ -86,6 +86,9 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # chunks, 2-8 of a program's ~28 a layer, then wait for TMA's round trip); dropped.
 # ``down_rot`` (session 35, not yet timed): down's tiles rotated so that its last round falls on
 # the programs without a tile in gate/up's last round (``StepGeometry.down_offset``).
+# ``early_norms`` (session 35, not yet timed; Gemma-3 only): the post norms' staging passes ask for
+# their two weight rows (fp32 (1 + w), 21 KiB each at 27B) before their waits, not after (run
+# 164: QKV's and gate/up's hand-offs 4.1 and 3.2 µs a layer at 27B against 8B's 1.0 and 1.2).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -96,6 +99,7 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "down_rot": (0, 0, 1),
+    "early_norms": (0, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -220,6 +224,7 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     down_rot: int = 0  # down's tiles start past gate/up's last round's programs (``down_offset``)
+    early_norms: int = 0  # Gemma-3: the post norms' weight rows asked for before their waits
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -559,6 +564,8 @@ class StepGeometry:
                 f"step launch: [16, {cols}] weight chunks (span {self.chunk_span}) need hidden ({d.hidden_size}) and "
                 f"intermediate ({d.intermediate_size}) sizes that are multiples of {cols}"
             )
+        if self.early_norms and not self.gemma:
+            raise ValueError("step launch: early_norms asks for Gemma-3's post-norm weights early; this model has none")
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
 
@@ -604,6 +611,7 @@ class StepGeometry:
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
             "DROT": self.down_offset,
+            "EN": int(bool(self.early_norms) and self.gemma),
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),
