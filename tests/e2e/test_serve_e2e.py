@@ -299,25 +299,30 @@ def test_metrics_count_mono_steps_and_every_fallback_reason(fleet):
     # (then aborted): 120 tokens took under a second at mono's pace and once ended on a loaded CI
     # machine before the next prompt reached the engine (no mixed step); the mono server's
     # max_model_len (512) bounds it. The other prompts go at once: one after the other, they
-    # once took longer on a loaded CI machine than the 450 tokens did
-    b = steps(mono)
-    first, answered = threading.Event(), threading.Event()
-    long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], LONG_TOKENS, first, answered))
-    long_run.start()
-    assert first.wait(60)
-    with ThreadPoolExecutor(len(PROMPTS) - 2) as pool:
-        answers = list(pool.map(lambda p: _stream(client, model, p, 4), PROMPTS[2:]))
-    overlapped = long_run.is_alive()
-    assert answers == [4] * len(answers), answers
-    answered.set()
-    long_run.join(120)
-    # the property is a mixed step counted; the long decode outliving the answers is what makes
-    # one certain, and is reported with it (on a CI machine loaded by other work it once ended first)
-    d = moved(b, steps(mono))
-    assert d.get("mixed_batch", 0) >= 1, (
-        d,
-        "the long decode ended before the other prompts were answered" if not overlapped else "overlapped",
-    )
+    # once took longer on a loaded CI machine than the 450 tokens did. On a machine loaded by
+    # other work the engine once scheduled all three prefills in steps of their own while the
+    # long decode ran on (its client thread alive, no mixed step), so the scenario gets three
+    # tries: a mixed step counted as anything else fails all three
+    tries = []
+    for _ in range(3):
+        b = steps(mono)
+        first, answered = threading.Event(), threading.Event()
+        long_run = threading.Thread(target=_stream, args=(client, model, PROMPTS[1], LONG_TOKENS, first, answered))
+        long_run.start()
+        assert first.wait(60)
+        with ThreadPoolExecutor(len(PROMPTS) - 2) as pool:
+            answers = list(pool.map(lambda p: _stream(client, model, p, 4), PROMPTS[2:]))
+        overlapped = long_run.is_alive()
+        assert answers == [4] * len(answers), answers
+        answered.set()
+        long_run.join(120)
+        d = moved(b, steps(mono))
+        tries.append(
+            (d, "overlapped" if overlapped else "the long decode ended before the other prompts were answered")
+        )
+        if d.get("mixed_batch", 0) >= 1:
+            break
+    assert tries[-1][0].get("mixed_batch", 0) >= 1, tries
 
     # more rows than the widest width (4), sent as one batched request so that they reach the
     # engine together and decode side by side: separate streams started from threads could finish
