@@ -114,12 +114,8 @@ def _chunk(i, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.conste
     r = i % C
     s = gl.where(r < C0, 0, gl.where(r < C0 + C1, 1, gl.where(r < C0 + C1 + C2, 2, 3)))
     rs = r - gl.where(s == 0, 0, gl.where(s == 1, C0, gl.where(s == 2, C0 + C1, C0 + C1 + C2)))
-    if QS == HIDDEN:
-        nk = gl.where(s == 3, INTER // (BK * WX), KH)
-        kdim = gl.where(s == 3, INTER, HIDDEN)
-    else:
-        nk = gl.where(s == 3, INTER // (BK * WX), gl.where(s == 1, QS // (BK * WX), KH))
-        kdim = gl.where(s == 3, INTER, gl.where(s == 1, QS, HIDDEN))
+    nk = gl.where(s == 3, INTER // (BK * WX), gl.where(s == 1, QS // (BK * WX), KH))
+    kdim = gl.where(s == 3, INTER, gl.where(s == 1, QS, HIDDEN))
     tiles = gl.where(s == 0, QKVR // ROWS, gl.where(s == 2, 2 * INTER // ROWS, HIDDEN // ROWS))
     base = gl.where(s == 0, 0, gl.where(s == 1, OFF_O, gl.where(s == 2, OFF_GU, OFF_D)))
     if DSTREAM:
