@@ -130,8 +130,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, 
             QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr, OFF_D: gl.constexpr,
             LAYER_W: gl.constexpr, NPROG: gl.constexpr, NBUF: gl.constexpr, TMA: gl.constexpr, TD: gl.constexpr,
             DSTREAM: gl.constexpr, MMAV: gl.constexpr, NW: gl.constexpr, FP8: gl.constexpr,
-            WX: gl.constexpr, ONEBOX: gl.constexpr, QS: gl.constexpr, KH: gl.constexpr,
-            DROT: gl.constexpr):  # fmt: skip
+            WX: gl.constexpr, ONEBOX: gl.constexpr, QS: gl.constexpr, KH: gl.constexpr):  # fmt: skip
     """Start chunk ``i`` into its ring slot: by TMA, one box on the slot's mbarrier (a chunk past
     the end or the tiles copies nothing and arrives itself, so every slot completes one phase a
     chunk; widths 2-8 in mma's operand order, ``step_launch.weight_descriptors``), or by
@@ -140,7 +139,7 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, 
     chunk of WX parts is one TMA box (``StepGeometry.box_parts``)."""
     layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
                                                    DSTREAM, WX, QS, KH)  # fmt: skip
-    tile = _tile(pid, s, j, NPROG, DROT)
+    tile = pid + j * NPROG
     ok = (i < total) & (tile < tiles)
     glayer = first + layer
     if TMA:
@@ -168,16 +167,6 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, 
                 ring.index(WX * (i % NBUF) + p), w_ptr + off, mask=ok & (rr >= 0) & (cc >= 0)
             )
         async_copy.commit_group()
-
-
-@gluon.jit
-def _tile(pid, s, j, NPROG: gl.constexpr, DROT: gl.constexpr):
-    """Program ``pid``'s ``j``-th tile of stage ``s``: ``pid + j * NPROG``; down's (stage 3)
-    rotated by ``DROT`` programs (``StepGeometry.down_offset``)."""
-    if DROT:
-        return gl.where(s == 3, (pid + DROT) % NPROG, pid) + j * NPROG
-    else:
-        return pid + j * NPROG
 
 
 @gluon.jit
@@ -879,7 +868,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
-                DROT: gl.constexpr, EN: gl.constexpr,
+                EN: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
@@ -980,7 +969,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     for i in range(NBUF - 1):
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, first, rr, cc, C, C0, C1, C2, HIDDEN,
                 INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW, FP8, WX,
-                ONEBOX, QS, KH, DROT)  # fmt: skip
+                ONEBOX, QS, KH)  # fmt: skip
     # streamed down: the X chunks whose first weight chunk was asked for before down's wait
     # (0 .. XPRE - 1) are copied at the stage's start, the rest with their weight chunk's refill
     XPRE: gl.constexpr = (NBUF - 2) // TD + 1
@@ -1019,7 +1008,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM, WX, QS, KH)  # fmt: skip
-        tile = _tile(pid, s, j, NPROG, DROT)
+        tile = pid + j * NPROG
         glayer = first + layer
         act = act_ptr + layer * (NB * LAYER_A)  # the layer's first row
         g16 = act.to(gl.pointer_type(gl.bfloat16)) + 2 * A_G16  # its bf16 SiLU(g)·u (streamed down)
@@ -1194,7 +1183,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
         # refill the slot chunk i - 1 left (every thread is past it: the barrier above), before the arithmetic
         _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i + NBUF - 1, total, pid, first, rr, cc, C, C0, C1,
                 C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, NBUF, TMA, TD, DSTREAM, MMAV, NW,
-                FP8, WX, ONEBOX, QS, KH, DROT)  # fmt: skip
+                FP8, WX, ONEBOX, QS, KH)  # fmt: skip
         if MMAV:  # W[16, KW] @ X[KW, NPAD] for the warp's column block, part by part
             for p in gl.static_range(WX):
                 if DSTREAM:

@@ -84,11 +84,13 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # Triton's barrier analysis leaves 2 ``bar.sync``s a chunk where it puts 4 (bf16, FP8 one box) or 5
 # (FP8 a box a part): level at 8B bf16, 0.2 % faster at FP8, 0.6-0.9 % slower at 1B (its empty
 # chunks, 2-8 of a program's ~28 a layer, then wait for TMA's round trip); dropped.
-# ``down_rot`` (session 35, not yet timed): down's tiles rotated so that its last round falls on
-# the programs without a tile in gate/up's last round (``StepGeometry.down_offset``).
-# ``early_norms`` (session 35, not yet timed; Gemma-3 only): the post norms' staging passes ask for
-# their two weight rows (fp32 (1 + w), 21 KiB each at 27B) before their waits, not after (run
-# 164: QKV's and gate/up's hand-offs 4.1 and 3.2 µs a layer at 27B against 8B's 1.0 and 1.2).
+# ``early_norms`` (session 35; Gemma-3 only, on by default from run 166): the post norms' staging
+# passes ask for their two weight rows (fp32 (1 + w), 21 KiB each at 27B) before their waits, not
+# after (run 164: QKV's and gate/up's hand-offs 4.1 and 3.2 µs a layer at 27B against 8B's 1.0 and
+# 1.2). Run 166 (H100, 27B batch 1): 0.34-0.50 % faster at 1k, 8k and 32k, both timings.
+# Run 166 also timed ``down_rot`` (down's tiles rotated so that its last, partial round fell on the
+# programs without a tile in gate/up's last one; 27B's busiest program 189 -> 183 chunks a layer):
+# 0.14-0.33 % slower in the same cells, and 0.2-0.3 % with ``early_norms``; dropped.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -98,8 +100,7 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
-    "down_rot": (0, 0, 1),
-    "early_norms": (0, 0, 1),
+    "early_norms": (None, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -223,8 +224,7 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
-    down_rot: int = 0  # down's tiles start past gate/up's last round's programs (``down_offset``)
-    early_norms: int = 0  # Gemma-3: the post norms' weight rows asked for before their waits
+    early_norms: int | None = None  # Gemma-3: the post norms' weight rows asked for before their waits; None: on there
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -322,17 +322,6 @@ class StepGeometry:
         """16-row tiles of QKV, o_proj, gate/up and down."""
         h, i = self.dims.hidden_size, self.dims.intermediate_size
         return self.qkv_rows // ROWS, h // ROWS, 2 * i // ROWS, h // ROWS
-
-    @property
-    def down_offset(self) -> int:
-        """With ``down_rot``, program p takes down's tiles ``(p + offset) % programs + j * programs``,
-        so down's last, partial round falls on the programs past gate/up's last one
-        (27B on 132 SMs: gate/up's 48 extra tiles on programs 0-47, down's 72 on 48-119, where
-        they fell on 0-71; the busiest program's gate/up and down chunks 189 -> 183). 0 without
-        it, or where either stage fills its rounds. The sums are the same; only which program
-        computes a tile changes."""
-        gu, down = self.stage_tiles()[2] % self.programs, self.stage_tiles()[3] % self.programs
-        return self.programs - gu if self.down_rot and gu and down else 0
 
     def tiles_per_program(self) -> tuple[int, int, int, int]:
         return tuple(_ceil(t, self.programs) for t in self.stage_tiles())  # type: ignore[return-value]
@@ -564,7 +553,7 @@ class StepGeometry:
                 f"step launch: [16, {cols}] weight chunks (span {self.chunk_span}) need hidden ({d.hidden_size}) and "
                 f"intermediate ({d.intermediate_size}) sizes that are multiples of {cols}"
             )
-        if self.early_norms and not self.gemma:
+        if self.early_norms and not self.gemma:  # (asked for by name: by default it is on only for Gemma-3)
             raise ValueError("step launch: early_norms asks for Gemma-3's post-norm weights early; this model has none")
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
@@ -610,8 +599,7 @@ class StepGeometry:
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
-            "DROT": self.down_offset,
-            "EN": int(bool(self.early_norms) and self.gemma),
+            "EN": int(self.gemma and self.early_norms != 0),
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

@@ -69,8 +69,7 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("gemma3-27b", 1, {"down_rot": 1}),
-                                                   ("gemma3-27b", 1, {"early_norms": 1, "down_rot": 1})])  # fmt: skip
+                                                   ("gemma3-27b", 1, {"early_norms": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -124,11 +123,13 @@ def test_bad_plans_are_refused_in_one_line():
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
     assert set(PLAN_KNOBS) == {
-        "ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box", "down_rot",
-        "early_norms",
+        "ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box", "early_norms",
     }  # fmt: skip
     with pytest.raises(ValueError, match="early_norms asks for Gemma-3's post-norm weights early"):
         StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, early_norms=1).check()
+    # early_norms is on by default where there are post norms (Gemma-3) and nowhere else
+    for name, plan, en in (("gemma3-27b", {}, 1), ("gemma3-27b", {"early_norms": 0}, 0), ("llama3-8b", {}, 0)):
+        assert StepGeometry(profile_dims(name), 1, H200_SMS, **plan).constexprs(16)["EN"] == en, (name, plan)
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
                       ({"ring": 1}, "ring must be an integer 2-8"), ({"ring": True}, "ring must be"),
                       ({"ring": "4"}, "ring must be")):  # fmt: skip
@@ -227,38 +228,6 @@ def test_the_busiest_program_streams_its_share_of_a_layer():
                 load[t % H200_SMS] += chunks
         assert (max(load), sum(load)) == (busiest, total), name
         assert g.busiest_program_share() == pytest.approx(max(load) / (sum(load) / H200_SMS))
-
-
-def test_down_rot_moves_downs_last_round_off_gate_ups_last_round():
-    """``down_rot`` (``StepGeometry.down_offset``), against a walk of every program's tiles: down's
-    tiles still each run on exactly one program; on 27B (132 SMs) its last round moves from
-    programs 0-71, where gate/up's last round (0-47) already is, to 48-119, and the busiest
-    program's gate/up and down chunks drop from 189 to 183; 8B's extras (76 + 124 tiles) overlap
-    whatever the rotation; a stage that fills its rounds leaves the offset 0."""
-
-    def load(g):
-        t_gu, t_down = g.stage_tiles()[2], g.stage_tiles()[3]
-        kh, ki = g.k_chunks, g.dims.intermediate_size // 1024
-        chunks, owner = [0] * H200_SMS, {}
-        for p in range(H200_SMS):
-            chunks[p] += kh * len(range(p, t_gu, H200_SMS))
-            for j in range(g.tiles_per_program()[3]):
-                t = (p + g.down_offset) % H200_SMS + j * H200_SMS
-                if t < t_down:
-                    assert t not in owner
-                    owner[t] = p
-                    chunks[p] += ki
-        assert sorted(owner) == list(range(t_down))
-        return max(chunks), [p for p in range(H200_SMS) if sum(1 for o in owner.values() if o == p) == 3]
-
-    gemma = profile_dims("gemma3-27b")
-    assert StepGeometry(gemma, 1, H200_SMS).down_offset == 0
-    assert StepGeometry(gemma, 1, H200_SMS, down_rot=1).down_offset == 84
-    assert load(StepGeometry(gemma, 1, H200_SMS)) == (189, list(range(72)))
-    assert load(StepGeometry(gemma, 1, H200_SMS, down_rot=1)) == (183, list(range(48, 120)))
-    eight = profile_dims("llama3-8b")
-    assert load(StepGeometry(eight, 1, H200_SMS, down_rot=1))[0] == load(StepGeometry(eight, 1, H200_SMS))[0]
-    assert StepGeometry(eight, 1, 128, down_rot=1).down_offset == 0  # 256 down tiles: two full rounds
 
 
 def test_refusals_that_depend_on_the_programs():
