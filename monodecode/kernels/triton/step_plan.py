@@ -84,13 +84,13 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # Triton's barrier analysis leaves 2 ``bar.sync``s a chunk where it puts 4 (bf16, FP8 one box) or 5
 # (FP8 a box a part): level at 8B bf16, 0.2 % faster at FP8, 0.6-0.9 % slower at 1B (its empty
 # chunks, 2-8 of a program's ~28 a layer, then wait for TMA's round trip); dropped.
-# ``early_norms`` (session 35; Gemma-3 only, on by default from run 166): the post norms' staging
-# passes ask for their two weight rows (fp32 (1 + w), 21 KiB each at 27B) before their waits, not
-# after (run 164: QKV's and gate/up's hand-offs 4.1 and 3.2 µs a layer at 27B against 8B's 1.0 and
-# 1.2). Run 166 (H100, 27B batch 1): 0.34-0.50 % faster at 1k, 8k and 32k, both timings.
-# Run 166 also timed ``down_rot`` (down's tiles rotated so that its last, partial round fell on the
-# programs without a tile in gate/up's last one; 27B's busiest program 189 -> 183 chunks a layer):
-# 0.14-0.33 % slower in the same cells, and 0.2-0.3 % with ``early_norms``; dropped.
+# Run 166 (H100, 27B batch 1 at 1k, 8k and 32k, both timings) timed two session-35 knobs and
+# dropped both as knobs: ``early_norms`` (the post norms' staging passes asking for their two
+# weight rows, fp32 (1 + w), 21 KiB each at 27B, before their waits, not after: run 164's QKV and
+# gate/up hand-offs were 4.1 and 3.2 µs a layer at 27B against 8B's 1.0 and 1.2) was 0.34-0.50 %
+# faster and is now the only way (``step_kernel._norm_rows``); ``down_rot`` (down's tiles rotated
+# so that its last, partial round fell on the programs without a tile in gate/up's last one; the
+# busiest program 189 -> 183 chunks a layer) was 0.14-0.33 % slower, 0.2-0.3 % with the other.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -100,7 +100,6 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
-    "early_norms": (None, 0, 1),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -224,7 +223,6 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
-    early_norms: int | None = None  # Gemma-3: the post norms' weight rows asked for before their waits; None: on there
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -540,6 +538,8 @@ class StepGeometry:
                 f"step launch: {self.programs} programs cannot hold one attention task per row and KV head "
                 f"({self.width} x {self.dims.num_kv_heads})"
             )
+        if self.gemma and self.mma:
+            raise ValueError("step launch: Gemma-3's post norms are staged on width 1's FMA path only, not with mma1")
         if self.mma and self.tiles_per_program()[3] > 2:
             raise ValueError(
                 f"step launch: on mma.sync a program keeps two down accumulators, so it takes two down tiles at "
@@ -553,8 +553,6 @@ class StepGeometry:
                 f"step launch: [16, {cols}] weight chunks (span {self.chunk_span}) need hidden ({d.hidden_size}) and "
                 f"intermediate ({d.intermediate_size}) sizes that are multiples of {cols}"
             )
-        if self.early_norms and not self.gemma:  # (asked for by name: by default it is on only for Gemma-3)
-            raise ValueError("step launch: early_norms asks for Gemma-3's post-norm weights early; this model has none")
         if (b := self.shared_bytes()) > SMEM_PER_PROGRAM:
             raise ValueError(f"step launch: {b} bytes of shared memory at width {self.width} exceed {SMEM_PER_PROGRAM}")
 
@@ -599,7 +597,6 @@ class StepGeometry:
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
-            "EN": int(self.gemma and self.early_norms != 0),
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),
