@@ -575,7 +575,7 @@ def test_plan_knobs_leave_the_step_bit_identical(plan, widths, case):
     from monodecode.kernels.triton.step_launch import StepKernels
 
     build = B1
-    if widths in (B8, B8F):  # 8B's own builds (its down input streamed above 1 row), all their widths
+    if widths in (B8, B8F):  # 8B's own builds (down's input streamed above 1 row), all their widths
         build, widths = widths, widths[1]
     dims, weights, tk, _, kv, before, meta, x = _setup(build, CONTEXTS[case], seed=11)
     req = _request(build[0], widths, 2.0, build[5] if len(build) > 5 else "bf16")
