@@ -100,6 +100,7 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
+    "l2_ahead": (0, 0, 16),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -223,6 +224,7 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
+    l2_ahead: int = 0  # chunks asked of L2 through a short attention (``L2A``, ``l2_ahead_chunks``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -597,6 +599,7 @@ class StepGeometry:
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
+            "L2A": self.l2_ahead,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),
