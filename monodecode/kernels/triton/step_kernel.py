@@ -170,35 +170,6 @@ def _refill(ring, boxes, bars, w_ptr, wh_desc, wi_desc, wo_desc, i, total, pid, 
 
 
 @gluon.jit
-def _ask_l2(w_ptr, lo, n, total, pid, first, C: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr, C2: gl.constexpr,
-            HIDDEN: gl.constexpr, INTER: gl.constexpr, QKVR: gl.constexpr, OFF_O: gl.constexpr, OFF_GU: gl.constexpr,
-            OFF_D: gl.constexpr, LAYER_W: gl.constexpr, NPROG: gl.constexpr, TD: gl.constexpr, DSTREAM: gl.constexpr,
-            WX: gl.constexpr, QS: gl.constexpr, KH: gl.constexpr, FP8: gl.constexpr, NW: gl.constexpr):  # fmt: skip
-    """Ask L2 for chunks ``lo .. lo + n - 1`` of the program's sequence (``n`` at most
-    ``32 * NW // ROWS``), a row of a chunk a thread by ``cp.async.bulk.prefetch.L2`` (no register,
-    shared memory or barrier held), so that their refills later read L2 (``L2A``). Chunks past the
-    end or the program's tiles ask for nothing; a row's part past K (hidden's last chunk where BK
-    does not divide it) neither."""
-    q = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-    i = lo + q // ROWS
-    layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D, TD,
-                                                   DSTREAM, WX, QS, KH)  # fmt: skip
-    tile = pid + j * NPROG
-    ok = (q // ROWS < n) & (i < total) & (tile < tiles)
-    col = k * (WX * BK)
-    off = (first + layer).to(gl.int64) * LAYER_W + base + (tile * ROWS + q % ROWS).to(gl.int64) * kdim + col
-    nbytes = gl.where(ok, gl.minimum(kdim - col, WX * BK) * (2 - FP8), 0)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [w_ptr + off, nbytes],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@gluon.jit
 def _tma_box(wh_desc, wi_desc, wo_desc, s, coord, bar, box, ok, SPLIT_O: gl.constexpr):
     """One TMA box of stage ``s``'s weights at ``coord`` into ``box`` on ``bar``: through the view
     in rows of INTER for down (stage 3), with ``SPLIT_O`` of heads x head_dim for o_proj (stage
@@ -890,7 +861,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
-                L2A: gl.constexpr = 0, PROF: gl.constexpr = 0,
+                PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -920,9 +891,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
     staged, the stage's part counted, and each attention task its q, k and v in and its partial stored
-    (``decode_bench.timeline.STEP``). ``L2A``: once the attention's input is there (behind the task's
-    first K/V copies), each program asks L2 for the ``L2A`` chunks after its ring's window, where
-    the step's cached K/V bytes are fewer than the whole GPU asks for (``StepGeometry.l2_ahead``)."""
+    (``decode_bench.timeline.STEP``)."""
     G: gl.constexpr = QH // KVH
     QKVR: gl.constexpr = (QH + 2 * KVH) * D
     cp_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])  # copies and width 1's arithmetic
@@ -1028,14 +997,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
         cs = gl.allocate_shared_memory(gl.float32, [2 * D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         _cos_sin(cs, apos, inv_ptr, D, NW)  # the task row's (read after the QKV stage's barriers)
     live1 = gl.load(slot_ptr) >= 0  # width 1's row
-    if L2A > 0:  # HBM idles through an attention that reads fewer bytes than the weights asked of L2
-        rb = gl.arange(0, 8, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-        live = gl.load(slot_ptr + rb, mask=rb < NB, other=-1) >= 0
-        cached = gl.sum(gl.where(live, gl.maximum(gl.load(seq_ptr + rb, mask=rb < NB, other=1) - 1, 0), 0), axis=0)
-        kv_bytes: gl.constexpr = 2 * KVH * D * kc_ptr.dtype.element_ty.primitive_bitwidth // 8  # a cached position's
-        ask_l2 = cached.to(gl.int64) * kv_bytes <= NPROG * L2A * (ROWS * BK * WX * (2 - FP8))
-    else:
-        ask_l2 = False
     for i in range(total):
         layer, s, j, k, nk, tiles, kdim, base = _chunk(i, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O, OFF_GU, OFF_D,
                                                        TD, DSTREAM, WX, QS, KH)  # fmt: skip
@@ -1100,9 +1061,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                             qx, qr, kx, kr = _qk_normed(qx, qr, kx, kr, qkn_ptr + glayer * (2 * D), D, EPS, NW)
                         bnext = _kv_first(kvs, kc_ptr, vc_ptr, koff, voff, bt_row, kvh0, start0, end0, k_sb, k_st,
                                           k_sh, v_sb, v_st, v_sh, BS, D, KVS, NW, PW)  # fmt: skip
-                        if ask_l2:  # (behind the task's first K/V copies)
-                            _ask_l2(w_ptr, i + NBUF - 1, L2A, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR,
-                                    OFF_O, OFF_GU, OFF_D, LAYER_W, NPROG, TD, DSTREAM, WX, QS, KH, FP8, NW)  # fmt: skip
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
@@ -1110,9 +1068,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
-                    elif ask_l2:
-                        _ask_l2(w_ptr, i + NBUF - 1, L2A, total, pid, first, C, C0, C1, C2, HIDDEN, INTER, QKVR, OFF_O,
-                                OFF_GU, OFF_D, LAYER_W, NPROG, TD, DSTREAM, WX, QS, KH, FP8, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,

@@ -91,6 +91,13 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # faster and is now the only way (``step_kernel._norm_rows``); ``down_rot`` (down's tiles rotated
 # so that its last, partial round fell on the programs without a tile in gate/up's last one; the
 # busiest program 189 -> 183 chunks a layer) was 0.14-0.33 % slower, 0.2-0.3 % with the other.
+# Run 167 (H100, batch 1 at 1k and 8k, every profile) timed ``l2_ahead`` 4 and 8 and dropped it:
+# once the attention's input was there (behind the task's first K/V copies), each program asked
+# L2 for the chunks after its ring's window (``cp.async.bulk.prefetch.L2``), where the step's
+# cached K/V bytes were fewer than those chunks' (HBM otherwise idles through the attention at
+# 1k: 3 slots hold 2.7 µs of the probe's bytes, the attention takes 9.5 µs at 8B). Where it asked,
+# it was 0.3-1.6 % slower at 1k and 2.0-6.0 % at 8k; where it did not, -0.4 to +0.5 % (27B's
+# builds with it spilled 68-76 bytes).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -100,7 +107,6 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
-    "l2_ahead": (0, 0, 16),
 }
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -224,7 +230,6 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
-    l2_ahead: int = 0  # chunks asked of L2 through a short attention (``L2A``, ``l2_ahead_chunks``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -599,7 +604,6 @@ class StepGeometry:
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
-            "L2A": self.l2_ahead,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),
