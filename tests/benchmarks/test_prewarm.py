@@ -107,3 +107,35 @@ def test_default_workers_fit_the_gpus_free_memory():
     assert default_workers(16, 1 << 30) == 1
     assert default_workers(16, None) == 16
     assert default_workers(0, None) == 1
+
+
+WORKER_HOOK = """
+import pickle, sys
+from torch._inductor.runtime.autotune_cache import AutotuneCache
+from monodecode_ops.decode_bench.prewarm import _init_worker
+_init_worker()
+cache = AutotuneCache("configs")
+assert cache.save(object(), 1, found_by_coordesc=True) is None  # the worker saves no tuning
+sys.stdout.buffer.write(pickle.dumps(cache.save))
+"""
+BENCH_LOADS_HOOK = """
+import pickle, sys
+hook = pickle.loads(sys.stdin.buffer.read())
+print(type(hook.__self__).__name__, hook.__name__)
+"""
+
+
+def test_a_warmed_kernels_cache_hook_loads_in_the_benchmark(tmp_path):
+    """A compiled Triton kernel keeps its ``AutotuneCache``'s ``save`` as a hook, and inductor's
+    FX-graph cache pickles it with the graph: a bound method pickles as its object and its
+    function's name. The worker's no-op must carry the name ``save``, or the benchmark's process
+    (where ``save`` is inductor's) cannot load a single warmed graph (runs 165-170: 36-63 "fx
+    graph cache unable to load compiled graph" a run, "'AutotuneCache' object has no attribute
+    '<lambda>'", every graph compiled again). Both ends run as the two processes do."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'ops'}", PYTHONWARNINGS="ignore")
+    dumped = subprocess.run([sys.executable, "-c", WORKER_HOOK], capture_output=True, timeout=300, env=env)
+    assert dumped.returncode == 0, dumped.stderr.decode()[-3000:]
+    loaded = subprocess.run([sys.executable, "-c", BENCH_LOADS_HOOK], input=dumped.stdout, capture_output=True,
+                            timeout=300, env=env)  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr.decode()[-3000:]
+    assert loaded.stdout.decode().split() == ["AutotuneCache", "save"]
