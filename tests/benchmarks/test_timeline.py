@@ -145,3 +145,23 @@ def test_the_attention_stream_splits_at_the_last_partial_stored(tmp_path):
     png = tmp_path / "p.png"
     TL.plot_layer(st, 1, "synthetic step, partials marked", png, TL.STEP)
     assert png.stat().st_size > 5000
+
+
+def test_a_timeline_cell_draws_each_step_variant_under_its_own_name():
+    """A knob timed as a step variant gets a timeline beside the step launch's (run 167's
+    ``l2_ahead`` was timed without one, so where its time went was left to guess), each plot
+    under its own name, and only backends the cell timed are drawn."""
+    from monodecode_ops.decode_bench.harness import timeline_backends, timeline_png
+
+    kernels = {"triton-step-l2a4": 0, "triton": 0, "triton-step": 0, "triton-step-bad": 0}
+    steps = dict.fromkeys(kernels)
+    timed = {"triton": 1.0, "triton-step": 0.9, "triton-step-l2a4": 0.95}  # "bad" failed: no time
+    drawn = timeline_backends(kernels, steps, timed)
+    assert drawn == ["triton", "triton-step", "triton-step-l2a4"]
+    assert timeline_backends({"triton": 0}, {"triton": 0}, {}) == []
+    names = [timeline_png("s", "llama3-8b", "bf16", 1024, 1, b) for b in drawn]
+    assert names == [
+        "s_timeline_llama3-8b_bf16_c1024_b1.png",
+        "s_timeline_llama3-8b_bf16_c1024_b1_step.png",
+        "s_timeline_llama3-8b_bf16_c1024_b1_step-l2a4.png",
+    ]

@@ -54,8 +54,8 @@ median of 3 rounds: the host ahead of the device, each step without its own subm
 report sets the two methods' ratios side by side (``report.back_to_back_table``). ``capture_s`` is the wall time of a backend's first run and
 capture, compiles included. A cell is skipped, and recorded as skipped, when its KV caches do not
 fit in the free GPU memory or the run's ``--deadline-s`` has passed. With ``--timeline-batches`` the
-triton kernels and the step launch are rebuilt with per-stage ``%globaltimer`` stamps and one step
-of each is drawn per layer-of-interest (``timeline.py``).
+triton kernels, the step launch and each step variant are rebuilt with per-stage ``%globaltimer``
+stamps and one step of each is drawn per layer-of-interest (``timeline.py``, ``timeline_backends``).
 
 Public interface (used by ``monodecode-ops bench``): ``run``, ``summary``, ``report_rows``,
 ``markdown_table``, ``summary_table``, ``plot``.
@@ -804,9 +804,7 @@ def _bench_cell(ctx, rows: int, context: int, wanted: list[str], timeline: bool,
         + f"; health {health}"
     )
     if timeline and out_dir is not None and timelines is not None:
-        for b in ("triton", STEP_BACKEND):  # the two-launch kernels and the step launch, where timed
-            if b not in steps or b not in kernels or b not in med:
-                continue
+        for b in timeline_backends(kernels, steps, med):
             tl_args = (kernels[b], steps[b], n_layers, ctx["profile"], ctx["weight_dtype"], rows)
             got, _ = _measure(
                 f"{b} timeline", lambda a=tl_args, b=b: _timeline(*a, out_dir, stem, log, context, b), log
@@ -836,11 +834,25 @@ def step_variants_same_bits(outs: dict) -> dict[str, bool]:
     }
 
 
+def timeline_backends(kernels: dict, steps: dict, timed_ms: dict) -> list[str]:
+    """The backends a timeline cell draws, in order: the two-launch kernels, the step launch and
+    each step variant (a knob's timeline says where its time went), each where it was timed."""
+    order = ["triton", STEP_BACKEND] + [b for b in kernels if is_step_backend(b) and b != STEP_BACKEND]
+    return [b for b in order if b in kernels and b in steps and b in timed_ms]
+
+
+def timeline_png(stem: str, profile: str, weight_dtype: str, context: int, rows: int, backend: str) -> str:
+    """A timeline plot's file name: the two-launch kernels' with no tail, the step launch's ending
+    in ``_step``, a step variant's in ``_step-<name>``."""
+    tail = "" if backend == "triton" else "_" + backend.removeprefix("triton-")
+    return f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}{tail}.png"
+
+
 def _timeline(
     tk, step, n_layers, profile, weight_dtype, rows, out_dir: Path, stem: str, log, context: int, backend="triton"
 ) -> dict:
     """Rebuild ``tk`` with stage timestamps, replay one step from a graph, plot and summarise
-    (``backend``: the two-launch kernels, or the step launch, whose plot's name ends in ``_step``)."""
+    (``backend``: the two-launch kernels, the step launch or a step variant, ``timeline_png``)."""
     from monodecode_ops.decode_bench import timeline as TL
 
     layout = TL.STEP if is_step_backend(backend) else TL.TRITON
@@ -853,8 +865,7 @@ def _timeline(
     prof_ms = _median_ms(_time_graph(g, 5))
     del g
     layer = n_layers // 2
-    tail = "_step" if layout is TL.STEP else ""
-    path = out_dir / f"{stem}_timeline_{profile}_{weight_dtype}_c{context}_b{rows}{tail}.png"
+    path = out_dir / timeline_png(stem, profile, weight_dtype, context, rows, backend)
     title = f"{backend}: {profile} {weight_dtype} context {context} batch {rows}, layer {layer}"
     TL.plot_layer(stamps, layer, title, path, layout)
     # the raw stamps too ([layer, kernel, program, stage, slot] ns): a later summary can be run on them
@@ -977,8 +988,8 @@ def run(
     ``contexts``: context lengths (an int: one). ``variants``: name -> change of the CUDA launch
     target, each timed as ``triton-<name>`` next to the current target (default
     ``DEFAULT_VARIANTS``; ``{}`` for none). ``stock``: the ``STOCK_PATHS`` names to time.
-    ``timeline_batches`` / ``timeline_contexts`` (default: the first context): cells whose triton
-    and step-launch steps are also drawn as per-stage timelines. ``long_batches``: the batches timed at the contexts
+    ``timeline_batches`` / ``timeline_contexts`` (default: the first context): cells whose triton,
+    step-launch and step-variant steps are also drawn as per-stage timelines. ``long_batches``: the batches timed at the contexts
     after the first (None: every batch; the default keeps a run inside one device phase).
     ``deadline_s``: cells not started this many seconds
     after the start are recorded as skipped. ``baselines=False``: only the oracle and the triton
@@ -1240,7 +1251,11 @@ def main(argv: list[str] | None = None) -> int:
         f"each timed as {STEP_BACKEND}-<name> beside {STEP_BACKEND} (default: {json.dumps(DEFAULT_STEP_VARIANTS)}; "
         "{} for none)",
     )
-    ap.add_argument("--timeline-batches", default="", help="batches drawn as per-stage timelines, e.g. 1,8")
+    ap.add_argument(
+        "--timeline-batches",
+        default="",
+        help="batches drawn as per-stage timelines, e.g. 1,8 (triton, triton-step and each step variant)",
+    )
     ap.add_argument("--timeline-contexts", default=None, help="contexts of the timelines (default: the first)")
     ap.add_argument("--deadline-s", type=float, default=None, help="record cells not started by then as skipped")
     ap.add_argument("--no-baselines", action="store_true", help="triton builds and the oracle only (quick A/B)")
