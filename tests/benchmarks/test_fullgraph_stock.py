@@ -97,3 +97,21 @@ def test_fullgraph_layers_match_the_reference(dims_of, weight_dtype, layers, tun
     # one compile per distinct cache shape (sliding / global), not one per layer
     kinds = len({step.cache.key[l].shape for l in range(layers)})
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == kinds
+
+
+def test_the_wide_search_stock_differs_only_in_real_inductor_options():
+    """``stock-fullgraph-cdt-wide`` is the cdt stock with coordinate descent's wider search: its
+    options are the cdt stock's plus ``WIDE_SEARCH``, each one inductor has (``config.patch``
+    refuses a name it lacks, as ``torch.compile`` does), and no search is asked where there is no
+    tuning."""
+    import torch._inductor.config as inductor_config
+
+    from monodecode_ops.decode_bench.fullgraph import FULLGRAPH_STOCKS, WIDE_SEARCH, inductor_options
+
+    wide = inductor_options(**FULLGRAPH_STOCKS["stock-fullgraph-cdt-wide"])
+    cdt = inductor_options(**FULLGRAPH_STOCKS["stock-fullgraph-cdt"])
+    assert cdt == {"coordinate_descent_tuning": True} and wide == cdt | WIDE_SEARCH
+    with inductor_config.patch(wide):
+        assert inductor_config.coordinate_descent_search_radius == 2
+        assert inductor_config.coordinate_descent_check_all_directions
+    assert inductor_options(wide_search=True) is None

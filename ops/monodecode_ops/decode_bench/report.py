@@ -37,11 +37,12 @@ STOCK_BACKENDS = (
     "stock-compiled-graph",
     "stock-fullgraph",
     "stock-fullgraph-cdt",
+    "stock-fullgraph-cdt-wide",
     "stock-fullgraph-max",
     "stock-fullgraph-splitk",
 )
-# The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row) and the split-K Triton GEMM.
-W8A16_BACKENDS = ("stock-fullgraph-cdt", "stock-fullgraph-splitk")
+# The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row; both searches) and the split-K Triton GEMM.
+W8A16_BACKENDS = ("stock-fullgraph-cdt", "stock-fullgraph-cdt-wide", "stock-fullgraph-splitk")
 # The step launch (``kernels/triton/step_launch.py``), timed beside ``triton`` where it runs;
 # its variants (a changed plan, ``--step-variants``) as ``triton-step-<name>`` beside it.
 STEP_BACKEND = "triton-step"
@@ -53,6 +54,7 @@ LABELS = {
     "stock-compiled-graph": "stock compiled halves around attention, one graph",
     "stock-fullgraph": "stock whole-layer fullgraph compile, one graph",
     "stock-fullgraph-cdt": "stock whole-layer fullgraph + coordinate descent tuning",
+    "stock-fullgraph-cdt-wide": "stock whole-layer fullgraph + coordinate descent, wider search",
     "stock-fullgraph-max": "stock whole-layer fullgraph + max-autotune GEMMs",
     "stock-fullgraph-splitk": "stock whole-layer fullgraph, split-K W8A16 GEMMs",
     "stock-gemm-floor": "stock GEMMs only (floor)",
