@@ -142,7 +142,7 @@ def test_step_probe_compiles_for_the_h200(nbuf, att, knobs, prof):
      (["--contexts", "-1"], "--contexts: negative value in '-1'"),
      (["--tma", "0,2"], "--tma: 2 is not 0 (off) or 1 (on)"),
      (["--batch", "1,9"], "--batch: 9 is not 1 to 8 (mma.sync's 8 columns)"),
-     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-max"),
+     (["--stock", "fullgraph,eager"], "--stock: 'eager' is not one of fullgraph, fullgraph-cdt, fullgraph-cdt-wide, fullgraph-max"),
      (["--model", "qwen3-8b"], "--model: invalid choice: 'qwen3-8b' (choose from 'llama3-1b', 'llama3-8b')"),
      (["--stock-draws", "0"], "--stock-draws: 0 is not 1 or more")],
 )  # fmt: skip
