@@ -140,8 +140,8 @@ def fullgraph_layer(
 class FullgraphStockDecode(ContiguousStockDecode):
     """``forward_layer(l, x, meta, kv)`` like a kernel backend, over this path's ``ContiguousKV``
     (``load_cache``). ``tuning=True``: compiled with inductor's ``coordinate_descent_tuning`` (that
-    compile only; ``wide_search=True``: its search ``WIDE_SEARCH``); ``max_autotune=True`` as well with ``max_autotune`` (inductor times its Triton
-    GEMM templates against cuBLAS for each projection's shape and keeps the fastest). ``splitk=True``: FP8 projections through ``w8a16.w8a16_linear`` (one read of the
+    compile only; ``wide_search=True``: its search ``WIDE_SEARCH``); ``max_autotune=True`` as well
+    with ``max_autotune`` (inductor times its Triton GEMM templates against cuBLAS for each projection's shape and keeps the fastest). ``splitk=True``: FP8 projections through ``w8a16.w8a16_linear`` (one read of the
     e4m3 weights at any batch). ``prepare`` takes the step's positions and builds nothing."""
 
     def __init__(

@@ -100,6 +100,7 @@ from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's p
     STEP_BACKEND,
     STOCK_BACKENDS,
     TARGETS,
+    W8A16_FUSED,
     back_to_back_table,
     fp8_table,
     is_step_backend,
@@ -414,7 +415,7 @@ def stock_runs(backend: str, fp8: bool, rows: int | None, w8a16_batches) -> bool
         return not fp8  # W8A16 without coordinate descent widens every weight first
     if backend == "stock-fullgraph-splitk":
         return fp8
-    if backend in ("stock-fullgraph-cdt", "stock-fullgraph-cdt-wide") and fp8:
+    if backend in W8A16_FUSED and fp8:
         return rows is None or rows in w8a16_batches  # wider, inductor does not fuse the dequant
     return True
 

@@ -41,8 +41,10 @@ STOCK_BACKENDS = (
     "stock-fullgraph-max",
     "stock-fullgraph-splitk",
 )
-# The W8A16 stocks of an FP8 cell: inductor's fused dequant (one row; both searches) and the split-K Triton GEMM.
-W8A16_BACKENDS = ("stock-fullgraph-cdt", "stock-fullgraph-cdt-wide", "stock-fullgraph-splitk")
+# The W8A16 stocks of an FP8 cell: inductor's fused dequant (coordinate descent, either search; it
+# fuses at one row only, ``--w8a16-batches``) and the split-K Triton GEMM.
+W8A16_FUSED = ("stock-fullgraph-cdt", "stock-fullgraph-cdt-wide")
+W8A16_BACKENDS = (*W8A16_FUSED, "stock-fullgraph-splitk")
 # The step launch (``kernels/triton/step_launch.py``), timed beside ``triton`` where it runs;
 # its variants (a changed plan, ``--step-variants``) as ``triton-step-<name>`` beside it.
 STEP_BACKEND = "triton-step"
