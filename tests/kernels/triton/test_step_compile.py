@@ -86,9 +86,9 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
-@pytest.mark.parametrize(("width", "plan"), [(8, {"fp8_pair": 1}), (2, {"fp8_pair": 1})])
+@pytest.mark.parametrize(("width", "plan"), [(8, {"fp8_pair": 1}), (1, {"fp8_pair": 1, "mma1": 1})])
 def test_fp8_pairs_compile_to_e4m3_products(width, plan):
-    """``fp8_pair`` (``StepGeometry.pairs``, 1B FP8 at widths 8 and 2): the stages of
+    """``fp8_pair`` (``StepGeometry.pairs``, 1B FP8 at widths 8 and 1 on mma): the stages of
     K = hidden run e4m3 x e4m3 matrix instructions over inputs staged as e4m3 (``cvt`` to e4m3
     pairs), down keeps its widened weights over bf16 inputs, with 0 spills and the shared memory
     as planned (the pairs take the bf16 chunks' bytes). Without the knob no e4m3 product exists."""
