@@ -321,8 +321,8 @@ def _staged_pairs(x8, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
     w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
     b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
     k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
-    sw = gl.zeros([NW, NPAD], gl.float32, gl.SliceLayout(2, st))  # each warp's sum of squares a row
-    mw = gl.zeros([NW, NPAD], gl.float32, gl.SliceLayout(2, st))  # each warp's largest |v| a row
+    ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
+    mx = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
     ONE: gl.constexpr = NCH <= GRP
     vs = ()
     for c0 in gl.static_range(0, NCH, GRP):  # the rows' largest magnitude (and sum of squares)
@@ -339,13 +339,12 @@ def _staged_pairs(x8, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
             if c < NCH:
                 v = ls[c - c0].to(gl.float32)
                 if NORM:
-                    sw += gl.sum(v * v, axis=2)
+                    ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
                     v = v * gs[c - c0].to(gl.float32)
                 v = _bf(v)
-                mw = gl.maximum(mw, gl.max(gl.abs(v), axis=2))
+                mx = gl.maximum(mx, gl.max(gl.max(gl.abs(v), axis=2), axis=0))
                 if ONE:
                     vs = vs + (v.to(gl.bfloat16),)
-    mx = gl.max(mw, axis=0)  # (across the warps once)
     eb = (mx.to(gl.int32, bitcast=True) >> 23) & 0xFF
     ok = eb >= 8  # (zero rows, and rows too small to matter, keep scale 1)
     sc = gl.where(ok, ((261 - eb) << 23).to(gl.float32, bitcast=True), 1.0)  # 2^(7 - e)
@@ -377,7 +376,7 @@ def _staged_pairs(x8, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
                 x8.index(2 * (XMAX - NCH + c)).store(hi.to(gl.float8e4nv))
                 x8.index(2 * (XMAX - NCH + c) + 1).store(((v - hi) * 16.0).to(gl.float8e4nv))
     if NORM:
-        return gl.rsqrt(gl.sum(sw, axis=0) / HIDDEN + EPS) * inv
+        return gl.rsqrt(ss / HIDDEN + EPS) * inv
     else:
         return inv
 
