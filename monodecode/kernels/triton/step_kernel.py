@@ -260,17 +260,12 @@ def _stage_layout(NW):
 @gluon.jit
 def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
                 NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr,
-                C0: gl.constexpr = 0, C1: gl.constexpr = -1, GRP: gl.constexpr = 4, x8=0,
-                XP8: gl.constexpr = 0):  # fmt: skip
+                C0: gl.constexpr = 0, C1: gl.constexpr = -1, GRP: gl.constexpr = 4):  # fmt: skip
     """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
     ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
     zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``).
     ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last). ``GRP``: the
-    chunks asked for at once (``_normed_input``'s reason; each holds 32 registers a thread).
-    ``XP8``: the whole stage as e4m3 pairs in ``x8`` instead (``_staged_pairs``); the returned
-    factor then carries the rows' power of two too."""
-    if XP8:
-        return _staged_pairs(x8, src, stride, g_ptr, NCH, XMAX, NB, NORM, HIDDEN, EPS, NW, GRP)
+    chunks asked for at once (``_normed_input``'s reason; each holds 32 registers a thread)."""
     KW: gl.constexpr = BK // NW
     CE: gl.constexpr = NCH if C1 < 0 else C1
     st: gl.constexpr = _stage_layout(NW)
@@ -299,86 +294,6 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
         return ss + 1.0
-
-
-@gluon.jit
-def _staged_pairs(x8, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
-                  NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr,
-                  GRP: gl.constexpr):  # fmt: skip
-    """``_stage_rows`` of a whole stage for FP8's products on e4m3 matrix instructions: each row's
-    bf16 input v (times the norm weight with ``NORM``, rounded as the bf16 staging rounds it)
-    scaled by one power of two that puts the row's largest magnitude in [128, 256), then split
-    into ``hi`` (sign, exponent and the top 3 mantissa bits: e4m3's) and ``lo = (v - hi) * 16``
-    (the other 4 of bf16's 8 significant bits), both exact in e4m3 down to its subnormals (2^-20
-    of the row's largest, against bf16's own 2^-8 rounding). Staged chunk c is then ``x8``'s
-    views 2 c (hi) and 2 c + 1 (lo), the same bytes as its bf16 chunk. Returns rstd (1 without
-    ``NORM``) times the power of two's inverse, which each output row's sum takes at the end.
-    A row with a non-finite largest magnitude is scaled by NaN, so it stays non-finite (e4m3's
-    saturating conversion would make an inf finite). The chunks are read twice (the scale needs
-    the whole row first) unless one group of ``GRP`` holds them all."""
-    KW: gl.constexpr = BK // NW
-    st: gl.constexpr = _stage_layout(NW)
-    w3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, st))), 1), 2)
-    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
-    k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
-    ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
-    mx = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
-    ONE: gl.constexpr = NCH <= GRP
-    vs = ()
-    for c0 in gl.static_range(0, NCH, GRP):  # the rows' largest magnitude (and sum of squares)
-        ls = ()
-        gs = ()
-        for c in gl.static_range(c0, c0 + GRP):
-            if c < NCH:
-                col = c * BK + w3 * KW + k3  # [NW, 1, KW]
-                ls = ls + (gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0,
-                                   cache_modifier=".cg"),)  # fmt: skip
-                if NORM:
-                    gs = gs + (gl.load(g_ptr + col),)
-        for c in gl.static_range(c0, c0 + GRP):
-            if c < NCH:
-                v = ls[c - c0].to(gl.float32)
-                if NORM:
-                    ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
-                    v = v * gs[c - c0].to(gl.float32)
-                v = _bf(v)
-                mx = gl.maximum(mx, gl.max(gl.max(gl.abs(v), axis=2), axis=0))
-                if ONE:
-                    vs = vs + (v.to(gl.bfloat16),)
-    eb = (mx.to(gl.int32, bitcast=True) >> 23) & 0xFF
-    ok = eb >= 8  # (zero rows, and rows too small to matter, keep scale 1)
-    sc = gl.where(ok, ((261 - eb) << 23).to(gl.float32, bitcast=True), 1.0)  # 2^(7 - e)
-    sc = gl.where(eb == 255, float("nan"), sc)
-    inv = gl.where(ok, ((eb - 7) << 23).to(gl.float32, bitcast=True), 1.0)
-    sc3 = gl.expand_dims(gl.expand_dims(sc, 0), 2)
-    for c0 in gl.static_range(0, NCH, GRP):  # the pairs, from the row held or read again
-        if not ONE:
-            ls = ()
-            gs = ()
-            for c in gl.static_range(c0, c0 + GRP):
-                if c < NCH:
-                    col = c * BK + w3 * KW + k3
-                    ls = ls + (gl.load(src + b3 * stride + col, mask=(b3 < NB) & (col >= 0), other=0.0,
-                                       cache_modifier=".cg"),)  # fmt: skip
-                    if NORM:
-                        gs = gs + (gl.load(g_ptr + col),)
-        for c in gl.static_range(c0, c0 + GRP):
-            if c < NCH:
-                if ONE:
-                    v = vs[c].to(gl.float32)
-                else:
-                    v = ls[c - c0].to(gl.float32)
-                    if NORM:
-                        v = v * gs[c - c0].to(gl.float32)
-                    v = _bf(v)
-                v = v * sc3
-                hi = (v.to(gl.int32, bitcast=True) & -1048576).to(gl.float32, bitcast=True)
-                x8.index(2 * (XMAX - NCH + c)).store(hi.to(gl.float8e4nv))
-                x8.index(2 * (XMAX - NCH + c) + 1).store(((v - hi) * 16.0).to(gl.float8e4nv))
-    if NORM:
-        return gl.rsqrt(ss / HIDDEN + EPS) * inv
-    else:
-        return inv
 
 
 @gluon.jit
@@ -478,33 +393,6 @@ def _chunk_mma(ring, slot, x, acc, HALVES: gl.constexpr, NW: gl.constexpr, FP8: 
         )
     else:
         return mma_v2(_w_operand(ring.index(slot), a_l, FP8), x.permute([0, 2, 1]).load(b_l), acc)
-
-
-@gluon.jit
-def _chunk_pairs(ring, slot, x8, xi, acc, HALVES: gl.constexpr, NW: gl.constexpr):
-    """``_chunk_mma`` for FP8 weights over a chunk staged as e4m3 pairs (``_staged_pairs``; hi at
-    ``x8``'s view 2 ``xi``, lo at 2 ``xi`` + 1): the weights go to e4m3 matrix instructions as they
-    are (m16n8k32, no widening), over hi and lo each from zero (Hopper's FP8 products keep fewer
-    bits than fp32 across a long sum, so they never carry the running total), lo's at 1/16."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 4)
-    b_l: gl.constexpr = gl.DotOperandLayout(1, mma, 4)
-    z = gl.zeros(acc.shape, gl.float32, mma)
-    xh = x8.index(2 * xi)
-    xl = x8.index(2 * xi + 1)
-    if HALVES:
-        h: gl.constexpr = BK // NW // 2
-        w0 = ring.index(2 * slot).load(a_l)
-        w1 = ring.index(2 * slot + 1).load(a_l)
-        ph = mma_v2(w1, xh.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l),
-                    mma_v2(w0, xh.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), z))  # fmt: skip
-        pl = mma_v2(w1, xl.slice(h, h, dim=2).permute([0, 2, 1]).load(b_l),
-                    mma_v2(w0, xl.slice(0, h, dim=2).permute([0, 2, 1]).load(b_l), z))  # fmt: skip
-    else:
-        w = ring.index(slot).load(a_l)
-        ph = mma_v2(w, xh.permute([0, 2, 1]).load(b_l), z)
-        pl = mma_v2(w, xl.permute([0, 2, 1]).load(b_l), z)
-    return acc + ph + pl * 0.0625
 
 
 @gluon.jit
@@ -919,11 +807,10 @@ def _gelu_tanh(g):
 @gluon.jit
 def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, code, live_ptr, layer, s, tile, tiles,
                 HIDDEN: gl.constexpr, A_H1: gl.constexpr, A_GU: gl.constexpr, LAYER_A: gl.constexpr,
-                nlayers, NB: gl.constexpr, DSTREAM: gl.constexpr, NW: gl.constexpr, XP8: gl.constexpr = 0):  # fmt: skip
+                nlayers, NB: gl.constexpr, DSTREAM: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """``_store_row`` for widths 2-8's [ROWS, NPAD] result: column b is row b's (rows ``LAYER_A``
     apart in ``act``, ``HIDDEN`` in ``h_in``, ``res`` and ``out``; columns from ``NB`` on are padding).
-    Where down's input streams (``DSTREAM``), SiLU(g)·u goes to ``g16`` as bf16 too. ``XP8``:
-    ``rstd`` is o_proj's factor as well (``_staged_pairs``)."""
+    Where down's input streams (``DSTREAM``), SiLU(g)·u goes to ``g16`` as bf16 too."""
     yl: gl.constexpr = y.type.layout
     yr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, yl))
     yb = gl.arange(0, NPAD, layout=gl.SliceLayout(0, yl))
@@ -935,8 +822,6 @@ def _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_dst, health_ptr, cod
         gl.store(a + rows, _bf(y * rs), mask=ok)
     elif s == 1:
         h = gl.load(h_in + yb[None, :] * HIDDEN + rows, mask=ok, cache_modifier=".cg").to(gl.float32)
-        if XP8:  # the staged pairs' power of two (``_staged_pairs``)
-            y = y * rs
         gl.store(a + A_H1 + rows, _bf(_bf(y) + h), mask=ok)
     elif s == 2:  # the tile's 8 gate rows, then their 8 up rows -> 8 SiLU(g)·u a row
         gbuf.store(_bf(y * rs))
@@ -976,7 +861,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
-                PROF: gl.constexpr = 0, XP8: gl.constexpr = 0,
+                PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -1051,10 +936,6 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     if MMAV:  # the staged input as the X operand, [chunks, NW column blocks, NPAD rows, KW] (bf16)
         XR: gl.constexpr = max(XMAX, 2 * KVS * NW * PW * D // (BK * NPAD))
         xbuf = gl.allocate_shared_memory(gl.bfloat16, [XR, NW, NPAD, KW], mma_sw)
-        if XP8:  # FP8's stages of K = hidden staged as e4m3 pairs: chunk c's hi and lo in its bytes
-            x8 = xbuf._reinterpret(gl.float8e4nv, [2 * XR, NW, NPAD, KW], gl.SwizzledSharedLayout(16, 1, 8, [2, 1, 0]))
-        else:
-            x8 = xbuf
         # a task's products summed over the warps through the first chunk: stages of K = HIDDEN
         # stage into the last chunks, and down (all chunks) has one task a program
         red = xbuf._reinterpret(gl.float32, [NW, ROWS, NPAD], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
@@ -1155,7 +1036,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                         gl.thread_barrier()
                         if MMAV:
                             rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
-                                               HIDDEN, EPS, NW, x8=x8, XP8=XP8)  # fmt: skip
+                                               HIDDEN, EPS, NW)  # fmt: skip
                         else:
                             rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 elif s == 1:
@@ -1192,10 +1073,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                     spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 1, glayer))  # fmt: skip
                     gl.thread_barrier()
-                    if XP8:  # (o_proj's sums take the rows' power of two: ``_store_rows``)
-                        rstd = _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN,
-                                           EPS, NW, x8=x8, XP8=XP8)  # fmt: skip
-                    elif MMAV:
+                    if MMAV:
                         _stage_rows(xbuf, act + A_ATT, LAYER_A, gin_ptr, HIDDEN // BK, XMAX, NB, False, HIDDEN, EPS, NW)
                     else:
                         _staged_bf16(xbuf, act + A_ATT, cf, 0, QS // BK)
@@ -1211,7 +1089,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                                             HIDDEN, EPS, NPROG, True, False)  # fmt: skip
                     elif MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
-                                           NB, True, HIDDEN, EPS, NW, x8=x8, XP8=XP8)  # fmt: skip
+                                           NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
@@ -1287,19 +1165,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                     xs = xbuf.index(gl.where(s == 3, 1 + WX * (k % XS) + p, WX * (k - nk) + p + XMAX))
                     if second:
                         acc2 = _chunk_mma(ring, WX * (i % NBUF) + p, xs, acc2, TMA, NW, FP8)
-                    elif XP8:  # (down's streamed input stays bf16: its weights are widened)
-                        if s == 3:
-                            acc = _chunk_mma(ring, WX * (i % NBUF) + p, xs, acc, TMA, NW, FP8)
-                        else:
-                            acc = _chunk_pairs(ring, WX * (i % NBUF) + p, x8, WX * (k - nk) + p + XMAX, acc, TMA, NW)
                     else:
                         acc = _chunk_mma(ring, WX * (i % NBUF) + p, xs, acc, TMA, NW, FP8)
-                elif XP8:  # (down's staged input stays bf16 too)
-                    if s == 3:
-                        acc = _chunk_mma(ring, WX * (i % NBUF) + p, xbuf.index(WX * (k - nk) + p + XMAX), acc, TMA, NW,
-                                         FP8)  # fmt: skip
-                    else:
-                        acc = _chunk_pairs(ring, WX * (i % NBUF) + p, x8, WX * (k - nk) + p + XMAX, acc, TMA, NW)
                 else:
                     acc = _chunk_mma(ring, WX * (i % NBUF) + p, xbuf.index(WX * (k - nk) + p + XMAX), acc, TMA, NW, FP8)
         else:  # (a chunk of WX [16, 1024] boxes, each over its staged chunk)
@@ -1329,7 +1196,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 if nan:
                     y = y + float("nan")
                 _store_rows(y, rstd, gbuf, act, g16, h_in, res_dst, out_ptr, health_ptr, code, slot_ptr, layer, s,
-                            tile, tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, DSTREAM, NW, XP8)  # fmt: skip
+                            tile, tiles, HIDDEN, A_H1, A_GU, LAYER_A, nlayers, NB, DSTREAM, NW)  # fmt: skip
             elif tile < tiles:
                 y = gl.sum(acc, axis=1)
                 if FP8:

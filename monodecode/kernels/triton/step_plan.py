@@ -107,11 +107,7 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
-    "fp8_pair": (0, 0, 1),
 }
-# Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
-# tolerance, not to the default plan's bits (``fp8_pair``: FP8's products on e4m3 instructions)
-SUM_KNOBS = frozenset({"fp8_pair"})
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -234,7 +230,6 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
-    fp8_pair: int = 0  # FP8 on the mma path: products on e4m3 matrix instructions (``pairs``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -374,18 +369,6 @@ class StepGeometry:
         its operand order): at widths 2-8, and at width 1 with ``mma1`` (run 138: 4 % slower for
         bf16 and 29 % for FP8 than FMA at 8B, batch 1)."""
         return self.width > 1 or bool(self.mma1)
-
-    @property
-    def pairs(self) -> bool:
-        """FP8 on the mma path with ``fp8_pair``: the stages of K = hidden (QKV, o_proj, gate/up)
-        stage their input as two e4m3 tiles a chunk (each row scaled by a power of two, split
-        into its top 4 and next 4 significant bits: exact for bf16 values), and their products
-        run on e4m3 matrix instructions with the weights as they are, where the mma path
-        otherwise widens every weight to bf16 in registers (10 integer instructions for 4; run
-        138: FP8 on mma at width 1 29 % slower than FMA). The two-launch kernels' FP8 GEMV does
-        the same above 1 row (``gemv.fp8_pair``). Down's input (streamed, or staged in rounds)
-        stays bf16 and its weights widened."""
-        return bool(self.fp8_pair) and self.weight_dtype == "fp8" and self.mma
 
     # -- the mma path: down's input ------------------------------------------------------------
     @property
@@ -628,6 +611,5 @@ class StepGeometry:
             "EPS": d.rms_norm_eps,
             "SCALE": d.attn_scale,
             "FP8": int(self.weight_dtype == "fp8"),
-            "XP8": int(self.pairs),
             "LAYER_S": self.scale_offsets["end"],
         }

@@ -86,39 +86,6 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
-@pytest.mark.parametrize(("width", "plan"), [(8, {"fp8_pair": 1}), (1, {"fp8_pair": 1, "mma1": 1})])
-def test_fp8_pairs_compile_to_e4m3_products(width, plan):
-    """``fp8_pair`` (``StepGeometry.pairs``, 1B FP8 at widths 8 and 1 on mma): the stages of
-    K = hidden run e4m3 x e4m3 matrix instructions over inputs staged as e4m3 (``cvt`` to e4m3
-    pairs), down keeps its widened weights over bf16 inputs, with 0 spills and the shared memory
-    as planned (the pairs take the bf16 chunks' bytes). Without the knob no e4m3 product exists."""
-    from monodecode.kernels.triton.offline import cuda_resources
-    from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
-
-    dims = profile_dims("llama3-1b")
-    g = StepGeometry(dims, width, H200_SMS, weight_dtype="fp8", **plan)
-    assert g.pairs and g.constexprs(16)["XP8"] == 1
-    compiled = compile_step(dims, width, H200_SMS, 16, plan, weight_dtype="fp8")
-    ptx = compiled.asm["ptx"]
-    mmas = set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))
-    assert "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32" in mmas, mmas
-    assert any(".bf16.bf16." in m for m in mmas), mmas  # down's, widened
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "mul.rn.bf16x2" in ptx
-    assert cuda_resources("step_kernel", width, 8, compiled).spills == 0
-    planned = g.shared_bytes()
-    assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
-
-
-def test_fp8_pairs_apply_to_fp8_on_mma_only():
-    """The knob changes nothing where there is no FP8 weight or no mma path: bf16 builds and
-    width 1 on FMA keep ``XP8`` 0 (the same kernel as without it)."""
-    dims = profile_dims("llama3-8b")
-    for width, dtype, extra in [(8, "bf16", {}), (1, "fp8", {}), (1, "bf16", {"mma1": 1})]:
-        g = StepGeometry(dims, width, H200_SMS, weight_dtype=dtype, fp8_pair=1, **extra)
-        assert not g.pairs and g.constexprs(16)["XP8"] == 0, (width, dtype, extra)
-    assert StepGeometry(dims, 2, H200_SMS, weight_dtype="fp8", fp8_pair=1).constexprs(16)["XP8"] == 1
-
-
 def _chunk_refill(ptx: str) -> str:
     """Width 1's chunk loop from its slot wait (the kernel's first ``try_wait``) to the first load
     of the slot's weights: the refill between them."""
