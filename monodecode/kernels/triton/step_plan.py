@@ -98,6 +98,16 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # 1k: 3 slots hold 2.7 µs of the probe's bytes, the attention takes 9.5 µs at 8B). Where it asked,
 # it was 0.3-1.6 % slower at 1k and 2.0-6.0 % at 8k; where it did not, -0.4 to +0.5 % (27B's
 # builds with it spilled 68-76 bytes).
+# Runs 171-172 (H100, 8B FP8) timed ``fp8_pair`` (session 38) and dropped it: the stages of
+# K = hidden staged each row as two e4m3 tiles (a power of two, then its top and next 4
+# significant bits: exact for bf16, as the two-launch kernels' ``gemv.fp8_pair``) and ran their
+# products on e4m3 ``mma.sync`` (m16n8k32) with the weights unwidened; down as before, width 1
+# on mma (``mma1``). It passed the GPU suite's FP8 tests and fault drills, and was 24-27 % slower
+# (1k: 1.009 against 0.811 ms at batch 1, 1.394 against 1.095 at 8; its timeline: gate/up 55.3
+# against 45.4 µs a layer, each staged stage's hand-off 2.6 µs longer). sm_90 has no e4m3
+# ``mma.sync``: ptxas lowers each to F2FP unpacks of both operands to f16 and two f16 HMMAs.
+# Hopper's FP8 tensor cores are reached only through wgmma (the two-launch kernels' ``tl.dot``),
+# whose 64-row tiles would need the batch as M (x^T W^T), not a 16-row weight chunk.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
