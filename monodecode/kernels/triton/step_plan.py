@@ -114,6 +114,11 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # 16 splits (1B and 8B at width 1), 1.7 with 27B's 8 and 1.4 with width 8's 2; at 1k, 16 splits
 # of at least ``MIN_SPLIT`` positions leave half the tasks empty, so 8 read the same positions a
 # task there. 8B at 1k x 1 is 1.2 % short of its 0.88 target (about 2 µs of a 161 µs layer).
+# ``merge_used`` (session 38, not yet timed): the same question asked without moving a split: the
+# merge reads the partials of the splits that hold positions and the last only (an empty
+# split's partial weighs exactly 0: the same bits), so at 1k it reads 9 of 16. If the merge's
+# time is its reads, this takes it at 1k with the default's long-context tasks; if it is the
+# counter's arrivals, ``kv_splits`` does and this is level.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -124,6 +129,7 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "kv_splits": (None, 1, 64),
+    "merge_used": (0, 0, 1),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step;
@@ -252,6 +258,7 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     kv_splits: int | None = None  # the attention's context splits a (row, KV head); None: by width (``splits``)
+    merge_used: int = 0  # the merge reads only the splits that hold positions, and the last (``USED``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -647,5 +654,6 @@ class StepGeometry:
             "EPS": d.rms_norm_eps,
             "SCALE": d.attn_scale,
             "FP8": int(self.weight_dtype == "fp8"),
+            "USED": self.merge_used,
             "LAYER_S": self.scale_offsets["end"],
         }

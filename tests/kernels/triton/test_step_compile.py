@@ -105,6 +105,26 @@ def test_fewer_attention_splits_compile_without_spills(profile, splits):
     assert g.shared_bytes() <= compiled.metadata.shared <= g.shared_bytes() + SHARED_SCRATCH
 
 
+@pytest.mark.parametrize(("profile", "width"), [("llama3-8b", 1), ("llama3-1b", 8)])
+def test_merging_only_the_used_splits_predicates_the_merges_reads(profile, width):
+    """``merge_used``: the merge's volatile reads of the split partials are predicated (a split
+    without positions is not read), where the default's are all unconditional (the one volatile
+    read outside the merge, the health word's at exit, stays so); 0 spills."""
+    from monodecode.kernels.triton.offline import cuda_resources
+    from monodecode.kernels.triton.step_launch import compile_step
+
+    dims = profile_dims(profile)
+    reads = {}
+    for plan in (None, {"merge_used": 1}):
+        compiled = compile_step(dims, width, H200_SMS, 16, plan)
+        assert cuda_resources("step_kernel", width, 8, compiled).spills == 0
+        vol = [l.strip() for l in compiled.asm["ptx"].split("\n") if "ld.volatile.global.b32" in l]
+        reads[bool(plan)] = (len(vol), sum(l.startswith("@") for l in vol))
+    assert reads[False][1] == 0 and reads[True][0] == reads[False][0] and reads[True][1] == reads[False][0] - 1 > 0, (
+        reads
+    )
+
+
 def _chunk_refill(ptx: str) -> str:
     """Width 1's chunk loop from its slot wait (the kernel's first ``try_wait``) to the first load
     of the slot's weights: the refill between them."""
@@ -150,6 +170,7 @@ def test_bad_plans_are_refused_in_one_line():
         "span",
         "one_box",
         "kv_splits",
+        "merge_used",
     }
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
         StepGeometry(profile_dims("gemma3-27b"), 1, H200_SMS, mma1=1).check()

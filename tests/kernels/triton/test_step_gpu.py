@@ -566,6 +566,8 @@ PLAN_CASES = [
     ({"stream_down": 0, "early_down": 0}, (1, 2), "w2"),
     ({"span": 1}, B8F, "w1"), ({"span": 1}, B8F, "w8-5rows"), ({"span": 2}, (1, 2), "w2"),
     ({"one_box": 0}, B8F, "w1"),
+    ({"merge_used": 1}, (1, 8), "w1-700"), ({"merge_used": 1}, (1, 8), "w8"), ({"merge_used": 1}, B8, "w1"),
+    ({"merge_used": 1}, B8, "w1-first-token"), ({"merge_used": 1}, (1,), "w1"),
 ]  # fmt: skip
 
 
