@@ -230,6 +230,23 @@ def test_report_merges_saved_runs_and_prints_the_summary_table_last(tmp_path, ca
     assert "not a decode_latency result document" in capsys.readouterr().err
 
 
+def test_a_report_without_out_writes_its_plots_beside_its_first_run(tmp_path, monkeypatch, capsys):
+    """Without ``--out`` a merged report's plots go to the first JSON's folder: two merges of one
+    day's runs (whose plot names carry only the GPU and the date) never overwrite each other, and
+    nothing lands in the working directory's ``benchmarks/results``."""
+    from monodecode_ops.decode_bench import harness
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "2026-12-07_run1"
+    run.mkdir()
+    path = run / "decode_latency_X_2026-12-07.json"
+    path.write_text(json.dumps(doc_of([rec("stock-fullgraph", 4.6), rec("triton", 4.2)])))
+    assert harness.main(["--report", str(path)]) == 0
+    capsys.readouterr()
+    assert (run / "decode_latency_X_2026-12-07_report_ctx1024.png").is_file()
+    assert not (tmp_path / "benchmarks").exists()
+
+
 def test_a_merged_report_says_how_many_runs_and_cards_it_holds(tmp_path, capsys):
     """Runs split over several calls count as one machine's only where every document names the
     same card; a document without a card's uuid (saved before it was recorded) is a card of its own."""

@@ -1272,7 +1272,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"leave out the step launch ({STEP_BACKEND}: every layer one launch; on CUDA sm_90+ at the widths it accepts)",
     )
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--out",
+        help="the folder a run writes to (default benchmarks/results); with --report, its plots' (default: the "
+        "first JSON's folder, so that a merge of one day's runs never overwrites another's)",
+    )
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs (merged) and exit")
     ap.add_argument(
         "--prewarm-only",
@@ -1286,8 +1290,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.report:
             doc = load_reports(a.report)
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            doc["paths"] = write_plots(doc, Path(a.out), Path(a.report[0]).stem + "_report")
+            out = Path(a.out) if a.out else Path(a.report[0]).parent
+            out.mkdir(parents=True, exist_ok=True)
+            doc["paths"] = write_plots(doc, out, Path(a.report[0]).stem + "_report")
             print_report(doc)
             return 0
         try:
@@ -1316,7 +1321,7 @@ def main(argv: list[str] | None = None) -> int:
             a.layers,
             _csv(a.fp8_profiles),
             a.replays,
-            Path(a.out),
+            Path(a.out or "benchmarks/results"),
             variants=variants,
             timeline_batches=_csv(a.timeline_batches, int),
             baselines=not a.no_baselines,
