@@ -557,13 +557,20 @@ def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k
 
 
 @gluon.jit
+def _split_span(ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
+    """The positions each split of a row's cached positions ``lo .. ctx - 1`` holds: at least
+    ``MINSPAN``, whole K/V tiles."""
+    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
+    return (span + NW * PW - 1) // (NW * PW) * (NW * PW)
+
+
+@gluon.jit
 def _kv_span(task, ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
     """An attention task -> (KV head, split, first position, end) of its row's cached positions
-    ``lo .. ctx - 1`` (``lo`` past 0 on a sliding-window layer): spans of at least ``MINSPAN``
-    positions, whole K/V tiles; a short context leaves later splits empty."""
+    ``lo .. ctx - 1`` (``lo`` past 0 on a sliding-window layer): spans of ``_split_span``
+    positions; a short context leaves later splits empty."""
     sp = task % NSPLIT
-    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
-    span = (span + NW * PW - 1) // (NW * PW) * (NW * PW)
+    span = _split_span(ctx, lo, NSPLIT, NW, PW)
     start = gl.minimum(lo + sp * span, ctx)
     return task // NSPLIT, sp, start, gl.minimum(start + span, ctx)
 
@@ -572,8 +579,7 @@ def _kv_span(task, ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.const
 def _kv_used(ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
     """The splits of a row's cached positions ``lo .. ctx - 1`` that hold any (``_kv_span``'s
     first ones; the last split, which attends to the new position, holds a partial besides)."""
-    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
-    span = (span + NW * PW - 1) // (NW * PW) * (NW * PW)
+    span = _split_span(ctx, lo, NSPLIT, NW, PW)
     return (ctx - lo + span - 1) // span
 
 

@@ -493,10 +493,8 @@ class StepGeometry:
         """Context splits of a (row, KV head): the plan's ``kv_splits``, else the most that keep
         one attention task a program, a power of two (each row's own context is then cut into at
         most this many spans of at least ``MIN_SPLIT`` positions; a short context leaves the later
-        splits empty). Fewer splits make longer tasks and a cheaper merge: the timelines put the
-        merge and its counter at 2.9-3.4 µs a layer with 16 splits (1B, 8B at width 1), 1.7 with
-        8 (27B) and 1.4 with 2 (width 8), and at 1k 16 splits of at least 128 positions leave
-        half the tasks empty."""
+        splits empty). Fewer splits make longer tasks and a cheaper merge (the knob comment
+        above ``PLAN_KNOBS`` says what the timelines measured)."""
         if self.kv_splits is not None:
             return self.kv_splits
         tasks = self.width * self.dims.num_kv_heads
