@@ -435,7 +435,7 @@ def test_a_step_variant_whose_bits_differ_is_marked():
     nan[0, 0] = float("nan")  # the same NaN in both: the same bits
     assert step_variants_same_bits({step: nan, f"{step}-ring4": nan.clone()}) == {f"{step}-ring4": True}
     # a plan that changes sums by design (step_plan.SUM_KNOBS) is not held to the bits
-    plans = {"ring4": {"ring": 4}, "wrong": {"kv_splits": 8}}
+    plans = {"ring4": {"ring": 4}, "wrong": {"kv_step": 2}}
     assert step_variants_same_bits(outs, plans) == {f"{step}-ring4": True}
     rows = [
         rec("stock-fullgraph", 4.6),

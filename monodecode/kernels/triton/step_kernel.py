@@ -557,30 +557,15 @@ def _kv_copy(kvs, slot, kc_ptr, vc_ptr, koff, voff, blocks, kvh, b, end, k_sb, k
 
 
 @gluon.jit
-def _split_span(ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
-    """The positions each split of a row's cached positions ``lo .. ctx - 1`` holds: at least
-    ``MINSPAN``, whole K/V tiles."""
-    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
-    return (span + NW * PW - 1) // (NW * PW) * (NW * PW)
-
-
-@gluon.jit
 def _kv_span(task, ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
     """An attention task -> (KV head, split, first position, end) of its row's cached positions
-    ``lo .. ctx - 1`` (``lo`` past 0 on a sliding-window layer): spans of ``_split_span``
-    positions; a short context leaves later splits empty."""
+    ``lo .. ctx - 1`` (``lo`` past 0 on a sliding-window layer): spans of at least ``MINSPAN``
+    positions, whole K/V tiles; a short context leaves later splits empty."""
     sp = task % NSPLIT
-    span = _split_span(ctx, lo, NSPLIT, NW, PW)
+    span = gl.maximum((ctx - lo + NSPLIT - 1) // NSPLIT, MINSPAN)
+    span = (span + NW * PW - 1) // (NW * PW) * (NW * PW)
     start = gl.minimum(lo + sp * span, ctx)
     return task // NSPLIT, sp, start, gl.minimum(start + span, ctx)
-
-
-@gluon.jit
-def _kv_used(ctx, lo, NSPLIT: gl.constexpr, NW: gl.constexpr, PW: gl.constexpr):
-    """The splits of a row's cached positions ``lo .. ctx - 1`` that hold any (``_kv_span``'s
-    first ones; the last split, which attends to the new position, holds a partial besides)."""
-    span = _split_span(ctx, lo, NSPLIT, NW, PW)
-    return (ctx - lo + span - 1) // span
 
 
 @gluon.jit
@@ -716,12 +701,10 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
 
 @gluon.jit
 def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D: gl.constexpr,
-                  NSPLIT: gl.constexpr, NW: gl.constexpr, nused=0, USED: gl.constexpr = 0):  # fmt: skip
+                  NSPLIT: gl.constexpr, NW: gl.constexpr):  # fmt: skip
     """Count this split of KV head ``kvh`` on the head's counter ``hctr``; the head's last split to
     arrive merges the group's partials in split order (fixed: replays are bit-identical) into the
-    attention output (bf16) and counts the head on ``done`` (release). ``USED``: only the
-    partials of the first ``nused`` splits and the last are read (``_kv_used``); an empty split's
-    partial (max -1e30, sum 0, output 0) weighs exactly 0, so the sums are the same bits."""
+    attention output (bf16) and counts the head on ``done`` (release)."""
     gl.thread_barrier()
     old = gl.atomic_add(hctr, 1, sem="acq_rel", scope="gpu")
     if old == epoch * NSPLIT - 1:
@@ -737,16 +720,9 @@ def _merge_splits(att_ptr, part_ptr, hctr, done, epoch, kvh, G: gl.constexpr, D:
         # volatile, so that ptxas keeps this order: the maxes, which the arithmetic needs first,
         # are asked for last and all three loads are in flight at once (as .cg loads, ptxas
         # issued the outputs' after the weights: a second L2 round trip on the critical path)
-        if USED:
-            use = ((ss < nused) | (ss == NSPLIT - 1))[:, None] & (gw >= 0)[None, :]
-            os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), mask=use[:, :, None], other=0.0,
-                         volatile=True)  # fmt: skip
-            ls = gl.load(rows + D + 1, mask=use, other=0.0, volatile=True)
-            ms = gl.load(rows + D, mask=use, other=-1e30, volatile=True)
-        else:
-            os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
-            ls = gl.load(rows + D + 1, volatile=True)
-            ms = gl.load(rows + D, volatile=True)
+        os = gl.load(rows[:, :, None] + gl.expand_dims(d3[None, :], 0), volatile=True)
+        ls = gl.load(rows + D + 1, volatile=True)
+        ms = gl.load(rows + D, volatile=True)
         w = gl.exp(ms - gl.max(ms, axis=0)[None, :])
         total = gl.sum(w * ls, axis=0)
         att = gl.sum(os * w[:, :, None], axis=0) / gl.convert_layout(total, gl.SliceLayout(1, o2))[:, None]
@@ -885,7 +861,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
-                PROF: gl.constexpr = 0, USED: gl.constexpr = 0,
+                PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
     """Layers ``first .. first + nlayers - 1`` of a decode step of ``NB`` rows, one program per SM.
 
@@ -1091,8 +1067,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                                 prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
-                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW,
-                                      _kv_used(actx, alo, NSPLIT, NW, PW), USED)  # fmt: skip
+                                      ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip
                     _stamp(prof_ptr, layer, pid, 0, 1, 2, NPROG, PROF)  # its heads merged
                     _stamp(prof_ptr, layer, pid, 1, 0, 0, NPROG, PROF)  # o_proj waits for every head
                     spin = _wait_for(ctr_ptr + layer * NCTR + 1, epoch * (KVH * NB), spin, health_ptr,

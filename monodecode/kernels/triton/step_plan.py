@@ -108,17 +108,14 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # ``mma.sync``: ptxas lowers each to F2FP unpacks of both operands to f16 and two f16 HMMAs.
 # Hopper's FP8 tensor cores are reached only through wgmma (the two-launch kernels' ``tl.dot``),
 # whose 64-row tiles would need the batch as M (x^T W^T), not a 16-row weight chunk.
-# ``kv_splits`` (session 38, not yet timed): the attention's context splits a (row, KV head),
-# fewer than the default's (``StepGeometry.splits``): longer tasks and a merge over fewer
-# partials. Runs 173-174's timelines put the merge and its counter at 2.9-3.4 µs a layer with
-# 16 splits (1B and 8B at width 1), 1.7 with 27B's 8 and 1.4 with width 8's 2; at 1k, 16 splits
-# of at least ``MIN_SPLIT`` positions leave half the tasks empty, so 8 read the same positions a
-# task there. 8B at 1k x 1 is 1.2 % short of its 0.88 target (about 2 µs of a 161 µs layer).
-# ``merge_used`` (session 38, not yet timed): the same question asked without moving a split: the
-# merge reads the partials of the splits that hold positions and the last only (an empty
-# split's partial weighs exactly 0: the same bits), so at 1k it reads 9 of 16. If the merge's
-# time is its reads, this takes it at 1k with the default's long-context tasks; if it is the
-# counter's arrivals, ``kv_splits`` does and this is level.
+# Run 176 (H100, session 39) timed two merge knobs of session 38 at batch 1 and dropped both:
+# ``kv_splits`` (fewer context splits a KV head) and ``merge_used`` (the merge reads only the
+# splits that hold positions; the same bits). The merge and its counter went from 3.4 to 2.2 µs
+# a layer (8B, 8 splits) and 2.6 (``merge_used``), but the step moved -1.8 to +0.2 % at 1k (8B
+# 1.283-1.294 against 1.292 ms; 1B 0.442-0.447 against 0.450; FP8 0.810-0.813 against 0.824,
+# whose default drew 0.811-0.821 in runs 165-172), ``merge_used`` was level at 8k and 32k (-0.2
+# to +1.1 %), and 8 splits were 1-9 % slower there, 4 splits 6-43 % (longer tasks: an attention
+# task's own latency, 4.6-5.8 µs at 1k, not the merge, sets the attention's span).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -128,13 +125,10 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
-    "kv_splits": (None, 1, 64),
-    "merge_used": (0, 0, 1),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
-# tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step;
-# ``kv_splits``: where its context splits fall)
-SUM_KNOBS = frozenset({"kv_step", "kv_splits"})
+# tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
+SUM_KNOBS = frozenset({"kv_step"})
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -257,8 +251,6 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
-    kv_splits: int | None = None  # the attention's context splits a (row, KV head); None: by width (``splits``)
-    merge_used: int = 0  # the merge reads only the splits that hold positions, and the last (``USED``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -490,13 +482,9 @@ class StepGeometry:
     # -- attention ----------------------------------------------------------------------------
     @property
     def splits(self) -> int:
-        """Context splits of a (row, KV head): the plan's ``kv_splits``, else the most that keep
-        one attention task a program, a power of two (each row's own context is then cut into at
-        most this many spans of at least ``MIN_SPLIT`` positions; a short context leaves the later
-        splits empty). Fewer splits make longer tasks and a cheaper merge (the knob comment
-        above ``PLAN_KNOBS`` says what the timelines measured)."""
-        if self.kv_splits is not None:
-            return self.kv_splits
+        """Context splits of a (row, KV head): the most that keep one attention task a program,
+        a power of two (each row's own context is then cut into at most this many spans of at
+        least ``MIN_SPLIT`` positions; a short context leaves the later splits empty)."""
         tasks = self.width * self.dims.num_kv_heads
         s = 1
         while 2 * s * tasks <= self.programs and 2 * s <= 64:
@@ -578,14 +566,6 @@ class StepGeometry:
                 f"step launch: {self.programs} programs cannot hold one attention task per row and KV head "
                 f"({self.width} x {self.dims.num_kv_heads})"
             )
-        if self.kv_splits is not None:
-            tasks = self.width * self.dims.num_kv_heads * self.kv_splits
-            if self.kv_splits & (self.kv_splits - 1) or tasks > self.programs:
-                raise ValueError(
-                    f"step launch: kv_splits {self.kv_splits} must be a power of two with one attention task a "
-                    f"program ({self.width} x {self.dims.num_kv_heads} x {self.kv_splits} = {tasks} tasks on "
-                    f"{self.programs} programs)"
-                )
         if self.gemma and self.mma:
             raise ValueError("step launch: Gemma-3's post norms are staged on width 1's FMA path only, not with mma1")
         if self.mma and self.tiles_per_program()[3] > 2:
@@ -652,6 +632,5 @@ class StepGeometry:
             "EPS": d.rms_norm_eps,
             "SCALE": d.attn_scale,
             "FP8": int(self.weight_dtype == "fp8"),
-            "USED": self.merge_used,
             "LAYER_S": self.scale_offsets["end"],
         }

@@ -86,45 +86,6 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
 
 
-@pytest.mark.parametrize(("profile", "splits"), [("llama3-8b", 8), ("llama3-1b", 4)])
-def test_fewer_attention_splits_compile_without_spills(profile, splits):
-    """``kv_splits`` (fewer, longer attention tasks and a merge over fewer partials) builds width 1
-    with that many splits a KV head (``NSPLIT``), 0 spills and the shared memory as planned, and
-    its partials' buffer shrinks with it."""
-    from monodecode.kernels.triton.offline import cuda_resources
-    from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
-
-    dims = profile_dims(profile)
-    g = StepGeometry(dims, 1, H200_SMS, kv_splits=splits)
-    assert (
-        g.constexprs(16)["NSPLIT"] == splits
-        and g.partial_places * 16 == StepGeometry(dims, 1, H200_SMS).partial_places * splits
-    )
-    compiled = compile_step(dims, 1, H200_SMS, 16, {"kv_splits": splits})
-    assert cuda_resources("step_kernel", 1, 8, compiled).spills == 0
-    assert g.shared_bytes() <= compiled.metadata.shared <= g.shared_bytes() + SHARED_SCRATCH
-
-
-@pytest.mark.parametrize(("profile", "width"), [("llama3-8b", 1), ("llama3-1b", 8)])
-def test_merging_only_the_used_splits_predicates_the_merges_reads(profile, width):
-    """``merge_used``: the merge's volatile reads of the split partials are predicated (a split
-    without positions is not read), where the default's are all unconditional (the one volatile
-    read outside the merge, the health word's at exit, stays so); 0 spills."""
-    from monodecode.kernels.triton.offline import cuda_resources
-    from monodecode.kernels.triton.step_launch import compile_step
-
-    dims = profile_dims(profile)
-    reads = {}
-    for plan in (None, {"merge_used": 1}):
-        compiled = compile_step(dims, width, H200_SMS, 16, plan)
-        assert cuda_resources("step_kernel", width, 8, compiled).spills == 0
-        vol = [l.strip() for l in compiled.asm["ptx"].split("\n") if "ld.volatile.global.b32" in l]
-        reads[bool(plan)] = (len(vol), sum(l.startswith("@") for l in vol))
-    assert reads[False][1] == 0 and reads[True][0] == reads[False][0] and reads[True][1] == reads[False][0] - 1 > 0, (
-        reads
-    )
-
-
 def _chunk_refill(ptx: str) -> str:
     """Width 1's chunk loop from its slot wait (the kernel's first ``try_wait``) to the first load
     of the slot's weights: the refill between them."""
@@ -160,18 +121,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {
-        "ring",
-        "stream_down",
-        "wide_tma",
-        "kv_step",
-        "early_down",
-        "mma1",
-        "span",
-        "one_box",
-        "kv_splits",
-        "merge_used",
-    }
+    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box"}
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
         StepGeometry(profile_dims("gemma3-27b"), 1, H200_SMS, mma1=1).check()
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
@@ -192,13 +142,6 @@ def test_bad_plans_are_refused_in_one_line():
         StepGeometry(profile_dims("llama3-8b"), 1, H200_SMS, kv_step=2).check()
     one_b = StepGeometry(profile_dims("llama3-1b"), 8, H200_SMS, kv_step=2)
     one_b.check()  # two 64 KiB K/V slots beside a 3-slot weight ring
-    # kv_splits: a power of two, one attention task a program (8B: 8 KV heads)
-    eight = profile_dims("llama3-8b")
-    assert StepGeometry(eight, 1, H200_SMS).splits == 16 and StepGeometry(eight, 1, H200_SMS, kv_splits=8).splits == 8
-    StepGeometry(eight, 2, H200_SMS, kv_splits=8).check()
-    for width, splits in ((1, 6), (4, 8), (1, 32)):
-        with pytest.raises(ValueError, match=f"kv_splits {splits} must be a power of two with one attention task"):
-            StepGeometry(eight, width, H200_SMS, kv_splits=splits).check()
     assert (one_b.kv_slots, one_b.ring_slots, one_b.constexprs(16)["PW"]) == (2, 3, 32)
     with pytest.raises(ConfigError, match="unknown knob") as e:
         _small_build((1,), plan={"depth": 2})

@@ -354,18 +354,6 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("case", ["w1", "w1-700", "w1-first-token", "w2", "32k"])
-def test_fewer_attention_splits_match_the_reference(case):
-    """``kv_splits`` (``step_plan.PLAN_KNOBS``: fewer context splits a KV head, so longer tasks
-    and a merge over fewer partials; 8B at 8, 1B at 4, widths 1 and 2): per layer and as one
-    launch within the bounds, at contexts that fill every split, some, or none, and at 32k."""
-    ctx = CONTEXTS.get(case, [32768])
-    for build in (("llama3-8b", (1, 2), 2, 2.0, {"kv_splits": 8}), ("llama3-1b", (1, 2), 2, 2.0, {"kv_splits": 4})):
-        _layer_by_layer(build, ctx, seed=170 + len(ctx), what=f"{build[0]} kv_splits {case}")
-        _whole_step(build, ctx, seed=180 + len(ctx), what=f"{build[0]} kv_splits {case} step")
-        torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize(
     ("build", "case"),
     [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows"), (G27, "w1")],
@@ -566,8 +554,6 @@ PLAN_CASES = [
     ({"stream_down": 0, "early_down": 0}, (1, 2), "w2"),
     ({"span": 1}, B8F, "w1"), ({"span": 1}, B8F, "w8-5rows"), ({"span": 2}, (1, 2), "w2"),
     ({"one_box": 0}, B8F, "w1"),
-    ({"merge_used": 1}, (1, 8), "w1-700"), ({"merge_used": 1}, (1, 8), "w8"), ({"merge_used": 1}, B8, "w1"),
-    ({"merge_used": 1}, B8, "w1-first-token"), ({"merge_used": 1}, (1,), "w1"),
 ]  # fmt: skip
 
 
