@@ -125,20 +125,23 @@ def test_the_attention_stream_splits_at_the_last_partial_stored(tmp_path):
     """``attention_parts`` (``STEP`` only): the attention's stream (the median program past its
     wait -> the last head merged, 2 us in ``_step_stamps``) splits at the LAST task's partial
     stored; a task's own time is the MEDIAN over the programs that had a task (program 3 has none
-    and stamps no partial). Partials 0.5, 1.0 and 1.5 us past the wait: tasks 1.0, the last
-    partial 1.5, the merge after it 0.5; their q, k and v in 0.2, 0.4 and 0.9 us past the wait: 0.4."""
+    and stamps no partial), beside the slowest's. Partials 0.5, 1.0 and 1.5 us past the wait: tasks
+    1.0, the slowest 1.5, the last partial 1.5, the merge after it 0.5; their q, k and v in 0.2, 0.4
+    and 0.9 us past the wait: 0.4."""
     st = _step_stamps(layers=2)
     for p, after, q_in in ((0, 500, 200), (1, 1000, 400), (2, 1500, 900)):
         st[:, 0, p, 1, 3] = st[:, 0, p, 1, 1] + after
         st[:, 0, p, 2, 0] = st[:, 0, p, 1, 1] + q_in
     summ = TL.summarize(st, TL.STEP)
-    assert summ["attention_parts"] == {"task_us": 1.0, "q_in_us": 0.4, "last_partial_us": 1.5, "merge_us": 0.5}
+    assert summ["attention_parts"] == {"task_us": 1.0, "task_max_us": 1.5, "q_in_us": 0.4, "last_partial_us": 1.5,
+                                       "merge_us": 0.5}  # fmt: skip
     assert set(summ["kernels"]["attention_half"]["stages"]) == {"qkv", "attention"}  # q_in's slot is no stage
     chain = {c["stage"]: c["stream_us"] for c in summ["chain"]}
     parts = summ["attention_parts"]
     assert parts["last_partial_us"] + parts["merge_us"] == chain["attention"]
     line = TL.describe(summ)[-1]
     assert line.startswith("attention's stream (us): the last partial stored 1.5, then the last head merged 0.5")
+    assert "a task 1.0 (median, its wait over -> its partial stored; the slowest 1.5)" in line
     assert line.endswith("its q, k and v in after 0.4")
     assert TL.summarize(_step_stamps(), TL.STEP)["attention_parts"] is None  # no partial stamped
     assert "attention_parts" not in TL.summarize(_stamps())  # the two-launch kernels stamp none

@@ -114,8 +114,10 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # a layer (8B, 8 splits) and 2.6 (``merge_used``), but the step moved -1.8 to +0.2 % at 1k (8B
 # 1.283-1.294 against 1.292 ms; 1B 0.442-0.447 against 0.450; FP8 0.810-0.813 against 0.824,
 # whose default drew 0.811-0.821 in runs 165-172), ``merge_used`` was level at 8k and 32k (-0.2
-# to +1.1 %), and 8 splits were 1-9 % slower there, 4 splits 6-43 % (longer tasks: an attention
-# task's own latency, 4.6-5.8 µs at 1k, not the merge, sets the attention's span).
+# to +1.1 %), and 8 splits were 1-9 % slower there, 4 splits 6-43 % (longer tasks). At 1k a task
+# reads the same 128 positions with 8 splits as with 16 (6.1 against 6.2 µs, its wait to its
+# partial stored), and one of an empty split takes 4.4: the task's fixed path, not the merge,
+# is most of the attention's time.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),

@@ -145,9 +145,17 @@ def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int], q_in: tup
     stored, ``merge_us`` from there to the last head merged (the head counter's round trip and the
     last split's merge). And the median task's own time (its wait over -> its partial stored,
     ``task_us``), of which ``q_in_us`` until its q, k and v were in (the block table and the K/V
-    copies asked for first). None where no task stamped its partial."""
+    copies asked for first), and the slowest task's (``task_max_us``): a short context leaves
+    later splits empty, and their quick tasks can pull the median below every task that read
+    positions (run 176: 8B at 1k, 16 splits, 8 empty). None where no task stamped its partial."""
     k, s, slot = part
-    got: dict[str, list[float]] = {"task_us": [], "q_in_us": [], "last_partial_us": [], "merge_us": []}
+    got: dict[str, list[float]] = {
+        "task_us": [],
+        "task_max_us": [],
+        "q_in_us": [],
+        "last_partial_us": [],
+        "merge_us": [],
+    }
     for l in range(stamps.shape[0]):
         st = _ran(stamps[l, k].double())
         ready, end, mark = st[:, s, 1], st[:, s, 2], st[:, s, slot]
@@ -156,6 +164,7 @@ def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int], q_in: tup
             continue
         ready_med = ready[worked].median()
         got["task_us"].append(float((mark - ready)[tasks].median()) / 1e3)
+        got["task_max_us"].append(float((mark - ready)[tasks].max()) / 1e3)
         if q_in is not None:
             got["q_in_us"].append(float((st[:, q_in[0], q_in[1]] - ready)[tasks].median()) / 1e3)
         got["last_partial_us"].append(float(mark[tasks].max() - ready_med) / 1e3)
@@ -212,7 +221,8 @@ def describe(summ: dict) -> list[str]:
     if att := summ.get("attention_parts"):
         lines.append(
             f"attention's stream (us): the last partial stored {att['last_partial_us']:.1f}, then the last head "
-            f"merged {att['merge_us']:.1f}; a task {att['task_us']:.1f} (median, its wait over -> its partial stored)"
+            f"merged {att['merge_us']:.1f}; a task {att['task_us']:.1f} (median, its wait over -> its partial stored; "
+            f"the slowest {att['task_max_us']:.1f})"
             + (f", its q, k and v in after {att['q_in_us']:.1f}" if att.get("q_in_us") is not None else "")
         )
     return lines
