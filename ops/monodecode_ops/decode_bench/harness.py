@@ -108,6 +108,7 @@ from monodecode_ops.decode_bench.report import (  # noqa: F401 - the harness's p
     plot,
     probe_lines,
     report_rows,
+    step_variant_backend,
     summary,
     summary_table,
 )
@@ -116,6 +117,7 @@ from monodecode_ops.decode_bench.stock import ContiguousKV, ContiguousStockDecod
 DEFAULT_PROFILES = ("llama3-1b", "llama3-8b", "gemma3-27b")
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_CONTEXTS = (1024, 8192, 32768)
+RESULTS_DIR = "benchmarks/results"  # where a run writes without --out (a --report: beside its first JSON)
 # --stock names -> backends
 STOCK_PATHS = {
     "eager": "reference-eager",
@@ -517,7 +519,7 @@ def bench_config(
         if step_kernels is not None:
             kernels[STEP_BACKEND] = step_kernels
             for name, plan in step_variants.items():
-                b = f"{STEP_BACKEND}-{name}"
+                b = step_variant_backend(name)
                 tk, variants_not_run[b] = _build_step_variant(req, weights, step_kernels, b, plan, log)
                 if tk is not None:
                     kernels[b] = tk
@@ -598,7 +600,7 @@ def _cell_backends(ctx, rows: int, floor: bool, w8a16_batches) -> list[str]:
         out.append(STEP_BACKEND)
     step = ctx["kernels"].get(STEP_BACKEND)
     if step is not None and rows in step.widths:  # its variants beside it (a misfit or failure says why)
-        out += [f"{STEP_BACKEND}-{name}" for name in ctx.get("step_variants", {})]
+        out += [step_variant_backend(name) for name in ctx.get("step_variants", {})]
     return out
 
 
@@ -834,7 +836,7 @@ def step_variants_same_bits(outs: dict, plans: dict | None = None) -> dict[str, 
     if base is None:
         return {}
     bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - NaN's bits equal themselves
-    sums = {f"{STEP_BACKEND}-{n}" for n, plan in (plans or {}).items() if SUM_KNOBS & set(plan)}
+    sums = {step_variant_backend(n) for n, plan in (plans or {}).items() if SUM_KNOBS & set(plan)}
     return {
         name: out.shape == base.shape and bool(torch.equal(bits(out), bits(base)))
         for name, out in outs.items()
@@ -1274,7 +1276,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--out",
-        help="the folder a run writes to (default benchmarks/results); with --report, its plots' (default: the "
+        help=f"the folder a run writes to (default {RESULTS_DIR}); with --report, its plots' (default: the "
         "first JSON's folder, so that a merge of one day's runs never overwrites another's)",
     )
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the tables of saved runs (merged) and exit")
@@ -1321,7 +1323,7 @@ def main(argv: list[str] | None = None) -> int:
             a.layers,
             _csv(a.fp8_profiles),
             a.replays,
-            Path(a.out or "benchmarks/results"),
+            Path(a.out or RESULTS_DIR),
             variants=variants,
             timeline_batches=_csv(a.timeline_batches, int),
             baselines=not a.no_baselines,

@@ -84,6 +84,11 @@ def is_step_backend(backend: str) -> bool:
     return backend == STEP_BACKEND or backend.startswith(STEP_BACKEND + "-")
 
 
+def step_variant_backend(name: str) -> str:
+    """The backend a step variant (``--step-variants``' ``name``) is timed and reported as."""
+    return f"{STEP_BACKEND}-{name}"
+
+
 def tolerance(r: dict) -> float | None:
     """The relative error a backend may show and still count; None: not a decode step of its own
     (the oracle, the GEMM floor)."""

@@ -163,8 +163,9 @@ def _attention_parts(stamps: torch.Tensor, part: tuple[int, int, int], q_in: tup
         if not tasks.any():
             continue
         ready_med = ready[worked].median()
-        got["task_us"].append(float((mark - ready)[tasks].median()) / 1e3)
-        got["task_max_us"].append(float((mark - ready)[tasks].max()) / 1e3)
+        own = (mark - ready)[tasks]  # each task's wait over -> its partial stored
+        got["task_us"].append(float(own.median()) / 1e3)
+        got["task_max_us"].append(float(own.max()) / 1e3)
         if q_in is not None:
             got["q_in_us"].append(float((st[:, q_in[0], q_in[1]] - ready)[tasks].median()) / 1e3)
         got["last_partial_us"].append(float(mark[tasks].max() - ready_med) / 1e3)
