@@ -594,7 +594,7 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
             PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0, lo=0,
-            sliding=False, GEMMA: gl.constexpr = 0):  # fmt: skip
+            sliding=False, GEMMA: gl.constexpr = 0, APAD: gl.constexpr = 1):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -606,7 +606,8 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
     ``qx`` .. ``vn``: the task's new q, k and v as ``_qkv_in`` read them.
     With ``PROF``, stamps its q, k and v in (``decode_bench.timeline.STEP.q_in``). ``lo``: the
     first cached position the row may see (a sliding window's). ``GEMMA``: ``cs`` holds the
-    full and the sliding layers' tables (``_cos_sin_2``), ``sliding`` picks the second."""
+    full and the sliding layers' tables (``_cos_sin_2``), ``sliding`` picks the second. ``APAD``:
+    the warps' partials summed through padded shared-memory rows (``_att_sum_layout``)."""
     G: gl.constexpr = QH // KVH
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(0, mma, 2)
@@ -678,7 +679,7 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
     e_new = gl.where(last, gl.exp(s_new - mt), 0.0)
     lt = gl.sum(lsum * wgt, axis=0) + e_new
     gl.thread_barrier()  # the warps' sum through the drained K/V ring
-    red = kvs._reinterpret(gl.float32, [NW, 16, D], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    red = kvs._reinterpret(gl.float32, [NW, 16, D], _att_sum_layout(NW, D, APAD))
     red.store(o * wgt[:, :, None])
     gl.thread_barrier()
     red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
@@ -697,6 +698,18 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt, mask=gs < G)
     gl.store(sslot + D + 1, lt, mask=gs < G)
+
+
+@gluon.constexpr_function
+def _att_sum_layout(NW, D, APAD):
+    """``_attend``'s [NW, 16, D] fp32 warp partials in shared memory. mma.sync's accumulator puts
+    a warp's rows in its lane quads, D * 4 bytes apart: in plain rows (``APAD`` 0) the same banks,
+    4 quads a store phase, so every store takes 4 times its wavefronts. ``APAD``: 32 bytes after
+    each row put a phase's 4 rows 8 banks apart (the addresses stay a constant past each
+    thread's; a swizzle's XOR of row and column bits spilled 8-48 bytes at widths 1-8)."""
+    if APAD:
+        return gl.PaddedSharedLayout.with_identity_for([[D, 8]], [NW, 16, D], [2, 1, 0])
+    return gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
 
 @gluon.jit
@@ -860,6 +873,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
+                APAD: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
@@ -885,7 +899,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     non-finite (its outgoing residual is NaN). ``XMAX``: the staged input's chunks; ``DSTREAM``:
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
-    ``StepGeometry.kv_groups``). ``DE``: down's first input chunks that gate/up's rounds but the
+    ``StepGeometry.kv_groups``); ``APAD``: the attention's warp partials summed through padded
+    shared-memory rows (``_att_sum_layout``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
@@ -1064,7 +1079,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
-                                prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA)  # fmt: skip
+                                prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA, APAD)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip

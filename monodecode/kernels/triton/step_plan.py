@@ -127,10 +127,12 @@ PLAN_KNOBS = {
     "mma1": (None, 0, 1),
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
+    "att_pad": (None, 0, 1),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
 SUM_KNOBS = frozenset({"kv_step"})
+ATT_PAD_BELOW = 8  # the least width whose attention sums its warps' partials through unpadded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -253,6 +255,7 @@ class StepGeometry:
     mma1: int | None = None  # width 1's products on mma.sync; None: not (``mma``)
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
+    att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -526,6 +529,18 @@ class StepGeometry:
         return 2 if self.width >= KV_STEP_2_FROM and self.dims.head_dim <= 64 else 1
 
     @property
+    def pads_att_sum(self) -> bool:
+        """The attention task sums its warps' [16, D] fp32 partials through shared-memory rows
+        padded by 32 bytes (``step_kernel._att_sum_layout``): the plan's ``att_pad``, else below
+        width ``ATT_PAD_BELOW``. Unpadded, mma.sync's accumulator stores 4-way bank conflicts
+        (a lane quad's rows D * 4 bytes apart): 4 times the 64 ideal wavefronts a warp at D 128.
+        At width 8 the padded addresses spill 8-32 bytes at sm_90 (8B; 1B with the timeline's
+        stamps)."""
+        if self.att_pad is not None:
+            return bool(self.att_pad)
+        return self.width < ATT_PAD_BELOW
+
+    @property
     def kv_slots(self) -> int:
         """Slots of the attention's K/V ring (each a [8 warps, 16 kv_step, D] K tile and its V
         tile): 3 of 32 KiB at head_dim 64 and 2 of 64 KiB at 128 or with 32 positions a warp
@@ -627,6 +642,7 @@ class StepGeometry:
             "DE": self.down_early_chunks // self.chunk_span,  # in weight chunks
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
+            "APAD": int(self.pads_att_sum),
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

@@ -68,13 +68,15 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-1b", 2, {"wide_tma": 0}),
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
-                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0})])  # fmt: skip
+                                                   ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
+                                                   ("llama3-8b", 1, {"att_pad": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
-    whole of gate/up at its start, staged and streamed) compile with 0 spills too, the ring's
+    whole of gate/up at its start, staged and streamed; 8B's attention partials summed through
+    unpadded rows at width 1) compile with 0 spills too, the ring's
     slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
@@ -121,7 +123,8 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    assert set(PLAN_KNOBS) == {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box"}
+    knobs = {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box", "att_pad"}
+    assert set(PLAN_KNOBS) == knobs
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
         StepGeometry(profile_dims("gemma3-27b"), 1, H200_SMS, mma1=1).check()
     for plan, msg in (({"pf": 8}, "unknown knob 'pf'"), ({"ring": 9}, "ring must be an integer 2-8"),
