@@ -118,6 +118,9 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # reads the same 128 positions with 8 splits as with 16 (6.1 against 6.2 µs, its wait to its
 # partial stored), and one of an empty split takes 4.4: the task's fixed path, not the merge,
 # is most of the attention's time.
+# ``att_pad`` (session 40, runs 178-180): the attention task's warp partials summed through
+# shared-memory rows padded by 32 bytes, not plain ones, whose mma.sync stores took 4 times
+# their wavefronts (``pads_att_sum``); the default at width 1.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -132,7 +135,7 @@ PLAN_KNOBS = {
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
 SUM_KNOBS = frozenset({"kv_step"})
-ATT_PAD_BELOW = 8  # the least width whose attention sums its warps' partials through unpadded rows (``pads_att_sum``)
+ATT_PAD_MAX_WIDTH = 1  # the widest build whose attention partials go through padded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
 
@@ -531,14 +534,16 @@ class StepGeometry:
     @property
     def pads_att_sum(self) -> bool:
         """The attention task sums its warps' [16, D] fp32 partials through shared-memory rows
-        padded by 32 bytes (``step_kernel._att_sum_layout``): the plan's ``att_pad``, else below
-        width ``ATT_PAD_BELOW``. Unpadded, mma.sync's accumulator stores 4-way bank conflicts
-        (a lane quad's rows D * 4 bytes apart): 4 times the 64 ideal wavefronts a warp at D 128.
-        At width 8 the padded addresses spill 8-32 bytes at sm_90 (8B; 1B with the timeline's
-        stamps)."""
+        padded by 32 bytes (``step_kernel._att_sum_layout``): the plan's ``att_pad``, else at
+        widths up to ``ATT_PAD_MAX_WIDTH``. Unpadded, mma.sync's accumulator stores with 4-way
+        bank conflicts (a lane quad's rows D * 4 bytes apart): 4 times the 64 ideal wavefronts a
+        warp at D 128. Runs 178-180 (H100, batch 1): an 8B task 4.6 -> 3.7 µs (median), the step
+        0.2-1.3 % faster in 13 of 14 cells; at widths 2 and 4 (1k, one run) -1.6 to +1.1 %,
+        within the draws' spread, so unpadded until measured again; at width 8 the padded
+        addresses spill 8-32 bytes at sm_90 (8B; 1B with the timeline's stamps)."""
         if self.att_pad is not None:
             return bool(self.att_pad)
-        return self.width < ATT_PAD_BELOW
+        return self.width <= ATT_PAD_MAX_WIDTH
 
     @property
     def kv_slots(self) -> int:

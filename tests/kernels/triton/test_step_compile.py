@@ -69,14 +69,15 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 8, {"wide_tma": 1}), ("llama3-1b", 8, {"kv_step": 1}),
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
-                                                   ("llama3-8b", 1, {"att_pad": 0})])  # fmt: skip
+                                                   ("llama3-8b", 1, {"att_pad": 0}), ("llama3-1b", 2, {"att_pad": 1}),
+                                                   ("llama3-8b", 4, {"att_pad": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
-    whole of gate/up at its start, staged and streamed; 8B's attention partials summed through
-    unpadded rows at width 1) compile with 0 spills too, the ring's
+    whole of gate/up at its start, staged and streamed; the attention's partials summed through
+    unpadded rows at width 1, padded ones at widths 2 and 4) compile with 0 spills too, the ring's
     slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
@@ -113,6 +114,19 @@ def test_fp8s_refill_asks_for_a_chunk_in_one_box(weight_dtype, plan, barriers):
     assert cuda_resources("step_kernel", 1, 8, compiled).spills == 0
     planned = StepGeometry(dims, 1, H200_SMS, weight_dtype=weight_dtype, **plan).shared_bytes()
     assert planned <= compiled.metadata.shared <= planned + SHARED_SCRATCH
+
+
+@pytest.mark.parametrize(("width", "padded"), [(1, True), (2, False)])
+def test_attention_partials_padded_by_default_at_width_1_only(width, padded):
+    """``StepGeometry.pads_att_sum``: width 1's build sums the attention's warp partials through
+    padded rows (its PTX differs from ``att_pad`` 0's), width 2's through plain ones (the same PTX
+    as ``att_pad`` 0's), as runs 178-180 measured."""
+    from monodecode.kernels.triton.step_launch import compile_step
+
+    dims = profile_dims("llama3-8b")
+    default = compile_step(dims, width, H200_SMS, 16).asm["ptx"]
+    plain = compile_step(dims, width, H200_SMS, 16, {"att_pad": 0}).asm["ptx"]
+    assert (default != plain) == padded
 
 
 def test_bad_plans_are_refused_in_one_line():
