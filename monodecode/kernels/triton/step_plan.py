@@ -538,9 +538,9 @@ class StepGeometry:
         widths up to ``ATT_PAD_MAX_WIDTH``. Unpadded, mma.sync's accumulator stores with 4-way
         bank conflicts (a lane quad's rows D * 4 bytes apart): 4 times the 64 ideal wavefronts a
         warp at D 128. Runs 178-180 (H100, batch 1): an 8B task 4.6 -> 3.7 µs (median), the step
-        0.2-1.3 % faster in 13 of 14 cells; at widths 2 and 4 (1k, one run) -1.6 to +1.1 %,
-        within the draws' spread, so unpadded until measured again; at width 8 the padded
-        addresses spill 8-32 bytes at sm_90 (8B; 1B with the timeline's stamps)."""
+        0.2-1.3 % faster in 13 of 14 cells. At widths 2 and 4 (1k, runs 179 and 181 on two
+        cards) -1.6 to +2.2 %, 8B at width 2 slower in both (-1.4, -0.5 %), so unpadded; at
+        width 8 the padded addresses spill 8-32 bytes at sm_90 (8B; 1B with the timeline's stamps)."""
         if self.att_pad is not None:
             return bool(self.att_pad)
         return self.width <= ATT_PAD_MAX_WIDTH
