@@ -915,7 +915,7 @@ def _check_variants(variants: dict, step: bool = False) -> None:
                 f"variant {name!r}: its name is a step variant's ({STEP_BACKEND}-<name>); name it otherwise"
             )
         # a step launch plan's knob where launch targets go (as the variant's name, or a field)
-        knobs = (set(change) if isinstance(change, dict) else {name}) - fields & set(PLAN_KNOBS)
+        knobs = ((set(change) if isinstance(change, dict) else {name}) - fields) & set(PLAN_KNOBS)
         if knobs:
             raise MonodecodeError(
                 f"variant {name!r}: {', '.join(sorted(knobs))} is a step launch plan knob: time it with"
