@@ -131,6 +131,7 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "att_pad": (None, 0, 1),
+    "att_slim": (None, 0, 2),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
@@ -259,6 +260,9 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
+    att_slim: int | None = (
+        None  # the attention's q staged once (1), its sum of the group's rows alone (2); None: ``slims_attention``
+    )
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -546,6 +550,22 @@ class StepGeometry:
         return self.width <= ATT_PAD_MAX_WIDTH
 
     @property
+    def slims_attention(self) -> int:
+        """How little shared memory the attention task's fixed path moves (``step_kernel._attend``'s
+        ``SLIM``): from 1 its q is staged once for all warps, each warp's mma operand a broadcast
+        of that copy (not a copy a warp: 32 KiB of stores a task at D 128 down to 4); from 2 the sum
+        of the warps' partials loads only the group's G rows of 16 (a quarter at G 4) and its new
+        position's weights ride beside them. The plan's ``att_slim``, else 2 at width 1 without
+        Gemma, 1 at Gemma's and 0 above width 1. Compiled at sm_90: 2 spilled 24-44 bytes at
+        widths 2-4, FP8 width 8 and Gemma's width 1; 1 spilled 32 bytes beside the ``wide_tma``
+        and ``att_pad`` variants at widths 4-8, whose builds sit at 255 registers."""
+        if self.att_slim is not None:
+            return self.att_slim
+        if self.width > 1:
+            return 0
+        return 1 if self.gemma else 2
+
+    @property
     def kv_slots(self) -> int:
         """Slots of the attention's K/V ring (each a [8 warps, 16 kv_step, D] K tile and its V
         tile): 3 of 32 KiB at head_dim 64 and 2 of 64 KiB at 128 or with 32 positions a warp
@@ -648,6 +668,7 @@ class StepGeometry:
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
             "APAD": int(self.pads_att_sum),
+            "SLIM": self.slims_attention,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),
