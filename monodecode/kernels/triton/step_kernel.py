@@ -594,7 +594,7 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
             k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
             BS: gl.constexpr, SCALE: gl.constexpr, NSPLIT: gl.constexpr, KVS: gl.constexpr, NW: gl.constexpr,
             PW: gl.constexpr, prof_ptr=0, layer=0, pid=0, NPROG: gl.constexpr = 1, PROF: gl.constexpr = 0, lo=0,
-            sliding=False, GEMMA: gl.constexpr = 0, APAD: gl.constexpr = 1, SLIM: gl.constexpr = 0):  # fmt: skip
+            sliding=False, GEMMA: gl.constexpr = 0, APAD: gl.constexpr = 1):  # fmt: skip
     """One attention task of a row: KV head ``task // NSPLIT``, split ``task % NSPLIT`` of the row's
     ``ctx`` cached positions on tensor cores: each warp its own ``PW`` positions a step as ``mma.sync``
     products (the group's query heads padded to 16 rows, q and P in bf16), S = Q·Kᵀ, the online
@@ -635,17 +635,11 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
         qs = kvs.index(2 * (KVS - 1))
     else:  # the slot's first 16 positions' bytes
         qs = kvs.index(2 * (KVS - 1)).slice(0, 16, dim=1)
-    if SLIM >= 1:  # one copy, each warp's operand a broadcast of it
-        q1 = kvs.index(2 * (KVS - 1))._reinterpret(gl.bfloat16, [16, D], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
-        q1.store(qf.to(gl.bfloat16))
-        gl.thread_barrier()
-        qop = gl.expand_dims(q1.load(gl.SliceLayout(0, a_l)), 0).broadcast_to([NW, 16, D])
-    else:
-        q16 = gl.expand_dims(qf.to(gl.bfloat16), 0)
-        for w in gl.static_range(NW):
-            qs.slice(w, 1).store(q16)
-        gl.thread_barrier()
-        qop = qs.load(a_l)
+    q16 = gl.expand_dims(qf.to(gl.bfloat16), 0)
+    for w in gl.static_range(NW):
+        qs.slice(w, 1).store(q16)
+    gl.thread_barrier()
+    qop = qs.load(a_l)
     _stamp(prof_ptr, layer, pid, 0, ATT_Q_STAGE, 0, NPROG, PROF)  # q, k, v in, q staged
     if last & (slot >= 0):  # the new position into the paged cache
         blk = (slot // BS).to(gl.int64)
@@ -687,48 +681,23 @@ def _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, part_ptr, bt_row
     gl.thread_barrier()  # the warps' sum through the drained K/V ring
     red = kvs._reinterpret(gl.float32, [NW, 16, D], _att_sum_layout(NW, D, APAD))
     red.store(o * wgt[:, :, None])
-    if SLIM >= 2:  # e_new and v beside them (in the ring's last slot, past the sums), then the group's G rows alone
-        en = kvs.index(2 * KVS - 1)._reinterpret(gl.float32, [16], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        vv = kvs.index(2 * KVS - 2)._reinterpret(gl.float32, [D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        en.store(e_new)
-        vv.store(vn)
-        gl.thread_barrier()
-        red_l: gl.constexpr = _att_rows_layout(NW, G, D)
-        ot = gl.sum(red.slice(0, G, dim=1).load(red_l), axis=0)
-        ol: gl.constexpr = ot.type.layout
-        ro = gl.arange(0, G, layout=gl.SliceLayout(1, ol))
-        do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
-        ot = ot + en.slice(0, G).load(gl.SliceLayout(1, ol))[:, None] * vv.load(gl.SliceLayout(0, ol))[None, :]
-    else:
-        gl.thread_barrier()
-        red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
-        ot = gl.sum(red.load(red_l), axis=0)
-        ol: gl.constexpr = ot.type.layout
-        ro = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
-        do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
-        ot = (
-            ot
-            + gl.convert_layout(e_new, gl.SliceLayout(1, ol))[:, None]
-            * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
-        )
+    gl.thread_barrier()
+    red_l: gl.constexpr = gl.BlockedLayout([NW, 1, 4], [1, 2, 16], [1, NW, 1], [2, 1, 0])  # warps in registers
+    ot = gl.sum(red.load(red_l), axis=0)
+    ol: gl.constexpr = ot.type.layout
+    ro = gl.arange(0, 16, layout=gl.SliceLayout(1, ol))
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, ol))
+    ot = (
+        ot
+        + gl.convert_layout(e_new, gl.SliceLayout(1, ol))[:, None]
+        * gl.convert_layout(vn, gl.SliceLayout(0, ol))[None, :]
+    )
     gs = gl.arange(0, 16, layout=gl.SliceLayout(0, r2))
     pslot = part_ptr + ((kvh * NSPLIT + sp) * G + ro) * (D + 2)
     gl.store(pslot[:, None] + do[None, :], ot, mask=(ro < G)[:, None])
     sslot = part_ptr + ((kvh * NSPLIT + sp) * G + gs) * (D + 2)
     gl.store(sslot + D, mt, mask=gs < G)
     gl.store(sslot + D + 1, lt, mask=gs < G)
-
-
-@gluon.constexpr_function
-def _att_rows_layout(NW, G, D):
-    """The [NW, G, D] fp32 warp partials of the group's G heads as ``_attend``'s sum loads them with
-    ``SLIM``: a thread's NW values of one element summed in registers, the G x D elements spread
-    once over the threads (up to 4 consecutive columns a thread, no replicas where G * D >= the
-    threads), the columns across the lanes so that a load phase reads one padded row."""
-    vec = min(4, max(1, G * D // (32 * NW)))
-    td = min(32, D // vec)
-    wd = min(NW, max(1, D // (vec * td)))
-    return gl.BlockedLayout([NW, 1, vec], [1, 32 // td, td], [1, NW // wd, wd], [2, 1, 0])
 
 
 @gluon.constexpr_function
@@ -904,7 +873,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
-                APAD: gl.constexpr, SLIM: gl.constexpr,
+                APAD: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
@@ -931,8 +900,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
     ``StepGeometry.kv_groups``); ``APAD``: the attention's warp partials summed through padded
-    shared-memory rows (``_att_sum_layout``); ``SLIM``: its q staged once and its sum reading the
-    group's rows alone (``StepGeometry.att_slim``). ``DE``: down's first input chunks that gate/up's rounds but the
+    shared-memory rows (``_att_sum_layout``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
@@ -1111,7 +1079,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                         pb = part_ptr + arow_c * (KVH * NSPLIT * G * (D + 2))
                         _attend(qx, qr, kx, kr, vn, kc_ptr, vc_ptr, koff, voff, cs, pb, bt_row, bnext, task, actx, aslot, kvs,
                                 k_sb, k_st, k_sh, v_sb, v_st, v_sh, QH, KVH, D, BS, SCALE, NSPLIT, KVS, NW, PW,
-                                prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA, APAD, SLIM)  # fmt: skip
+                                prof_ptr, layer, pid, NPROG, PROF, alo, wnd > 0, GEMMA, APAD)  # fmt: skip
                         _stamp(prof_ptr, layer, pid, 0, 1, ATT_PART, NPROG, PROF)  # its partial stored
                         _merge_splits(ab + A_ATT, pb, hctr_ptr + (layer * NB + arow_c) * KVH + task // NSPLIT,
                                       ctr_ptr + layer * NCTR + 1, epoch, task // NSPLIT, G, D, NSPLIT, NW)  # fmt: skip

@@ -121,6 +121,15 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # ``att_pad`` (session 40, runs 178-180): the attention task's warp partials summed through
 # shared-memory rows padded by 32 bytes, not plain ones, whose mma.sync stores took 4 times
 # their wavefronts (``pads_att_sum``); the default at width 1.
+# Runs 182-186 (H100, session 41, batch 1) timed ``att_slim`` and dropped it: the attention
+# task's q staged once for all warps (each warp's mma operand a broadcast of that copy, not a
+# copy a warp) and, at Llama's width 1, its warps' sum loading the group's G rows of 16 with the
+# new position's weight and v beside them (bit for bit the default: the GPU suite's plan cases).
+# A task took 0.3-0.6 µs less (medians at 1k: 8B 3.8 -> 3.3, FP8 3.8 -> 3.2, 1B 2.9 -> 2.6,
+# 27B 7.4 -> 7.0) and the step did not move: 8B 0.0-0.8 % slower (1.297-1.302 against
+# 1.303-1.308 ms at 1k), 1B 0.3-0.7 % faster, FP8 and 27B level, the layer's chain 161.8 against
+# 161.7 µs at 8B; the weights' stream, not the attention's fixed path, paces the step there.
+# Its sum's loads spilled 24-44 bytes at widths 2-4 and Gemma's width 1.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -131,7 +140,6 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "att_pad": (None, 0, 1),
-    "att_slim": (None, 0, 2),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
@@ -260,9 +268,6 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
-    att_slim: int | None = (
-        None  # the attention's q staged once (1), its sum of the group's rows alone (2); None: ``slims_attention``
-    )
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -550,22 +555,6 @@ class StepGeometry:
         return self.width <= ATT_PAD_MAX_WIDTH
 
     @property
-    def slims_attention(self) -> int:
-        """How little shared memory the attention task's fixed path moves (``step_kernel._attend``'s
-        ``SLIM``): from 1 its q is staged once for all warps, each warp's mma operand a broadcast
-        of that copy (not a copy a warp: 32 KiB of stores a task at D 128 down to 4); from 2 the sum
-        of the warps' partials loads only the group's G rows of 16 (a quarter at G 4) and its new
-        position's weights ride beside them. The plan's ``att_slim``, else 2 at width 1 without
-        Gemma, 1 at Gemma's and 0 above width 1. Compiled at sm_90: 2 spilled 24-44 bytes at
-        widths 2-4, FP8 width 8 and Gemma's width 1; 1 spilled 32 bytes beside the ``wide_tma``
-        and ``att_pad`` variants at widths 4-8, whose builds sit at 255 registers."""
-        if self.att_slim is not None:
-            return self.att_slim
-        if self.width > 1:
-            return 0
-        return 1 if self.gemma else 2
-
-    @property
     def kv_slots(self) -> int:
         """Slots of the attention's K/V ring (each a [8 warps, 16 kv_step, D] K tile and its V
         tile): 3 of 32 KiB at head_dim 64 and 2 of 64 KiB at 128 or with 32 positions a warp
@@ -668,7 +657,6 @@ class StepGeometry:
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
             "APAD": int(self.pads_att_sum),
-            "SLIM": self.slims_attention,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

@@ -70,17 +70,15 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
                                                    ("llama3-8b", 1, {"att_pad": 0}), ("llama3-1b", 2, {"att_pad": 1}),
-                                                   ("llama3-8b", 4, {"att_pad": 1}), ("llama3-8b", 1, {"att_slim": 0}),
-                                                   ("llama3-8b", 1, {"att_slim": 1}), ("llama3-8b", 2, {"att_slim": 1})])  # fmt: skip
+                                                   ("llama3-8b", 4, {"att_pad": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
     whole of gate/up at its start, staged and streamed; the attention's partials summed through
-    unpadded rows at width 1, padded ones at widths 2 and 4; its q staged a copy a warp and its
-    sum over all 16 rows, or q once and the sum over every row at width 1, q once at width 2) compile with 0 spills
-    too, the ring's slots in the shared memory as planned."""
+    unpadded rows at width 1, padded ones at widths 2 and 4) compile with 0 spills too, the ring's
+    slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
 
@@ -131,34 +129,6 @@ def test_attention_partials_padded_by_default_at_width_1_only(width, padded):
     assert (default != plain) == padded
 
 
-@pytest.mark.parametrize(
-    ("profile", "width", "level"), [("llama3-8b", 1, 2), ("llama3-1b", 1, 2), ("gemma3-27b", 1, 1)]
-)
-def test_attention_slimmed_by_default_as_far_as_it_compiles_without_spills(profile, width, level):
-    """``StepGeometry.slims_attention``: Llama's width 1 stages the attention's q once and sums
-    only the group's rows (level 2), Gemma's width 1 only the first (level 1: 2 spilled there):
-    each default build's PTX is that level's, not the level below's, with 0 spills. Width 2's
-    default is the plain build's (level 0: 1 spilled beside some variants at widths 4-8)."""
-    from monodecode.kernels.triton.offline import cuda_resources
-    from monodecode.kernels.triton.step_launch import compile_step
-
-    dims = profile_dims(profile)
-    default = compile_step(dims, width, H200_SMS, 16)
-    assert cuda_resources("step_kernel", width, 8, default).spills == 0
-    ptx = {v: compile_step(dims, width, H200_SMS, 16, {"att_slim": v}).asm["ptx"] for v in (level - 1, level)}
-    assert default.asm["ptx"] == ptx[level] != ptx[level - 1]
-
-
-def test_attention_not_slimmed_above_width_1():
-    from monodecode.kernels.triton.step_launch import compile_step
-
-    dims = profile_dims("llama3-8b")
-    assert (
-        compile_step(dims, 2, H200_SMS, 16).asm["ptx"]
-        == compile_step(dims, 2, H200_SMS, 16, {"att_slim": 0}).asm["ptx"]
-    )
-
-
 def test_bad_plans_are_refused_in_one_line():
     """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
     width's shared memory (a 4-slot ring beside 1B's whole down input at width 8) are one
@@ -167,18 +137,7 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    knobs = {
-        "ring",
-        "stream_down",
-        "wide_tma",
-        "kv_step",
-        "early_down",
-        "mma1",
-        "span",
-        "one_box",
-        "att_pad",
-        "att_slim",
-    }
+    knobs = {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box", "att_pad"}
     assert set(PLAN_KNOBS) == knobs
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
         StepGeometry(profile_dims("gemma3-27b"), 1, H200_SMS, mma1=1).check()
