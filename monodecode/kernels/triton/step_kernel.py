@@ -187,9 +187,11 @@ def _tma_box(wh_desc, wi_desc, wo_desc, s, coord, bar, box, ok, SPLIT_O: gl.cons
 
 
 @gluon.jit
-def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr):
+def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr, ONESUM: gl.constexpr = 0):
     """Width 1: stage row ``src`` (HIDDEN values) times the norm weight into ``xbuf`` (its BK
-    chunks, zero past HIDDEN); returns its rstd, which each output row's sum takes at the end."""
+    chunks, zero past HIDDEN); returns its rstd, which each output row's sum takes at the end.
+    ``ONESUM``: the squares summed per thread over the chunks, then once across the block (one
+    block-wide reduction and its barriers, not one a chunk)."""
     NX: gl.constexpr = (HIDDEN + BK - 1) // BK  # (staged chunks: a weight chunk may span WX of them)
     # every chunk asked for before the first is used: each chunk's block-wide sum and store put
     # barriers between its loads and the next chunk's, one L2 round trip a chunk in series
@@ -203,17 +205,24 @@ def _normed_input(xbuf, src, g_ptr, cf, HIDDEN: gl.constexpr, EPS: gl.constexpr)
         else:
             vs = vs + (gl.load(src + c * BK + cf, cache_modifier=".cg"),)
             gs = gs + (gl.load(g_ptr + c * BK + cf),)
+    sq = gl.zeros_like(cf, dtype=gl.float32)
     ss = 0.0
     for c in gl.static_range(NX):
         v = vs[c].to(gl.float32)
-        ss += gl.sum(v * v, axis=0)
+        if ONESUM:
+            sq += v * v
+        else:
+            ss += gl.sum(v * v, axis=0)
         xbuf.index(c).store((v * gs[c].to(gl.float32)).to(xbuf.dtype))
+    if ONESUM:
+        ss = gl.sum(sq, axis=0)
     return gl.rsqrt(ss / HIDDEN + EPS)
 
 
 @gluon.jit
 def _post_normed(xbuf, sums, res, rows, dst, cf, pid, health_ptr, code, live, HIDDEN: gl.constexpr,
-                 EPS: gl.constexpr, NPROG: gl.constexpr, STAGE: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
+                 EPS: gl.constexpr, NPROG: gl.constexpr, STAGE: gl.constexpr, CHECK: gl.constexpr,
+                 ONESUM: gl.constexpr = 0):  # fmt: skip
     """Gemma-3, width 1: the residual after a post norm, v = bf16(res + bf16(sums' RMSNorm x
     gp)), where ``sums`` are o_proj's or down's raw bf16 sums (fp32, HIDDEN values; the norm
     needs the whole row, so every program makes v) and ``res`` the residual they join. ``rows``:
@@ -221,7 +230,7 @@ def _post_normed(xbuf, sums, res, rows, dst, cf, pid, health_ptr, code, live, HI
     program's tiles' rows of v (16-row tiles ``pid``, ``pid + NPROG``, ..., the ones its own
     o_proj and down tasks own) go to ``dst``, with ``CHECK`` a non-finite one in a ``live`` row
     setting the health word (``code``). With ``STAGE``, v times g is staged into ``xbuf`` as
-    ``_normed_input`` does, and v's rstd returned (else 1.0)."""
+    ``_normed_input`` does, and v's rstd returned (else 1.0); ``ONESUM`` as there, for both norms."""
     NX: gl.constexpr = (HIDDEN + BK - 1) // BK
     ds = ()
     rs = ()
@@ -230,10 +239,17 @@ def _post_normed(xbuf, sums, res, rows, dst, cf, pid, health_ptr, code, live, HI
         ds = ds + (gl.load(sums + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
         rs = rs + (gl.load(res + e, mask=e < HIDDEN, other=0.0, cache_modifier=".cg"),)
     gps, gs = rows
+    sq = gl.zeros_like(cf, dtype=gl.float32)
     ss = 0.0
     for c in gl.static_range(NX):
-        ss += gl.sum(ds[c] * ds[c], axis=0)
+        if ONESUM:
+            sq += ds[c] * ds[c]
+        else:
+            ss += gl.sum(ds[c] * ds[c], axis=0)
+    if ONESUM:
+        ss = gl.sum(sq, axis=0)
     rd = gl.rsqrt(ss / HIDDEN + EPS)
+    sq = gl.zeros_like(cf, dtype=gl.float32)
     sv = 0.0
     for c in gl.static_range(NX):
         e = c * BK + cf
@@ -243,9 +259,14 @@ def _post_normed(xbuf, sums, res, rows, dst, cf, pid, health_ptr, code, live, HI
         if CHECK:
             _flag_nonfinite(v, health_ptr, code, mine, live)
         if STAGE:
-            sv += gl.sum(v * v, axis=0)
+            if ONESUM:
+                sq += v * v
+            else:
+                sv += gl.sum(v * v, axis=0)
             xbuf.index(c).store((v * gs[c]).to(xbuf.dtype))
     if STAGE:
+        if ONESUM:
+            sv = gl.sum(sq, axis=0)
         return gl.rsqrt(sv / HIDDEN + EPS)
     else:
         return 1.0
@@ -873,7 +894,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                 MMAV: gl.constexpr, TMA: gl.constexpr, BS: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr,
                 XMAX: gl.constexpr, XS: gl.constexpr, DSTREAM: gl.constexpr, A_G16: gl.constexpr, PW: gl.constexpr,
                 DE: gl.constexpr, FP8: gl.constexpr, LAYER_S: gl.constexpr, WX: gl.constexpr, ONEBOX: gl.constexpr,
-                APAD: gl.constexpr,
+                APAD: gl.constexpr, ONESUM: gl.constexpr,
                 QS: gl.constexpr, KH: gl.constexpr, GEMMA: gl.constexpr, A_O: gl.constexpr, A_DN: gl.constexpr,
                 PROF: gl.constexpr = 0,
                 NW: gl.constexpr = 8):  # fmt: skip
@@ -900,7 +921,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
     ``StepGeometry.kv_groups``); ``APAD``: the attention's warp partials summed through padded
-    shared-memory rows (``_att_sum_layout``). ``DE``: down's first input chunks that gate/up's rounds but the
+    shared-memory rows (``_att_sum_layout``). ``ONESUM``: width 1's norms sum their squares across
+    the block once, not once a chunk (``StepGeometry.one_sum``). ``DE``: down's first input chunks that gate/up's rounds but the
     last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
@@ -1040,10 +1062,10 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                             pa = act_ptr + (layer - 1) * (NB * LAYER_A)
                             rstd = _post_normed(xbuf, pa + A_DN, pa + A_H1, rows, h_in, cf, pid, health_ptr,
                                                 _code(NONFINITE, 2, glayer - 1), live1, HIDDEN, EPS, NPROG, True,
-                                                True)  # fmt: skip
+                                                True, ONESUM)  # fmt: skip
                         else:
                             gl.thread_barrier()
-                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, ONESUM)
                     else:
                         if layer > 0:
                             spin = _wait_for(ctr_ptr + (layer - 1) * NCTR + 4, target, spin, health_ptr,
@@ -1053,7 +1075,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                             rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
                                                HIDDEN, EPS, NW)  # fmt: skip
                         else:
-                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                            rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, ONESUM)
                 elif s == 1:
                     koff = gl.multiple_of(gl.load(koff_ptr + glayer), 16)
                     voff = gl.multiple_of(gl.load(voff_ptr + glayer), 16)
@@ -1101,12 +1123,12 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                     gl.thread_barrier()
                     if GEMMA:
                         rstd = _post_normed(xbuf, act + A_O, h_in, rows, act + A_H1, cf, pid, health_ptr, 0, live1,
-                                            HIDDEN, EPS, NPROG, True, False)  # fmt: skip
+                                            HIDDEN, EPS, NPROG, True, False, ONESUM)  # fmt: skip
                     elif MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
                                            NB, True, HIDDEN, EPS, NW)  # fmt: skip
                     else:
-                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS)
+                        rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, ONESUM)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)
                     spin = _wait_for(ctr_ptr + layer * NCTR + DOWN_CTR, target, spin, health_ptr,
                                      _code(WAIT_TIMEOUT, 2, glayer))  # fmt: skip
@@ -1236,7 +1258,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                          _code(WAIT_TIMEOUT, 2, first + nlayers - 1))  # fmt: skip
         pa = act_ptr + (nlayers - 1) * (NB * LAYER_A)
         _post_normed(xbuf, pa + A_DN, pa + A_H1, rows, out_ptr, cf, pid, health_ptr,
-                     _code(NONFINITE, 2, first + nlayers - 1), live1, HIDDEN, EPS, NPROG, False, True)  # fmt: skip
+                     _code(NONFINITE, 2, first + nlayers - 1), live1, HIDDEN, EPS, NPROG, False, True, ONESUM)  # fmt: skip
     async_copy.wait_group(0)
     if TMA:  # every chunk's phase was waited for in the loop: none is in flight
         for b in gl.static_range(NBUF):

@@ -130,6 +130,15 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # 1.303-1.308 ms at 1k), 1B 0.3-0.7 % faster, FP8 and 27B level, the layer's chain 161.8 against
 # 161.7 µs at 8B; the weights' stream, not the attention's fixed path, paces the step there.
 # Its sum's loads spilled 24-44 bytes at widths 2-4 and Gemma's width 1.
+# ``one_sum`` (session 41, UNTIMED: built after the session's device time was spent): width 1's
+# norms (the input norms; Gemma's post norms and the norms after them) add their squares per
+# thread over a row's chunks and reduce across the block once, where the default reduces each
+# chunk across the block (a block-wide sum is two ``bar.sync``s and a shared-memory round trip,
+# in series on every stage's hand-off). At sm_90 it takes the kernel's ``bar.sync``s from 109 to
+# 97 (8B) and 207 to 130 (27B), its registers from 243 to 237 and 254 to 240, and 27B's
+# timeline build's spills from 32 bytes to 0. A different order of the same fp32 sums, so a sum
+# knob, held to the reference's tolerance (``test_step_gpu``'s one_sum cases, not yet run).
+# Off by default until a run times it beside the default (benchmarks/README.md, next commands).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -140,10 +149,12 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "att_pad": (None, 0, 1),
+    "one_sum": (0, 0, 1),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
-# tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step)
-SUM_KNOBS = frozenset({"kv_step"})
+# tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step; ``one_sum``:
+# the order width 1's norms add their squares in)
+SUM_KNOBS = frozenset({"kv_step", "one_sum"})
 ATT_PAD_MAX_WIDTH = 1  # the widest build whose attention partials go through padded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -268,6 +279,7 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
+    one_sum: int = 0  # width 1's norms: the squares summed across the block once, not a chunk at a time (untimed)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property
@@ -657,6 +669,7 @@ class StepGeometry:
             "WX": self.chunk_span,
             "ONEBOX": int(self.tma and self.box_parts > 1),
             "APAD": int(self.pads_att_sum),
+            "ONESUM": self.one_sum,
             "NB": self.width,
             "MMAV": int(self.mma),
             "TMA": int(self.tma),

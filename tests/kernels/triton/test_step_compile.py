@@ -70,14 +70,16 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
                                                    ("llama3-8b", 1, {"att_pad": 0}), ("llama3-1b", 2, {"att_pad": 1}),
-                                                   ("llama3-8b", 4, {"att_pad": 1})])  # fmt: skip
+                                                   ("llama3-8b", 4, {"att_pad": 1}), ("llama3-8b", 1, {"one_sum": 1}),
+                                                   ("llama3-1b", 1, {"one_sum": 1}), ("gemma3-27b", 1, {"one_sum": 1})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
     3-slot one by TMA at width 8, 1B's attention stepping 16 positions a warp at width 8, not its
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
     whole of gate/up at its start, staged and streamed; the attention's partials summed through
-    unpadded rows at width 1, padded ones at widths 2 and 4) compile with 0 spills too, the ring's
+    unpadded rows at width 1, padded ones at widths 2 and 4; width 1's norms summing their
+    squares across the block once) compile with 0 spills too, the ring's
     slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
@@ -129,6 +131,20 @@ def test_attention_partials_padded_by_default_at_width_1_only(width, padded):
     assert (default != plain) == padded
 
 
+def test_norms_summed_once_take_fewer_barriers():
+    """``one_sum``: width 1's norms reduce their squares across the block once a row, not once a
+    1024-column chunk, so 8B's build (4 chunks a row, 3 norms staged) has fewer ``bar.sync``s;
+    width 8's norms do not take the knob (the same PTX)."""
+    from monodecode.kernels.triton.step_launch import compile_step
+
+    dims = profile_dims("llama3-8b")
+    default = compile_step(dims, 1, H200_SMS, 16).asm["ptx"].count("bar.sync")
+    once = compile_step(dims, 1, H200_SMS, 16, {"one_sum": 1}).asm["ptx"].count("bar.sync")
+    assert once < default, (once, default)
+    wide = [compile_step(dims, 8, H200_SMS, 16, p).asm["ptx"] for p in ({}, {"one_sum": 1})]
+    assert wide[0] == wide[1]
+
+
 def test_bad_plans_are_refused_in_one_line():
     """An unknown knob, a value out of range or of the wrong type, and a plan that does not fit a
     width's shared memory (a 4-slot ring beside 1B's whole down input at width 8) are one
@@ -137,7 +153,18 @@ def test_bad_plans_are_refused_in_one_line():
     from monodecode.kernels.triton.step_plan import PLAN_KNOBS, checked_plan
 
     assert checked_plan(None) == {} and checked_plan({"ring": 4}) == {"ring": 4}
-    knobs = {"ring", "stream_down", "wide_tma", "kv_step", "early_down", "mma1", "span", "one_box", "att_pad"}
+    knobs = {
+        "ring",
+        "stream_down",
+        "wide_tma",
+        "kv_step",
+        "early_down",
+        "mma1",
+        "span",
+        "one_box",
+        "att_pad",
+        "one_sum",
+    }
     assert set(PLAN_KNOBS) == knobs
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
         StepGeometry(profile_dims("gemma3-27b"), 1, H200_SMS, mma1=1).check()

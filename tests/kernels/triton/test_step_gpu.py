@@ -355,6 +355,20 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
 
 
 @pytest.mark.parametrize(
+    "build",
+    [("llama3-1b", (1,), 2, 2.0, {"one_sum": 1}), ("llama3-8b", (1,), 2, 2.0, {"one_sum": 1}),
+     ("llama3-8b", (1,), 2, 2.0, {"one_sum": 1}, "fp8"), ("gemma3-27b-sf", (1,), 2, 2.0, {"one_sum": 1})],
+    ids=["1b", "8b", "8b-fp8", "gemma-27b"],
+)  # fmt: skip
+def test_norms_summing_their_squares_once_match_the_reference(build):
+    """``one_sum`` (``step_plan.PLAN_KNOBS``: width 1's norms, Gemma's post norms too, add their
+    squares per thread over the chunks and reduce across the block once, a different order of
+    the same fp32 sum): per layer and as one launch within the bounds."""
+    _layer_by_layer(build, CONTEXTS["w1"], seed=150, what=f"{build[0]} one_sum w1")
+    _whole_step(build, CONTEXTS["w1"], seed=160, what=f"{build[0]} one_sum w1 step")
+
+
+@pytest.mark.parametrize(
     ("build", "case"),
     [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows"), (G27, "w1")],
     ids=["1b-w1", "1b-w4-3rows", "1b-w8", "8b-fp8-w1", "8b-fp8-w8-5rows", "gemma-27b-w1"],
