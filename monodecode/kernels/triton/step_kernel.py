@@ -922,8 +922,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
     ``StepGeometry.kv_groups``); ``APAD``: the attention's warp partials summed through padded
     shared-memory rows (``_att_sum_layout``). ``ONESUM``: width 1's norms sum their squares across
-    the block once, not once a chunk (``StepGeometry.one_sum``). ``DE``: down's first input chunks that gate/up's rounds but the
-    last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
+    the block once, not once a chunk (``StepGeometry.one_sum``). ``DE``: down's first input chunks
+    that gate/up's rounds but the last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
     (QKV, attention) and K2's (o_proj, gate/up, down) would be: entry (before the wait), the input
