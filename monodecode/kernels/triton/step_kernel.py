@@ -281,12 +281,13 @@ def _stage_layout(NW):
 @gluon.jit
 def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr, NB: gl.constexpr,
                 NORM: gl.constexpr, HIDDEN: gl.constexpr, EPS: gl.constexpr, NW: gl.constexpr,
-                C0: gl.constexpr = 0, C1: gl.constexpr = -1, GRP: gl.constexpr = 4):  # fmt: skip
+                C0: gl.constexpr = 0, C1: gl.constexpr = -1, GRP: gl.constexpr = 4, ONESUM: gl.constexpr = 0):  # fmt: skip
     """Widths 2-8: the ``NB`` rows ``src + b * stride`` (``NCH`` chunks of BK) into ``xbuf``'s last
     ``NCH`` chunks as mma's X operand ([NW column blocks, NPAD rows, BK // NW], rows past ``NB``
     zero), times the norm weight when ``NORM``. Returns the rows' rstd ([NPAD]; 1 without ``NORM``).
     ``C0``/``C1``: only chunks ``C0 .. C1 - 1`` (without ``NORM``; -1: to the last). ``GRP``: the
-    chunks asked for at once (``_normed_input``'s reason; each holds 32 registers a thread)."""
+    chunks asked for at once (``_normed_input``'s reason; each holds 32 registers a thread).
+    ``ONESUM``: the squares summed per warp over the chunks, then across the warps once."""
     KW: gl.constexpr = BK // NW
     CE: gl.constexpr = NCH if C1 < 0 else C1
     st: gl.constexpr = _stage_layout(NW)
@@ -294,6 +295,7 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
     b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NPAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, st))), 0), 2)
     k3 = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(0, st))), 0), 0)
     ss = gl.zeros([NPAD], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, st)))
+    sq = gl.zeros([NW, NPAD], gl.float32, gl.SliceLayout(2, st))
     for c0 in gl.static_range(C0, CE, GRP):
         vs = ()
         gs = ()
@@ -308,10 +310,15 @@ def _stage_rows(xbuf, src, stride, g_ptr, NCH: gl.constexpr, XMAX: gl.constexpr,
             if c < CE:
                 v = vs[c - c0].to(gl.float32)
                 if NORM:
-                    ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
+                    if ONESUM:
+                        sq += gl.sum(v * v, axis=2)
+                    else:
+                        ss += gl.sum(gl.sum(v * v, axis=2), axis=0)
                     v = v * gs[c - c0].to(gl.float32)
                 xbuf.index(XMAX - NCH + c).store(v.to(xbuf.dtype))
     if NORM:
+        if ONESUM:
+            ss = gl.sum(sq, axis=0)
         return gl.rsqrt(ss / HIDDEN + EPS)
     else:
         return ss + 1.0
@@ -921,8 +928,8 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
     down's input streams through ``XS`` X slots (chunks 1 ..) from ``act``'s bf16 copy at ``A_G16``
     (``StepGeometry.streams_down``). ``PW``: positions a warp's attention step reads (16 or 32,
     ``StepGeometry.kv_groups``); ``APAD``: the attention's warp partials summed through padded
-    shared-memory rows (``_att_sum_layout``). ``ONESUM``: width 1's norms sum their squares across
-    the block once, not once a chunk (``StepGeometry.one_sum``). ``DE``: down's first input chunks
+    shared-memory rows (``_att_sum_layout``). ``ONESUM``: the norms sum their squares across the
+    block once a row, not once a chunk (``StepGeometry.one_sum``). ``DE``: down's first input chunks
     that gate/up's rounds but the last produce (``StepGeometry.down_early_chunks``; 0: none): down starts on them once every
     program counts those rounds, and waits for the whole of gate/up only where its first task
     reaches chunk ``DE``. ``PROF``: each program stamps its stages into ``prof`` where K1's
@@ -1073,7 +1080,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                         gl.thread_barrier()
                         if MMAV:
                             rstd = _stage_rows(xbuf, h_in, HIDDEN, gin_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX, NB, True,
-                                               HIDDEN, EPS, NW)  # fmt: skip
+                                               HIDDEN, EPS, NW, ONESUM=ONESUM)  # fmt: skip
                         else:
                             rstd = _normed_input(xbuf, h_in, gin_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, ONESUM)
                 elif s == 1:
@@ -1126,7 +1133,7 @@ def step_kernel(w_ptr, wh_desc, wi_desc, wo_desc, ws_ptr, gin_ptr, gpost_ptr, gp
                                             HIDDEN, EPS, NPROG, True, False, ONESUM)  # fmt: skip
                     elif MMAV:
                         rstd = _stage_rows(xbuf, act + A_H1, LAYER_A, gpost_ptr + glayer * HIDDEN, HIDDEN // BK, XMAX,
-                                           NB, True, HIDDEN, EPS, NW)  # fmt: skip
+                                           NB, True, HIDDEN, EPS, NW, ONESUM=ONESUM)  # fmt: skip
                     else:
                         rstd = _normed_input(xbuf, act + A_H1, gpost_ptr + glayer * HIDDEN, cf, HIDDEN, EPS, ONESUM)
                 else:  # (with DE, for the first DE chunks: gate/up's rounds but its last)

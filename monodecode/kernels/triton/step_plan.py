@@ -130,15 +130,17 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # 1.303-1.308 ms at 1k), 1B 0.3-0.7 % faster, FP8 and 27B level, the layer's chain 161.8 against
 # 161.7 µs at 8B; the weights' stream, not the attention's fixed path, paces the step there.
 # Its sum's loads spilled 24-44 bytes at widths 2-4 and Gemma's width 1.
-# ``one_sum`` (session 41, UNTIMED: built after the session's device time was spent): width 1's
-# norms (the input norms; Gemma's post norms and the norms after them) add their squares per
-# thread over a row's chunks and reduce across the block once, where the default reduces each
-# chunk across the block (a block-wide sum is two ``bar.sync``s and a shared-memory round trip,
-# in series on every stage's hand-off). At sm_90 it takes the kernel's ``bar.sync``s from 109 to
-# 97 (8B) and 207 to 130 (27B), its registers from 243 to 237 and 254 to 240, and 27B's
-# timeline build's spills from 32 bytes to 0. A different order of the same fp32 sums, so a sum
-# knob, held to the reference's tolerance (``test_step_gpu``'s one_sum cases, not yet run).
-# Off by default until a run times it beside the default (benchmarks/README.md, next commands).
+# ``one_sum`` (session 41, UNTIMED: built after the session's device time was spent): every
+# norm the step stages (the input norms at every width; Gemma's post norms and the norms after
+# them) adds its squares per thread over a row's chunks and reduces across the block once, where
+# the default reduces each 1024-column chunk across the block (a block-wide sum is two
+# ``bar.sync``s and a shared-memory round trip, in series on every stage's hand-off). At sm_90
+# it takes the kernel's ``bar.sync``s from 109 to 97 (8B width 1), 95 to 83 (8B widths 2-8) and
+# 207 to 130 (27B), width 1's registers from 243 to 237 (8B) and 254 to 240 (27B), and the
+# spills of the timeline builds of 27B (32 bytes) and FP8 8B at widths 2 and 8 (16, 8) to 0.
+# A different order of the same fp32 sums, so a sum knob, held to the reference's tolerance
+# (``test_step_gpu``'s one_sum cases, not yet run). Off by default until a run times it beside
+# the default (benchmarks/README.md, next commands).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -153,7 +155,7 @@ PLAN_KNOBS = {
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step; ``one_sum``:
-# the order width 1's norms add their squares in)
+# the order the norms add their squares in)
 SUM_KNOBS = frozenset({"kv_step", "one_sum"})
 ATT_PAD_MAX_WIDTH = 1  # the widest build whose attention partials go through padded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
@@ -279,7 +281,7 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
-    one_sum: int = 0  # width 1's norms: the squares summed across the block once, not a chunk at a time (untimed)
+    one_sum: int = 0  # the norms: their squares summed across the block once a row, not once a chunk (untimed)
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property

@@ -354,18 +354,24 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
     torch.cuda.empty_cache()
 
 
+ONE_SUM = {"one_sum": 1}
+
+
 @pytest.mark.parametrize(
-    "build",
-    [("llama3-1b", (1,), 2, 2.0, {"one_sum": 1}), ("llama3-8b", (1,), 2, 2.0, {"one_sum": 1}),
-     ("llama3-8b", (1,), 2, 2.0, {"one_sum": 1}, "fp8"), ("gemma3-27b-sf", (1,), 2, 2.0, {"one_sum": 1})],
-    ids=["1b", "8b", "8b-fp8", "gemma-27b"],
+    ("build", "case"),
+    [(("llama3-1b", (1, 8), 2, 2.0, ONE_SUM), "w1"), (("llama3-1b", (1, 8), 2, 2.0, ONE_SUM), "w8"),
+     (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w1"), (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w2"),
+     (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w8-5rows"), (("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8"), "w1"),
+     (("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8"), "w8-5rows"), (("gemma3-27b-sf", (1,), 2, 2.0, ONE_SUM), "w1")],
+    ids=["1b-w1", "1b-w8", "8b-w1", "8b-w2", "8b-w8-5rows", "8b-fp8-w1", "8b-fp8-w8-5rows", "gemma-27b-w1"],
 )  # fmt: skip
-def test_norms_summing_their_squares_once_match_the_reference(build):
-    """``one_sum`` (``step_plan.PLAN_KNOBS``: width 1's norms, Gemma's post norms too, add their
-    squares per thread over the chunks and reduce across the block once, a different order of
-    the same fp32 sum): per layer and as one launch within the bounds."""
-    _layer_by_layer(build, CONTEXTS["w1"], seed=150, what=f"{build[0]} one_sum w1")
-    _whole_step(build, CONTEXTS["w1"], seed=160, what=f"{build[0]} one_sum w1 step")
+def test_norms_summing_their_squares_once_match_the_reference(build, case):
+    """``one_sum`` (``step_plan.PLAN_KNOBS``: every staged norm, Gemma's post norms too, adds its
+    squares over the row's chunks and reduces across the block once, a different order of the
+    same fp32 sum): per layer and as one launch within the bounds, at widths 1, 2 and 8."""
+    what = f"{build[0]} {build[-1] if len(build) > 5 else 'bf16'} one_sum {case}"
+    _layer_by_layer(build, CONTEXTS[case], seed=150, what=what)
+    _whole_step(build, CONTEXTS[case], seed=160, what=f"{what} step")
 
 
 @pytest.mark.parametrize(
