@@ -354,15 +354,18 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
     torch.cuda.empty_cache()
 
 
+# the ``one_sum`` builds: 1B at widths 1 and 8, 8B at 1, 2 and 8, FP8 8B at 1 and 8, 27B at 1
 ONE_SUM = {"one_sum": 1}
+B1S = ("llama3-1b", (1, 8), 2, 2.0, ONE_SUM)
+B8S = ("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM)
+B8FS = ("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8")
+G27S = ("gemma3-27b-sf", (1,), 2, 2.0, ONE_SUM)
 
 
 @pytest.mark.parametrize(
     ("build", "case"),
-    [(("llama3-1b", (1, 8), 2, 2.0, ONE_SUM), "w1"), (("llama3-1b", (1, 8), 2, 2.0, ONE_SUM), "w8"),
-     (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w1"), (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w2"),
-     (("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM), "w8-5rows"), (("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8"), "w1"),
-     (("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8"), "w8-5rows"), (("gemma3-27b-sf", (1,), 2, 2.0, ONE_SUM), "w1")],
+    [(B1S, "w1"), (B1S, "w8"), (B8S, "w1"), (B8S, "w2"), (B8S, "w8-5rows"), (B8FS, "w1"), (B8FS, "w8-5rows"),
+     (G27S, "w1")],
     ids=["1b-w1", "1b-w8", "8b-w1", "8b-w2", "8b-w8-5rows", "8b-fp8-w1", "8b-fp8-w8-5rows", "gemma-27b-w1"],
 )  # fmt: skip
 def test_norms_summing_their_squares_once_match_the_reference(build, case):
