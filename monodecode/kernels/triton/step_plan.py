@@ -130,17 +130,19 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # 1.303-1.308 ms at 1k), 1B 0.3-0.7 % faster, FP8 and 27B level, the layer's chain 161.8 against
 # 161.7 µs at 8B; the weights' stream, not the attention's fixed path, paces the step there.
 # Its sum's loads spilled 24-44 bytes at widths 2-4 and Gemma's width 1.
-# ``one_sum`` (session 41, UNTIMED: built after the session's device time was spent): every
-# norm the step stages (the input norms at every width; Gemma's post norms and the norms after
-# them) adds its squares per thread over a row's chunks and reduces across the block once, where
-# the default reduces each 1024-column chunk across the block (a block-wide sum is two
-# ``bar.sync``s and a shared-memory round trip, in series on every stage's hand-off). At sm_90
-# it takes the kernel's ``bar.sync``s from 109 to 97 (8B width 1), 95 to 83 (8B widths 2-8) and
-# 207 to 130 (27B), width 1's registers from 243 to 237 (8B) and 254 to 240 (27B), and the
-# spills of the timeline builds of 27B (32 bytes) and FP8 8B at widths 2 and 8 (16, 8) to 0.
-# A different order of the same fp32 sums, so a sum knob, held to the reference's tolerance
-# (``test_step_gpu``'s one_sum cases, not yet run). Off by default until a run times it beside
-# the default (benchmarks/README.md, next commands).
+# ``one_sum`` (session 41; the default since session 42's runs 187-191): every norm the step
+# stages (the input norms at every width; Gemma's post norms and the norms after them) adds its
+# squares per thread over a row's chunks and reduces across the block once; 0 reduces each
+# 1024-column chunk across the block (a block-wide sum is two ``bar.sync``s and a shared-memory
+# round trip, in series on every stage's hand-off). At sm_90 it takes the kernel's ``bar.sync``s
+# from 109 to 97 (8B width 1), 95 to 83 (8B widths 2-8) and 207 to 130 (27B), width 1's registers
+# from 243 to 237 (8B) and 254 to 240 (27B), and the spills of the timeline builds of 27B (32
+# bytes) and FP8 8B at widths 2 and 8 (16, 8) to 0. Timed beside 0 on one H100 (runs 187-191,
+# every profile, batches 1-8, 1k-32k): never slower beyond 0.2 %, 0-2.1 % faster (FP8 1k x 8
+# 1.083 against 1.106 ms, 8B 1k x 8 1.41 against 1.43, 27B 1k x 1 2.341-2.344 against
+# 2.358-2.360, 8B 1k x 1 1.289 against 1.287); the hand-offs of a layer's chain 7.5 -> 5.7 µs
+# at 27B, 5.5 -> 4.3 at 8B x 8. A different order of the same fp32 sums, so a sum knob: 0 is
+# held to the reference's tolerance (``test_step_gpu``'s chunk-by-chunk cases).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -151,7 +153,7 @@ PLAN_KNOBS = {
     "span": (None, 1, 2),
     "one_box": (1, 0, 1),
     "att_pad": (None, 0, 1),
-    "one_sum": (0, 0, 1),
+    "one_sum": (1, 0, 1),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step; ``one_sum``:
@@ -281,7 +283,7 @@ class StepGeometry:
     span: int | None = None  # a weight chunk's 1024-column parts; None: by dtype (``chunk_span``)
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
-    one_sum: int = 0  # the norms: their squares summed across the block once a row, not once a chunk (untimed)
+    one_sum: int = 1  # the norms: their squares summed across the block once a row, not once a chunk
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
 
     @property

@@ -70,9 +70,9 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 1, {"early_down": 0}), ("llama3-1b", 8, {"early_down": 0}),
                                                    ("llama3-1b", 8, {"stream_down": 0, "early_down": 0}),
                                                    ("llama3-8b", 1, {"att_pad": 0}), ("llama3-1b", 2, {"att_pad": 1}),
-                                                   ("llama3-8b", 4, {"att_pad": 1}), ("llama3-8b", 1, {"one_sum": 1}),
-                                                   ("llama3-1b", 1, {"one_sum": 1}), ("gemma3-27b", 1, {"one_sum": 1}),
-                                                   ("llama3-8b", 8, {"one_sum": 1}), ("llama3-1b", 8, {"one_sum": 1})])  # fmt: skip
+                                                   ("llama3-8b", 4, {"att_pad": 1}), ("llama3-8b", 1, {"one_sum": 0}),
+                                                   ("llama3-1b", 1, {"one_sum": 0}), ("gemma3-27b", 1, {"one_sum": 0}),
+                                                   ("llama3-8b", 8, {"one_sum": 0}), ("llama3-1b", 8, {"one_sum": 0})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -80,7 +80,7 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
     whole of gate/up at its start, staged and streamed; the attention's partials summed through
     unpadded rows at width 1, padded ones at widths 2 and 4; the norms summing their squares
-    across the block once a row) compile with 0 spills too, the ring's
+    across the block once a chunk, not the default's once a row) compile with 0 spills too, the ring's
     slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
@@ -133,15 +133,15 @@ def test_attention_partials_padded_by_default_at_width_1_only(width, padded):
 
 
 def test_norms_summed_once_take_fewer_barriers():
-    """``one_sum``: the norms reduce their squares across the block once a row, not once a
-    1024-column chunk, so 8B's builds (4 chunks a row) have fewer ``bar.sync``s at width 1 (FMA
-    staging) and at width 8 (mma's staged rows)."""
+    """``one_sum`` (the default): the norms reduce their squares across the block once a row,
+    not once a 1024-column chunk (``one_sum`` 0), so 8B's builds (4 chunks a row) have fewer
+    ``bar.sync``s at width 1 (FMA staging) and at width 8 (mma's staged rows)."""
     from monodecode.kernels.triton.step_launch import compile_step
 
     dims = profile_dims("llama3-8b")
     for width in (1, 8):
         default, once = (
-            compile_step(dims, width, H200_SMS, 16, p).asm["ptx"].count("bar.sync") for p in ({}, {"one_sum": 1})
+            compile_step(dims, width, H200_SMS, 16, p).asm["ptx"].count("bar.sync") for p in ({"one_sum": 0}, {})
         )
         assert once < default, (width, once, default)
 

@@ -354,8 +354,9 @@ def test_attention_stepping_32_positions_a_warp_matches_the_reference(case):
     torch.cuda.empty_cache()
 
 
-# the ``one_sum`` builds: 1B at widths 1 and 8, 8B at 1, 2 and 8, FP8 8B at 1 and 8, 27B at 1
-ONE_SUM = {"one_sum": 1}
+# the ``one_sum`` 0 builds (the norms summed chunk by chunk): 1B at widths 1 and 8, 8B at 1, 2
+# and 8, FP8 8B at 1 and 8, 27B at 1
+ONE_SUM = {"one_sum": 0}
 B1S = ("llama3-1b", (1, 8), 2, 2.0, ONE_SUM)
 B8S = ("llama3-8b", (1, 2, 8), 2, 2.0, ONE_SUM)
 B8FS = ("llama3-8b", (1, 8), 2, 2.0, ONE_SUM, "fp8")
@@ -368,11 +369,12 @@ G27S = ("gemma3-27b-sf", (1,), 2, 2.0, ONE_SUM)
      (G27S, "w1")],
     ids=["1b-w1", "1b-w8", "8b-w1", "8b-w2", "8b-w8-5rows", "8b-fp8-w1", "8b-fp8-w8-5rows", "gemma-27b-w1"],
 )  # fmt: skip
-def test_norms_summing_their_squares_once_match_the_reference(build, case):
-    """``one_sum`` (``step_plan.PLAN_KNOBS``: every staged norm, Gemma's post norms too, adds its
-    squares over the row's chunks and reduces across the block once, a different order of the
-    same fp32 sum): per layer and as one launch within the bounds, at widths 1, 2 and 8."""
-    what = f"{build[0]} {build[-1] if len(build) > 5 else 'bf16'} one_sum {case}"
+def test_norms_summed_chunk_by_chunk_match_the_reference(build, case):
+    """``one_sum`` 0 (``step_plan.PLAN_KNOBS``: every staged norm, Gemma's post norms too,
+    reduces each chunk's squares across the block, where the default adds them over the row's
+    chunks and reduces once: a different order of the same fp32 sum): per layer and as one
+    launch within the bounds, at widths 1, 2 and 8."""
+    what = f"{build[0]} {build[-1] if len(build) > 5 else 'bf16'} one_sum 0 {case}"
     _layer_by_layer(build, CONTEXTS[case], seed=150, what=what)
     _whole_step(build, CONTEXTS[case], seed=160, what=f"{what} step")
 
