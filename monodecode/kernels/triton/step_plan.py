@@ -138,10 +138,11 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # from 109 to 97 (8B width 1), 95 to 83 (8B widths 2-8) and 207 to 130 (27B), width 1's registers
 # from 243 to 237 (8B) and 254 to 240 (27B), and the spills of the timeline builds of 27B (32
 # bytes) and FP8 8B at widths 2 and 8 (16, 8) to 0. Timed beside 0 on one H100 (runs 187-191,
-# every profile, batches 1-8, 1k-32k): never slower beyond 0.2 %, 0-2.1 % faster (FP8 1k x 8
-# 1.083 against 1.106 ms, 8B 1k x 8 1.41 against 1.43, 27B 1k x 1 2.341-2.344 against
-# 2.358-2.360, 8B 1k x 1 1.289 against 1.287); the hand-offs of a layer's chain 7.5 -> 5.7 µs
-# at 27B, 5.5 -> 4.3 at 8B x 8. A different order of the same fp32 sums, so a sum knob: 0 is
+# every profile, batches 1-8, 1k-32k): 0.1-2.3 % faster in 31 of 35 cells (FP8 1k x 8 1.083
+# against 1.106 ms, 8B 1k x 8 1.414 against 1.428, 27B 1k x 1 2.341-2.344 against
+# 2.358-2.360), 0.2-0.9 % slower in 4 (8B 1k x 1 1.297 against 1.285 and 1.289 against 1.287;
+# FP8 1k x 1 once of two draws, 1k x 2); the hand-offs of a layer's chain 7.5 -> 5.7 µs at 27B,
+# 5.5 -> 4.3 at 8B x 8. A different order of the same fp32 sums, so a sum knob: 0 is
 # held to the reference's tolerance (``test_step_gpu``'s chunk-by-chunk cases).
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
