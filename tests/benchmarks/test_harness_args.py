@@ -53,12 +53,12 @@ def test_bad_arguments_are_one_line(tmp_path, profiles, fp8, batches, contexts, 
         (["--step-variants", '{"-x": {}}'], "error: step variant '-x': a name is letters"),
         (
             ["--step-variants", '{"x": 4}'],
-            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box, att_pad, one_sum)",
+            "error: step variant 'x': expected an object of step launch plan knobs (ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box, att_pad, one_sum, grid)",
         ),
         (["--step-variants", '{"x": {"nbuf": 4}}'], "error: step variant 'x': step launch plan: unknown knob 'nbuf'"),
         (
             ["--step-variants", '{"x": {"pf": 8}}'],
-            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box, att_pad, one_sum)",
+            "error: step variant 'x': step launch plan: unknown knob 'pf' (known: ring, stream_down, wide_tma, kv_step, early_down, mma1, span, one_box, att_pad, one_sum, grid)",
         ),
         (
             ["--step-variants", '{"x": {"ring": 1}}'],

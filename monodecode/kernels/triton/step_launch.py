@@ -179,7 +179,7 @@ class StepKernels(PaddedKernels):
         self.prof = torch.zeros(1, dtype=torch.int64, device=self.device)  # stamps only with enable_timeline
         self._prof_layers = 0
         self.spin_limit = min(2**31 - 1, max(1000, int(req.wait_timeout_s / _POLL_SECONDS)))
-        self.programs = num_programs
+        self.programs = next(iter(self.geometry.values())).programs  # the plan's ``grid``, else one an SM
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._kv_key: tuple | None = None
         self._kv_offsets: tuple[torch.Tensor, torch.Tensor] | None = None

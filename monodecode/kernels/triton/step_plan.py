@@ -144,6 +144,13 @@ WEIGHT_DTYPES = {"bf16": 2, "fp8": 1}  # the weights the step launch streams -> 
 # FP8 1k x 1 once of two draws, 1k x 2); the hand-offs of a layer's chain 7.5 -> 5.7 µs at 27B,
 # 5.5 -> 4.3 at 8B x 8. A different order of the same fp32 sums, so a sum knob: 0 is
 # held to the reference's tolerance (``test_step_gpu``'s chunk-by-chunk cases).
+# ``grid`` (session 42, UNTIMED): the programs launched, where fewer than the SMs (default: one
+# an SM). On 132 SMs no stage of 8B divides evenly (QKV's 384 tiles, o_proj's and down's 256,
+# gate/up's 1792: 3.1 % more chunks on the busiest program than the mean, ``busiest_program_share``);
+# on 128 every stage does, with the same chunks on the busiest program. Whether the step gains
+# depends on whether 4 fewer SMs still draw HBM's rate: each program keeps only its ring's slots
+# in flight, and a stage ends with its busiest programs' tails. It changes the attention's splits
+# where they depend on the programs, so a sum knob.
 PLAN_KNOBS = {
     "ring": (None, 2, 8),
     "stream_down": (1, 0, 1),
@@ -155,11 +162,12 @@ PLAN_KNOBS = {
     "one_box": (1, 0, 1),
     "att_pad": (None, 0, 1),
     "one_sum": (1, 0, 1),
+    "grid": (None, 32, 1024),
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step; ``one_sum``:
 # the order the norms add their squares in)
-SUM_KNOBS = frozenset({"kv_step", "one_sum"})
+SUM_KNOBS = frozenset({"kv_step", "one_sum", "grid"})
 ATT_PAD_MAX_WIDTH = 1  # the widest build whose attention partials go through padded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
 MIN_SPLIT = 128  # positions a context split holds at least: shorter splits cost more merging than they save
@@ -285,7 +293,13 @@ class StepGeometry:
     one_box: int = 1  # width 1's TMA asks for a chunk in one box, not a box a part (``box_parts``)
     att_pad: int | None = None  # warp partials summed through padded rows; None: by width (``pads_att_sum``)
     one_sum: int = 1  # the norms: their squares summed across the block once a row, not once a chunk
+    grid: int | None = None  # programs launched where fewer than ``programs`` (the SMs); None: one an SM
     weight_dtype: str = "bf16"  # ``WEIGHT_DTYPES``: fp8 streams e4m3fn weights, each row's sum times its scale
+
+    def __post_init__(self) -> None:
+        # every count of the plan (tiles a program, splits, NPROG) is of the programs launched
+        if self.grid is not None and self.grid < self.programs:
+            object.__setattr__(self, "programs", self.grid)
 
     @property
     def weight_bytes(self) -> int:

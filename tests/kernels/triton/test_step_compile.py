@@ -72,7 +72,8 @@ def test_step_kernel_compiles_for_sm90_without_spills(profile, width, weight_dty
                                                    ("llama3-8b", 1, {"att_pad": 0}), ("llama3-1b", 2, {"att_pad": 1}),
                                                    ("llama3-8b", 4, {"att_pad": 1}), ("llama3-8b", 1, {"one_sum": 0}),
                                                    ("llama3-1b", 1, {"one_sum": 0}), ("gemma3-27b", 1, {"one_sum": 0}),
-                                                   ("llama3-8b", 8, {"one_sum": 0}), ("llama3-1b", 8, {"one_sum": 0})])  # fmt: skip
+                                                   ("llama3-8b", 8, {"one_sum": 0}), ("llama3-1b", 8, {"one_sum": 0}),
+                                                   ("llama3-8b", 1, {"grid": 128}), ("llama3-8b", 8, {"grid": 128})])  # fmt: skip
 def test_plan_variants_compile_without_spills(profile, width, plan):
     """The benchmark's step variants (``PLAN_KNOBS``: a 4-slot ring at width 1, a 2-slot one,
     1B's down input staged whole above 1 row, 1B's 4-slot ring filled by ``cp.async``, 8B's
@@ -80,7 +81,7 @@ def test_plan_variants_compile_without_spills(profile, width, plan):
     default 32; 32 at widths 1-4 spills 8-56 bytes and is not a variant kept; down waiting for the
     whole of gate/up at its start, staged and streamed; the attention's partials summed through
     unpadded rows at width 1, padded ones at widths 2 and 4; the norms summing their squares
-    across the block once a chunk, not the default's once a row) compile with 0 spills too, the ring's
+    across the block once a chunk, not the default's once a row; 8B on a grid of 128 programs) compile with 0 spills too, the ring's
     slots in the shared memory as planned."""
     from monodecode.kernels.triton.offline import cuda_resources
     from monodecode.kernels.triton.step_launch import SHARED_SCRATCH, compile_step
@@ -165,6 +166,7 @@ def test_bad_plans_are_refused_in_one_line():
         "one_box",
         "att_pad",
         "one_sum",
+        "grid",
     }
     assert set(PLAN_KNOBS) == knobs
     with pytest.raises(ValueError, match="Gemma-3's post norms are staged on width 1's FMA path only, not with mma1"):
@@ -267,6 +269,24 @@ def test_the_busiest_program_streams_its_share_of_a_layer():
                 load[t % H200_SMS] += chunks
         assert (max(load), sum(load)) == (busiest, total), name
         assert g.busiest_program_share() == pytest.approx(max(load) / (sum(load) / H200_SMS))
+
+
+def test_a_grid_of_fewer_programs_divides_8bs_stages_evenly():
+    """``grid`` (``PLAN_KNOBS``): 128 programs on 132 SMs, every count of the plan taken over the
+    128 (its NPROG, its tiles a program), where each of 8B's stages divides evenly: the busiest
+    program streams the mean, the same 104 chunks as on 132; a grid of the SMs or more leaves
+    them; the attention keeps its 16 splits at width 1."""
+    from monodecode.kernels.triton.step_launch import step_source
+
+    dims = profile_dims("llama3-8b")
+    full, even = StepGeometry(dims, 1, H200_SMS), StepGeometry(dims, 1, H200_SMS, grid=128)
+    assert (even.programs, even.constexprs(16)["NPROG"]) == (128, 128)
+    assert even.busiest_program_share() == 1.0 < full.busiest_program_share()
+    assert even.chunks_per_layer() == full.chunks_per_layer() == 104
+    assert even.splits == full.splits == 16
+    assert StepGeometry(dims, 1, H200_SMS, grid=H200_SMS + 4).programs == H200_SMS
+    src = step_source(dims, 1, H200_SMS, 16, {"grid": 128})
+    assert src.constants[(src.fn.arg_names.index("NPROG"),)] == 128
 
 
 def test_refusals_that_depend_on_the_programs():

@@ -379,6 +379,15 @@ def test_norms_summed_chunk_by_chunk_match_the_reference(build, case):
     _whole_step(build, CONTEXTS[case], seed=160, what=f"{what} step")
 
 
+@pytest.mark.parametrize("case", ["w1", "w2", "w8-5rows"])
+def test_a_grid_of_fewer_programs_matches_the_reference(case):
+    """``grid`` 128 (``step_plan.PLAN_KNOBS``: 128 programs launched, not one an SM, so each of 8B's
+    stages divides evenly over them): per layer and as one launch within the bounds."""
+    build = ("llama3-8b", (1, 2, 8), 2, 2.0, {"grid": 128})
+    _layer_by_layer(build, CONTEXTS[case], seed=170, what=f"8B grid 128 {case}")
+    _whole_step(build, CONTEXTS[case], seed=180, what=f"8B grid 128 {case} step")
+
+
 @pytest.mark.parametrize(
     ("build", "case"),
     [(B1, "w1"), (B1, "w4-3rows"), (B1, "w8"), (B8F, "w1"), (B8F, "w8-5rows"), (G27, "w1")],
