@@ -1,6 +1,7 @@
 """The read probes (``monodecode_ops.decode_bench.probes``): the Triton streaming-read kernel reads
 every element once (its sum is the tensor's sum, for grids and tiles that do not divide the
-length), run under Triton's CPU interpreter; the datasheet table knows the H200."""
+length), run under Triton's CPU interpreter; the datasheet table knows the H200; the warm-up
+before the probes lasts its seconds."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from monodecode_ops.decode_bench.probes import spec_bandwidth  # noqa: E402
+from monodecode_ops.decode_bench.probes import spec_bandwidth, warm_up  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
@@ -43,3 +45,15 @@ def test_spec_bandwidth_by_device_name():
     assert spec_bandwidth("NVIDIA H200") == 4.8e12
     assert spec_bandwidth("AMD Instinct MI300X") == 5.3e12
     assert spec_bandwidth("Some GPU") is None
+
+
+def test_the_warm_up_reads_for_its_seconds_then_stops():
+    """``warm_up`` calls the read (and its synchronize) until its seconds are over, at least once:
+    a probe timed on a card fresh from idle read 3 % slow (run 187)."""
+    calls, syncs = [], []
+    t0 = time.monotonic()
+    n = warm_up(lambda: calls.append(time.monotonic()), 0.3, lambda: syncs.append(1))
+    took = time.monotonic() - t0
+    assert n == len(calls) == len(syncs) > 1
+    assert 0.3 <= took < 0.5  # promptly after its seconds: each call is short
+    assert warm_up(lambda: calls.append(0), 0.0, lambda: None) == 1
