@@ -19,6 +19,7 @@ import os
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from vllm_testlib import PYTHON, REPO, free_port
@@ -80,15 +81,23 @@ print("WORKER-DONE", model.mono.state, flush=True)
 """
 
 
-def _scrape(port: int, timeout_s: float = 240.0) -> str:
+def _scrape(port: int, server: subprocess.Popen, log: Path, timeout_s: float = 240.0) -> str:
+    """The server's /metrics page once it listens; a server that exits or never listens fails the
+    test with the tail of its log (its output goes to a file: a pipe nobody reads until the end
+    can fill and stall it)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 return r.read().decode()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
+        except OSError as e:
+            if server.poll() is not None or time.monotonic() > deadline:
+                state = (
+                    f"exited with {server.returncode}"
+                    if server.poll() is not None
+                    else f"not listening after {timeout_s:.0f} s"
+                )
+                pytest.fail(f"the API server {state} ({e}); its log ends:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
 
 
@@ -110,14 +119,15 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
         env["PROMETHEUS_MULTIPROC_DIR"] = str(mp)
     port = free_port()
     model = str(model_dirs["gemma3"])
-    server = subprocess.Popen(
-        [PYTHON, "-c", SERVER % {"testdir": str(REPO / "tests" / "vllm")}, model, str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [PYTHON, "-c", SERVER % {"testdir": str(REPO / "tests" / "vllm")}, model, str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         worker = subprocess.run(
             [PYTHON, "-c", WORKER % {"testdir": str(REPO / "tests" / "vllm"), "tmp": str(tmp_path), "model": model}],
@@ -129,7 +139,7 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
         )
         assert worker.returncode == 0, worker.stderr[-3000:]
         assert "WORKER-DONE mono" in worker.stdout
-        series = _series(_scrape(port))
+        series = _series(_scrape(port, server, log))
         verify = subprocess.run(
             [str(OPS_CLI), "verify", "--no-self-test", "--json", "--endpoint", f"http://127.0.0.1:{port}/metrics"],
             cwd=REPO,
