@@ -129,6 +129,9 @@ def test_runner_series_on_vllm_api_server_metrics(multiproc, model_dirs, tmp_pat
             stderr=subprocess.STDOUT,
         )
     try:
+        # the server listening before the worker starts: the worker's gloo sockets take ports of
+        # their own, and the server's, chosen but not yet bound, could be one of them
+        _scrape(port, server, log)
         worker = subprocess.run(
             [PYTHON, "-c", WORKER % {"testdir": str(REPO / "tests" / "vllm"), "tmp": str(tmp_path), "model": model}],
             cwd=REPO,
