@@ -91,12 +91,9 @@ def _scrape(port: int, server: subprocess.Popen, log: Path, timeout_s: float = 2
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                 return r.read().decode()
         except OSError as e:
-            if server.poll() is not None or time.monotonic() > deadline:
-                state = (
-                    f"exited with {server.returncode}"
-                    if server.poll() is not None
-                    else f"not listening after {timeout_s:.0f} s"
-                )
+            code = server.poll()
+            if code is not None or time.monotonic() > deadline:
+                state = f"exited with {code}" if code is not None else f"not listening after {timeout_s:.0f} s"
                 pytest.fail(f"the API server {state} ({e}); its log ends:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
 

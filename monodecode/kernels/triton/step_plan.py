@@ -166,7 +166,7 @@ PLAN_KNOBS = {
 }
 # Knobs that change a sum, not only where bytes go: a variant with one is held to the reference's
 # tolerance, not to the default plan's bits (``kv_step``: the attention's tile of a step; ``one_sum``:
-# the order the norms add their squares in)
+# the order the norms add their squares in; ``grid``: the attention's splits, where they follow the programs)
 SUM_KNOBS = frozenset({"kv_step", "one_sum", "grid"})
 ATT_PAD_MAX_WIDTH = 1  # the widest build whose attention partials go through padded rows (``pads_att_sum``)
 KV_STEP_2_FROM = 8  # the least width whose attention steps 32 positions a warp by default (``kv_groups``)
